@@ -1,0 +1,236 @@
+"""Import an HF checkpoint directory onto a mesh, and export a model to an HF directory.
+
+Import reads `config.json` (model_type qwen3 or sdar) and `model.safetensors` or the shards named by
+`model.safetensors.index.json`. Every parameter is built with `jax.make_array_from_callback`: each
+device reads only the slice it holds from memory-mapped files, so no device (and no host buffer)
+ever holds the whole model.
+
+Export writes `config.json` (Qwen3ForCausalLM, model_type qwen3, keeping block_size and
+mask_token_id), `generation_config.json`, safetensors shards + index, and the tokenizer files of a
+source directory, into a temporary directory that is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Optional
+
+import jax
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from dice_jax.hf import mapping
+from dice_jax.hf.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, save_file
+from dice_jax.model.config import ModelConfig, from_hf_config, to_hf_config
+from dice_jax.model.transformer import Transformer
+from dice_jax.train import sharding as sharding_lib
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "added_tokens.json", "special_tokens_map.json", "chat_template.jinja")
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+  """A malformed or incomplete HF checkpoint directory."""
+
+
+def read_config(hf_dir: str, **overrides) -> ModelConfig:
+  path = os.path.join(hf_dir, "config.json")
+  if not os.path.exists(path):
+    raise CheckpointError(f"{hf_dir}: no config.json")
+  try:
+    with open(path) as f:
+      hf = json.load(f)
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{path}: invalid JSON ({e})") from e
+  return from_hf_config(hf, source=path, **overrides)
+
+
+class _TensorIndex:
+  """Name -> file lookup over a single or sharded safetensors checkpoint."""
+
+  def __init__(self, hf_dir: str):
+    self.dir = hf_dir
+    self._files: dict[str, SafetensorsFile] = {}
+    index_path = os.path.join(hf_dir, INDEX)
+    if os.path.exists(index_path):
+      with open(index_path) as f:
+        self.weight_map = json.load(f).get("weight_map")
+      if not isinstance(self.weight_map, dict):
+        raise CheckpointError(f"{index_path}: no weight_map")
+      missing = sorted({fn for fn in self.weight_map.values()
+                        if not os.path.exists(os.path.join(hf_dir, fn))})
+      if missing:
+        name = next(k for k, v in self.weight_map.items() if v == missing[0])
+        raise CheckpointError(f"{index_path}: shard file {missing[0]} is missing "
+                              f"(it holds e.g. tensor {name}); missing shards: {missing}")
+    elif os.path.exists(os.path.join(hf_dir, SINGLE)):
+      self.weight_map = {k: SINGLE for k in self._file(SINGLE).keys()}
+    else:
+      raise CheckpointError(f"{hf_dir}: neither {INDEX} nor {SINGLE} found")
+
+  def _file(self, fn: str) -> SafetensorsFile:
+    if fn not in self._files:
+      try:
+        self._files[fn] = SafetensorsFile(os.path.join(self.dir, fn))
+      except SafetensorsError as e:
+        raise CheckpointError(str(e)) from e
+    return self._files[fn]
+
+  def get(self, name: str, expected_shape) -> np.ndarray:
+    if name not in self.weight_map:
+      raise CheckpointError(f"{self.dir}: tensor {name} not found in the checkpoint")
+    fn = self.weight_map[name]
+    f = self._file(fn)
+    if name not in f.header:
+      raise CheckpointError(f"{os.path.join(self.dir, fn)}: tensor {name} is listed in the "
+                            f"index but not present in the file")
+    try:
+      w = f.get(name)
+    except SafetensorsError as e:
+      raise CheckpointError(str(e)) from e
+    if tuple(w.shape) != tuple(expected_shape):
+      raise CheckpointError(f"{os.path.join(self.dir, fn)}: tensor {name} has shape "
+                            f"{tuple(w.shape)}, expected {tuple(expected_shape)} from config.json")
+    return w
+
+
+def _state_path(keypath) -> tuple:
+  return tuple(getattr(k, "key", getattr(k, "name", k)) for k in keypath)
+
+
+def import_hf(hf_dir: str, mesh: Optional[jax.sharding.Mesh] = None, **config_overrides):
+  """Loads an HF directory into a `Transformer` placed on `mesh` (default: one device).
+
+  `config_overrides` set non-HF fields such as `param_dtype`, `dtype`, `attention_impl`.
+  Returns (model, cfg).
+  """
+  cfg = read_config(hf_dir, **config_overrides)
+  index = _TensorIndex(hf_dir)
+  expected = {n for p in mapping.param_paths(cfg) for n in mapping.hf_names(cfg, p)}
+  unexpected = [n for n in index.weight_map if n not in expected
+                and not n.endswith(mapping.IGNORED_HF_SUFFIXES)
+                and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+  if unexpected:
+    raise CheckpointError(f"{hf_dir}: tensors not used by a {cfg.num_layers}-layer Qwen3 model: "
+                          f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+  mesh = mesh or sharding_lib.make_mesh(devices=jax.devices()[:1])
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, abs_state = nnx.split(abstract)
+  shardings = sharding_lib.state_shardings(abs_state, mesh)
+  dtype = cfg.weight_dtype
+
+  def load(keypath, var, shard_var):
+    path = _state_path(keypath)
+    names = mapping.hf_names(cfg, path)
+    hf_shape = mapping.hf_shape(cfg, path)
+    stacked = path[0] == "layers"
+    for n in names:  # validate every tensor up front: shape and dtype, with file names
+      w = index.get(n, hf_shape)
+      del w
+
+    def fetch(idx):
+      if stacked:
+        layers = range(cfg.num_layers)[idx[0]]
+        parts = [mapping.to_ours(cfg, path, index.get(names[i], hf_shape))[idx[1:]]
+                 for i in layers]
+        out = np.stack(parts)
+      else:
+        out = mapping.to_ours(cfg, path, index.get(names[0], hf_shape))[idx]
+      return np.asarray(out, dtype=dtype)
+
+    arr = jax.make_array_from_callback(var.shape, shard_var.get_value(), fetch)
+    return var.replace(arr)
+
+  state = jax.tree_util.tree_map_with_path(
+      load, abs_state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  logging.info("imported %s (%d parameters) onto mesh %s", hf_dir, cfg.num_params(),
+               dict(mesh.shape))
+  return nnx.merge(graphdef, state), cfg
+
+
+def _params_by_path(model) -> dict[tuple, jax.Array]:
+  state = nnx.state(model, nnx.Param)
+  out = {}
+  for kp, v in jax.tree_util.tree_leaves_with_path(
+      state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    out[_state_path(kp)] = v.get_value()
+  return out
+
+
+def export_hf(model: Transformer, out_dir: str, *, dtype: str = "bfloat16",
+              tokenizer_dir: Optional[str] = None, max_shard_bytes: int = 4 << 30,
+              overwrite: bool = False) -> str:
+  """Writes `model` as an HF Qwen3ForCausalLM directory; atomic (temp dir + rename)."""
+  cfg: ModelConfig = model.cfg
+  np_dtype = {"bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"], "float16": DTYPES["F16"]}.get(dtype)
+  if np_dtype is None:
+    raise ValueError(f"export dtype must be bfloat16, float16 or float32, got {dtype!r}")
+  out_dir = os.path.abspath(out_dir)
+  if os.path.exists(out_dir) and not overwrite:
+    raise FileExistsError(f"{out_dir} exists (pass overwrite=True to replace it)")
+  parent = os.path.dirname(out_dir)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=parent)
+  try:
+    params = _params_by_path(model)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for path in mapping.param_paths(cfg):
+      arr = params[path]
+      for i, name in enumerate(mapping.hf_names(cfg, path)):
+        ours = arr[i] if path[0] == "layers" else arr
+        w = np.ascontiguousarray(mapping.to_hf(cfg, path, np.asarray(jax.device_get(ours))))
+        w = w.astype(np_dtype)
+        if size + w.nbytes > max_shard_bytes and shards[-1]:
+          shards.append({})
+          size = 0
+        shards[-1][name] = w
+        size += w.nbytes
+    weight_map, total = {}, 0
+    for k, shard in enumerate(shards):
+      fn = SINGLE if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+      save_file(shard, os.path.join(tmp, fn), metadata={"format": "pt"})
+      for name, w in shard.items():
+        weight_map[name] = fn
+        total += w.nbytes
+    if len(shards) > 1:
+      with open(os.path.join(tmp, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(to_hf_config(cfg, torch_dtype=dtype), f, indent=2)
+    _write_generation_config(cfg, tmp, tokenizer_dir)
+    if tokenizer_dir:
+      for fn in TOKENIZER_FILES:
+        src = os.path.join(tokenizer_dir, fn)
+        if os.path.exists(src):
+          shutil.copy2(src, os.path.join(tmp, fn))
+    if os.path.exists(out_dir):
+      old = out_dir + ".old"
+      os.rename(out_dir, old)
+      os.rename(tmp, out_dir)
+      shutil.rmtree(old)
+    else:
+      os.rename(tmp, out_dir)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  logging.info("exported %d tensors in %d shard(s) to %s", len(weight_map), len(shards), out_dir)
+  return out_dir
+
+
+def _write_generation_config(cfg: ModelConfig, out: str, source_dir: Optional[str]):
+  src = os.path.join(source_dir, "generation_config.json") if source_dir else None
+  if src and os.path.exists(src):
+    shutil.copy2(src, os.path.join(out, "generation_config.json"))
+    return
+  gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": (
+      list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id),
+         "pad_token_id": cfg.pad_token_id}
+  with open(os.path.join(out, "generation_config.json"), "w") as f:
+    json.dump({k: v for k, v in gen.items() if v is not None}, f, indent=2)

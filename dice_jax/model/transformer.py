@@ -1,0 +1,206 @@
+"""The Qwen3 / SDAR transformer in Flax NNX.
+
+Architecture (reference §2.2): pre-norm decoder layers with RMSNorm, grouped-query attention with
+per-head q/k RMSNorm and half-split RoPE, a SwiGLU MLP, no biases; an untied (or tied) LM head.
+The logits at position i predict the token *at* position i (SDAR: no shift).
+
+Layers are stored stacked (a leading `layers` axis on every per-layer parameter) and applied with
+`jax.lax.scan`, so compile time does not grow with depth. Every parameter carries its logical axis
+names in the `logical_axes` metadata; `dice_jax.train.sharding` maps them onto a mesh.
+
+Call contract (DESIGN.md):
+  logits = model(tokens[B,T], positions[B,T], attention: AttentionSpec)
+  logits, cache = model(tokens, positions, attention, cache=cache, update_cache=True|False)
+With a cache, the new tokens attend to the cache's filled slots and to each other; with
+`update_cache=True` their keys/values are appended at `cache.length`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dice_jax.model import masks as masks_lib
+from dice_jax.model.config import ModelConfig
+from dice_jax.model.kv_cache import KVCache
+
+_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def rms_norm(x, weight, eps):
+  """Qwen3RMSNorm: normalise in float32, scale, cast back."""
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def rope(x, positions, theta):
+  """Half-split rotary embedding of `x[B,T,N,H]` at integer `positions[B,T]` (HF rotate_half)."""
+  h = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+  ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B,T,H/2]
+  cos = jnp.cos(ang)[:, :, None, :]
+  sin = jnp.sin(ang)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def _param(rngs, shape, axes, dtype, scale=0.02):
+  return nnx.Param(scale * jax.random.normal(rngs.params(), shape, dtype), logical_axes=axes)
+
+
+def _ones(shape, axes, dtype):
+  return nnx.Param(jnp.ones(shape, dtype), logical_axes=axes)
+
+
+class DecoderLayers(nnx.Module):
+  """All decoder layers, parameters stacked on a leading `layers` axis (HF names in comments)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    dt = cfg.weight_dtype
+    self.input_norm = _ones((L, D), ("layers", "norm"), dt)  # input_layernorm
+    self.q_proj = _param(rngs, (L, D, N, H), ("layers", "embed", "q_heads", "head_dim"), dt)
+    self.k_proj = _param(rngs, (L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), dt)
+    self.v_proj = _param(rngs, (L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), dt)
+    self.o_proj = _param(rngs, (L, N, H, D), ("layers", "q_heads", "head_dim", "embed"), dt)
+    self.q_norm = _ones((L, H), ("layers", "norm"), dt)
+    self.k_norm = _ones((L, H), ("layers", "norm"), dt)
+    self.post_attn_norm = _ones((L, D), ("layers", "norm"), dt)  # post_attention_layernorm
+    self.gate_proj = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), dt)
+    self.up_proj = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), dt)
+    self.down_proj = _param(rngs, (L, F, D), ("layers", "mlp", "embed"), dt)
+
+  def weights(self) -> dict:
+    return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+class Transformer(nnx.Module):
+  """SDAR / Qwen3 block-diffusion language model."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    dt = cfg.weight_dtype
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt)
+    self.layers = DecoderLayers(cfg, rngs=rngs)
+    self.final_norm = _ones((cfg.hidden_size,), ("norm",), dt)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
+
+  def __call__(self, tokens, positions, attention: masks_lib.AttentionSpec,
+               cache: KVCache | None = None, *, update_cache: bool = False,
+               return_hidden: bool = False):
+    cfg = self.cfg
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype)
+    seg, blk = masks_lib.token_segments_and_blocks(attention, positions)
+    layer_fn = functools.partial(_layer, cfg=cfg, attention=attention, positions=positions,
+                                 seg=seg, blk=blk, cache=cache)
+    if cfg.remat:
+      layer_fn = jax.checkpoint(layer_fn, prevent_cse=False)
+
+    def body(h, xs):
+      w, ck, cv = xs
+      h, kv = layer_fn(h, w, ck, cv)
+      return h, kv
+
+    cache_kv = (cache.k, cache.v) if cache is not None else (None, None)
+    x, new_kv = jax.lax.scan(body, x, (self.layers.weights(), *cache_kv))
+    x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+    if return_hidden:
+      out = x
+    else:
+      head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
+      out = jnp.einsum("btd,dv->btv", x, head.astype(cfg.compute_dtype),
+                       preferred_element_type=jnp.float32)
+    if cache is None:
+      return out
+    if update_cache:
+      cache = cache.append(new_kv[0], new_kv[1], positions, seg, blk)
+    return out, cache
+
+  def logits_from_hidden(self, hidden):
+    cfg = self.cfg
+    head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
+    return jnp.einsum("...d,dv->...v", hidden, head.astype(cfg.compute_dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def _layer(x, w, cache_k, cache_v, *, cfg, attention, positions, seg, blk, cache):
+  """One pre-norm decoder layer. Returns (x, (k, v)) with this call's keys/values."""
+  dt = cfg.compute_dtype
+  h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
+  q = jnp.einsum("btd,dnh->btnh", h, w["q_proj"].astype(dt))
+  k = jnp.einsum("btd,dkh->btkh", h, w["k_proj"].astype(dt))
+  v = jnp.einsum("btd,dkh->btkh", h, w["v_proj"].astype(dt))
+  q = rope(rms_norm(q, w["q_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
+  k = rope(rms_norm(k, w["k_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
+  if cache is None:
+    o = self_attention(q, k, v, attention, positions, impl=cfg.attention_impl)
+  else:
+    o = cached_attention(q, k, v, cache_k, cache_v, attention, positions, seg, blk, cache)
+  x = x + jnp.einsum("btnh,nhd->btd", o, w["o_proj"].astype(dt))
+  h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
+  g = jnp.einsum("btd,df->btf", h, w["gate_proj"].astype(dt))
+  u = jnp.einsum("btd,df->btf", h, w["up_proj"].astype(dt))
+  x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, w["down_proj"].astype(dt))
+  return x, (k, v)
+
+
+def _grouped(q, num_kv):
+  b, t, n, h = q.shape
+  return q.reshape(b, t, num_kv, n // num_kv, h)
+
+
+def _scores(qg, k, mask):
+  s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+  s = s * (qg.shape[-1] ** -0.5)
+  return jnp.where(mask[:, None, None], s, _NEG)
+
+
+def dense_attention(q, k, v, mask):
+  """Reference attention: q[B,T,N,H], k/v[B,S,K,H], mask[B,T,S] -> [B,T,N,H] (softmax in fp32)."""
+  p = jax.nn.softmax(_scores(_grouped(q, k.shape[2]), k, mask), axis=-1).astype(v.dtype)
+  return jnp.einsum("bkgts,bskh->btkgh", p, v).reshape(q.shape)
+
+
+def self_attention(q, k, v, spec, positions, *, impl="dense"):
+  mask = masks_lib.dense_mask(spec, positions)
+  if impl == "dense":
+    return dense_attention(q, k, v, mask)
+  return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=impl)
+
+
+def cached_attention(q, k, v, cache_k, cache_v, spec, positions, seg, blk, cache: KVCache):
+  """Attention of new tokens over (cache slots, new tokens) with one joint softmax.
+
+  Cache keys are visible when their slot is filled, their segment matches and the kind's rule
+  holds (pos_k <= pos_q for causal, block_k <= block_q for block-causal). The new tokens see each
+  other under the same rule. Scores are computed per part, so the cache buffer is never copied.
+  """
+  if spec.kind == "block_diffusion":
+    raise ValueError("block_diffusion attention is a training layout; it takes no KV cache")
+  filled = jnp.arange(cache.max_len)[None, :] < cache.length  # [1,S]
+  if spec.kind == "causal":
+    m_cache = masks_lib.causal_mask(positions, cache.positions, seg, cache.segment_ids)
+    m_self = masks_lib.causal_mask(positions, positions, seg, seg)
+  elif spec.kind == "block_causal":
+    m_cache = masks_lib.block_causal_mask(blk, cache.block_ids, seg, cache.segment_ids)
+    m_self = masks_lib.block_causal_mask(blk, blk, seg, seg)
+  else:
+    m_cache = masks_lib.full_mask(seg, cache.segment_ids)
+    m_self = masks_lib.full_mask(seg, seg)
+  m_cache = m_cache & filled[:, None, :]
+  qg = _grouped(q, k.shape[2])
+  cache_k, cache_v = cache_k.astype(k.dtype), cache_v.astype(v.dtype)
+  s = jnp.concatenate([_scores(qg, cache_k, m_cache), _scores(qg, k, m_self)], axis=-1)
+  p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+  p_cache, p_self = p[..., :cache.max_len], p[..., cache.max_len:]
+  o = (jnp.einsum("bkgts,bskh->btkgh", p_cache, cache_v)
+       + jnp.einsum("bkgts,bskh->btkgh", p_self, v))
+  return o.reshape(q.shape)
