@@ -1,0 +1,172 @@
+"""Grain SFT pipeline: chat-template tokenisation, block padding, packing into fixed rows, shuffle, batch, shard.
+
+Batch contract (consumed by the SFT train step; keep it exactly). Each batch is a dict of numpy arrays, all of
+shape ``[batch, seq_len]``:
+
+  ``tokens``       int32  the clean sequence x_0 (row padding holds ``pad_token_id``);
+  ``positions``    int32  position ids, restarting at 0 at the start of every packed segment (0 on row padding);
+  ``segment_ids``  int32  1, 2, 3, ... for the packed samples of a row; 0 = row padding;
+  ``loss_mask``    bool   True on response tokens *including* the pad tokens appended to reach a block multiple
+                          (SDAR trains them); False on prompt tokens and on row padding.
+
+SDAR packing (dice_sdar_tracerl.md §2.3): every sample (prompt + response) is padded with ``pad_token_id`` to a
+multiple of ``block_size``, so blocks are counted from each segment's start; prompt labels are ignored; positions
+restart per sample. Samples longer than ``seq_len`` are dropped (DICE: ``cutoff_len: 6144``,
+``truncate_mode: drop``), each drop logged with the sample id and counted in ``PackingStats``.
+
+The response text is what the chat template appends after the generation prompt for an assistant turn (for the
+SDAR template: ``<think>\\n\\n</think>\\n\\n{response}<|im_end|>\\n``), so SFT sees the template exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+
+import grain
+import numpy as np
+from absl import logging
+from grain.experimental import FirstFitPackIterDataset
+
+from dice_jax.data.prompts import SFTSample
+
+FEATURES = ("tokens", "positions", "segment_ids", "loss_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTPipelineConfig:
+    seq_len: int = 6144
+    block_size: int = 4
+    batch_size: int = 8  # rows per batch on this process
+    seed: int = 0
+    shuffle: bool = True
+    num_epochs: int | None = 1  # None = repeat forever
+    num_packing_bins: int = 16
+    process_index: int = 0
+    process_count: int = 1
+    read_threads: int = 4
+    drop_remainder: bool = True
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.seq_len < self.block_size or self.seq_len % self.block_size:
+            raise ValueError(f"seq_len ({self.seq_len}) must be a positive multiple of block_size ({self.block_size})")
+        if self.batch_size < 1 or self.num_packing_bins < 1:
+            raise ValueError("batch_size and num_packing_bins must be >= 1")
+        if not 0 <= self.process_index < self.process_count:
+            raise ValueError(f"process_index {self.process_index} not in [0, {self.process_count})")
+        if self.num_epochs is not None and self.num_epochs < 1:
+            raise ValueError(f"num_epochs must be >= 1 or None, got {self.num_epochs}")
+
+
+def sft_texts(sample: SFTSample, tokenizer) -> tuple[str, str]:
+    """(prompt text, response text) rendered with the chat template; prompt + response == full conversation."""
+    user = [{"role": "user", "content": sample.prompt}]
+    prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": sample.response}],
+                                         add_generation_prompt=False)
+    if not full.startswith(prompt):
+        raise ValueError("chat template: the rendered conversation does not start with the rendered prompt")
+    return prompt, full[len(prompt):]
+
+
+def pad_to_block(n: int, block_size: int) -> int:
+    return -(-n // block_size) * block_size
+
+
+def tokenize_sample(prompt_ids: Sequence[int], response_ids: Sequence[int], block_size: int, pad_id: int
+                    ) -> dict[str, np.ndarray]:
+    """One SDAR sample: prompt + response + pad to a block multiple; loss on response and the block pad."""
+    n = len(prompt_ids) + len(response_ids)
+    total = pad_to_block(n, block_size)
+    tokens = np.full(total, pad_id, np.int32)
+    tokens[: len(prompt_ids)] = prompt_ids
+    tokens[len(prompt_ids): n] = response_ids
+    loss = np.ones(total, bool)
+    loss[: len(prompt_ids)] = False
+    return {"tokens": tokens, "loss_mask": loss}
+
+
+@dataclasses.dataclass
+class PackingStats:
+    """Counts shared by the pipeline's stages (thread-safe increments)."""
+
+    samples_dropped: int = 0
+    tokens_dropped: int = 0
+    dropped_ids: list = dataclasses.field(default_factory=list)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def drop(self, sample_id: str, n: int) -> None:
+        with self._lock:
+            self.samples_dropped += 1
+            self.tokens_dropped += n
+            self.dropped_ids.append(sample_id)
+
+
+class _Tokenize(grain.transforms.Map):
+    def __init__(self, tokenizer, block_size: int):
+        self.tok, self.block = tokenizer, block_size
+
+    def map(self, sample: SFTSample) -> dict:
+        prompt, response = sft_texts(sample, self.tok)
+        out = tokenize_sample(self.tok.encode(prompt), self.tok.encode(response), self.block, self.tok.pad_token_id)
+        out["sample_id"] = sample.sample_id
+        return out
+
+
+def _to_contract(pad_id: int):
+    def f(row: dict) -> dict:
+        seg = row["tokens_segment_ids"].astype(np.int32)
+        tokens = np.where(seg > 0, row["tokens"], pad_id).astype(np.int32)
+        return {
+            "tokens": tokens,
+            "positions": row["tokens_positions"].astype(np.int32),
+            "segment_ids": seg,
+            "loss_mask": (row["loss_mask"] & (seg > 0)).astype(bool),
+        }
+    return f
+
+
+def make_sft_dataset(samples: Sequence[SFTSample], tokenizer, cfg: SFTPipelineConfig,
+                     stats: PackingStats | None = None, batched: bool = True) -> grain.IterDataset:
+    """The SFT pipeline over in-memory samples. Iterate it with ``iter(ds)``; the iterator's
+    ``get_state()`` / ``set_state()`` checkpoint and restore it exactly."""
+    if not samples:
+        raise ValueError("no SFT samples")
+    stats = stats if stats is not None else PackingStats()
+    ds = grain.MapDataset.source(list(samples))
+    if cfg.shuffle:
+        ds = ds.seed(cfg.seed).shuffle()
+    if cfg.num_epochs != 1:
+        ds = ds.repeat(cfg.num_epochs)
+    if cfg.process_count > 1:
+        ds = ds[cfg.process_index:: cfg.process_count]
+    ds = ds.map(_Tokenize(tokenizer, cfg.block_size))
+    ids = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=64))
+
+    def fits(x: dict) -> bool:
+        n = len(x["tokens"])
+        if n > cfg.seq_len:
+            logging.warning("dropping SFT sample %s: %d tokens > seq_len %d", x["sample_id"], n, cfg.seq_len)
+            stats.drop(x["sample_id"], n)
+            return False
+        return True
+
+    ids = ids.filter(fits).map(lambda x: {"tokens": x["tokens"], "loss_mask": x["loss_mask"]})
+    packed = FirstFitPackIterDataset(
+        ids,
+        length_struct={"tokens": cfg.seq_len, "loss_mask": cfg.seq_len},
+        num_packing_bins=cfg.num_packing_bins,
+        seed=cfg.seed,
+        shuffle_bins=cfg.shuffle,
+        padding_struct={"tokens": tokenizer.pad_token_id, "loss_mask": False},
+    )
+    rows = packed.map(_to_contract(tokenizer.pad_token_id))
+    if not batched:
+        return rows
+    return rows.batch(cfg.batch_size, drop_remainder=cfg.drop_remainder)
+
+
+def packing_efficiency(batch: dict) -> float:
+    """Fraction of row slots holding a sample token (segment_ids > 0)."""
+    return float((np.asarray(batch["segment_ids"]) > 0).mean())
