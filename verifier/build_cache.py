@@ -1,0 +1,123 @@
+"""A content-addressed cache in front of ``torch.utils.cpp_extension.load_inline``.
+
+Inside a worker, ``load_inline`` is replaced by :class:`CachedLoadInline`: the build directory is
+``<build_root>/<sha256 of sources, functions, flags and toolchain>``, so identical extensions build once
+across candidates, processes and hosts that share ``build_root`` (reference doc section 4.2: unique build
+dirs, stale locks, compile on CPU then run on GPU). A build happens in a private temporary directory that
+is renamed into place when it succeeds, so a killed build never leaves a stale lock behind; a cache hit
+imports the ``.so`` directly, without ninja. Extension modules are wrapped so the worker can count calls
+into the candidate's own functions (runtime anti-cheating check).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import inspect
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+
+# Arguments that change what is built. verbose/build_directory/keep_intermediates do not.
+_KEY_ARGS = ("name", "cpp_sources", "cuda_sources", "functions", "extra_cflags", "extra_cuda_cflags",
+             "extra_ldflags", "extra_include_paths", "with_cuda", "is_python_module",
+             "with_pytorch_error_handling", "no_implicit_headers")
+
+
+def toolchain_signature() -> dict:
+    import torch
+
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version_info[:2],
+            "arch": os.environ.get("TORCH_CUDA_ARCH_LIST", ""), "cxx": os.environ.get("CXX", "")}
+
+
+def build_key(bound: dict) -> str:
+    payload = {k: bound.get(k) for k in _KEY_ARGS}
+    payload["toolchain"] = toolchain_signature()
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+class ExtensionProxy:
+    """Delegates to an extension module and counts calls to its exported functions."""
+
+    def __init__(self, module, calls: dict[str, int]):
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_calls", calls)
+
+    def __getattr__(self, attr):
+        value = getattr(self._module, attr)
+        if callable(value) and not attr.startswith("_"):
+            calls = self._calls
+
+            def counted(*args, **kwargs):
+                calls[attr] = calls.get(attr, 0) + 1
+                return value(*args, **kwargs)
+
+            return counted
+        return value
+
+
+class CachedLoadInline:
+    def __init__(self, real, build_root: str):
+        self.real = real
+        self.signature = inspect.signature(real)
+        self.build_root = build_root
+        self.calls: dict[str, int] = {}
+        self.events: list[dict] = []  # one per load_inline call: key, cached, seconds, error
+
+    def __call__(self, *args, **kwargs):
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        params = dict(bound.arguments)
+        name = params["name"]
+        key = build_key(params)
+        final = os.path.join(self.build_root, key)
+        so_path = os.path.join(final, f"{name}.so")
+        event = {"name": name, "key": key, "cached": False, "seconds": 0.0, "error": ""}
+        self.events.append(event)
+        t0 = time.monotonic()
+        if os.path.exists(so_path) and params.get("is_python_module", True):
+            event["cached"] = True
+            module = _import_so(name, so_path)
+        else:
+            tmp = os.path.join(self.build_root, f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            os.makedirs(tmp)
+            params.update(build_directory=tmp, verbose=False)  # verbose=False keeps compiler output in the error
+            try:
+                module = self.real(**params)
+            except BaseException as e:
+                event["error"] = str(e)
+                event["seconds"] = time.monotonic() - t0
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            try:
+                os.rename(tmp, final)
+            except OSError:  # another process published the same key first
+                shutil.rmtree(tmp, ignore_errors=True)
+        event["seconds"] = time.monotonic() - t0
+        if not params.get("is_python_module", True):
+            return module
+        return ExtensionProxy(module, self.calls)
+
+
+def _import_so(name: str, path: str):
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    sys.modules[name] = module
+    return module
+
+
+def install(build_root: str) -> CachedLoadInline:
+    """Replace load_inline in torch.utils.cpp_extension (what ``from ... import load_inline`` reads)."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    os.makedirs(build_root, exist_ok=True)
+    cached = CachedLoadInline(cpp_extension.load_inline, build_root)
+    cpp_extension.load_inline = cached
+    return cached

@@ -1,0 +1,128 @@
+"""Pools of pre-started sandboxed workers: one per GPU (run stage) and one for CPU builds.
+
+Every worker runs one job and exits, so a worker is always replaced after a CUDA error or a crash (and
+after a clean run too: no candidate can leave patches behind for the next one). Start-up (python, torch
+import, CUDA context) is hidden by keeping ``prewarm`` idle workers per device. A device has ``slots``
+concurrent runs; a timed run takes all of them, so timing owns the GPU (reference doc section 4.4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+
+from verifier.sandbox import WorkerProcess
+
+
+@dataclasses.dataclass
+class PoolConfig:
+    role: str                  # "run" | "build"
+    device: str                # "cuda" | "cpu"
+    gpu_index: str = ""        # CUDA_VISIBLE_DEVICES value for run workers
+    scratch_root: str = "/tmp/dice_verifier"
+    mem_mb: int = 16384
+    isolate_network: bool = True
+    arch_list: str = ""
+    max_jobs: int = 2
+    slots: int = 1
+    prewarm: int = 1
+
+
+class Slots:
+    """A counting semaphore where one acquirer may take several units (timed runs take all)."""
+
+    def __init__(self, n: int):
+        self.total, self.free = n, n
+        self.cond = asyncio.Condition()
+
+    async def acquire(self, k: int) -> None:
+        async with self.cond:
+            await self.cond.wait_for(lambda: self.free >= k)
+            self.free -= k
+
+    async def release(self, k: int) -> None:
+        async with self.cond:
+            self.free += k
+            self.cond.notify_all()
+
+
+class WorkerPool:
+    def __init__(self, cfg: PoolConfig):
+        self.cfg = cfg
+        self.slots = Slots(cfg.slots)
+        self.idle: collections.deque[WorkerProcess] = collections.deque()
+        self.starting: set[asyncio.Task] = set()
+        self.closed = False
+        self.jobs_done = 0
+        self.crashes = 0
+
+    async def _start(self) -> WorkerProcess:
+        c = self.cfg
+        return await WorkerProcess.start(role=c.role, device=c.device, gpu_index=c.gpu_index,
+                                         scratch_root=c.scratch_root, mem_mb=c.mem_mb,
+                                         isolate_network=c.isolate_network, arch_list=c.arch_list,
+                                         max_jobs=c.max_jobs)
+
+    def _refill(self) -> None:
+        while not self.closed and len(self.idle) + len(self.starting) < self.cfg.prewarm:
+            task = asyncio.ensure_future(self._start())
+            self.starting.add(task)
+            task.add_done_callback(self._started)
+
+    def _started(self, task: asyncio.Task) -> None:
+        self.starting.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            return
+        if self.closed:
+            task.result().discard()
+        else:
+            self.idle.append(task.result())
+
+    async def warm(self) -> None:
+        self._refill()
+        if self.starting:
+            await asyncio.gather(*self.starting, return_exceptions=True)
+
+    async def _take(self) -> WorkerProcess:
+        while self.idle:
+            w = self.idle.popleft()
+            if w.proc.returncode is None:
+                return w
+            w.discard()  # died while idle
+        return await self._start()
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots.free
+
+    async def run(self, job: dict, timeout_s: float, exclusive: bool = False) -> tuple[dict | None, str, str]:
+        k = self.cfg.slots if exclusive else 1
+        await self.slots.acquire(k)
+        try:
+            worker = await self._take()
+            self._refill()
+            try:
+                result, outcome, logs = await worker.run(job, timeout_s)
+            finally:
+                worker.discard()
+            self.jobs_done += 1
+            self.crashes += bool(outcome)
+            return result, outcome, logs
+        finally:
+            await self.slots.release(k)
+
+    async def close(self) -> None:
+        self.closed = True
+        await asyncio.gather(*self.starting, return_exceptions=True)  # spawning is quick; _started discards
+        while self.idle:
+            w = self.idle.popleft()
+            try:
+                w.proc.stdin.close()
+            except Exception:  # noqa: BLE001
+                pass
+            w.discard()
+            try:
+                await asyncio.wait_for(w.proc.wait(), 5)
+            except asyncio.TimeoutError:
+                pass

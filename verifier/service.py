@@ -1,0 +1,225 @@
+"""The verification pipeline, independent of gRPC: static check -> build stage (CPU) -> run stage (GPU).
+
+Builds run in their own pool of CPU workers so GPUs only run candidates that are already built; a build is
+keyed by the hash of the candidate source and toolchain (identical candidates in a group build once, and
+the ``load_inline``-level cache in ``build_cache`` shares extensions across candidates and hosts that
+share ``cache_dir``). Request ids make retries idempotent: an id in flight or recently answered gets the
+same result without new work. Reference timings are cached per (reference, device, timing options).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import hashlib
+import os
+import time
+
+from verifier import reward as rewards
+from verifier.contract import FailureKind, Runtime, VerifyOptions, VerifyRequest, VerifyResult, truncate_log
+from verifier.pool import PoolConfig, WorkerPool
+from verifier.static_check import check_candidate
+
+
+@dataclasses.dataclass
+class ServiceConfig:
+    device: str = "cuda"                 # device used when a request does not name one
+    gpus: tuple[str, ...] = ("0",)       # CUDA_VISIBLE_DEVICES index per run pool
+    slots_per_gpu: int = 4               # concurrent reward-mode runs per GPU (timed runs take all)
+    cpu_slots: int = 1                   # concurrent runs of the CPU backend
+    compile_workers: int = max(1, (os.cpu_count() or 2) // 2)
+    cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "dice_verifier", "builds")
+    scratch_root: str = "/tmp/dice_verifier"
+    mem_mb: int = 32768                  # host memory per worker process group
+    gpu_memory_fraction: float = 0.0     # caching-allocator cap per run worker (0: none)
+    build_timeout_s: float = 900.0
+    max_pending: int = 4096
+    isolate_network: bool = True
+    arch_list: str = ""                  # TORCH_CUDA_ARCH_LIST for builds, e.g. "9.0"
+    result_cache_size: int = 20000
+    prewarm: bool = True
+
+
+@dataclasses.dataclass
+class Metrics:
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    completed: int = 0
+    pending: int = 0
+    in_build: int = 0
+    in_run: int = 0
+    build_cache_hits: int = 0
+    deduplicated: int = 0
+    failure_kinds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def snapshot(self) -> dict:
+        up = time.monotonic() - self.started
+        return {"queue_depth": self.pending, "in_build": self.in_build, "in_run": self.in_run,
+                "completed": self.completed, "candidates_per_minute": 60.0 * self.completed / max(up, 1e-9),
+                "failure_kinds": dict(self.failure_kinds), "build_cache_hits": self.build_cache_hits,
+                "deduplicated": self.deduplicated, "uptime_s": up}
+
+
+def _sha(*parts: str) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+class VerifierService:
+    def __init__(self, cfg: ServiceConfig):
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.build_pool: WorkerPool | None = None
+        self.run_pools: dict[str, list[WorkerPool]] = {}
+        self.inflight: dict[str, asyncio.Future] = {}
+        self.answered: collections.OrderedDict[str, VerifyResult] = collections.OrderedDict()
+        self.builds: dict[str, asyncio.Future] = {}
+        self.baselines: dict[str, dict] = {}
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def _pool(self, role: str, device: str, gpu: str, slots: int) -> WorkerPool:
+        c = self.cfg
+        return WorkerPool(PoolConfig(
+            role=role, device=device, gpu_index=gpu, scratch_root=c.scratch_root, mem_mb=c.mem_mb,
+            isolate_network=c.isolate_network, arch_list=c.arch_list, max_jobs=2, slots=slots,
+            prewarm=slots if c.prewarm else 0))
+
+    async def start(self) -> None:
+        os.makedirs(self.cfg.cache_dir, exist_ok=True)
+        self.build_pool = self._pool("build", self.cfg.device, "", self.cfg.compile_workers)
+        self.run_pools["cpu"] = [self._pool("run", "cpu", "", self.cfg.cpu_slots)]
+        if self.cfg.device == "cuda":
+            self.run_pools["cuda"] = [self._pool("run", "cuda", g, self.cfg.slots_per_gpu) for g in self.cfg.gpus]
+        pools = [self.build_pool] + [p for ps in self.run_pools.values() for p in ps if p.cfg.device == self.cfg.device]
+        await asyncio.gather(*(p.warm() for p in pools))
+
+    async def close(self) -> None:
+        pools = ([self.build_pool] if self.build_pool else []) + [p for ps in self.run_pools.values() for p in ps]
+        await asyncio.gather(*(p.close() for p in pools))
+
+    # ---- entry point -----------------------------------------------------------------------------
+    async def verify(self, req: VerifyRequest) -> VerifyResult:
+        if req.request_id in self.answered:
+            self.metrics.deduplicated += 1
+            return self.answered[req.request_id]
+        if req.request_id in self.inflight:
+            self.metrics.deduplicated += 1
+            return await asyncio.shield(self.inflight[req.request_id])
+        if self.metrics.pending >= self.cfg.max_pending:
+            return VerifyResult(req.request_id, req.task_id, failure_kind=FailureKind.OVERLOADED,
+                                reason=f"queue full ({self.cfg.max_pending} pending); retry later")
+        fut = asyncio.get_running_loop().create_future()
+        if req.request_id:
+            self.inflight[req.request_id] = fut
+        self.metrics.pending += 1
+        try:
+            result = await self._process(req)
+        except Exception as e:  # noqa: BLE001 - the service must answer every request
+            result = self._result(req, FailureKind.INTERNAL_ERROR, f"verifier error: {type(e).__name__}: {e}")
+        finally:
+            self.metrics.pending -= 1
+            self.inflight.pop(req.request_id, None)
+        self.metrics.completed += 1
+        self.metrics.failure_kinds[result.failure_kind.value] += 1
+        if req.request_id:
+            self.answered[req.request_id] = result
+            while len(self.answered) > self.cfg.result_cache_size:
+                self.answered.popitem(last=False)
+        fut.set_result(result)
+        return result
+
+    # ---- stages ----------------------------------------------------------------------------------
+    def _result(self, req: VerifyRequest, kind: FailureKind, reason: str = "", **kw) -> VerifyResult:
+        kw.setdefault("compiled", kind.compiled)
+        return VerifyResult(request_id=req.request_id, task_id=req.task_id, failure_kind=kind,
+                            deceptive=kind.deceptive, reason=reason, **kw)
+
+    async def _process(self, req: VerifyRequest) -> VerifyResult:
+        try:
+            req.validate()
+        except ValueError as e:
+            return self._result(req, FailureKind.INVALID_REQUEST, str(e))
+        opts = req.options
+        if opts.device == "cuda" and "cuda" not in self.run_pools:
+            return self._result(req, FailureKind.INVALID_REQUEST, "options.device is 'cuda' but this server has no GPUs")
+        verdict = check_candidate(req.candidate_source, opts.strict, opts.device)
+        if verdict.kind is not FailureKind.OK:
+            return self._result(req, verdict.kind, verdict.reason, warnings=verdict.warnings)
+
+        # Build stage (CPU pool), shared by identical candidates.
+        t0 = time.monotonic()
+        build = await self._build(req)
+        compile_s = time.monotonic() - t0
+        if build["kind"] != FailureKind.OK.value:
+            return self._result(req, FailureKind(build["kind"]), build["reason"], logs=build.get("logs", ""),
+                                compile_s=compile_s, warnings=verdict.warnings)
+
+        # Run stage (device pool).
+        pools = self.run_pools[opts.device]
+        pool = max(pools, key=lambda p: p.free_slots)
+        base_key = _sha(req.reference_source, opts.device, pool.cfg.gpu_index, str(opts.num_perf_trials),
+                        str(opts.num_warmup), str(opts.compile_baseline), str(opts.seed))
+        job = {"reference_source": req.reference_source, "candidate_source": req.candidate_source,
+               "options": opts.to_dict(), "build_root": self.cfg.cache_dir, "kernel_names": list(verdict.kernel_names),
+               "baseline": self.baselines.get(base_key), "gpu_memory_fraction": self.cfg.gpu_memory_fraction}
+        self.metrics.in_run += 1
+        try:
+            res, outcome, logs = await pool.run(job, opts.timeout_s, exclusive=opts.measure_performance)
+        finally:
+            self.metrics.in_run -= 1
+        if outcome:
+            kind = (FailureKind.TIMEOUT if outcome.startswith("timeout") else
+                    FailureKind.OUT_OF_MEMORY if outcome.startswith("memory") else FailureKind.CRASH)
+            return self._result(req, kind, outcome.split(": ", 1)[1], compiled=True, logs=logs,
+                                compile_s=compile_s, warnings=verdict.warnings)
+        kind = FailureKind(res["kind"])
+        if res.get("baseline_measured") and kind is FailureKind.OK:
+            self.baselines[base_key] = res["baseline"]
+        cand, base = Runtime(**res.get("candidate", {})), Runtime(**res.get("baseline") or {})
+        speedup = float(res.get("speedup", 0.0))
+        kind2, why = rewards.apply_min_speedup(kind, speedup, opts.min_speedup, opts.measure_performance)
+        reason = why or res.get("reason", "")
+        warnings = tuple(verdict.warnings) + tuple(res.get("sandbox_notes", ()))
+        return VerifyResult(
+            request_id=req.request_id, task_id=req.task_id, compiled=bool(res.get("compiled")),
+            correct=bool(res.get("correct")), deceptive=kind2.deceptive, reward=rewards.binary_reward(kind2),
+            shaped_reward=rewards.shaped_reward(kind2, speedup), speedup=speedup, candidate=cand, baseline=base,
+            failure_kind=kind2, reason=reason, logs=truncate_log(logs) if kind2 is not FailureKind.OK else "",
+            strict_correct=bool(res.get("strict_correct")), max_abs_diff=float(res.get("max_abs_diff", 0.0)),
+            warnings=warnings, compile_s=compile_s, run_s=float(res.get("run_s", 0.0)),
+            build_cached=bool(build.get("cached")) or bool(res.get("build_cached")),
+            device_name=str(res.get("device_name", "")))
+
+    async def _build(self, req: VerifyRequest) -> dict:
+        key = _sha(req.candidate_source, self.cfg.arch_list, self.cfg.device)
+        fut = self.builds.get(key)
+        if fut is not None:
+            self.metrics.build_cache_hits += 1
+            return dict(await asyncio.shield(fut), cached=True)
+        fut = asyncio.get_running_loop().create_future()
+        self.builds[key] = fut
+        self.metrics.in_build += 1
+        try:
+            job = {"reference_source": req.reference_source, "candidate_source": req.candidate_source,
+                   "options": req.options.to_dict(), "build_root": self.cfg.cache_dir}
+            res, outcome, logs = await self.build_pool.run(job, self.cfg.build_timeout_s)
+            if outcome:
+                kind = (FailureKind.TIMEOUT if outcome.startswith("timeout") else
+                        FailureKind.OUT_OF_MEMORY if outcome.startswith("memory") else FailureKind.CRASH)
+                res = {"kind": kind.value, "reason": "build stage: " + outcome.split(": ", 1)[1], "logs": logs}
+            elif res["kind"] != FailureKind.OK.value:
+                res["logs"] = logs
+            if res["kind"] not in (FailureKind.OK.value, FailureKind.COMPILE_ERROR.value):
+                self.builds.pop(key, None)  # timeouts and crashes are not cached: a retry rebuilds
+            fut.set_result(res)
+            return res
+        except BaseException as e:
+            self.builds.pop(key, None)
+            fut.set_exception(e)
+            fut.exception()  # mark retrieved
+            raise
+        finally:
+            self.metrics.in_build -= 1
