@@ -34,7 +34,7 @@ def torch_logits(hf_dir: str, tokens: np.ndarray, mask: np.ndarray | None):
   pos = torch.arange(ids.shape[1])[None].expand_as(ids)
   kw = {}
   if mask is not None:
-    m = torch.as_tensor(np.asarray(mask))[:, None]
+    m = torch.as_tensor(np.array(mask, dtype=bool))[:, None]
     kw["attention_mask"] = torch.where(m, 0.0, torch.finfo(torch.float32).min)
   with torch.no_grad():
     return model(input_ids=ids, position_ids=pos, **kw).logits.float().numpy()

@@ -1,0 +1,118 @@
+"""Behaviour of the NNX transformer: cache consistency, the 2L layout, dtypes, scan, sharding."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dice_jax.model import AttentionSpec, KVCache, Transformer, get_config
+from dice_jax.model.config import from_hf_config, to_hf_config
+from dice_jax.train import sharding
+
+CFG = get_config("tiny", dtype="float32")
+B, T = 2, 12
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Transformer(CFG, rngs=nnx.Rngs(0))
+
+
+def _inputs(seed=1):
+  tok = jax.random.randint(jax.random.key(seed), (B, T), 0, CFG.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+  return tok, pos
+
+
+@pytest.mark.parametrize("kind", ["causal", "block_causal"])
+def test_prefill_then_cached_block_equals_full_forward(model, kind):
+  tok, pos = _inputs()
+  spec = AttentionSpec(kind, 4)
+  full = model(tok, pos, spec)
+  cache = KVCache.empty(CFG, B, 16)
+  first, cache = model(tok[:, :8], pos[:, :8], spec, cache=cache, update_cache=True)
+  second, cache2 = model(tok[:, 8:], pos[:, 8:], spec, cache=cache, update_cache=False)
+  np.testing.assert_allclose(first, full[:, :8], atol=1e-5)
+  np.testing.assert_allclose(second, full[:, 8:], atol=1e-5)
+  assert int(cache.length) == 8 and int(cache2.length) == 8  # read-only call left it alone
+
+
+def test_cache_slots_of_other_segments_are_invisible(model):
+  """Left padding (segment 0) in the cache does not change the logits of later tokens."""
+  tok, pos = _inputs()
+  spec = AttentionSpec.block_causal(4)
+  ref = model(tok[:, :8], pos[:, :8], spec)
+  pad_tok = jnp.concatenate([jnp.full((B, 4), 7), tok[:, :8]], 1)
+  pad_pos = jnp.concatenate([jnp.zeros((B, 4), jnp.int32), pos[:, :8]], 1)
+  seg = jnp.concatenate([jnp.zeros((B, 4), jnp.int32), jnp.ones((B, 8), jnp.int32)], 1)
+  got = model(pad_tok, pad_pos, AttentionSpec.block_causal(4, seg))[:, 4:]
+  np.testing.assert_allclose(got, ref, atol=1e-5)
+
+
+def test_clean_half_of_the_2L_input_equals_the_block_causal_forward(model):
+  tok, pos = _inputs()
+  noisy = jnp.where(jax.random.bernoulli(jax.random.key(3), 0.5, tok.shape), CFG.mask_token_id, tok)
+  out = model(jnp.concatenate([noisy, tok], 1), jnp.concatenate([pos, pos], 1),
+              AttentionSpec.block_diffusion(4))
+  np.testing.assert_allclose(out[:, T:], model(tok, pos, AttentionSpec.block_causal(4)), atol=1e-5)
+
+
+def test_noisy_block_sees_only_its_own_block_and_earlier_clean_blocks(model):
+  tok, pos = _inputs()
+  noisy = tok.at[:, :].set(CFG.mask_token_id)
+  spec = AttentionSpec.block_diffusion(4)
+  x = jnp.concatenate([noisy, tok], 1)
+  p2 = jnp.concatenate([pos, pos], 1)
+  base = model(x, p2, spec)
+  # change the clean tokens of block 1 (4..7): noisy blocks 0 and 1 must not change, noisy
+  # block 2 (which conditions on clean blocks 0-1) must
+  x_changed = x.at[:, T + 4:T + 8].set(5)
+  changed = model(x_changed, p2, spec)
+  np.testing.assert_allclose(changed[:, :8], base[:, :8], atol=1e-6)
+  assert np.abs(np.asarray(changed[:, 8:T] - base[:, 8:T])).max() > 1e-4
+
+
+def test_bf16_compute_is_close_to_fp32(model):
+  tok, pos = _inputs()
+  spec = AttentionSpec.block_causal(4)
+  ref = model(tok, pos, spec)
+  bf = Transformer(CFG.replace(dtype="bfloat16"), rngs=nnx.Rngs(0))
+  out = bf(tok, pos, spec)
+  assert out.dtype == jnp.float32  # logits are accumulated in fp32
+  np.testing.assert_allclose(out, ref, atol=0.05)
+  assert bf.layers.q_proj[...].dtype == jnp.float32  # fp32 master parameters
+
+
+def test_program_size_does_not_grow_with_depth():
+  def eqns(num_layers):
+    cfg = CFG.replace(num_layers=num_layers)
+    m = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    tok, pos = _inputs()
+    jaxpr = jax.make_jaxpr(lambda m, t, p: m(t, p, AttentionSpec.block_causal(4)))(m, tok, pos)
+    return str(jaxpr).count("dot_general")
+  assert eqns(2) == eqns(12) > 0
+
+
+def test_sharded_forward_on_8_devices_equals_single_device(model):
+  assert jax.device_count() == 8, "conftest sets 8 fake CPU devices"
+  mesh = sharding.make_mesh(fsdp=4, tensor=2)
+  sharded = sharding.create_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), mesh)
+  q = sharded.layers.q_proj[...]
+  assert q.sharding.spec == jax.P(None, "fsdp", "tensor", None)
+  tok, pos = jax.random.randint(jax.random.key(1), (4, T), 0, CFG.vocab_size), \
+      jnp.broadcast_to(jnp.arange(T), (4, T))
+  spec = AttentionSpec.block_causal(4)
+  bs = sharding.batch_sharding(mesh)
+  got = jax.jit(lambda m, t, p: m(t, p, spec))(sharded, jax.device_put(tok, bs), jax.device_put(pos, bs))
+  np.testing.assert_allclose(got, model(tok, pos, spec), atol=1e-5)
+  sharding.assert_sufficiently_sharded(nnx.state(sharded), mesh)
+
+
+def test_unsharded_guard_fires_when_rules_shard_nothing():
+  mesh = sharding.make_mesh(fsdp=4, tensor=2)
+  state = nnx.state(nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0))))
+  with pytest.raises(ValueError, match="unsharded"):
+    sharding.assert_sufficiently_sharded(state, mesh, rules={})
