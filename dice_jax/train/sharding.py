@@ -138,3 +138,20 @@ def create_sharded(model_fn, mesh: Mesh, rules: dict = RULES):
   shardings = state_shardings(abs_state, mesh, rules)
   state = jax.jit(lambda: nnx.split(model_fn())[1], out_shardings=shardings)()
   return nnx.merge(graphdef, state)
+
+
+def maybe_initialize_distributed(enabled: bool, *, coordinator_address: str | None = None,
+                                 num_processes: int | None = None,
+                                 process_id: int | None = None) -> None:
+  """Multi-host: `jax.distributed.initialize` (arguments None are read from the cluster
+  environment: SLURM, Cloud TPU, Kubernetes...). Must run before any other JAX call."""
+  if not enabled:
+    return
+  jax.distributed.initialize(coordinator_address=coordinator_address,
+                             num_processes=num_processes, process_id=process_id)
+
+
+def activation_sharding(mesh: Mesh, logical: Sequence[str | None], shape: Sequence[int],
+                        rules: dict = RULES) -> NamedSharding:
+  """NamedSharding of an activation with these logical axes (e.g. ('batch', 'length', None))."""
+  return NamedSharding(mesh, logical_to_spec(logical, shape, mesh, rules))

@@ -1,0 +1,123 @@
+"""The SFT run config: one frozen dataclass, validated on construction, with dotted overrides."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from typing import Any
+
+from dice_jax.train.optimizer import OptimizerConfig
+
+DATA_SOURCES = ("infill_pairs", "cuke")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  """Everything an SFT run needs besides its workdir (saved with every checkpoint)."""
+
+  # model
+  model: str = "tiny"  # preset of dice_jax.model.config (ignored with --init_hf)
+  model_overrides: dict = dataclasses.field(default_factory=dict)  # e.g. {'remat': True}
+  # data
+  data_source: str = "infill_pairs"  # infill_pairs: DICE infilling file, task -> known solution
+  data_path: str = ""  # json/jsonl/parquet for the source
+  tokenizer: str = "byte"  # 'byte' (256 bytes + 4 specials; for tiny models) or an HF dir
+  max_prompt_chars: int | None = None  # truncate texts (tiny CPU runs only)
+  max_response_chars: int | None = None
+  seq_len: int = 6144  # DICE cutoff_len; longer samples are dropped
+  batch_size: int = 8  # global rows per optimizer step
+  accum_steps: int = 1  # micro-batches per step (batch_size % accum_steps == 0)
+  num_steps: int = 100
+  seed: int = 0
+  # mesh (-1 fills)
+  mesh_data: int = 1
+  mesh_fsdp: int = -1
+  mesh_tensor: int = 1
+  shard_tolerance: float = 0.02  # max fraction of unsharded params on a multi-device mesh
+  # optimisation and objective
+  optim: OptimizerConfig = OptimizerConfig()
+  eps: float = 1e-3
+  per_block_t: bool = False
+  block_alignment: str = "response"
+  # bookkeeping
+  checkpoint_every: int = 100
+  checkpoint_keep: int = 3
+  async_checkpoint: bool = True
+  log_every: int = 1
+
+  def __post_init__(self):
+    def need(cond, msg):
+      if not cond:
+        raise ValueError(f"SFTConfig: {msg}")
+    need(self.data_source in DATA_SOURCES, f"data_source must be one of {DATA_SOURCES}, "
+         f"got {self.data_source!r}")
+    need(isinstance(self.model_overrides, dict), "model_overrides must be a dict")
+    for name in ("seq_len", "batch_size", "accum_steps", "num_steps", "checkpoint_every",
+                 "checkpoint_keep", "log_every"):
+      v = getattr(self, name)
+      need(isinstance(v, int) and v >= 1, f"{name} must be a positive int, got {v!r}")
+    need(self.batch_size % self.accum_steps == 0,
+         f"batch_size ({self.batch_size}) must be a multiple of accum_steps ({self.accum_steps})")
+    for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
+      v = getattr(self, name)
+      need(isinstance(v, int) and (v >= 1 or v == -1), f"{name} must be >= 1 or -1, got {v!r}")
+    need(isinstance(self.optim, OptimizerConfig), "optim must be an OptimizerConfig")
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: dict) -> "SFTConfig":
+    d = dict(d)
+    d["optim"] = OptimizerConfig(**d.get("optim", {}))
+    return cls(**d)
+
+
+def _coerce(raw: str, current: Any, where: str):
+  try:
+    value = ast.literal_eval(raw)
+  except (ValueError, SyntaxError):
+    value = raw  # a bare string
+  if isinstance(current, bool) and not isinstance(value, bool):
+    raise ValueError(f"override {where}: expected True/False, got {raw!r}")
+  if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+    value = float(value)
+  if current is not None and not isinstance(value, type(current)) and not (
+      isinstance(current, (int, float)) and value is None):
+    raise ValueError(f"override {where}: expected {type(current).__name__}, got {raw!r}")
+  return value
+
+
+def apply_overrides(cfg, overrides: list[str]):
+  """`['optim.learning_rate=1e-4', 'model_overrides.remat=True', 'seq_len=512']` -> new config.
+
+  A bad key or a value of the wrong type raises ValueError naming it.
+  """
+  for item in overrides:
+    if "=" not in item:
+      raise ValueError(f"override {item!r}: expected key=value")
+    key, raw = item.split("=", 1)
+    cfg = _set(cfg, key.strip().split("."), raw.strip(), key)
+  return cfg
+
+
+def _set(obj, path, raw, where):
+  head, rest = path[0], path[1:]
+  if isinstance(obj, dict):
+    if rest:
+      raise ValueError(f"override {where}: cannot descend into {head!r}")
+    try:
+      value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+      value = raw
+    return {**obj, head: value}
+  fields = {f.name for f in dataclasses.fields(obj)}
+  if head not in fields:
+    raise ValueError(f"override {where}: unknown field {head!r} of {type(obj).__name__} "
+                     f"(known: {sorted(fields)})")
+  current = getattr(obj, head)
+  if rest:
+    return dataclasses.replace(obj, **{head: _set(current, rest, raw, where)})
+  if dataclasses.is_dataclass(current) or isinstance(current, dict):
+    raise ValueError(f"override {where}: {head!r} is a section; set one of its fields")
+  return dataclasses.replace(obj, **{head: _coerce(raw, current, where)})

@@ -1,0 +1,1 @@
+"""SFT run configs: each module defines `get_config() -> dice_jax.train.config.SFTConfig`."""

@@ -1,0 +1,26 @@
+"""DICE's SFT recipe for SDAR-1.7B on CuKe (reference §1.6): AdamW lr 1e-5, constant with 3%
+warm-up, bf16 compute with fp32 master weights, cutoff 6144, block 4, 2 rows per device.
+
+`num_steps` must be set for the dataset (3 epochs of packed rows / batch_size), e.g.
+`--set=num_steps=...`; `--init_hf=` the SDAR-1.7B-Chat checkpoint.
+"""
+
+from dice_jax.train.config import SFTConfig
+from dice_jax.train.optimizer import OptimizerConfig
+
+
+def get_config() -> SFTConfig:
+  return SFTConfig(
+      model="sdar_1p7b",
+      model_overrides={"attention_impl": "cudnn", "remat": True},
+      data_source="cuke",
+      data_path="",
+      tokenizer="../shared/data/sdar_chat",
+      seq_len=6144,
+      batch_size=16,
+      num_steps=1000,
+      optim=OptimizerConfig(learning_rate=1e-5, schedule="constant_with_warmup",
+                            warmup_ratio=0.03),
+      checkpoint_every=200,
+      log_every=10,
+  )

@@ -1,0 +1,70 @@
+r"""Block-diffusion SFT launcher.
+
+  python -m experiments.sft --config=tiny --workdir=/tmp/sft_tiny \
+      [--set=num_steps=20 --set=optim.learning_rate=1e-3] [--init_hf=DIR] [--export_hf=DIR]
+
+`--config` names a module of experiments/configs (or a path to a .py file) with `get_config()`.
+Re-running with the same workdir resumes from its last checkpoint. Multi-host: pass
+`--distributed` (jax.distributed.initialize reads the cluster from the environment) or the
+coordinator flags.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", "tiny", "config module under experiments/configs, or a .py path")
+flags.DEFINE_string("workdir", None, "output directory (checkpoints, metrics, tokenizer)")
+flags.DEFINE_multi_string("set", [], "config override key=value (dotted keys), repeatable")
+flags.DEFINE_string("init_hf", None, "initialise from this HF checkpoint directory")
+flags.DEFINE_string("export_hf", None, "write the final model as an HF directory here")
+flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() (multi-host)")
+flags.DEFINE_string("coordinator_address", None, "multi-host coordinator host:port")
+flags.DEFINE_integer("num_processes", None, "multi-host: number of processes")
+flags.DEFINE_integer("process_id", None, "multi-host: this process's id")
+flags.mark_flag_as_required("workdir")
+
+
+def load_config(name: str):
+  if name.endswith(".py"):
+    spec = importlib.util.spec_from_file_location("sft_config", name)
+    if spec is None or not os.path.exists(name):
+      raise ValueError(f"--config: no such file {name}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+  else:
+    try:
+      module = importlib.import_module(f"experiments.configs.{name}")
+    except ModuleNotFoundError as e:
+      known = sorted(f[:-3] for f in os.listdir(os.path.dirname(__file__) + "/configs")
+                     if f.endswith(".py") and not f.startswith("_"))
+      raise ValueError(f"--config: unknown config {name!r}; known: {known}") from e
+  if not hasattr(module, "get_config"):
+    raise ValueError(f"--config {name}: module defines no get_config()")
+  return module.get_config()
+
+
+def main(argv):
+  del argv
+  from dice_jax.train import sharding
+  sharding.maybe_initialize_distributed(
+      FLAGS.distributed or FLAGS.coordinator_address is not None,
+      coordinator_address=FLAGS.coordinator_address, num_processes=FLAGS.num_processes,
+      process_id=FLAGS.process_id)
+  from dice_jax.train.config import apply_overrides
+  from dice_jax.train.loop import run_sft
+  cfg = apply_overrides(load_config(FLAGS.config), FLAGS.set)
+  os.makedirs(FLAGS.workdir, exist_ok=True)
+  logging.info("config: %s", json.dumps(cfg.to_json(), default=str))
+  summary = run_sft(cfg, FLAGS.workdir, init_hf=FLAGS.init_hf, export_hf=FLAGS.export_hf)
+  logging.info("done: %s", summary)
+
+
+if __name__ == "__main__":
+  app.run(main)
