@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,14 +58,18 @@ def outcome_from_proto(r) -> VerifyOutcome:
 
 
 class GrpcVerifierClient:
-    """Blocking client. ``options`` are ``VerifyOptions`` fields (e.g. ``measure_performance=True``)."""
+    """Blocking client. ``options`` are ``VerifyOptions`` fields (e.g. ``measure_performance=True``); the bearer
+    token (the server's ``--token-file`` / ``VERIFIER_TOKEN``) defaults to ``$VERIFIER_TOKEN``."""
 
-    def __init__(self, address: str, options: Mapping[str, Any] | None = None, timeout_s: float = 3600.0):
+    def __init__(self, address: str, options: Mapping[str, Any] | None = None, timeout_s: float = 3600.0,
+                 token: str | None = None):
         if ":" not in address:
             raise ValueError(f"verifier address must be HOST:PORT, got {address!r}")
         self.address = address
         self.options = dict(options or {})
         self.timeout_s = timeout_s
+        token = os.environ.get("VERIFIER_TOKEN", "") if token is None else token
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._channel = grpc.insecure_channel(
             address, options=[("grpc.max_receive_message_length", 64 << 20),
                               ("grpc.max_send_message_length", 64 << 20)])
@@ -80,12 +85,13 @@ class GrpcVerifierClient:
 
     def verify(self, task_id: str, reference_src: str, candidate_src: str) -> VerifyOutcome:
         return outcome_from_proto(self._stub.Verify(self._request(task_id, reference_src, candidate_src),
-                                                    timeout=self.timeout_s))
+                                                    timeout=self.timeout_s, metadata=self._metadata))
 
     def verify_batch(self, items: Sequence[tuple[str, str, str]]) -> list[VerifyOutcome]:
         reqs = [self._request(*it) for it in items]
         by_id: dict[str, VerifyOutcome] = {}
-        for r in self._stub.VerifyStream(iter(reqs), timeout=self.timeout_s):
+        for r in self._stub.VerifyStream(iter(reqs), timeout=self.timeout_s,
+                                                metadata=self._metadata):
             by_id[r.request_id] = outcome_from_proto(r)
         missing = [q.task_id for q in reqs if q.request_id not in by_id]
         if missing:

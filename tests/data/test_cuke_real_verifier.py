@@ -1,0 +1,116 @@
+"""CuKe builder against the real verifier service (CPU device, C++ extension), via dice_jax.rl.verifier_client."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ._helpers import REPO_ROOT
+
+REFERENCE = '''import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, a, b):
+        return torch.relu(a - b)
+
+
+def get_inputs():
+    return [torch.randn(32, 128), torch.randn(32, 128)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+CANDIDATE = '''import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+source = r"""
+#include <torch/extension.h>
+torch::Tensor relu_sub(torch::Tensor a, torch::Tensor b) {
+    auto out = torch::empty_like(a);
+    const float* pa = a.data_ptr<float>(); const float* pb = b.data_ptr<float>(); float* po = out.data_ptr<float>();
+    for (int64_t i = 0; i < a.numel(); ++i) { float d = pa[i] - pb[i]; po[i] = d > 0.f ? d : 0.f; }
+    return out;
+}
+torch::Tensor relu_add(torch::Tensor a, torch::Tensor b) {
+    auto out = torch::empty_like(a);
+    const float* pa = a.data_ptr<float>(); const float* pb = b.data_ptr<float>(); float* po = out.data_ptr<float>();
+    for (int64_t i = 0; i < a.numel(); ++i) { float d = pa[i] + pb[i]; po[i] = d > 0.f ? d : 0.f; }
+    return out;
+}
+"""
+ops = load_inline(name="dj_cuke_ops", cpp_sources=source, functions=["relu_sub", "relu_add"], extra_cflags=["-O2"])
+
+
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, a, b):
+        return ops.FUNC(a, b)
+'''
+
+
+@pytest.fixture(scope="module")
+def cpu_verifier(tmp_path_factory):
+    pytest.importorskip("torch", reason="the verifier service needs torch")
+    if not (REPO_ROOT / "verifier" / "__main__.py").exists():
+        pytest.skip("verifier/ service not present in this checkout")
+    log = tmp_path_factory.mktemp("verifier") / "serve.log"
+    cache = tmp_path_factory.mktemp("verifier_cache")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "verifier", "serve", "--device", "cpu", "--port", "0", "--compile-workers", "1",
+             "--cache-dir", str(cache)], cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT,
+            env={**os.environ, "VERIFIER_TOKEN": ""})
+    try:
+        deadline = time.time() + 90
+        port = None
+        while time.time() < deadline and port is None:
+            m = re.search(r"listening on [\d.]+:(\d+)", log.read_text())
+            if m:
+                port = int(m.group(1))
+            elif proc.poll() is not None:
+                pytest.skip(f"verifier could not start (exit {proc.returncode}): {log.read_text()[-2000:]}")
+            else:
+                time.sleep(0.5)
+        if port is None:
+            pytest.skip(f"verifier did not report a port within 90 s: {log.read_text()[-2000:]}")
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_build_cuke_with_cpu_verifier(cpu_verifier, tmp_path):
+    from dice_jax.data.cuke import CukeConfig, build_cuke
+    from dice_jax.rl.verifier_client import GrpcVerifierClient
+
+    rows = [{"id": "right", "pytorch_code": REFERENCE, "cuda_code": CANDIDATE.replace("FUNC", "relu_sub"), "level": 1},
+            {"id": "wrong", "pytorch_code": REFERENCE, "cuda_code": CANDIDATE.replace("FUNC", "relu_add"), "level": 1}]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with GrpcVerifierClient(cpu_verifier, {"measure_performance": True, "num_perf_trials": 10}, token="") as client:
+        client.wait_ready(30)
+        s = build_cuke(str(pairs), client, str(tmp_path / "out"), CukeConfig(min_speedup=1e-3))
+    m = {r["pair_id"]: r for r in map(json.loads, (tmp_path / "out" / "measurements.jsonl").read_text().splitlines())}
+    assert m["pairs/right"]["correct"] and m["pairs/right"]["speedup"] > 0
+    assert not m["pairs/wrong"]["correct"] and m["pairs/wrong"]["failure_kind"] == "wrong_output"
+    assert (s.correct, s.kept) == (1, 1)
+    kept = [json.loads(line) for line in (tmp_path / "out" / "cuke.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in kept] == ["pairs/right"] and kept[0]["speedup"] == m["pairs/right"]["speedup"]
