@@ -1,0 +1,133 @@
+"""SDAR's block-diffusion SFT objective (reference §2.3; BD3-LM §4).
+
+For each packed sample: t ~ U(0,1), p = (1-eps) t + eps, each response token masked with
+probability p (at least one). The model reads `[x_t ; x_0]` (length 2T, shared positions, segment
+and block ids) under the block-diffusion mask, and predicts the token at the same position (no
+shift). With N_ans = number of answer (loss) tokens of the batch:
+
+    L = (1 / N_ans) * sum_{samples s} sum_{j masked} (1 / p_s) * CE(logits_j, x0_j)        (§2.3.5)
+
+Blocks follow `dice_jax.diffusion.blocks` (response alignment by default; the response start of a
+packed segment is its first loss token). Packing-aware: segment ids, positions and the block grid
+restart per segment; row padding (segment 0) is never attended, masked or counted.
+
+Batch contract (numpy or jax arrays, `[B, T]`): `tokens` int32 (x_0), `positions` int32,
+`segment_ids` int32 (0 = padding), `loss_mask` bool (response tokens incl. block-fill pads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from dice_jax.diffusion import blocks as blocks_lib
+from dice_jax.diffusion import noising
+from dice_jax.model import masks as masks_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+  eps: float = 1e-3  # p = (1-eps) t + eps
+  per_block_t: bool = False  # BD3-LM: one t per (sample, block) instead of per sample
+  block_alignment: str = "response"  # "response" | "absolute" (see diffusion/blocks.py)
+  ce_chunk: int = 2048  # tokens per chunk of the LM-head + CE (bounds the [T, V] logits memory)
+
+  def __post_init__(self):
+    blocks_lib.check_alignment(self.block_alignment)
+    if not 0.0 < self.eps < 1.0:
+      raise ValueError(f"ObjectiveConfig.eps must be in (0, 1), got {self.eps}")
+    if self.ce_chunk < 1:
+      raise ValueError(f"ObjectiveConfig.ce_chunk must be >= 1, got {self.ce_chunk}")
+
+
+def weighted_cross_entropy(logits_btv, targets_bt, weights_bt):
+  """sum_{b,t} w_bt * (logsumexp(logits_bt) - logits_bt[target]) in float32.
+
+  Positions with weight 0 contribute neither value nor gradient. `weights_bt` may be `[B, T, W]`
+  (W weightings of the same CE), giving a `[W]` result.
+  """
+  logits = logits_btv.astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(logits, targets_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  ce = lse - picked
+  w = weights_bt.astype(jnp.float32)
+  if w.ndim == ce.ndim:
+    return jnp.sum(jnp.where(w != 0, w * ce, 0.0))
+  contrib = jnp.where(w != 0, w * ce[..., None], 0.0)
+  return jnp.sum(contrib, axis=tuple(range(ce.ndim)))
+
+
+def xt_hidden(model, x0_bt, xt_bt, positions_bt, segment_ids_bt, block_ids_bt):
+  """Final hidden states of the x_t half of the `[x_t ; x_0]` input (`[B, T, D]`)."""
+  t = x0_bt.shape[1]
+  spec = masks_lib.AttentionSpec.block_diffusion(model.cfg.block_size, segment_ids_bt,
+                                                 block_ids_bt)
+  tokens = jnp.concatenate([xt_bt, x0_bt], axis=1)
+  positions = jnp.concatenate([positions_bt, positions_bt], axis=1)
+  hidden = model(tokens, positions, spec, return_hidden=True)
+  return hidden[:, :t]
+
+
+def chunked_weighted_ce(model, hidden_btd, targets_bt, weights_bt, chunk: int):
+  """`weighted_cross_entropy(model.logits_from_hidden(h), ...)` without materialising all logits.
+
+  `weights_bt` may carry a trailing axis of several weightings (`[B, T, W]`); the result is then
+  `[W]` sums from one pass over the logits.
+
+  The sequence is cut into chunks of `chunk` tokens; each chunk's logits are recomputed in the
+  backward pass (jax.checkpoint), so peak memory is one chunk's `[B, chunk, V]`.
+  """
+  b, t, d = hidden_btd.shape
+  if t <= chunk:
+    return weighted_cross_entropy(model.logits_from_hidden(hidden_btd), targets_bt, weights_bt)
+  n = -(-t // chunk)
+  pad = n * chunk - t
+
+  def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
+    x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+    return x.reshape(b, n, chunk, *x.shape[2:]).swapaxes(0, 1)
+
+  h, y, w = split(hidden_btd), split(targets_bt), split(weights_bt)
+
+  @jax.checkpoint
+  def one(h_c, y_c, w_c):
+    return weighted_cross_entropy(model.logits_from_hidden(h_c), y_c, w_c)
+
+  def body(total, xs):
+    return total + one(*xs), None
+
+  total, _ = jax.lax.scan(body, jnp.zeros(weights_bt.shape[2:], jnp.float32), (h, y, w))
+  return total
+
+
+def block_diffusion_loss(model, batch, rng, cfg: ObjectiveConfig = ObjectiveConfig()):
+  """SDAR SFT loss of one (micro-)batch. Returns (loss, metrics).
+
+  loss = weighted_ce_sum / answer_tokens (scalar f32). metrics carries the sums
+  (`weighted_ce_sum`, `answer_tokens`, `masked_tokens`, `masked_ce_sum`) so that gradient
+  accumulation can form token-weighted means as sum / sum.
+  """
+  tokens = jnp.asarray(batch["tokens"]).astype(jnp.int32)
+  positions = jnp.asarray(batch["positions"]).astype(jnp.int32)
+  segment_ids = jnp.asarray(batch["segment_ids"]).astype(jnp.int32)
+  loss_mask = jnp.asarray(batch["loss_mask"]).astype(bool) & (segment_ids > 0)
+  mcfg = model.cfg
+
+  block_ids = blocks_lib.block_ids(positions, segment_ids, loss_mask, mcfg.block_size,
+                                   cfg.block_alignment)
+  masked, p = noising.sample_mask(rng, segment_ids, block_ids, loss_mask, eps=cfg.eps,
+                                  per_block_t=cfg.per_block_t)
+  xt = noising.apply_mask(tokens, masked, mcfg.mask_token_id)
+  hidden = xt_hidden(model, tokens, xt, positions, segment_ids, block_ids)
+  # Two weightings from one pass over the logits: 1/p (the loss) and 1 (plain masked CE, a metric).
+  weights = jnp.stack([jnp.where(masked, 1.0 / p, 0.0), masked.astype(jnp.float32)], axis=-1)
+  sums = chunked_weighted_ce(model, hidden, tokens, weights, cfg.ce_chunk)
+  weighted_ce_sum, masked_ce_sum = sums[0], sums[1]
+  answer_tokens = jnp.sum(loss_mask).astype(jnp.float32)
+  masked_tokens = jnp.sum(masked).astype(jnp.float32)
+  loss = weighted_ce_sum / jnp.maximum(answer_tokens, 1.0)
+  metrics = dict(weighted_ce_sum=weighted_ce_sum, answer_tokens=answer_tokens,
+                 masked_tokens=masked_tokens, masked_ce_sum=jax.lax.stop_gradient(masked_ce_sum))
+  return loss, metrics
