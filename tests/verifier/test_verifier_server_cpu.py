@@ -1,0 +1,189 @@
+"""The real pipeline on the CPU backend, through the gRPC server and client.
+
+One server session serves every case (module-scoped): the candidates share one C++ extension, built
+once through the build cache, so the whole module costs about two C++ builds.
+"""
+
+import asyncio
+import dataclasses
+import socket
+import threading
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+torch = pytest.importorskip("torch")
+
+import verifier_cases as cases  # noqa: E402
+
+from verifier.client import VerifierClient  # noqa: E402
+from verifier.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
+from verifier.server import VerifierServer, is_loopback  # noqa: E402
+from verifier.service import ServiceConfig  # noqa: E402
+
+TOKEN = "test-token-123"
+OPTS = VerifyOptions(device="cpu", timeout_s=20, num_correct_trials=3, num_perf_trials=5)
+
+
+class _ServerThread:
+    """Runs a VerifierServer on its own event loop in a background thread."""
+
+    def __init__(self, cfg: ServiceConfig):
+        self.cfg = cfg
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = VerifierServer(cfg, "127.0.0.1", 0, TOKEN)
+        self.port = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(120)
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.server.stop(0.5), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verifier")
+    cfg = ServiceConfig(device="cpu", cpu_slots=1, compile_workers=2, cache_dir=str(root / "builds"),
+                        scratch_root=str(root / "scratch"), mem_mb=3072, build_timeout_s=300)
+    s = _ServerThread(cfg)
+    yield s
+    s.stop()
+    assert not list((root / "scratch").glob("*")), "scratch directories left behind"
+
+
+def _verify(server, *requests, token=TOKEN, retries=1):
+    async def go():
+        client = VerifierClient([f"127.0.0.1:{server.port}"], token=token, deadline_s=600, retries=retries,
+                                backoff_s=0.05)
+        try:
+            return await client.verify_batch(list(requests))
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def _req(rid, source, **opts):
+    return VerifyRequest(rid, "scaled_add", cases.REFERENCE, source, dataclasses.replace(OPTS, **opts))
+
+
+def test_good_cpp_candidate_gets_reward_one_and_a_speedup(server):
+    (r,) = _verify(server, _req("good-0", cases.GOOD, measure_performance=True))
+    assert r.failure_kind is FailureKind.OK, r.reason + r.logs
+    assert (r.reward, r.compiled, r.correct, r.deceptive) == (1.0, True, True, False)
+    assert r.strict_correct and r.max_abs_diff < 1e-4
+    assert r.speedup > 0 and r.candidate.num_trials == 5 and r.baseline.num_trials == 5
+    assert r.candidate.median_ms > 0 and r.baseline.mean_ms > 0
+    assert abs(r.speedup - r.baseline.mean_ms / r.candidate.mean_ms) < 1e-6
+    assert r.shaped_reward >= 0.0 and r.device_name == "cpu"
+
+
+BAD = [
+    ("wrong_output", cases.candidate("scaled_sub"), FailureKind.WRONG_OUTPUT, "outside atol"),
+    ("compile_error", cases.COMPILE_ERROR, FailureKind.COMPILE_ERROR, "undefined_symbol_xyz"),
+    ("segfault", cases.candidate("segfault"), FailureKind.CRASH, "SIGSEGV"),
+    ("infinite_loop", cases.candidate("spin"), FailureKind.TIMEOUT, "wall-clock limit"),
+    ("raised_exception", cases.candidate("raise_error"), FailureKind.RUNTIME_ERROR, "deliberate failure"),
+    ("python_exception", cases.PY_RAISE, FailureKind.RUNTIME_ERROR, "python-side failure"),
+    ("huge_allocation", cases.candidate("huge_alloc"), FailureKind.OUT_OF_MEMORY, "alloc"),
+    ("syntax_error", cases.SYNTAX_ERROR, FailureKind.SYNTAX_ERROR, "line"),
+    ("missing_model_new", cases.MISSING_MODEL_NEW, FailureKind.MISSING_MODEL_NEW, "ModelNew"),
+    ("input_mutation", cases.candidate("zero_inputs"), FailureKind.INPUT_MUTATION, "modified input"),
+    ("nan_output", cases.candidate("nan_out"), FailureKind.NONFINITE_OUTPUT, "NaN"),
+    ("torch_forward", cases.TORCH_FORWARD, FailureKind.TORCH_COMPUTE, "torch.add"),
+]
+
+
+@pytest.mark.parametrize("name,source,kind,needle", BAD, ids=[b[0] for b in BAD])
+def test_bad_candidate_gets_zero_with_its_kind_and_server_recovers(server, name, source, kind, needle):
+    bad, good = _verify(server, _req(f"bad-{name}", source, timeout_s=8 if name == "infinite_loop" else 20),
+                        _req(f"good-after-{name}", cases.GOOD))
+    assert bad.failure_kind is kind, (bad.failure_kind, bad.reason, bad.logs[-2000:])
+    assert bad.reward == 0.0 and bad.shaped_reward == 0.0
+    assert needle.lower() in (bad.reason + bad.logs).lower(), bad.reason
+    assert bad.deceptive == kind.deceptive
+    assert good.failure_kind is FailureKind.OK and good.reward == 1.0, good.reason + good.logs
+
+
+def test_compile_error_carries_the_compiler_message(server):
+    (r,) = _verify(server, _req("compile-error-again", cases.COMPILE_ERROR))
+    assert r.failure_kind is FailureKind.COMPILE_ERROR and not r.compiled
+    assert "error" in r.reason and "undefined_symbol_xyz" in r.reason
+
+
+def test_runtime_check_catches_what_the_static_check_cannot_see(server):
+    # Python operators are invisible to the AST check; the profiler sees the aten ops / missing calls.
+    bypass = cases.GOOD.replace("return ops.scaled_add(a, b, self.scale)", "return (a + b) * self.scale")
+    extra = cases.GOOD.replace("return ops.scaled_add(a, b, self.scale)",
+                               "return ops.scaled_add(a, b, self.scale) * 1.0")
+    r1, r2, r3 = _verify(server, _req("bypass", bypass), _req("extra-op", extra),
+                         _req("bypass-kernelbench", bypass, strictness="kernelbench"))
+    assert r1.failure_kind is FailureKind.KERNEL_NOT_LAUNCHED and r1.deceptive and r1.correct, r1.reason
+    assert r2.failure_kind is FailureKind.TORCH_COMPUTE and "aten::mul" in r2.reason, r2.reason
+    assert r3.failure_kind is FailureKind.OK and r3.reward == 1.0  # KernelBench's looser preset lets it pass
+
+
+def test_retried_request_id_is_answered_once(server):
+    async def go():
+        client = VerifierClient([f"127.0.0.1:{server.port}"], token=TOKEN)
+        try:
+            before = (await client.metrics())[0]
+            req = _req("retry-me", cases.GOOD)
+            a, b = await client.verify_batch([req, req])
+            c = await client.verify(req)
+            after = (await client.metrics())[0]
+            return before, a, b, c, after
+        finally:
+            await client.close()
+
+    before, a, b, c, after = asyncio.run(go())
+    assert a == b == c and a.reward == 1.0
+    assert after["completed"] - before["completed"] == 1  # one verification for three calls
+
+
+def test_wrong_token_is_refused(server):
+    with pytest.raises(PermissionError, match="token"):
+        _verify(server, _req("bad-token", cases.GOOD), token="wrong-token")
+    with pytest.raises(PermissionError):
+        _verify(server, _req("no-token", cases.GOOD), token="")
+
+
+def test_health_and_metrics_report_serving_and_failure_kinds(server):
+    async def go():
+        client = VerifierClient([f"127.0.0.1:{server.port}"], token=TOKEN)
+        try:
+            return await client.healthy(), (await client.metrics())[0]
+        finally:
+            await client.close()
+
+    healthy, m = asyncio.run(go())
+    assert healthy == [True]
+    assert m["completed"] >= 1 and m["queue_depth"] == 0 and m["candidates_per_minute"] > 0
+    assert sum(m["failure_kinds"].values()) == m["completed"]
+
+
+def test_non_loopback_bind_without_token_is_refused(tmp_path):
+    cfg = ServiceConfig(device="cpu", cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="non-loopback"):
+        VerifierServer(cfg, "0.0.0.0", 0, token="")
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    VerifierServer(cfg, "0.0.0.0", 0, token="t")  # constructing with a token is allowed (not started)
+
+
+def test_client_without_reachable_endpoint_reports_failure_after_retries():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+
+    async def go():
+        client = VerifierClient([f"127.0.0.1:{port}"], deadline_s=2, retries=1, backoff_s=0.01)
+        try:
+            return await client.verify(_req("unreachable", cases.GOOD))
+        finally:
+            await client.close()
+
+    r = asyncio.run(go())
+    assert r.failure_kind is FailureKind.INTERNAL_ERROR and "2 attempts" in r.reason

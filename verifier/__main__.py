@@ -1,0 +1,7 @@
+"""``python -m verifier serve|check|bench``."""
+
+import sys
+
+from verifier.cli import main
+
+sys.exit(main())
