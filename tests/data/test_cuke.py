@@ -122,3 +122,17 @@ def test_pair_key_ignores_trailing_whitespace_only():
     a = KernelPair("x", "import torch\n", "k = 1\n")
     assert pair_key(a) == pair_key(KernelPair("y", "import torch   \n\n", "k = 1"))
     assert pair_key(a) != pair_key(KernelPair("z", "import torch\n", "k = 2\n"))
+
+
+def test_show_data_cli_prints_examples_and_lengths():
+    import subprocess
+    import sys
+
+    from ._helpers import REPO_ROOT, shared_path
+
+    shared_path("dice_rl", "kernel_infilling_evaluation.json")
+    out = subprocess.run([sys.executable, "-m", "experiments.show_data", "--pipeline=infill", "--n=1",
+                          "--max_chars=200"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "<|im_start|>user\nYou write custom CUDA kernels" in out.stdout
+    assert "prompt tokens over all 99 tasks (dice style): p50=" in out.stdout
