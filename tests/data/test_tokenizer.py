@@ -107,6 +107,9 @@ def test_sdar_save_round_trip(tmp_path, sdar_tokenizer):
     again = Tokenizer.from_dir(out)  # now via tokenizer.json
     assert again.encode(SAMPLES[4]) == sdar_tokenizer.encode(SAMPLES[4])
     assert again.stop_token_ids == (151645, 151643) and again.mask_token_id == 151669
+    hf = _hf_tokenizer(out)  # what an HF export ships must load in transformers with the same ids
+    assert hf.encode(SAMPLES[4], add_special_tokens=False) == sdar_tokenizer.encode(SAMPLES[4])
+    assert (hf.mask_token_id, hf.eos_token_id, hf.pad_token_id) == (151669, 151643, 151643)
 
 
 def test_bad_dirs_give_clear_errors(tmp_path):
