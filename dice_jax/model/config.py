@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-ATTENTION_IMPLS = ("dense", "xla", "cudnn")
+ATTENTION_IMPLS = ("dense", "xla", "cudnn", "flash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ class ModelConfig:
   # Numerics and implementation (not part of the HF config).
   dtype: str = "bfloat16"  # activation / compute dtype
   param_dtype: str = "float32"  # master parameter dtype
-  attention_impl: str = "dense"  # dense reference | xla | cudnn (jax.nn.dot_product_attention)
+  attention_impl: str = "dense"  # dense reference | xla | cudnn (jax.nn.dot_product_attention) | flash (model/flash_bd.py)
   remat: bool = False  # rematerialise each layer in the backward pass
 
   def __post_init__(self):

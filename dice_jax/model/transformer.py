@@ -170,6 +170,9 @@ def dense_attention(q, k, v, mask):
 
 
 def self_attention(q, k, v, spec, positions, *, impl="dense"):
+  if impl == "flash":  # mask-aware Pallas kernel: skips masked tiles, no [T, T] mask in memory
+    from dice_jax.model import flash_bd
+    return flash_bd.attention(q, k, v, spec, positions)
   mask = masks_lib.dense_mask(spec, positions)
   if impl == "dense":
     return dense_attention(q, k, v, mask)

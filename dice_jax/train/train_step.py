@@ -125,10 +125,16 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn,
 def jit_train_step(step_fn, shardings: dict, mesh: Mesh, accum_steps: int = 1):
   """jax.jit with explicit in/out shardings; the input state is donated."""
   replicated = NamedSharding(mesh, P())
-  return jax.jit(step_fn,
-                 in_shardings=(shardings, batch_shardings(mesh, accum_steps), replicated),
-                 out_shardings=(shardings, replicated),
-                 donate_argnums=0)
+  jitted = jax.jit(step_fn,
+                   in_shardings=(shardings, batch_shardings(mesh, accum_steps), replicated),
+                   out_shardings=(shardings, replicated),
+                   donate_argnums=0)
+
+  def run(state, batch, rng):
+    with jax.set_mesh(mesh):  # lets kernels without partitioning rules shard_map themselves
+      return jitted(state, batch, rng)
+  run.jitted = jitted
+  return run
 
 
 def shard_batch(batch: dict, mesh: Mesh, accum_steps: int = 1) -> dict:

@@ -1,0 +1,302 @@
+"""Flash attention for the block-diffusion masks (Pallas; Triton on GPU, interpreter on CPU).
+
+Adapted from `jax.experimental.pallas.ops.gpu.attention` (Apache-2.0): the causal/segment mask is
+replaced by a mask computed per tile from three int32 vectors per row, and tiles whose mask is
+all-false are skipped (`lax.cond`), so the work follows the mask, not the (2T)^2 square.
+
+Rank encoding (for the 2L `[x_t ; x_0]` input; `half` = 0 on x_t, 1 on x_0):
+  rank = 2 * block + half            (queries and keys)
+  klo  = 2 * block on x_t keys, BIG on x_0 keys
+  q sees k  iff  seg_q == seg_k > 0  and  rank_k <= rank_q  and  klo_k >= rank_q
+which is exactly M_BD (x_t->x_t same block), M_OBC (x_t->x_0 earlier blocks), M_BC (x_0->x_0
+block-causal) and nothing for x_0->x_t. Block-causal attention (one half, no x_t) is the same
+with half = 1 everywhere. Grouped-query attention: K/V heads are shared by `N // K` query heads.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # the Triton backend's helpers (GPU); the interpreter needs only pl.
+  from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover
+  plgpu = None
+
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+BIG = 2**30
+
+
+def bd_mask_vectors(seg_bt, blk_bt):
+  """(seg, rank, klo) `[B, 2T]` of the `[x_t ; x_0]` layout from one half's ids `[B, T]`."""
+  seg = jnp.concatenate([seg_bt, seg_bt], 1).astype(jnp.int32)
+  blk = blk_bt.astype(jnp.int32)
+  rank = jnp.concatenate([2 * blk, 2 * blk + 1], 1)
+  klo = jnp.concatenate([2 * blk, jnp.full_like(blk, BIG)], 1)
+  return seg, rank, klo
+
+
+def mask_from_vectors(seg, rank, klo):
+  """The dense `[B, S, S]` mask the vectors describe (reference / tests)."""
+  same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
+  return same & (rank[:, None, :] <= rank[:, :, None]) & (klo[:, None, :] >= rank[:, :, None])
+
+
+def _tile_mask(q_seg, q_rank, k_seg, k_rank, k_lo):
+  same = (q_seg[:, None] == k_seg[None, :]) & (q_seg[:, None] > 0)
+  return same & (k_rank[None, :] <= q_rank[:, None]) & (k_lo[None, :] >= q_rank[:, None])
+
+
+def _tile_live(q_seg, q_rank, k_seg, k_rank, k_lo):
+  """False only when the (q tile, k tile) mask is certainly all-false."""
+  return ((jnp.min(k_rank) <= jnp.max(q_rank)) & (jnp.max(k_lo) >= jnp.min(q_rank))
+          & (jnp.max(k_seg) >= jnp.min(q_seg)) & (jnp.min(k_seg) <= jnp.max(q_seg))
+          & (jnp.max(q_seg) > 0))
+
+
+def _load(ref, idx=None):
+  return ref[...] if idx is None else ref[idx]
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, rank_ref, klo_ref, o_ref, lse_ref, *,
+                scale, block_q, block_k):
+  seq_len = k_ref.shape[0]
+  start_q = pl.program_id(0)
+  q_slice = pl.ds(start_q * block_q, block_q)
+  q = q_ref[...]
+  q_seg, q_rank = seg_ref[q_slice], rank_ref[q_slice]
+  h = q.shape[-1]
+  qk_scale = scale * math.log2(math.e)
+
+  def body(start_k, carry):
+    k_slice = pl.ds(start_k * block_k, block_k)
+    k_seg, k_rank, k_lo = seg_ref[k_slice], rank_ref[k_slice], klo_ref[k_slice]
+
+    def compute(carry):
+      o_prev, m_prev, l_prev = carry
+      k = k_ref[k_slice, :]
+      qk = pl.dot(q, k.T) * qk_scale
+      qk = jnp.where(_tile_mask(q_seg, q_rank, k_seg, k_rank, k_lo), qk, MASK_VALUE)
+      m_next = jnp.maximum(m_prev, jnp.max(qk, axis=-1))
+      corr = jnp.exp2(m_prev - m_next)
+      s = jnp.exp2(qk - m_next[:, None])
+      l_next = corr * l_prev + s.sum(axis=-1)
+      v = v_ref[k_slice, :]
+      o_next = corr[:, None] * o_prev + pl.dot(s.astype(v.dtype), v)
+      return o_next, m_next, l_next
+
+    live = _tile_live(q_seg, q_rank, k_seg, k_rank, k_lo)
+    return lax.cond(live, compute, lambda c: c, carry)
+
+  o = jnp.zeros((block_q, h), jnp.float32)
+  m = jnp.full((block_q,), -jnp.inf, jnp.float32)
+  l = jnp.zeros((block_q,), jnp.float32)
+  o, m, l = lax.fori_loop(0, pl.cdiv(seq_len, block_k), body, (o, m, l))
+  empty = l == 0.0  # rows with no visible key (padding): output 0, finite lse
+  l = jnp.where(empty, 1.0, l)
+  m = jnp.where(empty, 0.0, m)
+  o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = m + jnp.log2(l)  # base-2 log-sum-exp of the scaled scores
+
+
+def _bwd_kernel(q_ref, k_ref, v_ref, seg_ref, rank_ref, klo_ref, do_ref, lse_ref, delta_ref,
+                dq_ref, dk_ref, dv_ref, *, scale, block_q, block_k):
+  """dK/dV for one k tile (loop over q tiles), then dQ for one q tile (loop over k tiles)."""
+  q_len = q_ref.shape[0]
+  qk_scale = scale * math.log2(math.e)
+  h = q_ref.shape[-1]
+
+  def p_and_ds(q, k, v, do, lse, di, mask):
+    qk = jnp.where(mask, pl.dot(q, k.T) * qk_scale, MASK_VALUE)
+    p = jnp.exp2(qk - lse[:, None])
+    dp = pl.dot(do, v.T) - di[:, None]
+    return p, p * dp * scale
+
+  # dK, dV
+  start_k = pl.program_id(2)
+  k_slice = pl.ds(start_k * block_k, block_k)
+  k, v = k_ref[k_slice, :], v_ref[k_slice, :]
+  k_seg, k_rank, k_lo = seg_ref[k_slice], rank_ref[k_slice], klo_ref[k_slice]
+
+  def dkdv_body(start_q, carry):
+    q_slice = pl.ds(start_q * block_q, block_q)
+    q_seg, q_rank = seg_ref[q_slice], rank_ref[q_slice]
+
+    def compute(carry):
+      dk, dv = carry
+      q, do = q_ref[q_slice, :], do_ref[q_slice, :]
+      mask = _tile_mask(q_seg, q_rank, k_seg, k_rank, k_lo)
+      p, ds = p_and_ds(q, k, v, do, lse_ref[q_slice], delta_ref[q_slice], mask)
+      dv = dv + pl.dot(p.astype(do.dtype).T, do)
+      dk = dk + pl.dot(ds.astype(q.dtype).T, q)
+      return dk, dv
+
+    return lax.cond(_tile_live(q_seg, q_rank, k_seg, k_rank, k_lo), compute, lambda c: c, carry)
+
+  zeros = jnp.zeros((block_k, h), jnp.float32)
+  dk, dv = lax.fori_loop(0, pl.cdiv(q_len, block_q), dkdv_body, (zeros, zeros))
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+  # dQ (the same grid index, read as a q tile of size block_q; block_q == block_k here)
+  start_q = pl.program_id(2)
+  q_slice = pl.ds(start_q * block_q, block_q)
+  q, do = q_ref[q_slice, :], do_ref[q_slice, :]
+  lse, di = lse_ref[q_slice], delta_ref[q_slice]
+  q_seg, q_rank = seg_ref[q_slice], rank_ref[q_slice]
+
+  def dq_body(start_k, dq):
+    k_slice = pl.ds(start_k * block_k, block_k)
+    k_seg, k_rank, k_lo = seg_ref[k_slice], rank_ref[k_slice], klo_ref[k_slice]
+
+    def compute(dq):
+      k, v = k_ref[k_slice, :], v_ref[k_slice, :]
+      _, ds = p_and_ds(q, k, v, do, lse, di, _tile_mask(q_seg, q_rank, k_seg, k_rank, k_lo))
+      return dq + pl.dot(ds.astype(k.dtype), k)
+
+    return lax.cond(_tile_live(q_seg, q_rank, k_seg, k_rank, k_lo), compute, lambda d: d, dq)
+
+  dq = lax.fori_loop(0, pl.cdiv(k_ref.shape[0], block_k), dq_body,
+                     jnp.zeros((block_q, h), jnp.float32))
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _params(num_warps, num_stages):
+  if plgpu is None:
+    return None
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _forward(q, k, v, seg, rank, klo, scale, block_q, block_k, interpret):
+  b, s, n, h = q.shape
+  g = n // k.shape[2]
+  row = pl.BlockSpec((None, s), lambda i, j, hh: (j, 0))
+  out, lse = pl.pallas_call(
+      functools.partial(_fwd_kernel, scale=scale, block_q=block_q, block_k=block_k),
+      grid=(s // block_q, b, n),
+      in_specs=[pl.BlockSpec((None, block_q, None, h), lambda i, j, hh: (j, i, hh, 0)),
+                pl.BlockSpec((None, s, None, h), lambda i, j, hh: (j, 0, hh // g, 0)),
+                pl.BlockSpec((None, s, None, h), lambda i, j, hh: (j, 0, hh // g, 0)),
+                row, row, row],
+      out_specs=[pl.BlockSpec((None, block_q, None, h), lambda i, j, hh: (j, i, hh, 0)),
+                 pl.BlockSpec((None, None, block_q), lambda i, j, hh: (j, hh, i))],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((b, n, s), jnp.float32)],
+      compiler_params=_params(8 if h > 64 else 4, 2),
+      interpret=interpret, name="bd_flash_fwd",
+  )(q, k, v, seg, rank, klo)
+  return out, lse
+
+
+def _backward(q, k, v, seg, rank, klo, out, lse, do, scale, block, interpret):
+  b, s, n, h = q.shape
+  kh = k.shape[2]
+  g = n // kh
+  delta = jnp.einsum("bsnh,bsnh->bns", out.astype(jnp.float32), do.astype(jnp.float32))
+  full_q = pl.BlockSpec((None, s, None, h), lambda i, j, t: (i, 0, j, 0))
+  full_kv = pl.BlockSpec((None, s, None, h), lambda i, j, t: (i, 0, j // g, 0))
+  row = pl.BlockSpec((None, s), lambda i, j, t: (i, 0))
+  stat = pl.BlockSpec((None, None, s), lambda i, j, t: (i, j, 0))
+  tile = pl.BlockSpec((None, block, None, h), lambda i, j, t: (i, t, j, 0))
+  dq, dk, dv = pl.pallas_call(
+      functools.partial(_bwd_kernel, scale=scale, block_q=block, block_k=block),
+      grid=(b, n, s // block),
+      in_specs=[full_q, full_kv, full_kv, row, row, row, full_q, stat, stat],
+      out_specs=[tile, tile, tile],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((b, s, n, h), jnp.float32),
+                 jax.ShapeDtypeStruct((b, s, n, h), jnp.float32)],
+      compiler_params=_params(4 if block <= 64 else 8, 2),
+      interpret=interpret, name="bd_flash_bwd",
+  )(q, k, v, seg, rank, klo, do, lse, delta)
+  # Query heads sharing a K/V head: sum their dK/dV.
+  dk = dk.reshape(b, s, kh, g, h).sum(3).astype(k.dtype)
+  dv = dv.reshape(b, s, kh, g, h).sum(3).astype(v.dtype)
+  return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def flash_attention(q, k, v, seg, rank, klo, scale, block_q=128, block_k=64, block_bwd=64,
+                    interpret=False):
+  """q `[B,S,N,H]`, k/v `[B,S,K,H]`, int32 vectors `[B,S]` (see module doc) -> `[B,S,N,H]`."""
+  return _forward(q, k, v, seg, rank, klo, scale, block_q, block_k, interpret)[0]
+
+
+def _fa_fwd(q, k, v, seg, rank, klo, scale, block_q, block_k, block_bwd, interpret):
+  out, lse = _forward(q, k, v, seg, rank, klo, scale, block_q, block_k, interpret)
+  return out, (q, k, v, seg, rank, klo, out, lse)
+
+
+def _fa_bwd(scale, block_q, block_k, block_bwd, interpret, res, do):
+  q, k, v, seg, rank, klo, out, lse = res
+  dq, dk, dv = _backward(q, k, v, seg, rank, klo, out, lse, do, scale, block_bwd, interpret)
+  return dq, dk, dv, None, None, None
+
+
+flash_attention.defvjp(_fa_fwd, _fa_bwd)
+
+
+def block_diffusion_attention(q, k, v, seg_bt, blk_bt, *, block_q=128, block_k=64,
+                              block_bwd=64, interpret=None):
+  """Attention of the `[x_t ; x_0]` input under the block-diffusion mask (see masks.py)."""
+  s = q.shape[1]
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  bq, bk, bb = min(block_q, s), min(block_k, s), min(block_bwd, s)
+  if s % bq or s % bk or s % bb:
+    raise ValueError(f"flash_bd: sequence {s} must be a multiple of the tiles {bq}, {bk}, {bb}")
+  seg, rank, klo = bd_mask_vectors(seg_bt, blk_bt)
+  seg = jnp.where(seg > 0, seg, 0)
+  return flash_attention(q, k, v, seg, rank, klo, q.shape[-1] ** -0.5, bq, bk, bb, interpret)
+
+
+def mask_vectors(spec, positions):
+  """(seg, rank, klo) `[B, S]` for any `AttentionSpec` kind over a self-attention input."""
+  if spec.kind == "block_diffusion":
+    seg, blk = spec.resolve(positions[:, :positions.shape[1] // 2])
+    return bd_mask_vectors(seg, blk)
+  seg, blk = spec.resolve(positions)
+  rank = {"causal": positions, "block_causal": blk,
+          "full": jnp.zeros_like(blk)}[spec.kind].astype(jnp.int32)
+  return seg.astype(jnp.int32), rank, jnp.full_like(rank, BIG)
+
+
+def attention(q, k, v, spec, positions, *, block_q=128, block_k=64, block_bwd=64,
+              interpret=None):
+  """Flash attention for an `AttentionSpec` (the `attention_impl='flash'` path)."""
+  s = q.shape[1]
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  bq, bk, bb = min(block_q, s), min(block_k, s), min(block_bwd, s)
+  if s % bq or s % bk or s % bb:
+    raise ValueError(f"flash attention: input length {s} must be a multiple of the tiles "
+                     f"{bq}, {bk}, {bb}")
+  seg, rank, klo = mask_vectors(spec, positions)
+  fn = functools.partial(flash_attention, scale=q.shape[-1] ** -0.5, block_q=bq, block_k=bk,
+                         block_bwd=bb, interpret=interpret)
+  return _shard_mapped(fn, q, k)(q, k, v, seg, rank, klo)
+
+
+def _shard_mapped(fn, q, k):
+  """Under a mesh context (`jax.set_mesh`), run the kernel per shard: rows over the data/fsdp
+  axes and heads over `tensor` where they divide (a Pallas call has no partitioning rule, so
+  without this XLA would gather whole arrays onto every device)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or mesh.size == 1:
+    return fn
+  P = jax.sharding.PartitionSpec
+  rows = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
+  nrows = math.prod(mesh.shape[a] for a in rows)
+  row_axis = (rows if len(rows) > 1 else rows[0]) if rows and q.shape[0] % nrows == 0 else None
+  tp = mesh.shape.get("tensor", 1)
+  head_axis = "tensor" if tp > 1 and q.shape[2] % tp == 0 and k.shape[2] % tp == 0 else None
+  heads = P(row_axis, None, head_axis, None)
+  vec = P(row_axis, None)
+  return jax.shard_map(lambda *a: fn(*a), mesh=mesh, in_specs=(heads, heads, heads, vec, vec, vec),
+                       out_specs=heads, check_vma=False)
