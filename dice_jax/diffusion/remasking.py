@@ -1,0 +1,118 @@
+"""Pure functions of one denoising step: draw candidate tokens, choose which positions to unmask.
+
+Reference §2.4 (SDAR `generate.py`) and §1.7 (JetEngine, as used by DICE/TraceRL rollouts):
+  * candidates: logits -> top-k -> temperature -> top-p -> sample (argmax when temperature = 0);
+    a position's confidence is the probability of its candidate under that filtered distribution.
+  * per step, `num_transfer[s]` = block // steps, the remainder spread over the earliest steps.
+  * strategies:
+      sequential              the leftmost k masked positions;
+      low_confidence_static   the k masked positions of highest confidence;
+      low_confidence_dynamic  every masked position with confidence > threshold, or the top-k
+                              when fewer than k pass;
+      entropy_bounded         positions sorted by entropy; the longest prefix whose cumulative
+                              entropy is <= eb_threshold, at least one.
+  * at the last allowed step every remaining masked position is unmasked (so a block always
+    finishes within `steps` forwards; only `entropy_bounded` can need this).
+Arrays are `[B, N]` over the N positions of the active block; ties break towards the left.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+STRATEGIES = ("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded")
+
+
+def transfer_schedule(block_size: int, steps: int) -> np.ndarray:
+  """Tokens to unmask at each of `steps` steps: block // steps, remainder to the earliest."""
+  base, rem = divmod(block_size, steps)
+  return np.array([base + (1 if s < rem else 0) for s in range(steps)], np.int32)
+
+
+def _filtered_logits(logits_bnv, *, temperature: float, top_k: int, top_p: float):
+  x = logits_bnv.astype(jnp.float32)
+  if top_k > 0:
+    kth = jax.lax.top_k(x, top_k)[0][..., -1:]
+    x = jnp.where(x < kth, -jnp.inf, x)
+  if temperature > 0:
+    x = x / temperature
+  if top_p < 1.0:
+    srt = jnp.sort(x, axis=-1)[..., ::-1]
+    probs = jax.nn.softmax(srt, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
+    n_keep = jnp.maximum(jnp.sum(before < top_p, axis=-1, keepdims=True), 1)
+    cutoff = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
+    x = jnp.where(x < cutoff, -jnp.inf, x)
+  return x
+
+
+def sample_candidates(key, logits_bnv, *, temperature: float = 0.0, top_k: int = 0,
+                      top_p: float = 1.0, want_entropy: bool = False, want_logprob: bool = False):
+  """Candidate token per position and its statistics.
+
+  Returns dict: `token` [B,N] int32, `confidence` [B,N] (probability under the filtered
+  distribution), `entropy` [B,N] (of the filtered distribution; zeros unless `want_entropy`),
+  `logprob` [B,N] (log-probability under the unfiltered model distribution, temperature 1; zeros
+  unless `want_logprob`).
+  """
+  x = _filtered_logits(logits_bnv, temperature=temperature, top_k=top_k, top_p=top_p)
+  if temperature > 0:
+    token = jax.random.categorical(key, x, axis=-1)
+  else:
+    token = jnp.argmax(x, axis=-1)
+  token = token.astype(jnp.int32)
+  lse = jax.nn.logsumexp(x, axis=-1)
+  picked = jnp.take_along_axis(x, token[..., None], axis=-1)[..., 0]
+  out = dict(token=token, confidence=jnp.exp(picked - lse))
+  if want_entropy:
+    logp = x - lse[..., None]
+    out["entropy"] = -jnp.sum(jnp.where(jnp.isfinite(logp), jnp.exp(logp) * logp, 0.0), axis=-1)
+  else:
+    out["entropy"] = jnp.zeros_like(picked)
+  if want_logprob:
+    raw = logits_bnv.astype(jnp.float32)
+    raw_picked = jnp.take_along_axis(raw, token[..., None], axis=-1)[..., 0]
+    out["logprob"] = raw_picked - jax.nn.logsumexp(raw, axis=-1)
+  else:
+    out["logprob"] = jnp.zeros_like(picked)
+  return out
+
+
+def _rank(key_bn, masked_bn):
+  """Rank of each masked position by ascending key (ties: leftmost first); unmasked rank last."""
+  n = key_bn.shape[-1]
+  order_key = jnp.where(masked_bn, key_bn, jnp.inf)
+  order = jnp.argsort(order_key, axis=-1, stable=True)
+  return jnp.argsort(order, axis=-1, stable=True), order, n
+
+
+def select_transfer(strategy: str, masked_bn, confidence_bn, entropy_bn, k_b, *,
+                    threshold: float = 0.9, eb_threshold: float = 0.35, flush=False):
+  """Positions to unmask this step (`[B, N]` bool, a subset of `masked_bn`).
+
+  `k_b` [B]: this step's transfer count; `flush`: scalar bool, unmask everything left.
+  """
+  if strategy not in STRATEGIES:
+    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+  k = k_b[:, None]
+  pos = jnp.broadcast_to(jnp.arange(masked_bn.shape[-1], dtype=jnp.float32), masked_bn.shape)
+  if strategy == "sequential":
+    rank, _, _ = _rank(pos, masked_bn)
+    sel = rank < k
+  elif strategy == "low_confidence_static":
+    rank, _, _ = _rank(-confidence_bn, masked_bn)
+    sel = rank < k
+  elif strategy == "low_confidence_dynamic":
+    rank, _, _ = _rank(-confidence_bn, masked_bn)
+    high = masked_bn & (confidence_bn > threshold)
+    enough = jnp.sum(high, axis=-1, keepdims=True) >= k
+    sel = jnp.where(enough, high, rank < k)
+  else:  # entropy_bounded
+    rank, order, _ = _rank(entropy_bn, masked_bn)
+    ent_sorted = jnp.take_along_axis(jnp.where(masked_bn, entropy_bn, jnp.inf), order, axis=-1)
+    n_ok = jnp.sum(jnp.cumsum(ent_sorted, axis=-1) <= eb_threshold, axis=-1, keepdims=True)
+    sel = rank < jnp.maximum(n_ok, 1)
+  sel = masked_bn & sel
+  return jnp.where(flush, masked_bn, sel)

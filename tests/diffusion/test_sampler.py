@@ -1,0 +1,203 @@
+"""KV-cached block sampler vs. a cache-free reference; step-map replay; remasking rules."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dice_jax.diffusion import remasking, sampler, trace
+from dice_jax.model import masks as masks_lib
+from dice_jax.model.config import get_config
+from dice_jax.model.transformer import Transformer
+
+MASK = 255
+EOS = 1
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20, 21] * 5, [30, 31, 32, 33]]
+MAX_LEN = 64  # reference forward width (prompt + generation + padding)
+
+
+@pytest.fixture(scope="module")
+def model():
+  m = Transformer(get_config("tiny", dtype="float32"), rngs=nnx.Rngs(0))
+  # Sharpen the random model's distributions so that confidences spread over (0, 1): the dynamic
+  # threshold and the entropy bound then make real choices.
+  m.lm_head[...] = m.lm_head[...] * 60.0
+  return m
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_forward(graphdef, block_size):
+  @jax.jit
+  def fwd(state, tokens, positions, segment_ids, block_ids):
+    m = nnx.merge(graphdef, state)
+    spec = masks_lib.AttentionSpec.block_causal(block_size, segment_ids, block_ids)
+    return m(tokens, positions, spec)
+  return fwd
+
+
+def reference_generate(model, prompt, cfg: sampler.SamplerConfig):
+  """One row, no cache: every step recomputes the block-causal forward over
+  [prompt ; final earlier blocks ; active block]. Returns (response, step_map, inputs_seen)."""
+  b = cfg.block_size
+  graphdef, state = nnx.split(model)
+  fwd = _reference_forward(graphdef, b)
+  schedule = remasking.transfer_schedule(b, cfg.steps)
+  n = len(prompt)
+  if cfg.block_alignment == "response":
+    start, block_of = n, lambda p: (p - n) // b
+  else:
+    start, block_of = (n // b) * b, lambda p: p // b
+  seq = list(prompt)
+  step_map = []
+  seen = []  # (step, the tokens fed to the model)
+  step = 0
+  while True:
+    block = seq[start:n] + [MASK] * (b - max(0, n - start))
+    fixed = np.arange(start, start + b) < n
+    block_steps = np.full(b, -1)
+    for s in range(cfg.steps):
+      masked = (np.array(block) == MASK) & ~fixed
+      if not masked.any():
+        break
+      inp = seq[:start] + block
+      width = len(inp)
+      tok = np.zeros((1, MAX_LEN), np.int32)
+      tok[0, :width] = inp
+      pos = np.arange(MAX_LEN)[None].astype(np.int32)
+      seg = (pos < width).astype(np.int32)
+      blk = block_of(pos).astype(np.int32)
+      logits = fwd(state, tok, pos, seg, blk)[:, start:start + b]
+      cand = remasking.sample_candidates(None, logits, temperature=0.0,
+                                         want_entropy=cfg.strategy == "entropy_bounded")
+      sel = remasking.select_transfer(
+          cfg.strategy, jnp.asarray(masked)[None], cand["confidence"], cand["entropy"],
+          jnp.asarray([schedule[s]]), threshold=cfg.threshold, eb_threshold=cfg.eb_threshold,
+          flush=s == cfg.steps - 1)
+      sel = np.asarray(sel)[0]
+      seen.append((step, list(inp)))
+      block = [int(t) if c else x for t, c, x in zip(np.asarray(cand["token"])[0], sel, block)]
+      block_steps[sel] = step
+      step += 1
+    seq = seq[:start] + block
+    step_map += [int(x) for x, f in zip(block_steps, fixed) if not f]
+    start += b
+    generated = seq[n:]
+    if EOS in block[max(0, n - start + b):] or len(generated) >= cfg.max_new_tokens:
+      return generated, step_map, seen
+
+
+STRATEGY_CFGS = [
+    sampler.SamplerConfig(strategy="sequential", steps=4),
+    sampler.SamplerConfig(strategy="low_confidence_static", steps=2),
+    sampler.SamplerConfig(strategy="low_confidence_dynamic", steps=4, threshold=0.5),
+    sampler.SamplerConfig(strategy="entropy_bounded", steps=4, eb_threshold=0.5),
+    sampler.SamplerConfig(strategy="low_confidence_static", steps=4, block_alignment="absolute"),
+]
+
+
+@pytest.fixture(scope="module", params=STRATEGY_CFGS,
+                ids=lambda c: f"{c.strategy}-{c.steps}-{c.block_alignment}")
+def sampled(request, model):
+  cfg = dataclasses.replace(request.param, max_new_tokens=14, stop_ids=(EOS,), pad_id=0)
+  out = sampler.generate(model, PROMPTS, cfg)
+  refs = [reference_generate(model, p, cfg) for p in PROMPTS]
+  return cfg, out, refs
+
+
+def test_cached_sampler_matches_cache_free_reference(sampled):
+  cfg, out, refs = sampled
+  tokens, step_map = np.asarray(out.tokens), np.asarray(out.step_map)
+  starts = np.asarray(out.response_start)
+  assert cfg.block_alignment != "response" or (starts == starts[0]).all()
+  for i, (ref_tokens, ref_steps, _) in enumerate(refs):
+    generated = step_map[i] >= 0
+    got_tokens = tokens[i, generated]
+    np.testing.assert_array_equal(got_tokens, ref_tokens, err_msg=f"row {i}")
+    np.testing.assert_array_equal(step_map[i, generated], ref_steps, err_msg=f"row {i}")
+    # Generated slots are contiguous from the response start.
+    cols = np.nonzero(generated)[0]
+    assert cols[0] == starts[i] and (np.diff(cols) == 1).all()
+    assert int(out.steps_used[i]) == max(ref_steps) + 1
+    # Prompt survives untouched, left-padded right before the response (or inside its block).
+    n = len(PROMPTS[i])
+    np.testing.assert_array_equal(tokens[i, starts[i] - n:starts[i]], PROMPTS[i])
+  # Every step unmasks at least one token in some row; the dynamic/eb rules used fewer forwards.
+  if cfg.strategy in ("low_confidence_static", "sequential") and cfg.block_alignment == "response":
+    per_block = step_map[:, starts[0]:starts[0] + 4]
+    assert sorted(per_block[0].tolist()) == sorted(
+        np.repeat(np.arange(cfg.steps), 4 // cfg.steps).tolist())
+
+
+def test_replay_by_step_map_reproduces_sampler_inputs(sampled):
+  cfg, out, refs = sampled
+  tokens, step_map = jnp.asarray(out.tokens), jnp.asarray(out.step_map)
+  # Column of each row's first prompt token (= its position 0) in either alignment.
+  pads = np.asarray(out.response_start) - np.array([len(p) for p in PROMPTS])
+  for i, (_, _, seen) in enumerate(refs):
+    assert seen, "reference recorded no steps"
+    for step, inp in seen:
+      state = np.asarray(trace.state_before_step(tokens[i:i + 1], step_map[i:i + 1],
+                                                 jnp.asarray([step]), MASK))[0]
+      offset = pads[i]
+      np.testing.assert_array_equal(state[offset:offset + len(inp)], inp,
+                                    err_msg=f"row {i} step {step}")
+      active = np.asarray(trace.active_columns(step_map[i:i + 1], jnp.asarray([step])))[0]
+      assert active.any() and np.nonzero(active)[0].max() < offset + len(inp)
+
+
+def test_stops_and_lengths(model):
+  # Row 0 may emit EOS early; lengths never exceed the per-row budget and include the first EOS.
+  cfg = sampler.SamplerConfig(strategy="low_confidence_static", steps=4, max_new_tokens=14,
+                              stop_ids=(EOS,))
+  out = sampler.generate(model, PROMPTS, cfg, max_new_tokens=[14, 5, 9, 1])
+  lengths = np.asarray(out.response_lengths)
+  assert (lengths <= np.array([14, 5, 9, 1])).all() and lengths[3] == 1
+  for i, resp in enumerate(out.responses()):
+    assert len(resp) == lengths[i]
+    assert EOS not in resp[:-1]
+  # A budget of 5 tokens stops after the second block: 8 slots generated, the rest pad.
+  assert (np.asarray(out.step_map)[1] >= 0).sum() == 8
+  assert (np.asarray(out.step_map)[3] >= 0).sum() == 4
+
+
+def test_remasking_rules_by_hand():
+  masked = jnp.array([[True, True, False, True]])
+  conf = jnp.array([[0.2, 0.95, 0.99, 0.93]])
+  ent = jnp.array([[0.3, 0.1, 0.0, 0.2]])
+  k = jnp.array([1])
+  pick = lambda s, **kw: np.asarray(remasking.select_transfer(s, masked, conf, ent, k, **kw))[0]
+  np.testing.assert_array_equal(pick("sequential"), [1, 0, 0, 0])
+  np.testing.assert_array_equal(pick("low_confidence_static"), [0, 1, 0, 0])
+  np.testing.assert_array_equal(pick("low_confidence_dynamic", threshold=0.9), [0, 1, 0, 1])
+  np.testing.assert_array_equal(pick("low_confidence_dynamic", threshold=0.96), [0, 1, 0, 0])
+  np.testing.assert_array_equal(pick("entropy_bounded", eb_threshold=0.35), [0, 1, 0, 1])
+  np.testing.assert_array_equal(pick("entropy_bounded", eb_threshold=0.05), [0, 1, 0, 0])
+  np.testing.assert_array_equal(pick("sequential", flush=True), [1, 1, 0, 1])
+  np.testing.assert_array_equal(remasking.transfer_schedule(4, 3), [2, 1, 1])
+  np.testing.assert_array_equal(remasking.transfer_schedule(4, 4), [1, 1, 1, 1])
+
+
+def test_top_k_top_p_and_temperature_filtering():
+  logits = jnp.log(jnp.array([[[0.5, 0.3, 0.15, 0.05]]]))
+  keys = jax.random.split(jax.random.key(0), 4000)
+  t1 = np.asarray(jax.vmap(lambda k: remasking.sample_candidates(
+      k, logits, temperature=1.0)["token"][0, 0])(keys))
+  np.testing.assert_allclose(np.bincount(t1, minlength=4) / 4000, [0.5, 0.3, 0.15, 0.05],
+                             atol=0.03)
+  tk = np.asarray(jax.vmap(lambda k: remasking.sample_candidates(
+      k, logits, temperature=1.0, top_k=2)["token"][0, 0])(keys))
+  assert set(tk.tolist()) == {0, 1}
+  np.testing.assert_allclose((tk == 0).mean(), 0.5 / 0.8, atol=0.03)
+  tp = np.asarray(jax.vmap(lambda k: remasking.sample_candidates(
+      k, logits, temperature=1.0, top_p=0.85)["token"][0, 0])(keys))
+  assert set(tp.tolist()) == {0, 1, 2}  # 0.5 + 0.3 < 0.85 <= 0.95
+  greedy = remasking.sample_candidates(None, logits, want_entropy=True, want_logprob=True)
+  assert int(greedy["token"][0, 0]) == 0
+  np.testing.assert_allclose(float(greedy["confidence"][0, 0]), 0.5, rtol=1e-5)
+  np.testing.assert_allclose(float(greedy["logprob"][0, 0]), np.log(0.5), rtol=1e-5)
+  p = np.array([0.5, 0.3, 0.15, 0.05])
+  np.testing.assert_allclose(float(greedy["entropy"][0, 0]), -(p * np.log(p)).sum(), rtol=1e-5)
