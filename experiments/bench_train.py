@@ -35,6 +35,7 @@ flags.DEFINE_integer("mesh_fsdp", -1, "fsdp axis (-1 fills)")
 flags.DEFINE_integer("mesh_tensor", 1, "tensor axis")
 flags.DEFINE_integer("steps", 5, "timed steps (after 2 warm-up steps)")
 flags.DEFINE_bool("check", False, "check the attention impl against dense first")
+flags.DEFINE_list("flash_blocks", None, "flash tiles: block_q,block_k,block_bwd")
 flags.DEFINE_string("out", None, "append the result as a JSON line to this file")
 
 
@@ -90,6 +91,9 @@ def main(argv):
   from dice_jax.train import metrics, optimizer, sharding
   from dice_jax.train import train_step as ts
 
+  if FLAGS.flash_blocks:
+    from dice_jax.model import flash_bd
+    flash_bd.BLOCKS.update(zip(("block_q", "block_k", "block_bwd"), map(int, FLAGS.flash_blocks)))
   if FLAGS.check:
     check_attention(FLAGS.attention_impl)
   cfg = get_config(FLAGS.config, attention_impl=FLAGS.attention_impl, remat=FLAGS.remat)
@@ -123,6 +127,7 @@ def main(argv):
       "devices": mesh.size, "mesh": dict(mesh.shape), "jax": jax.__version__,
       "config": FLAGS.config, "seq_len": FLAGS.seq_len, "input_len": 2 * FLAGS.seq_len,
       "rows": rows, "attention_impl": cfg.attention_impl, "remat": cfg.remat,
+      "flash_blocks": FLAGS.flash_blocks,
       "step_s": round(dt, 4), "tokens_per_s": round(rows * FLAGS.seq_len / dt, 1),
       "input_tokens_per_s": round(rows * 2 * FLAGS.seq_len / dt, 1),
       "mfu": round(f_mask / dt / (peak * mesh.size), 4),

@@ -60,8 +60,10 @@ def _tile_live(q_seg, q_rank, k_seg, k_rank, k_lo):
           & (jnp.max(q_seg) > 0))
 
 
-def _load(ref, idx=None):
-  return ref[...] if idx is None else ref[idx]
+def _dot(a, b):
+  """a @ b with float32 accumulation (what the removed `pl.dot` did)."""
+  return lax.dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, rank_ref, klo_ref, o_ref, lse_ref, *,
@@ -81,14 +83,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, rank_ref, klo_ref, o_ref, lse_ref,
     def compute(carry):
       o_prev, m_prev, l_prev = carry
       k = k_ref[k_slice, :]
-      qk = pl.dot(q, k.T) * qk_scale
+      qk = _dot(q, k.T) * qk_scale
       qk = jnp.where(_tile_mask(q_seg, q_rank, k_seg, k_rank, k_lo), qk, MASK_VALUE)
       m_next = jnp.maximum(m_prev, jnp.max(qk, axis=-1))
       corr = jnp.exp2(m_prev - m_next)
       s = jnp.exp2(qk - m_next[:, None])
       l_next = corr * l_prev + s.sum(axis=-1)
       v = v_ref[k_slice, :]
-      o_next = corr[:, None] * o_prev + pl.dot(s.astype(v.dtype), v)
+      o_next = corr[:, None] * o_prev + _dot(s.astype(v.dtype), v)
       return o_next, m_next, l_next
 
     live = _tile_live(q_seg, q_rank, k_seg, k_rank, k_lo)
@@ -113,9 +115,9 @@ def _bwd_kernel(q_ref, k_ref, v_ref, seg_ref, rank_ref, klo_ref, do_ref, lse_ref
   h = q_ref.shape[-1]
 
   def p_and_ds(q, k, v, do, lse, di, mask):
-    qk = jnp.where(mask, pl.dot(q, k.T) * qk_scale, MASK_VALUE)
+    qk = jnp.where(mask, _dot(q, k.T) * qk_scale, MASK_VALUE)
     p = jnp.exp2(qk - lse[:, None])
-    dp = pl.dot(do, v.T) - di[:, None]
+    dp = _dot(do, v.T) - di[:, None]
     return p, p * dp * scale
 
   # dK, dV
@@ -133,8 +135,8 @@ def _bwd_kernel(q_ref, k_ref, v_ref, seg_ref, rank_ref, klo_ref, do_ref, lse_ref
       q, do = q_ref[q_slice, :], do_ref[q_slice, :]
       mask = _tile_mask(q_seg, q_rank, k_seg, k_rank, k_lo)
       p, ds = p_and_ds(q, k, v, do, lse_ref[q_slice], delta_ref[q_slice], mask)
-      dv = dv + pl.dot(p.astype(do.dtype).T, do)
-      dk = dk + pl.dot(ds.astype(q.dtype).T, q)
+      dv = dv + _dot(p.astype(do.dtype).T, do)
+      dk = dk + _dot(ds.astype(q.dtype).T, q)
       return dk, dv
 
     return lax.cond(_tile_live(q_seg, q_rank, k_seg, k_rank, k_lo), compute, lambda c: c, carry)
@@ -158,7 +160,7 @@ def _bwd_kernel(q_ref, k_ref, v_ref, seg_ref, rank_ref, klo_ref, do_ref, lse_ref
     def compute(dq):
       k, v = k_ref[k_slice, :], v_ref[k_slice, :]
       _, ds = p_and_ds(q, k, v, do, lse, di, _tile_mask(q_seg, q_rank, k_seg, k_rank, k_lo))
-      return dq + pl.dot(ds.astype(k.dtype), k)
+      return dq + _dot(ds.astype(k.dtype), k)
 
     return lax.cond(_tile_live(q_seg, q_rank, k_seg, k_rank, k_lo), compute, lambda d: d, dq)
 
@@ -267,9 +269,15 @@ def mask_vectors(spec, positions):
   return seg.astype(jnp.int32), rank, jnp.full_like(rank, BIG)
 
 
-def attention(q, k, v, spec, positions, *, block_q=128, block_k=64, block_bwd=64,
+BLOCKS = {"block_q": 128, "block_k": 64, "block_bwd": 64}  # GPU tiles (forward q/k, backward)
+
+
+def attention(q, k, v, spec, positions, *, block_q=None, block_k=None, block_bwd=None,
               interpret=None):
   """Flash attention for an `AttentionSpec` (the `attention_impl='flash'` path)."""
+  block_q = block_q or BLOCKS["block_q"]
+  block_k = block_k or BLOCKS["block_k"]
+  block_bwd = block_bwd or BLOCKS["block_bwd"]
   s = q.shape[1]
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
