@@ -17,6 +17,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -26,6 +27,37 @@ import uuid
 _KEY_ARGS = ("name", "cpp_sources", "cuda_sources", "functions", "extra_cflags", "extra_cuda_cflags",
              "extra_ldflags", "extra_include_paths", "with_cuda", "is_python_module",
              "with_pytorch_error_handling", "no_implicit_headers")
+
+
+FAST_BUILD_VERSION = 1
+_TORCH_EXTENSION_INCLUDE = re.compile(r"#\s*include\s*[<\"]torch/extension\.h[>\"]")
+
+
+def fast_variant(params: dict) -> dict | None:
+    """Cheaper build of the same extension, or None when no shortcut applies.
+
+    - In ``cuda_sources``, ``torch/extension.h`` (pybind11 + Python headers) becomes ``torch/types.h``
+      (tensors, factories, TORCH_CHECK); the bindings live in ``main.cpp`` anyway. About 2.4x less nvcc
+      time on a one-kernel extension.
+    - ``main.cpp`` is compiled at -O0 when ``cpp_sources`` only declares functions (no bodies), since then
+      it holds nothing but the pybind11 bindings.
+    A failed fast build falls back to the stock one, so a shortcut can never reject a candidate.
+    """
+    cuda = params.get("cuda_sources")
+    if not cuda:
+        return None
+    cuda_text = cuda if isinstance(cuda, str) else "\n".join(cuda)
+    cpp = params.get("cpp_sources") or ""
+    cpp_text = cpp if isinstance(cpp, str) else "\n".join(cpp)
+    out = dict(params)
+    changed = False
+    if _TORCH_EXTENSION_INCLUDE.search(cuda_text) and not re.search(r"\bpy::|pybind11|PYBIND11", cuda_text):
+        out["cuda_sources"] = _TORCH_EXTENSION_INCLUDE.sub("#include <torch/types.h>", cuda_text)
+        changed = True
+    if "{" not in cpp_text:
+        out["extra_cflags"] = list(params.get("extra_cflags") or []) + ["-O0"]
+        changed = True
+    return out if changed else None
 
 
 def toolchain_signature() -> dict:
@@ -38,6 +70,7 @@ def toolchain_signature() -> dict:
 def build_key(bound: dict) -> str:
     payload = {k: bound.get(k) for k in _KEY_ARGS}
     payload["toolchain"] = toolchain_signature()
+    payload["fast_build"] = FAST_BUILD_VERSION
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -62,8 +95,9 @@ class ExtensionProxy:
 
 
 class CachedLoadInline:
-    def __init__(self, real, build_root: str):
+    def __init__(self, real, build_root: str, fast: bool = True):
         self.real = real
+        self.fast = fast
         self.signature = inspect.signature(real)
         self.build_root = build_root
         self.calls: dict[str, int] = {}
@@ -87,13 +121,24 @@ class CachedLoadInline:
             tmp = os.path.join(self.build_root, f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             os.makedirs(tmp)
             params.update(build_directory=tmp, verbose=False)  # verbose=False keeps compiler output in the error
-            try:
-                module = self.real(**params)
-            except BaseException as e:
-                event["error"] = str(e)
-                event["seconds"] = time.monotonic() - t0
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
+            fast = fast_variant(params) if self.fast else None
+            module = None
+            if fast is not None:
+                try:
+                    module = self.real(**fast)
+                    event["fast"] = True
+                except Exception as e:  # noqa: BLE001 - fall back to the stock build below
+                    event["fast_error"] = str(e)[:2000]
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    os.makedirs(tmp)
+            if module is None:
+                try:
+                    module = self.real(**params)
+                except BaseException as e:
+                    event["error"] = str(e)
+                    event["seconds"] = time.monotonic() - t0
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
             try:
                 os.rename(tmp, final)
             except OSError:  # another process published the same key first
@@ -113,11 +158,11 @@ def _import_so(name: str, path: str):
     return module
 
 
-def install(build_root: str) -> CachedLoadInline:
+def install(build_root: str, fast: bool = True) -> CachedLoadInline:
     """Replace load_inline in torch.utils.cpp_extension (what ``from ... import load_inline`` reads)."""
     import torch.utils.cpp_extension as cpp_extension
 
     os.makedirs(build_root, exist_ok=True)
-    cached = CachedLoadInline(cpp_extension.load_inline, build_root)
+    cached = CachedLoadInline(cpp_extension.load_inline, build_root, fast)
     cpp_extension.load_inline = cached
     return cached

@@ -121,7 +121,12 @@ def run_check(job: dict) -> dict:
         trial_seeds = [int(s) for s in torch.randint(0, 2**31 - 1, (opts["num_correct_trials"],), generator=gen)]
 
         def trial_inputs(i: int) -> list:
+            # Generate directly on the device (torch.device as a context manager sets the default device
+            # of factory functions): level-1 inputs reach gigabytes, too slow to draw on one CPU thread.
             _set_seed(trial_seeds[i])
+            if device.type == "cuda":
+                with torch.device(device):
+                    return correctness.to_device(list(get_inputs()), device)
             return correctness.to_device(list(get_inputs()), device)
 
         def run_ref(args, i):

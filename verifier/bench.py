@@ -1,0 +1,209 @@
+"""``python -m verifier bench``: where the time goes on a verifier host.
+
+Phases (each recorded in the JSON report as it finishes; later phases are skipped when ``--budget-s``
+runs out):
+  stock        stock ``load_inline`` of KernelBench's one-kernel example in a fresh process and build dir
+  single       the same candidate through this verifier (fast build variant, cold cache), one at a time
+  compile      N unique DICE candidates through the build stage (``compile_workers`` in parallel)
+  gpu_dice     the same N candidates through the GPU stage in reward mode (builds cached): rate and verdicts
+  gpu_level1   KernelBench level-1 problems with a pass-through candidate (the reference renamed ModelNew,
+               strictness off): GPU-stage rate in reward mode, then with timing on (cold and cached baseline)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from verifier.contract import FailureKind, VerifyOptions, VerifyRequest
+from verifier.service import ServiceConfig, VerifierService
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DATA_DIRS = [REPO / ".gpu_data" / "verifier", REPO.parent / "shared" / "data" / "dice_rl",
+             REPO.parent / "shared" / "data" / "kernelbench"]
+
+STOCK_SCRIPT = r"""
+import sys, time, torch
+from torch.utils.cpp_extension import load_inline
+ns = {}
+src = open(sys.argv[1]).read()
+t0 = time.monotonic()
+exec(compile(src, "candidate", "exec"), ns)
+print("STOCK_SECONDS", time.monotonic() - t0)
+"""
+
+
+def _find(name: str, explicit: str = "") -> pathlib.Path:
+    if explicit:
+        return pathlib.Path(explicit)
+    for d in DATA_DIRS:
+        if (d / name).is_file():
+            return d / name
+    raise FileNotFoundError(f"{name} not found in {[str(d) for d in DATA_DIRS]}")
+
+
+def _tool_version(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[-1]
+    except Exception as e:  # noqa: BLE001
+        return f"unavailable ({e})"
+
+
+def env_info() -> dict:
+    import torch
+
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version(),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "cores": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+            "nvcc": _tool_version(["nvcc", "--version"]),
+            "gcc": subprocess.run(["gcc", "--version"], capture_output=True, text=True).stdout.split("\n")[0]}
+
+
+def pass_through(reference: str) -> str:
+    """A candidate that is the reference under the name ModelNew (exercises the GPU stage, no kernel)."""
+    return re.sub(r"\bModel\b", "ModelNew", reference)
+
+
+class Bench:
+    def __init__(self, a, cfg: ServiceConfig):
+        self.a, self.cfg = a, cfg
+        self.report: dict = {"env": env_info(), "config": dataclasses.asdict(cfg)}
+        self.t_end = time.monotonic() + a.budget_s
+        self.out = pathlib.Path(a.out) if a.out else None
+
+    def left(self) -> float:
+        return self.t_end - time.monotonic()
+
+    def save(self, phase: str, data) -> None:
+        self.report[phase] = data
+        print(f"[bench] {phase}: {json.dumps(data)[:1500]}", flush=True)
+        if self.out:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.out.write_text(json.dumps(self.report, indent=1))
+
+    def stock(self, candidate: str) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "cand.py")
+            pathlib.Path(path).write_text(candidate)
+            env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(d, "ext"))
+            if self.cfg.arch_list:
+                env["TORCH_CUDA_ARCH_LIST"] = self.cfg.arch_list
+            t0 = time.monotonic()
+            p = subprocess.run([sys.executable, "-c", STOCK_SCRIPT, path], capture_output=True, text=True, env=env,
+                               timeout=900)
+            wall = time.monotonic() - t0
+        m = re.search(r"STOCK_SECONDS ([\d.]+)", p.stdout)
+        self.save("stock", {"load_inline_s": float(m.group(1)) if m else None, "process_wall_s": wall,
+                            "ok": p.returncode == 0, "stderr_tail": p.stderr[-800:] if p.returncode else ""})
+
+    async def single(self, svc: VerifierService, reference: str, candidate: str) -> None:
+        opts = VerifyOptions(device=self.cfg.device, timeout_s=300)
+        t0 = time.monotonic()
+        r = await svc.verify(VerifyRequest("bench-single", "one_shot_add", reference, candidate, opts))
+        self.save("single", {"kind": r.failure_kind.value, "compile_s": r.compile_s, "run_s": r.run_s,
+                             "total_s": time.monotonic() - t0, "reason": r.reason[:300]})
+
+    async def compile_stage(self, svc: VerifierService, tasks: list[dict]) -> None:
+        async def one(t):
+            t0 = time.monotonic()
+            b = await svc._build(VerifyRequest(f"build-{t['id']}", str(t["id"]), t["pytorch_code"], t["cuda_code"],
+                                               VerifyOptions(device=self.cfg.device)))
+            return t0, time.monotonic(), b
+
+        t0 = time.monotonic()
+        res = await asyncio.gather(*(one(t) for t in tasks))
+        wall = time.monotonic() - t0
+        build_s = [sum(e["seconds"] for e in b.get("builds", [])) for _, _, b in res if b.get("builds")]
+        fast = sum(1 for _, _, b in res for e in b.get("builds", []) if e.get("fast"))
+        self.save("compile", {
+            "candidates": len(tasks), "workers": self.cfg.compile_workers, "wall_s": wall,
+            "candidates_per_min": 60 * len(tasks) / wall,
+            "candidates_per_min_per_16_cores": 60 * len(tasks) / wall * 16 / (os.cpu_count() or 16),
+            "median_build_s_under_load": statistics.median(build_s) if build_s else None,
+            "p90_build_s_under_load": sorted(build_s)[int(0.9 * (len(build_s) - 1))] if build_s else None,
+            "fast_variant_builds": fast, "kinds": dict(collections.Counter(b["kind"] for _, _, b in res))})
+
+    async def gpu_dice(self, svc: VerifierService, tasks: list[dict]) -> None:
+        opts = VerifyOptions(device="cuda", timeout_s=120)
+        reqs = [VerifyRequest(f"dice-{t['id']}", str(t["id"]), t["pytorch_code"], t["cuda_code"], opts) for t in tasks]
+        t0 = time.monotonic()
+        res = await asyncio.gather(*(svc.verify(r) for r in reqs))
+        wall = time.monotonic() - t0
+        redo = [dataclasses.replace(q, request_id=q.request_id + "-kb", options=dataclasses.replace(opts, strictness="kernelbench"))
+                for q, r in zip(reqs, res) if r.failure_kind is not FailureKind.OK]
+        kb = {r.request_id[:-3]: r for r in await asyncio.gather(*(svc.verify(q) for q in redo))}
+        rows = [{"id": r.task_id, "kind": r.failure_kind.value, "reason": r.reason[:400], "strict_fp32": r.strict_correct,
+                 "max_abs_diff": r.max_abs_diff, "run_s": r.run_s,
+                 "kernelbench_kind": kb[r.request_id].failure_kind.value if r.request_id in kb else "OK",
+                 "kernelbench_reason": kb[r.request_id].reason[:400] if r.request_id in kb else "",
+                 "logs": r.logs[-600:] if r.failure_kind is not FailureKind.OK else ""} for r in res]
+        self.save("gpu_dice", {
+            "candidates": len(reqs), "wall_s": wall, "candidates_per_min": 60 * len(reqs) / wall,
+            "strict": dict(collections.Counter(x["kind"] for x in rows)),
+            "kernelbench": dict(collections.Counter(x["kernelbench_kind"] for x in rows)),
+            "strict_fp32_1e-4": sum(x["strict_fp32"] for x in rows), "rows": rows})
+
+    async def gpu_level1(self, svc: VerifierService, problems: list[dict]) -> None:
+        def reqs(tag, probs, **kw):
+            o = VerifyOptions(device="cuda", strictness="off", timeout_s=180, **kw)
+            return [VerifyRequest(f"{tag}-{p['problem_id']}", p["name"], p["code"], pass_through(p["code"]), o)
+                    for p in probs]
+
+        out = {}
+        for tag, probs, kw in (("reward", problems, {}),
+                               ("timed_cold", problems[: self.a.timed], {"measure_performance": True}),
+                               ("timed_cached_baseline", problems[: self.a.timed], {"measure_performance": True})):
+            if self.left() < 60:
+                out[tag] = "skipped: bench budget used up"
+                continue
+            rs = reqs(tag, probs, **kw)
+            t0 = time.monotonic()
+            res = await asyncio.gather(*(svc.verify(r) for r in rs))
+            wall = time.monotonic() - t0
+            out[tag] = {"candidates": len(rs), "wall_s": wall, "candidates_per_min": 60 * len(rs) / wall,
+                        "kinds": dict(collections.Counter(r.failure_kind.value for r in res)),
+                        "median_run_s": statistics.median(r.run_s for r in res),
+                        "failures": [(r.task_id, r.failure_kind.value, r.reason[:160]) for r in res
+                                     if r.failure_kind is not FailureKind.OK][:20]}
+            self.save("gpu_level1", out)
+
+
+async def run(a, cfg: ServiceConfig) -> int:
+    cfg = dataclasses.replace(cfg, cache_dir=tempfile.mkdtemp(prefix="bench-cache-"),
+                              build_timeout_s=900)
+    b = Bench(a, cfg)
+    ref = _find("one_shot_model_ex_add.py.txt").read_text()
+    cand = _find("one_shot_model_new_ex_add.py.txt").read_text()
+    dice = json.loads(_find("kernel_infilling_evaluation.json").read_text())[: a.candidates]
+    level1 = [json.loads(line) for line in _find("level1.jsonl", a.kernelbench).read_text().splitlines() if line.strip()]
+    if not a.skip_stock:
+        b.stock(cand)
+    svc = VerifierService(dataclasses.replace(cfg, compile_workers=1))
+    await svc.start()
+    try:
+        await b.single(svc, ref, cand)
+    finally:
+        await svc.close()
+    svc = VerifierService(cfg)
+    await svc.start()
+    try:
+        if b.left() > 120:
+            await b.compile_stage(svc, dice)
+        if cfg.device == "cuda" and b.left() > 60:
+            await b.gpu_dice(svc, dice)
+        if cfg.device == "cuda" and b.left() > 60:
+            await b.gpu_level1(svc, level1[: a.level1])
+    finally:
+        await svc.close()
+    return 0
