@@ -105,6 +105,19 @@ def _exported_functions(tree: ast.AST) -> tuple[list[str], int, bool]:
     return names, calls, with_cuda
 
 
+def _extension_names(tree: ast.AST) -> set[str]:
+    """Names bound to extension modules: ``ext = load_inline(...)`` and ``self.ext = ext``."""
+    names: set[str] = set()
+    assigns = [n for n in ast.walk(tree) if isinstance(n, ast.Assign)]
+    for n in assigns:
+        if isinstance(n.value, ast.Call) and _dotted(n.value.func).split(".")[-1] in LOAD_CALLS:
+            names.update(_dotted(t) for t in n.targets if _dotted(t))
+    for n in assigns:  # one level of aliasing, e.g. self.ops = ops
+        if _dotted(n.value) in names:
+            names.update(_dotted(t) for t in n.targets if _dotted(t))
+    return names
+
+
 def _model_new(tree: ast.Module) -> ast.ClassDef | None:
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == "ModelNew":
@@ -218,13 +231,13 @@ def check_candidate(source: str, strictness: Strictness, device: str) -> StaticV
                     _dotted(node.func).split(".")[-1] in OS_FORBIDDEN:
                 return reject(FailureKind.FORBIDDEN_IMPORT, f"calls {_dotted(node.func)}() (line {node.lineno})")
 
-    # Torch compute in the forward path.
-    exported = set(functions)
+    # Torch compute in the forward path (calls into the candidate's own extension modules are fine).
+    exported, extensions = set(functions), _extension_names(tree)
     for call in _forward_path_calls(cls):
         name = _dotted(call.func)
         parts = name.split(".")
         offending = ""
-        if isinstance(call.func, ast.Attribute) and call.func.attr in exported:
+        if isinstance(call.func, ast.Attribute) and (call.func.attr in exported or _dotted(call.func.value) in extensions):
             continue
         if parts[0] in ("torch", "F") and len(parts) >= 2:
             leaf = parts[-1]
