@@ -189,6 +189,7 @@ def _prefill(model, layout: Layout, width: int, chunk: int, max_len: int, block_
   cache = KVCache.empty(cfg, rows, max_len)
   if width == 0:
     return cache
+  small_len = -(-width // 16) * 16  # flash_decode tiles the cache in multiples of 16
   tok, pos = layout.tokens[:, :width], layout.positions[:, :width]
   seg, blk = layout.segment_ids[:, :width], layout.block_ids[:, :width]
 
@@ -196,7 +197,7 @@ def _prefill(model, layout: Layout, width: int, chunk: int, max_len: int, block_
     k_all, v_all = kv
     sl = lambda x: jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=0)
     spec = masks_lib.AttentionSpec.block_causal(block_size, sl(seg), sl(blk))
-    small = KVCache.empty(cfg, chunk, width)
+    small = KVCache.empty(cfg, chunk, small_len)
     _, small = model(sl(tok), sl(pos), spec, cache=small, update_cache=True, return_hidden=True)
     k_all = jax.lax.dynamic_update_slice(k_all, small.k, (0, i * chunk, 0, 0, 0))
     v_all = jax.lax.dynamic_update_slice(v_all, small.v, (0, i * chunk, 0, 0, 0))
@@ -218,7 +219,8 @@ def _decode(graphdef, state, layout: Layout, canvas, rng, *, cfg: SamplerConfig)
   mask_id = mcfg.mask_token_id
   schedule = jnp.asarray(remasking.transfer_schedule(b, steps))
   chunk = cfg.prefill_chunk if cfg.prefill_chunk and rows % cfg.prefill_chunk == 0 else rows
-  cache = _prefill(model, layout, c0 - b, chunk, total, b)
+  cache_len = -(-total // 128) * 128  # whole tiles for the flash_decode kernel
+  cache = _prefill(model, layout, c0 - b, chunk, cache_len, b)
   stop_ids = jnp.asarray(cfg.stop_ids if cfg.stop_ids else (-1,), jnp.int32)
 
   def denoise(carry, logits_bnv, col, s_in_block):

@@ -143,7 +143,8 @@ def _layer(x, w, cache_k, cache_v, *, cfg, attention, positions, seg, blk, cache
   if cache is None:
     o = self_attention(q, k, v, attention, positions, impl=cfg.attention_impl)
   else:
-    o = cached_attention(q, k, v, cache_k, cache_v, attention, positions, seg, blk, cache)
+    o = cached_attention(q, k, v, cache_k, cache_v, attention, positions, seg, blk, cache,
+                         impl=cfg.attention_impl)
   x = x + jnp.einsum("btnh,nhd->btd", o, w["o_proj"].astype(dt))
   h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
   g = jnp.einsum("btd,df->btf", h, w["gate_proj"].astype(dt))
@@ -179,8 +180,12 @@ def self_attention(q, k, v, spec, positions, *, impl="dense"):
   return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=impl)
 
 
-def cached_attention(q, k, v, cache_k, cache_v, spec, positions, seg, blk, cache: KVCache):
+def cached_attention(q, k, v, cache_k, cache_v, spec, positions, seg, blk, cache: KVCache, *,
+                     impl="dense"):
   """Attention of new tokens over (cache slots, new tokens) with one joint softmax.
+
+  `impl='flash'` streams the cache with a Pallas kernel (model/flash_decode.py): same result,
+  no `[B, K, G, T, S]` score tensor.
 
   Cache keys are visible when their slot is filled, their segment matches and the kind's rule
   holds (pos_k <= pos_q for causal, block_k <= block_q for block-causal). The new tokens see each
@@ -188,6 +193,10 @@ def cached_attention(q, k, v, cache_k, cache_v, spec, positions, seg, blk, cache
   """
   if spec.kind == "block_diffusion":
     raise ValueError("block_diffusion attention is a training layout; it takes no KV cache")
+  if impl == "flash":
+    from dice_jax.model import flash_decode
+    return flash_decode.cached_attention(q, k, v, cache_k, cache_v, spec, positions, seg, blk,
+                                         cache)
   filled = jnp.arange(cache.max_len)[None, :] < cache.length  # [1,S]
   if spec.kind == "causal":
     m_cache = masks_lib.causal_mask(positions, cache.positions, seg, cache.segment_ids)
