@@ -42,6 +42,8 @@ flags.DEFINE_integer("prefill_chunk", 16, "Rows per prefill chunk.")
 flags.DEFINE_float("peak_tflops", 790.0, "bf16 matmul TFLOP/s used for MFU (measured H200).")
 flags.DEFINE_bool("breakdown", False, "Also time prefill and single decode forwards.")
 flags.DEFINE_string("out", "", "Optional JSONL file for the rows.")
+flags.DEFINE_list("runs", [], "Explicit runs impl:new_tokens:strategy (or impl:breakdown[:new]); "
+                  "default: every impl x new_tokens x strategy.")
 
 
 def matmul_params(cfg):
@@ -137,6 +139,16 @@ def breakdown(model, impl, new):
       return m.logits_from_hidden(h[:, -b:]), c.length
 
     res[f"fwd_{width}tok_ms"] = 1e3 * time_fn(fwd, state, cache)
+  if impl == "flash":  # the Pallas kernel alone on one layer's cache, times the layer count
+    from dice_jax.model import flash_decode
+    g = cfg.num_heads // cfg.num_kv_heads
+    q = jnp.ones((rows, cfg.num_kv_heads, b * g, cfg.head_dim), jnp.bfloat16)
+    one = jax.jit(lambda q, k, v, s, r: flash_decode.cache_part(
+        q, k, v, jnp.ones((rows, b * g), jnp.int32), jnp.full((rows, b * g), 10**6, jnp.int32),
+        s, r)[0])
+    kseg = (ids < fill).astype(jnp.int32)
+    res["kernel_all_layers_ms"] = 1e3 * cfg.num_layers * time_fn(
+        one, q, cache.k[0], cache.v[0], kseg, ids)
   logits = jax.random.normal(jax.random.key(0), (rows, b, cfg.vocab_size), jnp.float32)
   from dice_jax.diffusion import remasking
   cand = jax.jit(lambda l: remasking.sample_candidates(None, l)["token"])
@@ -170,34 +182,37 @@ def main(argv):
   rows = []
   header = (f"{'impl':<6}{'new':>6} {'strategy':<24}{'compile s':>10}{'run s':>8}{'tok/s':>9}"
             f"{'fwd/s':>8}{'tok/fwd':>8}{'MFU':>7}")
-  for impl in FLAGS.attention_impl:
-    model = build_model(impl, mesh)
-    if FLAGS.breakdown:
-      res = breakdown(model, impl, int(FLAGS.new_tokens[0]))
-      print(f"breakdown ({impl}): " + json.dumps({k: round(v, 3) for k, v in res.items()}),
-            flush=True)
-    for new in FLAGS.new_tokens:
-      for strategy in FLAGS.strategies:
-        try:
-          r = run_one(model, impl, int(new), strategy, rng)
-        except Exception as e:  # report and go on
-          print(f"{impl} {new} {strategy} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
-          continue
-        rows.append(r)
-        print(header + "\n" if len(rows) == 1 else "", end="")
-        print(f"{r['impl']:<6}{r['new']:>6} {r['strategy']:<24}{r['compile_s']:>10.1f}"
-              f"{r['run_s']:>8.2f}{r['tok_s']:>9,.0f}{r['fwd_s']:>8.1f}{r['tok_per_fwd']:>8.1f}"
-              f"{r['mfu']:>7.1%}", flush=True)
-        if FLAGS.out:
-          with open(FLAGS.out, "a") as f:
-            f.write(json.dumps(r) + "\n")
-    del model
+  fmt = lambda r: (f"{r['impl']:<6}{r['new']:>6} {r['strategy']:<24}{r['compile_s']:>10.1f}"
+                   f"{r['run_s']:>8.2f}{r['tok_s']:>9,.0f}{r['fwd_s']:>8.1f}"
+                   f"{r['tok_per_fwd']:>8.1f}{r['mfu']:>7.1%}")
+  runs = FLAGS.runs or [f"{i}:{n}:{s}" for i in FLAGS.attention_impl for n in FLAGS.new_tokens
+                        for s in FLAGS.strategies]
+  model = build_model("dense", mesh)
+  for run in runs:
+    impl, new, strategy = (run.split(":") + ["", ""])[:3]
+    t0 = time.perf_counter()
+    try:
+      model.cfg = model.cfg.replace(attention_impl=impl)  # static attribute: new graph, same params
+      if new == "breakdown":
+        res = breakdown(model, impl, int(strategy or FLAGS.new_tokens[0]))
+        print(f"breakdown ({impl}): " + json.dumps({k: round(v, 3) for k, v in res.items()}),
+              flush=True)
+        continue
+      r = run_one(model, impl, int(new), strategy, rng)
+    except Exception as e:  # report and go on
+      print(f"{run} failed after {time.perf_counter() - t0:.0f} s: {type(e).__name__}: "
+            f"{str(e)[:600]}", flush=True)
+      continue
+    rows.append(r)
+    print(header + "\n" if len(rows) == 1 else "", end="")
+    print(fmt(r), flush=True)
+    if FLAGS.out:
+      with open(FLAGS.out, "a") as f:
+        f.write(json.dumps(r) + "\n")
   if rows:
     print("\n" + header)
     for r in rows:
-      print(f"{r['impl']:<6}{r['new']:>6} {r['strategy']:<24}{r['compile_s']:>10.1f}"
-            f"{r['run_s']:>8.2f}{r['tok_s']:>9,.0f}{r['fwd_s']:>8.1f}{r['tok_per_fwd']:>8.1f}"
-            f"{r['mfu']:>7.1%}")
+      print(fmt(r))
 
 
 if __name__ == "__main__":

@@ -186,6 +186,7 @@ def _prefill(model, layout: Layout, width: int, chunk: int, max_len: int, block_
   """Cache holding the first `width` columns, computed `chunk` rows at a time."""
   cfg = model.cfg
   rows = layout.tokens.shape[0]
+  chunk = chunk if chunk and rows % chunk == 0 else rows
   cache = KVCache.empty(cfg, rows, max_len)
   if width == 0:
     return cache
@@ -218,9 +219,8 @@ def _decode(graphdef, state, layout: Layout, canvas, rng, *, cfg: SamplerConfig)
   n_blocks = (total - c0) // b
   mask_id = mcfg.mask_token_id
   schedule = jnp.asarray(remasking.transfer_schedule(b, steps))
-  chunk = cfg.prefill_chunk if cfg.prefill_chunk and rows % cfg.prefill_chunk == 0 else rows
   cache_len = -(-total // 128) * 128  # whole tiles for the flash_decode kernel
-  cache = _prefill(model, layout, c0 - b, chunk, cache_len, b)
+  cache = _prefill(model, layout, c0 - b, cfg.prefill_chunk, cache_len, b)
   stop_ids = jnp.asarray(cfg.stop_ids if cfg.stop_ids else (-1,), jnp.int32)
 
   def denoise(carry, logits_bnv, col, s_in_block):
