@@ -132,7 +132,8 @@ class Bench:
             "candidates_per_min_per_16_cores": 60 * len(tasks) / wall * 16 / (os.cpu_count() or 16),
             "median_build_s_under_load": statistics.median(build_s) if build_s else None,
             "p90_build_s_under_load": sorted(build_s)[int(0.9 * (len(build_s) - 1))] if build_s else None,
-            "fast_variant_builds": fast, "kinds": dict(collections.Counter(b["kind"] for _, _, b in res))})
+            "fast_variant_builds": fast, "kinds": dict(collections.Counter(b["kind"] for _, _, b in res)),
+            "fast_fallbacks": [e["fast_error"] for e in svc.metrics.build_s if e["fast_error"]][:5]})
 
     async def gpu_dice(self, svc: VerifierService, tasks: list[dict]) -> None:
         opts = VerifyOptions(device="cuda", timeout_s=120)
@@ -140,6 +141,7 @@ class Bench:
         t0 = time.monotonic()
         res = await asyncio.gather(*(svc.verify(r) for r in reqs))
         wall = time.monotonic() - t0
+        phases_mean = svc.metrics.snapshot()["run_phase_mean_s"]
         redo = [dataclasses.replace(q, request_id=q.request_id + "-kb", options=dataclasses.replace(opts, strictness="kernelbench"))
                 for q, r in zip(reqs, res) if r.failure_kind is not FailureKind.OK]
         kb = {r.request_id[:-3]: r for r in await asyncio.gather(*(svc.verify(q) for q in redo))}
@@ -152,7 +154,7 @@ class Bench:
             "candidates": len(reqs), "wall_s": wall, "candidates_per_min": 60 * len(reqs) / wall,
             "strict": dict(collections.Counter(x["kind"] for x in rows)),
             "kernelbench": dict(collections.Counter(x["kernelbench_kind"] for x in rows)),
-            "strict_fp32_1e-4": sum(x["strict_fp32"] for x in rows), "rows": rows})
+            "strict_fp32_1e-4": sum(x["strict_fp32"] for x in rows), "run_phase_mean_s": phases_mean, "rows": rows})
 
     async def gpu_level1(self, svc: VerifierService, problems: list[dict]) -> None:
         def reqs(tag, probs, **kw):
@@ -168,41 +170,46 @@ class Bench:
                 out[tag] = "skipped: bench budget used up"
                 continue
             rs = reqs(tag, probs, **kw)
+            svc.metrics.run_phase_s.clear()
+            svc.metrics.run_phase_n.clear()
             t0 = time.monotonic()
             res = await asyncio.gather(*(svc.verify(r) for r in rs))
             wall = time.monotonic() - t0
             out[tag] = {"candidates": len(rs), "wall_s": wall, "candidates_per_min": 60 * len(rs) / wall,
                         "kinds": dict(collections.Counter(r.failure_kind.value for r in res)),
                         "median_run_s": statistics.median(r.run_s for r in res),
+                        "run_phase_mean_s": svc.metrics.snapshot()["run_phase_mean_s"],
                         "failures": [(r.task_id, r.failure_kind.value, r.reason[:160]) for r in res
                                      if r.failure_kind is not FailureKind.OK][:20]}
             self.save("gpu_level1", out)
 
 
 async def run(a, cfg: ServiceConfig) -> int:
-    cfg = dataclasses.replace(cfg, cache_dir=tempfile.mkdtemp(prefix="bench-cache-"),
-                              build_timeout_s=900)
+    cfg = dataclasses.replace(cfg, cache_dir=tempfile.mkdtemp(prefix="bench-cache-"), build_timeout_s=900)
     b = Bench(a, cfg)
     ref = _find("one_shot_model_ex_add.py.txt").read_text()
     cand = _find("one_shot_model_new_ex_add.py.txt").read_text()
-    dice = json.loads(_find("kernel_infilling_evaluation.json").read_text())[: a.candidates]
+    dice = json.loads(_find("kernel_infilling_evaluation.json").read_text())[a.offset: a.offset + a.candidates]
+    phases = set(a.phases.split(","))
     level1 = [json.loads(line) for line in _find("level1.jsonl", a.kernelbench).read_text().splitlines() if line.strip()]
-    if not a.skip_stock:
+    if "stock" in phases and not a.skip_stock:
         b.stock(cand)
-    svc = VerifierService(dataclasses.replace(cfg, compile_workers=1))
-    await svc.start()
-    try:
-        await b.single(svc, ref, cand)
-    finally:
-        await svc.close()
+    if "single" in phases:
+        svc = VerifierService(dataclasses.replace(cfg, compile_workers=1))
+        await svc.start()
+        try:
+            await b.single(svc, ref, cand)
+            b.save("single_build_events", svc.metrics.build_s)
+        finally:
+            await svc.close()
     svc = VerifierService(cfg)
     await svc.start()
     try:
-        if b.left() > 120:
+        if "compile" in phases:
             await b.compile_stage(svc, dice)
-        if cfg.device == "cuda" and b.left() > 60:
+        if cfg.device == "cuda" and "gpu_dice" in phases and b.left() > 60:
             await b.gpu_dice(svc, dice)
-        if cfg.device == "cuda" and b.left() > 60:
+        if cfg.device == "cuda" and "gpu_level1" in phases and b.left() > 60:
             await b.gpu_level1(svc, level1[: a.level1])
     finally:
         await svc.close()

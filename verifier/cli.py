@@ -132,6 +132,8 @@ def main(argv=None) -> int:
     b.add_argument("--timed", type=int, default=16, help="level-1 problems for the timing-on rate")
     b.add_argument("--budget-s", type=float, default=540, help="skip later phases past this many seconds")
     b.add_argument("--skip-stock", action="store_true", help="skip the stock load_inline measurement")
+    b.add_argument("--phases", default="stock,single,compile,gpu_dice,gpu_level1")
+    b.add_argument("--offset", type=int, default=0, help="first DICE candidate to use")
     _service_args(b)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -51,13 +51,17 @@ class Metrics:
     build_cache_hits: int = 0
     deduplicated: int = 0
     failure_kinds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    run_phase_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    run_phase_n: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    build_s: list = dataclasses.field(default_factory=list)
 
     def snapshot(self) -> dict:
         up = time.monotonic() - self.started
         return {"queue_depth": self.pending, "in_build": self.in_build, "in_run": self.in_run,
                 "completed": self.completed, "candidates_per_minute": 60.0 * self.completed / max(up, 1e-9),
                 "failure_kinds": dict(self.failure_kinds), "build_cache_hits": self.build_cache_hits,
-                "deduplicated": self.deduplicated, "uptime_s": up}
+                "deduplicated": self.deduplicated, "uptime_s": up,
+                "run_phase_mean_s": {k: self.run_phase_s[k] / self.run_phase_n[k] for k in self.run_phase_s}}
 
 
 def _sha(*parts: str) -> str:
@@ -176,6 +180,9 @@ class VerifierService:
             return self._result(req, kind, outcome.split(": ", 1)[1], compiled=True, logs=logs,
                                 compile_s=compile_s, warnings=verdict.warnings)
         kind = FailureKind(res["kind"])
+        for phase, sec in (res.get("phases") or {}).items():
+            self.metrics.run_phase_s[phase] += sec
+            self.metrics.run_phase_n[phase] += 1
         if res.get("baseline_measured") and kind is FailureKind.OK:
             self.baselines[base_key] = res["baseline"]
         cand, base = Runtime(**res.get("candidate", {})), Runtime(**res.get("baseline") or {})
@@ -212,6 +219,10 @@ class VerifierService:
                 res = {"kind": kind.value, "reason": "build stage: " + outcome.split(": ", 1)[1], "logs": logs}
             elif res["kind"] != FailureKind.OK.value:
                 res["logs"] = logs
+            for ev in (res or {}).get("builds", []):
+                if not ev.get("cached") and not ev.get("error"):
+                    self.metrics.build_s.append({"seconds": ev["seconds"], "fast": bool(ev.get("fast")),
+                                                 "fast_error": ev.get("fast_error", "")[:300]})
             if res["kind"] not in (FailureKind.OK.value, FailureKind.COMPILE_ERROR.value):
                 self.builds.pop(key, None)  # timeouts and crashes are not cached: a retry rebuilds
             fut.set_result(res)

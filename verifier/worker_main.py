@@ -104,6 +104,14 @@ def run_check(job: dict) -> dict:
     atol, rtol, seed = opts["atol"], opts["rtol"], opts["seed"]
     stage = {"t0": time.monotonic()}
 
+    phases: dict[str, float] = {}
+    out["phases"] = phases
+
+    def mark(name):
+        now = time.monotonic()
+        phases[name] = phases.get(name, 0.0) + now - stage.get("last", stage["t0"])
+        stage["last"] = now
+
     def finish(kind, reason=""):
         out.update(kind=kind.value, reason=reason, run_s=time.monotonic() - stage["t0"])
         return out
@@ -134,9 +142,11 @@ def run_check(job: dict) -> dict:
             with torch.no_grad():
                 return ref_model(*correctness.clone_args(args))
 
+        mark("reference_load")
         inputs0 = trial_inputs(0)
         golden0 = run_ref(inputs0, 0)
         correctness.empty_caches(device)
+        mark("golden")
     except KeyError as e:
         return finish(FailureKind.REFERENCE_ERROR, f"reference defines no {e.args[0]}")
     except BaseException as e:  # noqa: BLE001
@@ -168,6 +178,7 @@ def run_check(job: dict) -> dict:
     out["compiled"] = True
     out["build_cached"] = bool(cache.events) and all(ev["cached"] for ev in cache.events)
     out["load_s"] = time.monotonic() - t_load
+    mark("candidate_load")
 
     def run_cand(args, i):
         _set_seed(trial_seeds[i])
@@ -212,12 +223,14 @@ def run_check(job: dict) -> dict:
                 del cand_out, ref_out, args
                 correctness.empty_caches(device)
         out.update(correct=True, strict_correct=strict_ok, max_abs_diff=max_abs)
+        mark("trials")
 
         # 5. Runtime anti-cheating check: where did the forward's work go?
         if strictness.runtime_check:
             v = runtime_check.check_forward(cand_model, correctness.clone_args(inputs0), device,
                                             tuple(job.get("kernel_names", ())), cache.calls, strictness)
             out["own_gpu_us"], out["foreign_gpu_us"] = v.own_gpu_us, v.foreign_gpu_us
+            mark("profile_check")
             if v.kind is not FailureKind.OK:
                 raise Reject(v.kind, v.reason)
 
@@ -239,12 +252,28 @@ def run_check(job: dict) -> dict:
                 out["correct"] = False
                 raise Reject(c.kind, c.reason)
             out["speedup"] = Runtime(**baseline).mean_ms / max(out["candidate"]["mean_ms"], 1e-9)
+            mark("timing")
     except Reject as r:
         return finish(r.kind, r.reason)
     except BaseException as e:  # noqa: BLE001
         out["correct"] = False
         return finish(classify_exception(e, FailureKind.RUNTIME_ERROR), f"forward raised: {_short(e)}")
     return finish(FailureKind.OK)
+
+
+def _warm_profiler(device: str) -> None:
+    """Pay CUDA context creation and CUPTI/profiler start-up before the job arrives."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU]
+    if device == "cuda":
+        torch.cuda.init()
+        acts.append(ProfilerActivity.CUDA)
+    x = torch.ones(16, device="cuda" if device == "cuda" else "cpu")
+    with profile(activities=acts) as prof:
+        (x + 1).sum().item()
+    prof.events()
 
 
 def main(argv=None) -> int:
@@ -263,9 +292,10 @@ def main(argv=None) -> int:
     faulthandler.enable()
     import torch  # noqa: F401 - warm start: the import and the CUDA context are paid before the job arrives
 
-    if args.role == "run" and args.device == "cuda":
-        torch.cuda.init()
-        torch.empty(1, device="cuda")
+    import torch.utils.cpp_extension  # noqa: F401 - slow first import (setuptools)
+
+    if args.role == "run":
+        _warm_profiler(args.device)
     job = json.loads(sys.stdin.read() or "{}")
     if not job:
         return 0  # parent discarded a warm worker

@@ -60,7 +60,11 @@ def gpu_service(tmp_path_factory):
 
 def _verify(gpu_service, *reqs):
     loop, svc = gpu_service
-    return loop.run(asyncio.gather(*(svc.verify(r) for r in reqs)))
+
+    async def go():
+        return await asyncio.gather(*(svc.verify(r) for r in reqs))
+
+    return loop.run(go())
 
 
 def _req(rid, ref, cand, **kw):
