@@ -36,6 +36,7 @@ _BLOCK = flags.DEFINE_integer("block_size", 4, "block size")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "SFT rows per batch")
 _BINS = flags.DEFINE_integer("packing_bins", 16, "first-fit packing bins")
 _ROWS = flags.DEFINE_integer("throughput_rows", 0, "time the SFT pipeline over this many rows (0: skip)")
+_WORKERS = flags.DEFINE_integer("workers", 0, "grain mp_prefetch worker processes for the throughput run")
 _CHARS = flags.DEFINE_integer("max_chars", 1500, "truncate printed texts to head/tail of this many chars")
 
 
@@ -96,7 +97,7 @@ def _sft(tok: Tokenizer) -> None:
           f"{used} sample tokens ({loss} with loss), {stats.samples_dropped} samples dropped (> seq_len)")
     if _ROWS.value:
         cfg = SFTPipelineConfig(seq_len=_SEQ.value, block_size=_BLOCK.value, batch_size=_BATCH.value,
-                                num_packing_bins=_BINS.value, num_epochs=None)
+                                num_packing_bins=_BINS.value, num_epochs=None, worker_count=_WORKERS.value)
         it = iter(make_sft_dataset(samples, tok, cfg))
         next(it)  # warm-up: threads, first fills
         n, t0 = 0, time.perf_counter()
@@ -104,7 +105,7 @@ def _sft(tok: Tokenizer) -> None:
             n += next(it)["tokens"].shape[0]
         dt = time.perf_counter() - t0
         print(f"throughput: {n / dt:.1f} rows/s = {n * cfg.seq_len / dt / 1e3:.0f}k tokens/s "
-              f"({n} rows in {dt:.1f} s, 1 process, {os.cpu_count()} CPUs)")
+              f"({n} rows in {dt:.1f} s, {_WORKERS.value} worker processes, {os.cpu_count()} CPUs)")
 
 
 def main(argv):

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import grain
 import numpy as np
-from absl import logging
+from absl import flags, logging
 from grain.experimental import FirstFitPackIterDataset
 
 from dice_jax.data.prompts import SFTSample
@@ -46,11 +46,14 @@ class SFTPipelineConfig:
     process_index: int = 0
     process_count: int = 1
     read_threads: int = 4
+    worker_count: int = 0  # > 0: grain mp_prefetch worker processes after batching
     drop_remainder: bool = True
 
     def __post_init__(self):
         if self.block_size < 1 or self.seq_len < self.block_size or self.seq_len % self.block_size:
             raise ValueError(f"seq_len ({self.seq_len}) must be a positive multiple of block_size ({self.block_size})")
+        if self.worker_count < 0:
+            raise ValueError(f"worker_count must be >= 0, got {self.worker_count}")
         if self.batch_size < 1 or self.num_packing_bins < 1:
             raise ValueError("batch_size and num_packing_bins must be >= 1")
         if not 0 <= self.process_index < self.process_count:
@@ -95,6 +98,13 @@ class PackingStats:
     tokens_dropped: int = 0
     dropped_ids: list = dataclasses.field(default_factory=list)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def __getstate__(self):  # picklable (grain workers get a copy; their counts stay in the worker)
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def drop(self, sample_id: str, n: int) -> None:
         with self._lock:
@@ -164,7 +174,12 @@ def make_sft_dataset(samples: Sequence[SFTSample], tokenizer, cfg: SFTPipelineCo
     rows = packed.map(_to_contract(tokenizer.pad_token_id))
     if not batched:
         return rows
-    return rows.batch(cfg.batch_size, drop_remainder=cfg.drop_remainder)
+    out = rows.batch(cfg.batch_size, drop_remainder=cfg.drop_remainder)
+    if cfg.worker_count > 0:
+        if not flags.FLAGS.is_parsed():  # grain's worker processes read absl flags (defaults are fine)
+            flags.FLAGS.mark_as_parsed()
+        out = out.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
+    return out
 
 
 def packing_efficiency(batch: dict) -> float:

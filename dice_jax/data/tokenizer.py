@@ -253,12 +253,17 @@ class Tokenizer:
             return render_im_start(messages, add_generation_prompt)
         if self._jinja is None:
             env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+            env.filters["tojson"] = _tojson
             self._jinja = env.from_string(self.chat_template)
         return self._jinja.render(
             messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
             tools=kwargs.pop("tools", None), **kwargs,
         )
+
+    def __getstate__(self):  # picklable for grain worker processes (the compiled template is rebuilt lazily)
+        state = dict(self.__dict__)
+        state["_jinja"] = None
+        return state
 
     # ---------------------------------------------------------------- saving
     def save(self, out_dir: str | os.PathLike) -> None:
@@ -295,6 +300,10 @@ class Tokenizer:
             files["chat_template.jinja"] = self.chat_template
         for name, text in files.items():
             _write_atomic(os.path.join(out_dir, name), text)
+
+
+def _tojson(x: Any, **kw: Any) -> str:
+    return json.dumps(x, ensure_ascii=False, **kw)
 
 
 def _add_tokens_with_ids(backend: _HFTokenizer, added: Mapping[int, AddedToken], where: str) -> None:

@@ -129,3 +129,19 @@ def test_config_validation():
         SFTPipelineConfig(seq_len=50, block_size=4)
     with pytest.raises(ValueError, match="process_index"):
         SFTPipelineConfig(process_index=2, process_count=2)
+
+
+def test_worker_processes_give_the_same_batches_and_resume(tiny_tokenizer):
+    base = dict(seq_len=48, block_size=4, batch_size=2, num_packing_bins=4, num_epochs=None, seed=3)
+    inproc = iter(make_sft_dataset(_samples(), tiny_tokenizer, SFTPipelineConfig(**base)))
+    want = [next(inproc) for _ in range(6)]
+    cfg = SFTPipelineConfig(**base, worker_count=1)
+    it = iter(make_sft_dataset(_samples(), tiny_tokenizer, cfg))
+    got = [next(it) for _ in range(3)]
+    state = it.get_state()
+    it2 = iter(make_sft_dataset(_samples(), tiny_tokenizer, cfg))
+    it2.set_state(state)
+    got += [next(it2) for _ in range(3)]
+    for a, b in zip(want, got):
+        for k in FEATURES:
+            np.testing.assert_array_equal(a[k], b[k])
