@@ -114,3 +114,19 @@ def test_build_cuke_with_cpu_verifier(cpu_verifier, tmp_path):
     assert (s.correct, s.kept) == (1, 1)
     kept = [json.loads(line) for line in (tmp_path / "out" / "cuke.jsonl").read_text().splitlines()]
     assert [r["id"] for r in kept] == ["pairs/right"] and kept[0]["speedup"] == m["pairs/right"]["speedup"]
+
+
+@pytest.mark.slow
+def test_build_cuke_cli_resumes(cpu_verifier, tmp_path):
+    rows = [{"id": "right", "pytorch_code": REFERENCE, "cuda_code": CANDIDATE.replace("FUNC", "relu_sub"), "level": 2}]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"id": "bad", "pytorch_code": 3}\n')
+    cmd = [sys.executable, "-m", "experiments.build_cuke", f"--pairs={pairs}", f"--verifier={cpu_verifier}",
+           "--min_speedup=0.001", f"--out={tmp_path / 'out'}", "--num_perf_trials=5"]
+    env = {**os.environ, "VERIFIER_TOKEN": ""}
+    first = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "invalid rows: 1" in first.stdout and "measured now: 1" in first.stdout
+    assert "kept (>= 0.001x): 1  by level: {'2': 1}" in first.stdout
+    again = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 0 and "measured now: 0  resumed: 1" in again.stdout
