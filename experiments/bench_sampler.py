@@ -118,7 +118,7 @@ def breakdown(model, impl, new):
   """Times of one decode forward (b and 2b tokens) at a half-filled cache, prefill, and sampling."""
   cfg = model.cfg
   b, rows, prompt = FLAGS.block_size, FLAGS.batch, FLAGS.prompt_len
-  total = -(-(prompt + new + b) // 128) * 128
+  total = -(-(prompt + new + b) // 512) * 512
   fill = prompt + new // 2
   graphdef, state = nnx.split(model)
   cache = KVCache.empty(cfg, rows, total)
@@ -144,11 +144,11 @@ def breakdown(model, impl, new):
     g = cfg.num_heads // cfg.num_kv_heads
     q = jnp.ones((rows, cfg.num_kv_heads, b * g, cfg.head_dim), jnp.bfloat16)
     one = jax.jit(lambda q, k, v, s, r: flash_decode.cache_part(
-        q, k, v, jnp.ones((rows, b * g), jnp.int32), jnp.full((rows, b * g), 10**6, jnp.int32),
+        q, k, v, 0, jnp.ones((rows, b * g), jnp.int32), jnp.full((rows, b * g), 10**6, jnp.int32),
         s, r)[0])
     kseg = (ids < fill).astype(jnp.int32)
     res["kernel_all_layers_ms"] = 1e3 * cfg.num_layers * time_fn(
-        one, q, cache.k[0], cache.v[0], kseg, ids)
+        one, q, cache.k, cache.v, kseg, ids)
   logits = jax.random.normal(jax.random.key(0), (rows, b, cfg.vocab_size), jnp.float32)
   from dice_jax.diffusion import remasking
   cand = jax.jit(lambda l: remasking.sample_candidates(None, l)["token"])

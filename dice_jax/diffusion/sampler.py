@@ -219,7 +219,8 @@ def _decode(graphdef, state, layout: Layout, canvas, rng, *, cfg: SamplerConfig)
   n_blocks = (total - c0) // b
   mask_id = mcfg.mask_token_id
   schedule = jnp.asarray(remasking.transfer_schedule(b, steps))
-  cache_len = -(-total // 128) * 128  # whole tiles for the flash_decode kernel
+  tile = 512 if mcfg.attention_impl == "flash" else 16  # flash_decode: whole cache splits
+  cache_len = -(-total // tile) * tile
   cache = _prefill(model, layout, c0 - b, cfg.prefill_chunk, cache_len, b)
   stop_ids = jnp.asarray(cfg.stop_ids if cfg.stop_ids else (-1,), jnp.int32)
 

@@ -38,40 +38,42 @@ def _dot(a, b):
                          preferred_element_type=jnp.float32)
 
 
-def _kernel(q_ref, k_ref, v_ref, qseg_ref, qrank_ref, kseg_ref, krank_ref, o_ref, lse_ref, *,
-            scale, block_k):
+def _kernel(layer_ref, live_ref, q_ref, k_ref, v_ref, qseg_ref, qrank_ref, kseg_ref, krank_ref,
+            o_ref, lse_ref, *, scale, block_k):
+  """One (row, K/V head, cache split): online softmax over the split's `block_k` tiles."""
+  layer = layer_ref[0]
   q = q_ref[...]  # [BQ, H]
   q_seg, q_rank = qseg_ref[...], qrank_ref[...]
-  h = q.shape[-1]
+  rows, h = q.shape
   qk_scale = scale * math.log2(math.e)
 
-  def body(j, carry):
+  def tile(j, carry):
+    o_prev, m_prev, l_prev = carry
     sl = pl.ds(j * block_k, block_k)
     k_seg, k_rank = kseg_ref[sl], krank_ref[sl]
+    k = k_ref[layer, sl, :]
+    qk = _dot(q, k.T) * qk_scale
+    vis = ((q_seg[:, None] == k_seg[None, :]) & (q_seg[:, None] > 0)
+           & (k_rank[None, :] <= q_rank[:, None]))
+    qk = jnp.where(vis, qk, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, jnp.max(qk, axis=-1))
+    corr = jnp.exp2(m_prev - m_next)
+    p = jnp.where(vis, jnp.exp2(qk - m_next[:, None]), 0.0)
+    l_next = corr * l_prev + p.sum(axis=-1)
+    v = v_ref[layer, sl, :]
+    o_next = corr[:, None] * o_prev + _dot(p.astype(v.dtype), v)
+    return o_next, m_next, l_next
 
-    def compute(carry):
-      o_prev, m_prev, l_prev = carry
-      k = k_ref[sl, :]
-      qk = _dot(q, k.T) * qk_scale
-      vis = ((q_seg[:, None] == k_seg[None, :]) & (q_seg[:, None] > 0)
-             & (k_rank[None, :] <= q_rank[:, None]))
-      qk = jnp.where(vis, qk, MASK_VALUE)
-      m_next = jnp.maximum(m_prev, jnp.max(qk, axis=-1))
-      corr = jnp.exp2(m_prev - m_next)
-      s = jnp.where(vis, jnp.exp2(qk - m_next[:, None]), 0.0)
-      l_next = corr * l_prev + s.sum(axis=-1)
-      v = v_ref[sl, :]
-      o_next = corr[:, None] * o_prev + _dot(s.astype(v.dtype), v)
-      return o_next, m_next, l_next
+  def split(_):
+    init = (jnp.zeros((rows, h), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    return lax.fori_loop(0, kseg_ref.shape[0] // block_k, tile, init)
 
-    live = ((jnp.max(k_seg) >= jnp.min(q_seg)) & (jnp.min(k_seg) <= jnp.max(q_seg))
-            & (jnp.max(q_seg) > 0) & (jnp.min(k_rank) <= jnp.max(q_rank)))
-    return lax.cond(live, compute, lambda c: c, carry)
+  def dead(_):
+    return (jnp.zeros((rows, h), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
 
-  o = jnp.zeros((q.shape[0], h), jnp.float32)
-  m = jnp.full((q.shape[0],), MASK_VALUE, jnp.float32)
-  l = jnp.zeros((q.shape[0],), jnp.float32)
-  o, m, l = lax.fori_loop(0, k_ref.shape[0] // block_k, body, (o, m, l))
+  o, m, l = lax.cond(live_ref[0] > 0, split, dead, None)
   empty = l == 0.0
   o_ref[...] = jnp.where(empty[:, None], 0.0, o / jnp.where(empty, 1.0, l)[:, None])
   lse_ref[...] = jnp.where(empty, EMPTY_LSE, (m + jnp.log2(jnp.where(empty, 1.0, l))) * math.log(2))
@@ -84,16 +86,21 @@ def _pick_block_k(s: int) -> int:
   raise ValueError(f"flash_decode: cache length {s} must be a multiple of 16")
 
 
-def cache_part(q_bknh, k_bskh, v_bskh, q_seg_bn, q_rank_bn, k_seg_bs, k_rank_bs, *,
-               interpret=None):
-  """Softmax attention of query rows over cache slots only.
+SPLIT = 512  # cache slots per program (flash-decoding split); programs over dead slots exit early
 
-  q `[B, K, R, H]` (R query rows per K/V head), k/v `[B, S, K, H]`, int32 vectors: query rows
-  `[B, R]`, cache slots `[B, S]` (segment 0 = invisible). Returns (o `[B, K, R, H]` f32,
-  lse `[B, K, R]` f32, natural log; EMPTY_LSE where no slot is visible).
+
+def cache_part(q_bkrh, k_lbskh, v_lbskh, layer, q_seg_br, q_rank_br, k_seg_bs, k_rank_bs, *,
+               interpret=None):
+  """Softmax attention of query rows over the cache slots of one layer.
+
+  q `[B, K, R, H]` (R query rows per K/V head); k/v the stacked cache `[L, B, S, K, H]` and the
+  layer index `layer` (scalar): the kernel reads that layer in place, so no per-layer copy of the
+  cache is made. int32 vectors: query rows `[B, R]`, slots `[B, S]` (segment 0 = invisible).
+  Returns (o `[B, K, R, H]` f32, lse `[B, K, R]` f32, natural log; EMPTY_LSE where no slot is
+  visible).
   """
-  b, kh, r, h = q_bknh.shape
-  s = k_bskh.shape[1]
+  b, kh, r, h = q_bkrh.shape
+  n_layers, s = k_lbskh.shape[0], k_lbskh.shape[2]
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   block_q = 16
@@ -101,34 +108,47 @@ def cache_part(q_bknh, k_bskh, v_bskh, q_seg_bn, q_rank_bn, k_seg_bs, k_rank_bs,
     block_q *= 2
   pad = (-r) % block_q
   if pad:
-    q_bknh = jnp.pad(q_bknh, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    q_seg_bn = jnp.pad(q_seg_bn, ((0, 0), (0, pad)))
-    q_rank_bn = jnp.pad(q_rank_bn, ((0, 0), (0, pad)))
+    q_bkrh = jnp.pad(q_bkrh, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    q_seg_br = jnp.pad(q_seg_br, ((0, 0), (0, pad)))
+    q_rank_br = jnp.pad(q_rank_br, ((0, 0), (0, pad)))
   rp = r + pad
-  block_k = _pick_block_k(s)
+  split = math.gcd(s, SPLIT)
+  block_k = _pick_block_k(split)
+  n_split = s // split
+  # A split is live when some slot in it has a segment id (filled, not padding).
+  live = (jnp.max(k_seg_bs.reshape(b, n_split, split), axis=-1) > 0).astype(jnp.int32)
+  layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
   params = plgpu.CompilerParams(num_warps=4, num_stages=2) if plgpu is not None else None
-  qrow = pl.BlockSpec((None, block_q), lambda i, j, t: (i, t))
-  krow = pl.BlockSpec((None, s), lambda i, j, t: (i, 0))
-  kv = pl.BlockSpec((None, s, None, h), lambda i, j, t: (i, 0, j, 0))
+  qrow = pl.BlockSpec((None, block_q), lambda i, j, t, c: (i, t))
+  krow = pl.BlockSpec((None, split), lambda i, j, t, c: (i, c))
+  kv = pl.BlockSpec((n_layers, None, split, None, h), lambda i, j, t, c: (0, i, c, j, 0))
+  out_o = pl.BlockSpec((None, None, None, block_q, h), lambda i, j, t, c: (i, j, c, t, 0))
+  out_l = pl.BlockSpec((None, None, None, block_q), lambda i, j, t, c: (i, j, c, t))
   o, lse = pl.pallas_call(
       functools.partial(_kernel, scale=h ** -0.5, block_k=block_k),
-      grid=(b, kh, rp // block_q),
-      in_specs=[pl.BlockSpec((None, None, block_q, h), lambda i, j, t: (i, j, t, 0)),
+      grid=(b, kh, rp // block_q, n_split),
+      in_specs=[pl.BlockSpec((1,), lambda i, j, t, c: (0,)),
+                pl.BlockSpec((None, 1), lambda i, j, t, c: (i, c)),
+                pl.BlockSpec((None, None, block_q, h), lambda i, j, t, c: (i, j, t, 0)),
                 kv, kv, qrow, qrow, krow, krow],
-      out_specs=[pl.BlockSpec((None, None, block_q, h), lambda i, j, t: (i, j, t, 0)),
-                 pl.BlockSpec((None, None, block_q), lambda i, j, t: (i, j, t))],
-      out_shape=[jax.ShapeDtypeStruct((b, kh, rp, h), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kh, rp), jnp.float32)],
+      out_specs=[out_o, out_l],
+      out_shape=[jax.ShapeDtypeStruct((b, kh, n_split, rp, h), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kh, n_split, rp), jnp.float32)],
       compiler_params=params, interpret=interpret, name="flash_decode_cache",
-  )(q_bknh, k_bskh, v_bskh, q_seg_bn.astype(jnp.int32), q_rank_bn.astype(jnp.int32),
-    k_seg_bs.astype(jnp.int32), k_rank_bs.astype(jnp.int32))
-  return o[:, :, :r], lse[:, :, :r]
+  )(layer, live, q_bkrh, k_lbskh, v_lbskh, q_seg_br.astype(jnp.int32),
+    q_rank_br.astype(jnp.int32), k_seg_bs.astype(jnp.int32), k_rank_bs.astype(jnp.int32))
+  o, lse = o[..., :r, :], lse[..., :r]
+  # Merge the splits by log-sum-exp.
+  m = jnp.max(lse, axis=2)
+  w = jnp.exp(lse - m[:, :, None])
+  total = jnp.sum(w, axis=2)
+  o = jnp.sum(w[..., None] * o, axis=2) / total[..., None]
+  return o, m + jnp.log(total)
 
 
-def cached_attention(q, k, v, cache_k, cache_v, spec, positions, seg, blk, cache, *,
-                     interpret=None):
-  """Drop-in for `transformer.cached_attention`: q `[B,T,N,H]`, k/v `[B,T,K,H]` (new tokens),
-  cache_k/v `[B,S,K,H]` (this layer's cache) -> `[B,T,N,H]`."""
+def cached_attention(q, k, v, layer, spec, positions, seg, blk, cache, *, interpret=None):
+  """`transformer.cached_attention` for layer `layer` of `cache` (its stacked `[L,B,S,K,H]` K/V
+  are read in place): q `[B,T,N,H]`, k/v `[B,T,K,H]` (new tokens) -> `[B,T,N,H]`."""
   from dice_jax.model import masks as masks_lib  # local: avoids an import cycle
 
   if spec.kind == "block_diffusion":
@@ -151,8 +171,8 @@ def cached_attention(q, k, v, cache_k, cache_v, spec, positions, seg, blk, cache
   qg = q.reshape(b, t, kh, g, h)
   q_rows = qg.transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
   rep = lambda x: jnp.repeat(x, g, axis=1)
-  o_c, lse_c = cache_part(q_rows, cache_k.astype(q.dtype), cache_v.astype(q.dtype), rep(seg),
-                          rep(q_rank), k_seg, k_rank, interpret=interpret)
+  o_c, lse_c = cache_part(q_rows, cache.k.astype(q.dtype), cache.v.astype(q.dtype), layer,
+                          rep(seg), rep(q_rank), k_seg, k_rank, interpret=interpret)
   o_c = o_c.reshape(b, kh, t, g, h)
   lse_c = lse_c.reshape(b, kh, t, g)
   # The new tokens' own keys, dense.

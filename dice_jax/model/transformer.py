@@ -105,12 +105,16 @@ class Transformer(nnx.Module):
       layer_fn = jax.checkpoint(layer_fn, prevent_cse=False)
 
     def body(h, xs):
-      w, ck, cv = xs
-      h, kv = layer_fn(h, w, ck, cv)
+      w, ck, cv, layer = xs
+      h, kv = layer_fn(h, w, ck, cv, layer)
       return h, kv
 
-    cache_kv = (cache.k, cache.v) if cache is not None else (None, None)
-    x, new_kv = jax.lax.scan(body, x, (self.layers.weights(), *cache_kv))
+    layer_ids = jnp.arange(cfg.num_layers)
+    if cache is None or cfg.attention_impl == "flash":  # flash reads the stacked cache by layer
+      xs = (self.layers.weights(), None, None, layer_ids)
+    else:
+      xs = (self.layers.weights(), cache.k, cache.v, layer_ids)
+    x, new_kv = jax.lax.scan(body, x, xs)
     x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     if return_hidden:
       out = x
@@ -131,7 +135,7 @@ class Transformer(nnx.Module):
                       preferred_element_type=jnp.float32)
 
 
-def _layer(x, w, cache_k, cache_v, *, cfg, attention, positions, seg, blk, cache):
+def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk, cache):
   """One pre-norm decoder layer. Returns (x, (k, v)) with this call's keys/values."""
   dt = cfg.compute_dtype
   h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
@@ -144,7 +148,7 @@ def _layer(x, w, cache_k, cache_v, *, cfg, attention, positions, seg, blk, cache
     o = self_attention(q, k, v, attention, positions, impl=cfg.attention_impl)
   else:
     o = cached_attention(q, k, v, cache_k, cache_v, attention, positions, seg, blk, cache,
-                         impl=cfg.attention_impl)
+                         impl=cfg.attention_impl, layer=layer)
   x = x + jnp.einsum("btnh,nhd->btd", o, w["o_proj"].astype(dt))
   h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
   g = jnp.einsum("btd,df->btf", h, w["gate_proj"].astype(dt))
@@ -181,11 +185,12 @@ def self_attention(q, k, v, spec, positions, *, impl="dense"):
 
 
 def cached_attention(q, k, v, cache_k, cache_v, spec, positions, seg, blk, cache: KVCache, *,
-                     impl="dense"):
+                     impl="dense", layer=None):
   """Attention of new tokens over (cache slots, new tokens) with one joint softmax.
 
-  `impl='flash'` streams the cache with a Pallas kernel (model/flash_decode.py): same result,
-  no `[B, K, G, T, S]` score tensor.
+  `impl='flash'` streams layer `layer` of the stacked cache in place with a Pallas kernel
+  (model/flash_decode.py; `cache_k/v` unused): same result, no `[B, K, G, T, S]` score tensor
+  and no per-layer copy of the cache.
 
   Cache keys are visible when their slot is filled, their segment matches and the kind's rule
   holds (pos_k <= pos_q for causal, block_k <= block_q for block-causal). The new tokens see each
@@ -195,8 +200,7 @@ def cached_attention(q, k, v, cache_k, cache_v, spec, positions, seg, blk, cache
     raise ValueError("block_diffusion attention is a training layout; it takes no KV cache")
   if impl == "flash":
     from dice_jax.model import flash_decode
-    return flash_decode.cached_attention(q, k, v, cache_k, cache_v, spec, positions, seg, blk,
-                                         cache)
+    return flash_decode.cached_attention(q, k, v, layer, spec, positions, seg, blk, cache)
   filled = jnp.arange(cache.max_len)[None, :] < cache.length  # [1,S]
   if spec.kind == "causal":
     m_cache = masks_lib.causal_mask(positions, cache.positions, seg, cache.segment_ids)
