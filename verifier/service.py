@@ -50,6 +50,7 @@ class Metrics:
     in_run: int = 0
     build_cache_hits: int = 0
     deduplicated: int = 0
+    oom_retries: int = 0
     failure_kinds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     run_phase_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     run_phase_n: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -60,8 +61,17 @@ class Metrics:
         return {"queue_depth": self.pending, "in_build": self.in_build, "in_run": self.in_run,
                 "completed": self.completed, "candidates_per_minute": 60.0 * self.completed / max(up, 1e-9),
                 "failure_kinds": dict(self.failure_kinds), "build_cache_hits": self.build_cache_hits,
-                "deduplicated": self.deduplicated, "uptime_s": up,
+                "deduplicated": self.deduplicated, "uptime_s": up, "oom_retries": self.oom_retries,
                 "run_phase_mean_s": {k: self.run_phase_s[k] / self.run_phase_n[k] for k in self.run_phase_s}}
+
+
+def _out_of_memory(res: dict | None, outcome: str) -> bool:
+    if outcome.startswith("memory"):
+        return False  # host-memory watchdog: the candidate's own doing
+    if res is None:
+        return False
+    return res.get("kind") == FailureKind.OUT_OF_MEMORY.value or (
+        res.get("kind") == FailureKind.REFERENCE_ERROR.value and "out of memory" in res.get("reason", "").lower())
 
 
 def _sha(*parts: str) -> str:
@@ -89,7 +99,7 @@ class VerifierService:
         return WorkerPool(PoolConfig(
             role=role, device=device, gpu_index=gpu, scratch_root=c.scratch_root, mem_mb=c.mem_mb,
             isolate_network=c.isolate_network, arch_list=c.arch_list, max_jobs=2, slots=slots,
-            prewarm=slots if c.prewarm else 0))
+            prewarm=(slots + (role == "run")) if c.prewarm else 0))
 
     async def start(self) -> None:
         os.makedirs(self.cfg.cache_dir, exist_ok=True)
@@ -171,7 +181,13 @@ class VerifierService:
                "baseline": self.baselines.get(base_key), "gpu_memory_fraction": self.cfg.gpu_memory_fraction}
         self.metrics.in_run += 1
         try:
-            res, outcome, logs = await pool.run(job, opts.timeout_s, exclusive=opts.measure_performance)
+            exclusive = opts.measure_performance
+            res, outcome, logs = await pool.run(job, opts.timeout_s, exclusive=exclusive)
+            if not exclusive and pool.cfg.slots > 1 and _out_of_memory(res, outcome):
+                # Concurrent candidates share the GPU; an OOM may be our over-commitment, not the
+                # candidate's. Run it again alone on the device before blaming it (seen on level-1 sizes).
+                self.metrics.oom_retries += 1
+                res, outcome, logs = await pool.run(job, opts.timeout_s, exclusive=True)
         finally:
             self.metrics.in_run -= 1
         if outcome:

@@ -45,7 +45,7 @@ class _ServerThread:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("verifier")
-    cfg = ServiceConfig(device="cpu", cpu_slots=1, compile_workers=2, cache_dir=str(root / "builds"),
+    cfg = ServiceConfig(device="cpu", cpu_slots=2, compile_workers=2, cache_dir=str(root / "builds"),
                         scratch_root=str(root / "scratch"), mem_mb=3072, build_timeout_s=300)
     s = _ServerThread(cfg)
     yield s
@@ -141,6 +141,13 @@ def test_retried_request_id_is_answered_once(server):
     before, a, b, c, after = asyncio.run(go())
     assert a == b == c and a.reward == 1.0
     assert after["completed"] - before["completed"] == 1  # one verification for three calls
+
+
+def test_out_of_memory_on_a_shared_device_is_rerun_alone_before_blaming_the_candidate(server):
+    before = server.server.service.metrics.oom_retries
+    (r,) = _verify(server, _req("oom-retry", cases.candidate("huge_alloc")))
+    assert r.failure_kind is FailureKind.OUT_OF_MEMORY
+    assert server.server.service.metrics.oom_retries == before + 1
 
 
 def test_wrong_token_is_refused(server):

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import pathlib
+import re
 import sys
 
 PROTOS = ("verifier/proto/verifier.proto", "verifier/proto/health.proto")
+# The service stubs only use ``channel.unary_unary/stream_stream(..., _registered_method=True)`` and
+# ``grpc.method_handlers_generic_handler``, present since grpcio 1.63; the generator pins its own version
+# (1.85 here) as the floor, which would refuse GPU images with grpcio 1.84. Lower the gate to pyproject's pin.
+GRPC_FLOOR = "1.66.0"
 
 
 def main() -> int:
@@ -16,7 +21,12 @@ def main() -> int:
     rc = protoc.main(args + [str(root / p) for p in PROTOS])
     if rc:
         print(f"protoc failed with status {rc}", file=sys.stderr)
-    return rc
+        return rc
+    for p in PROTOS:
+        stub = root / p.replace(".proto", "_pb2_grpc.py")
+        text = re.sub(r"GRPC_GENERATED_VERSION = '[^']*'", f"GRPC_GENERATED_VERSION = '{GRPC_FLOOR}'", stub.read_text())
+        stub.write_text(text)
+    return 0
 
 
 if __name__ == "__main__":

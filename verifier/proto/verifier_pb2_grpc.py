@@ -5,7 +5,7 @@ import warnings
 
 from verifier.proto import verifier_pb2 as verifier_dot_proto_dot_verifier__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.66.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
