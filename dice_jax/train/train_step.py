@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dice_jax.train import sharding as sharding_lib
 
+_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 LossFn = Callable[[Any, dict, jax.Array], tuple[jax.Array, dict]]
 
 
@@ -111,8 +112,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn,
     grads = jax.tree.map(lambda g: g / n, grads)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     params = optax.apply_updates(params, updates)
-    metrics = dict(m, loss=m["weighted_ce_sum"] / n, grad_norm=optax.global_norm(grads),
-                   param_norm=optax.global_norm(params))
+    metrics = dict(m, loss=m["weighted_ce_sum"] / n, grad_norm=_norm(grads),
+                   param_norm=_norm(params))
     if "masked_ce_sum" in m:
       metrics["masked_ce"] = m["masked_ce_sum"] / jnp.maximum(m["masked_tokens"], 1.0)
     if schedule is not None:

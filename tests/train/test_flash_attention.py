@@ -1,0 +1,89 @@
+"""The Pallas flash path (CPU: Pallas interpreter) against the dense reference attention."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dice_jax.model import flash_bd, masks
+from dice_jax.model.transformer import Transformer, dense_attention
+from dice_jax.train import sharding
+
+from ._helpers import packed_batch
+
+
+def _qkv(b, s, n, k, h, seed=0):
+  rng = np.random.default_rng(seed)
+  return tuple(jnp.asarray(rng.normal(size=(b, s, m, h)), jnp.float32) for m in (n, k, k))
+
+
+def _packed_ids(b, t):
+  """Two rows: three packed segments + padding, and one full segment; response-aligned blocks."""
+  seg = np.zeros((b, t), np.int32)
+  pos = np.zeros((b, t), np.int32)
+  starts = np.zeros((b, t), np.int32)
+  for r, lens in enumerate([(13, 7, 6), (t,)][:b]):
+    at = 0
+    for i, n in enumerate(lens):
+      seg[r, at:at + n], pos[r, at:at + n], starts[r, at:at + n] = i + 1, np.arange(n), 3 + i
+      at += n
+  blk = masks.block_ids_from_response_start(pos, starts, 4)
+  return jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(blk)
+
+
+def test_rank_vectors_encode_exactly_the_block_diffusion_mask():
+  seg, pos, blk = _packed_ids(2, 32)
+  want = masks.block_diffusion_mask(blk, seg)
+  got = flash_bd.mask_from_vectors(*flash_bd.bd_mask_vectors(seg, blk))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("kind", ["block_diffusion", "block_causal", "causal"])
+def test_flash_matches_dense_values_and_gradients(kind):
+  b, t, n, k, h = 2, 32, 4, 2, 16
+  seg, pos, blk = _packed_ids(b, t)
+  if kind == "block_diffusion":
+    spec = masks.AttentionSpec.block_diffusion(4, seg, blk)
+    positions = jnp.concatenate([pos, pos], 1)
+    valid = jnp.concatenate([seg, seg], 1) > 0
+  else:
+    spec = masks.AttentionSpec(kind, 4, seg, blk)
+    positions, valid = pos, seg > 0
+  q, kk, v = _qkv(b, positions.shape[1], n, k, h)
+  mask = masks.dense_mask(spec, positions)
+  ct = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
+  ct = ct * valid[:, :, None, None]  # padding rows are never read downstream
+  ref = lambda *a: (dense_attention(*a, mask) * ct).sum()  # noqa: E731
+  fla = lambda *a: (flash_bd.attention(*a, spec, positions, block_q=16, block_k=8,  # noqa: E731
+                                       block_bwd=16) * ct).sum()
+  np.testing.assert_allclose(fla(q, kk, v), ref(q, kk, v), rtol=1e-5)
+  for g_ref, g_fla in zip(jax.grad(ref, (0, 1, 2))(q, kk, v), jax.grad(fla, (0, 1, 2))(q, kk, v)):
+    np.testing.assert_allclose(np.asarray(g_fla), np.asarray(g_ref), atol=2e-5)
+
+
+def test_flash_model_matches_dense_model_on_a_sharded_mesh(tiny_cfg):
+  batch = packed_batch(4, 16, 250, seed=0)
+  spec = masks.AttentionSpec.block_diffusion(4, jnp.asarray(batch["segment_ids"]))
+  tokens = jnp.asarray(np.concatenate([batch["tokens"]] * 2, 1))
+  positions = jnp.asarray(np.concatenate([batch["positions"]] * 2, 1))
+  dense = Transformer(tiny_cfg, rngs=nnx.Rngs(0))
+  want = dense(tokens, positions, spec)
+  mesh = sharding.make_mesh(1, 4, 2)
+  flash = sharding.create_sharded(
+      lambda: Transformer(tiny_cfg.replace(attention_impl="flash"), rngs=nnx.Rngs(0)), mesh)
+  rows = NamedSharding(mesh, P(("data", "fsdp"), None))
+  with jax.set_mesh(mesh):  # the kernel runs per shard (shard_map) under a mesh
+    got = jax.jit(lambda m, t, p, s: m(t, p, s))(flash, jax.device_put(tokens, rows),
+                                                 jax.device_put(positions, rows), spec)
+  valid = np.concatenate([batch["segment_ids"]] * 2, 1) > 0
+  np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=1e-4)
+
+
+def test_lengths_that_do_not_fit_the_tiles_are_refused():
+  q, k, v = _qkv(1, 24, 2, 2, 16)
+  pos = jnp.arange(24)[None]
+  with pytest.raises(ValueError, match="multiple of the tiles"):
+    flash_bd.attention(q, k, v, masks.AttentionSpec.causal(), pos, block_q=16, block_k=16,
+                       block_bwd=16)

@@ -1,0 +1,109 @@
+"""The launcher end to end (subprocesses): kill -9 + restart is exact; SIGTERM saves and stops."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ._helpers import write_cuke_file
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NUM_STEPS = 30
+
+
+def _cmd(workdir, data):
+  return [sys.executable, "-m", "experiments.sft", "--config=tiny", f"--workdir={workdir}",
+          "--set=data_source=cuke", f"--set=data_path={data}", "--set=seq_len=128",
+          "--set=batch_size=4", f"--set=num_steps={NUM_STEPS}", "--set=checkpoint_every=4",
+          "--set=log_every=10"]
+
+
+def _env():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+             JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+  return env
+
+
+def _metrics(workdir):
+  """{step: record}, the last record of each step (a resumed run re-logs steps)."""
+  out = {}
+  path = os.path.join(workdir, "metrics.jsonl")
+  if os.path.exists(path):
+    for line in open(path):
+      if line.endswith("\n"):
+        rec = json.loads(line)
+        out[rec["step"]] = rec
+  return out
+
+
+def _start(workdir, data):
+  return subprocess.Popen(_cmd(workdir, data), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_step(proc, workdir, step, timeout=240):
+  t0 = time.time()
+  while time.time() - t0 < timeout:
+    done = _metrics(workdir)
+    if done and max(done) >= step:
+      return max(done)
+    if proc.poll() is not None:
+      pytest.fail(f"launcher exited early ({proc.returncode}):\n{proc.stdout.read()[-3000:]}")
+    time.sleep(0.02)
+  pytest.fail("launcher made no progress")
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+  return write_cuke_file(tmp_path_factory.mktemp("data") / "cuke.jsonl")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_file):
+  workdir = str(tmp_path_factory.mktemp("uninterrupted"))
+  subprocess.run(_cmd(workdir, data_file), cwd=REPO, env=_env(), check=True,
+                 capture_output=True, timeout=600)
+  return _metrics(workdir)
+
+
+def test_kill_9_then_restart_resumes_with_identical_losses_and_data(tmp_path, data_file,
+                                                                     reference):
+  assert sorted(reference) == list(range(1, NUM_STEPS + 1))
+  workdir = str(tmp_path / "run")
+  proc = _start(workdir, data_file)
+  killed_at = _wait_for_step(proc, workdir, 6)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert killed_at < NUM_STEPS, "the run finished before it could be killed"
+
+  again = subprocess.run(_cmd(workdir, data_file), cwd=REPO, env=_env(), capture_output=True,
+                         text=True, timeout=600)
+  assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+  log = again.stdout + again.stderr
+  assert "restored step" in log  # it resumed rather than starting over
+  resumed = _metrics(workdir)
+  assert sorted(resumed) == sorted(reference)
+  for step, ref in reference.items():
+    got = resumed[step]
+    assert got["data_fingerprint"] == ref["data_fingerprint"], f"data order differs at {step}"
+    assert got["loss"] == ref["loss"], f"loss differs at step {step}"
+  assert len({r["data_fingerprint"] for r in reference.values()}) > NUM_STEPS // 2
+
+
+def test_sigterm_saves_a_checkpoint_then_exits(tmp_path, data_file, reference):
+  workdir = str(tmp_path / "run")
+  proc = _start(workdir, data_file)
+  _wait_for_step(proc, workdir, 2)
+  proc.send_signal(signal.SIGTERM)
+  out = proc.communicate(timeout=120)[0]
+  assert proc.returncode == 0, out[-3000:]
+  last = max(_metrics(workdir))
+  assert last < NUM_STEPS and "pre-empted" in out
+  steps = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
+  assert steps[-1] == last  # the interrupted step itself was saved, not only the interval ones
+  assert _metrics(workdir)[last]["loss"] == reference[last]["loss"]
