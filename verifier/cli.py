@@ -55,8 +55,10 @@ async def _serve(a) -> int:
     token = os.environ.get("VERIFIER_TOKEN", "")
     if a.token_file:
         token = pathlib.Path(a.token_file).read_text().strip()
+    cfg = _config(a)
+    cfg.build_only = a.build_only
     try:
-        server = VerifierServer(_config(a), a.host, a.port, token, a.stream_window)
+        server = VerifierServer(cfg, a.host, a.port, token, a.stream_window)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -110,6 +112,8 @@ def main(argv=None) -> int:
     s.add_argument("--port", type=int, default=50051)
     s.add_argument("--token-file", default="", help="file holding the bearer token (or set VERIFIER_TOKEN)")
     s.add_argument("--stream-window", type=int, default=256)
+    s.add_argument("--build-only", action="store_true",
+                   help="compile host: serve Build only, into --cache-dir shared with GPU hosts")
     _service_args(s)
     c = sub.add_parser("check", help="verify one candidate against one reference, standalone")
     c.add_argument("--reference", required=True)

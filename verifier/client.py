@@ -77,6 +77,34 @@ class VerifierClient:
         """Results in request order."""
         return list(await asyncio.gather(*(self.verify(r) for r in requests)))
 
+    async def verify_stream(self, requests: Sequence[VerifyRequest]) -> list[VerifyResult]:
+        """One streaming call to the least-loaded endpoint; results come back in completion order and are
+        returned in request order (matched by request_id). No retries: use verify_batch for those."""
+        ep = self._pick(None)
+        ep.outstanding += len(requests)
+        try:
+            call = ep.stub.VerifyStream(iter([wire.request_to_proto(r) for r in requests]),
+                                        timeout=self.deadline_s, metadata=self.metadata)
+            by_id = {}
+            async for reply in call:
+                by_id[reply.request_id] = wire.result_from_proto(reply)
+        finally:
+            ep.outstanding -= len(requests)
+        return [by_id[r.request_id] for r in requests]
+
+    async def build_batch(self, requests: Sequence[VerifyRequest]) -> list[VerifyResult]:
+        """Build stage only, on compile hosts (servers started with --build-only)."""
+        async def one(r):
+            ep = self._pick(None)
+            ep.outstanding += 1
+            try:
+                reply = await ep.stub.Build(wire.request_to_proto(r), timeout=self.deadline_s, metadata=self.metadata)
+                return wire.result_from_proto(reply)
+            finally:
+                ep.outstanding -= 1
+
+        return list(await asyncio.gather(*(one(r) for r in requests)))
+
     async def metrics(self) -> list[dict]:
         out = []
         for e in self.endpoints:

@@ -95,6 +95,14 @@ class _Servicer(verifier_pb2_grpc.VerifierServicer):
             for t in list(tasks):
                 t.cancel()
 
+    async def Build(self, request, context):
+        await self._authorize(context)
+        try:
+            req = wire.request_from_proto(request, self.service.cfg.device)
+        except (ValueError, TypeError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad VerifyOptions: {e}")
+        return wire.result_to_proto(await self.service.build(req))
+
     async def Metrics(self, request, context):
         await self._authorize(context)
         return verifier_pb2.MetricsReply(**self.service.metrics.snapshot())

@@ -39,6 +39,7 @@ class ServiceConfig:
     arch_list: str = ""                  # TORCH_CUDA_ARCH_LIST for builds, e.g. "9.0"
     result_cache_size: int = 20000
     prewarm: bool = True
+    build_only: bool = False             # a compile host: no GPU pools; serves build() only
 
 
 @dataclasses.dataclass
@@ -104,6 +105,9 @@ class VerifierService:
     async def start(self) -> None:
         os.makedirs(self.cfg.cache_dir, exist_ok=True)
         self.build_pool = self._pool("build", self.cfg.device, "", self.cfg.compile_workers)
+        if self.cfg.build_only:
+            await self.build_pool.warm()
+            return
         self.run_pools["cpu"] = [self._pool("run", "cpu", "", self.cfg.cpu_slots)]
         if self.cfg.device == "cuda":
             self.run_pools["cuda"] = [self._pool("run", "cuda", g, self.cfg.slots_per_gpu) for g in self.cfg.gpus]
@@ -145,6 +149,23 @@ class VerifierService:
         fut.set_result(result)
         return result
 
+    async def build(self, req: VerifyRequest) -> VerifyResult:
+        """Static check and build stage only; the extension lands in ``cache_dir`` for a GPU host to use."""
+        try:
+            req.validate()
+        except ValueError as e:
+            return self._result(req, FailureKind.INVALID_REQUEST, str(e))
+        verdict = check_candidate(req.candidate_source, req.options.strict, req.options.device)
+        if verdict.kind is not FailureKind.OK:
+            return self._result(req, verdict.kind, verdict.reason, warnings=verdict.warnings)
+        t0 = time.monotonic()
+        build = await self._build(req)
+        kind = FailureKind(build["kind"])
+        return VerifyResult(request_id=req.request_id, task_id=req.task_id, compiled=kind is FailureKind.OK,
+                            failure_kind=kind, deceptive=kind.deceptive, reason=build.get("reason", ""),
+                            logs=build.get("logs", ""), compile_s=time.monotonic() - t0,
+                            build_cached=bool(build.get("cached")), warnings=verdict.warnings)
+
     # ---- stages ----------------------------------------------------------------------------------
     def _result(self, req: VerifyRequest, kind: FailureKind, reason: str = "", **kw) -> VerifyResult:
         kw.setdefault("compiled", kind.compiled)
@@ -157,6 +178,8 @@ class VerifierService:
         except ValueError as e:
             return self._result(req, FailureKind.INVALID_REQUEST, str(e))
         opts = req.options
+        if self.cfg.build_only:
+            return self._result(req, FailureKind.INVALID_REQUEST, "this is a build-only server: call Build, not Verify")
         if opts.device == "cuda" and "cuda" not in self.run_pools:
             return self._result(req, FailureKind.INVALID_REQUEST, "options.device is 'cuda' but this server has no GPUs")
         verdict = check_candidate(req.candidate_source, opts.strict, opts.device)

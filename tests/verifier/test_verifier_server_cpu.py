@@ -19,7 +19,7 @@ import verifier_cases as cases  # noqa: E402
 from verifier.client import VerifierClient  # noqa: E402
 from verifier.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
 from verifier.server import VerifierServer, is_loopback  # noqa: E402
-from verifier.service import ServiceConfig  # noqa: E402
+from verifier.service import ServiceConfig, VerifierService  # noqa: E402
 
 TOKEN = "test-token-123"
 OPTS = VerifyOptions(device="cpu", timeout_s=20, num_correct_trials=3, num_perf_trials=5)
@@ -148,6 +148,52 @@ def test_out_of_memory_on_a_shared_device_is_rerun_alone_before_blaming_the_cand
     (r,) = _verify(server, _req("oom-retry", cases.candidate("huge_alloc")))
     assert r.failure_kind is FailureKind.OUT_OF_MEMORY
     assert server.server.service.metrics.oom_retries == before + 1
+
+
+def test_streaming_batch_answers_every_request(server):
+    reqs = [_req("stream-good", cases.GOOD), _req("stream-wrong", cases.candidate("scaled_sub")),
+            _req("stream-syntax", cases.SYNTAX_ERROR)]
+
+    async def go():
+        client = VerifierClient([f"127.0.0.1:{server.port}"], token=TOKEN)
+        try:
+            return await client.verify_stream(reqs)
+        finally:
+            await client.close()
+
+    kinds = [r.failure_kind for r in asyncio.run(go())]
+    assert kinds == [FailureKind.OK, FailureKind.WRONG_OUTPUT, FailureKind.SYNTAX_ERROR]
+
+
+def test_build_host_and_run_host_share_only_the_cache_directory(tmp_path):
+    """A build-only service compiles into a cache directory; a second service (another host in production)
+    pointed at the same directory runs the candidate without compiling it again."""
+    cache = str(tmp_path / "shared-cache")
+    source = cases.candidate("scaled_add", name="vt_shared")  # different module name: not in any other cache
+
+    async def go():
+        builder = VerifierService(ServiceConfig(device="cpu", build_only=True, compile_workers=1, cache_dir=cache,
+                                                scratch_root=str(tmp_path / "s1"), mem_mb=3072))
+        await builder.start()
+        try:
+            built = await builder.build(_req("build-only", source))
+            refused = await builder.verify(_req("verify-on-builder", source))
+        finally:
+            await builder.close()
+        runner = VerifierService(ServiceConfig(device="cpu", compile_workers=1, cache_dir=cache,
+                                               scratch_root=str(tmp_path / "s2"), mem_mb=3072))
+        await runner.start()
+        try:
+            ran = await runner.verify(_req("run-host", source))
+        finally:
+            await runner.close()
+        return built, refused, ran
+
+    built, refused, ran = asyncio.run(go())
+    assert built.failure_kind is FailureKind.OK and built.compiled and built.reward == 0.0 and not built.build_cached
+    assert refused.failure_kind is FailureKind.INVALID_REQUEST and "build-only" in refused.reason
+    assert ran.failure_kind is FailureKind.OK and ran.reward == 1.0 and ran.build_cached
+    assert ran.compile_s < built.compile_s / 2
 
 
 def test_wrong_token_is_refused(server):

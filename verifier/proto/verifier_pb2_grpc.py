@@ -49,6 +49,11 @@ class VerifierStub:
                 request_serializer=verifier_dot_proto_dot_verifier__pb2.MetricsRequest.SerializeToString,
                 response_deserializer=verifier_dot_proto_dot_verifier__pb2.MetricsReply.FromString,
                 _registered_method=True)
+        self.Build = channel.unary_unary(
+                '/dice.verifier.v1.Verifier/Build',
+                request_serializer=verifier_dot_proto_dot_verifier__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=verifier_dot_proto_dot_verifier__pb2.VerifyResult.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -73,6 +78,14 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Build(self, request, context):
+        """Build stage only (static check + compile into the shared build cache), for compile hosts that share
+        --cache-dir with GPU hosts. compiled/failure_kind/reason/logs/compile_s are set; reward is always 0.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +103,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Metrics,
                     request_deserializer=verifier_dot_proto_dot_verifier__pb2.MetricsRequest.FromString,
                     response_serializer=verifier_dot_proto_dot_verifier__pb2.MetricsReply.SerializeToString,
+            ),
+            'Build': grpc.unary_unary_rpc_method_handler(
+                    servicer.Build,
+                    request_deserializer=verifier_dot_proto_dot_verifier__pb2.VerifyRequest.FromString,
+                    response_serializer=verifier_dot_proto_dot_verifier__pb2.VerifyResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +191,33 @@ class Verifier:
             '/dice.verifier.v1.Verifier/Metrics',
             verifier_dot_proto_dot_verifier__pb2.MetricsRequest.SerializeToString,
             verifier_dot_proto_dot_verifier__pb2.MetricsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Build(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dice.verifier.v1.Verifier/Build',
+            verifier_dot_proto_dot_verifier__pb2.VerifyRequest.SerializeToString,
+            verifier_dot_proto_dot_verifier__pb2.VerifyResult.FromString,
             options,
             channel_credentials,
             insecure,
