@@ -155,3 +155,30 @@ def test_build_key_and_fast_variant():
     py = fast_variant(dict(base, cuda_sources=base["cuda_sources"] + "\npy::object o;",
                            cpp_sources="int f() { return 1; }"))
     assert py is None  # uses pybind11 in the .cu and has bodies in main.cpp: nothing to shorten
+
+
+def test_chunked_comparison_matches_whole_tensor_rules(monkeypatch):
+    from verifier import correctness
+
+    monkeypatch.setattr(correctness, "CHUNK", 7)
+    ref = torch.linspace(-3, 3, 100)
+    out = ref.clone()
+    out[97] += 1.0
+    c = compare_outputs(ref, out, 1e-2, 1e-2, "t")
+    assert c.kind is FailureKind.WRONG_OUTPUT and "1 of 100" in c.reason and abs(c.max_abs_diff - 1.0) < 1e-5
+    ref[50], ref[51] = float("nan"), float("-inf")
+    out = ref.clone()
+    assert compare_outputs(ref, out, 1e-2, 1e-2, "t").kind is FailureKind.OK
+    out[51] = float("inf")
+    assert compare_outputs(ref, out, 1e-2, 1e-2, "t").kind is FailureKind.NONFINITE_OUTPUT
+    half = torch.randn(50).half()
+    assert compare_outputs(half, half.clone(), 1e-2, 1e-2, "t").kind is FailureKind.OK
+
+
+def test_mutation_check_is_nan_safe():
+    x = torch.tensor([1.0, float("nan"), 3.0])
+    assert mutated([x], [x.clone()]) == ""
+    y = x.clone()
+    y[0] = 2.0
+    assert mutated([x], [y]) == "input 0"
+    assert mutated([x.t()], [x.clone()]) == ""  # non-contiguous path
