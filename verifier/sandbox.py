@@ -33,6 +33,7 @@ ENV_ALLOW = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "CUDA_HOME", "CUDA_PATH", "CU
 PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 RESULT_FILE = "result.json"
 LOG_FILE = "worker.log"
+FILE_SIZE_LIMIT = 4 << 30
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 
@@ -58,6 +59,8 @@ def apply_child_limits(mem_mb: int, isolate_network: bool, limit_address_space: 
     """Called first thing in the worker. Returns notes on what could not be enforced."""
     notes = []
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # No single file over 4 GiB (runaway logs); builds write objects of tens of MB.
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
     if limit_address_space and mem_mb > 0:
         # Not for CUDA workers: the CUDA driver reserves huge virtual ranges (RSS watchdog covers those).
         resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
