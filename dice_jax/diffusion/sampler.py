@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -210,6 +210,17 @@ def _prefill(model, layout: Layout, width: int, chunk: int, max_len: int, block_
                  length=jnp.asarray(width, jnp.int32))
 
 
+class _Carry(NamedTuple):
+  """Decoding state carried through the block and step loops."""
+
+  canvas: jax.Array  # [B, C] tokens
+  step_map: jax.Array  # [B, C]
+  logp: Optional[jax.Array]  # [B, C] or None
+  steps_used: jax.Array  # [B] per-row denoising forwards so far (the next step id)
+  done: jax.Array  # [B] row stopped
+  key: jax.Array
+
+
 def _decode(graphdef, state, layout: Layout, canvas, rng, *, cfg: SamplerConfig):
   model = nnx.merge(graphdef, state)
   mcfg = model.cfg
@@ -224,12 +235,16 @@ def _decode(graphdef, state, layout: Layout, canvas, rng, *, cfg: SamplerConfig)
   cache = _prefill(model, layout, c0 - b, cfg.prefill_chunk, cache_len, b)
   stop_ids = jnp.asarray(cfg.stop_ids if cfg.stop_ids else (-1,), jnp.int32)
 
-  def denoise(carry, logits_bnv, col, s_in_block):
+  def masked_in_block(carry: _Carry, col):
+    cur = _slice_cols(carry.canvas, col, b)
+    gen = _slice_cols(layout.is_generation, col, b)
+    return cur, (cur == mask_id) & gen & ~carry.done[:, None]
+
+  def denoise(carry: _Carry, logits_bnv, col, s_in_block) -> _Carry:
     """One denoising update of the active block at `col` from its logits (in-block step s)."""
     canvas, step_map, logp, steps_used, done, key = carry
     key, sub = jax.random.split(key)
-    cur = _slice_cols(canvas, col, b)
-    masked = (cur == mask_id) & _slice_cols(layout.is_generation, col, b) & ~done[:, None]
+    cur, masked = masked_in_block(carry, col)
     cand = remasking.sample_candidates(
         sub, logits_bnv, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
         want_entropy=cfg.strategy == "entropy_bounded", want_logprob=cfg.return_logprobs)
@@ -246,61 +261,54 @@ def _decode(graphdef, state, layout: Layout, canvas, rng, *, cfg: SamplerConfig)
       lp = jnp.where(sel, cand["logprob"], _slice_cols(logp, col, b))
       logp = jax.lax.dynamic_update_slice_in_dim(logp, lp, col, axis=1)
     steps_used = steps_used + had_mask.astype(jnp.int32)
-    return canvas, step_map, logp, steps_used, done, key
-
-  def cols(x, col, width):
-    return _slice_cols(x, col, width)
+    return _Carry(canvas, step_map, logp, steps_used, done, key)
 
   def forward(canvas, cache, col, width, update):
-    spec = masks_lib.AttentionSpec.block_causal(b, cols(layout.segment_ids, col, width),
-                                                cols(layout.block_ids, col, width))
-    hidden, cache = model(cols(canvas, col, width), cols(layout.positions, col, width), spec,
-                          cache=cache, update_cache=update, return_hidden=True)
+    """Logits of the last b of `width` columns from `col`, against (and maybe into) the cache."""
+    cols = lambda x: _slice_cols(x, col, width)
+    spec = masks_lib.AttentionSpec.block_causal(b, cols(layout.segment_ids),
+                                                cols(layout.block_ids))
+    hidden, cache = model(cols(canvas), cols(layout.positions), spec, cache=cache,
+                          update_cache=update, return_hidden=True)
     return model.logits_from_hidden(hidden[:, -b:]), cache
 
   def block_body(state_):
     k_blk, cache, carry, forwards = state_
     col = c0 + k_blk * b
-    canvas = carry[0]
-    # Step 0: commit block k-1 and denoise block k in one forward of 2b tokens.
-    logits, cache = forward(canvas, cache, col - b, 2 * b, True)
+    # Step 0: commit block k-1 and denoise block k in one forward of 2b tokens; keep only block
+    # k-1's K/V (block k's provisional rows are overwritten by the next append).
+    logits, cache = forward(carry.canvas, cache, col - b, 2 * b, True)
     cache = dataclasses.replace(cache, length=cache.length - b)
     carry = denoise(carry, logits, col, jnp.asarray(0))
 
-    def has_masks(carry_):
-      cur = _slice_cols(carry_[0], col, b)
-      return jnp.any((cur == mask_id) & _slice_cols(layout.is_generation, col, b)
-                     & ~carry_[4][:, None])
-
     def step_cond(s_state):
       s, carry_, _ = s_state
-      return (s < steps) & has_masks(carry_)
+      return (s < steps) & jnp.any(masked_in_block(carry_, col)[1])
 
     def step_body(s_state):
       s, carry_, fw = s_state
-      logits_, _ = forward(carry_[0], cache, col, b, False)
+      logits_, _ = forward(carry_.canvas, cache, col, b, False)
       carry_ = denoise(carry_, logits_, col, s)
       return s + 1, carry_, fw + 1
 
     _, carry, forwards = jax.lax.while_loop(step_cond, step_body, (jnp.asarray(1), carry,
                                                                    forwards + 1))
     # Stop rows that emitted a stop id in this block or reached their token budget.
-    canvas, done = carry[0], carry[4]
-    cur = _slice_cols(canvas, col, b)
+    cur = _slice_cols(carry.canvas, col, b)
     gen = _slice_cols(layout.is_generation, col, b)
     hit_stop = jnp.any(gen & jnp.isin(cur, stop_ids), axis=-1)
     budget = (col + b - layout.response_start) >= layout.max_new_tokens
-    done = done | hit_stop | budget
-    carry = (*carry[:4], done, carry[5])
+    carry = carry._replace(done=carry.done | hit_stop | budget)
     return k_blk + 1, cache, carry, forwards
 
   def block_cond(state_):
     k_blk, _, carry, _ = state_
-    return (k_blk < n_blocks) & ~jnp.all(carry[4])
+    return (k_blk < n_blocks) & ~jnp.all(carry.done)
 
   step_map = jnp.full((rows, total), -1, jnp.int32)
   logp = jnp.zeros((rows, total), jnp.float32) if cfg.return_logprobs else None
-  carry = (canvas, step_map, logp, jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), bool), rng)
+  carry = _Carry(canvas, step_map, logp, jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), bool),
+                 rng)
   _, _, carry, forwards = jax.lax.while_loop(
       block_cond, block_body, (jnp.asarray(0), cache, carry, jnp.asarray(0)))
   canvas, step_map, logp, steps_used, _, _ = carry
