@@ -67,8 +67,9 @@ def toolchain_signature() -> dict:
             "arch": os.environ.get("TORCH_CUDA_ARCH_LIST", ""), "cxx": os.environ.get("CXX", "")}
 
 
-def build_key(bound: dict) -> str:
+def build_key(bound: dict, split: bool = False) -> str:
     payload = {k: bound.get(k) for k in _KEY_ARGS}
+    payload["split"] = split
     payload["toolchain"] = toolchain_signature()
     payload["fast_build"] = FAST_BUILD_VERSION
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
@@ -95,9 +96,10 @@ class ExtensionProxy:
 
 
 class CachedLoadInline:
-    def __init__(self, real, build_root: str, fast: bool = True):
+    def __init__(self, real, build_root: str, fast: bool = True, split: bool = False):
         self.real = real
         self.fast = fast
+        self.split = split
         self.signature = inspect.signature(real)
         self.build_root = build_root
         self.calls: dict[str, int] = {}
@@ -108,7 +110,7 @@ class CachedLoadInline:
         bound.apply_defaults()
         params = dict(bound.arguments)
         name = params["name"]
-        key = build_key(params)
+        key = build_key(params, self.split)
         final = os.path.join(self.build_root, key)
         so_path = os.path.join(final, f"{name}.so")
         event = {"name": name, "key": key, "cached": False, "seconds": 0.0, "error": ""}
@@ -121,8 +123,20 @@ class CachedLoadInline:
             tmp = os.path.join(self.build_root, f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             os.makedirs(tmp)
             params.update(build_directory=tmp, verbose=False)  # verbose=False keeps compiler output in the error
-            fast = fast_variant(params) if self.fast else None
             module = None
+            if self.split:
+                from verifier.split_build import split_variant
+
+                split = split_variant(params)
+                if split is not None:
+                    try:
+                        module = self.real(**split)
+                        event["split"] = True
+                    except Exception as e:  # noqa: BLE001 - fall back to the fast/stock builds
+                        event["split_error"] = str(e)[:2000]
+                        shutil.rmtree(tmp, ignore_errors=True)
+                        os.makedirs(tmp)
+            fast = fast_variant(params) if self.fast and module is None else None
             if fast is not None:
                 try:
                     module = self.real(**fast)
@@ -158,11 +172,11 @@ def _import_so(name: str, path: str):
     return module
 
 
-def install(build_root: str, fast: bool = True) -> CachedLoadInline:
+def install(build_root: str, fast: bool = True, split: bool = False) -> CachedLoadInline:
     """Replace load_inline in torch.utils.cpp_extension (what ``from ... import load_inline`` reads)."""
     import torch.utils.cpp_extension as cpp_extension
 
     os.makedirs(build_root, exist_ok=True)
-    cached = CachedLoadInline(cpp_extension.load_inline, build_root, fast)
+    cached = CachedLoadInline(cpp_extension.load_inline, build_root, fast, split)
     cpp_extension.load_inline = cached
     return cached

@@ -38,6 +38,8 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-fraction", type=float, default=0.0)
     p.add_argument("--arch", default=None, help="TORCH_CUDA_ARCH_LIST for builds (default: detected)")
     p.add_argument("--no-network-isolation", action="store_true")
+    p.add_argument("--split-build", action="store_true",
+                   help="experimental: compile kernels apart from the torch headers (not yet validated on a GPU)")
 
 
 def _config(a) -> ServiceConfig:
@@ -46,7 +48,7 @@ def _config(a) -> ServiceConfig:
     return ServiceConfig(device=device, gpus=tuple(g for g in a.gpus.split(",") if g), slots_per_gpu=a.slots_per_gpu,
                          compile_workers=a.compile_workers, cache_dir=a.cache_dir, scratch_root=a.scratch_root,
                          mem_mb=a.mem_mb, gpu_memory_fraction=a.gpu_memory_fraction, arch_list=arch,
-                         isolate_network=not a.no_network_isolation)
+                         isolate_network=not a.no_network_isolation, split_build=a.split_build)
 
 
 async def _serve(a) -> int:

@@ -40,6 +40,7 @@ class ServiceConfig:
     result_cache_size: int = 20000
     prewarm: bool = True
     build_only: bool = False             # a compile host: no GPU pools; serves build() only
+    split_build: bool = False            # experimental: kernels compiled apart from torch headers (split_build.py)
 
 
 @dataclasses.dataclass
@@ -201,7 +202,8 @@ class VerifierService:
                         str(opts.num_warmup), str(opts.compile_baseline), str(opts.seed))
         job = {"reference_source": req.reference_source, "candidate_source": req.candidate_source,
                "options": opts.to_dict(), "build_root": self.cfg.cache_dir, "kernel_names": list(verdict.kernel_names),
-               "baseline": self.baselines.get(base_key), "gpu_memory_fraction": self.cfg.gpu_memory_fraction}
+               "baseline": self.baselines.get(base_key), "gpu_memory_fraction": self.cfg.gpu_memory_fraction,
+               "split_build": self.cfg.split_build}
         self.metrics.in_run += 1
         try:
             exclusive = opts.measure_performance
@@ -250,7 +252,8 @@ class VerifierService:
         self.metrics.in_build += 1
         try:
             job = {"reference_source": req.reference_source, "candidate_source": req.candidate_source,
-                   "options": req.options.to_dict(), "build_root": self.cfg.cache_dir}
+                   "options": req.options.to_dict(), "build_root": self.cfg.cache_dir,
+                   "split_build": self.cfg.split_build}
             res, outcome, logs = await self.build_pool.run(job, self.cfg.build_timeout_s)
             if outcome:
                 kind = (FailureKind.TIMEOUT if outcome.startswith("timeout") else
@@ -261,6 +264,8 @@ class VerifierService:
             for ev in (res or {}).get("builds", []):
                 if not ev.get("cached") and not ev.get("error"):
                     self.metrics.build_s.append({"seconds": ev["seconds"], "fast": bool(ev.get("fast")),
+                                                 "split": bool(ev.get("split")),
+                                                 "split_error": ev.get("split_error", "")[:300],
                                                  "fast_error": ev.get("fast_error", "")[:300]})
             if res["kind"] not in (FailureKind.OK.value, FailureKind.COMPILE_ERROR.value):
                 self.builds.pop(key, None)  # timeouts and crashes are not cached: a retry rebuilds

@@ -72,7 +72,7 @@ def run_build(job: dict) -> dict:
     from verifier import build_cache
     from verifier.contract import FailureKind
 
-    cache = build_cache.install(job["build_root"])
+    cache = build_cache.install(job["build_root"], split=bool(job.get("split_build")))
     kind, reason = FailureKind.OK, ""
     try:
         ns = _exec_module(job["candidate_source"], "candidate")
@@ -153,7 +153,7 @@ def run_check(job: dict) -> dict:
         return finish(FailureKind.REFERENCE_ERROR, f"reference failed: {_short(e)}")
 
     # 2. Load the candidate (builds hit the cache filled by the build stage).
-    cache = build_cache.install(job["build_root"])
+    cache = build_cache.install(job["build_root"], split=bool(job.get("split_build")))
     t_load = time.monotonic()
     try:
         cand_ns = _exec_module(job["candidate_source"], "candidate")
