@@ -89,42 +89,20 @@ def _pick_block_k(s: int) -> int:
 SPLIT = 512  # cache slots per program (flash-decoding split); programs over dead slots exit early
 
 
-def cache_part(q_bkrh, k_lbskh, v_lbskh, layer, q_seg_br, q_rank_br, k_seg_bs, k_rank_bs, *,
-               interpret=None):
-  """Softmax attention of query rows over the cache slots of one layer.
-
-  q `[B, K, R, H]` (R query rows per K/V head); k/v the stacked cache `[L, B, S, K, H]` and the
-  layer index `layer` (scalar): the kernel reads that layer in place, so no per-layer copy of the
-  cache is made. int32 vectors: query rows `[B, R]`, slots `[B, S]` (segment 0 = invisible).
-  Returns (o `[B, K, R, H]` f32, lse `[B, K, R]` f32, natural log; EMPTY_LSE where no slot is
-  visible).
-  """
-  b, kh, r, h = q_bkrh.shape
+def _pallas_cache_part(layer, live, q_bkrh, k_lbskh, v_lbskh, q_seg, q_rank, k_seg, k_rank, *,
+                       split, block_q, interpret):
+  """The kernel launch on (local) arrays; returns per-split (o, lse)."""
+  b, kh, rp, h = q_bkrh.shape
   n_layers, s = k_lbskh.shape[0], k_lbskh.shape[2]
-  if interpret is None:
-    interpret = jax.default_backend() != "gpu"
-  block_q = 16
-  while block_q < min(r, 64):
-    block_q *= 2
-  pad = (-r) % block_q
-  if pad:
-    q_bkrh = jnp.pad(q_bkrh, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    q_seg_br = jnp.pad(q_seg_br, ((0, 0), (0, pad)))
-    q_rank_br = jnp.pad(q_rank_br, ((0, 0), (0, pad)))
-  rp = r + pad
-  split = math.gcd(s, SPLIT)
-  block_k = _pick_block_k(split)
   n_split = s // split
-  # A split is live when some slot in it has a segment id (filled, not padding).
-  live = (jnp.max(k_seg_bs.reshape(b, n_split, split), axis=-1) > 0).astype(jnp.int32)
-  layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+  block_k = _pick_block_k(split)
   params = plgpu.CompilerParams(num_warps=4, num_stages=2) if plgpu is not None else None
   qrow = pl.BlockSpec((None, block_q), lambda i, j, t, c: (i, t))
   krow = pl.BlockSpec((None, split), lambda i, j, t, c: (i, c))
   kv = pl.BlockSpec((n_layers, None, split, None, h), lambda i, j, t, c: (0, i, c, j, 0))
   out_o = pl.BlockSpec((None, None, None, block_q, h), lambda i, j, t, c: (i, j, c, t, 0))
   out_l = pl.BlockSpec((None, None, None, block_q), lambda i, j, t, c: (i, j, c, t))
-  o, lse = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_kernel, scale=h ** -0.5, block_k=block_k),
       grid=(b, kh, rp // block_q, n_split),
       in_specs=[pl.BlockSpec((1,), lambda i, j, t, c: (0,)),
@@ -135,8 +113,60 @@ def cache_part(q_bkrh, k_lbskh, v_lbskh, layer, q_seg_br, q_rank_br, k_seg_bs, k
       out_shape=[jax.ShapeDtypeStruct((b, kh, n_split, rp, h), jnp.float32),
                  jax.ShapeDtypeStruct((b, kh, n_split, rp), jnp.float32)],
       compiler_params=params, interpret=interpret, name="flash_decode_cache",
-  )(layer, live, q_bkrh, k_lbskh, v_lbskh, q_seg_br.astype(jnp.int32),
-    q_rank_br.astype(jnp.int32), k_seg_bs.astype(jnp.int32), k_rank_bs.astype(jnp.int32))
+  )(layer, live, q_bkrh, k_lbskh, v_lbskh, q_seg, q_rank, k_seg, k_rank)
+
+
+def _shard_mapped(fn, rows: int, kv_heads: int):
+  """Under a mesh context (`jax.set_mesh`), launch the kernel per shard: rows over data/fsdp and
+  K/V heads over `tensor` where they divide (a Pallas call has no partitioning rule; without this
+  XLA would gather the whole cache onto every device). Mirrors `flash_bd._shard_mapped`."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or mesh.size == 1:
+    return fn
+  P = jax.sharding.PartitionSpec
+  names = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
+  n = math.prod(mesh.shape[a] for a in names)
+  row = (names if len(names) > 1 else names[0]) if names and rows % n == 0 else None
+  tp = mesh.shape.get("tensor", 1)
+  head = "tensor" if tp > 1 and kv_heads % tp == 0 else None
+  vec = P(row, None)
+  in_specs = (P(None), vec, P(row, head, None, None), P(None, row, None, head, None),
+              P(None, row, None, head, None), vec, vec, vec, vec)
+  out_specs = (P(row, head, None, None, None), P(row, head, None, None))
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def cache_part(q_bkrh, k_lbskh, v_lbskh, layer, q_seg_br, q_rank_br, k_seg_bs, k_rank_bs, *,
+               interpret=None):
+  """Softmax attention of query rows over the cache slots of one layer.
+
+  q `[B, K, R, H]` (R query rows per K/V head); k/v the stacked cache `[L, B, S, K, H]` and the
+  layer index `layer` (scalar): the kernel reads that layer in place, so no per-layer copy of the
+  cache is made. int32 vectors: query rows `[B, R]`, slots `[B, S]` (segment 0 = invisible).
+  Returns (o `[B, K, R, H]` f32, lse `[B, K, R]` f32, natural log; EMPTY_LSE where no slot is
+  visible).
+  """
+  b, kh, r, _ = q_bkrh.shape
+  s = k_lbskh.shape[2]
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  block_q = 16
+  while block_q < min(r, 64):
+    block_q *= 2
+  pad = (-r) % block_q
+  if pad:
+    q_bkrh = jnp.pad(q_bkrh, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    q_seg_br = jnp.pad(q_seg_br, ((0, 0), (0, pad)))
+    q_rank_br = jnp.pad(q_rank_br, ((0, 0), (0, pad)))
+  split = math.gcd(s, SPLIT)
+  n_split = s // split
+  # A split is live when some slot in it has a segment id (filled, not padding).
+  live = (jnp.max(k_seg_bs.reshape(b, n_split, split), axis=-1) > 0).astype(jnp.int32)
+  layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+  args = (layer, live, q_bkrh, k_lbskh, v_lbskh, q_seg_br.astype(jnp.int32),
+          q_rank_br.astype(jnp.int32), k_seg_bs.astype(jnp.int32), k_rank_bs.astype(jnp.int32))
+  call = functools.partial(_pallas_cache_part, split=split, block_q=block_q, interpret=interpret)
+  o, lse = _shard_mapped(call, b, kh)(*args)
   o, lse = o[..., :r, :], lse[..., :r]
   # Merge the splits by log-sum-exp.
   m = jnp.max(lse, axis=2)

@@ -35,14 +35,27 @@ def test_flash_cached_attention_matches_dense(kind, monkeypatch):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-def test_sampler_with_flash_attention_matches_dense():
-  prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14]]
+def test_sampler_with_flash_attention_on_8_devices_matches_dense():
+  """Flash decode attention, sharded (rows over data x fsdp, K/V heads over tensor, via shard_map
+  under `jax.set_mesh`), reproduces the single-device dense sampler."""
+  import jax
+
+  from dice_jax.train import sharding
+
+  prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20, 21] * 5, [30, 31, 32, 33]] * 2
   cfg = sampler.SamplerConfig(strategy="low_confidence_static", max_new_tokens=8)
-  outs = []
-  for impl in ("dense", "flash"):
-    m = transformer.Transformer(get_config("tiny", dtype="float32", attention_impl=impl),
-                                rngs=nnx.Rngs(0))
-    m.lm_head[...] = m.lm_head[...] * 60.0
-    outs.append(sampler.generate(m, prompts, cfg))
-  np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
-  np.testing.assert_array_equal(np.asarray(outs[0].step_map), np.asarray(outs[1].step_map))
+  sharpen = lambda m: m.lm_head.set_value(m.lm_head[...] * 60.0)
+  dense = transformer.Transformer(get_config("tiny", dtype="float32"), rngs=nnx.Rngs(0))
+  sharpen(dense)
+  want = sampler.generate(dense, prompts, cfg)
+  mcfg = get_config("tiny", dtype="float32", attention_impl="flash")
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  flash = sharding.create_sharded(lambda: transformer.Transformer(mcfg, rngs=nnx.Rngs(0)), mesh)
+  sharpen(flash)
+  layout = sampler.layout_prompts(prompts, cfg, mcfg.mask_token_id)
+  layout = jax.tree.map(lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim)), layout)
+  with jax.set_mesh(mesh):
+    got = sampler.decode(flash, layout, cfg)
+  assert len(got.tokens.sharding.device_set) == 8
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_array_equal(np.asarray(got.step_map), np.asarray(want.step_map))
