@@ -89,6 +89,24 @@ def test_weighted_cross_entropy_by_hand():
   np.testing.assert_allclose(got, 3 * math.log(4), rtol=1e-6)
 
 
+def test_loss_by_hand_with_uniform_predictions():
+  """LM head zeroed: every logit is 0, so every CE is log V and the loss is
+  log(V) * sum_{masked} 1/p / N_ans, computable by hand from the mask draw."""
+  m = Transformer(get_config("tiny", dtype="float32"), rngs=nnx.Rngs(0))
+  m.lm_head.set_value(jnp.zeros_like(m.lm_head[...]))
+  batch = _packed_batch()
+  rng = jax.random.key(7)
+  loss, metrics = _loss_jit(m, batch, rng, cfg=objective.ObjectiveConfig())
+  blk = blocks.block_ids(batch["positions"], batch["segment_ids"], batch["loss_mask"], B_SIZE)
+  masked, p = noising.sample_mask(rng, jnp.asarray(batch["segment_ids"]), blk,
+                                  jnp.asarray(batch["loss_mask"]))
+  masked, p = np.asarray(masked), np.asarray(p)
+  want = math.log(256) * np.sum(1.0 / p[masked]) / 24
+  np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["masked_ce_sum"]), math.log(256) * masked.sum(),
+                             rtol=1e-5)
+
+
 def _reference_loss(model, batch, masked, p):
   """sum (1/p) CE / N_ans, with each block's logits from a plain block-causal forward over
   [x_0 of earlier blocks ; x_t of this block] (the meaning of the 2L mask), per segment."""
