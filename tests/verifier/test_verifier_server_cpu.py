@@ -82,7 +82,7 @@ def test_good_cpp_candidate_gets_reward_one_and_a_speedup(server):
 
 BAD = [
     ("wrong_output", cases.candidate("scaled_sub"), FailureKind.WRONG_OUTPUT, "outside atol"),
-    ("compile_error", cases.COMPILE_ERROR, FailureKind.COMPILE_ERROR, "undefined_symbol_xyz"),
+    ("compile_error", cases.LIGHT_COMPILE_ERROR, FailureKind.COMPILE_ERROR, "undefined_symbol_xyz"),
     ("segfault", cases.candidate("segfault"), FailureKind.CRASH, "SIGSEGV"),
     ("infinite_loop", cases.candidate("spin"), FailureKind.TIMEOUT, "wall-clock limit"),
     ("raised_exception", cases.candidate("raise_error"), FailureKind.RUNTIME_ERROR, "deliberate failure"),
@@ -108,7 +108,7 @@ def test_bad_candidate_gets_zero_with_its_kind_and_server_recovers(server, name,
 
 
 def test_compile_error_carries_the_compiler_message(server):
-    (r,) = _verify(server, _req("compile-error-again", cases.COMPILE_ERROR))
+    (r,) = _verify(server, _req("compile-error-again", cases.LIGHT_COMPILE_ERROR))
     assert r.failure_kind is FailureKind.COMPILE_ERROR and not r.compiled
     assert "error" in r.reason and "undefined_symbol_xyz" in r.reason
 
@@ -169,7 +169,7 @@ def test_build_host_and_run_host_share_only_the_cache_directory(tmp_path):
     """A build-only service compiles into a cache directory; a second service (another host in production)
     pointed at the same directory runs the candidate without compiling it again."""
     cache = str(tmp_path / "shared-cache")
-    source = cases.candidate("scaled_add", name="vt_shared")  # different module name: not in any other cache
+    source = cases.light_candidate(name="vt_shared")  # own module name: in no other cache
 
     async def go():
         builder = VerifierService(ServiceConfig(device="cpu", build_only=True, compile_workers=1, cache_dir=cache,
@@ -194,6 +194,40 @@ def test_build_host_and_run_host_share_only_the_cache_directory(tmp_path):
     assert refused.failure_kind is FailureKind.INVALID_REQUEST and "build-only" in refused.reason
     assert ran.failure_kind is FailureKind.OK and ran.reward == 1.0 and ran.build_cached
     assert ran.compile_s < built.compile_s / 2
+
+
+def test_candidate_has_no_network(server):
+    """The worker unshares its network namespace: even loopback connections fail inside."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    probe = cases.GOOD.replace(
+        "return ops.scaled_add(a, b, self.scale)",
+        f"import socket\n        socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+        "        return ops.scaled_add(a, b, self.scale)")
+    try:
+        (r,) = _verify(server, _req("network-probe", probe, strictness="off"))
+    finally:
+        listener.close()
+    if any("network isolation unavailable" in w for w in r.warnings):
+        pytest.skip("this kernel refuses unprivileged network namespaces: " + "; ".join(r.warnings))
+    assert r.failure_kind is FailureKind.RUNTIME_ERROR, (r.failure_kind, r.reason)
+    assert "unreachable" in r.reason.lower() or "refused" in r.reason.lower() or "errno" in r.reason.lower()
+
+
+def test_worker_environment_is_scrubbed(monkeypatch, tmp_path):
+    from verifier.sandbox import scrubbed_env
+
+    monkeypatch.setenv("VERIFIER_TOKEN", "secret-token")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret")
+    monkeypatch.setenv("HF_TOKEN", "hf-secret")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    env = scrubbed_env(str(tmp_path), cuda_visible="3", arch_list="9.0")
+    assert not {"VERIFIER_TOKEN", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN"} & set(env)
+    assert "secret" not in " ".join(env.values())
+    assert env["PATH"] == "/usr/bin:/bin" and env["HOME"] == env["TMPDIR"] == str(tmp_path)
+    assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["TORCH_CUDA_ARCH_LIST"] == "9.0"
 
 
 def test_wrong_token_is_refused(server):

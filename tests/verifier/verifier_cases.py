@@ -100,3 +100,43 @@ SYNTAX_ERROR = GOOD.replace("def forward(self, a, b):", "def forward(self, a, b)
 MISSING_MODEL_NEW = GOOD.replace("class ModelNew", "class ModelOld")
 PY_RAISE = GOOD.replace("return ops.scaled_add(a, b, self.scale)", "raise ValueError('python-side failure')")
 TORCH_FORWARD = GOOD.replace("return ops.scaled_add(a, b, self.scale)", "return torch.add(a, b) * self.scale")
+
+
+# A light extension: pybind11 only (no torch headers), raw pointers from Python. It builds in seconds instead
+# of the ~40 s a torch/extension.h build takes on a 2-core CI machine; used where a fresh build is the point.
+LIGHT_EXTENSION = r'''
+#include <pybind11/pybind11.h>
+#include <cstdint>
+void scaled_add_raw(std::uintptr_t a, std::uintptr_t b, std::uintptr_t out, std::int64_t n, double scale) {
+    const float* pa = reinterpret_cast<const float*>(a);
+    const float* pb = reinterpret_cast<const float*>(b);
+    float* po = reinterpret_cast<float*>(out);
+    for (std::int64_t i = 0; i < n; ++i) po[i] = (pa[i] + pb[i]) * (float)scale;
+}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("scaled_add_raw", &scaled_add_raw); }
+'''
+
+
+def light_candidate(extension: str = LIGHT_EXTENSION, name: str = "vt_light") -> str:
+    return f'''
+import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+source = r"""{extension}"""
+ops = load_inline(name="{name}", cpp_sources=source, no_implicit_headers=True, extra_cflags=["-O2"])
+
+
+class ModelNew(nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, a, b):
+        out = torch.empty_like(a)
+        ops.scaled_add_raw(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel(), self.scale)
+        return out
+'''
+
+
+LIGHT_COMPILE_ERROR = light_candidate(LIGHT_EXTENSION.replace("po[i] = ", "po[i] = undefined_symbol_xyz + "), "vt_light_broken")
