@@ -145,3 +145,23 @@ def test_worker_processes_give_the_same_batches_and_resume(tiny_tokenizer):
     for a, b in zip(want, got):
         for k in FEATURES:
             np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_real_kernel_pairs_pack_without_loss_with_sdar_tokenizer(sdar_tokenizer):
+    from dice_jax.data import prompts, tasks
+
+    from ._helpers import shared_path
+
+    rows, _ = tasks.load_infilling_tasks(str(shared_path("dice_rl", "kernel_infilling_evaluation.json")))
+    samples = [prompts.sft_sample_from_pair(t.reference_code, t.cuda_code, sample_id=t.task_id) for t in rows]
+    cfg = SFTPipelineConfig(seq_len=6144, block_size=4, batch_size=4, drop_remainder=False)
+    stats = PackingStats()
+    batches = list(make_sft_dataset(samples, sdar_tokenizer, cfg, stats))
+    expected = _expected(samples, sdar_tokenizer, 4)
+    got = collections.Counter(tuple(t.tolist()) for t, _, _ in _segments(batches))
+    assert stats.samples_dropped == 0 and sum(got.values()) == 99
+    assert got == collections.Counter(tuple(v["tokens"].tolist()) for v in expected.values())
+    im_end = sdar_tokenizer.token_to_id("<|im_end|>")
+    for t, loss, _ in _segments(batches):  # each response ends <|im_end|>\n, then block pads (trained)
+        last = len(t) - 1 - np.flatnonzero(t[::-1] != sdar_tokenizer.pad_token_id)[0]
+        assert t[last - 1] == im_end and loss[last:].all() and not loss[0]
