@@ -19,7 +19,7 @@ from absl import app, flags
 from dice_jax.data import prompts
 from dice_jax.data.rl_stream import RLStreamConfig, make_rl_stream, next_step, task_prompt
 from dice_jax.data.sft_pipeline import PackingStats, SFTPipelineConfig, make_sft_dataset, sft_texts
-from dice_jax.data.tasks import load_e2e_tasks, load_infilling_tasks, load_sft_samples
+from dice_jax.data.tasks import load_e2e_tasks, load_infilling_tasks, load_kernelbench, load_sft_samples
 from dice_jax.data.tokenizer import Tokenizer
 
 _SHARED = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -27,7 +27,8 @@ _SHARED = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
 _PIPELINE = flags.DEFINE_enum("pipeline", "e2e", ["sft", "infill", "e2e"], "which pipeline to show")
 _N = flags.DEFINE_integer("n", 2, "examples to print")
 _TOKENIZER = flags.DEFINE_string("tokenizer", str(_SHARED / "sdar_chat"), "HF tokenizer directory")
-_E2E = flags.DEFINE_string("e2e_tasks", str(_SHARED / "dice_rl" / "end_to_end_kernel_generation_4000.json"), "")
+_E2E = flags.DEFINE_string("e2e_tasks", str(_SHARED / "dice_rl" / "end_to_end_kernel_generation_4000.json"),
+                           "DICE end-to-end JSON, or KernelBench problems (level*.jsonl dir/file, checkout, parquet)")
 _INFILL = flags.DEFINE_string("infill_tasks", str(_SHARED / "dice_rl" / "kernel_infilling_evaluation.json"), "")
 _SFT = flags.DEFINE_string("sft_data", "", "CuKe jsonl (prompt/response); default: pairs from --infill_tasks")
 _STYLE = flags.DEFINE_enum("prompt_style", "dice", ["dice", "chat"], "RL prompt rendering")
@@ -51,9 +52,16 @@ def _pct(xs) -> str:
 
 
 def _rl(tok: Tokenizer, infill: bool) -> None:
-    tasks, rep = (load_infilling_tasks(_INFILL.value, on_error="skip") if infill
-                  else load_e2e_tasks(_E2E.value, on_error="skip"))
-    print(f"{len(tasks)} tasks from {rep.path} ({len(rep.skipped)} bad rows skipped)")
+    path = _INFILL.value if infill else _E2E.value
+    if infill:
+        tasks, rep = load_infilling_tasks(path, on_error="skip")
+        reports = [rep]
+    elif os.path.isdir(path) or path.endswith((".jsonl", ".parquet")):  # KernelBench problems
+        tasks, reports = load_kernelbench(path, on_error="skip")
+    else:
+        tasks, rep = load_e2e_tasks(path, on_error="skip")
+        reports = [rep]
+    print(f"{len(tasks)} tasks from {path} ({sum(len(r.skipped) for r in reports)} bad rows skipped)")
     cfg = RLStreamConfig(group_size=2, tasks_per_step=max(1, _N.value), num_steps=1, prompt_style=_STYLE.value)
     for e in next_step(iter(make_rl_stream(tasks, tok, cfg)), cfg)[::2]:
         print(f"\n===== {e['task_id']} level={e['level']} stage={e['stage']} prompt_tokens={len(e['prompt_ids'])}")
