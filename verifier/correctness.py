@@ -67,10 +67,17 @@ def mutated(before: list, after: list) -> str:
     return ""
 
 
-def poison(values) -> None:
-    """Overwrite tensors we are about to free so reused memory holds NaN, not a valid result."""
+def storages_of(*modules) -> set[int]:
+    """Storage addresses of the modules' parameters and buffers (never poisoned)."""
+    return {t.untyped_storage().data_ptr() for m in modules for t in list(m.parameters()) + list(m.buffers())}
+
+
+def poison(values, keep: set[int] = frozenset()) -> None:
+    """Overwrite tensors we are about to free so reused memory holds NaN, not a valid result. Outputs that
+    alias a model's parameters or buffers (``keep``) are left alone."""
     for t in flatten(values):
-        if isinstance(t, torch.Tensor) and t.numel() and not t.requires_grad:
+        if isinstance(t, torch.Tensor) and t.numel() and not t.requires_grad \
+                and t.untyped_storage().data_ptr() not in keep:
             try:
                 if t.is_floating_point() or t.is_complex():
                     t.fill_(float("nan"))

@@ -17,7 +17,7 @@ import os
 import time
 
 from verifier import reward as rewards
-from verifier.contract import FailureKind, Runtime, VerifyOptions, VerifyRequest, VerifyResult, truncate_log
+from verifier.contract import FailureKind, Runtime, VerifyRequest, VerifyResult, truncate_log
 from verifier.pool import PoolConfig, WorkerPool
 from verifier.static_check import check_candidate
 

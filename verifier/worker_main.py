@@ -180,6 +180,8 @@ def run_check(job: dict) -> dict:
     out["load_s"] = time.monotonic() - t_load
     mark("candidate_load")
 
+    keep = correctness.storages_of(ref_model, cand_model)
+
     def run_cand(args, i):
         _set_seed(trial_seeds[i])
         with torch.no_grad():
@@ -191,7 +193,7 @@ def run_check(job: dict) -> dict:
         c = correctness.compare_outputs(golden0, again, atol, rtol, "reference after loading the candidate")
         if c.kind is not FailureKind.OK:
             raise Reject(FailureKind.REFERENCE_TAMPERED, c.reason)
-        correctness.poison(again)
+        correctness.poison(again, keep)
         del again
 
         # 4. Trials: candidate before and after the reference, fresh clones, mutation checks, poisoning.
@@ -217,9 +219,9 @@ def run_check(job: dict) -> dict:
                     out["max_abs_diff"] = c.max_abs_diff
                     raise Reject(c.kind, c.reason)
                 max_abs, strict_ok = max(max_abs, c.max_abs_diff), strict_ok and c.strict_ok
-                correctness.poison(cand_out)
+                correctness.poison(cand_out, keep)
                 if ref_out is not golden0:
-                    correctness.poison(ref_out)
+                    correctness.poison(ref_out, keep)
                 del cand_out, ref_out, args
                 correctness.empty_caches(device)
         out.update(correct=True, strict_correct=strict_ok, max_abs_diff=max_abs)

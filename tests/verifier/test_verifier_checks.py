@@ -182,3 +182,12 @@ def test_mutation_check_is_nan_safe():
     y[0] = 2.0
     assert mutated([x], [y]) == "input 0"
     assert mutated([x.t()], [x.clone()]) == ""  # non-contiguous path
+
+
+def test_poison_spares_outputs_that_alias_model_state():
+    from verifier.correctness import storages_of
+
+    lin = torch.nn.Linear(3, 3)
+    keep = storages_of(lin)
+    poison([lin.weight.detach(), lin.bias.detach()[:2]], keep)
+    assert torch.isfinite(lin.weight).all() and torch.isfinite(lin.bias).all()
