@@ -30,15 +30,24 @@ class PoolConfig:
 
 
 class Slots:
-    """A counting semaphore where one acquirer may take several units (timed runs take all)."""
+    """A counting semaphore where one acquirer may take several units (timed runs take all). While a
+    multi-unit acquirer waits, single-unit acquirers queue behind it, so timed runs do not starve."""
 
     def __init__(self, n: int):
         self.total, self.free = n, n
+        self.big_waiting = 0
         self.cond = asyncio.Condition()
 
     async def acquire(self, k: int) -> None:
         async with self.cond:
-            await self.cond.wait_for(lambda: self.free >= k)
+            if k > 1:
+                self.big_waiting += 1
+                try:
+                    await self.cond.wait_for(lambda: self.free >= k)
+                finally:
+                    self.big_waiting -= 1
+            else:
+                await self.cond.wait_for(lambda: self.free >= k and self.big_waiting == 0)
             self.free -= k
 
     async def release(self, k: int) -> None:

@@ -191,3 +191,29 @@ def test_poison_spares_outputs_that_alias_model_state():
     keep = storages_of(lin)
     poison([lin.weight.detach(), lin.bias.detach()[:2]], keep)
     assert torch.isfinite(lin.weight).all() and torch.isfinite(lin.bias).all()
+
+
+def test_slots_let_a_waiting_exclusive_run_go_first():
+    import asyncio
+
+    from verifier.pool import Slots
+
+    async def go():
+        slots, order = Slots(2), []
+        await slots.acquire(1)
+
+        async def take(tag, k):
+            await slots.acquire(k)
+            order.append(tag)
+            await slots.release(k)
+
+        big = asyncio.ensure_future(take("exclusive", 2))
+        await asyncio.sleep(0)
+        small = asyncio.ensure_future(take("single", 1))
+        await asyncio.sleep(0.01)
+        assert order == []  # the single run queues behind the waiting exclusive one
+        await slots.release(1)
+        await asyncio.gather(big, small)
+        return order
+
+    assert asyncio.run(go()) == ["exclusive", "single"]
