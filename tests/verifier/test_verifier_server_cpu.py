@@ -274,3 +274,29 @@ def test_client_without_reachable_endpoint_reports_failure_after_retries():
 
     r = asyncio.run(go())
     assert r.failure_kind is FailureKind.INTERNAL_ERROR and "2 attempts" in r.reason
+
+
+def test_full_queue_answers_resource_exhausted_and_the_client_backs_off(tmp_path):
+    cfg = ServiceConfig(device="cpu", cache_dir=str(tmp_path / "c"), scratch_root=str(tmp_path / "s"),
+                        max_pending=0, prewarm=False, compile_workers=1)
+    s = _ServerThread(cfg)
+    try:
+        (r,) = _verify(s, _req("overloaded", cases.GOOD), retries=2)
+    finally:
+        s.stop()
+    assert r.failure_kind is FailureKind.OVERLOADED and "RESOURCE_EXHAUSTED" in r.reason and "3 attempts" in r.reason
+
+
+def test_client_balances_over_endpoints_by_outstanding_requests():
+    async def go():
+        client = VerifierClient(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"])
+        try:
+            a, b, c = client.endpoints
+            a.outstanding, b.outstanding, c.outstanding = 2, 0, 1
+            first = client._pick(None)
+            retry = client._pick(b)  # a retry avoids the endpoint that just failed
+            return first is b, retry is c
+        finally:
+            await client.close()
+
+    assert asyncio.run(go()) == (True, True)
