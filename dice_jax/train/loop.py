@@ -135,6 +135,9 @@ def run_sft(cfg: SFTConfig, workdir: str, *, init_hf: str | None = None,
   ckpt.wait()
   ckpt.close()
   writer.close()
+  if jax.process_index() == 0 and last:
+    metrics_lib.plot_loss(f"{workdir}/metrics.jsonl", f"{workdir}/loss.png",
+                          title=f"SFT {cfg.model} ({workdir})")
   if export_hf and not preempted:
     from dice_jax.hf.checkpoint import export_hf as export
     export(nnx.merge(graphdef, state["params"]), export_hf, tokenizer_dir=tok_dir)

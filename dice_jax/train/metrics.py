@@ -130,3 +130,43 @@ def progress_line(step: int, total: int, m: dict, eta: float | None) -> str:
 
 def log_progress(step, total, m, eta):
   logging.info(progress_line(step, total, m, eta))
+
+
+def read_metrics(path: str) -> dict[int, dict]:
+  """{step: record} from a metrics.jsonl (the last record of a step wins: resumed runs re-log)."""
+  out = {}
+  with open(path) as f:
+    for line in f:
+      if line.strip():
+        rec = json.loads(line)
+        out[int(rec["step"])] = rec
+  return dict(sorted(out.items()))
+
+
+def plot_loss(metrics_path: str, png_path: str, title: str = "SFT loss") -> str:
+  """Loss and masked-token CE per step (raw and a 10-step running mean) as a PNG."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+  recs = read_metrics(metrics_path)
+  steps = np.array(list(recs))
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for key, label in (("loss", "block-diffusion loss (1/p weighted)"),
+                     ("masked_ce", "CE on masked tokens")):
+    y = np.array([recs[s].get(key, np.nan) for s in steps])
+    line, = ax.plot(steps, y, alpha=0.3)
+    k = min(10, len(y))
+    ax.plot(steps[k - 1:], np.convolve(y, np.ones(k) / k, "valid"), color=line.get_color(),
+            label=f"{label}, {k}-step mean")
+  ax.set_xlabel("step")
+  ax.set_ylabel("nats / token")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  tmp = png_path + ".tmp.png"
+  fig.savefig(tmp, dpi=110)
+  plt.close(fig)
+  os.replace(tmp, png_path)
+  return png_path

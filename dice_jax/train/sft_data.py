@@ -80,6 +80,7 @@ def make_iterator(cfg: SFTConfig, samples, tokenizer, block_size: int):
   """The grain iterator of this process's rows (`batch_size / process_count` per step), repeating
   forever; `get_state()` / `set_state()` checkpoint it."""
   from dice_jax.data.sft_pipeline import SFTPipelineConfig, make_sft_dataset
+  check_some_fit(samples, tokenizer, cfg.seq_len, block_size)
   nproc = jax.process_count()
   if cfg.batch_size % nproc:
     raise ValueError(f"batch_size {cfg.batch_size} not divisible by {nproc} processes")
@@ -89,3 +90,18 @@ def make_iterator(cfg: SFTConfig, samples, tokenizer, block_size: int):
                            read_threads=1)
   return iter(make_sft_dataset(samples, tokenizer, pcfg))
 
+
+
+def check_some_fit(samples, tokenizer, seq_len: int, block_size: int, probe: int = 64) -> None:
+  """Fails when none of the first `probe` samples fits `seq_len` (the pipeline drops longer
+  samples, and a repeating pipeline that drops everything would wait forever)."""
+  from dice_jax.data.sft_pipeline import pad_to_block, sft_texts
+  lengths = []
+  for s in samples[:probe]:
+    prompt, response = sft_texts(s, tokenizer)
+    n = pad_to_block(len(tokenizer.encode(prompt)) + len(tokenizer.encode(response)), block_size)
+    if n <= seq_len:
+      return
+    lengths.append(n)
+  raise ValueError(f"none of the first {len(lengths)} SFT samples fits seq_len={seq_len} "
+                   f"(shortest is {min(lengths)} tokens): raise seq_len or truncate the texts")

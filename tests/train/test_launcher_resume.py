@@ -11,13 +11,15 @@ import pytest
 
 from ._helpers import write_cuke_file
 
+pytestmark = pytest.mark.slow  # four launcher processes (start-up + compile each)
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM_STEPS = 30
 
 
 def _cmd(workdir, data):
   return [sys.executable, "-m", "experiments.sft", "--config=tiny", f"--workdir={workdir}",
-          "--set=data_source=cuke", f"--set=data_path={data}", "--set=seq_len=128",
+          "--set=data_source=cuke", f"--set=data_path={data}", "--set=seq_len=256",
           "--set=batch_size=4", f"--set=num_steps={NUM_STEPS}", "--set=checkpoint_every=4",
           "--set=log_every=10"]
 
