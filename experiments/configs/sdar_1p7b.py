@@ -1,6 +1,8 @@
 """DICE's SFT recipe for SDAR-1.7B on CuKe (reference §1.6): AdamW lr 1e-5, constant with 3%
 warm-up, bf16 compute with fp32 master weights, cutoff 6144, block 4, 2 rows per device.
 
+Attention is the mask-aware `flash` kernel (BUILD_NOTES "Training"); with rows of 4096 tokens
+`--set=model_overrides.remat=False` is faster on an H200.
 `num_steps` must be set for the dataset (3 epochs of packed rows / batch_size), e.g.
 `--set=num_steps=...`; `--init_hf=` the SDAR-1.7B-Chat checkpoint.
 """
@@ -12,7 +14,8 @@ from dice_jax.train.optimizer import OptimizerConfig
 def get_config() -> SFTConfig:
   return SFTConfig(
       model="sdar_1p7b",
-      model_overrides={"attention_impl": "cudnn", "remat": True},
+      # H200: 2 rows of 4096 (8192 input) fit without remat (98 GiB); rows of 6144 need remat
+      model_overrides={"attention_impl": "flash", "remat": True},
       data_source="cuke",
       data_path="",
       tokenizer="../shared/data/sdar_chat",
