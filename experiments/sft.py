@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import logging as std_logging
 import os
 
 from absl import app, flags, logging
@@ -50,8 +51,16 @@ def load_config(name: str):
   return module.get_config()
 
 
+class _QuietOrbax(std_logging.Filter):
+  """Drops orbax's per-save INFO chatter from the console (warnings and errors still pass)."""
+
+  def filter(self, record):
+    return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
+
+
 def main(argv):
   del argv
+  logging.get_absl_handler().addFilter(_QuietOrbax())
   from dice_jax.train import sharding
   sharding.maybe_initialize_distributed(
       FLAGS.distributed or FLAGS.coordinator_address is not None,
