@@ -2,12 +2,18 @@ r"""The tiny end-to-end pipeline on CPU (`make demo`).
 
   python -m experiments.demo --workdir=/tmp/dice_jax_demo
 
-Steps, each printing what it did:
-  1. hf      random `tiny` model -> HF export -> import -> parity with `transformers`
+Steps, each printing what it did (the data is embedded: experiments/demo_data/pairs.jsonl):
+  1. hf        random `tiny` model -> HF export -> import -> parity with `transformers`
+  2. sft       block-diffusion SFT of a tiny model (byte tokenizer) on the embedded pairs -> HF export
+  3. generate  the KV-cached block sampler on one task prompt, with its step map
+  4. verify    a CPU verifier service on 127.0.0.1: the sampled candidate and a known-good C++
+               candidate are compiled, checked and rewarded over gRPC
 """
 
 import json
 import os
+import re
+import subprocess
 import sys
 import time
 
@@ -15,8 +21,13 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", "/tmp/dice_jax_demo", "Where the demo writes everything.")
-flags.DEFINE_list("steps", ["hf"], "Steps to run, in order.")
+flags.DEFINE_list("steps", ["hf", "sft", "generate", "verify"], "Steps to run, in order.")
 flags.DEFINE_integer("seed", 0, "Seed of the random tiny model.")
+flags.DEFINE_integer("sft_steps", 30, "SFT optimizer steps.")
+
+DEMO_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_data")
+PAIRS = os.path.join(DEMO_DATA, "pairs.jsonl")
+MAX_PROMPT_CHARS = 192  # the tiny CPU run trains on truncated texts
 
 
 def step_hf(workdir):
@@ -41,7 +52,106 @@ def step_hf(workdir):
   return {"hf_dir": out, "parity_max_abs_diff": worst}
 
 
-STEPS = {"hf": step_hf}
+def step_sft(workdir):
+  """Block-diffusion SFT of the tiny model on the embedded pairs, then HF export."""
+  out = os.path.join(workdir, "sft_hf")
+  cmd = [sys.executable, "-m", "experiments.sft", "--config=tiny",
+         f"--workdir={os.path.join(workdir, 'sft')}", "--set=data_source=pairs",
+         f"--set=data_path={PAIRS}", f"--set=num_steps={FLAGS.sft_steps}", "--set=seq_len=512",
+         f"--set=max_prompt_chars={MAX_PROMPT_CHARS}", "--set=max_response_chars=256",
+         "--set=batch_size=4", "--set=checkpoint_every=10", "--set=log_every=5",
+         f"--export_hf={out}"]
+  subprocess.run(cmd, check=True)
+  with open(os.path.join(workdir, "sft", "metrics.jsonl")) as f:
+    losses = [r["loss"] for r in map(json.loads, f) if "loss" in r]
+  print(f"  SFT loss {losses[0]:.3f} -> {losses[-1]:.3f} over {FLAGS.sft_steps} steps; "
+        f"exported {out}")
+  return {"hf_dir": out, "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def _relu_pair():
+  from dice_jax.data import tasks
+  pairs, _ = tasks.load_pairs(PAIRS)
+  return next(p for p in pairs if p.pair_id.endswith("/relu"))
+
+
+def step_generate(workdir):
+  """KV-cached block sampler on the relu task prompt (greedy, block 4, 4 steps)."""
+  import jax
+  import numpy as np
+
+  from dice_jax.data import prompts
+  from dice_jax.data.tokenizer import Tokenizer
+  from dice_jax.diffusion import sampler
+  from dice_jax.hf import checkpoint as hf_ckpt
+
+  hf_dir = os.path.join(workdir, "sft_hf")
+  tok = Tokenizer.from_dir(hf_dir)
+  model, cfg = hf_ckpt.import_hf(hf_dir, param_dtype="float32", dtype="float32")
+  message = prompts.e2e_user_message(_relu_pair().pytorch_code)[:MAX_PROMPT_CHARS]
+  prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": message}]))
+  scfg = sampler.SamplerConfig(block_size=cfg.block_size, steps=4,
+                               strategy="low_confidence_static", max_new_tokens=128,
+                               stop_ids=tuple(tok.stop_token_ids), pad_id=cfg.pad_token_id or 0)
+  t0 = time.time()
+  out = sampler.generate(model, [prompt], scfg, jax.random.key(0))
+  text = tok.decode(out.responses()[0])
+  n = int(np.asarray(out.response_lengths).sum())
+  step_map = np.asarray(out.step_map)[0]
+  print(f"  prompt {len(prompt)} tokens -> {n} new tokens in {int(out.forwards)} decode forwards "
+        f"({time.time() - t0:.1f} s incl. compile); first step map entries "
+        f"{step_map[step_map >= 0][:12].tolist()}")
+  print("  sample (repr, first 200 chars):", repr(text[:200]))
+  with open(os.path.join(workdir, "generated.txt"), "w") as f:
+    f.write(text)
+  return {"new_tokens": n, "forwards": int(out.forwards)}
+
+
+def step_verify(workdir):
+  """CPU verifier service: the sampled candidate and a known-good C++ candidate, over gRPC."""
+  from dice_jax.data import prompts
+  from dice_jax.rl.verifier_client import GrpcVerifierClient
+
+  log_path = os.path.join(workdir, "verifier.log")
+  with open(log_path, "w") as log:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "verifier", "serve", "--device", "cpu", "--host", "127.0.0.1",
+         "--port", "0", "--compile-workers", "1",
+         "--cache-dir", os.path.join(workdir, "verifier_cache")],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VERIFIER_TOKEN": ""})
+  try:
+    port, deadline = None, time.time() + 120
+    while port is None:
+      m = re.search(r"listening on [\d.]+:(\d+)", open(log_path).read())
+      if m:
+        port = int(m.group(1))
+      elif proc.poll() is not None or time.time() > deadline:
+        raise SystemExit(f"verifier did not start; see {log_path}")
+      else:
+        time.sleep(0.5)
+    reference = _relu_pair().pytorch_code
+    generated = open(os.path.join(workdir, "generated.txt")).read()
+    candidates = [("tiny model's sample", prompts.extract_code(generated) or generated),
+                  ("known-good C++ relu", open(os.path.join(DEMO_DATA, "relu_cpu_candidate.py")).read())]
+    with GrpcVerifierClient(f"127.0.0.1:{port}", {"measure_performance": True, "num_perf_trials": 10},
+                            token="") as client:
+      client.wait_ready(60)
+      results = client.verify_batch([("relu", reference, c) for _, c in candidates])
+    print(f"  {'candidate':<22}{'reward':>7}{'correct':>9}{'speedup':>9}  failure kind: reason")
+    for (name, _), r in zip(candidates, results):
+      print(f"  {name:<22}{r.reward:>7.1f}{str(r.correct):>9}{r.speedup:>9.2f}  "
+            f"{r.failure_kind}: {r.reason[:70]}")
+    return {name: {"reward": r.reward, "failure_kind": r.failure_kind}
+            for (name, _), r in zip(candidates, results)}
+  finally:
+    proc.terminate()
+    try:
+      proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+
+
+STEPS = {"hf": step_hf, "sft": step_sft, "generate": step_generate, "verify": step_verify}
 
 
 def main(argv):

@@ -8,7 +8,7 @@ from typing import Any
 
 from dice_jax.train.optimizer import OptimizerConfig
 
-DATA_SOURCES = ("infill_pairs", "cuke")
+DATA_SOURCES = ("infill_pairs", "cuke", "pairs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +19,9 @@ class SFTConfig:
   model: str = "tiny"  # preset of dice_jax.model.config (ignored with --init_hf)
   model_overrides: dict = dataclasses.field(default_factory=dict)  # e.g. {'remat': True}
   # data
-  data_source: str = "infill_pairs"  # infill_pairs: DICE infilling file, task -> known solution
+  # infill_pairs: DICE infilling file, task -> known solution; cuke: {prompt, response} rows;
+  # pairs: ConCuR-style {pytorch_code, cuda_code} rows (e.g. experiments/demo_data/pairs.jsonl)
+  data_source: str = "infill_pairs"
   data_path: str = ""  # json/jsonl/parquet for the source
   tokenizer: str = "byte"  # 'byte' (256 bytes + 4 specials; for tiny models) or an HF dir
   max_prompt_chars: int | None = None  # truncate texts (tiny CPU runs only)

@@ -65,6 +65,10 @@ def load_samples(cfg: SFTConfig) -> list:
     raise ValueError("SFTConfig.data_path is empty: pass --set=data_path=FILE")
   if cfg.data_source == "cuke":
     samples, _ = tasks.load_sft_samples(cfg.data_path)
+  elif cfg.data_source == "pairs":
+    rows, _ = tasks.load_pairs(cfg.data_path)
+    samples = [prompts.sft_sample_from_pair(p.pytorch_code, p.cuda_code, p.reasoning,
+                                            level=p.level, sample_id=p.pair_id) for p in rows]
   else:  # infill_pairs: each task's reference -> its known CUDA solution (CuKe-style e2e sample)
     rows, _ = tasks.load_infilling_tasks(cfg.data_path)
     samples = [prompts.sft_sample_from_pair(t.reference_code, t.cuda_code, level=t.level,
