@@ -101,12 +101,20 @@ def test_adversarial_kernel_is_rejected_and_pool_recovers(gpu_service, name, ref
 
 
 def test_non_default_stream_is_timed_honestly_under_kernelbench_rules(gpu_service):
-    """With KernelBench's looser preset the stream kernel runs, but device-wide sync times all of it."""
+    """With the static checks off, a kernel launched on an unsynchronised side stream gains nothing.
+
+    Its output races with the read of it: either the re-check after timing catches wrong values (what
+    the H200 showed on 2026-11-29: 203,360 of 1,048,576 values off) or, when it passes, the device-wide
+    synchronisation around the timed region charges it all of its work.
+    """
     side, same = _verify(gpu_service,
                          _req("stream-kb", g.MATMUL_REFERENCE, g.NON_DEFAULT_STREAM, strictness="off", measure_performance=True),
                          _req("same-kb", g.MATMUL_REFERENCE, g.GOOD_MATMUL, strictness="off", measure_performance=True))
-    assert side.failure_kind is FailureKind.OK and same.failure_kind is FailureKind.OK, (side.reason, same.reason)
-    assert side.candidate.median_ms > 0.5 * same.candidate.median_ms  # no free speedup from hiding work
+    assert same.failure_kind is FailureKind.OK, same.reason
+    if side.failure_kind is FailureKind.OK:
+        assert side.candidate.median_ms > 0.5 * same.candidate.median_ms  # no free speedup from hiding work
+    else:
+        assert side.failure_kind is FailureKind.WRONG_OUTPUT and side.reward == 0.0, side.reason
 
 
 def _data_file(name: str) -> pathlib.Path:
