@@ -35,8 +35,9 @@ def load_model():
     return model, FLAGS.tokenizer_dir or FLAGS.hf_dir
   if not FLAGS.workdir:
     raise app.UsageError("--init=checkpoint needs --workdir")
-  from dice_jax.train import checkpointing  # the training run's restore helper
-  model, tokenizer_dir = checkpointing.restore_model_for_export(FLAGS.workdir)
+  from dice_jax.train.loop import restore_model
+  model, tokenizer_dir, step = restore_model(FLAGS.workdir)
+  logging.info("restored step %d of %s", step, FLAGS.workdir)
   return model, FLAGS.tokenizer_dir or tokenizer_dir
 
 

@@ -66,6 +66,14 @@ class Checkpointer:
     logging.info("checkpoint: restored step %d from %s", step, self.directory)
     return out["state"], out["data"], out["config"]
 
+  def restore_config(self, step: int | None = None) -> dict:
+    """The run config saved with `step` (default: latest), without touching the arrays."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    out = self._mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    return out["config"]
+
   def reached_preemption(self, step: int) -> bool:
     """True on every process once a pre-emption notice reached any (multi-host, via JAX's
     distributed preemption service)."""
