@@ -9,8 +9,9 @@ shape ``[batch, seq_len]``:
   ``loss_mask``    bool   True on response tokens *including* the pad tokens appended to reach a block multiple
                           (SDAR trains them); False on prompt tokens and on row padding.
 
-SDAR packing (dice_sdar_tracerl.md §2.3): every sample (prompt + response) is padded with ``pad_token_id`` to a
-multiple of ``block_size``, so blocks are counted from each segment's start; prompt labels are ignored; positions
+SDAR packing (dice_sdar_tracerl.md §2.3): every sample is padded with ``pad_token_id`` to a multiple of
+``block_size``: by default its response (blocks start at the response, the convention of
+``dice_jax.diffusion.blocks``), or with ``block_alignment="absolute"`` the whole sample (SDAR's own grid); prompt labels are ignored; positions
 restart per sample. Samples longer than ``seq_len`` are dropped (DICE: ``cutoff_len: 6144``,
 ``truncate_mode: drop``), each drop logged with the sample id and counted in ``PackingStats``.
 
@@ -38,6 +39,7 @@ FEATURES = ("tokens", "positions", "segment_ids", "loss_mask")
 class SFTPipelineConfig:
     seq_len: int = 6144
     block_size: int = 4
+    block_alignment: str = "response"  # "response" pads each response, "absolute" each sample, to a block multiple
     batch_size: int = 8  # rows per batch on this process
     seed: int = 0
     shuffle: bool = True
@@ -77,11 +79,21 @@ def pad_to_block(n: int, block_size: int) -> int:
     return -(-n // block_size) * block_size
 
 
-def tokenize_sample(prompt_ids: Sequence[int], response_ids: Sequence[int], block_size: int, pad_id: int
-                    ) -> dict[str, np.ndarray]:
-    """One SDAR sample: prompt + response + pad to a block multiple; loss on response and the block pad."""
+def tokenize_sample(prompt_ids: Sequence[int], response_ids: Sequence[int], block_size: int, pad_id: int,
+                    block_alignment: str = "response") -> dict[str, np.ndarray]:
+    """One SDAR sample: prompt + response + pad to a block multiple; loss on response and the block pad.
+
+    With ``block_alignment="response"`` (the project's convention, `dice_jax.diffusion.blocks`: blocks
+    start at the response) the *response* is padded to a block multiple, so its last block is whole, as
+    in sampling; with ``"absolute"`` (SDAR's packing) the whole sample is.
+    """
     n = len(prompt_ids) + len(response_ids)
-    total = pad_to_block(n, block_size)
+    if block_alignment == "response":
+        total = len(prompt_ids) + pad_to_block(len(response_ids), block_size)
+    elif block_alignment == "absolute":
+        total = pad_to_block(n, block_size)
+    else:
+        raise ValueError(f"block_alignment must be 'response' or 'absolute', got {block_alignment!r}")
     tokens = np.full(total, pad_id, np.int32)
     tokens[: len(prompt_ids)] = prompt_ids
     tokens[len(prompt_ids): n] = response_ids
@@ -114,12 +126,13 @@ class PackingStats:
 
 
 class _Tokenize(grain.transforms.Map):
-    def __init__(self, tokenizer, block_size: int):
-        self.tok, self.block = tokenizer, block_size
+    def __init__(self, tokenizer, block_size: int, block_alignment: str = "response"):
+        self.tok, self.block, self.alignment = tokenizer, block_size, block_alignment
 
     def map(self, sample: SFTSample) -> dict:
         prompt, response = sft_texts(sample, self.tok)
-        out = tokenize_sample(self.tok.encode(prompt), self.tok.encode(response), self.block, self.tok.pad_token_id)
+        out = tokenize_sample(self.tok.encode(prompt), self.tok.encode(response), self.block, self.tok.pad_token_id,
+                              self.alignment)
         out["sample_id"] = sample.sample_id
         return out
 
@@ -151,7 +164,7 @@ def make_sft_dataset(samples: Sequence[SFTSample], tokenizer, cfg: SFTPipelineCo
         ds = ds.repeat(cfg.num_epochs)
     if cfg.process_count > 1:
         ds = ds[cfg.process_index:: cfg.process_count]
-    ds = ds.map(_Tokenize(tokenizer, cfg.block_size))
+    ds = ds.map(_Tokenize(tokenizer, cfg.block_size, cfg.block_alignment))
     ids = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=64))
 
     def fits(x: dict) -> bool:

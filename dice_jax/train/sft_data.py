@@ -89,6 +89,7 @@ def make_iterator(cfg: SFTConfig, samples, tokenizer, block_size: int):
   if cfg.batch_size % nproc:
     raise ValueError(f"batch_size {cfg.batch_size} not divisible by {nproc} processes")
   pcfg = SFTPipelineConfig(seq_len=cfg.seq_len, block_size=block_size,
+                           block_alignment=cfg.block_alignment,
                            batch_size=cfg.batch_size // nproc, seed=cfg.seed, num_epochs=None,
                            process_index=jax.process_index(), process_count=nproc,
                            read_threads=1)

@@ -41,10 +41,17 @@ def _segments(batches):
 
 
 def test_sample_tokenization_pads_to_block_and_masks_prompt():
+    # default: blocks start at the response, so the response is padded to whole blocks
     out = tokenize_sample([5, 6, 7], [8, 9], block_size=4, pad_id=0)
+    assert out["tokens"].tolist() == [5, 6, 7, 8, 9, 0, 0]
+    assert out["loss_mask"].tolist() == [False, False, False, True, True, True, True]
+    # SDAR's absolute grid: the whole sample is padded to whole blocks
+    out = tokenize_sample([5, 6, 7], [8, 9], block_size=4, pad_id=0, block_alignment="absolute")
     assert out["tokens"].tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
     assert out["loss_mask"].tolist() == [False, False, False, True, True, True, True, True]
-    assert tokenize_sample([1, 2], [3, 4], 4, 0)["tokens"].tolist() == [1, 2, 3, 4]
+    assert tokenize_sample([1, 2, 3], [4, 5, 6, 7], 4, 0)["tokens"].tolist() == [1, 2, 3, 4, 5, 6, 7]
+    with pytest.raises(ValueError, match="block_alignment"):
+        tokenize_sample([1], [2], 4, 0, block_alignment="left")
 
 
 def test_response_text_follows_chat_template(sdar_tokenizer):
@@ -71,7 +78,7 @@ def test_epoch_packs_every_token_exactly_once(tiny_tokenizer, bins):
     by_tokens = {tuple(v["tokens"].tolist()): v for v in expected.values()}
     for toks, loss, pos in _segments(batches):
         got[tuple(toks.tolist())] += 1
-        assert len(toks) % 4 == 0  # blocks counted from the segment start
+        assert loss.sum() % 4 == 0  # blocks start at the response: the response fills whole blocks
         assert pos.tolist() == list(range(len(toks)))  # positions restart per segment
         assert np.array_equal(loss, by_tokens[tuple(toks.tolist())]["loss_mask"])
     assert got == want
