@@ -12,7 +12,6 @@ Steps, each printing what it did (the data is embedded: experiments/demo_data/pa
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -111,44 +110,23 @@ def step_verify(workdir):
   """CPU verifier service: the sampled candidate and a known-good C++ candidate, over gRPC."""
   from dice_jax.data import prompts
   from dice_jax.rl.verifier_client import GrpcVerifierClient
+  from verifier.local import LocalVerifier
 
-  log_path = os.path.join(workdir, "verifier.log")
-  with open(log_path, "w") as log:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "verifier", "serve", "--device", "cpu", "--host", "127.0.0.1",
-         "--port", "0", "--compile-workers", "1",
-         "--cache-dir", os.path.join(workdir, "verifier_cache")],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VERIFIER_TOKEN": ""})
-  try:
-    port, deadline = None, time.time() + 120
-    while port is None:
-      m = re.search(r"listening on [\d.]+:(\d+)", open(log_path).read())
-      if m:
-        port = int(m.group(1))
-      elif proc.poll() is not None or time.time() > deadline:
-        raise SystemExit(f"verifier did not start; see {log_path}")
-      else:
-        time.sleep(0.5)
+  with LocalVerifier(workdir, device="cpu") as server:
     reference = _relu_pair().pytorch_code
     generated = open(os.path.join(workdir, "generated.txt")).read()
     candidates = [("tiny model's sample", prompts.extract_code(generated) or generated),
                   ("known-good C++ relu", open(os.path.join(DEMO_DATA, "relu_cpu_candidate.py")).read())]
-    with GrpcVerifierClient(f"127.0.0.1:{port}", {"measure_performance": True, "num_perf_trials": 10},
+    with GrpcVerifierClient(server.address, {"measure_performance": True, "num_perf_trials": 10},
                             token="") as client:
       client.wait_ready(60)
       results = client.verify_batch([("relu", reference, c) for _, c in candidates])
-    print(f"  {'candidate':<22}{'reward':>7}{'correct':>9}{'speedup':>9}  failure kind: reason")
-    for (name, _), r in zip(candidates, results):
-      print(f"  {name:<22}{r.reward:>7.1f}{str(r.correct):>9}{r.speedup:>9.2f}  "
-            f"{r.failure_kind}: {r.reason[:70]}")
-    return {name: {"reward": r.reward, "failure_kind": r.failure_kind}
-            for (name, _), r in zip(candidates, results)}
-  finally:
-    proc.terminate()
-    try:
-      proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-      proc.kill()
+  print(f"  {'candidate':<22}{'reward':>7}{'correct':>9}{'speedup':>9}  failure kind: reason")
+  for (name, _), r in zip(candidates, results):
+    print(f"  {name:<22}{r.reward:>7.1f}{str(r.correct):>9}{r.speedup:>9.2f}  "
+          f"{r.failure_kind}: {r.reason[:70]}")
+  return {name: {"reward": r.reward, "failure_kind": r.failure_kind}
+          for (name, _), r in zip(candidates, results)}
 
 
 STEPS = {"hf": step_hf, "sft": step_sft, "generate": step_generate, "verify": step_verify}

@@ -2,10 +2,8 @@
 
 import json
 import os
-import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -65,35 +63,10 @@ class ModelNew(nn.Module):
 @pytest.fixture(scope="module")
 def cpu_verifier(tmp_path_factory):
     pytest.importorskip("torch", reason="the verifier service needs torch")
-    if not (REPO_ROOT / "verifier" / "__main__.py").exists():
-        pytest.skip("verifier/ service not present in this checkout")
-    log = tmp_path_factory.mktemp("verifier") / "serve.log"
-    cache = tmp_path_factory.mktemp("verifier_cache")
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "verifier", "serve", "--device", "cpu", "--port", "0", "--compile-workers", "1",
-             "--cache-dir", str(cache)], cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT,
-            env={**os.environ, "VERIFIER_TOKEN": ""})
-    try:
-        deadline = time.time() + 90
-        port = None
-        while time.time() < deadline and port is None:
-            m = re.search(r"listening on [\d.]+:(\d+)", log.read_text())
-            if m:
-                port = int(m.group(1))
-            elif proc.poll() is not None:
-                pytest.skip(f"verifier could not start (exit {proc.returncode}): {log.read_text()[-2000:]}")
-            else:
-                time.sleep(0.5)
-        if port is None:
-            pytest.skip(f"verifier did not report a port within 90 s: {log.read_text()[-2000:]}")
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    from verifier.local import LocalVerifier
+
+    with LocalVerifier(str(tmp_path_factory.mktemp("verifier")), device="cpu", start_timeout_s=90) as v:
+        yield v.address
 
 
 @pytest.mark.slow

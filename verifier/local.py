@@ -1,0 +1,65 @@
+"""Run `python -m verifier serve` as a child process on 127.0.0.1 (demos, tests, local runs).
+
+    with LocalVerifier(device="cpu", workdir=tmp) as v:
+        client = GrpcVerifierClient(v.address, token="")
+
+The server binds port 0 and prints the port it got (`verifier listening on HOST:PORT`); this reads it
+from the log, and on exit terminates the process (then kills it if it does not stop).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+_LISTENING = re.compile(r"listening on [\d.]+:(\d+)")
+
+
+class VerifierStartError(RuntimeError):
+  pass
+
+
+class LocalVerifier:
+  """A verifier service child process on 127.0.0.1 with an ephemeral port and no auth token."""
+
+  def __init__(self, workdir: str, *, device: str = "cpu", compile_workers: int = 1,
+               extra_args: tuple[str, ...] = (), start_timeout_s: float = 120.0):
+    self.workdir = workdir
+    self.log_path = os.path.join(workdir, "verifier.log")
+    self.cmd = [sys.executable, "-m", "verifier", "serve", "--device", device, "--host",
+                "127.0.0.1", "--port", "0", "--compile-workers", str(compile_workers),
+                "--cache-dir", os.path.join(workdir, "verifier_cache"), *extra_args]
+    self.start_timeout_s = start_timeout_s
+    self.proc: subprocess.Popen | None = None
+    self.address = ""
+
+  def __enter__(self) -> "LocalVerifier":
+    os.makedirs(self.workdir, exist_ok=True)
+    with open(self.log_path, "w") as log:
+      self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "VERIFIER_TOKEN": ""})
+    deadline = time.time() + self.start_timeout_s
+    while True:
+      with open(self.log_path) as f:
+        m = _LISTENING.search(f.read())
+      if m:
+        self.address = f"127.0.0.1:{m.group(1)}"
+        return self
+      if self.proc.poll() is not None or time.time() > deadline:
+        tail = open(self.log_path).read()[-2000:]
+        self.__exit__(None, None, None)
+        raise VerifierStartError(f"verifier did not start (exit {self.proc.returncode}); "
+                                 f"log {self.log_path}:\n{tail}")
+      time.sleep(0.25)
+
+  def __exit__(self, *exc):
+    if self.proc is not None and self.proc.poll() is None:
+      self.proc.terminate()
+      try:
+        self.proc.wait(timeout=20)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+        self.proc.wait()
