@@ -207,3 +207,24 @@ def test_export_refuses_to_clobber_without_overwrite(tmp_path):
     hf_ckpt.export_hf(model, out)
   hf_ckpt.export_hf(model, out, overwrite=True)
   assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_sdar_style_checkpoint_imports_with_its_block_size_and_mask_id(hf_dir, tmp_path, shared_data):
+  """A directory whose config.json is SDAR's (model_type sdar, auto_map, SDAR's training switches)."""
+  sdar = json.loads((shared_data / "sdar_chat" / "config_4b.json").read_text())
+  ours = json.load(open(os.path.join(hf_dir, "config.json")))
+  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings"):
+    sdar[key] = ours[key]
+  sdar.update(rope_theta=10000.0, block_size=8, mask_token_id=150)
+  out = tmp_path / "sdar"
+  out.mkdir()
+  (out / "config.json").write_text(json.dumps(sdar))
+  os.link(os.path.join(hf_dir, "model.safetensors"), out / "model.safetensors")
+  model, cfg = hf_ckpt.import_hf(str(out), param_dtype="float32", dtype="float32")
+  assert (cfg.block_size, cfg.mask_token_id) == (8, 150)
+  qwen, _ = hf_ckpt.import_hf(hf_dir, param_dtype="float32", dtype="float32")
+  tok = jnp.asarray(np.random.default_rng(2).integers(0, 160, size=(1, 8)))
+  pos = jnp.arange(8)[None]
+  np.testing.assert_array_equal(model(tok, pos, AttentionSpec.causal()),
+                                qwen(tok, pos, AttentionSpec.causal()))
