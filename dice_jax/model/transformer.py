@@ -194,7 +194,8 @@ def cached_attention(q, k, v, cache_k, cache_v, spec, positions, seg, blk, cache
 
   Cache keys are visible when their slot is filled, their segment matches and the kind's rule
   holds (pos_k <= pos_q for causal, block_k <= block_q for block-causal). The new tokens see each
-  other under the same rule. Scores are computed per part, so the cache buffer is never copied.
+  other under the same rule. Scores are computed per part, so the cache is never concatenated
+  with the new keys (the dense path still reads a per-layer slice of the stacked cache).
   """
   if spec.kind == "block_diffusion":
     raise ValueError("block_diffusion attention is a training layout; it takes no KV cache")
