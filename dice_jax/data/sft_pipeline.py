@@ -167,12 +167,20 @@ def make_sft_dataset(samples: Sequence[SFTSample], tokenizer, cfg: SFTPipelineCo
     ds = ds.map(_Tokenize(tokenizer, cfg.block_size, cfg.block_alignment))
     ids = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=64))
 
+    per_pass = -(-len(samples) // cfg.process_count)  # samples this process sees per epoch
+    in_a_row = [0]  # consecutive drops: a whole pass of them means nothing will ever fit
+
     def fits(x: dict) -> bool:
         n = len(x["tokens"])
         if n > cfg.seq_len:
             logging.warning("dropping SFT sample %s: %d tokens > seq_len %d", x["sample_id"], n, cfg.seq_len)
             stats.drop(x["sample_id"], n)
+            in_a_row[0] += 1
+            if in_a_row[0] > per_pass:  # a repeating dataset would otherwise wait forever
+                raise ValueError(f"no SFT sample fits seq_len={cfg.seq_len}: {in_a_row[0]} samples in a row "
+                                 f"were longer, a whole pass; raise seq_len or truncate the texts")
             return False
+        in_a_row[0] = 0
         return True
 
     ids = ids.filter(fits).map(lambda x: {"tokens": x["tokens"], "loss_mask": x["loss_mask"]})

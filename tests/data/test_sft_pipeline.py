@@ -131,6 +131,13 @@ def test_resume_from_saved_state_gives_identical_batches(tiny_tokenizer):
     assert 0.5 < packing_efficiency(after[0]) <= 1.0
 
 
+def test_repeating_pipeline_where_nothing_fits_fails_instead_of_hanging(tiny_tokenizer):
+    samples = [SFTSample(prompt="p " * 40, response="r " * 40, sample_id=f"long{i}") for i in range(3)]
+    cfg = SFTPipelineConfig(seq_len=16, block_size=4, batch_size=1, num_epochs=None, read_threads=1)
+    with pytest.raises(ValueError, match="no SFT sample fits seq_len=16"):
+        next(iter(make_sft_dataset(samples, tiny_tokenizer, cfg)))
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="multiple of block_size"):
         SFTPipelineConfig(seq_len=50, block_size=4)
