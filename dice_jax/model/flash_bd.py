@@ -24,6 +24,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from dice_jax.train import sharding as sharding_lib
+
 try:  # the Triton backend's helpers (GPU); the interpreter needs only pl.
   from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover
@@ -299,11 +301,7 @@ def _shard_mapped(fn, q, k):
   if mesh is None or mesh.empty or mesh.size == 1:
     return fn
   P = jax.sharding.PartitionSpec
-  rows = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
-  nrows = math.prod(mesh.shape[a] for a in rows)
-  row_axis = (rows if len(rows) > 1 else rows[0]) if rows and q.shape[0] % nrows == 0 else None
-  tp = mesh.shape.get("tensor", 1)
-  head_axis = "tensor" if tp > 1 and q.shape[2] % tp == 0 and k.shape[2] % tp == 0 else None
+  row_axis, head_axis = sharding_lib.kernel_axes(mesh, q.shape[0], (q.shape[2], k.shape[2]))
   heads = P(row_axis, None, head_axis, None)
   vec = P(row_axis, None)
   return jax.shard_map(lambda *a: fn(*a), mesh=mesh, in_specs=(heads, heads, heads, vec, vec, vec),

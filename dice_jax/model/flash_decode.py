@@ -24,6 +24,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from dice_jax.train import sharding as sharding_lib
+
 try:
   from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover
@@ -124,11 +126,7 @@ def _shard_mapped(fn, rows: int, kv_heads: int):
   if mesh is None or mesh.empty or mesh.size == 1:
     return fn
   P = jax.sharding.PartitionSpec
-  names = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
-  n = math.prod(mesh.shape[a] for a in names)
-  row = (names if len(names) > 1 else names[0]) if names and rows % n == 0 else None
-  tp = mesh.shape.get("tensor", 1)
-  head = "tensor" if tp > 1 and kv_heads % tp == 0 else None
+  row, head = sharding_lib.kernel_axes(mesh, rows, (kv_heads,))
   vec = P(row, None)
   in_specs = (P(None), vec, P(row, head, None, None), P(None, row, None, head, None),
               P(None, row, None, head, None), vec, vec, vec, vec)

@@ -155,3 +155,17 @@ def activation_sharding(mesh: Mesh, logical: Sequence[str | None], shape: Sequen
                         rules: dict = RULES) -> NamedSharding:
   """NamedSharding of an activation with these logical axes (e.g. ('batch', 'length', None))."""
   return NamedSharding(mesh, logical_to_spec(logical, shape, mesh, rules))
+
+
+def kernel_axes(mesh, rows: int, heads: Sequence[int]):
+  """(row axis, head axis) for running a custom kernel per shard under `shard_map`.
+
+  Rows go over the data/fsdp axes that are larger than 1 when they divide `rows`; heads over
+  `tensor` when it divides every count in `heads`. None where an axis does not apply.
+  """
+  names = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
+  n = math.prod(mesh.shape[a] for a in names)
+  row = (names if len(names) > 1 else names[0]) if names and rows % n == 0 else None
+  tp = mesh.shape.get("tensor", 1)
+  head = "tensor" if tp > 1 and all(h % tp == 0 for h in heads) else None
+  return row, head
