@@ -3,7 +3,8 @@
 Phases (each recorded in the JSON report as it finishes; later phases are skipped when ``--budget-s``
 runs out):
   stock        stock ``load_inline`` of KernelBench's one-kernel example in a fresh process and build dir
-  single       the same candidate through this verifier (fast build variant, cold cache), one at a time
+  single       the same candidate through this verifier (cold cache), one at a time; then renamed, once the
+               precompiled torch header exists (on ``--device cpu``: the demo's C++ relu instead)
   compile      N unique DICE candidates through the build stage (``compile_workers`` in parallel)
   gpu_dice     the same N candidates through the GPU stage in reward mode (builds cached): rate and verdicts
   gpu_level1   KernelBench level-1 problems with a pass-through candidate (the reference renamed ModelNew,
@@ -70,6 +71,12 @@ def env_info() -> dict:
             "gcc": subprocess.run(["gcc", "--version"], capture_output=True, text=True).stdout.split("\n")[0]}
 
 
+def rename_extensions(candidate: str, suffix: str) -> str:
+    """The same candidate with every load_inline extension renamed (a new build key: it builds again)."""
+    return re.sub(r"""(\bname\s*=\s*["'])(\w+)(["'])""", lambda m: m.group(1) + m.group(2) + suffix + m.group(3),
+                  candidate)
+
+
 def pass_through(reference: str) -> str:
     """A candidate that is the reference under the name ModelNew (exercises the GPU stage, no kernel)."""
     return re.sub(r"\bModel\b", "ModelNew", reference)
@@ -108,11 +115,22 @@ class Bench:
                             "ok": p.returncode == 0, "stderr_tail": p.stderr[-800:] if p.returncode else ""})
 
     async def single(self, svc: VerifierService, reference: str, candidate: str) -> None:
+        """One candidate alone on a cold cache; then, once the service has built its precompiled torch header
+        (pch.py), the same candidate under another extension name (so it builds again, with the PCH)."""
         opts = VerifyOptions(device=self.cfg.device, timeout_s=300)
-        t0 = time.monotonic()
-        r = await svc.verify(VerifyRequest("bench-single", "one_shot_add", reference, candidate, opts))
-        self.save("single", {"kind": r.failure_kind.value, "compile_s": r.compile_s, "run_s": r.run_s,
-                             "total_s": time.monotonic() - t0, "reason": r.reason[:300]})
+        out = {}
+        for tag, cand in (("cold", candidate), ("with_pch", rename_extensions(candidate, "_pch"))):
+            if tag == "with_pch":
+                t0 = time.monotonic()
+                await asyncio.gather(*svc.pch_builds.values(), return_exceptions=True)
+                out["pch_build"] = svc.metrics.pch_builds[-1] if svc.metrics.pch_builds else "none scheduled"
+                out["pch_wait_s"] = time.monotonic() - t0
+            t0 = time.monotonic()
+            r = await svc.verify(VerifyRequest(f"bench-single-{tag}", "one_shot", reference, cand, opts))
+            out[tag] = {"kind": r.failure_kind.value, "compile_s": r.compile_s, "run_s": r.run_s,
+                        "total_s": time.monotonic() - t0, "reason": r.reason[:300],
+                        "build_events": svc.metrics.build_s[-1:]}
+            self.save("single", out)
 
     async def compile_stage(self, svc: VerifierService, tasks: list[dict]) -> None:
         async def one(t):
@@ -157,13 +175,15 @@ class Bench:
             "strict_fp32_1e-4": sum(x["strict_fp32"] for x in rows), "run_phase_mean_s": phases_mean, "rows": rows})
 
     async def gpu_level1(self, svc: VerifierService, problems: list[dict]) -> None:
-        def reqs(tag, probs, **kw):
+        def reqs(tag, probs, samples=1, **kw):
+            # RL verifies a group of samples per task; distinct sources (a comment) so none is deduplicated.
             o = VerifyOptions(device="cuda", strictness="off", timeout_s=180, **kw)
-            return [VerifyRequest(f"{tag}-{p['problem_id']}", p["name"], p["code"], pass_through(p["code"]), o)
-                    for p in probs]
+            return [VerifyRequest(f"{tag}-{p['problem_id']}-{k}", p["name"], p["code"],
+                                  pass_through(p["code"]) + f"\n# sample {k}\n", o)
+                    for p in probs for k in range(samples)]
 
         out = {}
-        for tag, probs, kw in (("reward", problems, {}),
+        for tag, probs, kw in (("reward", problems, {"samples": self.a.level1_samples}),
                                ("timed_cold", problems[: self.a.timed], {"measure_performance": True}),
                                ("timed_cached_baseline", problems[: self.a.timed], {"measure_performance": True})):
             if self.left() < 60:
@@ -179,6 +199,7 @@ class Bench:
                         "kinds": dict(collections.Counter(r.failure_kind.value for r in res)),
                         "median_run_s": statistics.median(r.run_s for r in res),
                         "run_phase_mean_s": svc.metrics.snapshot()["run_phase_mean_s"],
+                        "oom_retries_so_far": svc.metrics.oom_retries,
                         "failures": [(r.task_id, r.failure_kind.value, r.reason[:160]) for r in res
                                      if r.failure_kind is not FailureKind.OK][:20]}
             self.save("gpu_level1", out)
@@ -187,11 +208,18 @@ class Bench:
 async def run(a, cfg: ServiceConfig) -> int:
     cfg = dataclasses.replace(cfg, cache_dir=tempfile.mkdtemp(prefix="bench-cache-"), build_timeout_s=900)
     b = Bench(a, cfg)
-    ref = _find("one_shot_model_ex_add.py.txt").read_text()
-    cand = _find("one_shot_model_new_ex_add.py.txt").read_text()
-    dice = json.loads(_find("kernel_infilling_evaluation.json").read_text())[a.offset: a.offset + a.candidates]
+    if cfg.device == "cuda":
+        ref = _find("one_shot_model_ex_add.py.txt").read_text()
+        cand = _find("one_shot_model_new_ex_add.py.txt").read_text()
+    else:  # the CPU backend: the demo's known-good C++ relu
+        demo = REPO / "experiments" / "demo_data"
+        ref = json.loads((demo / "pairs.jsonl").read_text().splitlines()[0])["pytorch_code"]
+        cand = (demo / "relu_cpu_candidate.py").read_text()
     phases = set(a.phases.split(","))
-    level1 = [json.loads(line) for line in _find("level1.jsonl", a.kernelbench).read_text().splitlines() if line.strip()]
+    dice = (json.loads(_find("kernel_infilling_evaluation.json").read_text())[a.offset: a.offset + a.candidates]
+            if phases & {"compile", "gpu_dice"} else [])
+    level1 = ([json.loads(line) for line in _find("level1.jsonl", a.kernelbench).read_text().splitlines() if line.strip()]
+              if "gpu_level1" in phases else [])
     if "stock" in phases and not a.skip_stock:
         b.stock(cand)
     if "single" in phases:

@@ -96,10 +96,11 @@ class ExtensionProxy:
 
 
 class CachedLoadInline:
-    def __init__(self, real, build_root: str, fast: bool = True, split: bool = False):
+    def __init__(self, real, build_root: str, fast: bool = True, split: bool = False, use_pch: bool = True):
         self.real = real
         self.fast = fast
         self.split = split
+        self.use_pch = use_pch
         self.signature = inspect.signature(real)
         self.build_root = build_root
         self.calls: dict[str, int] = {}
@@ -130,7 +131,7 @@ class CachedLoadInline:
                 split = split_variant(params)
                 if split is not None:
                     try:
-                        module = self.real(**split)
+                        module = self._build(split, event)
                         event["split"] = True
                     except Exception as e:  # noqa: BLE001 - fall back to the fast/stock builds
                         event["split_error"] = str(e)[:2000]
@@ -139,7 +140,7 @@ class CachedLoadInline:
             fast = fast_variant(params) if self.fast and module is None else None
             if fast is not None:
                 try:
-                    module = self.real(**fast)
+                    module = self._build(fast, event)
                     event["fast"] = True
                 except Exception as e:  # noqa: BLE001 - fall back to the stock build below
                     event["fast_error"] = str(e)[:2000]
@@ -147,7 +148,7 @@ class CachedLoadInline:
                     os.makedirs(tmp)
             if module is None:
                 try:
-                    module = self.real(**params)
+                    module = self._build(params, event)
                 except BaseException as e:
                     event["error"] = str(e)
                     event["seconds"] = time.monotonic() - t0
@@ -163,6 +164,32 @@ class CachedLoadInline:
         return ExtensionProxy(module, self.calls)
 
 
+    def _build(self, params: dict, event: dict):
+        """One real load_inline call, with main.cpp on the cache's precompiled torch header (pch.py)."""
+        if not (self.use_pch and _main_cpp_starts_with_torch(params)):
+            return self.real(**params)
+        from verifier import pch
+
+        flags = list(params.get("extra_cflags") or [])
+        directory = pch.pch_dir(self.build_root, flags, params.get("extra_include_paths"),
+                                bool(params.get("cuda_sources")), toolchain_signature())
+        event["pch"] = pch.ready(directory)
+        module = self.real(**dict(params, extra_cflags=flags + pch.include_flags(directory)))
+        if not event["pch"] and not pch.ready(directory):
+            event["pch_request"] = pch.request_from_build(params["build_directory"], directory)
+        return module
+
+
+def _main_cpp_starts_with_torch(params: dict) -> bool:
+    """load_inline's main.cpp begins with torch/extension.h unless ``no_implicit_headers`` (then only when the
+    sources begin with it, as the split build's do). Only then may the PCH be force-included."""
+    if not params.get("no_implicit_headers"):
+        return True
+    cpp = params.get("cpp_sources") or ""
+    text = cpp if isinstance(cpp, str) else "\n".join(cpp)
+    return text.lstrip().startswith("#include <torch/extension.h>")
+
+
 def _import_so(name: str, path: str):
     loader = importlib.machinery.ExtensionFileLoader(name, path)
     spec = importlib.util.spec_from_file_location(name, path, loader=loader)
@@ -172,11 +199,11 @@ def _import_so(name: str, path: str):
     return module
 
 
-def install(build_root: str, fast: bool = True, split: bool = False) -> CachedLoadInline:
+def install(build_root: str, fast: bool = True, split: bool = False, use_pch: bool = True) -> CachedLoadInline:
     """Replace load_inline in torch.utils.cpp_extension (what ``from ... import load_inline`` reads)."""
     import torch.utils.cpp_extension as cpp_extension
 
     os.makedirs(build_root, exist_ok=True)
-    cached = CachedLoadInline(cpp_extension.load_inline, build_root, fast, split)
+    cached = CachedLoadInline(cpp_extension.load_inline, build_root, fast, split, use_pch)
     cpp_extension.load_inline = cached
     return cached

@@ -105,8 +105,10 @@ class WorkerPool:
     def free_slots(self) -> int:
         return self.slots.free
 
-    async def run(self, job: dict, timeout_s: float, exclusive: bool = False) -> tuple[dict | None, str, str]:
-        k = self.cfg.slots if exclusive else 1
+    async def run(self, job: dict, timeout_s: float, exclusive: bool = False,
+                  units: int = 1) -> tuple[dict | None, str, str]:
+        """Run one job on a fresh worker holding ``units`` slots (all of them when ``exclusive``)."""
+        k = self.cfg.slots if exclusive else max(1, min(units, self.cfg.slots))
         await self.slots.acquire(k)
         try:
             worker = await self._take()

@@ -130,6 +130,7 @@ class WorkerProcess:
         """Send the job and wait. Returns (result or None, outcome, logs); outcome is '', 'timeout',
         'memory: ...' or 'exit: ...' (died without a result)."""
         outcome = ""
+        sent_at = time.monotonic()
         watch = asyncio.ensure_future(self._watch_memory())
         try:
             self.proc.stdin.write(json.dumps(job).encode())
@@ -152,6 +153,8 @@ class WorkerProcess:
         if not outcome and os.path.exists(path):
             with open(path) as f:
                 result = json.load(f)
+            if "worker_ready_at" in result:  # time the job waited for the worker's start-up (torch, CUDA)
+                result["startup_wait_s"] = max(0.0, float(result.pop("worker_ready_at")) - sent_at)
         if not outcome and result is None:
             rc = self.proc.returncode
             outcome = (f"exit: worker killed by {signal.Signals(-rc).name}" if rc and rc < 0

@@ -13,6 +13,7 @@ import asyncio
 import collections
 import dataclasses
 import hashlib
+import math
 import os
 import time
 
@@ -39,8 +40,11 @@ class ServiceConfig:
     arch_list: str = ""                  # TORCH_CUDA_ARCH_LIST for builds, e.g. "9.0"
     result_cache_size: int = 20000
     prewarm: bool = True
+    run_prewarm: int = 0                 # idle run workers kept starting per GPU (0: 2 x slots + 2). A run worker
+                                         # takes ~5 s of CPU to start (torch, CUDA context, CUPTI) and serves one job
     build_only: bool = False             # a compile host: no GPU pools; serves build() only
     split_build: bool = False            # experimental: kernels compiled apart from torch headers (split_build.py)
+    use_pch: bool = True                 # main.cpp on a precompiled torch header kept in cache_dir (pch.py)
 
 
 @dataclasses.dataclass
@@ -53,10 +57,12 @@ class Metrics:
     build_cache_hits: int = 0
     deduplicated: int = 0
     oom_retries: int = 0
+    baselines_measured: int = 0
     failure_kinds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     run_phase_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     run_phase_n: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     build_s: list = dataclasses.field(default_factory=list)
+    pch_builds: list = dataclasses.field(default_factory=list)
 
     def snapshot(self) -> dict:
         up = time.monotonic() - self.started
@@ -64,6 +70,7 @@ class Metrics:
                 "completed": self.completed, "candidates_per_minute": 60.0 * self.completed / max(up, 1e-9),
                 "failure_kinds": dict(self.failure_kinds), "build_cache_hits": self.build_cache_hits,
                 "deduplicated": self.deduplicated, "uptime_s": up, "oom_retries": self.oom_retries,
+                "baselines_measured": self.baselines_measured,
                 "run_phase_mean_s": {k: self.run_phase_s[k] / self.run_phase_n[k] for k in self.run_phase_s}}
 
 
@@ -74,6 +81,18 @@ def _out_of_memory(res: dict | None, outcome: str) -> bool:
         return False
     return res.get("kind") == FailureKind.OUT_OF_MEMORY.value or (
         res.get("kind") == FailureKind.REFERENCE_ERROR.value and "out of memory" in res.get("reason", "").lower())
+
+
+def admission_units(ref_peak_bytes: int, gpu_total_bytes: int, slots: int, factor: float = 3.0,
+                    overhead_bytes: int = 1 << 30) -> int:
+    """GPU slots a run of this reference should hold: a run keeps the reference's inputs, outputs and model,
+    the candidate's own and input clones alive at once, so it needs about ``factor`` times the reference's
+    peak (measured by the worker after the golden forward) plus a CUDA context; a slot is 1/``slots`` of the
+    device memory."""
+    if ref_peak_bytes <= 0 or gpu_total_bytes <= 0 or slots <= 1:
+        return 1
+    need = factor * ref_peak_bytes + overhead_bytes
+    return max(1, min(slots, math.ceil(need / (gpu_total_bytes / slots))))
 
 
 def _sha(*parts: str) -> str:
@@ -94,6 +113,11 @@ class VerifierService:
         self.answered: collections.OrderedDict[str, VerifyResult] = collections.OrderedDict()
         self.builds: dict[str, asyncio.Future] = {}
         self.baselines: dict[str, dict] = {}
+        # Memory-aware admission: the first run of a reference measures its GPU peak; runs of the same
+        # reference that arrive meanwhile wait for it, later ones hold slots in proportion (admission_units).
+        self.ref_memory: dict[str, asyncio.Future] = {}
+        self.baseline_runs: dict[str, asyncio.Future] = {}  # reference timings being measured now
+        self.pch_builds: dict[str, asyncio.Task] = {}  # precompiled-header builds, one per flag set
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def _pool(self, role: str, device: str, gpu: str, slots: int) -> WorkerPool:
@@ -101,7 +125,7 @@ class VerifierService:
         return WorkerPool(PoolConfig(
             role=role, device=device, gpu_index=gpu, scratch_root=c.scratch_root, mem_mb=c.mem_mb,
             isolate_network=c.isolate_network, arch_list=c.arch_list, max_jobs=2, slots=slots,
-            prewarm=(slots + (role == "run")) if c.prewarm else 0))
+            prewarm=(slots if role == "build" else (c.run_prewarm or 2 * slots + 2)) if c.prewarm else 0))
 
     async def start(self) -> None:
         os.makedirs(self.cfg.cache_dir, exist_ok=True)
@@ -116,6 +140,9 @@ class VerifierService:
         await asyncio.gather(*(p.warm() for p in pools))
 
     async def close(self) -> None:
+        for t in self.pch_builds.values():
+            t.cancel()
+        await asyncio.gather(*self.pch_builds.values(), return_exceptions=True)
         pools = ([self.build_pool] if self.build_pool else []) + [p for ps in self.run_pools.values() for p in ps]
         await asyncio.gather(*(p.close() for p in pools))
 
@@ -202,17 +229,12 @@ class VerifierService:
                         str(opts.num_warmup), str(opts.compile_baseline), str(opts.seed))
         job = {"reference_source": req.reference_source, "candidate_source": req.candidate_source,
                "options": opts.to_dict(), "build_root": self.cfg.cache_dir, "kernel_names": list(verdict.kernel_names),
-               "baseline": self.baselines.get(base_key), "gpu_memory_fraction": self.cfg.gpu_memory_fraction,
-               "split_build": self.cfg.split_build}
+               "baseline": None, "gpu_memory_fraction": self.cfg.gpu_memory_fraction,
+               "split_build": self.cfg.split_build, "use_pch": self.cfg.use_pch}
         self.metrics.in_run += 1
         try:
-            exclusive = opts.measure_performance
-            res, outcome, logs = await pool.run(job, opts.timeout_s, exclusive=exclusive)
-            if not exclusive and pool.cfg.slots > 1 and _out_of_memory(res, outcome):
-                # Concurrent candidates share the GPU; an OOM may be our over-commitment, not the
-                # candidate's. Run it again alone on the device before blaming it (seen on level-1 sizes).
-                self.metrics.oom_retries += 1
-                res, outcome, logs = await pool.run(job, opts.timeout_s, exclusive=True)
+            res, outcome, logs = await self._run_admitted(pool, job, _sha(req.reference_source, pool.cfg.gpu_index),
+                                                          base_key, opts)
         finally:
             self.metrics.in_run -= 1
         if outcome:
@@ -221,11 +243,10 @@ class VerifierService:
             return self._result(req, kind, outcome.split(": ", 1)[1], compiled=True, logs=logs,
                                 compile_s=compile_s, warnings=verdict.warnings)
         kind = FailureKind(res["kind"])
-        for phase, sec in (res.get("phases") or {}).items():
+        phases = dict(res.get("phases") or {}, worker_startup_wait=res.get("startup_wait_s", 0.0))
+        for phase, sec in phases.items():
             self.metrics.run_phase_s[phase] += sec
             self.metrics.run_phase_n[phase] += 1
-        if res.get("baseline_measured") and kind is FailureKind.OK:
-            self.baselines[base_key] = res["baseline"]
         cand, base = Runtime(**res.get("candidate", {})), Runtime(**res.get("baseline") or {})
         speedup = float(res.get("speedup", 0.0))
         kind2, why = rewards.apply_min_speedup(kind, speedup, opts.min_speedup, opts.measure_performance)
@@ -241,6 +262,75 @@ class VerifierService:
             build_cached=bool(build.get("cached")) or bool(res.get("build_cached")),
             device_name=str(res.get("device_name", "")))
 
+    async def _run_timed(self, pool: WorkerPool, job: dict, base_key: str, opts) -> tuple[dict | None, str, str]:
+        """A timed run owns the GPU. The reference is timed once per (reference, GPU, timing options): runs of
+        the same reference that arrive while it is being measured wait for that baseline instead of re-timing it."""
+        pending = self.baseline_runs.get(base_key)
+        if pending is not None:
+            await asyncio.shield(pending)
+        job = dict(job, baseline=self.baselines.get(base_key))
+        owner = job["baseline"] is None
+        if owner:
+            pending = self.baseline_runs[base_key] = asyncio.get_running_loop().create_future()
+        try:
+            res, outcome, logs = await pool.run(job, opts.timeout_s, exclusive=True)
+            if not outcome and res.get("baseline_measured"):
+                self.metrics.baselines_measured += 1
+                if owner and res.get("kind") == FailureKind.OK.value:
+                    self.baselines[base_key] = res["baseline"]
+            return res, outcome, logs
+        finally:
+            if owner:
+                self.baseline_runs.pop(base_key, None)
+                pending.set_result(None)
+
+    async def _run_admitted(self, pool: WorkerPool, job: dict, mem_key: str, base_key: str,
+                            opts) -> tuple[dict | None, str, str]:
+        """Run stage with memory-aware admission (see ``self.ref_memory``) and one exclusive retry after an OOM
+        that may be the over-commitment of a shared GPU rather than the candidate's fault."""
+        if opts.measure_performance:
+            return await self._run_timed(pool, job, base_key, opts)
+        probe = self.ref_memory.get(mem_key)
+        owner = probe is None
+        if owner:
+            probe = self.ref_memory[mem_key] = asyncio.get_running_loop().create_future()
+        else:
+            await asyncio.shield(probe)
+        units = probe.result() if probe.done() else 1
+        try:
+            res, outcome, logs = await pool.run(job, opts.timeout_s, units=units)
+        except BaseException:
+            if owner and not probe.done():
+                del self.ref_memory[mem_key]  # let the next run of this reference probe again
+                probe.set_result(1)
+            raise
+        if owner:
+            peak, total = (res or {}).get("ref_peak_bytes", 0), (res or {}).get("gpu_total_bytes", 0)
+            if peak:
+                probe.set_result(admission_units(peak, total, pool.cfg.slots))
+            else:  # the reference never ran to its peak (e.g. a crash before): the next run probes again
+                del self.ref_memory[mem_key]
+                probe.set_result(1)
+        if units < pool.cfg.slots and _out_of_memory(res, outcome):
+            self.metrics.oom_retries += 1
+            res, outcome, logs = await pool.run(job, opts.timeout_s, exclusive=True)
+            peak = (res or {}).get("ref_peak_bytes", 0)
+            if peak and mem_key not in self.ref_memory:
+                learned = self.ref_memory[mem_key] = asyncio.get_running_loop().create_future()
+                learned.set_result(admission_units(peak, res.get("gpu_total_bytes", 0), pool.cfg.slots))
+        return res, outcome, logs
+
+    def _schedule_pch(self, request: dict) -> None:
+        """Build a precompiled torch header in the background (once per flag set; pch.py)."""
+        if request["dir"] in self.pch_builds or self.build_pool is None:
+            return
+
+        async def run():
+            res, outcome, _ = await self.build_pool.run({"pch_request": request}, self.cfg.build_timeout_s)
+            self.metrics.pch_builds.append({"dir": request["dir"], "outcome": outcome, **(res or {})})
+
+        self.pch_builds[request["dir"]] = asyncio.ensure_future(run())
+
     async def _build(self, req: VerifyRequest) -> dict:
         key = _sha(req.candidate_source, self.cfg.arch_list, self.cfg.device)
         fut = self.builds.get(key)
@@ -253,7 +343,7 @@ class VerifierService:
         try:
             job = {"reference_source": req.reference_source, "candidate_source": req.candidate_source,
                    "options": req.options.to_dict(), "build_root": self.cfg.cache_dir,
-                   "split_build": self.cfg.split_build}
+                   "split_build": self.cfg.split_build, "use_pch": self.cfg.use_pch}
             res, outcome, logs = await self.build_pool.run(job, self.cfg.build_timeout_s)
             if outcome:
                 kind = (FailureKind.TIMEOUT if outcome.startswith("timeout") else
@@ -262,9 +352,11 @@ class VerifierService:
             elif res["kind"] != FailureKind.OK.value:
                 res["logs"] = logs
             for ev in (res or {}).get("builds", []):
+                if ev.get("pch_request"):
+                    self._schedule_pch(ev["pch_request"])
                 if not ev.get("cached") and not ev.get("error"):
                     self.metrics.build_s.append({"seconds": ev["seconds"], "fast": bool(ev.get("fast")),
-                                                 "split": bool(ev.get("split")),
+                                                 "split": bool(ev.get("split")), "pch": bool(ev.get("pch")),
                                                  "split_error": ev.get("split_error", "")[:300],
                                                  "fast_error": ev.get("fast_error", "")[:300]})
             if res["kind"] not in (FailureKind.OK.value, FailureKind.COMPILE_ERROR.value):

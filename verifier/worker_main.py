@@ -72,7 +72,12 @@ def run_build(job: dict) -> dict:
     from verifier import build_cache
     from verifier.contract import FailureKind
 
-    cache = build_cache.install(job["build_root"], split=bool(job.get("split_build")))
+    if job.get("pch_request"):  # the service asks for a precompiled torch header (pch.py)
+        from verifier import pch
+
+        return dict(pch.build(job["pch_request"]), kind=FailureKind.OK.value, reason="", builds=[])
+    cache = build_cache.install(job["build_root"], split=bool(job.get("split_build")),
+                                use_pch=bool(job.get("use_pch", True)))
     kind, reason = FailureKind.OK, ""
     try:
         ns = _exec_module(job["candidate_source"], "candidate")
@@ -146,6 +151,9 @@ def run_check(job: dict) -> dict:
         inputs0 = trial_inputs(0)
         golden0 = run_ref(inputs0, 0)
         correctness.empty_caches(device)
+        if device.type == "cuda":  # sizes the service's memory-aware admission (service.py)
+            out["ref_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+            out["gpu_total_bytes"] = int(torch.cuda.get_device_properties(0).total_memory)
         mark("golden")
     except KeyError as e:
         return finish(FailureKind.REFERENCE_ERROR, f"reference defines no {e.args[0]}")
@@ -153,7 +161,8 @@ def run_check(job: dict) -> dict:
         return finish(FailureKind.REFERENCE_ERROR, f"reference failed: {_short(e)}")
 
     # 2. Load the candidate (builds hit the cache filled by the build stage).
-    cache = build_cache.install(job["build_root"], split=bool(job.get("split_build")))
+    cache = build_cache.install(job["build_root"], split=bool(job.get("split_build")),
+                                use_pch=bool(job.get("use_pch", True)))
     t_load = time.monotonic()
     try:
         cand_ns = _exec_module(job["candidate_source"], "candidate")
@@ -187,43 +196,51 @@ def run_check(job: dict) -> dict:
         with torch.no_grad():
             return cand_model(*args)
 
-    try:
-        # 3. The reference must still produce its golden output now that candidate code is loaded.
-        again = run_ref(inputs0, 0)
-        c = correctness.compare_outputs(golden0, again, atol, rtol, "reference after loading the candidate")
-        if c.kind is not FailureKind.OK:
-            raise Reject(FailureKind.REFERENCE_TAMPERED, c.reason)
-        correctness.poison(again, keep)
-        del again
+    def run_checked(args, i):
+        """One candidate forward on its own input clones, finished, then the inputs checked for mutation."""
+        cand_out = run_cand(args, i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        which = correctness.mutated(inputs, args)
+        if which:
+            raise Reject(FailureKind.INPUT_MUTATION, f"trial {i}: the candidate modified {which}")
+        return cand_out
 
-        # 4. Trials: candidate before and after the reference, fresh clones, mutation checks, poisoning.
+    try:
+        # 3+4. Trials: candidate, reference, candidate: one reference forward per trial with the candidate on
+        # both sides of it, fresh clones, mutation checks, outputs poisoned before release. In trial 0 the
+        # reference re-runs on the golden inputs after candidate code has loaded and run once: it must
+        # reproduce its golden output (REFERENCE_TAMPERED), and the candidate is compared with the golden.
         max_abs, strict_ok = 0.0, True
         for i in range(opts["num_correct_trials"]):
             inputs = inputs0 if i == 0 else trial_inputs(i)
             correctness.empty_caches(device)
-            for side in ("before", "after"):
-                if side == "after":
-                    ref_out = run_ref(inputs, i)
-                args = correctness.clone_args(inputs)
-                cand_out = run_cand(args, i)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                which = correctness.mutated(inputs, args)
-                if which:
-                    raise Reject(FailureKind.INPUT_MUTATION, f"trial {i}: the candidate modified {which}")
-                if side == "before":
-                    ref_out = golden0 if i == 0 else run_ref(inputs, i)
+            cand_first = run_checked(correctness.clone_args(inputs), i)
+            if i == 0:
+                again = run_ref(inputs0, 0)
+                c = correctness.compare_outputs(golden0, again, atol, rtol, "reference re-run after the candidate")
+                if c.kind is not FailureKind.OK:
+                    raise Reject(FailureKind.REFERENCE_TAMPERED, c.reason)
+                correctness.poison(again, keep)
+                del again
+                ref_out = golden0
+            else:
+                ref_out = run_ref(inputs, i)
+            for where in ("before", "after"):
+                cand_out = cand_first if where == "before" else run_checked(correctness.clone_args(inputs), i)
+                cand_first = None
                 c = correctness.compare_outputs(ref_out, cand_out, atol, rtol,
-                                                f"trial {i} (candidate run {side} the reference)")
+                                                f"trial {i} (candidate run {where} the reference)")
                 if c.kind is not FailureKind.OK:
                     out["max_abs_diff"] = c.max_abs_diff
                     raise Reject(c.kind, c.reason)
                 max_abs, strict_ok = max(max_abs, c.max_abs_diff), strict_ok and c.strict_ok
                 correctness.poison(cand_out, keep)
-                if ref_out is not golden0:
-                    correctness.poison(ref_out, keep)
-                del cand_out, ref_out, args
-                correctness.empty_caches(device)
+                del cand_out
+            if ref_out is not golden0:
+                correctness.poison(ref_out, keep)
+            del ref_out
+        correctness.empty_caches(device)
         out.update(correct=True, strict_correct=strict_ok, max_abs_diff=max_abs)
         mark("trials")
 
@@ -298,6 +315,7 @@ def main(argv=None) -> int:
 
     if args.role == "run":
         _warm_profiler(args.device)
+    ready_at = time.monotonic()  # CLOCK_MONOTONIC: comparable with the parent's clock
     job = json.loads(sys.stdin.read() or "{}")
     if not job:
         return 0  # parent discarded a warm worker
@@ -308,6 +326,7 @@ def main(argv=None) -> int:
     except BaseException as e:  # noqa: BLE001
         result = {"kind": "INTERNAL_ERROR", "reason": f"worker failed: {_short(e)}\n{traceback.format_exc()[-2000:]}"}
     result["sandbox_notes"] = notes
+    result["worker_ready_at"] = ready_at
     _write_result(args.scratch, result)
     sys.stdout.flush()
     sys.stderr.flush()
