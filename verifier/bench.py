@@ -150,7 +150,8 @@ class Bench:
             "candidates_per_min_per_16_cores": 60 * len(tasks) / wall * 16 / (os.cpu_count() or 16),
             "median_build_s_under_load": statistics.median(build_s) if build_s else None,
             "p90_build_s_under_load": sorted(build_s)[int(0.9 * (len(build_s) - 1))] if build_s else None,
-            "fast_variant_builds": fast, "kinds": dict(collections.Counter(b["kind"] for _, _, b in res)),
+            "fast_variant_builds": fast, "split_builds": sum(1 for e in svc.metrics.build_s if e.get("split")),
+            "pch_builds": sum(1 for e in svc.metrics.build_s if e.get("pch")), "kinds": dict(collections.Counter(b["kind"] for _, _, b in res)),
             "fast_fallbacks": [e["fast_error"] for e in svc.metrics.build_s if e["fast_error"]][:5]})
 
     async def gpu_dice(self, svc: VerifierService, tasks: list[dict]) -> None:
@@ -200,6 +201,7 @@ class Bench:
                         "median_run_s": statistics.median(r.run_s for r in res),
                         "run_phase_mean_s": svc.metrics.snapshot()["run_phase_mean_s"],
                         "oom_retries_so_far": svc.metrics.oom_retries,
+                        "baselines_measured_so_far": svc.metrics.baselines_measured,
                         "failures": [(r.task_id, r.failure_kind.value, r.reason[:160]) for r in res
                                      if r.failure_kind is not FailureKind.OK][:20]}
             self.save("gpu_level1", out)

@@ -33,7 +33,7 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots-per-gpu", type=int, default=4, help="concurrent reward-mode candidates per GPU")
     p.add_argument("--compile-workers", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--run-prewarm", type=int, default=0,
-                   help="run workers kept starting per GPU (0: 2 x slots + 2; each takes ~5 s of CPU to start)")
+                   help="run workers kept starting per GPU (0: 3 x slots + 2; each takes ~5 s of CPU to start)")
     p.add_argument("--cache-dir", default=ServiceConfig.cache_dir, help="build cache (share it between hosts)")
     p.add_argument("--scratch-root", default=ServiceConfig.scratch_root)
     p.add_argument("--mem-mb", type=int, default=ServiceConfig.mem_mb, help="host memory per worker")

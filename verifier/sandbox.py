@@ -154,7 +154,9 @@ class WorkerProcess:
             with open(path) as f:
                 result = json.load(f)
             if "worker_ready_at" in result:  # time the job waited for the worker's start-up (torch, CUDA)
-                result["startup_wait_s"] = max(0.0, float(result.pop("worker_ready_at")) - sent_at)
+                ready_at = float(result.pop("worker_ready_at"))
+                result["startup_wait_s"] = max(0.0, ready_at - sent_at)
+                result["startup_s"] = ready_at - self.started
         if not outcome and result is None:
             rc = self.proc.returncode
             outcome = (f"exit: worker killed by {signal.Signals(-rc).name}" if rc and rc < 0

@@ -40,7 +40,7 @@ class ServiceConfig:
     arch_list: str = ""                  # TORCH_CUDA_ARCH_LIST for builds, e.g. "9.0"
     result_cache_size: int = 20000
     prewarm: bool = True
-    run_prewarm: int = 0                 # idle run workers kept starting per GPU (0: 2 x slots + 2). A run worker
+    run_prewarm: int = 0                 # idle run workers kept starting per GPU (0: 3 x slots + 2). A run worker
                                          # takes ~5 s of CPU to start (torch, CUDA context, CUPTI) and serves one job
     build_only: bool = False             # a compile host: no GPU pools; serves build() only
     split_build: bool = False            # experimental: kernels compiled apart from torch headers (split_build.py)
@@ -125,7 +125,7 @@ class VerifierService:
         return WorkerPool(PoolConfig(
             role=role, device=device, gpu_index=gpu, scratch_root=c.scratch_root, mem_mb=c.mem_mb,
             isolate_network=c.isolate_network, arch_list=c.arch_list, max_jobs=2, slots=slots,
-            prewarm=(slots if role == "build" else (c.run_prewarm or 2 * slots + 2)) if c.prewarm else 0))
+            prewarm=(slots if role == "build" else (c.run_prewarm or 3 * slots + 2)) if c.prewarm else 0))
 
     async def start(self) -> None:
         os.makedirs(self.cfg.cache_dir, exist_ok=True)
@@ -243,7 +243,8 @@ class VerifierService:
             return self._result(req, kind, outcome.split(": ", 1)[1], compiled=True, logs=logs,
                                 compile_s=compile_s, warnings=verdict.warnings)
         kind = FailureKind(res["kind"])
-        phases = dict(res.get("phases") or {}, worker_startup_wait=res.get("startup_wait_s", 0.0))
+        phases = dict(res.get("phases") or {}, worker_startup_wait=res.get("startup_wait_s", 0.0),
+                      worker_startup=res.get("startup_s", 0.0))
         for phase, sec in phases.items():
             self.metrics.run_phase_s[phase] += sec
             self.metrics.run_phase_n[phase] += 1

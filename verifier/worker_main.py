@@ -207,15 +207,16 @@ def run_check(job: dict) -> dict:
         return cand_out
 
     try:
-        # 3+4. Trials: candidate, reference, candidate: one reference forward per trial with the candidate on
-        # both sides of it, fresh clones, mutation checks, outputs poisoned before release. In trial 0 the
-        # reference re-runs on the golden inputs after candidate code has loaded and run once: it must
-        # reproduce its golden output (REFERENCE_TAMPERED), and the candidate is compared with the golden.
+        # 3+4. Trials with fresh inputs, fresh clones per model, mutation checks and outputs poisoned before
+        # release. The candidate runs on both sides of the reference: before it in even trials, after it in
+        # odd ones (one forward of each per trial). Trial 0 compares with the golden output, then re-runs the
+        # reference now that candidate code has loaded and run: it must reproduce that output (REFERENCE_TAMPERED).
         max_abs, strict_ok = 0.0, True
         for i in range(opts["num_correct_trials"]):
             inputs = inputs0 if i == 0 else trial_inputs(i)
             correctness.empty_caches(device)
-            cand_first = run_checked(correctness.clone_args(inputs), i)
+            cand_first = i % 2 == 0
+            cand_out = run_checked(correctness.clone_args(inputs), i) if cand_first else None
             if i == 0:
                 again = run_ref(inputs0, 0)
                 c = correctness.compare_outputs(golden0, again, atol, rtol, "reference re-run after the candidate")
@@ -226,20 +227,18 @@ def run_check(job: dict) -> dict:
                 ref_out = golden0
             else:
                 ref_out = run_ref(inputs, i)
-            for where in ("before", "after"):
-                cand_out = cand_first if where == "before" else run_checked(correctness.clone_args(inputs), i)
-                cand_first = None
-                c = correctness.compare_outputs(ref_out, cand_out, atol, rtol,
-                                                f"trial {i} (candidate run {where} the reference)")
-                if c.kind is not FailureKind.OK:
-                    out["max_abs_diff"] = c.max_abs_diff
-                    raise Reject(c.kind, c.reason)
-                max_abs, strict_ok = max(max_abs, c.max_abs_diff), strict_ok and c.strict_ok
-                correctness.poison(cand_out, keep)
-                del cand_out
+            if not cand_first:
+                cand_out = run_checked(correctness.clone_args(inputs), i)
+            c = correctness.compare_outputs(ref_out, cand_out, atol, rtol,
+                                            f"trial {i} (candidate run {'before' if cand_first else 'after'} the reference)")
+            if c.kind is not FailureKind.OK:
+                out["max_abs_diff"] = c.max_abs_diff
+                raise Reject(c.kind, c.reason)
+            max_abs, strict_ok = max(max_abs, c.max_abs_diff), strict_ok and c.strict_ok
+            correctness.poison(cand_out, keep)
             if ref_out is not golden0:
                 correctness.poison(ref_out, keep)
-            del ref_out
+            del cand_out, ref_out
         correctness.empty_caches(device)
         out.update(correct=True, strict_correct=strict_ok, max_abs_diff=max_abs)
         mark("trials")
