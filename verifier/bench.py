@@ -187,8 +187,8 @@ class Bench:
         for tag, probs, kw in (("reward", problems, {"samples": self.a.level1_samples}),
                                ("timed_cold", problems[: self.a.timed], {"measure_performance": True}),
                                ("timed_cached_baseline", problems[: self.a.timed], {"measure_performance": True})):
-            if self.left() < 60:
-                out[tag] = "skipped: bench budget used up"
+            if self.left() < 60 or not probs:
+                out[tag] = "skipped: bench budget used up" if probs else "skipped: no problems"
                 continue
             rs = reqs(tag, probs, **kw)
             svc.metrics.run_phase_s.clear()

@@ -88,18 +88,37 @@ class WorkerPool:
         else:
             self.idle.append(task.result())
 
-    async def warm(self) -> None:
+    async def warm(self, ready_timeout_s: float = 0.0) -> None:
+        """Start the pre-started workers; with ``ready_timeout_s``, also wait (up to that long) until they have
+        finished starting, so the first jobs do not wait for torch and CUDA start-up."""
         self._refill()
         if self.starting:
             await asyncio.gather(*self.starting, return_exceptions=True)
+        deadline = asyncio.get_running_loop().time() + ready_timeout_s
+        while any(not w.ready() and w.proc.returncode is None for w in self.idle) \
+                and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
 
     async def _take(self) -> WorkerProcess:
-        while self.idle:
-            w = self.idle.popleft()
-            if w.proc.returncode is None:
-                return w
+        for w in [w for w in self.idle if w.proc.returncode is not None]:
+            self.idle.remove(w)
             w.discard()  # died while idle
+        for w in self.idle:  # the oldest ready worker, else the oldest one still starting
+            if w.ready():
+                self.idle.remove(w)
+                return w
+        if self.idle:
+            return self.idle.popleft()
         return await self._start()
+
+    async def run_unslotted(self, job: dict, timeout_s: float) -> tuple[dict | None, str, str]:
+        """A job outside the slot count (a short service task that must not queue behind candidates)."""
+        worker = await self._take()
+        self._refill()
+        try:
+            return await worker.run(job, timeout_s)
+        finally:
+            worker.discard()
 
     @property
     def free_slots(self) -> int:

@@ -118,6 +118,10 @@ class WorkerProcess:
             log.close()
         return cls(proc, scratch, role, device, mem_mb)
 
+    def ready(self) -> bool:
+        """Start-up done (torch imported, device and profiler initialised): a job would start at once."""
+        return os.path.exists(os.path.join(self.scratch, "ready"))
+
     async def _watch_memory(self) -> str:
         while True:
             await asyncio.sleep(0.25)

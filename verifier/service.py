@@ -42,6 +42,7 @@ class ServiceConfig:
     prewarm: bool = True
     run_prewarm: int = 0                 # idle run workers kept starting per GPU (0: 3 x slots + 2). A run worker
                                          # takes ~5 s of CPU to start (torch, CUDA context, CUPTI) and serves one job
+    warm_timeout_s: float = 120.0        # start() waits up to this long for pre-started workers to be ready
     build_only: bool = False             # a compile host: no GPU pools; serves build() only
     split_build: bool = False            # experimental: kernels compiled apart from torch headers (split_build.py)
     use_pch: bool = True                 # main.cpp on a precompiled torch header kept in cache_dir (pch.py)
@@ -137,7 +138,7 @@ class VerifierService:
         if self.cfg.device == "cuda":
             self.run_pools["cuda"] = [self._pool("run", "cuda", g, self.cfg.slots_per_gpu) for g in self.cfg.gpus]
         pools = [self.build_pool] + [p for ps in self.run_pools.values() for p in ps if p.cfg.device == self.cfg.device]
-        await asyncio.gather(*(p.warm() for p in pools))
+        await asyncio.gather(*(p.warm(self.cfg.warm_timeout_s) for p in pools))
 
     async def close(self) -> None:
         for t in self.pch_builds.values():
@@ -327,7 +328,8 @@ class VerifierService:
             return
 
         async def run():
-            res, outcome, _ = await self.build_pool.run({"pch_request": request}, self.cfg.build_timeout_s)
+            # Outside the build slots: queued behind a burst of candidates, it would come too late to help them.
+            res, outcome, _ = await self.build_pool.run_unslotted({"pch_request": request}, self.cfg.build_timeout_s)
             self.metrics.pch_builds.append({"dir": request["dir"], "outcome": outcome, **(res or {})})
 
         self.pch_builds[request["dir"]] = asyncio.ensure_future(run())

@@ -315,6 +315,7 @@ def main(argv=None) -> int:
     if args.role == "run":
         _warm_profiler(args.device)
     ready_at = time.monotonic()  # CLOCK_MONOTONIC: comparable with the parent's clock
+    open(os.path.join(args.scratch, "ready"), "w").close()  # the pool hands out ready workers first
     job = json.loads(sys.stdin.read() or "{}")
     if not job:
         return 0  # parent discarded a warm worker
