@@ -40,8 +40,10 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-fraction", type=float, default=0.0)
     p.add_argument("--arch", default=None, help="TORCH_CUDA_ARCH_LIST for builds (default: detected)")
     p.add_argument("--no-network-isolation", action="store_true")
-    p.add_argument("--split-build", action="store_true",
-                   help="experimental: compile kernels apart from the torch headers (not yet validated on a GPU)")
+    p.add_argument("--split-build", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile kernels apart from the torch headers (split_build.py; --no-split-build: one .cu)")
+    p.add_argument("--pch", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile main.cpp on a precompiled torch header kept in --cache-dir (pch.py)")
 
 
 def _config(a) -> ServiceConfig:
@@ -50,7 +52,7 @@ def _config(a) -> ServiceConfig:
     return ServiceConfig(device=device, gpus=tuple(g for g in a.gpus.split(",") if g), slots_per_gpu=a.slots_per_gpu,
                          compile_workers=a.compile_workers, cache_dir=a.cache_dir, scratch_root=a.scratch_root,
                          mem_mb=a.mem_mb, gpu_memory_fraction=a.gpu_memory_fraction, arch_list=arch,
-                         isolate_network=not a.no_network_isolation, split_build=a.split_build,
+                         isolate_network=not a.no_network_isolation, split_build=a.split_build, use_pch=a.pch,
                          run_prewarm=a.run_prewarm)
 
 

@@ -44,7 +44,7 @@ class ServiceConfig:
                                          # takes ~5 s of CPU to start (torch, CUDA context, CUPTI) and serves one job
     warm_timeout_s: float = 120.0        # start() waits up to this long for pre-started workers to be ready
     build_only: bool = False             # a compile host: no GPU pools; serves build() only
-    split_build: bool = False            # experimental: kernels compiled apart from torch headers (split_build.py)
+    split_build: bool = True             # kernels compiled apart from the torch headers (split_build.py)
     use_pch: bool = True                 # main.cpp on a precompiled torch header kept in cache_dir (pch.py)
 
 

@@ -1,4 +1,4 @@
-"""Experimental: compile a candidate's kernels apart from the torch headers (opt-in, not validated on a GPU).
+"""Compile a candidate's kernels apart from the torch headers (the default build; ``--no-split-build`` turns it off).
 
 A stock ``load_inline`` CUDA build parses the torch headers twice: in ``main.cpp`` (bindings, g++) and in
 ``cuda.cu`` (cudafe++, cicc and the host compiler under nvcc; ~50 s of the ~60 s on an H200 host). This
@@ -13,8 +13,11 @@ rewrite moves everything that touches torch out of the ``.cu`` into ``main.cpp``
 
 Anything outside a conservative subset (templates, namespaces, conditional compilation, ``__constant__`` or
 ``__device__`` variables, AT_DISPATCH, ``extern "C"``) returns None and the caller builds normally. A failed
-split build also falls back. What is NOT established: that the rewritten launches behave identically at run
-time on every candidate; that needs a GPU run of the known-good set before this is turned on by default.
+split build also falls back. Validated on an H200 (BUILD_NOTES, Verifier): 94 of DICE's 99 known-good
+solutions split; every one that passes the static check passes at run time except two candidate bugs (an
+uninitialised shared accumulator, wrong under both builds; an in-place sort of the input); the 24 also run
+with the one-file build get identical verdicts; the adversarial GPU tests pass with it. A single build takes 15.8 s cold and 7.1 s on the
+precompiled header (pch.py), against 33.5 s for the one-file build in the same job.
 """
 
 from __future__ import annotations

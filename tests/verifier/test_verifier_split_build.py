@@ -1,5 +1,6 @@
-"""The experimental split build: text transformation rules (and, where nvcc exists, that the torch-free
-device half compiles). Whether the rewritten launches run correctly is not tested here (needs a GPU)."""
+"""The split build: text transformation rules (and, where nvcc exists, that the torch-free
+device half compiles). That the rewritten launches run correctly is shown on a GPU: tests/verifier/test_verifier_gpu.py
+and ``python -m verifier bench --phases compile,gpu_dice`` run with the split build by default."""
 
 import json
 import re
