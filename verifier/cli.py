@@ -88,6 +88,7 @@ async def _check(a) -> int:
                          measure_performance=not a.no_timing, num_perf_trials=a.timing_trials,
                          strictness=a.strictness, timeout_s=a.timeout, min_speedup=a.min_speedup)
     cfg.prewarm = False
+    cfg.pch_background = False  # a one-shot run would kill it before it is done; it uses one that exists
     cfg.compile_workers = 1
     service = VerifierService(cfg)
     await service.start()

@@ -40,12 +40,13 @@ class ServiceConfig:
     arch_list: str = ""                  # TORCH_CUDA_ARCH_LIST for builds, e.g. "9.0"
     result_cache_size: int = 20000
     prewarm: bool = True
-    run_prewarm: int = 0                 # idle run workers kept starting per GPU (0: 3 x slots + 2). A run worker
-                                         # takes ~5 s of CPU to start (torch, CUDA context, CUPTI) and serves one job
+    run_prewarm: int = 0                 # run workers kept starting per GPU (0: 3 x slots + 2). A run worker serves
+                                         # one job; it took 16 s to start on a busy H200 host (torch, CUDA, CUPTI)
     warm_timeout_s: float = 120.0        # start() waits up to this long for pre-started workers to be ready
     build_only: bool = False             # a compile host: no GPU pools; serves build() only
     split_build: bool = True             # kernels compiled apart from the torch headers (split_build.py)
     use_pch: bool = True                 # main.cpp on a precompiled torch header kept in cache_dir (pch.py)
+    pch_background: bool = True          # build a missing PCH after the first build (off for one-shot runs)
 
 
 @dataclasses.dataclass
@@ -126,7 +127,12 @@ class VerifierService:
         return WorkerPool(PoolConfig(
             role=role, device=device, gpu_index=gpu, scratch_root=c.scratch_root, mem_mb=c.mem_mb,
             isolate_network=c.isolate_network, arch_list=c.arch_list, max_jobs=2, slots=slots,
-            prewarm=(slots if role == "build" else (c.run_prewarm or 3 * slots + 2)) if c.prewarm else 0))
+            prewarm=self._prewarm(role, device, slots) if c.prewarm else 0))
+
+    def _prewarm(self, role: str, device: str, slots: int) -> int:
+        if role == "build" or device == "cpu":
+            return slots + (role == "run")
+        return self.cfg.run_prewarm or 3 * slots + 2  # a CUDA run worker takes seconds to start (BUILD_NOTES)
 
     async def start(self) -> None:
         os.makedirs(self.cfg.cache_dir, exist_ok=True)
@@ -324,7 +330,7 @@ class VerifierService:
 
     def _schedule_pch(self, request: dict) -> None:
         """Build a precompiled torch header in the background (once per flag set; pch.py)."""
-        if request["dir"] in self.pch_builds or self.build_pool is None:
+        if not self.cfg.pch_background or request["dir"] in self.pch_builds or self.build_pool is None:
             return
 
         async def run():
