@@ -120,6 +120,7 @@ class CachedLoadInline:
         if os.path.exists(so_path) and params.get("is_python_module", True):
             event["cached"] = True
             module = _import_so(name, so_path)
+            touch(final)
         else:
             tmp = os.path.join(self.build_root, f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             os.makedirs(tmp)
@@ -154,6 +155,7 @@ class CachedLoadInline:
                     event["seconds"] = time.monotonic() - t0
                     shutil.rmtree(tmp, ignore_errors=True)
                     raise
+            strip_intermediates(tmp)
             try:
                 os.rename(tmp, final)
             except OSError:  # another process published the same key first
@@ -188,6 +190,63 @@ def _main_cpp_starts_with_torch(params: dict) -> bool:
     cpp = params.get("cpp_sources") or ""
     text = cpp if isinstance(cpp, str) else "\n".join(cpp)
     return text.lstrip().startswith("#include <torch/extension.h>")
+
+
+_ENTRY = re.compile(r"^[0-9a-f]{32}$")
+_INTERMEDIATE = re.compile(r"\.(?:o|ninja_deps|ninja_log)$")
+
+
+def strip_intermediates(build_dir: str) -> None:
+    """Drop object files and ninja state from a finished build: the cache serves the ``.so`` (sources and
+    build.ninja stay for debugging). About 60% of a CPU entry."""
+    for f in os.listdir(build_dir):
+        if _INTERMEDIATE.search(f):
+            try:
+                os.remove(os.path.join(build_dir, f))
+            except OSError:
+                pass
+
+
+def touch(entry: str) -> None:
+    """Mark a cache entry as used now (eviction is least-recently-used)."""
+    try:
+        os.utime(entry)
+    except OSError:
+        pass
+
+
+def evict(build_root: str, max_bytes: int, min_age_s: float = 3600.0) -> dict:
+    """Remove least-recently-used build entries until the entries total at most ``max_bytes``.
+
+    Entries used within ``min_age_s`` are never removed, so a build made for a candidate still waiting for a GPU
+    stays. An entry is renamed away before it is deleted, so a reader sees it whole or not at all (a miss means
+    a rebuild, never a broken import). Temporary build directories and precompiled headers are not touched."""
+    now = time.time()
+    entries = []
+    for name in os.listdir(build_root):
+        path = os.path.join(build_root, name)
+        if not _ENTRY.match(name) or not os.path.isdir(path):
+            continue
+        try:
+            size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
+            entries.append((os.stat(path).st_mtime, size, path))
+        except OSError:
+            continue  # removed meanwhile
+    total = sum(size for _, size, _ in entries)
+    removed, freed = 0, 0
+    for mtime, size, path in sorted(entries):
+        if total <= max_bytes:
+            break
+        if now - mtime < min_age_s:
+            continue
+        doomed = f"{path}.evict-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(path, doomed)
+        except OSError:
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
+        total, freed, removed = total - size, freed + size, removed + 1
+    return {"removed": removed, "freed_bytes": freed, "kept_bytes": total, "entries": len(entries) - removed}
 
 
 def _import_so(name: str, path: str):

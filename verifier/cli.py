@@ -35,6 +35,8 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-prewarm", type=int, default=0,
                    help="run workers kept starting per GPU (0: 3 x slots + 2; each takes ~5 s of CPU to start)")
     p.add_argument("--cache-dir", default=ServiceConfig.cache_dir, help="build cache (share it between hosts)")
+    p.add_argument("--cache-max-gb", type=float, default=ServiceConfig.cache_max_gb,
+                   help="evict least-recently-used builds above this size (0: never)")
     p.add_argument("--scratch-root", default=ServiceConfig.scratch_root)
     p.add_argument("--mem-mb", type=int, default=ServiceConfig.mem_mb, help="host memory per worker")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.0)
@@ -50,7 +52,8 @@ def _config(a) -> ServiceConfig:
     device = a.device or ("cuda" if _detect_arch() else "cpu")
     arch = a.arch if a.arch is not None else (_detect_arch() if device == "cuda" else "")
     return ServiceConfig(device=device, gpus=tuple(g for g in a.gpus.split(",") if g), slots_per_gpu=a.slots_per_gpu,
-                         compile_workers=a.compile_workers, cache_dir=a.cache_dir, scratch_root=a.scratch_root,
+                         compile_workers=a.compile_workers, cache_dir=a.cache_dir, cache_max_gb=a.cache_max_gb,
+                         scratch_root=a.scratch_root,
                          mem_mb=a.mem_mb, gpu_memory_fraction=a.gpu_memory_fraction, arch_list=arch,
                          isolate_network=not a.no_network_isolation, split_build=a.split_build, use_pch=a.pch,
                          run_prewarm=a.run_prewarm)

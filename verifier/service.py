@@ -31,6 +31,7 @@ class ServiceConfig:
     cpu_slots: int = 1                   # concurrent runs of the CPU backend
     compile_workers: int = max(1, (os.cpu_count() or 2) // 2)
     cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "dice_verifier", "builds")
+    cache_max_gb: float = 100.0          # LRU eviction of build entries above this size (0: never)
     scratch_root: str = "/tmp/dice_verifier"
     mem_mb: int = 32768                  # host memory per worker process group
     gpu_memory_fraction: float = 0.0     # caching-allocator cap per run worker (0: none)
@@ -60,6 +61,7 @@ class Metrics:
     deduplicated: int = 0
     oom_retries: int = 0
     baselines_measured: int = 0
+    cache_evicted: int = 0
     failure_kinds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     run_phase_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     run_phase_n: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -72,7 +74,7 @@ class Metrics:
                 "completed": self.completed, "candidates_per_minute": 60.0 * self.completed / max(up, 1e-9),
                 "failure_kinds": dict(self.failure_kinds), "build_cache_hits": self.build_cache_hits,
                 "deduplicated": self.deduplicated, "uptime_s": up, "oom_retries": self.oom_retries,
-                "baselines_measured": self.baselines_measured,
+                "baselines_measured": self.baselines_measured, "cache_evicted": self.cache_evicted,
                 "run_phase_mean_s": {k: self.run_phase_s[k] / self.run_phase_n[k] for k in self.run_phase_s}}
 
 
@@ -113,7 +115,9 @@ class VerifierService:
         self.run_pools: dict[str, list[WorkerPool]] = {}
         self.inflight: dict[str, asyncio.Future] = {}
         self.answered: collections.OrderedDict[str, VerifyResult] = collections.OrderedDict()
-        self.builds: dict[str, asyncio.Future] = {}
+        self.builds: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()  # build verdicts by source
+        self.new_builds = 0  # since the last cache eviction pass
+        self.evicting: asyncio.Task | None = None
         self.baselines: dict[str, dict] = {}
         # Memory-aware admission: the first run of a reference measures its GPU peak; runs of the same
         # reference that arrive meanwhile wait for it, later ones hold slots in proportion (admission_units).
@@ -149,7 +153,8 @@ class VerifierService:
     async def close(self) -> None:
         for t in self.pch_builds.values():
             t.cancel()
-        await asyncio.gather(*self.pch_builds.values(), return_exceptions=True)
+        await asyncio.gather(*self.pch_builds.values(), *([self.evicting] if self.evicting else []),
+                             return_exceptions=True)
         pools = ([self.build_pool] if self.build_pool else []) + [p for ps in self.run_pools.values() for p in ps]
         await asyncio.gather(*(p.close() for p in pools))
 
@@ -328,6 +333,21 @@ class VerifierService:
                 learned.set_result(admission_units(peak, res.get("gpu_total_bytes", 0), pool.cfg.slots))
         return res, outcome, logs
 
+    def _maybe_evict(self, build: dict) -> None:
+        """Every 32 new builds, trim the build cache to ``cache_max_gb`` (LRU, in a thread; build_cache.evict)."""
+        self.new_builds += sum(1 for ev in build.get("builds", []) if not ev.get("cached") and not ev.get("error"))
+        if self.cfg.cache_max_gb <= 0 or self.new_builds < 32 or (self.evicting and not self.evicting.done()):
+            return
+        self.new_builds = 0
+
+        async def run():
+            from verifier import build_cache
+
+            out = await asyncio.to_thread(build_cache.evict, self.cfg.cache_dir, int(self.cfg.cache_max_gb * 2**30))
+            self.metrics.cache_evicted += out["removed"]
+
+        self.evicting = asyncio.ensure_future(run())
+
     def _schedule_pch(self, request: dict) -> None:
         """Build a precompiled torch header in the background (once per flag set; pch.py)."""
         if not self.cfg.pch_background or request["dir"] in self.pch_builds or self.build_pool is None:
@@ -371,6 +391,9 @@ class VerifierService:
             if res["kind"] not in (FailureKind.OK.value, FailureKind.COMPILE_ERROR.value):
                 self.builds.pop(key, None)  # timeouts and crashes are not cached: a retry rebuilds
             fut.set_result(res)
+            while len(self.builds) > self.cfg.result_cache_size and next(iter(self.builds.values())).done():
+                self.builds.popitem(last=False)
+            self._maybe_evict(res)
             return res
         except BaseException as e:
             self.builds.pop(key, None)

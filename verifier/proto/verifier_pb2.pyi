@@ -173,7 +173,7 @@ class MetricsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MetricsReply(_message.Message):
-    __slots__ = ("queue_depth", "in_build", "in_run", "completed", "candidates_per_minute", "failure_kinds", "build_cache_hits", "deduplicated", "uptime_s", "run_phase_mean_s", "oom_retries", "baselines_measured")
+    __slots__ = ("queue_depth", "in_build", "in_run", "completed", "candidates_per_minute", "failure_kinds", "build_cache_hits", "deduplicated", "uptime_s", "run_phase_mean_s", "oom_retries", "baselines_measured", "cache_evicted")
     class FailureKindsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,7 @@ class MetricsReply(_message.Message):
     RUN_PHASE_MEAN_S_FIELD_NUMBER: _ClassVar[int]
     OOM_RETRIES_FIELD_NUMBER: _ClassVar[int]
     BASELINES_MEASURED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVICTED_FIELD_NUMBER: _ClassVar[int]
     queue_depth: int
     in_build: int
     in_run: int
@@ -212,4 +213,5 @@ class MetricsReply(_message.Message):
     run_phase_mean_s: _containers.ScalarMap[str, float]
     oom_retries: int
     baselines_measured: int
-    def __init__(self, queue_depth: _Optional[int] = ..., in_build: _Optional[int] = ..., in_run: _Optional[int] = ..., completed: _Optional[int] = ..., candidates_per_minute: _Optional[float] = ..., failure_kinds: _Optional[_Mapping[str, int]] = ..., build_cache_hits: _Optional[int] = ..., deduplicated: _Optional[int] = ..., uptime_s: _Optional[float] = ..., run_phase_mean_s: _Optional[_Mapping[str, float]] = ..., oom_retries: _Optional[int] = ..., baselines_measured: _Optional[int] = ...) -> None: ...
+    cache_evicted: int
+    def __init__(self, queue_depth: _Optional[int] = ..., in_build: _Optional[int] = ..., in_run: _Optional[int] = ..., completed: _Optional[int] = ..., candidates_per_minute: _Optional[float] = ..., failure_kinds: _Optional[_Mapping[str, int]] = ..., build_cache_hits: _Optional[int] = ..., deduplicated: _Optional[int] = ..., uptime_s: _Optional[float] = ..., run_phase_mean_s: _Optional[_Mapping[str, float]] = ..., oom_retries: _Optional[int] = ..., baselines_measured: _Optional[int] = ..., cache_evicted: _Optional[int] = ...) -> None: ...
