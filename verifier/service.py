@@ -256,7 +256,7 @@ class VerifierService:
                                 compile_s=compile_s, warnings=verdict.warnings)
         kind = FailureKind(res["kind"])
         phases = dict(res.get("phases") or {}, worker_startup_wait=res.get("startup_wait_s", 0.0),
-                      worker_startup=res.get("startup_s", 0.0))
+                      worker_startup=res.get("startup_s", 0.0), **(res.get("startup_phases") or {}))
         for phase, sec in phases.items():
             self.metrics.run_phase_s[phase] += sec
             self.metrics.run_phase_n[phase] += 1

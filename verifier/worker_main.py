@@ -279,7 +279,7 @@ def run_check(job: dict) -> dict:
     return finish(FailureKind.OK)
 
 
-def _warm_profiler(device: str) -> None:
+def _warm_profiler(device: str, mark) -> None:
     """Pay CUDA context creation and CUPTI/profiler start-up before the job arrives."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -289,6 +289,8 @@ def _warm_profiler(device: str) -> None:
         torch.cuda.init()
         acts.append(ProfilerActivity.CUDA)
     x = torch.ones(16, device="cuda" if device == "cuda" else "cpu")
+    torch.cuda.synchronize() if device == "cuda" else None
+    mark("startup_device_context")
     with profile(activities=acts) as prof:
         (x + 1).sum().item()
     prof.events()
@@ -305,15 +307,26 @@ def main(argv=None) -> int:
 
     from verifier.sandbox import apply_child_limits
 
+    started = {"last": time.monotonic()}
+    startup: dict[str, float] = {}  # where start-up goes (reported with the result; BUILD_NOTES, Verifier)
+
+    def mark(name):
+        now = time.monotonic()
+        startup[name], started["last"] = now - started["last"], now
+
     notes = apply_child_limits(args.mem_mb, args.isolate_network,
                                limit_address_space=not (args.role == "run" and args.device == "cuda"))
     faulthandler.enable()
+    mark("startup_limits")
     import torch  # noqa: F401 - warm start: the import and the CUDA context are paid before the job arrives
 
+    mark("startup_import_torch")
     import torch.utils.cpp_extension  # noqa: F401 - slow first import (setuptools)
 
+    mark("startup_import_cpp_extension")
     if args.role == "run":
-        _warm_profiler(args.device)
+        _warm_profiler(args.device, mark)
+        mark("startup_profiler")
     ready_at = time.monotonic()  # CLOCK_MONOTONIC: comparable with the parent's clock
     open(os.path.join(args.scratch, "ready"), "w").close()  # the pool hands out ready workers first
     job = json.loads(sys.stdin.read() or "{}")
@@ -326,6 +339,7 @@ def main(argv=None) -> int:
     except BaseException as e:  # noqa: BLE001
         result = {"kind": "INTERNAL_ERROR", "reason": f"worker failed: {_short(e)}\n{traceback.format_exc()[-2000:]}"}
     result["sandbox_notes"] = notes
+    result["startup_phases"] = startup
     result["worker_ready_at"] = ready_at
     _write_result(args.scratch, result)
     sys.stdout.flush()
