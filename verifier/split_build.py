@@ -248,5 +248,15 @@ def split_variant(params: dict) -> dict | None:
     out = dict(params)
     out["cpp_sources"], out["cuda_sources"] = res
     out["no_implicit_headers"] = True
-    out["extra_cflags"] = list(params.get("extra_cflags") or []) + ["-O0"]
+    out["extra_cflags"] = list(params.get("extra_cflags") or []) + [host_opt_level(params.get("extra_cuda_cflags"))]
     return out
+
+
+def host_opt_level(extra_cuda_cflags) -> str:
+    """The optimisation level nvcc would give the host wrappers: its ``-O`` flag (nvcc applies it to host code),
+    else none, i.e. -O0 (nvcc 13 passes no -O to its host compiler by default, and torch adds none)."""
+    level = "-O0"
+    for flag in extra_cuda_cflags or []:
+        if re.fullmatch(r"-O[0-3s]", str(flag).strip()):
+            level = str(flag).strip()
+    return level

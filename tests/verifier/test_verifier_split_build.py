@@ -87,3 +87,18 @@ def test_device_half_compiles_without_torch_headers(tmp_path):
     p = subprocess.run(["nvcc", "-c", "-arch=sm_90", str(tmp_path / "k.cu"), "-o", str(tmp_path / "k.o")],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_split_host_code_keeps_the_optimisation_level_nvcc_would_give_it():
+    from verifier.split_build import host_opt_level
+
+    assert host_opt_level(None) == "-O0"
+    assert host_opt_level(["--use_fast_math"]) == "-O0"
+    assert host_opt_level(["-O3", "--use_fast_math"]) == "-O3"
+    assert host_opt_level(["-O2", "-O1"]) == "-O1"
+    params = {"name": "e", "cpp_sources": "torch::Tensor f(torch::Tensor x);",
+              "cuda_sources": "#include <torch/extension.h>\n__global__ void k(float* p) { p[0] = 1; }\n"
+                              "torch::Tensor f(torch::Tensor x) { k<<<1, 1>>>(x.data_ptr<float>()); return x; }\n",
+              "functions": ["f"], "extra_cflags": None, "extra_cuda_cflags": ["-O3", "--use_fast_math"]}
+    out = split_variant(params)
+    assert out["extra_cflags"] == ["-O3"] and out["extra_cuda_cflags"] == ["-O3", "--use_fast_math"]
