@@ -7,6 +7,8 @@ runs out):
                precompiled torch header exists (on ``--device cpu``: the demo's C++ relu instead)
   compile      N unique DICE candidates through the build stage (``compile_workers`` in parallel)
   gpu_dice     the same N candidates through the GPU stage in reward mode (builds cached): rate and verdicts
+  startup      run-worker supply: N workers started at once, spawned vs forked from the fork server
+               (time to ready, workers per minute)
   gpu_level1   KernelBench level-1 problems with a pass-through candidate (the reference renamed ModelNew,
                strictness off): GPU-stage rate in reward mode, then with timing on (cold and cached baseline)
 """
@@ -175,6 +177,33 @@ class Bench:
             "kernelbench": dict(collections.Counter(x["kernelbench_kind"] for x in rows)),
             "strict_fp32_1e-4": sum(x["strict_fp32"] for x in rows), "run_phase_mean_s": phases_mean, "rows": rows})
 
+    async def startup(self) -> None:
+        """How fast run workers become ready: ``--startup-workers`` at once, spawned, then forked."""
+        from verifier.pool import PoolConfig, WorkerPool
+
+        c, n, out = self.cfg, self.a.startup_workers, {}
+        for mode in ("spawn", "fork"):
+            pool = WorkerPool(PoolConfig(role="run", device=c.device, gpu_index=c.gpus[0] if c.gpus else "",
+                                         scratch_root=c.scratch_root, mem_mb=c.mem_mb, isolate_network=c.isolate_network,
+                                         arch_list=c.arch_list, prewarm=0, fork_server=mode == "fork"))
+            t0 = time.monotonic()
+            workers = await asyncio.gather(*(pool._start() for _ in range(n)))
+            ready_at: dict[int, float] = {}
+            while len(ready_at) < n and time.monotonic() - t0 < 600:
+                for i, w in enumerate(workers):
+                    if i not in ready_at and w.ready():
+                        ready_at[i] = time.monotonic() - t0
+                await asyncio.sleep(0.02)
+            wall = max(ready_at.values()) if ready_at else float("nan")
+            out[mode] = {"workers": n, "ready": len(ready_at), "wall_s": wall,
+                         "median_ready_s": statistics.median(ready_at.values()) if ready_at else None,
+                         "workers_per_min": 60 * len(ready_at) / wall if ready_at else 0.0,
+                         "forked": sum(type(w).__name__ == "ForkedWorker" for w in workers)}
+            for w in workers:
+                w.discard()
+            await pool.close()
+            self.save("startup", out)
+
     async def gpu_level1(self, svc: VerifierService, problems: list[dict]) -> None:
         def reqs(tag, probs, samples=1, **kw):
             # RL verifies a group of samples per task; distinct sources (a comment) so none is deduplicated.
@@ -224,6 +253,8 @@ async def run(a, cfg: ServiceConfig) -> int:
               if "gpu_level1" in phases else [])
     if "stock" in phases and not a.skip_stock:
         b.stock(cand)
+    if "startup" in phases:
+        await b.startup()
     if "single" in phases:
         svc = VerifierService(dataclasses.replace(cfg, compile_workers=1))
         await svc.start()

@@ -32,6 +32,8 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", default="0", help="comma-separated GPU indices, e.g. 0,1")
     p.add_argument("--slots-per-gpu", type=int, default=4, help="concurrent reward-mode candidates per GPU")
     p.add_argument("--compile-workers", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    p.add_argument("--fork-server", action="store_true",
+                   help="fork run workers from a process that imported torch once (opt-in; BUILD_NOTES, Verifier)")
     p.add_argument("--run-prewarm", type=int, default=0,
                    help="run workers kept starting per GPU (0: 3 x slots + 2; each takes ~5 s of CPU to start)")
     p.add_argument("--cache-dir", default=ServiceConfig.cache_dir, help="build cache (share it between hosts)")
@@ -56,7 +58,7 @@ def _config(a) -> ServiceConfig:
                          scratch_root=a.scratch_root,
                          mem_mb=a.mem_mb, gpu_memory_fraction=a.gpu_memory_fraction, arch_list=arch,
                          isolate_network=not a.no_network_isolation, split_build=a.split_build, use_pch=a.pch,
-                         run_prewarm=a.run_prewarm)
+                         run_prewarm=a.run_prewarm, fork_server=a.fork_server)
 
 
 async def _serve(a) -> int:
@@ -144,6 +146,7 @@ def main(argv=None) -> int:
     b.add_argument("--kernelbench", default="", help="level1.jsonl (default: ../shared/data relative to the repo)")
     b.add_argument("--candidates", type=int, default=99, help="DICE candidates for the compile and GPU stages")
     b.add_argument("--level1", type=int, default=100, help="KernelBench level-1 problems for the GPU-stage rate")
+    b.add_argument("--startup-workers", type=int, default=16, help="workers started at once in the startup phase")
     b.add_argument("--level1-samples", type=int, default=1, help="candidates per level-1 problem (an RL group)")
     b.add_argument("--timed", type=int, default=16, help="level-1 problems for the timing-on rate")
     b.add_argument("--budget-s", type=float, default=540, help="skip later phases past this many seconds")

@@ -12,7 +12,7 @@ import asyncio
 import collections
 import dataclasses
 
-from verifier.sandbox import WorkerProcess
+from verifier.sandbox import ForkServer, WorkerProcess
 
 
 @dataclasses.dataclass
@@ -27,6 +27,7 @@ class PoolConfig:
     max_jobs: int = 2
     slots: int = 1
     prewarm: int = 1
+    fork_server: bool = False  # run workers forked from a process that imported torch once (zygote.py)
 
 
 class Slots:
@@ -65,9 +66,17 @@ class WorkerPool:
         self.closed = False
         self.jobs_done = 0
         self.crashes = 0
+        c = cfg
+        self.fork_server = ForkServer(role=c.role, device=c.device, gpu_index=c.gpu_index, scratch_root=c.scratch_root,
+                                      mem_mb=c.mem_mb, isolate_network=c.isolate_network, arch_list=c.arch_list,
+                                      max_jobs=c.max_jobs) if cfg.fork_server else None
 
     async def _start(self) -> WorkerProcess:
         c = self.cfg
+        if self.fork_server is not None:
+            worker = await self.fork_server.fork()
+            if worker is not None:
+                return worker
         return await WorkerProcess.start(role=c.role, device=c.device, gpu_index=c.gpu_index,
                                          scratch_root=c.scratch_root, mem_mb=c.mem_mb,
                                          isolate_network=c.isolate_network, arch_list=c.arch_list,
@@ -95,12 +104,12 @@ class WorkerPool:
         if self.starting:
             await asyncio.gather(*self.starting, return_exceptions=True)
         deadline = asyncio.get_running_loop().time() + ready_timeout_s
-        while any(not w.ready() and w.proc.returncode is None for w in self.idle) \
+        while any(not w.ready() and w.alive() for w in self.idle) \
                 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
 
     async def _take(self) -> WorkerProcess:
-        for w in [w for w in self.idle if w.proc.returncode is not None]:
+        for w in [w for w in self.idle if not w.alive()]:
             self.idle.remove(w)
             w.discard()  # died while idle
         for w in self.idle:  # the oldest ready worker, else the oldest one still starting
@@ -147,12 +156,10 @@ class WorkerPool:
         await asyncio.gather(*self.starting, return_exceptions=True)  # spawning is quick; _started discards
         while self.idle:
             w = self.idle.popleft()
+            w.discard()  # kills its process group
             try:
-                w.proc.stdin.close()
-            except Exception:  # noqa: BLE001
-                pass
-            w.discard()
-            try:
-                await asyncio.wait_for(w.proc.wait(), 5)
+                await asyncio.wait_for(w._exited(), 5)
             except asyncio.TimeoutError:
                 pass
+        if self.fork_server is not None:
+            await self.fork_server.close()

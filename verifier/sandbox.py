@@ -125,9 +125,9 @@ class WorkerProcess:
     async def _watch_memory(self) -> str:
         while True:
             await asyncio.sleep(0.25)
-            rss = _group_rss_mb(self.proc.pid)
+            rss = _group_rss_mb(self.pid)
             if self.mem_mb and rss > self.mem_mb:
-                kill_group(self.proc.pid)
+                kill_group(self.pid)
                 return f"host memory {rss:.0f} MiB exceeded the limit of {self.mem_mb} MiB; process group killed"
 
     async def run(self, job: dict, timeout_s: float) -> tuple[dict | None, str, str]:
@@ -137,10 +137,8 @@ class WorkerProcess:
         sent_at = time.monotonic()
         watch = asyncio.ensure_future(self._watch_memory())
         try:
-            self.proc.stdin.write(json.dumps(job).encode())
-            await self.proc.stdin.drain()
-            self.proc.stdin.close()
-            done, _ = await asyncio.wait({asyncio.ensure_future(self.proc.wait()), watch}, timeout=timeout_s,
+            await self._send(job)
+            done, _ = await asyncio.wait({asyncio.ensure_future(self._exited()), watch}, timeout=timeout_s,
                                          return_when=asyncio.FIRST_COMPLETED)
             if watch in done:
                 outcome = "memory: " + watch.result()
@@ -150,8 +148,8 @@ class WorkerProcess:
             pass  # the worker died before reading its job; reported below
         finally:
             watch.cancel()
-            kill_group(self.proc.pid)
-            await self.proc.wait()
+            kill_group(self.pid)
+            await self._exited()
         result = None
         path = os.path.join(self.scratch, RESULT_FILE)
         if not outcome and os.path.exists(path):
@@ -162,11 +160,30 @@ class WorkerProcess:
                 result["startup_wait_s"] = max(0.0, ready_at - sent_at)
                 result["startup_s"] = ready_at - self.started
         if not outcome and result is None:
-            rc = self.proc.returncode
+            rc = await self._returncode()
             outcome = (f"exit: worker killed by {signal.Signals(-rc).name}" if rc and rc < 0
                        else f"exit: worker exited with status {rc} without a result")
         logs = self.read_log()
         return result, outcome, logs
+
+    # What differs between a spawned worker and a forked one (ForkedWorker).
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.returncode is None
+
+    async def _send(self, job: dict) -> None:
+        self.proc.stdin.write(json.dumps(job).encode())
+        await self.proc.stdin.drain()
+        self.proc.stdin.close()
+
+    async def _exited(self) -> None:
+        await self.proc.wait()
+
+    async def _returncode(self) -> int | None:
+        return self.proc.returncode
 
     def read_log(self) -> str:
         try:
@@ -176,6 +193,138 @@ class WorkerProcess:
             return ""
 
     def discard(self) -> None:
-        if self.proc.returncode is None:
-            kill_group(self.proc.pid)
+        if self.alive():
+            kill_group(self.pid)
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+class ForkedWorker(WorkerProcess):
+    """A worker forked by the fork server (zygote.py): the same sandbox, scratch and one-job life as a spawned
+    worker; the job arrives as ``job.json``, exit is watched through a pidfd, and the exit status is written
+    by the fork server, which reaps it."""
+
+    def __init__(self, pid: int, scratch: str, role: str, device: str, mem_mb: int, status_dir: str):
+        super().__init__(None, scratch, role, device, mem_mb)
+        self._pid = pid
+        self._status = os.path.join(status_dir, f"{pid}.status")
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._pidfd = -1  # already gone
+        self._exit: asyncio.Future | None = None  # resolved when the pidfd turns readable (the process ended)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    def alive(self) -> bool:
+        if self._pidfd < 0:
+            return False
+        import select
+
+        return not select.select([self._pidfd], [], [], 0)[0]
+
+    async def _send(self, job: dict) -> None:
+        from verifier.zygote import JOB_FILE
+
+        tmp = os.path.join(self.scratch, JOB_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(job, f)
+        os.replace(tmp, os.path.join(self.scratch, JOB_FILE))
+
+    async def _exited(self) -> None:
+        if self._exit is None:
+            self._loop = asyncio.get_running_loop()
+            self._exit = self._loop.create_future()
+            if self.alive():
+                self._loop.add_reader(self._pidfd, self._on_exit)
+            else:
+                self._exit.set_result(None)
+        await asyncio.shield(self._exit)
+
+    def _on_exit(self) -> None:
+        self._loop.remove_reader(self._pidfd)
+        if not self._exit.done():
+            self._exit.set_result(None)
+
+    async def _returncode(self) -> int | None:
+        for _ in range(50):  # the fork server writes it when it reaps the child
+            if os.path.exists(self._status):
+                with open(self._status) as f:
+                    return json.load(f)["returncode"]
+            await asyncio.sleep(0.02)
+        return None
+
+    def discard(self) -> None:
+        super().discard()
+        if self._pidfd >= 0:
+            if self._exit is not None and not self._exit.done():
+                self._loop.remove_reader(self._pidfd)
+                self._exit.set_result(None)
+            os.close(self._pidfd)
+            self._pidfd = -1
+        try:
+            os.remove(self._status)
+        except OSError:
+            pass  # not reaped yet: the fork server's directory goes when it closes
+
+
+class ForkServer:
+    """The fork server process of one pool (``python -m verifier.zygote``), restarted if it dies."""
+
+    def __init__(self, *, role: str, device: str, gpu_index: str, scratch_root: str, mem_mb: int,
+                 isolate_network: bool, arch_list: str = "", max_jobs: int = 2):
+        self.kw = dict(role=role, device=device, gpu_index=gpu_index, scratch_root=scratch_root, mem_mb=mem_mb,
+                       isolate_network=isolate_network, arch_list=arch_list, max_jobs=max_jobs)
+        self.proc: asyncio.subprocess.Process | None = None
+        self.home = ""
+        self.lock = asyncio.Lock()
+        self.failures = 0
+
+    def _env(self, scratch: str) -> dict[str, str]:
+        k = self.kw
+        return scrubbed_env(scratch, cuda_visible=k["gpu_index"] if k["device"] == "cuda" and k["role"] == "run" else "",
+                            arch_list=k["arch_list"], max_jobs=k["max_jobs"])
+
+    async def _ensure(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            return
+        k = self.kw
+        os.makedirs(k["scratch_root"], exist_ok=True)
+        self.home = self.home or tempfile.mkdtemp(prefix="forkserver-", dir=k["scratch_root"])
+        log = open(os.path.join(self.home, LOG_FILE), "ab")
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "verifier.zygote", "--role", k["role"], "--device", k["device"],
+                "--mem-mb", str(k["mem_mb"]), *(["--isolate-network"] if k["isolate_network"] else []),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log, cwd=self.home,
+                env=self._env(self.home), start_new_session=True)
+        finally:
+            log.close()
+
+    async def fork(self) -> ForkedWorker | None:
+        """A new worker, or None if the fork server cannot fork (the caller spawns one instead)."""
+        k = self.kw
+        scratch = tempfile.mkdtemp(prefix=f"{k['role']}-", dir=k["scratch_root"])
+        async with self.lock:
+            try:
+                await self._ensure()
+                self.proc.stdin.write((json.dumps({"scratch": scratch, "env": self._env(scratch)}) + "\n").encode())
+                await self.proc.stdin.drain()
+                line = await asyncio.wait_for(self.proc.stdout.readline(), 120)
+                reply = json.loads(line or b"{}")
+            except (OSError, asyncio.TimeoutError, ValueError) as e:
+                reply = {"error": f"{type(e).__name__}: {e}"}
+        if "pid" not in reply:
+            self.failures += 1
+            shutil.rmtree(scratch, ignore_errors=True)
+            return None
+        return ForkedWorker(int(reply["pid"]), scratch, k["role"], k["device"], k["mem_mb"], self.home)
+
+    async def close(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            kill_group(self.proc.pid)
+            await self.proc.wait()
+        if self.home:
+            shutil.rmtree(self.home, ignore_errors=True)

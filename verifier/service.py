@@ -43,6 +43,7 @@ class ServiceConfig:
     prewarm: bool = True
     run_prewarm: int = 0                 # run workers kept starting per GPU (0: 3 x slots + 2). A run worker serves
                                          # one job; it took 16 s to start on a busy H200 host (torch, CUDA, CUPTI)
+    fork_server: bool = False            # run workers forked after one torch import (zygote.py; opt-in, see BUILD_NOTES)
     warm_timeout_s: float = 120.0        # start() waits up to this long for pre-started workers to be ready
     build_only: bool = False             # a compile host: no GPU pools; serves build() only
     split_build: bool = True             # kernels compiled apart from the torch headers (split_build.py)
@@ -131,7 +132,8 @@ class VerifierService:
         return WorkerPool(PoolConfig(
             role=role, device=device, gpu_index=gpu, scratch_root=c.scratch_root, mem_mb=c.mem_mb,
             isolate_network=c.isolate_network, arch_list=c.arch_list, max_jobs=2, slots=slots,
-            prewarm=self._prewarm(role, device, slots) if c.prewarm else 0))
+            prewarm=self._prewarm(role, device, slots) if c.prewarm else 0,
+            fork_server=c.fork_server and role == "run"))
 
     def _prewarm(self, role: str, device: str, slots: int) -> int:
         if role == "build" or device == "cpu":

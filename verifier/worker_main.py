@@ -296,6 +296,49 @@ def _warm_profiler(device: str, mark) -> None:
     prof.events()
 
 
+class StartupClock:
+    """Where a worker's start-up goes (reported with the result; BUILD_NOTES, Verifier)."""
+
+    def __init__(self, t0: float | None = None):
+        self.last = time.monotonic() if t0 is None else t0
+        self.phases: dict[str, float] = {}
+
+    def __call__(self, name: str) -> None:
+        now = time.monotonic()
+        self.phases[name], self.last = now - self.last, now
+
+
+def read_stdin_job() -> dict:
+    return json.loads(sys.stdin.read() or "{}")
+
+
+def serve_one(role: str, device: str, scratch: str, notes: list[str], mark: StartupClock, read_job) -> None:
+    """The rest of a worker once torch is imported: warm the device, say ready, run one job, exit."""
+    import torch
+
+    if role == "run":
+        _warm_profiler(device, mark)
+        mark("startup_profiler")
+    ready_at = time.monotonic()  # CLOCK_MONOTONIC: comparable with the parent's clock
+    open(os.path.join(scratch, "ready"), "w").close()  # the pool hands out ready workers first
+    job = read_job()
+    if not job:
+        os._exit(0)  # parent discarded a warm worker
+    if role == "run" and device == "cuda" and job.get("gpu_memory_fraction"):
+        torch.cuda.set_per_process_memory_fraction(float(job["gpu_memory_fraction"]))
+    try:
+        result = run_build(job) if role == "build" else run_check(job)
+    except BaseException as e:  # noqa: BLE001
+        result = {"kind": "INTERNAL_ERROR", "reason": f"worker failed: {_short(e)}\n{traceback.format_exc()[-2000:]}"}
+    result["sandbox_notes"] = notes
+    result["startup_phases"] = mark.phases
+    result["worker_ready_at"] = ready_at
+    _write_result(scratch, result)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip destructors of candidate extensions
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="verifier.worker_main")
     p.add_argument("--role", choices=("run", "build"), required=True)
@@ -307,13 +350,7 @@ def main(argv=None) -> int:
 
     from verifier.sandbox import apply_child_limits
 
-    started = {"last": time.monotonic()}
-    startup: dict[str, float] = {}  # where start-up goes (reported with the result; BUILD_NOTES, Verifier)
-
-    def mark(name):
-        now = time.monotonic()
-        startup[name], started["last"] = now - started["last"], now
-
+    mark = StartupClock()
     notes = apply_child_limits(args.mem_mb, args.isolate_network,
                                limit_address_space=not (args.role == "run" and args.device == "cuda"))
     faulthandler.enable()
@@ -324,27 +361,8 @@ def main(argv=None) -> int:
     import torch.utils.cpp_extension  # noqa: F401 - slow first import (setuptools)
 
     mark("startup_import_cpp_extension")
-    if args.role == "run":
-        _warm_profiler(args.device, mark)
-        mark("startup_profiler")
-    ready_at = time.monotonic()  # CLOCK_MONOTONIC: comparable with the parent's clock
-    open(os.path.join(args.scratch, "ready"), "w").close()  # the pool hands out ready workers first
-    job = json.loads(sys.stdin.read() or "{}")
-    if not job:
-        return 0  # parent discarded a warm worker
-    if args.role == "run" and args.device == "cuda" and job.get("gpu_memory_fraction"):
-        torch.cuda.set_per_process_memory_fraction(float(job["gpu_memory_fraction"]))
-    try:
-        result = run_build(job) if args.role == "build" else run_check(job)
-    except BaseException as e:  # noqa: BLE001
-        result = {"kind": "INTERNAL_ERROR", "reason": f"worker failed: {_short(e)}\n{traceback.format_exc()[-2000:]}"}
-    result["sandbox_notes"] = notes
-    result["startup_phases"] = startup
-    result["worker_ready_at"] = ready_at
-    _write_result(args.scratch, result)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip destructors of candidate extensions
+    serve_one(args.role, args.device, args.scratch, notes, mark, read_stdin_job)
+    return 0
 
 
 if __name__ == "__main__":

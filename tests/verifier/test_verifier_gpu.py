@@ -50,7 +50,8 @@ def gpu_service(tmp_path_factory):
                         cache_dir=os.environ.get("VERIFIER_CACHE_DIR", str(root / "builds")),
                         scratch_root=str(root / "scratch"), arch_list=f"{major}.{minor}",
                         isolate_network=os.environ.get("VERIFIER_NO_NETNS") != "1",
-                        split_build=os.environ.get("VERIFIER_NO_SPLIT_BUILD") != "1")
+                        split_build=os.environ.get("VERIFIER_NO_SPLIT_BUILD") != "1",
+                        fork_server=os.environ.get("VERIFIER_FORK_SERVER") == "1")
     loop = _Loop()
     svc = VerifierService(cfg)
     loop.run(svc.start())
