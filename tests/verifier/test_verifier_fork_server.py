@@ -4,32 +4,18 @@ guarantees: one fresh process per candidate, crash/timeout/memory kills with the
 import asyncio
 import dataclasses
 import os
-import threading
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import verifier_cases as cases  # noqa: E402
+from verifier_loop import BackgroundLoop  # noqa: E402
 
 from verifier.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
 from verifier.service import ServiceConfig, VerifierService  # noqa: E402
 
 OPTS = VerifyOptions(device="cpu", timeout_s=90, num_correct_trials=2)
-
-
-class _Loop:
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout=900):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +24,7 @@ def forked(tmp_path_factory):
     cfg = ServiceConfig(device="cpu", cpu_slots=2, compile_workers=1, cache_dir=str(root / "builds"),
                         scratch_root=str(root / "scratch"), mem_mb=3072, build_timeout_s=300, fork_server=True,
                         use_pch=False)
-    loop = _Loop()
+    loop = BackgroundLoop()
     svc = VerifierService(cfg)
     loop.run(svc.start())
     yield loop, svc

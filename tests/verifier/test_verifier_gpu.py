@@ -9,13 +9,13 @@ import dataclasses
 import json
 import os
 import pathlib
-import threading
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import verifier_gpu_cases as g  # noqa: E402
+from verifier_loop import BackgroundLoop  # noqa: E402
 
 from verifier.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
 from verifier.service import ServiceConfig, VerifierService  # noqa: E402
@@ -25,20 +25,6 @@ pytestmark = [pytest.mark.gpu,
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 OPTS = VerifyOptions(device="cuda", timeout_s=120)
-
-
-class _Loop:
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout=1800):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +38,7 @@ def gpu_service(tmp_path_factory):
                         isolate_network=os.environ.get("VERIFIER_NO_NETNS") != "1",
                         split_build=os.environ.get("VERIFIER_NO_SPLIT_BUILD") != "1",
                         fork_server=os.environ.get("VERIFIER_FORK_SERVER") == "1")
-    loop = _Loop()
+    loop = BackgroundLoop()
     svc = VerifierService(cfg)
     loop.run(svc.start())
     yield loop, svc
