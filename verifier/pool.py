@@ -66,10 +66,10 @@ class WorkerPool:
         self.closed = False
         self.jobs_done = 0
         self.crashes = 0
-        c = cfg
-        self.fork_server = ForkServer(role=c.role, device=c.device, gpu_index=c.gpu_index, scratch_root=c.scratch_root,
-                                      mem_mb=c.mem_mb, isolate_network=c.isolate_network, arch_list=c.arch_list,
-                                      max_jobs=c.max_jobs) if cfg.fork_server else None
+        self.fork_server = ForkServer(role=cfg.role, device=cfg.device, gpu_index=cfg.gpu_index,
+                                      scratch_root=cfg.scratch_root, mem_mb=cfg.mem_mb,
+                                      isolate_network=cfg.isolate_network, arch_list=cfg.arch_list,
+                                      max_jobs=cfg.max_jobs) if cfg.fork_server else None
 
     async def _start(self) -> WorkerProcess:
         c = self.cfg
@@ -158,7 +158,7 @@ class WorkerPool:
             w = self.idle.popleft()
             w.discard()  # kills its process group
             try:
-                await asyncio.wait_for(w._exited(), 5)
+                await asyncio.wait_for(w.wait_exited(), 5)
             except asyncio.TimeoutError:
                 pass
         if self.fork_server is not None:

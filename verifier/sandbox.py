@@ -138,7 +138,7 @@ class WorkerProcess:
         watch = asyncio.ensure_future(self._watch_memory())
         try:
             await self._send(job)
-            done, _ = await asyncio.wait({asyncio.ensure_future(self._exited()), watch}, timeout=timeout_s,
+            done, _ = await asyncio.wait({asyncio.ensure_future(self.wait_exited()), watch}, timeout=timeout_s,
                                          return_when=asyncio.FIRST_COMPLETED)
             if watch in done:
                 outcome = "memory: " + watch.result()
@@ -149,7 +149,7 @@ class WorkerProcess:
         finally:
             watch.cancel()
             kill_group(self.pid)
-            await self._exited()
+            await self.wait_exited()
         result = None
         path = os.path.join(self.scratch, RESULT_FILE)
         if not outcome and os.path.exists(path):
@@ -179,7 +179,7 @@ class WorkerProcess:
         await self.proc.stdin.drain()
         self.proc.stdin.close()
 
-    async def _exited(self) -> None:
+    async def wait_exited(self) -> None:
         await self.proc.wait()
 
     async def _returncode(self) -> int | None:
@@ -233,7 +233,7 @@ class ForkedWorker(WorkerProcess):
             json.dump(job, f)
         os.replace(tmp, os.path.join(self.scratch, JOB_FILE))
 
-    async def _exited(self) -> None:
+    async def wait_exited(self) -> None:
         if self._exit is None:
             self._loop = asyncio.get_running_loop()
             self._exit = self._loop.create_future()
