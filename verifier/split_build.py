@@ -54,6 +54,14 @@ static inline cudaError_t dice_launch(void (*k)(P...), dim3 g, dim3 b, size_t s,
 """
 
 
+def _string_end(text: str, start: int) -> int:
+    """Index just past the string or char literal that opens at ``start`` (escapes skipped)."""
+    quote, j = text[start], start + 1
+    while j < len(text) and text[j] != quote:
+        j += 2 if text[j] == "\\" else 1
+    return j + 1
+
+
 def _strip_comments(text: str) -> str:
     out, i, n = [], 0, len(text)
     while i < n:
@@ -66,11 +74,9 @@ def _strip_comments(text: str) -> str:
             i = n if j < 0 else j + 2
             out.append(" ")
         elif c in "\"'":
-            j = i + 1
-            while j < n and text[j] != c:
-                j += 2 if text[j] == "\\" else 1
-            out.append(text[i: j + 1])
-            i = j + 1
+            j = _string_end(text, i)
+            out.append(text[i:j])
+            i = j
         else:
             out.append(c)
             i += 1
@@ -96,11 +102,9 @@ def top_level_chunks(text: str) -> tuple[list[str], list[str]] | None:
             i = k
             continue
         if c in "\"'":
-            j = i + 1
-            while j < n and text[j] != c:
-                j += 2 if text[j] == "\\" else 1
-            buf.append(text[i: j + 1])
-            i = j + 1
+            j = _string_end(text, i)
+            buf.append(text[i:j])
+            i = j
             at_line_start = False
             continue
         buf.append(c)
