@@ -12,6 +12,7 @@ Steps, each printing what it did (the data is embedded: experiments/demo_data/pa
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -54,6 +55,8 @@ def step_hf(workdir):
 def step_sft(workdir):
   """Block-diffusion SFT of the tiny model on the embedded pairs, then HF export."""
   out = os.path.join(workdir, "sft_hf")
+  for old in (os.path.join(workdir, "sft"), out):  # a rerun trains afresh (not resuming the last run)
+    shutil.rmtree(old, ignore_errors=True)
   cmd = [sys.executable, "-m", "experiments.sft", "--config=tiny",
          f"--workdir={os.path.join(workdir, 'sft')}", "--set=data_source=pairs",
          f"--set=data_path={PAIRS}", f"--set=num_steps={FLAGS.sft_steps}", "--set=seq_len=512",
