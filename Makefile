@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= /tmp/dice_jax_demo
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test lint clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,7 +21,11 @@ setup: $(BIN)/.installed
 demo: setup
 	$(BIN)/python -m experiments.demo --workdir=$(DEMO_DIR)
 
-test: setup
+lint: setup
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/python -m pytest -q tests
 
 clean:

@@ -72,8 +72,15 @@ def bench_impl(impl, mesh):
   step = (time.perf_counter() - t0) / FLAGS.iters
   flops = forward_flops(cfg, b, t) - 2 * b * t * cfg.hidden_size * cfg.vocab_size  # no LM head
   finite = bool(np.isfinite(np.asarray(out[:, -1].astype(jnp.float32))).all())
-  return dict(impl=impl, compile_s=compile_s, step_ms=step * 1e3, tok_s=b * t / step,
-              mfu=flops / step / peak_flops(), peak_gib=peak_memory_gib(), finite=finite)
+  return dict(
+    impl=impl,
+    compile_s=compile_s,
+    step_ms=step * 1e3,
+    tok_s=b * t / step,
+    mfu=flops / step / peak_flops(),
+    peak_gib=peak_memory_gib(),
+    finite=finite,
+  )
 
 
 def bench_init_compile(name, mesh):
@@ -97,21 +104,31 @@ def bench_init_compile(name, mesh):
 def main(argv):
   del argv
   mesh = sharding.make_mesh()
-  print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}; "
-        f"{FLAGS.config}, batch {FLAGS.batch} x {FLAGS.seq_len}, mask {FLAGS.mask}, bf16")
-  print(f"{'attention':<10}{'compile s':>10}{'step ms':>10}{'tokens/s':>12}{'MFU':>7}"
-        f"{'peak GiB':>10}{'finite':>8}")
+  print(
+    f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}; "
+    f"{FLAGS.config}, batch {FLAGS.batch} x {FLAGS.seq_len}, mask {FLAGS.mask}, bf16"
+  )
+  print(
+    f"{'attention':<10}{'compile s':>10}{'step ms':>10}{'tokens/s':>12}{'MFU':>7}"
+    f"{'peak GiB':>10}{'finite':>8}"
+  )
   for impl in FLAGS.attention_impl:
     try:
       r = bench_impl(impl, mesh)
-      print(f"{r['impl']:<10}{r['compile_s']:>10.1f}{r['step_ms']:>10.1f}{r['tok_s']:>12,.0f}"
-            f"{r['mfu']:>7.1%}{r['peak_gib']:>10.1f}{str(r['finite']):>8}", flush=True)
+      print(
+        f"{r['impl']:<10}{r['compile_s']:>10.1f}{r['step_ms']:>10.1f}{r['tok_s']:>12,.0f}"
+        f"{r['mfu']:>7.1%}{r['peak_gib']:>10.1f}{str(r['finite']):>8}",
+        flush=True,
+      )
     except Exception as e:  # report and continue with the next implementation
       print(f"{impl:<10} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
   for name in FLAGS.init_compile_configs:
     r = bench_init_compile(name, mesh)
-    print(f"init {r['config']} ({r['params_b']:.2f}B params, bf16, sharded jit): compile "
-          f"{r['compile_s']:.1f} s, run {r['init_s']:.1f} s", flush=True)
+    print(
+      f"init {r['config']} ({r['params_b']:.2f}B params, bf16, sharded jit): compile "
+      f"{r['compile_s']:.1f} s, run {r['init_s']:.1f} s",
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

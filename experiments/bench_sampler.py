@@ -14,7 +14,6 @@ MFU counts 2 * (matmul params) FLOPs per token-forward (+ LM head only for the a
 
 import dataclasses
 import json
-import os
 import time
 
 import jax
@@ -42,8 +41,12 @@ flags.DEFINE_integer("prefill_chunk", 16, "Rows per prefill chunk.")
 flags.DEFINE_float("peak_tflops", 790.0, "bf16 matmul TFLOP/s used for MFU (measured H200).")
 flags.DEFINE_bool("breakdown", False, "Also time prefill and single decode forwards.")
 flags.DEFINE_string("out", "", "Optional JSONL file for the rows.")
-flags.DEFINE_list("runs", [], "Explicit runs impl:new_tokens:strategy (or impl:breakdown[:new]); "
-                  "default: every impl x new_tokens x strategy.")
+flags.DEFINE_list(
+  "runs",
+  [],
+  "Explicit runs impl:new_tokens:strategy (or impl:breakdown[:new]); "
+  "default: every impl x new_tokens x strategy.",
+)
 
 
 def matmul_params(cfg):
@@ -72,17 +75,24 @@ def build_model(impl, mesh):
 def run_one(model, impl, new, strategy, rng):
   cfg = model.cfg
   scfg = sampler.SamplerConfig(
-      block_size=FLAGS.block_size, steps=FLAGS.steps, strategy=strategy,
-      threshold=FLAGS.threshold, temperature=FLAGS.temperature, max_new_tokens=new, stop_ids=(),
-      prefill_chunk=FLAGS.prefill_chunk)
+    block_size=FLAGS.block_size,
+    steps=FLAGS.steps,
+    strategy=strategy,
+    threshold=FLAGS.threshold,
+    temperature=FLAGS.temperature,
+    max_new_tokens=new,
+    stop_ids=(),
+    prefill_chunk=FLAGS.prefill_chunk,
+  )
   prompts = rng.randint(2, cfg.vocab_size - 2, (FLAGS.batch, FLAGS.prompt_len)).tolist()
   layout = sampler.layout_prompts(prompts, scfg, cfg.mask_token_id)
   layout = jax.tree.map(jnp.asarray, layout)
   graphdef, state = nnx.split(model)
   key = jax.random.key(0)
   t0 = time.perf_counter()
-  compiled = sampler._decode_jit.lower(graphdef, state, layout, jnp.array(layout.tokens), key,
-                                       cfg=scfg).compile()
+  compiled = sampler._decode_jit.lower(
+    graphdef, state, layout, jnp.array(layout.tokens), key, cfg=scfg
+  ).compile()
   compile_s = time.perf_counter() - t0
   canvas = jnp.array(layout.tokens)
   jax.block_until_ready(canvas)
@@ -93,13 +103,26 @@ def run_one(model, impl, new, strategy, rng):
   generated = int(np.asarray(out.response_lengths).sum())
   forwards = int(out.forwards)
   flops = sample_flops(cfg, FLAGS.batch, FLAGS.prompt_len, new, FLAGS.block_size, forwards)
-  row = dict(impl=impl, config=FLAGS.config, batch=FLAGS.batch, prompt=FLAGS.prompt_len, new=new,
-             strategy=strategy, steps=FLAGS.steps, block=FLAGS.block_size,
-             compile_s=round(compile_s, 1), run_s=round(run_s, 3),
-             tok_s=generated / run_s, forwards=forwards, fwd_s=forwards / run_s,
-             tok_per_fwd=generated / forwards, mfu=flops / run_s / (FLAGS.peak_tflops * 1e12),
-             mean_steps_per_row=float(np.asarray(out.steps_used).mean()),
-             device=jax.devices()[0].device_kind, jax=jax.__version__)
+  row = dict(
+    impl=impl,
+    config=FLAGS.config,
+    batch=FLAGS.batch,
+    prompt=FLAGS.prompt_len,
+    new=new,
+    strategy=strategy,
+    steps=FLAGS.steps,
+    block=FLAGS.block_size,
+    compile_s=round(compile_s, 1),
+    run_s=round(run_s, 3),
+    tok_s=generated / run_s,
+    forwards=forwards,
+    fwd_s=forwards / run_s,
+    tok_per_fwd=generated / forwards,
+    mfu=flops / run_s / (FLAGS.peak_tflops * 1e12),
+    mean_steps_per_row=float(np.asarray(out.steps_used).mean()),
+    device=jax.devices()[0].device_kind,
+    jax=jax.__version__,
+  )
   del out
   return row
 
@@ -123,9 +146,15 @@ def breakdown(model, impl, new):
   graphdef, state = nnx.split(model)
   cache = KVCache.empty(cfg, rows, total)
   ids = jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (rows, total))
-  cache = dataclasses.replace(cache, k=cache.k + 0.01, v=cache.v + 0.01, positions=ids,
-                              segment_ids=jnp.ones_like(ids), block_ids=ids // b,
-                              length=jnp.asarray(fill, jnp.int32))
+  cache = dataclasses.replace(
+    cache,
+    k=cache.k + 0.01,
+    v=cache.v + 0.01,
+    positions=ids,
+    segment_ids=jnp.ones_like(ids),
+    block_ids=ids // b,
+    length=jnp.asarray(fill, jnp.int32),
+  )
   res = {}
   for width, update in ((b, False), (2 * b, True)):
     tok = jnp.full((rows, width), 5, jnp.int32)
@@ -141,16 +170,28 @@ def breakdown(model, impl, new):
     res[f"fwd_{width}tok_ms"] = 1e3 * time_fn(fwd, state, cache)
   if impl == "flash":  # the Pallas kernel alone on one layer's cache, times the layer count
     from dice_jax.model import flash_decode
+
     g = cfg.num_heads // cfg.num_kv_heads
     q = jnp.ones((rows, cfg.num_kv_heads, b * g, cfg.head_dim), jnp.bfloat16)
-    one = jax.jit(lambda q, k, v, s, r: flash_decode.cache_part(
-        q, k, v, 0, jnp.ones((rows, b * g), jnp.int32), jnp.full((rows, b * g), 10**6, jnp.int32),
-        s, r)[0])
+    one = jax.jit(
+      lambda q, k, v, s, r: flash_decode.cache_part(
+        q,
+        k,
+        v,
+        0,
+        jnp.ones((rows, b * g), jnp.int32),
+        jnp.full((rows, b * g), 10**6, jnp.int32),
+        s,
+        r,
+      )[0]
+    )
     kseg = (ids < fill).astype(jnp.int32)
-    res["kernel_all_layers_ms"] = 1e3 * cfg.num_layers * time_fn(
-        one, q, cache.k, cache.v, kseg, ids)
+    res["kernel_all_layers_ms"] = (
+      1e3 * cfg.num_layers * time_fn(one, q, cache.k, cache.v, kseg, ids)
+    )
   logits = jax.random.normal(jax.random.key(0), (rows, b, cfg.vocab_size), jnp.float32)
   from dice_jax.diffusion import remasking
+
   cand = jax.jit(lambda l: remasking.sample_candidates(None, l)["token"])
   res["candidates_ms"] = 1e3 * time_fn(cand, logits)
   del cache
@@ -175,18 +216,26 @@ def breakdown(model, impl, new):
 def main(argv):
   del argv
   mesh = sharding.make_mesh()
-  print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}; "
-        f"{FLAGS.config} bf16 random weights, batch {FLAGS.batch}, prompt {FLAGS.prompt_len}, "
-        f"block {FLAGS.block_size}, steps {FLAGS.steps}", flush=True)
+  print(
+    f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}; "
+    f"{FLAGS.config} bf16 random weights, batch {FLAGS.batch}, prompt {FLAGS.prompt_len}, "
+    f"block {FLAGS.block_size}, steps {FLAGS.steps}",
+    flush=True,
+  )
   rng = np.random.RandomState(0)
   rows = []
-  header = (f"{'impl':<6}{'new':>6} {'strategy':<24}{'compile s':>10}{'run s':>8}{'tok/s':>9}"
-            f"{'fwd/s':>8}{'tok/fwd':>8}{'MFU':>7}")
-  fmt = lambda r: (f"{r['impl']:<6}{r['new']:>6} {r['strategy']:<24}{r['compile_s']:>10.1f}"
-                   f"{r['run_s']:>8.2f}{r['tok_s']:>9,.0f}{r['fwd_s']:>8.1f}"
-                   f"{r['tok_per_fwd']:>8.1f}{r['mfu']:>7.1%}")
-  runs = FLAGS.runs or [f"{i}:{n}:{s}" for i in FLAGS.attention_impl for n in FLAGS.new_tokens
-                        for s in FLAGS.strategies]
+  header = (
+    f"{'impl':<6}{'new':>6} {'strategy':<24}{'compile s':>10}{'run s':>8}{'tok/s':>9}"
+    f"{'fwd/s':>8}{'tok/fwd':>8}{'MFU':>7}"
+  )
+  fmt = lambda r: (
+    f"{r['impl']:<6}{r['new']:>6} {r['strategy']:<24}{r['compile_s']:>10.1f}"
+    f"{r['run_s']:>8.2f}{r['tok_s']:>9,.0f}{r['fwd_s']:>8.1f}"
+    f"{r['tok_per_fwd']:>8.1f}{r['mfu']:>7.1%}"
+  )
+  runs = FLAGS.runs or [
+    f"{i}:{n}:{s}" for i in FLAGS.attention_impl for n in FLAGS.new_tokens for s in FLAGS.strategies
+  ]
   model = build_model("dense", mesh)
   for run in runs:
     impl, new, strategy = (run.split(":") + ["", ""])[:3]
@@ -195,13 +244,16 @@ def main(argv):
       model.cfg = model.cfg.replace(attention_impl=impl)  # static attribute: new graph, same params
       if new == "breakdown":
         res = breakdown(model, impl, int(strategy or FLAGS.new_tokens[0]))
-        print(f"breakdown ({impl}): " + json.dumps({k: round(v, 3) for k, v in res.items()}),
-              flush=True)
+        print(
+          f"breakdown ({impl}): " + json.dumps({k: round(v, 3) for k, v in res.items()}), flush=True
+        )
         continue
       r = run_one(model, impl, int(new), strategy, rng)
     except Exception as e:  # report and go on
-      print(f"{run} failed after {time.perf_counter() - t0:.0f} s: {type(e).__name__}: "
-            f"{str(e)[:600]}", flush=True)
+      print(
+        f"{run} failed after {time.perf_counter() - t0:.0f} s: {type(e).__name__}: {str(e)[:600]}",
+        flush=True,
+      )
       continue
     rows.append(r)
     print(header + "\n" if len(rows) == 1 else "", end="")

@@ -43,14 +43,19 @@ def synthetic_batch(rows: int, seq_len: int, vocab: int, seed: int = 0) -> dict:
   """One segment per row, the first quarter prompt, the rest response (loss)."""
   rng = np.random.default_rng(seed)
   pos = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len))
-  return {"tokens": rng.integers(0, vocab - 2, (rows, seq_len), dtype=np.int32),
-          "positions": np.array(pos), "segment_ids": np.ones((rows, seq_len), np.int32),
-          "loss_mask": np.array(pos >= seq_len // 4)}
+  return {
+    "tokens": rng.integers(0, vocab - 2, (rows, seq_len), dtype=np.int32),
+    "positions": np.array(pos),
+    "segment_ids": np.ones((rows, seq_len), np.int32),
+    "loss_mask": np.array(pos >= seq_len // 4),
+  }
 
 
 def flops_2l(cfg, seq_len: int) -> float:
   s = 2 * seq_len
-  n = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (1 if not cfg.tie_word_embeddings else 0)
+  n = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (
+    1 if not cfg.tie_word_embeddings else 0
+  )
   return 6.0 * n * s + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * s * s
 
 
@@ -58,6 +63,7 @@ def check_attention(impl: str):
   """Max abs error of `impl` vs the dense reference on a small block-diffusion problem."""
   from dice_jax.model import masks
   from dice_jax.model.transformer import dense_attention, self_attention
+
   b, t, n, k, h = 2, 256, 4, 2, 128
   rng = np.random.default_rng(0)
   q, kk, v = (jnp.asarray(rng.normal(size=(b, 2 * t, m, h)), jnp.bfloat16) for m in (n, k, k))
@@ -68,11 +74,16 @@ def check_attention(impl: str):
   mask = masks.dense_mask(spec, positions)
   ct = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
   f_ref = lambda q, k, v: (dense_attention(q, k, v, mask).astype(jnp.float32) * ct).sum()  # noqa
-  f_imp = lambda q, k, v: (self_attention(q, k, v, spec, positions, impl=impl).astype(  # noqa
-      jnp.float32) * ct).sum()
+  f_imp = lambda q, k, v: (
+    self_attention(q, k, v, spec, positions, impl=impl).astype(  # noqa
+      jnp.float32
+    )
+    * ct
+  ).sum()
   o_ref = dense_attention(q, kk, v, mask).astype(jnp.float32)
   o_imp = jax.jit(lambda q, k, v: self_attention(q, k, v, spec, positions, impl=impl))(
-      q, kk, v).astype(jnp.float32)
+    q, kk, v
+  ).astype(jnp.float32)
   g_ref = jax.grad(f_ref, argnums=(0, 1, 2))(q, kk, v)
   g_imp = jax.jit(jax.grad(f_imp, argnums=(0, 1, 2)))(q, kk, v)
   errs = {"out": float(jnp.abs(o_ref - o_imp).max())}
@@ -93,6 +104,7 @@ def main(argv):
 
   if FLAGS.flash_blocks:
     from dice_jax.model import flash_bd
+
     flash_bd.BLOCKS.update(zip(("block_q", "block_k", "block_bwd"), map(int, FLAGS.flash_blocks)))
   if FLAGS.check:
     check_attention(FLAGS.attention_impl)
@@ -105,8 +117,11 @@ def main(argv):
   graphdef, state, shardings = ts.init_train_state(model, tx, mesh)
   del model
   ocfg = ObjectiveConfig()
-  step = ts.jit_train_step(ts.make_train_step(
-      graphdef, tx, lambda m, b, r: block_diffusion_loss(m, b, r, ocfg)), shardings, mesh)
+  step = ts.jit_train_step(
+    ts.make_train_step(graphdef, tx, lambda m, b, r: block_diffusion_loss(m, b, r, ocfg)),
+    shardings,
+    mesh,
+  )
   batch = ts.shard_batch(synthetic_batch(rows, FLAGS.seq_len, cfg.vocab_size), mesh)
   rng = jax.random.key(0)
   for _ in range(2):
@@ -123,17 +138,26 @@ def main(argv):
   f_2l = rows * flops_2l(cfg, FLAGS.seq_len)
   mem = jax.devices()[0].memory_stats() or {}
   res = {
-      "date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
-      "devices": mesh.size, "mesh": dict(mesh.shape), "jax": jax.__version__,
-      "config": FLAGS.config, "seq_len": FLAGS.seq_len, "input_len": 2 * FLAGS.seq_len,
-      "rows": rows, "attention_impl": cfg.attention_impl, "remat": cfg.remat,
-      "flash_blocks": FLAGS.flash_blocks,
-      "step_s": round(dt, 4), "tokens_per_s": round(rows * FLAGS.seq_len / dt, 1),
-      "input_tokens_per_s": round(rows * 2 * FLAGS.seq_len / dt, 1),
-      "mfu": round(f_mask / dt / (peak * mesh.size), 4),
-      "mfu_2l": round(f_2l / dt / (peak * mesh.size), 4),
-      "loss": float(m["loss"]), "warmup_s": round(warm, 1),
-      "peak_mem_gib": round(mem.get("peak_bytes_in_use", 0) / 2**30, 1),
+    "date": time.strftime("%Y-%m-%d"),
+    "device": jax.devices()[0].device_kind,
+    "devices": mesh.size,
+    "mesh": dict(mesh.shape),
+    "jax": jax.__version__,
+    "config": FLAGS.config,
+    "seq_len": FLAGS.seq_len,
+    "input_len": 2 * FLAGS.seq_len,
+    "rows": rows,
+    "attention_impl": cfg.attention_impl,
+    "remat": cfg.remat,
+    "flash_blocks": FLAGS.flash_blocks,
+    "step_s": round(dt, 4),
+    "tokens_per_s": round(rows * FLAGS.seq_len / dt, 1),
+    "input_tokens_per_s": round(rows * 2 * FLAGS.seq_len / dt, 1),
+    "mfu": round(f_mask / dt / (peak * mesh.size), 4),
+    "mfu_2l": round(f_2l / dt / (peak * mesh.size), 4),
+    "loss": float(m["loss"]),
+    "warmup_s": round(warm, 1),
+    "peak_mem_gib": round(mem.get("peak_bytes_in_use", 0) / 2**30, 1),
   }
   print("| " + " | ".join(f"{k}={v}" for k, v in res.items()) + " |", flush=True)
   if FLAGS.out:

@@ -10,34 +10,52 @@ from absl import app, flags, logging
 
 from dice_jax.data.cuke import CukeConfig, build_cuke
 
-_PAIRS = flags.DEFINE_string("pairs", None, "JSON/JSONL of {pytorch_code, cuda_code, reasoning?, speedup?, level?}")
+_PAIRS = flags.DEFINE_string(
+  "pairs", None, "JSON/JSONL of {pytorch_code, cuda_code, reasoning?, speedup?, level?}"
+)
 _VERIFIER = flags.DEFINE_string("verifier", None, "verifier gRPC address HOST:PORT")
-_MIN_SPEEDUP = flags.DEFINE_float("min_speedup", 2.0, "keep pairs with measured speedup >= this (DICE: 2.0)")
+_MIN_SPEEDUP = flags.DEFINE_float(
+  "min_speedup", 2.0, "keep pairs with measured speedup >= this (DICE: 2.0)"
+)
 _OUT = flags.DEFINE_string("out", None, "output directory")
-_BATCH = flags.DEFINE_integer("batch_size", 16, "pairs per verifier batch (journal flush granularity)")
-_ON_ERROR = flags.DEFINE_enum("on_error", "skip", ["skip", "raise"], "bad input rows: skip (and report) or fail")
+_BATCH = flags.DEFINE_integer(
+  "batch_size", 16, "pairs per verifier batch (journal flush granularity)"
+)
+_ON_ERROR = flags.DEFINE_enum(
+  "on_error", "skip", ["skip", "raise"], "bad input rows: skip (and report) or fail"
+)
 _TRIALS = flags.DEFINE_integer("num_perf_trials", 100, "timing trials per candidate")
-_DEVICE = flags.DEFINE_string("device", None, "verifier device ('cuda' | 'cpu'); default: the server's")
+_DEVICE = flags.DEFINE_string(
+  "device", None, "verifier device ('cuda' | 'cpu'); default: the server's"
+)
 flags.mark_flags_as_required(["pairs", "verifier", "out"])
 
 
 def main(argv):
-    del argv
-    from dice_jax.rl.verifier_client import GrpcVerifierClient
+  del argv
+  from dice_jax.rl.verifier_client import GrpcVerifierClient
 
-    options = {"measure_performance": True, "num_perf_trials": _TRIALS.value}
-    if _DEVICE.value:
-        options["device"] = _DEVICE.value
-    with GrpcVerifierClient(_VERIFIER.value, options) as client:
-        client.wait_ready()
-        s = build_cuke(_PAIRS.value, client, _OUT.value,
-                       CukeConfig(min_speedup=_MIN_SPEEDUP.value, batch_size=_BATCH.value, on_error=_ON_ERROR.value))
-    print(f"pairs in: {s.pairs_in}  invalid rows: {len(s.invalid_rows)}  duplicates: {s.duplicates}  "
-          f"unique: {s.unique}  measured now: {s.measured_now}  resumed: {s.resumed}")
-    print(f"correct: {s.correct}  kept (>= {s.min_speedup:g}x): {s.kept}  by level: {s.kept_by_level}")
-    print(f"failures: {s.failure_kinds}")
-    logging.info("wrote %s", _OUT.value)
+  options = {"measure_performance": True, "num_perf_trials": _TRIALS.value}
+  if _DEVICE.value:
+    options["device"] = _DEVICE.value
+  with GrpcVerifierClient(_VERIFIER.value, options) as client:
+    client.wait_ready()
+    s = build_cuke(
+      _PAIRS.value,
+      client,
+      _OUT.value,
+      CukeConfig(min_speedup=_MIN_SPEEDUP.value, batch_size=_BATCH.value, on_error=_ON_ERROR.value),
+    )
+  print(
+    f"pairs in: {s.pairs_in}  invalid rows: {len(s.invalid_rows)}  duplicates: {s.duplicates}  "
+    f"unique: {s.unique}  measured now: {s.measured_now}  resumed: {s.resumed}"
+  )
+  print(
+    f"correct: {s.correct}  kept (>= {s.min_speedup:g}x): {s.kept}  by level: {s.kept_by_level}"
+  )
+  print(f"failures: {s.failure_kinds}")
+  logging.info("wrote %s", _OUT.value)
 
 
 if __name__ == "__main__":
-    app.run(main)
+  app.run(main)

@@ -21,8 +21,9 @@ flags.DEFINE_integer("block_size", None, "Block size for the block-causal mask (
 
 def main(argv):
   del argv
-  results = check_parity(FLAGS.hf_dir, batch=FLAGS.batch, seq_len=FLAGS.seq_len,
-                         block_size=FLAGS.block_size)
+  results = check_parity(
+    FLAGS.hf_dir, batch=FLAGS.batch, seq_len=FLAGS.seq_len, block_size=FLAGS.block_size
+  )
   print(f"{'mask':<14}{'max |dlogit|':>14}{'max |logit|':>14}")
   for r in results:
     print(f"{r.mask:<14}{r.max_abs_diff:>14.3e}{r.max_abs_logit:>14.3f}")

@@ -40,8 +40,7 @@ def step_hf(workdir):
 
   cfg = get_config("tiny")
   model = Transformer(cfg, rngs=nnx.Rngs(FLAGS.seed))
-  out = hf_ckpt.export_hf(model, os.path.join(workdir, "tiny_hf"), dtype="float32",
-                          overwrite=True)
+  out = hf_ckpt.export_hf(model, os.path.join(workdir, "tiny_hf"), dtype="float32", overwrite=True)
   print(f"  exported random tiny model ({cfg.num_params():,} parameters) to {out}")
   results = check_parity(out)
   for r in results:
@@ -55,24 +54,40 @@ def step_hf(workdir):
 def step_sft(workdir):
   """Block-diffusion SFT of the tiny model on the embedded pairs, then HF export."""
   out = os.path.join(workdir, "sft_hf")
-  for old in (os.path.join(workdir, "sft"), out):  # a rerun trains afresh (not resuming the last run)
+  for old in (
+    os.path.join(workdir, "sft"),
+    out,
+  ):  # a rerun trains afresh (not resuming the last run)
     shutil.rmtree(old, ignore_errors=True)
-  cmd = [sys.executable, "-m", "experiments.sft", "--config=tiny",
-         f"--workdir={os.path.join(workdir, 'sft')}", "--set=data_source=pairs",
-         f"--set=data_path={PAIRS}", f"--set=num_steps={FLAGS.sft_steps}", "--set=seq_len=512",
-         f"--set=max_prompt_chars={MAX_PROMPT_CHARS}", "--set=max_response_chars=256",
-         "--set=batch_size=4", "--set=checkpoint_every=10", "--set=log_every=5",
-         f"--export_hf={out}"]
+  cmd = [
+    sys.executable,
+    "-m",
+    "experiments.sft",
+    "--config=tiny",
+    f"--workdir={os.path.join(workdir, 'sft')}",
+    "--set=data_source=pairs",
+    f"--set=data_path={PAIRS}",
+    f"--set=num_steps={FLAGS.sft_steps}",
+    "--set=seq_len=512",
+    f"--set=max_prompt_chars={MAX_PROMPT_CHARS}",
+    "--set=max_response_chars=256",
+    "--set=batch_size=4",
+    "--set=checkpoint_every=10",
+    "--set=log_every=5",
+    f"--export_hf={out}",
+  ]
   subprocess.run(cmd, check=True)
   with open(os.path.join(workdir, "sft", "metrics.jsonl")) as f:
     losses = [r["loss"] for r in map(json.loads, f) if "loss" in r]
-  print(f"  SFT loss {losses[0]:.3f} -> {losses[-1]:.3f} over {FLAGS.sft_steps} steps; "
-        f"exported {out}")
+  print(
+    f"  SFT loss {losses[0]:.3f} -> {losses[-1]:.3f} over {FLAGS.sft_steps} steps; exported {out}"
+  )
   return {"hf_dir": out, "first_loss": losses[0], "last_loss": losses[-1]}
 
 
 def _relu_pair():
   from dice_jax.data import tasks
+
   pairs, _ = tasks.load_pairs(PAIRS)
   return next(p for p in pairs if p.pair_id.endswith("/relu"))
 
@@ -92,17 +107,24 @@ def step_generate(workdir):
   model, cfg = hf_ckpt.import_hf(hf_dir, param_dtype="float32", dtype="float32")
   message = prompts.e2e_user_message(_relu_pair().pytorch_code)[:MAX_PROMPT_CHARS]
   prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": message}]))
-  scfg = sampler.SamplerConfig(block_size=cfg.block_size, steps=4,
-                               strategy="low_confidence_static", max_new_tokens=128,
-                               stop_ids=tuple(tok.stop_token_ids), pad_id=cfg.pad_token_id or 0)
+  scfg = sampler.SamplerConfig(
+    block_size=cfg.block_size,
+    steps=4,
+    strategy="low_confidence_static",
+    max_new_tokens=128,
+    stop_ids=tuple(tok.stop_token_ids),
+    pad_id=cfg.pad_token_id or 0,
+  )
   t0 = time.time()
   out = sampler.generate(model, [prompt], scfg, jax.random.key(0))
   text = tok.decode(out.responses()[0])
   n = int(np.asarray(out.response_lengths).sum())
   step_map = np.asarray(out.step_map)[0]
-  print(f"  prompt {len(prompt)} tokens -> {n} new tokens in {int(out.forwards)} decode forwards "
-        f"({time.time() - t0:.1f} s incl. compile); first step map entries "
-        f"{step_map[step_map >= 0][:12].tolist()}")
+  print(
+    f"  prompt {len(prompt)} tokens -> {n} new tokens in {int(out.forwards)} decode forwards "
+    f"({time.time() - t0:.1f} s incl. compile); first step map entries "
+    f"{step_map[step_map >= 0][:12].tolist()}"
+  )
   print("  sample (repr, first 200 chars):", repr(text[:200]))
   with open(os.path.join(workdir, "generated.txt"), "w") as f:
     f.write(text)
@@ -118,18 +140,25 @@ def step_verify(workdir):
   with LocalVerifier(workdir, device="cpu") as server:
     reference = _relu_pair().pytorch_code
     generated = open(os.path.join(workdir, "generated.txt")).read()
-    candidates = [("tiny model's sample", prompts.extract_code(generated) or generated),
-                  ("known-good C++ relu", open(os.path.join(DEMO_DATA, "relu_cpu_candidate.py")).read())]
-    with GrpcVerifierClient(server.address, {"measure_performance": True, "num_perf_trials": 10},
-                            token="") as client:
+    candidates = [
+      ("tiny model's sample", prompts.extract_code(generated) or generated),
+      ("known-good C++ relu", open(os.path.join(DEMO_DATA, "relu_cpu_candidate.py")).read()),
+    ]
+    with GrpcVerifierClient(
+      server.address, {"measure_performance": True, "num_perf_trials": 10}, token=""
+    ) as client:
       client.wait_ready(60)
       results = client.verify_batch([("relu", reference, c) for _, c in candidates])
   print(f"  {'candidate':<22}{'reward':>7}{'correct':>9}{'speedup':>9}  failure kind: reason")
   for (name, _), r in zip(candidates, results):
-    print(f"  {name:<22}{r.reward:>7.1f}{str(r.correct):>9}{r.speedup:>9.2f}  "
-          f"{r.failure_kind}: {r.reason[:70]}")
-  return {name: {"reward": r.reward, "failure_kind": r.failure_kind}
-          for (name, _), r in zip(candidates, results)}
+    print(
+      f"  {name:<22}{r.reward:>7.1f}{str(r.correct):>9}{r.speedup:>9.2f}  "
+      f"{r.failure_kind}: {r.reason[:70]}"
+    )
+  return {
+    name: {"reward": r.reward, "failure_kind": r.failure_kind}
+    for (name, _), r in zip(candidates, results)
+  }
 
 
 STEPS = {"hf": step_hf, "sft": step_sft, "generate": step_generate, "verify": step_verify}

@@ -1,8 +1,8 @@
 r"""Export a model to an HF directory loadable by `transformers`.
 
-  python -m experiments.export_hf --init=random --config=tiny --seed=0 --out=/tmp/tiny_hf
-  python -m experiments.export_hf --init=hf --hf_dir=IN --out=OUT          # re-export (e.g. to bf16)
-  python -m experiments.export_hf --init=checkpoint --workdir=RUN --out=OUT  # from an SFT/RL run
+python -m experiments.export_hf --init=random --config=tiny --seed=0 --out=/tmp/tiny_hf
+python -m experiments.export_hf --init=hf --hf_dir=IN --out=OUT          # re-export (e.g. to bf16)
+python -m experiments.export_hf --init=checkpoint --workdir=RUN --out=OUT  # from an SFT/RL run
 """
 
 from absl import app, flags, logging
@@ -26,6 +26,7 @@ def load_model():
   if FLAGS.init == "random":
     from flax import nnx
     from dice_jax.model import Transformer, get_config
+
     cfg = get_config(FLAGS.config)
     return Transformer(cfg, rngs=nnx.Rngs(FLAGS.seed)), FLAGS.tokenizer_dir
   if FLAGS.init == "hf":
@@ -36,6 +37,7 @@ def load_model():
   if not FLAGS.workdir:
     raise app.UsageError("--init=checkpoint needs --workdir")
   from dice_jax.train.loop import restore_model
+
   model, tokenizer_dir, step = restore_model(FLAGS.workdir)
   logging.info("restored step %d of %s", step, FLAGS.workdir)
   return model, FLAGS.tokenizer_dir or tokenizer_dir
@@ -44,8 +46,14 @@ def load_model():
 def main(argv):
   del argv
   model, tok_dir = load_model()
-  out = hf_ckpt.export_hf(model, FLAGS.out, dtype=FLAGS.dtype, tokenizer_dir=tok_dir,
-                          max_shard_bytes=FLAGS.max_shard_mb << 20, overwrite=FLAGS.overwrite)
+  out = hf_ckpt.export_hf(
+    model,
+    FLAGS.out,
+    dtype=FLAGS.dtype,
+    tokenizer_dir=tok_dir,
+    max_shard_bytes=FLAGS.max_shard_mb << 20,
+    overwrite=FLAGS.overwrite,
+  )
   logging.info("wrote %s", out)
   print(out)
 

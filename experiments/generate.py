@@ -24,8 +24,9 @@ flags.DEFINE_string("prompt", None, "Prompt text (user message unless --nochat).
 flags.DEFINE_list("prompt_ids", None, "Prompt as token ids (when no tokenizer is available).")
 flags.DEFINE_string("tokenizer_dir", None, "Tokenizer directory (default: --hf_dir).")
 flags.DEFINE_bool("chat", True, "Wrap --prompt in the chat template as a user turn.")
-flags.DEFINE_enum("strategy", "low_confidence_static", list(remasking.STRATEGIES),
-                  "Remasking strategy.")
+flags.DEFINE_enum(
+  "strategy", "low_confidence_static", list(remasking.STRATEGIES), "Remasking strategy."
+)
 flags.DEFINE_float("threshold", 0.9, "Confidence threshold (low_confidence_dynamic).")
 flags.DEFINE_float("eb_threshold", 0.35, "Entropy bound (entropy_bounded).")
 flags.DEFINE_integer("block_size", 0, "Block size (0: the checkpoint's).")
@@ -46,6 +47,7 @@ flags.mark_flag_as_required("hf_dir")
 def _load_tokenizer(path):
   try:
     from dice_jax.data.tokenizer import Tokenizer
+
     return Tokenizer.from_dir(path)
   except Exception as e:  # no tokenizer files, or the data package is unavailable
     logging.warning("no tokenizer loaded from %s (%s); ids only", path, e)
@@ -60,15 +62,19 @@ def main(argv):
   if FLAGS.prompt is not None:
     if tok is None:
       raise app.UsageError("--prompt needs a tokenizer (--tokenizer_dir); or pass --prompt_ids")
-    text = (tok.apply_chat_template([{"role": "user", "content": FLAGS.prompt}])
-            if FLAGS.chat else FLAGS.prompt)
+    text = (
+      tok.apply_chat_template([{"role": "user", "content": FLAGS.prompt}])
+      if FLAGS.chat
+      else FLAGS.prompt
+    )
     prompt = tok.encode(text)
   else:
     prompt = [int(i) for i in FLAGS.prompt_ids]
 
   t0 = time.perf_counter()
-  model, cfg = checkpoint.import_hf(FLAGS.hf_dir, param_dtype=FLAGS.param_dtype,
-                                    attention_impl=FLAGS.attention_impl)
+  model, cfg = checkpoint.import_hf(
+    FLAGS.hf_dir, param_dtype=FLAGS.param_dtype, attention_impl=FLAGS.attention_impl
+  )
   logging.info("loaded %s in %.1f s", FLAGS.hf_dir, time.perf_counter() - t0)
   if tok is not None:
     stop = tok.stop_token_ids
@@ -76,12 +82,19 @@ def main(argv):
     eos = cfg.eos_token_id
     stop = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
   scfg = sampler.SamplerConfig(
-      block_size=FLAGS.block_size or cfg.block_size, steps=FLAGS.steps, strategy=FLAGS.strategy,
-      threshold=FLAGS.threshold, eb_threshold=FLAGS.eb_threshold,
-      temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
-      max_new_tokens=FLAGS.max_new_tokens, stop_ids=tuple(stop),
-      block_alignment=FLAGS.block_alignment,
-      pad_id=cfg.pad_token_id if cfg.pad_token_id is not None else 0)
+    block_size=FLAGS.block_size or cfg.block_size,
+    steps=FLAGS.steps,
+    strategy=FLAGS.strategy,
+    threshold=FLAGS.threshold,
+    eb_threshold=FLAGS.eb_threshold,
+    temperature=FLAGS.temperature,
+    top_k=FLAGS.top_k,
+    top_p=FLAGS.top_p,
+    max_new_tokens=FLAGS.max_new_tokens,
+    stop_ids=tuple(stop),
+    block_alignment=FLAGS.block_alignment,
+    pad_id=cfg.pad_token_id if cfg.pad_token_id is not None else 0,
+  )
   prompts = [prompt] * FLAGS.num_samples
   rng = jax.random.key(FLAGS.seed)
   t0 = time.perf_counter()
@@ -101,13 +114,15 @@ def main(argv):
   n_tok = int(np.asarray(out.response_lengths).sum())
   forwards = int(out.forwards)
   steps = np.asarray(out.steps_used)
-  print(f"--- prompt {len(prompt)} tokens; generated {n_tok} tokens in {forwards} decode forwards "
-        f"({n_tok / max(forwards, 1):.2f} tokens/forward over the batch of {len(prompts)}); "
-        f"denoising steps used per sample {steps.tolist()} "
-        f"({n_tok / max(int(steps.sum()), 1):.2f} tokens/step); strategy {scfg.strategy}, "
-        f"block {scfg.block_size}, steps {scfg.steps}; {run_s:.2f} s "
-        f"({n_tok / run_s:,.0f} tok/s{'' if FLAGS.warm_timing else ', incl. compilation'}; "
-        f"first call {first_s:.1f} s)")
+  print(
+    f"--- prompt {len(prompt)} tokens; generated {n_tok} tokens in {forwards} decode forwards "
+    f"({n_tok / max(forwards, 1):.2f} tokens/forward over the batch of {len(prompts)}); "
+    f"denoising steps used per sample {steps.tolist()} "
+    f"({n_tok / max(int(steps.sum()), 1):.2f} tokens/step); strategy {scfg.strategy}, "
+    f"block {scfg.block_size}, steps {scfg.steps}; {run_s:.2f} s "
+    f"({n_tok / run_s:,.0f} tok/s{'' if FLAGS.warm_timing else ', incl. compilation'}; "
+    f"first call {first_s:.1f} s)"
+  )
 
 
 if __name__ == "__main__":

@@ -30,13 +30,17 @@ def main(argv):
   state = nnx.state(model, nnx.Param)
   leaves = jax.tree.leaves(state)
   n = sum(math.prod(x.shape) for x in leaves)
-  print(f"imported {FLAGS.hf_dir}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-        f"{n / 1e6:.1f}M parameters ({cfg.param_dtype}), block_size {cfg.block_size}, "
-        f"mask_token_id {cfg.mask_token_id}")
-  print(f"mesh {dict(mesh.shape)}; unsharded fraction "
-        f"{sharding.unsharded_fraction(state, mesh):.2%}")
+  print(
+    f"imported {FLAGS.hf_dir}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+    f"{n / 1e6:.1f}M parameters ({cfg.param_dtype}), block_size {cfg.block_size}, "
+    f"mask_token_id {cfg.mask_token_id}"
+  )
+  print(
+    f"mesh {dict(mesh.shape)}; unsharded fraction {sharding.unsharded_fraction(state, mesh):.2%}"
+  )
   if FLAGS.orbax_out:
     import orbax.checkpoint as ocp
+
     with ocp.StandardCheckpointer() as ckptr:
       ckptr.save(FLAGS.orbax_out, state)
     print(f"saved orbax checkpoint to {FLAGS.orbax_out}")

@@ -43,8 +43,11 @@ def load_config(name: str):
     try:
       module = importlib.import_module(f"experiments.configs.{name}")
     except ModuleNotFoundError as e:
-      known = sorted(f[:-3] for f in os.listdir(os.path.dirname(__file__) + "/configs")
-                     if f.endswith(".py") and not f.startswith("_"))
+      known = sorted(
+        f[:-3]
+        for f in os.listdir(os.path.dirname(__file__) + "/configs")
+        if f.endswith(".py") and not f.startswith("_")
+      )
       raise ValueError(f"--config: unknown config {name!r}; known: {known}") from e
   if not hasattr(module, "get_config"):
     raise ValueError(f"--config {name}: module defines no get_config()")
@@ -62,12 +65,16 @@ def main(argv):
   del argv
   logging.get_absl_handler().addFilter(_QuietOrbax())
   from dice_jax.train import sharding
+
   sharding.maybe_initialize_distributed(
-      FLAGS.distributed or FLAGS.coordinator_address is not None,
-      coordinator_address=FLAGS.coordinator_address, num_processes=FLAGS.num_processes,
-      process_id=FLAGS.process_id)
+    FLAGS.distributed or FLAGS.coordinator_address is not None,
+    coordinator_address=FLAGS.coordinator_address,
+    num_processes=FLAGS.num_processes,
+    process_id=FLAGS.process_id,
+  )
   from dice_jax.train.config import apply_overrides
   from dice_jax.train.loop import run_sft
+
   cfg = apply_overrides(load_config(FLAGS.config), FLAGS.set)
   os.makedirs(FLAGS.workdir, exist_ok=True)
   logging.info("config: %s", json.dumps(cfg.to_json(), default=str))

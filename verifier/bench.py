@@ -33,8 +33,11 @@ from verifier.contract import FailureKind, VerifyOptions, VerifyRequest
 from verifier.service import ServiceConfig, VerifierService
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-DATA_DIRS = [REPO / ".gpu_data" / "verifier", REPO.parent / "shared" / "data" / "dice_rl",
-             REPO.parent / "shared" / "data" / "kernelbench"]
+DATA_DIRS = [
+  REPO / ".gpu_data" / "verifier",
+  REPO.parent / "shared" / "data" / "dice_rl",
+  REPO.parent / "shared" / "data" / "kernelbench",
+]
 
 STOCK_SCRIPT = r"""
 import sys, time, torch
@@ -48,230 +51,352 @@ print("STOCK_SECONDS", time.monotonic() - t0)
 
 
 def _find(name: str, explicit: str = "") -> pathlib.Path:
-    if explicit:
-        return pathlib.Path(explicit)
-    for d in DATA_DIRS:
-        if (d / name).is_file():
-            return d / name
-    raise FileNotFoundError(f"{name} not found in {[str(d) for d in DATA_DIRS]}")
+  if explicit:
+    return pathlib.Path(explicit)
+  for d in DATA_DIRS:
+    if (d / name).is_file():
+      return d / name
+  raise FileNotFoundError(f"{name} not found in {[str(d) for d in DATA_DIRS]}")
 
 
 def _tool_version(cmd: list[str]) -> str:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[-1]
-    except Exception as e:  # noqa: BLE001
-        return f"unavailable ({e})"
+  try:
+    return (
+      subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+      .stdout.strip()
+      .splitlines()[-1]
+    )
+  except Exception as e:  # noqa: BLE001
+    return f"unavailable ({e})"
 
 
 def env_info() -> dict:
-    import torch
+  import torch
 
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version(),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "cores": os.cpu_count(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
-            "nvcc": _tool_version(["nvcc", "--version"]),
-            "gcc": subprocess.run(["gcc", "--version"], capture_output=True, text=True).stdout.split("\n")[0]}
+  return {
+    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    "python": platform.python_version(),
+    "torch": torch.__version__,
+    "cuda": torch.version.cuda,
+    "cores": os.cpu_count(),
+    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+    "nvcc": _tool_version(["nvcc", "--version"]),
+    "gcc": subprocess.run(["gcc", "--version"], capture_output=True, text=True).stdout.split("\n")[
+      0
+    ],
+  }
 
 
 def rename_extensions(candidate: str, suffix: str) -> str:
-    """The same candidate with every load_inline extension renamed (a new build key: it builds again)."""
-    return re.sub(r"""(\bname\s*=\s*["'])(\w+)(["'])""", lambda m: m.group(1) + m.group(2) + suffix + m.group(3),
-                  candidate)
+  """The same candidate with every load_inline extension renamed (a new build key: it builds again)."""
+  return re.sub(
+    r"""(\bname\s*=\s*["'])(\w+)(["'])""",
+    lambda m: m.group(1) + m.group(2) + suffix + m.group(3),
+    candidate,
+  )
 
 
 def pass_through(reference: str) -> str:
-    """A candidate that is the reference under the name ModelNew (exercises the GPU stage, no kernel)."""
-    return re.sub(r"\bModel\b", "ModelNew", reference)
+  """A candidate that is the reference under the name ModelNew (exercises the GPU stage, no kernel)."""
+  return re.sub(r"\bModel\b", "ModelNew", reference)
 
 
 class Bench:
-    def __init__(self, a, cfg: ServiceConfig):
-        self.a, self.cfg = a, cfg
-        self.report: dict = {"env": env_info(), "config": dataclasses.asdict(cfg)}
-        self.t_end = time.monotonic() + a.budget_s
-        self.out = pathlib.Path(a.out) if a.out else None
+  def __init__(self, a, cfg: ServiceConfig):
+    self.a, self.cfg = a, cfg
+    self.report: dict = {"env": env_info(), "config": dataclasses.asdict(cfg)}
+    self.t_end = time.monotonic() + a.budget_s
+    self.out = pathlib.Path(a.out) if a.out else None
 
-    def left(self) -> float:
-        return self.t_end - time.monotonic()
+  def left(self) -> float:
+    return self.t_end - time.monotonic()
 
-    def save(self, phase: str, data) -> None:
-        self.report[phase] = data
-        print(f"[bench] {phase}: {json.dumps(data)[:1500]}", flush=True)
-        if self.out:
-            self.out.parent.mkdir(parents=True, exist_ok=True)
-            self.out.write_text(json.dumps(self.report, indent=1))
+  def save(self, phase: str, data) -> None:
+    self.report[phase] = data
+    print(f"[bench] {phase}: {json.dumps(data)[:1500]}", flush=True)
+    if self.out:
+      self.out.parent.mkdir(parents=True, exist_ok=True)
+      self.out.write_text(json.dumps(self.report, indent=1))
 
-    def stock(self, candidate: str) -> None:
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "cand.py")
-            pathlib.Path(path).write_text(candidate)
-            env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(d, "ext"))
-            if self.cfg.arch_list:
-                env["TORCH_CUDA_ARCH_LIST"] = self.cfg.arch_list
-            t0 = time.monotonic()
-            p = subprocess.run([sys.executable, "-c", STOCK_SCRIPT, path], capture_output=True, text=True, env=env,
-                               timeout=900)
-            wall = time.monotonic() - t0
-        m = re.search(r"STOCK_SECONDS ([\d.]+)", p.stdout)
-        self.save("stock", {"load_inline_s": float(m.group(1)) if m else None, "process_wall_s": wall,
-                            "ok": p.returncode == 0, "stderr_tail": p.stderr[-800:] if p.returncode else ""})
+  def stock(self, candidate: str) -> None:
+    with tempfile.TemporaryDirectory() as d:
+      path = os.path.join(d, "cand.py")
+      pathlib.Path(path).write_text(candidate)
+      env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(d, "ext"))
+      if self.cfg.arch_list:
+        env["TORCH_CUDA_ARCH_LIST"] = self.cfg.arch_list
+      t0 = time.monotonic()
+      p = subprocess.run(
+        [sys.executable, "-c", STOCK_SCRIPT, path],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+      )
+      wall = time.monotonic() - t0
+    m = re.search(r"STOCK_SECONDS ([\d.]+)", p.stdout)
+    self.save(
+      "stock",
+      {
+        "load_inline_s": float(m.group(1)) if m else None,
+        "process_wall_s": wall,
+        "ok": p.returncode == 0,
+        "stderr_tail": p.stderr[-800:] if p.returncode else "",
+      },
+    )
 
-    async def single(self, svc: VerifierService, reference: str, candidate: str) -> None:
-        """One candidate alone on a cold cache; then, once the service has built its precompiled torch header
-        (pch.py), the same candidate under another extension name (so it builds again, with the PCH)."""
-        opts = VerifyOptions(device=self.cfg.device, timeout_s=300)
-        out = {}
-        for tag, cand in (("cold", candidate), ("with_pch", rename_extensions(candidate, "_pch"))):
-            if tag == "with_pch":
-                t0 = time.monotonic()
-                await asyncio.gather(*svc.pch_builds.values(), return_exceptions=True)
-                out["pch_build"] = svc.metrics.pch_builds[-1] if svc.metrics.pch_builds else "none scheduled"
-                out["pch_wait_s"] = time.monotonic() - t0
-            t0 = time.monotonic()
-            r = await svc.verify(VerifyRequest(f"bench-single-{tag}", "one_shot", reference, cand, opts))
-            out[tag] = {"kind": r.failure_kind.value, "compile_s": r.compile_s, "run_s": r.run_s,
-                        "total_s": time.monotonic() - t0, "reason": r.reason[:300],
-                        "build_events": svc.metrics.build_s[-1:]}
-            self.save("single", out)
-
-    async def compile_stage(self, svc: VerifierService, tasks: list[dict]) -> None:
-        async def one(t):
-            t0 = time.monotonic()
-            b = await svc._build(VerifyRequest(f"build-{t['id']}", str(t["id"]), t["pytorch_code"], t["cuda_code"],
-                                               VerifyOptions(device=self.cfg.device)))
-            return t0, time.monotonic(), b
-
+  async def single(self, svc: VerifierService, reference: str, candidate: str) -> None:
+    """One candidate alone on a cold cache; then, once the service has built its precompiled torch header
+    (pch.py), the same candidate under another extension name (so it builds again, with the PCH)."""
+    opts = VerifyOptions(device=self.cfg.device, timeout_s=300)
+    out = {}
+    for tag, cand in (("cold", candidate), ("with_pch", rename_extensions(candidate, "_pch"))):
+      if tag == "with_pch":
         t0 = time.monotonic()
-        res = await asyncio.gather(*(one(t) for t in tasks))
-        wall = time.monotonic() - t0
-        build_s = [sum(e["seconds"] for e in b.get("builds", [])) for _, _, b in res if b.get("builds")]
-        fast = sum(1 for _, _, b in res for e in b.get("builds", []) if e.get("fast"))
-        self.save("compile", {
-            "candidates": len(tasks), "workers": self.cfg.compile_workers, "wall_s": wall,
-            "candidates_per_min": 60 * len(tasks) / wall,
-            "candidates_per_min_per_16_cores": 60 * len(tasks) / wall * 16 / (os.cpu_count() or 16),
-            "median_build_s_under_load": statistics.median(build_s) if build_s else None,
-            "p90_build_s_under_load": sorted(build_s)[int(0.9 * (len(build_s) - 1))] if build_s else None,
-            "fast_variant_builds": fast, "split_builds": sum(1 for e in svc.metrics.build_s if e.get("split")),
-            "pch_builds": sum(1 for e in svc.metrics.build_s if e.get("pch")), "kinds": dict(collections.Counter(b["kind"] for _, _, b in res)),
-            "fast_fallbacks": [e["fast_error"] for e in svc.metrics.build_s if e["fast_error"]][:5]})
+        await asyncio.gather(*svc.pch_builds.values(), return_exceptions=True)
+        out["pch_build"] = (
+          svc.metrics.pch_builds[-1] if svc.metrics.pch_builds else "none scheduled"
+        )
+        out["pch_wait_s"] = time.monotonic() - t0
+      t0 = time.monotonic()
+      r = await svc.verify(VerifyRequest(f"bench-single-{tag}", "one_shot", reference, cand, opts))
+      out[tag] = {
+        "kind": r.failure_kind.value,
+        "compile_s": r.compile_s,
+        "run_s": r.run_s,
+        "total_s": time.monotonic() - t0,
+        "reason": r.reason[:300],
+        "build_events": svc.metrics.build_s[-1:],
+      }
+      self.save("single", out)
 
-    async def gpu_dice(self, svc: VerifierService, tasks: list[dict]) -> None:
-        opts = VerifyOptions(device="cuda", timeout_s=120)
-        reqs = [VerifyRequest(f"dice-{t['id']}", str(t["id"]), t["pytorch_code"], t["cuda_code"], opts) for t in tasks]
-        t0 = time.monotonic()
-        res = await asyncio.gather(*(svc.verify(r) for r in reqs))
-        wall = time.monotonic() - t0
-        phases_mean = svc.metrics.snapshot()["run_phase_mean_s"]
-        redo = [dataclasses.replace(q, request_id=q.request_id + "-kb", options=dataclasses.replace(opts, strictness="kernelbench"))
-                for q, r in zip(reqs, res) if r.failure_kind is not FailureKind.OK]
-        kb = {r.request_id[:-3]: r for r in await asyncio.gather(*(svc.verify(q) for q in redo))}
-        rows = [{"id": r.task_id, "kind": r.failure_kind.value, "reason": r.reason[:400], "strict_fp32": r.strict_correct,
-                 "max_abs_diff": r.max_abs_diff, "run_s": r.run_s,
-                 "kernelbench_kind": kb[r.request_id].failure_kind.value if r.request_id in kb else "OK",
-                 "kernelbench_reason": kb[r.request_id].reason[:400] if r.request_id in kb else "",
-                 "logs": r.logs[-600:] if r.failure_kind is not FailureKind.OK else ""} for r in res]
-        self.save("gpu_dice", {
-            "candidates": len(reqs), "wall_s": wall, "candidates_per_min": 60 * len(reqs) / wall,
-            "strict": dict(collections.Counter(x["kind"] for x in rows)),
-            "kernelbench": dict(collections.Counter(x["kernelbench_kind"] for x in rows)),
-            "strict_fp32_1e-4": sum(x["strict_fp32"] for x in rows), "run_phase_mean_s": phases_mean, "rows": rows})
+  async def compile_stage(self, svc: VerifierService, tasks: list[dict]) -> None:
+    async def one(t):
+      t0 = time.monotonic()
+      b = await svc._build(
+        VerifyRequest(
+          f"build-{t['id']}",
+          str(t["id"]),
+          t["pytorch_code"],
+          t["cuda_code"],
+          VerifyOptions(device=self.cfg.device),
+        )
+      )
+      return t0, time.monotonic(), b
 
-    async def startup(self) -> None:
-        """How fast run workers become ready: ``--startup-workers`` at once, spawned, then forked."""
-        from verifier.pool import PoolConfig, WorkerPool
+    t0 = time.monotonic()
+    res = await asyncio.gather(*(one(t) for t in tasks))
+    wall = time.monotonic() - t0
+    build_s = [sum(e["seconds"] for e in b.get("builds", [])) for _, _, b in res if b.get("builds")]
+    fast = sum(1 for _, _, b in res for e in b.get("builds", []) if e.get("fast"))
+    self.save(
+      "compile",
+      {
+        "candidates": len(tasks),
+        "workers": self.cfg.compile_workers,
+        "wall_s": wall,
+        "candidates_per_min": 60 * len(tasks) / wall,
+        "candidates_per_min_per_16_cores": 60 * len(tasks) / wall * 16 / (os.cpu_count() or 16),
+        "median_build_s_under_load": statistics.median(build_s) if build_s else None,
+        "p90_build_s_under_load": sorted(build_s)[int(0.9 * (len(build_s) - 1))]
+        if build_s
+        else None,
+        "fast_variant_builds": fast,
+        "split_builds": sum(1 for e in svc.metrics.build_s if e.get("split")),
+        "pch_builds": sum(1 for e in svc.metrics.build_s if e.get("pch")),
+        "kinds": dict(collections.Counter(b["kind"] for _, _, b in res)),
+        "fast_fallbacks": [e["fast_error"] for e in svc.metrics.build_s if e["fast_error"]][:5],
+      },
+    )
 
-        c, n, out = self.cfg, self.a.startup_workers, {}
-        for mode in ("spawn", "fork"):
-            pool = WorkerPool(PoolConfig(role="run", device=c.device, gpu_index=c.gpus[0] if c.gpus else "",
-                                         scratch_root=c.scratch_root, mem_mb=c.mem_mb, isolate_network=c.isolate_network,
-                                         arch_list=c.arch_list, prewarm=0, fork_server=mode == "fork"))
-            t0 = time.monotonic()
-            workers = await asyncio.gather(*(pool._start() for _ in range(n)))
-            ready_at: dict[int, float] = {}
-            while len(ready_at) < n and time.monotonic() - t0 < 600:
-                for i, w in enumerate(workers):
-                    if i not in ready_at and w.ready():
-                        ready_at[i] = time.monotonic() - t0
-                await asyncio.sleep(0.02)
-            wall = max(ready_at.values()) if ready_at else float("nan")
-            out[mode] = {"workers": n, "ready": len(ready_at), "wall_s": wall,
-                         "median_ready_s": statistics.median(ready_at.values()) if ready_at else None,
-                         "workers_per_min": 60 * len(ready_at) / wall if ready_at else 0.0,
-                         "forked": sum(type(w).__name__ == "ForkedWorker" for w in workers)}
-            for w in workers:
-                w.discard()
-            await pool.close()
-            self.save("startup", out)
+  async def gpu_dice(self, svc: VerifierService, tasks: list[dict]) -> None:
+    opts = VerifyOptions(device="cuda", timeout_s=120)
+    reqs = [
+      VerifyRequest(f"dice-{t['id']}", str(t["id"]), t["pytorch_code"], t["cuda_code"], opts)
+      for t in tasks
+    ]
+    t0 = time.monotonic()
+    res = await asyncio.gather(*(svc.verify(r) for r in reqs))
+    wall = time.monotonic() - t0
+    phases_mean = svc.metrics.snapshot()["run_phase_mean_s"]
+    redo = [
+      dataclasses.replace(
+        q,
+        request_id=q.request_id + "-kb",
+        options=dataclasses.replace(opts, strictness="kernelbench"),
+      )
+      for q, r in zip(reqs, res)
+      if r.failure_kind is not FailureKind.OK
+    ]
+    kb = {r.request_id[:-3]: r for r in await asyncio.gather(*(svc.verify(q) for q in redo))}
+    rows = [
+      {
+        "id": r.task_id,
+        "kind": r.failure_kind.value,
+        "reason": r.reason[:400],
+        "strict_fp32": r.strict_correct,
+        "max_abs_diff": r.max_abs_diff,
+        "run_s": r.run_s,
+        "kernelbench_kind": kb[r.request_id].failure_kind.value if r.request_id in kb else "OK",
+        "kernelbench_reason": kb[r.request_id].reason[:400] if r.request_id in kb else "",
+        "logs": r.logs[-600:] if r.failure_kind is not FailureKind.OK else "",
+      }
+      for r in res
+    ]
+    self.save(
+      "gpu_dice",
+      {
+        "candidates": len(reqs),
+        "wall_s": wall,
+        "candidates_per_min": 60 * len(reqs) / wall,
+        "strict": dict(collections.Counter(x["kind"] for x in rows)),
+        "kernelbench": dict(collections.Counter(x["kernelbench_kind"] for x in rows)),
+        "strict_fp32_1e-4": sum(x["strict_fp32"] for x in rows),
+        "run_phase_mean_s": phases_mean,
+        "rows": rows,
+      },
+    )
 
-    async def gpu_level1(self, svc: VerifierService, problems: list[dict]) -> None:
-        def reqs(tag, probs, samples=1, **kw):
-            # RL verifies a group of samples per task; distinct sources (a comment) so none is deduplicated.
-            o = VerifyOptions(device="cuda", strictness="off", timeout_s=180, **kw)
-            return [VerifyRequest(f"{tag}-{p['problem_id']}-{k}", p["name"], p["code"],
-                                  pass_through(p["code"]) + f"\n# sample {k}\n", o)
-                    for p in probs for k in range(samples)]
+  async def startup(self) -> None:
+    """How fast run workers become ready: ``--startup-workers`` at once, spawned, then forked."""
+    from verifier.pool import PoolConfig, WorkerPool
 
-        out = {}
-        for tag, probs, kw in (("reward", problems, {"samples": self.a.level1_samples}),
-                               ("timed_cold", problems[: self.a.timed], {"measure_performance": True}),
-                               ("timed_cached_baseline", problems[: self.a.timed], {"measure_performance": True})):
-            if self.left() < 60 or not probs:
-                out[tag] = "skipped: bench budget used up" if probs else "skipped: no problems"
-                continue
-            rs = reqs(tag, probs, **kw)
-            svc.metrics.run_phase_s.clear()
-            svc.metrics.run_phase_n.clear()
-            t0 = time.monotonic()
-            res = await asyncio.gather(*(svc.verify(r) for r in rs))
-            wall = time.monotonic() - t0
-            out[tag] = {"candidates": len(rs), "wall_s": wall, "candidates_per_min": 60 * len(rs) / wall,
-                        "kinds": dict(collections.Counter(r.failure_kind.value for r in res)),
-                        "median_run_s": statistics.median(r.run_s for r in res),
-                        "run_phase_mean_s": svc.metrics.snapshot()["run_phase_mean_s"],
-                        "oom_retries_so_far": svc.metrics.oom_retries,
-                        "baselines_measured_so_far": svc.metrics.baselines_measured,
-                        "failures": [(r.task_id, r.failure_kind.value, r.reason[:160]) for r in res
-                                     if r.failure_kind is not FailureKind.OK][:20]}
-            self.save("gpu_level1", out)
+    c, n, out = self.cfg, self.a.startup_workers, {}
+    for mode in ("spawn", "fork"):
+      pool = WorkerPool(
+        PoolConfig(
+          role="run",
+          device=c.device,
+          gpu_index=c.gpus[0] if c.gpus else "",
+          scratch_root=c.scratch_root,
+          mem_mb=c.mem_mb,
+          isolate_network=c.isolate_network,
+          arch_list=c.arch_list,
+          prewarm=0,
+          fork_server=mode == "fork",
+        )
+      )
+      t0 = time.monotonic()
+      workers = await asyncio.gather(*(pool._start() for _ in range(n)))
+      ready_at: dict[int, float] = {}
+      while len(ready_at) < n and time.monotonic() - t0 < 600:
+        for i, w in enumerate(workers):
+          if i not in ready_at and w.ready():
+            ready_at[i] = time.monotonic() - t0
+        await asyncio.sleep(0.02)
+      wall = max(ready_at.values()) if ready_at else float("nan")
+      out[mode] = {
+        "workers": n,
+        "ready": len(ready_at),
+        "wall_s": wall,
+        "median_ready_s": statistics.median(ready_at.values()) if ready_at else None,
+        "workers_per_min": 60 * len(ready_at) / wall if ready_at else 0.0,
+        "forked": sum(type(w).__name__ == "ForkedWorker" for w in workers),
+      }
+      for w in workers:
+        w.discard()
+      await pool.close()
+      self.save("startup", out)
+
+  async def gpu_level1(self, svc: VerifierService, problems: list[dict]) -> None:
+    def reqs(tag, probs, samples=1, **kw):
+      # RL verifies a group of samples per task; distinct sources (a comment) so none is deduplicated.
+      o = VerifyOptions(device="cuda", strictness="off", timeout_s=180, **kw)
+      return [
+        VerifyRequest(
+          f"{tag}-{p['problem_id']}-{k}",
+          p["name"],
+          p["code"],
+          pass_through(p["code"]) + f"\n# sample {k}\n",
+          o,
+        )
+        for p in probs
+        for k in range(samples)
+      ]
+
+    out = {}
+    for tag, probs, kw in (
+      ("reward", problems, {"samples": self.a.level1_samples}),
+      ("timed_cold", problems[: self.a.timed], {"measure_performance": True}),
+      ("timed_cached_baseline", problems[: self.a.timed], {"measure_performance": True}),
+    ):
+      if self.left() < 60 or not probs:
+        out[tag] = "skipped: bench budget used up" if probs else "skipped: no problems"
+        continue
+      rs = reqs(tag, probs, **kw)
+      svc.metrics.run_phase_s.clear()
+      svc.metrics.run_phase_n.clear()
+      t0 = time.monotonic()
+      res = await asyncio.gather(*(svc.verify(r) for r in rs))
+      wall = time.monotonic() - t0
+      out[tag] = {
+        "candidates": len(rs),
+        "wall_s": wall,
+        "candidates_per_min": 60 * len(rs) / wall,
+        "kinds": dict(collections.Counter(r.failure_kind.value for r in res)),
+        "median_run_s": statistics.median(r.run_s for r in res),
+        "run_phase_mean_s": svc.metrics.snapshot()["run_phase_mean_s"],
+        "oom_retries_so_far": svc.metrics.oom_retries,
+        "baselines_measured_so_far": svc.metrics.baselines_measured,
+        "failures": [
+          (r.task_id, r.failure_kind.value, r.reason[:160])
+          for r in res
+          if r.failure_kind is not FailureKind.OK
+        ][:20],
+      }
+      self.save("gpu_level1", out)
 
 
 async def run(a, cfg: ServiceConfig) -> int:
-    cfg = dataclasses.replace(cfg, cache_dir=tempfile.mkdtemp(prefix="bench-cache-"), build_timeout_s=900)
-    b = Bench(a, cfg)
-    if cfg.device == "cuda":
-        ref = _find("one_shot_model_ex_add.py.txt").read_text()
-        cand = _find("one_shot_model_new_ex_add.py.txt").read_text()
-    else:  # the CPU backend: the demo's known-good C++ relu
-        demo = REPO / "experiments" / "demo_data"
-        ref = json.loads((demo / "pairs.jsonl").read_text().splitlines()[0])["pytorch_code"]
-        cand = (demo / "relu_cpu_candidate.py").read_text()
-    phases = set(a.phases.split(","))
-    dice = (json.loads(_find("kernel_infilling_evaluation.json").read_text())[a.offset: a.offset + a.candidates]
-            if phases & {"compile", "gpu_dice"} else [])
-    level1 = ([json.loads(line) for line in _find("level1.jsonl", a.kernelbench).read_text().splitlines() if line.strip()]
-              if "gpu_level1" in phases else [])
-    if "stock" in phases and not a.skip_stock:
-        b.stock(cand)
-    if "startup" in phases:
-        await b.startup()
-    if "single" in phases:
-        svc = VerifierService(dataclasses.replace(cfg, compile_workers=1))
-        await svc.start()
-        try:
-            await b.single(svc, ref, cand)
-            b.save("single_build_events", svc.metrics.build_s)
-        finally:
-            await svc.close()
-    svc = VerifierService(cfg)
+  cfg = dataclasses.replace(
+    cfg, cache_dir=tempfile.mkdtemp(prefix="bench-cache-"), build_timeout_s=900
+  )
+  b = Bench(a, cfg)
+  if cfg.device == "cuda":
+    ref = _find("one_shot_model_ex_add.py.txt").read_text()
+    cand = _find("one_shot_model_new_ex_add.py.txt").read_text()
+  else:  # the CPU backend: the demo's known-good C++ relu
+    demo = REPO / "experiments" / "demo_data"
+    ref = json.loads((demo / "pairs.jsonl").read_text().splitlines()[0])["pytorch_code"]
+    cand = (demo / "relu_cpu_candidate.py").read_text()
+  phases = set(a.phases.split(","))
+  dice = (
+    json.loads(_find("kernel_infilling_evaluation.json").read_text())[
+      a.offset : a.offset + a.candidates
+    ]
+    if phases & {"compile", "gpu_dice"}
+    else []
+  )
+  level1 = (
+    [
+      json.loads(line)
+      for line in _find("level1.jsonl", a.kernelbench).read_text().splitlines()
+      if line.strip()
+    ]
+    if "gpu_level1" in phases
+    else []
+  )
+  if "stock" in phases and not a.skip_stock:
+    b.stock(cand)
+  if "startup" in phases:
+    await b.startup()
+  if "single" in phases:
+    svc = VerifierService(dataclasses.replace(cfg, compile_workers=1))
     await svc.start()
     try:
-        if "compile" in phases:
-            await b.compile_stage(svc, dice)
-        if cfg.device == "cuda" and "gpu_dice" in phases and b.left() > 60:
-            await b.gpu_dice(svc, dice)
-        if cfg.device == "cuda" and "gpu_level1" in phases and b.left() > 60:
-            await b.gpu_level1(svc, level1[: a.level1])
+      await b.single(svc, ref, cand)
+      b.save("single_build_events", svc.metrics.build_s)
     finally:
-        await svc.close()
-    return 0
+      await svc.close()
+  svc = VerifierService(cfg)
+  await svc.start()
+  try:
+    if "compile" in phases:
+      await b.compile_stage(svc, dice)
+    if cfg.device == "cuda" and "gpu_dice" in phases and b.left() > 60:
+      await b.gpu_dice(svc, dice)
+    if cfg.device == "cuda" and "gpu_level1" in phases and b.left() > 60:
+      await b.gpu_level1(svc, level1[: a.level1])
+  finally:
+    await svc.close()
+  return 0

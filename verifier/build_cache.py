@@ -24,9 +24,20 @@ import time
 import uuid
 
 # Arguments that change what is built. verbose/build_directory/keep_intermediates do not.
-_KEY_ARGS = ("name", "cpp_sources", "cuda_sources", "functions", "extra_cflags", "extra_cuda_cflags",
-             "extra_ldflags", "extra_include_paths", "with_cuda", "is_python_module",
-             "with_pytorch_error_handling", "no_implicit_headers")
+_KEY_ARGS = (
+  "name",
+  "cpp_sources",
+  "cuda_sources",
+  "functions",
+  "extra_cflags",
+  "extra_cuda_cflags",
+  "extra_ldflags",
+  "extra_include_paths",
+  "with_cuda",
+  "is_python_module",
+  "with_pytorch_error_handling",
+  "no_implicit_headers",
+)
 
 
 FAST_BUILD_VERSION = 1
@@ -34,162 +45,177 @@ _TORCH_EXTENSION_INCLUDE = re.compile(r"#\s*include\s*[<\"]torch/extension\.h[>\
 
 
 def fast_variant(params: dict) -> dict | None:
-    """Cheaper build of the same extension, or None when no shortcut applies.
+  """Cheaper build of the same extension, or None when no shortcut applies.
 
-    - In ``cuda_sources``, ``torch/extension.h`` (pybind11 + Python headers) becomes ``torch/types.h``
-      (tensors, factories, TORCH_CHECK); the bindings live in ``main.cpp`` anyway. About 2.4x less nvcc
-      time on a one-kernel extension.
-    - ``main.cpp`` is compiled at -O0 when ``cpp_sources`` only declares functions (no bodies), since then
-      it holds nothing but the pybind11 bindings.
-    A failed fast build falls back to the stock one, so a shortcut can never reject a candidate.
-    """
-    cuda = params.get("cuda_sources")
-    if not cuda:
-        return None
-    cuda_text = cuda if isinstance(cuda, str) else "\n".join(cuda)
-    cpp = params.get("cpp_sources") or ""
-    cpp_text = cpp if isinstance(cpp, str) else "\n".join(cpp)
-    out = dict(params)
-    changed = False
-    if _TORCH_EXTENSION_INCLUDE.search(cuda_text) and not re.search(r"\bpy::|pybind11|PYBIND11", cuda_text):
-        out["cuda_sources"] = _TORCH_EXTENSION_INCLUDE.sub("#include <torch/types.h>", cuda_text)
-        changed = True
-    if "{" not in cpp_text:
-        out["extra_cflags"] = list(params.get("extra_cflags") or []) + ["-O0"]
-        changed = True
-    return out if changed else None
+  - In ``cuda_sources``, ``torch/extension.h`` (pybind11 + Python headers) becomes ``torch/types.h``
+    (tensors, factories, TORCH_CHECK); the bindings live in ``main.cpp`` anyway. About 2.4x less nvcc
+    time on a one-kernel extension.
+  - ``main.cpp`` is compiled at -O0 when ``cpp_sources`` only declares functions (no bodies), since then
+    it holds nothing but the pybind11 bindings.
+  A failed fast build falls back to the stock one, so a shortcut can never reject a candidate.
+  """
+  cuda = params.get("cuda_sources")
+  if not cuda:
+    return None
+  cuda_text = cuda if isinstance(cuda, str) else "\n".join(cuda)
+  cpp = params.get("cpp_sources") or ""
+  cpp_text = cpp if isinstance(cpp, str) else "\n".join(cpp)
+  out = dict(params)
+  changed = False
+  if _TORCH_EXTENSION_INCLUDE.search(cuda_text) and not re.search(
+    r"\bpy::|pybind11|PYBIND11", cuda_text
+  ):
+    out["cuda_sources"] = _TORCH_EXTENSION_INCLUDE.sub("#include <torch/types.h>", cuda_text)
+    changed = True
+  if "{" not in cpp_text:
+    out["extra_cflags"] = list(params.get("extra_cflags") or []) + ["-O0"]
+    changed = True
+  return out if changed else None
 
 
 def toolchain_signature() -> dict:
-    import torch
+  import torch
 
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version_info[:2],
-            "arch": os.environ.get("TORCH_CUDA_ARCH_LIST", ""), "cxx": os.environ.get("CXX", "")}
+  return {
+    "torch": torch.__version__,
+    "cuda": torch.version.cuda,
+    "python": sys.version_info[:2],
+    "arch": os.environ.get("TORCH_CUDA_ARCH_LIST", ""),
+    "cxx": os.environ.get("CXX", ""),
+  }
 
 
 def build_key(bound: dict, split: bool = False) -> str:
-    payload = {k: bound.get(k) for k in _KEY_ARGS}
-    payload["split"] = split
-    payload["toolchain"] = toolchain_signature()
-    payload["fast_build"] = FAST_BUILD_VERSION
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
+  payload = {k: bound.get(k) for k in _KEY_ARGS}
+  payload["split"] = split
+  payload["toolchain"] = toolchain_signature()
+  payload["fast_build"] = FAST_BUILD_VERSION
+  return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 class ExtensionProxy:
-    """Delegates to an extension module and counts calls to its exported functions."""
+  """Delegates to an extension module and counts calls to its exported functions."""
 
-    def __init__(self, module, calls: dict[str, int]):
-        object.__setattr__(self, "_module", module)
-        object.__setattr__(self, "_calls", calls)
+  def __init__(self, module, calls: dict[str, int]):
+    object.__setattr__(self, "_module", module)
+    object.__setattr__(self, "_calls", calls)
 
-    def __getattr__(self, attr):
-        value = getattr(self._module, attr)
-        if callable(value) and not attr.startswith("_"):
-            calls = self._calls
+  def __getattr__(self, attr):
+    value = getattr(self._module, attr)
+    if callable(value) and not attr.startswith("_"):
+      calls = self._calls
 
-            def counted(*args, **kwargs):
-                calls[attr] = calls.get(attr, 0) + 1
-                return value(*args, **kwargs)
+      def counted(*args, **kwargs):
+        calls[attr] = calls.get(attr, 0) + 1
+        return value(*args, **kwargs)
 
-            return counted
-        return value
+      return counted
+    return value
 
 
 class CachedLoadInline:
-    def __init__(self, real, build_root: str, fast: bool = True, split: bool = False, use_pch: bool = True):
-        self.real = real
-        self.fast = fast
-        self.split = split
-        self.use_pch = use_pch
-        self.signature = inspect.signature(real)
-        self.build_root = build_root
-        self.calls: dict[str, int] = {}
-        self.events: list[dict] = []  # one per load_inline call: key, cached, seconds, error
+  def __init__(
+    self, real, build_root: str, fast: bool = True, split: bool = False, use_pch: bool = True
+  ):
+    self.real = real
+    self.fast = fast
+    self.split = split
+    self.use_pch = use_pch
+    self.signature = inspect.signature(real)
+    self.build_root = build_root
+    self.calls: dict[str, int] = {}
+    self.events: list[dict] = []  # one per load_inline call: key, cached, seconds, error
 
-    def __call__(self, *args, **kwargs):
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        params = dict(bound.arguments)
-        name = params["name"]
-        key = build_key(params, self.split)
-        final = os.path.join(self.build_root, key)
-        so_path = os.path.join(final, f"{name}.so")
-        event = {"name": name, "key": key, "cached": False, "seconds": 0.0, "error": ""}
-        self.events.append(event)
-        t0 = time.monotonic()
-        if os.path.exists(so_path) and params.get("is_python_module", True):
-            event["cached"] = True
-            module = _import_so(name, so_path)
-            touch(final)
-        else:
-            tmp = os.path.join(self.build_root, f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+  def __call__(self, *args, **kwargs):
+    bound = self.signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    params = dict(bound.arguments)
+    name = params["name"]
+    key = build_key(params, self.split)
+    final = os.path.join(self.build_root, key)
+    so_path = os.path.join(final, f"{name}.so")
+    event = {"name": name, "key": key, "cached": False, "seconds": 0.0, "error": ""}
+    self.events.append(event)
+    t0 = time.monotonic()
+    if os.path.exists(so_path) and params.get("is_python_module", True):
+      event["cached"] = True
+      module = _import_so(name, so_path)
+      touch(final)
+    else:
+      tmp = os.path.join(self.build_root, f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+      os.makedirs(tmp)
+      params.update(
+        build_directory=tmp, verbose=False
+      )  # verbose=False keeps compiler output in the error
+      module = None
+      if self.split:
+        from verifier.split_build import split_variant
+
+        split = split_variant(params)
+        if split is not None:
+          try:
+            module = self._build(split, event)
+            event["split"] = True
+          except Exception as e:  # noqa: BLE001 - fall back to the fast/stock builds
+            event["split_error"] = str(e)[:2000]
+            shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-            params.update(build_directory=tmp, verbose=False)  # verbose=False keeps compiler output in the error
-            module = None
-            if self.split:
-                from verifier.split_build import split_variant
+      fast = fast_variant(params) if self.fast and module is None else None
+      if fast is not None:
+        try:
+          module = self._build(fast, event)
+          event["fast"] = True
+        except Exception as e:  # noqa: BLE001 - fall back to the stock build below
+          event["fast_error"] = str(e)[:2000]
+          shutil.rmtree(tmp, ignore_errors=True)
+          os.makedirs(tmp)
+      if module is None:
+        try:
+          module = self._build(params, event)
+        except BaseException as e:
+          event["error"] = str(e)
+          event["seconds"] = time.monotonic() - t0
+          shutil.rmtree(tmp, ignore_errors=True)
+          raise
+      strip_intermediates(tmp)
+      try:
+        os.rename(tmp, final)
+      except OSError:  # another process published the same key first
+        shutil.rmtree(tmp, ignore_errors=True)
+    event["seconds"] = time.monotonic() - t0
+    if not params.get("is_python_module", True):
+      return module
+    return ExtensionProxy(module, self.calls)
 
-                split = split_variant(params)
-                if split is not None:
-                    try:
-                        module = self._build(split, event)
-                        event["split"] = True
-                    except Exception as e:  # noqa: BLE001 - fall back to the fast/stock builds
-                        event["split_error"] = str(e)[:2000]
-                        shutil.rmtree(tmp, ignore_errors=True)
-                        os.makedirs(tmp)
-            fast = fast_variant(params) if self.fast and module is None else None
-            if fast is not None:
-                try:
-                    module = self._build(fast, event)
-                    event["fast"] = True
-                except Exception as e:  # noqa: BLE001 - fall back to the stock build below
-                    event["fast_error"] = str(e)[:2000]
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    os.makedirs(tmp)
-            if module is None:
-                try:
-                    module = self._build(params, event)
-                except BaseException as e:
-                    event["error"] = str(e)
-                    event["seconds"] = time.monotonic() - t0
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    raise
-            strip_intermediates(tmp)
-            try:
-                os.rename(tmp, final)
-            except OSError:  # another process published the same key first
-                shutil.rmtree(tmp, ignore_errors=True)
-        event["seconds"] = time.monotonic() - t0
-        if not params.get("is_python_module", True):
-            return module
-        return ExtensionProxy(module, self.calls)
+  def _build(self, params: dict, event: dict):
+    """One real load_inline call, with main.cpp on the cache's precompiled torch header (pch.py)."""
+    if not (self.use_pch and _main_cpp_starts_with_torch(params)):
+      return self.real(**params)
+    from verifier import pch
 
-
-    def _build(self, params: dict, event: dict):
-        """One real load_inline call, with main.cpp on the cache's precompiled torch header (pch.py)."""
-        if not (self.use_pch and _main_cpp_starts_with_torch(params)):
-            return self.real(**params)
-        from verifier import pch
-
-        flags = list(params.get("extra_cflags") or [])
-        directory = pch.pch_dir(self.build_root, flags, params.get("extra_include_paths"),
-                                bool(params.get("cuda_sources")), toolchain_signature())
-        event["pch"] = pch.ready(directory)
-        module = self.real(**dict(params, extra_cflags=flags + pch.include_flags(directory)))
-        if not event["pch"] and not pch.ready(directory):
-            event["pch_request"] = pch.request_from_build(params["build_directory"], directory)
-        return module
+    flags = list(params.get("extra_cflags") or [])
+    directory = pch.pch_dir(
+      self.build_root,
+      flags,
+      params.get("extra_include_paths"),
+      bool(params.get("cuda_sources")),
+      toolchain_signature(),
+    )
+    event["pch"] = pch.ready(directory)
+    module = self.real(**dict(params, extra_cflags=flags + pch.include_flags(directory)))
+    if not event["pch"] and not pch.ready(directory):
+      event["pch_request"] = pch.request_from_build(params["build_directory"], directory)
+    return module
 
 
 def _main_cpp_starts_with_torch(params: dict) -> bool:
-    """load_inline's main.cpp begins with torch/extension.h unless ``no_implicit_headers`` (then only when the
-    sources begin with it, as the split build's do). Only then may the PCH be force-included."""
-    if not params.get("no_implicit_headers"):
-        return True
-    cpp = params.get("cpp_sources") or ""
-    text = cpp if isinstance(cpp, str) else "\n".join(cpp)
-    return text.lstrip().startswith("#include <torch/extension.h>")
+  """load_inline's main.cpp begins with torch/extension.h unless ``no_implicit_headers`` (then only when the
+  sources begin with it, as the split build's do). Only then may the PCH be force-included."""
+  if not params.get("no_implicit_headers"):
+    return True
+  cpp = params.get("cpp_sources") or ""
+  text = cpp if isinstance(cpp, str) else "\n".join(cpp)
+  return text.lstrip().startswith("#include <torch/extension.h>")
 
 
 _ENTRY = re.compile(r"^[0-9a-f]{32}$")
@@ -197,72 +223,79 @@ _INTERMEDIATE = re.compile(r"\.(?:o|ninja_deps|ninja_log)$")
 
 
 def strip_intermediates(build_dir: str) -> None:
-    """Drop object files and ninja state from a finished build: the cache serves the ``.so`` (sources and
-    build.ninja stay for debugging). About 60% of a CPU entry."""
-    for f in os.listdir(build_dir):
-        if _INTERMEDIATE.search(f):
-            try:
-                os.remove(os.path.join(build_dir, f))
-            except OSError:
-                pass
-
-
-def touch(entry: str) -> None:
-    """Mark a cache entry as used now (eviction is least-recently-used)."""
-    try:
-        os.utime(entry)
-    except OSError:
+  """Drop object files and ninja state from a finished build: the cache serves the ``.so`` (sources and
+  build.ninja stay for debugging). About 60% of a CPU entry."""
+  for f in os.listdir(build_dir):
+    if _INTERMEDIATE.search(f):
+      try:
+        os.remove(os.path.join(build_dir, f))
+      except OSError:
         pass
 
 
-def evict(build_root: str, max_bytes: int, min_age_s: float = 3600.0) -> dict:
-    """Remove least-recently-used build entries until the entries total at most ``max_bytes``.
+def touch(entry: str) -> None:
+  """Mark a cache entry as used now (eviction is least-recently-used)."""
+  try:
+    os.utime(entry)
+  except OSError:
+    pass
 
-    Entries used within ``min_age_s`` are never removed, so a build made for a candidate still waiting for a GPU
-    stays. An entry is renamed away before it is deleted, so a reader sees it whole or not at all (a miss means
-    a rebuild, never a broken import). Temporary build directories and precompiled headers are not touched."""
-    now = time.time()
-    entries = []
-    for name in os.listdir(build_root):
-        path = os.path.join(build_root, name)
-        if not _ENTRY.match(name) or not os.path.isdir(path):
-            continue
-        try:
-            size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
-            entries.append((os.stat(path).st_mtime, size, path))
-        except OSError:
-            continue  # removed meanwhile
-    total = sum(size for _, size, _ in entries)
-    removed, freed = 0, 0
-    for mtime, size, path in sorted(entries):
-        if total <= max_bytes:
-            break
-        if now - mtime < min_age_s:
-            continue
-        doomed = f"{path}.evict-{uuid.uuid4().hex[:8]}"
-        try:
-            os.rename(path, doomed)
-        except OSError:
-            continue
-        shutil.rmtree(doomed, ignore_errors=True)
-        total, freed, removed = total - size, freed + size, removed + 1
-    return {"removed": removed, "freed_bytes": freed, "kept_bytes": total, "entries": len(entries) - removed}
+
+def evict(build_root: str, max_bytes: int, min_age_s: float = 3600.0) -> dict:
+  """Remove least-recently-used build entries until the entries total at most ``max_bytes``.
+
+  Entries used within ``min_age_s`` are never removed, so a build made for a candidate still waiting for a GPU
+  stays. An entry is renamed away before it is deleted, so a reader sees it whole or not at all (a miss means
+  a rebuild, never a broken import). Temporary build directories and precompiled headers are not touched."""
+  now = time.time()
+  entries = []
+  for name in os.listdir(build_root):
+    path = os.path.join(build_root, name)
+    if not _ENTRY.match(name) or not os.path.isdir(path):
+      continue
+    try:
+      size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
+      entries.append((os.stat(path).st_mtime, size, path))
+    except OSError:
+      continue  # removed meanwhile
+  total = sum(size for _, size, _ in entries)
+  removed, freed = 0, 0
+  for mtime, size, path in sorted(entries):
+    if total <= max_bytes:
+      break
+    if now - mtime < min_age_s:
+      continue
+    doomed = f"{path}.evict-{uuid.uuid4().hex[:8]}"
+    try:
+      os.rename(path, doomed)
+    except OSError:
+      continue
+    shutil.rmtree(doomed, ignore_errors=True)
+    total, freed, removed = total - size, freed + size, removed + 1
+  return {
+    "removed": removed,
+    "freed_bytes": freed,
+    "kept_bytes": total,
+    "entries": len(entries) - removed,
+  }
 
 
 def _import_so(name: str, path: str):
-    loader = importlib.machinery.ExtensionFileLoader(name, path)
-    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    sys.modules[name] = module
-    return module
+  loader = importlib.machinery.ExtensionFileLoader(name, path)
+  spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+  module = importlib.util.module_from_spec(spec)
+  loader.exec_module(module)
+  sys.modules[name] = module
+  return module
 
 
-def install(build_root: str, fast: bool = True, split: bool = False, use_pch: bool = True) -> CachedLoadInline:
-    """Replace load_inline in torch.utils.cpp_extension (what ``from ... import load_inline`` reads)."""
-    import torch.utils.cpp_extension as cpp_extension
+def install(
+  build_root: str, fast: bool = True, split: bool = False, use_pch: bool = True
+) -> CachedLoadInline:
+  """Replace load_inline in torch.utils.cpp_extension (what ``from ... import load_inline`` reads)."""
+  import torch.utils.cpp_extension as cpp_extension
 
-    os.makedirs(build_root, exist_ok=True)
-    cached = CachedLoadInline(cpp_extension.load_inline, build_root, fast, split, use_pch)
-    cpp_extension.load_inline = cached
-    return cached
+  os.makedirs(build_root, exist_ok=True)
+  cached = CachedLoadInline(cpp_extension.load_inline, build_root, fast, split, use_pch)
+  cpp_extension.load_inline = cached
+  return cached

@@ -16,150 +16,217 @@ from verifier.service import ServiceConfig, VerifierService
 
 
 def _detect_arch() -> str:
-    try:
-        import torch
+  try:
+    import torch
 
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability(0)
-            return f"{major}.{minor}"
-    except Exception:  # noqa: BLE001
-        pass
-    return ""
+    if torch.cuda.is_available():
+      major, minor = torch.cuda.get_device_capability(0)
+      return f"{major}.{minor}"
+  except Exception:  # noqa: BLE001
+    pass
+  return ""
 
 
 def _service_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if a GPU is visible")
-    p.add_argument("--gpus", default="0", help="comma-separated GPU indices, e.g. 0,1")
-    p.add_argument("--slots-per-gpu", type=int, default=4, help="concurrent reward-mode candidates per GPU")
-    p.add_argument("--compile-workers", type=int, default=max(1, (os.cpu_count() or 2) // 2))
-    p.add_argument("--fork-server", action="store_true",
-                   help="fork run workers from a process that imported torch once (opt-in; BUILD_NOTES, Verifier)")
-    p.add_argument("--run-prewarm", type=int, default=0,
-                   help="run workers kept starting per GPU (0: 3 x slots + 2; each takes ~5 s of CPU to start)")
-    p.add_argument("--cache-dir", default=ServiceConfig.cache_dir, help="build cache (share it between hosts)")
-    p.add_argument("--cache-max-gb", type=float, default=ServiceConfig.cache_max_gb,
-                   help="evict least-recently-used builds above this size (0: never)")
-    p.add_argument("--scratch-root", default=ServiceConfig.scratch_root)
-    p.add_argument("--mem-mb", type=int, default=ServiceConfig.mem_mb, help="host memory per worker")
-    p.add_argument("--gpu-memory-fraction", type=float, default=0.0)
-    p.add_argument("--arch", default=None, help="TORCH_CUDA_ARCH_LIST for builds (default: detected)")
-    p.add_argument("--no-network-isolation", action="store_true")
-    p.add_argument("--split-build", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile kernels apart from the torch headers (split_build.py; --no-split-build: one .cu)")
-    p.add_argument("--pch", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile main.cpp on a precompiled torch header kept in --cache-dir (pch.py)")
+  p.add_argument(
+    "--device", choices=("cuda", "cpu"), default=None, help="default: cuda if a GPU is visible"
+  )
+  p.add_argument("--gpus", default="0", help="comma-separated GPU indices, e.g. 0,1")
+  p.add_argument(
+    "--slots-per-gpu", type=int, default=4, help="concurrent reward-mode candidates per GPU"
+  )
+  p.add_argument("--compile-workers", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+  p.add_argument(
+    "--fork-server",
+    action="store_true",
+    help="fork run workers from a process that imported torch once (opt-in; BUILD_NOTES, Verifier)",
+  )
+  p.add_argument(
+    "--run-prewarm",
+    type=int,
+    default=0,
+    help="run workers kept starting per GPU (0: 3 x slots + 2; each takes ~5 s of CPU to start)",
+  )
+  p.add_argument(
+    "--cache-dir", default=ServiceConfig.cache_dir, help="build cache (share it between hosts)"
+  )
+  p.add_argument(
+    "--cache-max-gb",
+    type=float,
+    default=ServiceConfig.cache_max_gb,
+    help="evict least-recently-used builds above this size (0: never)",
+  )
+  p.add_argument("--scratch-root", default=ServiceConfig.scratch_root)
+  p.add_argument("--mem-mb", type=int, default=ServiceConfig.mem_mb, help="host memory per worker")
+  p.add_argument("--gpu-memory-fraction", type=float, default=0.0)
+  p.add_argument("--arch", default=None, help="TORCH_CUDA_ARCH_LIST for builds (default: detected)")
+  p.add_argument("--no-network-isolation", action="store_true")
+  p.add_argument(
+    "--split-build",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="compile kernels apart from the torch headers (split_build.py; --no-split-build: one .cu)",
+  )
+  p.add_argument(
+    "--pch",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="compile main.cpp on a precompiled torch header kept in --cache-dir (pch.py)",
+  )
 
 
 def _config(a) -> ServiceConfig:
-    device = a.device or ("cuda" if _detect_arch() else "cpu")
-    arch = a.arch if a.arch is not None else (_detect_arch() if device == "cuda" else "")
-    return ServiceConfig(device=device, gpus=tuple(g for g in a.gpus.split(",") if g), slots_per_gpu=a.slots_per_gpu,
-                         compile_workers=a.compile_workers, cache_dir=a.cache_dir, cache_max_gb=a.cache_max_gb,
-                         scratch_root=a.scratch_root,
-                         mem_mb=a.mem_mb, gpu_memory_fraction=a.gpu_memory_fraction, arch_list=arch,
-                         isolate_network=not a.no_network_isolation, split_build=a.split_build, use_pch=a.pch,
-                         run_prewarm=a.run_prewarm, fork_server=a.fork_server)
+  device = a.device or ("cuda" if _detect_arch() else "cpu")
+  arch = a.arch if a.arch is not None else (_detect_arch() if device == "cuda" else "")
+  return ServiceConfig(
+    device=device,
+    gpus=tuple(g for g in a.gpus.split(",") if g),
+    slots_per_gpu=a.slots_per_gpu,
+    compile_workers=a.compile_workers,
+    cache_dir=a.cache_dir,
+    cache_max_gb=a.cache_max_gb,
+    scratch_root=a.scratch_root,
+    mem_mb=a.mem_mb,
+    gpu_memory_fraction=a.gpu_memory_fraction,
+    arch_list=arch,
+    isolate_network=not a.no_network_isolation,
+    split_build=a.split_build,
+    use_pch=a.pch,
+    run_prewarm=a.run_prewarm,
+    fork_server=a.fork_server,
+  )
 
 
 async def _serve(a) -> int:
-    from verifier.server import VerifierServer
+  from verifier.server import VerifierServer
 
-    token = os.environ.get("VERIFIER_TOKEN", "")
-    if a.token_file:
-        token = pathlib.Path(a.token_file).read_text().strip()
-    cfg = _config(a)
-    cfg.build_only = a.build_only
-    try:
-        server = VerifierServer(cfg, a.host, a.port, token, a.stream_window)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    port = await server.start()
-    print(f"verifier listening on {a.host}:{port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for s in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(s, stop.set)
-    await stop.wait()
-    await server.stop()
-    return 0
+  token = os.environ.get("VERIFIER_TOKEN", "")
+  if a.token_file:
+    token = pathlib.Path(a.token_file).read_text().strip()
+  cfg = _config(a)
+  cfg.build_only = a.build_only
+  try:
+    server = VerifierServer(cfg, a.host, a.port, token, a.stream_window)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  port = await server.start()
+  print(f"verifier listening on {a.host}:{port}", flush=True)
+  stop = asyncio.Event()
+  loop = asyncio.get_running_loop()
+  for s in (signal.SIGINT, signal.SIGTERM):
+    loop.add_signal_handler(s, stop.set)
+  await stop.wait()
+  await server.stop()
+  return 0
 
 
 async def _check(a) -> int:
-    ref = pathlib.Path(a.reference).read_text()
-    cand = pathlib.Path(a.candidate).read_text()
-    cfg = _config(a)
-    opts = VerifyOptions(device=cfg.device, num_correct_trials=a.trials, atol=a.atol, rtol=a.rtol,
-                         measure_performance=not a.no_timing, num_perf_trials=a.timing_trials,
-                         strictness=a.strictness, timeout_s=a.timeout, min_speedup=a.min_speedup)
-    cfg.prewarm = False
-    cfg.pch_background = False  # a one-shot run would kill it before it is done; it uses one that exists
-    cfg.compile_workers = 1
-    service = VerifierService(cfg)
-    await service.start()
-    try:
-        r = await service.verify(VerifyRequest("cli", pathlib.Path(a.reference).stem, ref, cand, opts))
-    finally:
-        await service.close()
-    if a.json:
-        print(json.dumps(r.to_dict(), indent=2))
-    else:
-        print(f"kind={r.failure_kind.value} reward={r.reward:g} compiled={r.compiled} correct={r.correct} "
-              f"strict_correct={r.strict_correct} deceptive={r.deceptive}")
-        if r.speedup:
-            print(f"speedup={r.speedup:.3f} candidate={r.candidate.mean_ms:.4f} ms (median {r.candidate.median_ms:.4f}) "
-                  f"baseline={r.baseline.mean_ms:.4f} ms (median {r.baseline.median_ms:.4f})")
-        print(f"compile {r.compile_s:.1f} s, run {r.run_s:.1f} s, device {r.device_name}")
-        if r.reason:
-            print("reason:", r.reason)
-        if r.logs and r.failure_kind.value != "OK":
-            print("logs:\n" + r.logs)
-    return 0 if r.reward > 0 else 1
+  ref = pathlib.Path(a.reference).read_text()
+  cand = pathlib.Path(a.candidate).read_text()
+  cfg = _config(a)
+  opts = VerifyOptions(
+    device=cfg.device,
+    num_correct_trials=a.trials,
+    atol=a.atol,
+    rtol=a.rtol,
+    measure_performance=not a.no_timing,
+    num_perf_trials=a.timing_trials,
+    strictness=a.strictness,
+    timeout_s=a.timeout,
+    min_speedup=a.min_speedup,
+  )
+  cfg.prewarm = False
+  cfg.pch_background = (
+    False  # a one-shot run would kill it before it is done; it uses one that exists
+  )
+  cfg.compile_workers = 1
+  service = VerifierService(cfg)
+  await service.start()
+  try:
+    r = await service.verify(VerifyRequest("cli", pathlib.Path(a.reference).stem, ref, cand, opts))
+  finally:
+    await service.close()
+  if a.json:
+    print(json.dumps(r.to_dict(), indent=2))
+  else:
+    print(
+      f"kind={r.failure_kind.value} reward={r.reward:g} compiled={r.compiled} correct={r.correct} "
+      f"strict_correct={r.strict_correct} deceptive={r.deceptive}"
+    )
+    if r.speedup:
+      print(
+        f"speedup={r.speedup:.3f} candidate={r.candidate.mean_ms:.4f} ms (median {r.candidate.median_ms:.4f}) "
+        f"baseline={r.baseline.mean_ms:.4f} ms (median {r.baseline.median_ms:.4f})"
+      )
+    print(f"compile {r.compile_s:.1f} s, run {r.run_s:.1f} s, device {r.device_name}")
+    if r.reason:
+      print("reason:", r.reason)
+    if r.logs and r.failure_kind.value != "OK":
+      print("logs:\n" + r.logs)
+  return 0 if r.reward > 0 else 1
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m verifier")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("serve", help="run the gRPC verifier service")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=50051)
-    s.add_argument("--token-file", default="", help="file holding the bearer token (or set VERIFIER_TOKEN)")
-    s.add_argument("--stream-window", type=int, default=256)
-    s.add_argument("--build-only", action="store_true",
-                   help="compile host: serve Build only, into --cache-dir shared with GPU hosts")
-    _service_args(s)
-    c = sub.add_parser("check", help="verify one candidate against one reference, standalone")
-    c.add_argument("--reference", required=True)
-    c.add_argument("--candidate", required=True)
-    c.add_argument("--json", action="store_true")
-    c.add_argument("--trials", type=int, default=5)
-    c.add_argument("--atol", type=float, default=1e-2)
-    c.add_argument("--rtol", type=float, default=1e-2)
-    c.add_argument("--timing-trials", type=int, default=100)
-    c.add_argument("--no-timing", action="store_true")
-    c.add_argument("--strictness", default="strict", choices=("strict", "kernelbench", "off"))
-    c.add_argument("--timeout", type=float, default=180.0)
-    c.add_argument("--min-speedup", type=float, default=0.0)
-    _service_args(c)
-    b = sub.add_parser("bench", help="compile/run throughput on this host (see verifier/bench.py)")
-    b.add_argument("--out", default="", help="write the JSON report here")
-    b.add_argument("--kernelbench", default="", help="level1.jsonl (default: ../shared/data relative to the repo)")
-    b.add_argument("--candidates", type=int, default=99, help="DICE candidates for the compile and GPU stages")
-    b.add_argument("--level1", type=int, default=100, help="KernelBench level-1 problems for the GPU-stage rate")
-    b.add_argument("--startup-workers", type=int, default=16, help="workers started at once in the startup phase")
-    b.add_argument("--level1-samples", type=int, default=1, help="candidates per level-1 problem (an RL group)")
-    b.add_argument("--timed", type=int, default=16, help="level-1 problems for the timing-on rate")
-    b.add_argument("--budget-s", type=float, default=540, help="skip later phases past this many seconds")
-    b.add_argument("--skip-stock", action="store_true", help="skip the stock load_inline measurement")
-    b.add_argument("--phases", default="stock,single,compile,gpu_dice,gpu_level1")
-    b.add_argument("--offset", type=int, default=0, help="first DICE candidate to use")
-    _service_args(b)
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if a.cmd == "serve":
-        return asyncio.run(_serve(a))
-    if a.cmd == "check":
-        return asyncio.run(_check(a))
-    from verifier import bench
+  p = argparse.ArgumentParser(prog="python -m verifier")
+  sub = p.add_subparsers(dest="cmd", required=True)
+  s = sub.add_parser("serve", help="run the gRPC verifier service")
+  s.add_argument("--host", default="127.0.0.1")
+  s.add_argument("--port", type=int, default=50051)
+  s.add_argument(
+    "--token-file", default="", help="file holding the bearer token (or set VERIFIER_TOKEN)"
+  )
+  s.add_argument("--stream-window", type=int, default=256)
+  s.add_argument(
+    "--build-only",
+    action="store_true",
+    help="compile host: serve Build only, into --cache-dir shared with GPU hosts",
+  )
+  _service_args(s)
+  c = sub.add_parser("check", help="verify one candidate against one reference, standalone")
+  c.add_argument("--reference", required=True)
+  c.add_argument("--candidate", required=True)
+  c.add_argument("--json", action="store_true")
+  c.add_argument("--trials", type=int, default=5)
+  c.add_argument("--atol", type=float, default=1e-2)
+  c.add_argument("--rtol", type=float, default=1e-2)
+  c.add_argument("--timing-trials", type=int, default=100)
+  c.add_argument("--no-timing", action="store_true")
+  c.add_argument("--strictness", default="strict", choices=("strict", "kernelbench", "off"))
+  c.add_argument("--timeout", type=float, default=180.0)
+  c.add_argument("--min-speedup", type=float, default=0.0)
+  _service_args(c)
+  b = sub.add_parser("bench", help="compile/run throughput on this host (see verifier/bench.py)")
+  b.add_argument("--out", default="", help="write the JSON report here")
+  b.add_argument(
+    "--kernelbench", default="", help="level1.jsonl (default: ../shared/data relative to the repo)"
+  )
+  b.add_argument(
+    "--candidates", type=int, default=99, help="DICE candidates for the compile and GPU stages"
+  )
+  b.add_argument(
+    "--level1", type=int, default=100, help="KernelBench level-1 problems for the GPU-stage rate"
+  )
+  b.add_argument(
+    "--startup-workers", type=int, default=16, help="workers started at once in the startup phase"
+  )
+  b.add_argument(
+    "--level1-samples", type=int, default=1, help="candidates per level-1 problem (an RL group)"
+  )
+  b.add_argument("--timed", type=int, default=16, help="level-1 problems for the timing-on rate")
+  b.add_argument(
+    "--budget-s", type=float, default=540, help="skip later phases past this many seconds"
+  )
+  b.add_argument("--skip-stock", action="store_true", help="skip the stock load_inline measurement")
+  b.add_argument("--phases", default="stock,single,compile,gpu_dice,gpu_level1")
+  b.add_argument("--offset", type=int, default=0, help="first DICE candidate to use")
+  _service_args(b)
+  a = p.parse_args(argv)
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+  if a.cmd == "serve":
+    return asyncio.run(_serve(a))
+  if a.cmd == "check":
+    return asyncio.run(_check(a))
+  from verifier import bench
 
-    return asyncio.run(bench.run(a, _config(a)))
+  return asyncio.run(bench.run(a, _config(a)))

@@ -25,13 +25,34 @@ class VerifierStartError(RuntimeError):
 class LocalVerifier:
   """A verifier service child process on 127.0.0.1 with an ephemeral port and no auth token."""
 
-  def __init__(self, workdir: str, *, device: str = "cpu", compile_workers: int = 1,
-               extra_args: tuple[str, ...] = (), start_timeout_s: float = 120.0):
+  def __init__(
+    self,
+    workdir: str,
+    *,
+    device: str = "cpu",
+    compile_workers: int = 1,
+    extra_args: tuple[str, ...] = (),
+    start_timeout_s: float = 120.0,
+  ):
     self.workdir = workdir
     self.log_path = os.path.join(workdir, "verifier.log")
-    self.cmd = [sys.executable, "-m", "verifier", "serve", "--device", device, "--host",
-                "127.0.0.1", "--port", "0", "--compile-workers", str(compile_workers),
-                "--cache-dir", os.path.join(workdir, "verifier_cache"), *extra_args]
+    self.cmd = [
+      sys.executable,
+      "-m",
+      "verifier",
+      "serve",
+      "--device",
+      device,
+      "--host",
+      "127.0.0.1",
+      "--port",
+      "0",
+      "--compile-workers",
+      str(compile_workers),
+      "--cache-dir",
+      os.path.join(workdir, "verifier_cache"),
+      *extra_args,
+    ]
     self.start_timeout_s = start_timeout_s
     self.proc: subprocess.Popen | None = None
     self.address = ""
@@ -39,8 +60,9 @@ class LocalVerifier:
   def __enter__(self) -> "LocalVerifier":
     os.makedirs(self.workdir, exist_ok=True)
     with open(self.log_path, "w") as log:
-      self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "VERIFIER_TOKEN": ""})
+      self.proc = subprocess.Popen(
+        self.cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VERIFIER_TOKEN": ""}
+      )
     deadline = time.time() + self.start_timeout_s
     while True:
       with open(self.log_path) as f:
@@ -51,8 +73,9 @@ class LocalVerifier:
       if self.proc.poll() is not None or time.time() > deadline:
         tail = open(self.log_path).read()[-2000:]
         self.__exit__(None, None, None)
-        raise VerifierStartError(f"verifier did not start (exit {self.proc.returncode}); "
-                                 f"log {self.log_path}:\n{tail}")
+        raise VerifierStartError(
+          f"verifier did not start (exit {self.proc.returncode}); log {self.log_path}:\n{tail}"
+        )
       time.sleep(0.25)
 
   def __exit__(self, *exc):

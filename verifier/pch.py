@@ -33,105 +33,129 @@ HEADER = "dice_torch.h"
 PCH_VERSION = 1
 
 
-def pch_dir(build_root: str, extra_cflags: list[str], extra_include_paths, with_cuda: bool, toolchain: dict) -> str:
-    """Directory of the PCH for main.cpp files compiled with these flags (the ninja cflags depend only on them,
-    the toolchain and the extension name, which the PCH does not use)."""
-    payload = json.dumps({"v": PCH_VERSION, "cflags": list(extra_cflags), "inc": list(extra_include_paths or []),
-                          "cuda": bool(with_cuda), "toolchain": toolchain}, sort_keys=True, default=str)
-    return os.path.join(build_root, "pch", hashlib.sha256(payload.encode()).hexdigest()[:24])
+def pch_dir(
+  build_root: str, extra_cflags: list[str], extra_include_paths, with_cuda: bool, toolchain: dict
+) -> str:
+  """Directory of the PCH for main.cpp files compiled with these flags (the ninja cflags depend only on them,
+  the toolchain and the extension name, which the PCH does not use)."""
+  payload = json.dumps(
+    {
+      "v": PCH_VERSION,
+      "cflags": list(extra_cflags),
+      "inc": list(extra_include_paths or []),
+      "cuda": bool(with_cuda),
+      "toolchain": toolchain,
+    },
+    sort_keys=True,
+    default=str,
+  )
+  return os.path.join(build_root, "pch", hashlib.sha256(payload.encode()).hexdigest()[:24])
 
 
 def include_flags(directory: str) -> list[str]:
-    """``extra_cflags`` that make g++ use the PCH (or the plain header while there is none yet)."""
-    os.makedirs(directory, exist_ok=True)
-    header = os.path.join(directory, HEADER)
-    if not os.path.exists(header):
-        tmp = f"{header}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "w") as f:
-            f.write("#pragma once\n#include <torch/extension.h>\n")
-        os.replace(tmp, header)
-    return ["-include", header]
+  """``extra_cflags`` that make g++ use the PCH (or the plain header while there is none yet)."""
+  os.makedirs(directory, exist_ok=True)
+  header = os.path.join(directory, HEADER)
+  if not os.path.exists(header):
+    tmp = f"{header}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+      f.write("#pragma once\n#include <torch/extension.h>\n")
+    os.replace(tmp, header)
+  return ["-include", header]
 
 
 def ready(directory: str) -> bool:
-    return os.path.exists(os.path.join(directory, HEADER + ".gch"))
+  return os.path.exists(os.path.join(directory, HEADER + ".gch"))
 
 
 def _ninja_vars(build_dir: str) -> dict[str, str]:
-    out = {}
-    with open(os.path.join(build_dir, "build.ninja")) as f:
-        for line in f:
-            m = re.match(r"^(\w+)\s*=\s*(.*)$", line.rstrip("\n"))
-            if m:
-                out[m.group(1)] = m.group(2)
-    return out
+  out = {}
+  with open(os.path.join(build_dir, "build.ninja")) as f:
+    for line in f:
+      m = re.match(r"^(\w+)\s*=\s*(.*)$", line.rstrip("\n"))
+      if m:
+        out[m.group(1)] = m.group(2)
+  return out
 
 
 def request_from_build(build_dir: str, directory: str) -> dict | None:
-    """The PCH build command for ``directory``, from the cflags ninja used in ``build_dir``; None if the build
-    has no main.cpp compile rule we understand."""
-    try:
-        v = _ninja_vars(build_dir)
-    except OSError:
-        return None
-    if "cflags" not in v or "cxx" not in v:
-        return None
-    header = os.path.join(directory, HEADER)
-    flags, skip = [], False
-    for tok in shlex.split(v["cflags"]) + shlex.split(v.get("post_cflags", "")):
-        if skip:
-            skip = False
-            continue
-        if tok == "-include":
-            skip = True  # our own -include of the header being precompiled
-            continue
-        if tok.startswith("-DTORCH_EXTENSION_NAME="):
-            continue  # differs per extension; the torch headers never read it
-        flags.append(tok)
-    return {"dir": directory, "header": header, "command": shlex.split(v["cxx"]) + flags}
+  """The PCH build command for ``directory``, from the cflags ninja used in ``build_dir``; None if the build
+  has no main.cpp compile rule we understand."""
+  try:
+    v = _ninja_vars(build_dir)
+  except OSError:
+    return None
+  if "cflags" not in v or "cxx" not in v:
+    return None
+  header = os.path.join(directory, HEADER)
+  flags, skip = [], False
+  for tok in shlex.split(v["cflags"]) + shlex.split(v.get("post_cflags", "")):
+    if skip:
+      skip = False
+      continue
+    if tok == "-include":
+      skip = True  # our own -include of the header being precompiled
+      continue
+    if tok.startswith("-DTORCH_EXTENSION_NAME="):
+      continue  # differs per extension; the torch headers never read it
+    flags.append(tok)
+  return {"dir": directory, "header": header, "command": shlex.split(v["cxx"]) + flags}
 
 
 def accepted(command: list[str], header: str, gch: str) -> bool:
-    """Whether g++ loads ``gch`` for ``-include header`` under ``command``'s flags (``-H`` marks a used PCH
-    with '!'); an unusable PCH is silently ignored by g++, so this is checked before publishing one."""
-    probe_dir = os.path.dirname(gch)
-    probe = os.path.join(probe_dir, f"probe-{uuid.uuid4().hex[:8]}")
-    os.makedirs(probe, exist_ok=True)
-    try:
-        os.symlink(gch, os.path.join(probe, HEADER + ".gch"))
-        with open(os.path.join(probe, HEADER), "w") as f:
-            f.write(open(header).read())
-        p = subprocess.run(list(command) + ["-H", "-fsyntax-only", "-include", os.path.join(probe, HEADER),
-                                            "-x", "c++", "-"], input="int dice_probe;\n", capture_output=True,
-                           text=True, timeout=120)
-        return p.returncode == 0 and any(line.startswith("! ") and line.endswith(HEADER + ".gch")
-                                         for line in p.stderr.splitlines())
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    finally:
-        shutil.rmtree(probe, ignore_errors=True)
+  """Whether g++ loads ``gch`` for ``-include header`` under ``command``'s flags (``-H`` marks a used PCH
+  with '!'); an unusable PCH is silently ignored by g++, so this is checked before publishing one."""
+  probe_dir = os.path.dirname(gch)
+  probe = os.path.join(probe_dir, f"probe-{uuid.uuid4().hex[:8]}")
+  os.makedirs(probe, exist_ok=True)
+  try:
+    os.symlink(gch, os.path.join(probe, HEADER + ".gch"))
+    with open(os.path.join(probe, HEADER), "w") as f:
+      f.write(open(header).read())
+    p = subprocess.run(
+      list(command)
+      + ["-H", "-fsyntax-only", "-include", os.path.join(probe, HEADER), "-x", "c++", "-"],
+      input="int dice_probe;\n",
+      capture_output=True,
+      text=True,
+      timeout=120,
+    )
+    return p.returncode == 0 and any(
+      line.startswith("! ") and line.endswith(HEADER + ".gch") for line in p.stderr.splitlines()
+    )
+  except (OSError, subprocess.TimeoutExpired):
+    return False
+  finally:
+    shutil.rmtree(probe, ignore_errors=True)
 
 
 def build(request: dict, timeout_s: float = 600.0) -> dict:
-    """Compile the PCH and publish it atomically. Returns {"ok", "seconds", "error"}."""
-    header = request["header"]
-    final = header + ".gch"
-    if os.path.exists(final):
-        return {"ok": True, "seconds": 0.0, "error": "", "existed": True}
-    tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    cmd = list(request["command"]) + ["-x", "c++-header", header, "-o", tmp]
-    t0 = time.monotonic()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        if p.returncode != 0:
-            return {"ok": False, "seconds": time.monotonic() - t0, "error": (p.stderr or p.stdout)[-2000:]}
-        if not accepted(request["command"], header, tmp):
-            return {"ok": False, "seconds": time.monotonic() - t0,
-                    "error": "g++ does not accept the precompiled header under the build's own flags"}
-        os.replace(tmp, final)
-        return {"ok": True, "seconds": time.monotonic() - t0, "error": ""}
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return {"ok": False, "seconds": time.monotonic() - t0, "error": f"{type(e).__name__}: {e}"}
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+  """Compile the PCH and publish it atomically. Returns {"ok", "seconds", "error"}."""
+  header = request["header"]
+  final = header + ".gch"
+  if os.path.exists(final):
+    return {"ok": True, "seconds": 0.0, "error": "", "existed": True}
+  tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+  cmd = list(request["command"]) + ["-x", "c++-header", header, "-o", tmp]
+  t0 = time.monotonic()
+  try:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if p.returncode != 0:
+      return {
+        "ok": False,
+        "seconds": time.monotonic() - t0,
+        "error": (p.stderr or p.stdout)[-2000:],
+      }
+    if not accepted(request["command"], header, tmp):
+      return {
+        "ok": False,
+        "seconds": time.monotonic() - t0,
+        "error": "g++ does not accept the precompiled header under the build's own flags",
+      }
+    os.replace(tmp, final)
+    return {"ok": True, "seconds": time.monotonic() - t0, "error": ""}
+  except (OSError, subprocess.TimeoutExpired) as e:
+    return {"ok": False, "seconds": time.monotonic() - t0, "error": f"{type(e).__name__}: {e}"}
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)

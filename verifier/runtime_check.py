@@ -16,77 +16,162 @@ import torch
 
 from verifier.contract import FailureKind, Strictness
 
-ALLOWED_ATEN = frozenset({
-    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like", "new_zeros",
-    "ones", "ones_like", "new_ones", "full", "full_like", "new_full", "fill_", "zero_", "resize_", "set_",
-    "view", "_reshape_alias", "reshape", "_unsafe_view", "as_strided", "contiguous", "clone", "copy_", "to",
-    "_to_copy", "detach", "detach_", "alias", "lift_fresh", "squeeze", "unsqueeze", "permute", "transpose",
-    "t", "expand", "expand_as", "flatten", "unflatten", "select", "slice", "narrow", "split", "split_with_sizes",
-    "chunk", "unbind", "view_as", "movedim", "size", "stride", "numel", "dim", "is_contiguous", "item",
-    "_local_scalar_dense", "result_type", "_has_compatible_shallow_copy_type", "empty_cache", "record_stream",
-    "scalar_tensor", "arange", "resolve_conj", "resolve_neg", "_copy_from", "_copy_from_and_resize",
-    "is_nonzero", "set_grad_enabled", "cat", "stack",
-})
+ALLOWED_ATEN = frozenset(
+  {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "zeros",
+    "zeros_like",
+    "new_zeros",
+    "ones",
+    "ones_like",
+    "new_ones",
+    "full",
+    "full_like",
+    "new_full",
+    "fill_",
+    "zero_",
+    "resize_",
+    "set_",
+    "view",
+    "_reshape_alias",
+    "reshape",
+    "_unsafe_view",
+    "as_strided",
+    "contiguous",
+    "clone",
+    "copy_",
+    "to",
+    "_to_copy",
+    "detach",
+    "detach_",
+    "alias",
+    "lift_fresh",
+    "squeeze",
+    "unsqueeze",
+    "permute",
+    "transpose",
+    "t",
+    "expand",
+    "expand_as",
+    "flatten",
+    "unflatten",
+    "select",
+    "slice",
+    "narrow",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "unbind",
+    "view_as",
+    "movedim",
+    "size",
+    "stride",
+    "numel",
+    "dim",
+    "is_contiguous",
+    "item",
+    "_local_scalar_dense",
+    "result_type",
+    "_has_compatible_shallow_copy_type",
+    "empty_cache",
+    "record_stream",
+    "scalar_tensor",
+    "arange",
+    "resolve_conj",
+    "resolve_neg",
+    "_copy_from",
+    "_copy_from_and_resize",
+    "is_nonzero",
+    "set_grad_enabled",
+    "cat",
+    "stack",
+  }
+)
 ALLOWED_KERNEL = re.compile(r"fill|Fill|copy|Copy|memset|Memset|Memcpy|memcpy|zero|CatArray", re.I)
 
 
 @dataclasses.dataclass
 class RuntimeVerdict:
-    kind: FailureKind
-    reason: str = ""
-    own_gpu_us: float = 0.0
-    foreign_gpu_us: float = 0.0
-    foreign_ops: tuple[str, ...] = ()
+  kind: FailureKind
+  reason: str = ""
+  own_gpu_us: float = 0.0
+  foreign_gpu_us: float = 0.0
+  foreign_ops: tuple[str, ...] = ()
 
 
 def _device_time_us(e) -> float:
-    for attr in ("device_time", "cuda_time"):
-        v = getattr(e, attr, None)
-        if v:
-            return float(v)
-    try:
-        return float(e.time_range.elapsed_us())
-    except AttributeError:
-        return 0.0
+  for attr in ("device_time", "cuda_time"):
+    v = getattr(e, attr, None)
+    if v:
+      return float(v)
+  try:
+    return float(e.time_range.elapsed_us())
+  except AttributeError:
+    return 0.0
 
 
-def check_forward(model, args: list, device: torch.device, kernel_names: tuple[str, ...],
-                  extension_calls: dict[str, int], strictness: Strictness) -> RuntimeVerdict:
-    from torch.profiler import ProfilerActivity, profile
+def check_forward(
+  model,
+  args: list,
+  device: torch.device,
+  kernel_names: tuple[str, ...],
+  extension_calls: dict[str, int],
+  strictness: Strictness,
+) -> RuntimeVerdict:
+  from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    calls_before = sum(extension_calls.values())
-    with torch.no_grad(), profile(activities=activities) as prof:
-        model(*args)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    if sum(extension_calls.values()) == calls_before:
-        return RuntimeVerdict(FailureKind.KERNEL_NOT_LAUNCHED,
-                              "forward never called a function of the candidate's own extension")
-    foreign_ops, own_us, foreign_us = set(), 0.0, 0.0
-    own_patterns = [re.compile(rf"\b{re.escape(k)}\b") for k in kernel_names]
-    for e in prof.events():
-        is_gpu = str(getattr(e, "device_type", "")).endswith("CUDA")
-        if is_gpu:
-            t = _device_time_us(e)
-            if any(p.search(e.name) for p in own_patterns):
-                own_us += t
-            elif not ALLOWED_KERNEL.search(e.name):
-                foreign_us += t
-        elif e.name.startswith("aten::") and e.name[6:] not in ALLOWED_ATEN:
-            foreign_ops.add(e.name)
-    ops = tuple(sorted(foreign_ops))
-    if device.type == "cuda" and own_us <= 0:
-        return RuntimeVerdict(FailureKind.KERNEL_NOT_LAUNCHED,
-                              f"none of the candidate's kernels ({', '.join(kernel_names) or 'none found'}) ran on the GPU",
-                              own_us, foreign_us, ops)
-    total = own_us + foreign_us
-    if total > 0 and foreign_us / total > strictness.max_foreign_fraction:
-        return RuntimeVerdict(FailureKind.FOREIGN_KERNELS,
-                              f"{100 * foreign_us / total:.0f}% of GPU time in kernels not built from the candidate "
-                              f"(allowed {100 * strictness.max_foreign_fraction:.0f}%); aten ops: {', '.join(ops) or '-'}",
-                              own_us, foreign_us, ops)
-    if ops and strictness.forbid_torch_compute:
-        return RuntimeVerdict(FailureKind.TORCH_COMPUTE, f"forward ran torch compute ops: {', '.join(ops)}",
-                              own_us, foreign_us, ops)
-    return RuntimeVerdict(FailureKind.OK, "", own_us, foreign_us, ops)
+  activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+  calls_before = sum(extension_calls.values())
+  with torch.no_grad(), profile(activities=activities) as prof:
+    model(*args)
+    if device.type == "cuda":
+      torch.cuda.synchronize()
+  if sum(extension_calls.values()) == calls_before:
+    return RuntimeVerdict(
+      FailureKind.KERNEL_NOT_LAUNCHED,
+      "forward never called a function of the candidate's own extension",
+    )
+  foreign_ops, own_us, foreign_us = set(), 0.0, 0.0
+  own_patterns = [re.compile(rf"\b{re.escape(k)}\b") for k in kernel_names]
+  for e in prof.events():
+    is_gpu = str(getattr(e, "device_type", "")).endswith("CUDA")
+    if is_gpu:
+      t = _device_time_us(e)
+      if any(p.search(e.name) for p in own_patterns):
+        own_us += t
+      elif not ALLOWED_KERNEL.search(e.name):
+        foreign_us += t
+    elif e.name.startswith("aten::") and e.name[6:] not in ALLOWED_ATEN:
+      foreign_ops.add(e.name)
+  ops = tuple(sorted(foreign_ops))
+  if device.type == "cuda" and own_us <= 0:
+    return RuntimeVerdict(
+      FailureKind.KERNEL_NOT_LAUNCHED,
+      f"none of the candidate's kernels ({', '.join(kernel_names) or 'none found'}) ran on the GPU",
+      own_us,
+      foreign_us,
+      ops,
+    )
+  total = own_us + foreign_us
+  if total > 0 and foreign_us / total > strictness.max_foreign_fraction:
+    return RuntimeVerdict(
+      FailureKind.FOREIGN_KERNELS,
+      f"{100 * foreign_us / total:.0f}% of GPU time in kernels not built from the candidate "
+      f"(allowed {100 * strictness.max_foreign_fraction:.0f}%); aten ops: {', '.join(ops) or '-'}",
+      own_us,
+      foreign_us,
+      ops,
+    )
+  if ops and strictness.forbid_torch_compute:
+    return RuntimeVerdict(
+      FailureKind.TORCH_COMPUTE,
+      f"forward ran torch compute ops: {', '.join(ops)}",
+      own_us,
+      foreign_us,
+      ops,
+    )
+  return RuntimeVerdict(FailureKind.OK, "", own_us, foreign_us, ops)

@@ -24,13 +24,22 @@ from __future__ import annotations
 
 import re
 
-_UNSUPPORTED = re.compile(r"\btemplate\b|\bnamespace\b|^\s*#\s*(?:if|ifdef|ifndef|elif|else|endif)\b|__constant__|"
-                          r"\bAT_DISPATCH|extern\s+\"C\"|cudaLaunchKernel|\bauto\s+\w+\s*=\s*\[|__managed__", re.M)
-_TORCH = re.compile(r"\b(?:torch|at|c10|pybind11|py)::|\bTensor\b|\bTORCH_|\bAT_|\bC10_|data_ptr|\.options\(\)")
+_UNSUPPORTED = re.compile(
+  r"\btemplate\b|\bnamespace\b|^\s*#\s*(?:if|ifdef|ifndef|elif|else|endif)\b|__constant__|"
+  r"\bAT_DISPATCH|extern\s+\"C\"|cudaLaunchKernel|\bauto\s+\w+\s*=\s*\[|__managed__",
+  re.M,
+)
+_TORCH = re.compile(
+  r"\b(?:torch|at|c10|pybind11|py)::|\bTensor\b|\bTORCH_|\bAT_|\bC10_|data_ptr|\.options\(\)"
+)
 _DEVICE = re.compile(r"__global__|__device__")
-_KERNEL = re.compile(r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(?:static\s+)?void\s+"
-                     r"(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)")
-_DEVICE_ONLY_INCLUDES = re.compile(r"curand_kernel|cooperative_groups|mma\.h|cub/|cuda/|cuda_pipeline|cute/|cutlass/")
+_KERNEL = re.compile(
+  r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(?:static\s+)?void\s+"
+  r"(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)"
+)
+_DEVICE_ONLY_INCLUDES = re.compile(
+  r"curand_kernel|cooperative_groups|mma\.h|cub/|cuda/|cuda_pipeline|cute/|cutlass/"
+)
 _TORCH_INCLUDE = re.compile(r"#\s*include\s*[<\"](?:torch|ATen|c10|pybind11)/")
 
 LAUNCH_HELPER = r"""
@@ -55,212 +64,230 @@ static inline cudaError_t dice_launch(void (*k)(P...), dim3 g, dim3 b, size_t s,
 
 
 def _string_end(text: str, start: int) -> int:
-    """Index just past the string or char literal that opens at ``start`` (escapes skipped)."""
-    quote, j = text[start], start + 1
-    while j < len(text) and text[j] != quote:
-        j += 2 if text[j] == "\\" else 1
-    return j + 1
+  """Index just past the string or char literal that opens at ``start`` (escapes skipped)."""
+  quote, j = text[start], start + 1
+  while j < len(text) and text[j] != quote:
+    j += 2 if text[j] == "\\" else 1
+  return j + 1
 
 
 def _strip_comments(text: str) -> str:
-    out, i, n = [], 0, len(text)
-    while i < n:
-        c = text[i]
-        if text.startswith("//", i):
-            j = text.find("\n", i)
-            i = n if j < 0 else j
-        elif text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            i = n if j < 0 else j + 2
-            out.append(" ")
-        elif c in "\"'":
-            j = _string_end(text, i)
-            out.append(text[i:j])
-            i = j
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
+  out, i, n = [], 0, len(text)
+  while i < n:
+    c = text[i]
+    if text.startswith("//", i):
+      j = text.find("\n", i)
+      i = n if j < 0 else j
+    elif text.startswith("/*", i):
+      j = text.find("*/", i + 2)
+      i = n if j < 0 else j + 2
+      out.append(" ")
+    elif c in "\"'":
+      j = _string_end(text, i)
+      out.append(text[i:j])
+      i = j
+    else:
+      out.append(c)
+      i += 1
+  return "".join(out)
 
 
 def top_level_chunks(text: str) -> tuple[list[str], list[str]] | None:
-    """(preprocessor lines, top-level declarations/definitions); None if braces do not balance."""
-    pre, chunks, buf, depth, i, n = [], [], [], 0, 0, len(text)
-    at_line_start = True
-    while i < n:
-        c = text[i]
-        if at_line_start and depth == 0 and c == "#":
-            j = i
-            while True:  # a directive, with backslash continuations
-                k = text.find("\n", j)
-                k = n if k < 0 else k
-                if k > 0 and text[k - 1] == "\\" and k < n:
-                    j = k + 1
-                    continue
-                break
-            pre.append(text[i:k].strip())
-            i = k
-            continue
-        if c in "\"'":
-            j = _string_end(text, i)
-            buf.append(text[i:j])
-            i = j
-            at_line_start = False
-            continue
-        buf.append(c)
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth < 0:
-                return None
-            if depth == 0:
-                k = i + 1
-                while k < n and text[k] in " \t\r\n":
-                    k += 1
-                if k < n and text[k] == ";":
-                    buf.append(";")
-                    i = k
-                chunks.append("".join(buf).strip())
-                buf = []
-        elif c == ";" and depth == 0:
-            chunks.append("".join(buf).strip())
-            buf = []
-        at_line_start = c == "\n" or (at_line_start and c in " \t")
-        i += 1
-    if depth != 0:
+  """(preprocessor lines, top-level declarations/definitions); None if braces do not balance."""
+  pre, chunks, buf, depth, i, n = [], [], [], 0, 0, len(text)
+  at_line_start = True
+  while i < n:
+    c = text[i]
+    if at_line_start and depth == 0 and c == "#":
+      j = i
+      while True:  # a directive, with backslash continuations
+        k = text.find("\n", j)
+        k = n if k < 0 else k
+        if k > 0 and text[k - 1] == "\\" and k < n:
+          j = k + 1
+          continue
+        break
+      pre.append(text[i:k].strip())
+      i = k
+      continue
+    if c in "\"'":
+      j = _string_end(text, i)
+      buf.append(text[i:j])
+      i = j
+      at_line_start = False
+      continue
+    buf.append(c)
+    if c == "{":
+      depth += 1
+    elif c == "}":
+      depth -= 1
+      if depth < 0:
         return None
-    rest = "".join(buf).strip()
-    if rest:
-        chunks.append(rest)
-    return pre, [c for c in chunks if c]
+      if depth == 0:
+        k = i + 1
+        while k < n and text[k] in " \t\r\n":
+          k += 1
+        if k < n and text[k] == ";":
+          buf.append(";")
+          i = k
+        chunks.append("".join(buf).strip())
+        buf = []
+    elif c == ";" and depth == 0:
+      chunks.append("".join(buf).strip())
+      buf = []
+    at_line_start = c == "\n" or (at_line_start and c in " \t")
+    i += 1
+  if depth != 0:
+    return None
+  rest = "".join(buf).strip()
+  if rest:
+    chunks.append(rest)
+  return pre, [c for c in chunks if c]
 
 
 def _rewrite_launches(code: str, kernels: set[str]) -> str | None:
-    out, pos = [], 0
-    for m in re.finditer(r"\b(\w+)\s*<<<", code):
-        if m.start() < pos:
-            continue
-        name = m.group(1)
-        if name not in kernels:
-            return None
-        end_cfg = code.find(">>>", m.end())
-        if end_cfg < 0:
-            return None
-        config = [c.strip() for c in _split_args(code[m.end():end_cfg])]
-        k = end_cfg + 3
-        while k < len(code) and code[k] in " \t\r\n":
-            k += 1
-        if k >= len(code) or code[k] != "(" or not 2 <= len(config) <= 4:
-            return None
-        close = _matching_paren(code, k)
-        if close < 0:
-            return None
-        args = code[k + 1: close].strip()
-        config += ["0", "0"][: 4 - len(config)]
-        call = (f"dice_launch({name}, dim3({config[0]}), dim3({config[1]}), (size_t)({config[2]}), "
-                f"(cudaStream_t)({config[3]}){', ' + args if args else ''})")
-        out.append(code[pos:m.start()])
-        out.append(call)
-        pos = close + 1
-    out.append(code[pos:])
-    return "".join(out)
+  out, pos = [], 0
+  for m in re.finditer(r"\b(\w+)\s*<<<", code):
+    if m.start() < pos:
+      continue
+    name = m.group(1)
+    if name not in kernels:
+      return None
+    end_cfg = code.find(">>>", m.end())
+    if end_cfg < 0:
+      return None
+    config = [c.strip() for c in _split_args(code[m.end() : end_cfg])]
+    k = end_cfg + 3
+    while k < len(code) and code[k] in " \t\r\n":
+      k += 1
+    if k >= len(code) or code[k] != "(" or not 2 <= len(config) <= 4:
+      return None
+    close = _matching_paren(code, k)
+    if close < 0:
+      return None
+    args = code[k + 1 : close].strip()
+    config += ["0", "0"][: 4 - len(config)]
+    call = (
+      f"dice_launch({name}, dim3({config[0]}), dim3({config[1]}), (size_t)({config[2]}), "
+      f"(cudaStream_t)({config[3]}){', ' + args if args else ''})"
+    )
+    out.append(code[pos : m.start()])
+    out.append(call)
+    pos = close + 1
+  out.append(code[pos:])
+  return "".join(out)
 
 
 def _split_args(text: str) -> list[str]:
-    parts, depth, buf = [], 0, []
-    for c in text:
-        if c in "([{<":
-            depth += 1
-        elif c in ")]}>":
-            depth -= 1
-        if c == "," and depth == 0:
-            parts.append("".join(buf))
-            buf = []
-        else:
-            buf.append(c)
-    parts.append("".join(buf))
-    return parts
+  parts, depth, buf = [], 0, []
+  for c in text:
+    if c in "([{<":
+      depth += 1
+    elif c in ")]}>":
+      depth -= 1
+    if c == "," and depth == 0:
+      parts.append("".join(buf))
+      buf = []
+    else:
+      buf.append(c)
+  parts.append("".join(buf))
+  return parts
 
 
 def _matching_paren(text: str, start: int) -> int:
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "(":
-            depth += 1
-        elif text[i] == ")":
-            depth -= 1
-            if depth == 0:
-                return i
-    return -1
+  depth = 0
+  for i in range(start, len(text)):
+    if text[i] == "(":
+      depth += 1
+    elif text[i] == ")":
+      depth -= 1
+      if depth == 0:
+        return i
+  return -1
 
 
 def split_sources(cpp_sources: str, cuda_sources: str) -> tuple[str, str] | None:
-    """Returns (host code for cpp_sources, torch-free cuda_sources), or None outside the supported subset."""
-    cuda = _strip_comments(cuda_sources)
-    if _UNSUPPORTED.search(cuda):
-        return None
-    parsed = top_level_chunks(cuda)
-    if parsed is None:
-        return None
-    pre, chunks = parsed
-    kernels = {m.group(1): m.group(2) for m in _KERNEL.finditer(cuda)}
-    if not kernels:
-        return None
-    dev_pre, host_pre = [], []
-    for line in pre:
-        if _TORCH_INCLUDE.search(line) or _TORCH.search(line):
-            host_pre.append(line)
-        elif line.startswith("#include") and _DEVICE_ONLY_INCLUDES.search(line):
-            dev_pre.append(line)
-        else:
-            dev_pre.append(line)
-            host_pre.append(line)
-    device, host, shared = [], [], []
-    for c in chunks:
-        is_dev, is_torch = bool(_DEVICE.search(c)), bool(_TORCH.search(c))
-        if is_dev:
-            if is_torch or "<<<" in c:
-                return None  # device code that touches torch, or dynamic parallelism
-            device.append(re.sub(r"\bstatic\s+(__global__)", r"\1", c))
-        elif is_torch:
-            host.append(c)
-        elif c.endswith("}") and "(" in c.split("{", 1)[0] and not re.match(r"(?:struct|class|union|enum|typedef)\b", c):
-            host.append(c)  # a plain host function: one definition only
-        else:
-            shared.append(c)
-    host_code = "\n\n".join(host)
-    rewritten = _rewrite_launches(host_code, set(kernels))
-    if rewritten is None or "<<<" in rewritten:
-        return None
-    decls = [f"void {name}({params});" for name, params in kernels.items()]
-    new_cpp = "\n".join(["#include <torch/extension.h>", LAUNCH_HELPER, *host_pre, cpp_sources, *shared, *decls, rewritten])
-    new_cuda = "\n".join(["#include <cuda_runtime.h>", *dev_pre, *shared, *device])
-    return new_cpp, new_cuda
+  """Returns (host code for cpp_sources, torch-free cuda_sources), or None outside the supported subset."""
+  cuda = _strip_comments(cuda_sources)
+  if _UNSUPPORTED.search(cuda):
+    return None
+  parsed = top_level_chunks(cuda)
+  if parsed is None:
+    return None
+  pre, chunks = parsed
+  kernels = {m.group(1): m.group(2) for m in _KERNEL.finditer(cuda)}
+  if not kernels:
+    return None
+  dev_pre, host_pre = [], []
+  for line in pre:
+    if _TORCH_INCLUDE.search(line) or _TORCH.search(line):
+      host_pre.append(line)
+    elif line.startswith("#include") and _DEVICE_ONLY_INCLUDES.search(line):
+      dev_pre.append(line)
+    else:
+      dev_pre.append(line)
+      host_pre.append(line)
+  device, host, shared = [], [], []
+  for c in chunks:
+    is_dev, is_torch = bool(_DEVICE.search(c)), bool(_TORCH.search(c))
+    if is_dev:
+      if is_torch or "<<<" in c:
+        return None  # device code that touches torch, or dynamic parallelism
+      device.append(re.sub(r"\bstatic\s+(__global__)", r"\1", c))
+    elif is_torch:
+      host.append(c)
+    elif (
+      c.endswith("}")
+      and "(" in c.split("{", 1)[0]
+      and not re.match(r"(?:struct|class|union|enum|typedef)\b", c)
+    ):
+      host.append(c)  # a plain host function: one definition only
+    else:
+      shared.append(c)
+  host_code = "\n\n".join(host)
+  rewritten = _rewrite_launches(host_code, set(kernels))
+  if rewritten is None or "<<<" in rewritten:
+    return None
+  decls = [f"void {name}({params});" for name, params in kernels.items()]
+  new_cpp = "\n".join(
+    [
+      "#include <torch/extension.h>",
+      LAUNCH_HELPER,
+      *host_pre,
+      cpp_sources,
+      *shared,
+      *decls,
+      rewritten,
+    ]
+  )
+  new_cuda = "\n".join(["#include <cuda_runtime.h>", *dev_pre, *shared, *device])
+  return new_cpp, new_cuda
 
 
 def split_variant(params: dict) -> dict | None:
-    """load_inline parameters for the split build, or None."""
-    cuda, cpp = params.get("cuda_sources"), params.get("cpp_sources") or ""
-    if not cuda:
-        return None
-    cuda_text = cuda if isinstance(cuda, str) else "\n".join(cuda)
-    cpp_text = cpp if isinstance(cpp, str) else "\n".join(cpp)
-    res = split_sources(cpp_text, cuda_text)
-    if res is None:
-        return None
-    out = dict(params)
-    out["cpp_sources"], out["cuda_sources"] = res
-    out["no_implicit_headers"] = True
-    out["extra_cflags"] = list(params.get("extra_cflags") or []) + [host_opt_level(params.get("extra_cuda_cflags"))]
-    return out
+  """load_inline parameters for the split build, or None."""
+  cuda, cpp = params.get("cuda_sources"), params.get("cpp_sources") or ""
+  if not cuda:
+    return None
+  cuda_text = cuda if isinstance(cuda, str) else "\n".join(cuda)
+  cpp_text = cpp if isinstance(cpp, str) else "\n".join(cpp)
+  res = split_sources(cpp_text, cuda_text)
+  if res is None:
+    return None
+  out = dict(params)
+  out["cpp_sources"], out["cuda_sources"] = res
+  out["no_implicit_headers"] = True
+  out["extra_cflags"] = list(params.get("extra_cflags") or []) + [
+    host_opt_level(params.get("extra_cuda_cflags"))
+  ]
+  return out
 
 
 def host_opt_level(extra_cuda_cflags) -> str:
-    """The optimisation level nvcc would give the host wrappers: its ``-O`` flag (nvcc applies it to host code),
-    else none, i.e. -O0 (nvcc 13 passes no -O to its host compiler by default, and torch adds none)."""
-    level = "-O0"
-    for flag in extra_cuda_cflags or []:
-        if re.fullmatch(r"-O[0-3s]", str(flag).strip()):
-            level = str(flag).strip()
-    return level
+  """The optimisation level nvcc would give the host wrappers: its ``-O`` flag (nvcc applies it to host code),
+  else none, i.e. -O0 (nvcc 13 passes no -O to its host compiler by default, and torch adds none)."""
+  level = "-O0"
+  for flag in extra_cuda_cflags or []:
+    if re.fullmatch(r"-O[0-3s]", str(flag).strip()):
+      level = str(flag).strip()
+  return level

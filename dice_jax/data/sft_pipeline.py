@@ -37,172 +37,199 @@ FEATURES = ("tokens", "positions", "segment_ids", "loss_mask")
 
 @dataclasses.dataclass(frozen=True)
 class SFTPipelineConfig:
-    seq_len: int = 6144
-    block_size: int = 4
-    block_alignment: str = "response"  # "response" pads each response, "absolute" each sample, to a block multiple
-    batch_size: int = 8  # rows per batch on this process
-    seed: int = 0
-    shuffle: bool = True
-    num_epochs: int | None = 1  # None = repeat forever
-    num_packing_bins: int = 16
-    process_index: int = 0
-    process_count: int = 1
-    read_threads: int = 4
-    worker_count: int = 0  # > 0: grain mp_prefetch worker processes after batching
-    drop_remainder: bool = True
+  seq_len: int = 6144
+  block_size: int = 4
+  block_alignment: str = (
+    "response"  # "response" pads each response, "absolute" each sample, to a block multiple
+  )
+  batch_size: int = 8  # rows per batch on this process
+  seed: int = 0
+  shuffle: bool = True
+  num_epochs: int | None = 1  # None = repeat forever
+  num_packing_bins: int = 16
+  process_index: int = 0
+  process_count: int = 1
+  read_threads: int = 4
+  worker_count: int = 0  # > 0: grain mp_prefetch worker processes after batching
+  drop_remainder: bool = True
 
-    def __post_init__(self):
-        if self.block_size < 1 or self.seq_len < self.block_size or self.seq_len % self.block_size:
-            raise ValueError(f"seq_len ({self.seq_len}) must be a positive multiple of block_size ({self.block_size})")
-        if self.worker_count < 0:
-            raise ValueError(f"worker_count must be >= 0, got {self.worker_count}")
-        if self.batch_size < 1 or self.num_packing_bins < 1:
-            raise ValueError("batch_size and num_packing_bins must be >= 1")
-        if not 0 <= self.process_index < self.process_count:
-            raise ValueError(f"process_index {self.process_index} not in [0, {self.process_count})")
-        if self.num_epochs is not None and self.num_epochs < 1:
-            raise ValueError(f"num_epochs must be >= 1 or None, got {self.num_epochs}")
+  def __post_init__(self):
+    if self.block_size < 1 or self.seq_len < self.block_size or self.seq_len % self.block_size:
+      raise ValueError(
+        f"seq_len ({self.seq_len}) must be a positive multiple of block_size ({self.block_size})"
+      )
+    if self.worker_count < 0:
+      raise ValueError(f"worker_count must be >= 0, got {self.worker_count}")
+    if self.batch_size < 1 or self.num_packing_bins < 1:
+      raise ValueError("batch_size and num_packing_bins must be >= 1")
+    if not 0 <= self.process_index < self.process_count:
+      raise ValueError(f"process_index {self.process_index} not in [0, {self.process_count})")
+    if self.num_epochs is not None and self.num_epochs < 1:
+      raise ValueError(f"num_epochs must be >= 1 or None, got {self.num_epochs}")
 
 
 def sft_texts(sample: SFTSample, tokenizer) -> tuple[str, str]:
-    """(prompt text, response text) rendered with the chat template; prompt + response == full conversation."""
-    user = [{"role": "user", "content": sample.prompt}]
-    prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": sample.response}],
-                                         add_generation_prompt=False)
-    if not full.startswith(prompt):
-        raise ValueError("chat template: the rendered conversation does not start with the rendered prompt")
-    return prompt, full[len(prompt):]
+  """(prompt text, response text) rendered with the chat template; prompt + response == full conversation."""
+  user = [{"role": "user", "content": sample.prompt}]
+  prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True)
+  full = tokenizer.apply_chat_template(
+    user + [{"role": "assistant", "content": sample.response}], add_generation_prompt=False
+  )
+  if not full.startswith(prompt):
+    raise ValueError(
+      "chat template: the rendered conversation does not start with the rendered prompt"
+    )
+  return prompt, full[len(prompt) :]
 
 
 def pad_to_block(n: int, block_size: int) -> int:
-    return -(-n // block_size) * block_size
+  return -(-n // block_size) * block_size
 
 
-def tokenize_sample(prompt_ids: Sequence[int], response_ids: Sequence[int], block_size: int, pad_id: int,
-                    block_alignment: str = "response") -> dict[str, np.ndarray]:
-    """One SDAR sample: prompt + response + pad to a block multiple; loss on response and the block pad.
+def tokenize_sample(
+  prompt_ids: Sequence[int],
+  response_ids: Sequence[int],
+  block_size: int,
+  pad_id: int,
+  block_alignment: str = "response",
+) -> dict[str, np.ndarray]:
+  """One SDAR sample: prompt + response + pad to a block multiple; loss on response and the block pad.
 
-    With ``block_alignment="response"`` (the project's convention, `dice_jax.diffusion.blocks`: blocks
-    start at the response) the *response* is padded to a block multiple, so its last block is whole, as
-    in sampling; with ``"absolute"`` (SDAR's packing) the whole sample is.
-    """
-    n = len(prompt_ids) + len(response_ids)
-    if block_alignment == "response":
-        total = len(prompt_ids) + pad_to_block(len(response_ids), block_size)
-    elif block_alignment == "absolute":
-        total = pad_to_block(n, block_size)
-    else:
-        raise ValueError(f"block_alignment must be 'response' or 'absolute', got {block_alignment!r}")
-    tokens = np.full(total, pad_id, np.int32)
-    tokens[: len(prompt_ids)] = prompt_ids
-    tokens[len(prompt_ids): n] = response_ids
-    loss = np.ones(total, bool)
-    loss[: len(prompt_ids)] = False
-    return {"tokens": tokens, "loss_mask": loss}
+  With ``block_alignment="response"`` (the project's convention, `dice_jax.diffusion.blocks`: blocks
+  start at the response) the *response* is padded to a block multiple, so its last block is whole, as
+  in sampling; with ``"absolute"`` (SDAR's packing) the whole sample is.
+  """
+  n = len(prompt_ids) + len(response_ids)
+  if block_alignment == "response":
+    total = len(prompt_ids) + pad_to_block(len(response_ids), block_size)
+  elif block_alignment == "absolute":
+    total = pad_to_block(n, block_size)
+  else:
+    raise ValueError(f"block_alignment must be 'response' or 'absolute', got {block_alignment!r}")
+  tokens = np.full(total, pad_id, np.int32)
+  tokens[: len(prompt_ids)] = prompt_ids
+  tokens[len(prompt_ids) : n] = response_ids
+  loss = np.ones(total, bool)
+  loss[: len(prompt_ids)] = False
+  return {"tokens": tokens, "loss_mask": loss}
 
 
 @dataclasses.dataclass
 class PackingStats:
-    """Counts shared by the pipeline's stages (thread-safe increments)."""
+  """Counts shared by the pipeline's stages (thread-safe increments)."""
 
-    samples_dropped: int = 0
-    tokens_dropped: int = 0
-    dropped_ids: list = dataclasses.field(default_factory=list)
-    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+  samples_dropped: int = 0
+  tokens_dropped: int = 0
+  dropped_ids: list = dataclasses.field(default_factory=list)
+  _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
-    def __getstate__(self):  # picklable (grain workers get a copy; their counts stay in the worker)
-        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+  def __getstate__(self):  # picklable (grain workers get a copy; their counts stay in the worker)
+    return {k: v for k, v in self.__dict__.items() if k != "_lock"}
 
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._lock = threading.Lock()
 
-    def drop(self, sample_id: str, n: int) -> None:
-        with self._lock:
-            self.samples_dropped += 1
-            self.tokens_dropped += n
-            self.dropped_ids.append(sample_id)
+  def drop(self, sample_id: str, n: int) -> None:
+    with self._lock:
+      self.samples_dropped += 1
+      self.tokens_dropped += n
+      self.dropped_ids.append(sample_id)
 
 
 class _Tokenize(grain.transforms.Map):
-    def __init__(self, tokenizer, block_size: int, block_alignment: str = "response"):
-        self.tok, self.block, self.alignment = tokenizer, block_size, block_alignment
+  def __init__(self, tokenizer, block_size: int, block_alignment: str = "response"):
+    self.tok, self.block, self.alignment = tokenizer, block_size, block_alignment
 
-    def map(self, sample: SFTSample) -> dict:
-        prompt, response = sft_texts(sample, self.tok)
-        out = tokenize_sample(self.tok.encode(prompt), self.tok.encode(response), self.block, self.tok.pad_token_id,
-                              self.alignment)
-        out["sample_id"] = sample.sample_id
-        return out
-
-
-def _to_contract(pad_id: int):
-    def f(row: dict) -> dict:
-        seg = row["tokens_segment_ids"].astype(np.int32)
-        tokens = np.where(seg > 0, row["tokens"], pad_id).astype(np.int32)
-        return {
-            "tokens": tokens,
-            "positions": row["tokens_positions"].astype(np.int32),
-            "segment_ids": seg,
-            "loss_mask": (row["loss_mask"] & (seg > 0)).astype(bool),
-        }
-    return f
-
-
-def make_sft_dataset(samples: Sequence[SFTSample], tokenizer, cfg: SFTPipelineConfig,
-                     stats: PackingStats | None = None, batched: bool = True) -> grain.IterDataset:
-    """The SFT pipeline over in-memory samples. Iterate it with ``iter(ds)``; the iterator's
-    ``get_state()`` / ``set_state()`` checkpoint and restore it exactly."""
-    if not samples:
-        raise ValueError("no SFT samples")
-    stats = stats if stats is not None else PackingStats()
-    ds = grain.MapDataset.source(list(samples))
-    if cfg.shuffle:
-        ds = ds.seed(cfg.seed).shuffle()
-    if cfg.num_epochs != 1:
-        ds = ds.repeat(cfg.num_epochs)
-    if cfg.process_count > 1:
-        ds = ds[cfg.process_index:: cfg.process_count]
-    ds = ds.map(_Tokenize(tokenizer, cfg.block_size, cfg.block_alignment))
-    ids = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=64))
-
-    per_pass = -(-len(samples) // cfg.process_count)  # samples this process sees per epoch
-    in_a_row = [0]  # consecutive drops: a whole pass of them means nothing will ever fit
-
-    def fits(x: dict) -> bool:
-        n = len(x["tokens"])
-        if n > cfg.seq_len:
-            logging.warning("dropping SFT sample %s: %d tokens > seq_len %d", x["sample_id"], n, cfg.seq_len)
-            stats.drop(x["sample_id"], n)
-            in_a_row[0] += 1
-            if in_a_row[0] > per_pass:  # a repeating dataset would otherwise wait forever
-                raise ValueError(f"no SFT sample fits seq_len={cfg.seq_len}: {in_a_row[0]} samples in a row "
-                                 f"were longer, a whole pass; raise seq_len or truncate the texts")
-            return False
-        in_a_row[0] = 0
-        return True
-
-    ids = ids.filter(fits).map(lambda x: {"tokens": x["tokens"], "loss_mask": x["loss_mask"]})
-    packed = FirstFitPackIterDataset(
-        ids,
-        length_struct={"tokens": cfg.seq_len, "loss_mask": cfg.seq_len},
-        num_packing_bins=cfg.num_packing_bins,
-        seed=cfg.seed,
-        shuffle_bins=cfg.shuffle,
-        padding_struct={"tokens": tokenizer.pad_token_id, "loss_mask": False},
+  def map(self, sample: SFTSample) -> dict:
+    prompt, response = sft_texts(sample, self.tok)
+    out = tokenize_sample(
+      self.tok.encode(prompt),
+      self.tok.encode(response),
+      self.block,
+      self.tok.pad_token_id,
+      self.alignment,
     )
-    rows = packed.map(_to_contract(tokenizer.pad_token_id))
-    if not batched:
-        return rows
-    out = rows.batch(cfg.batch_size, drop_remainder=cfg.drop_remainder)
-    if cfg.worker_count > 0:
-        if not flags.FLAGS.is_parsed():  # grain's worker processes read absl flags (defaults are fine)
-            flags.FLAGS.mark_as_parsed()
-        out = out.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
+    out["sample_id"] = sample.sample_id
     return out
 
 
+def _to_contract(pad_id: int):
+  def f(row: dict) -> dict:
+    seg = row["tokens_segment_ids"].astype(np.int32)
+    tokens = np.where(seg > 0, row["tokens"], pad_id).astype(np.int32)
+    return {
+      "tokens": tokens,
+      "positions": row["tokens_positions"].astype(np.int32),
+      "segment_ids": seg,
+      "loss_mask": (row["loss_mask"] & (seg > 0)).astype(bool),
+    }
+
+  return f
+
+
+def make_sft_dataset(
+  samples: Sequence[SFTSample],
+  tokenizer,
+  cfg: SFTPipelineConfig,
+  stats: PackingStats | None = None,
+  batched: bool = True,
+) -> grain.IterDataset:
+  """The SFT pipeline over in-memory samples. Iterate it with ``iter(ds)``; the iterator's
+  ``get_state()`` / ``set_state()`` checkpoint and restore it exactly."""
+  if not samples:
+    raise ValueError("no SFT samples")
+  stats = stats if stats is not None else PackingStats()
+  ds = grain.MapDataset.source(list(samples))
+  if cfg.shuffle:
+    ds = ds.seed(cfg.seed).shuffle()
+  if cfg.num_epochs != 1:
+    ds = ds.repeat(cfg.num_epochs)
+  if cfg.process_count > 1:
+    ds = ds[cfg.process_index :: cfg.process_count]
+  ds = ds.map(_Tokenize(tokenizer, cfg.block_size, cfg.block_alignment))
+  ids = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=64))
+
+  per_pass = -(-len(samples) // cfg.process_count)  # samples this process sees per epoch
+  in_a_row = [0]  # consecutive drops: a whole pass of them means nothing will ever fit
+
+  def fits(x: dict) -> bool:
+    n = len(x["tokens"])
+    if n > cfg.seq_len:
+      logging.warning(
+        "dropping SFT sample %s: %d tokens > seq_len %d", x["sample_id"], n, cfg.seq_len
+      )
+      stats.drop(x["sample_id"], n)
+      in_a_row[0] += 1
+      if in_a_row[0] > per_pass:  # a repeating dataset would otherwise wait forever
+        raise ValueError(
+          f"no SFT sample fits seq_len={cfg.seq_len}: {in_a_row[0]} samples in a row "
+          f"were longer, a whole pass; raise seq_len or truncate the texts"
+        )
+      return False
+    in_a_row[0] = 0
+    return True
+
+  ids = ids.filter(fits).map(lambda x: {"tokens": x["tokens"], "loss_mask": x["loss_mask"]})
+  packed = FirstFitPackIterDataset(
+    ids,
+    length_struct={"tokens": cfg.seq_len, "loss_mask": cfg.seq_len},
+    num_packing_bins=cfg.num_packing_bins,
+    seed=cfg.seed,
+    shuffle_bins=cfg.shuffle,
+    padding_struct={"tokens": tokenizer.pad_token_id, "loss_mask": False},
+  )
+  rows = packed.map(_to_contract(tokenizer.pad_token_id))
+  if not batched:
+    return rows
+  out = rows.batch(cfg.batch_size, drop_remainder=cfg.drop_remainder)
+  if cfg.worker_count > 0:
+    if not flags.FLAGS.is_parsed():  # grain's worker processes read absl flags (defaults are fine)
+      flags.FLAGS.mark_as_parsed()
+    out = out.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
+  return out
+
+
 def packing_efficiency(batch: dict) -> float:
-    """Fraction of row slots holding a sample token (segment_ids > 0)."""
-    return float((np.asarray(batch["segment_ids"]) > 0).mean())
+  """Fraction of row slots holding a sample token (segment_ids > 0)."""
+  return float((np.asarray(batch["segment_ids"]) > 0).mean())

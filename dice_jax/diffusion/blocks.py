@@ -44,12 +44,14 @@ def response_start_per_token(positions_bt, segment_ids_bt, loss_mask_bt):
     start = jnp.where(first_loss == big, past_end, first_loss)
     return jnp.where(seg_t > 0, start[seg_t], 0)
 
-  return jax.vmap(one_row)(positions_bt.astype(jnp.int32), segment_ids_bt.astype(jnp.int32),
-                           loss_mask_bt.astype(bool))
+  return jax.vmap(one_row)(
+    positions_bt.astype(jnp.int32), segment_ids_bt.astype(jnp.int32), loss_mask_bt.astype(bool)
+  )
 
 
-def block_ids(positions_bt, segment_ids_bt, loss_mask_bt, block_size: int,
-              block_alignment: str = "response"):
+def block_ids(
+  positions_bt, segment_ids_bt, loss_mask_bt, block_size: int, block_alignment: str = "response"
+):
   """Block id of every token (`[B, T]` int32) under the chosen alignment (module docstring)."""
   check_alignment(block_alignment)
   if block_alignment == "absolute":

@@ -44,8 +44,9 @@ def noise_level(key, segment_ids_bt, block_ids_bt, *, eps: float, per_block_t: b
   return (1.0 - eps) * t + eps
 
 
-def sample_mask(key, segment_ids_bt, block_ids_bt, loss_mask_bt, *, eps: float = 1e-3,
-                per_block_t: bool = False):
+def sample_mask(
+  key, segment_ids_bt, block_ids_bt, loss_mask_bt, *, eps: float = 1e-3, per_block_t: bool = False
+):
   """Which tokens are masked in x_t, and each token's masking probability p.
 
   Returns (masked_bt bool, p_bt f32). Only loss tokens are ever masked. Every segment with at least

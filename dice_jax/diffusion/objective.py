@@ -62,8 +62,7 @@ def weighted_cross_entropy(logits_btv, targets_bt, weights_bt):
 def xt_hidden(model, x0_bt, xt_bt, positions_bt, segment_ids_bt, block_ids_bt):
   """Final hidden states of the x_t half of the `[x_t ; x_0]` input (`[B, T, D]`)."""
   t = x0_bt.shape[1]
-  spec = masks_lib.AttentionSpec.block_diffusion(model.cfg.block_size, segment_ids_bt,
-                                                 block_ids_bt)
+  spec = masks_lib.AttentionSpec.block_diffusion(model.cfg.block_size, segment_ids_bt, block_ids_bt)
   tokens = jnp.concatenate([xt_bt, x0_bt], axis=1)
   positions = jnp.concatenate([positions_bt, positions_bt], axis=1)
   hidden = model(tokens, positions, spec, return_hidden=True)
@@ -115,10 +114,12 @@ def block_diffusion_loss(model, batch, rng, cfg: ObjectiveConfig = ObjectiveConf
   loss_mask = jnp.asarray(batch["loss_mask"]).astype(bool) & (segment_ids > 0)
   mcfg = model.cfg
 
-  block_ids = blocks_lib.block_ids(positions, segment_ids, loss_mask, mcfg.block_size,
-                                   cfg.block_alignment)
-  masked, p = noising.sample_mask(rng, segment_ids, block_ids, loss_mask, eps=cfg.eps,
-                                  per_block_t=cfg.per_block_t)
+  block_ids = blocks_lib.block_ids(
+    positions, segment_ids, loss_mask, mcfg.block_size, cfg.block_alignment
+  )
+  masked, p = noising.sample_mask(
+    rng, segment_ids, block_ids, loss_mask, eps=cfg.eps, per_block_t=cfg.per_block_t
+  )
   xt = noising.apply_mask(tokens, masked, mcfg.mask_token_id)
   hidden = xt_hidden(model, tokens, xt, positions, segment_ids, block_ids)
   # Two weightings from one pass over the logits: 1/p (the loss) and 1 (plain masked CE, a metric).
@@ -128,6 +129,10 @@ def block_diffusion_loss(model, batch, rng, cfg: ObjectiveConfig = ObjectiveConf
   answer_tokens = jnp.sum(loss_mask).astype(jnp.float32)
   masked_tokens = jnp.sum(masked).astype(jnp.float32)
   loss = weighted_ce_sum / jnp.maximum(answer_tokens, 1.0)
-  metrics = dict(weighted_ce_sum=weighted_ce_sum, answer_tokens=answer_tokens,
-                 masked_tokens=masked_tokens, masked_ce_sum=jax.lax.stop_gradient(masked_ce_sum))
+  metrics = dict(
+    weighted_ce_sum=weighted_ce_sum,
+    answer_tokens=answer_tokens,
+    masked_tokens=masked_tokens,
+    masked_ce_sum=jax.lax.stop_gradient(masked_ce_sum),
+  )
   return loss, metrics

@@ -48,8 +48,16 @@ def _filtered_logits(logits_bnv, *, temperature: float, top_k: int, top_p: float
   return x
 
 
-def sample_candidates(key, logits_bnv, *, temperature: float = 0.0, top_k: int = 0,
-                      top_p: float = 1.0, want_entropy: bool = False, want_logprob: bool = False):
+def sample_candidates(
+  key,
+  logits_bnv,
+  *,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  want_entropy: bool = False,
+  want_logprob: bool = False,
+):
   """Candidate token per position and its statistics.
 
   Returns dict: `token` [B,N] int32, `confidence` [B,N] (probability under the filtered
@@ -88,8 +96,17 @@ def _rank(key_bn, masked_bn):
   return jnp.argsort(order, axis=-1, stable=True), order, n
 
 
-def select_transfer(strategy: str, masked_bn, confidence_bn, entropy_bn, k_b, *,
-                    threshold: float = 0.9, eb_threshold: float = 0.35, flush=False):
+def select_transfer(
+  strategy: str,
+  masked_bn,
+  confidence_bn,
+  entropy_bn,
+  k_b,
+  *,
+  threshold: float = 0.9,
+  eb_threshold: float = 0.35,
+  flush=False,
+):
   """Positions to unmask this step (`[B, N]` bool, a subset of `masked_bn`).
 
   `k_b` [B]: this step's transfer count; `flush`: scalar bool, unmask everything left.

@@ -41,7 +41,6 @@ the compiled loop (updated in place); the initial canvas passed in is donated to
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple, Optional, Sequence
 
 import jax
@@ -77,14 +76,17 @@ class SamplerConfig:
   def __post_init__(self):
     blocks_lib.check_alignment(self.block_alignment)
     if self.strategy not in remasking.STRATEGIES:
-      raise ValueError(f"SamplerConfig.strategy must be one of {remasking.STRATEGIES}, "
-                       f"got {self.strategy!r}")
+      raise ValueError(
+        f"SamplerConfig.strategy must be one of {remasking.STRATEGIES}, got {self.strategy!r}"
+      )
     for name in ("block_size", "steps", "max_new_tokens"):
       if getattr(self, name) < 1:
         raise ValueError(f"SamplerConfig.{name} must be >= 1, got {getattr(self, name)}")
     if self.temperature < 0 or self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"SamplerConfig: bad temperature/top_k/top_p "
-                       f"({self.temperature}, {self.top_k}, {self.top_p})")
+      raise ValueError(
+        f"SamplerConfig: bad temperature/top_k/top_p "
+        f"({self.temperature}, {self.top_k}, {self.top_p})"
+      )
     if not isinstance(self.stop_ids, tuple):
       object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
 
@@ -105,8 +107,13 @@ class Layout:
   first_block_column: int = dataclasses.field(metadata=dict(static=True))  # c0
 
 
-def layout_prompts(prompts: Sequence[Sequence[int]], cfg: SamplerConfig, mask_token_id: int,
-                   max_new_tokens: Optional[Sequence[int]] = None, prompt_width: int = 0) -> Layout:
+def layout_prompts(
+  prompts: Sequence[Sequence[int]],
+  cfg: SamplerConfig,
+  mask_token_id: int,
+  max_new_tokens: Optional[Sequence[int]] = None,
+  prompt_width: int = 0,
+) -> Layout:
   """Left-pads `prompts` onto a canvas (numpy, host side). See the module docstring.
 
   `prompt_width`: minimum P (rounded up to a multiple of b), to share one compile across batches.
@@ -118,11 +125,16 @@ def layout_prompts(prompts: Sequence[Sequence[int]], cfg: SamplerConfig, mask_to
   if lens.min() < 1:
     raise ValueError("layout_prompts: every prompt needs at least one token")
   rows = len(prompts)
-  new = np.full(rows, cfg.max_new_tokens, np.int64) if max_new_tokens is None else np.asarray(
-      max_new_tokens, np.int64)
+  new = (
+    np.full(rows, cfg.max_new_tokens, np.int64)
+    if max_new_tokens is None
+    else np.asarray(max_new_tokens, np.int64)
+  )
   if new.shape != (rows,) or new.min() < 1 or new.max() > cfg.max_new_tokens:
-    raise ValueError(f"layout_prompts: max_new_tokens must be {rows} values in "
-                     f"[1, {cfg.max_new_tokens}], got {new.tolist()}")
+    raise ValueError(
+      f"layout_prompts: max_new_tokens must be {rows} values in "
+      f"[1, {cfg.max_new_tokens}], got {new.tolist()}"
+    )
   if cfg.block_alignment == "response":
     width = max(int(lens.max()), prompt_width, 2 * b)
     width = -(-width // b) * b
@@ -142,7 +154,7 @@ def layout_prompts(prompts: Sequence[Sequence[int]], cfg: SamplerConfig, mask_to
   col = np.arange(total)[None, :]
   tokens = np.full((rows, total), cfg.pad_id, np.int32)
   for i, p in enumerate(prompts):
-    tokens[i, pad[i]:pad[i] + lens[i]] = np.asarray(p, np.int32)
+    tokens[i, pad[i] : pad[i] + lens[i]] = np.asarray(p, np.int32)
   is_gen = col >= start[:, None]
   tokens = np.where(is_gen, mask_token_id, tokens).astype(np.int32)
   positions = np.maximum(col - pad[:, None], 0).astype(np.int32)
@@ -152,10 +164,17 @@ def layout_prompts(prompts: Sequence[Sequence[int]], cfg: SamplerConfig, mask_to
   else:
     block_ids = np.floor_divide(col - pad[:, None], b)
   block_ids = np.broadcast_to(block_ids, (rows, total)).astype(np.int32)
-  return Layout(tokens=tokens, positions=positions, segment_ids=segment_ids, block_ids=block_ids,
-                is_generation=is_gen, response_start=start.astype(np.int32),
-                pad_columns=pad.astype(np.int32), max_new_tokens=new.astype(np.int32),
-                first_block_column=int(c0))
+  return Layout(
+    tokens=tokens,
+    positions=positions,
+    segment_ids=segment_ids,
+    block_ids=block_ids,
+    is_generation=is_gen,
+    response_start=start.astype(np.int32),
+    pad_columns=pad.astype(np.int32),
+    max_new_tokens=new.astype(np.int32),
+    first_block_column=int(c0),
+  )
 
 
 @jax.tree_util.register_dataclass
@@ -172,17 +191,19 @@ class SampleOutput:
 
   def responses(self) -> list[list[int]]:
     """Host-side list of each row's response tokens (up to `response_lengths`)."""
-    toks, start, n = (np.asarray(x) for x in (self.tokens, self.response_start,
-                                               self.response_lengths))
-    return [toks[i, start[i]:start[i] + n[i]].tolist() for i in range(toks.shape[0])]
+    toks, start, n = (
+      np.asarray(x) for x in (self.tokens, self.response_start, self.response_lengths)
+    )
+    return [toks[i, start[i] : start[i] + n[i]].tolist() for i in range(toks.shape[0])]
 
 
 def _slice_cols(x, start, width):
   return jax.lax.dynamic_slice_in_dim(x, start, width, axis=1)
 
 
-def _prefill(model, layout: Layout, width: int, chunk: int, max_len: int, block_size: int
-             ) -> KVCache:
+def _prefill(
+  model, layout: Layout, width: int, chunk: int, max_len: int, block_size: int
+) -> KVCache:
   """Cache holding the first `width` columns, computed `chunk` rows at a time."""
   cfg = model.cfg
   rows = layout.tokens.shape[0]
@@ -206,8 +227,14 @@ def _prefill(model, layout: Layout, width: int, chunk: int, max_len: int, block_
 
   k, v = jax.lax.fori_loop(0, rows // chunk, one, (cache.k, cache.v))
   pad = lambda x: jnp.pad(x, ((0, 0), (0, max_len - width)))
-  return KVCache(k=k, v=v, positions=pad(pos), segment_ids=pad(seg), block_ids=pad(blk),
-                 length=jnp.asarray(width, jnp.int32))
+  return KVCache(
+    k=k,
+    v=v,
+    positions=pad(pos),
+    segment_ids=pad(seg),
+    block_ids=pad(blk),
+    length=jnp.asarray(width, jnp.int32),
+  )
 
 
 class _Carry(NamedTuple):
@@ -246,15 +273,29 @@ def _decode(graphdef, state, layout: Layout, canvas, rng, *, cfg: SamplerConfig)
     key, sub = jax.random.split(key)
     cur, masked = masked_in_block(carry, col)
     cand = remasking.sample_candidates(
-        sub, logits_bnv, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-        want_entropy=cfg.strategy == "entropy_bounded", want_logprob=cfg.return_logprobs)
+      sub,
+      logits_bnv,
+      temperature=cfg.temperature,
+      top_k=cfg.top_k,
+      top_p=cfg.top_p,
+      want_entropy=cfg.strategy == "entropy_bounded",
+      want_logprob=cfg.return_logprobs,
+    )
     k = jnp.broadcast_to(schedule[jnp.minimum(s_in_block, steps - 1)], (rows,))
-    sel = remasking.select_transfer(cfg.strategy, masked, cand["confidence"], cand["entropy"], k,
-                                    threshold=cfg.threshold, eb_threshold=cfg.eb_threshold,
-                                    flush=s_in_block >= steps - 1)
+    sel = remasking.select_transfer(
+      cfg.strategy,
+      masked,
+      cand["confidence"],
+      cand["entropy"],
+      k,
+      threshold=cfg.threshold,
+      eb_threshold=cfg.eb_threshold,
+      flush=s_in_block >= steps - 1,
+    )
     had_mask = jnp.any(masked, axis=-1)
-    canvas = jax.lax.dynamic_update_slice_in_dim(canvas, jnp.where(sel, cand["token"], cur), col,
-                                                 axis=1)
+    canvas = jax.lax.dynamic_update_slice_in_dim(
+      canvas, jnp.where(sel, cand["token"], cur), col, axis=1
+    )
     sm = jnp.where(sel, steps_used[:, None], _slice_cols(step_map, col, b))
     step_map = jax.lax.dynamic_update_slice_in_dim(step_map, sm, col, axis=1)
     if logp is not None:
@@ -266,10 +307,15 @@ def _decode(graphdef, state, layout: Layout, canvas, rng, *, cfg: SamplerConfig)
   def forward(canvas, cache, col, width, update):
     """Logits of the last b of `width` columns from `col`, against (and maybe into) the cache."""
     cols = lambda x: _slice_cols(x, col, width)
-    spec = masks_lib.AttentionSpec.block_causal(b, cols(layout.segment_ids),
-                                                cols(layout.block_ids))
-    hidden, cache = model(cols(canvas), cols(layout.positions), spec, cache=cache,
-                          update_cache=update, return_hidden=True)
+    spec = masks_lib.AttentionSpec.block_causal(b, cols(layout.segment_ids), cols(layout.block_ids))
+    hidden, cache = model(
+      cols(canvas),
+      cols(layout.positions),
+      spec,
+      cache=cache,
+      update_cache=update,
+      return_hidden=True,
+    )
     return model.logits_from_hidden(hidden[:, -b:]), cache
 
   def block_body(state_):
@@ -291,8 +337,9 @@ def _decode(graphdef, state, layout: Layout, canvas, rng, *, cfg: SamplerConfig)
       carry_ = denoise(carry_, logits_, col, s)
       return s + 1, carry_, fw + 1
 
-    _, carry, forwards = jax.lax.while_loop(step_cond, step_body, (jnp.asarray(1), carry,
-                                                                   forwards + 1))
+    _, carry, forwards = jax.lax.while_loop(
+      step_cond, step_body, (jnp.asarray(1), carry, forwards + 1)
+    )
     # Stop rows that emitted a stop id in this block or reached their token budget.
     cur = _slice_cols(carry.canvas, col, b)
     gen = _slice_cols(layout.is_generation, col, b)
@@ -307,10 +354,12 @@ def _decode(graphdef, state, layout: Layout, canvas, rng, *, cfg: SamplerConfig)
 
   step_map = jnp.full((rows, total), -1, jnp.int32)
   logp = jnp.zeros((rows, total), jnp.float32) if cfg.return_logprobs else None
-  carry = _Carry(canvas, step_map, logp, jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), bool),
-                 rng)
+  carry = _Carry(
+    canvas, step_map, logp, jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), bool), rng
+  )
   _, _, carry, forwards = jax.lax.while_loop(
-      block_cond, block_body, (jnp.asarray(0), cache, carry, jnp.asarray(0)))
+    block_cond, block_body, (jnp.asarray(0), cache, carry, jnp.asarray(0))
+  )
   canvas, step_map, logp, steps_used, _, _ = carry
 
   never = layout.is_generation & (step_map < 0)
@@ -320,9 +369,16 @@ def _decode(graphdef, state, layout: Layout, canvas, rng, *, cfg: SamplerConfig)
   first_stop = jnp.min(jnp.where(stop_hit, idx, total), axis=-1)
   generated = jnp.sum(layout.is_generation & (step_map >= 0), axis=-1)
   lengths = jnp.minimum(jnp.minimum(first_stop + 1, generated), layout.max_new_tokens)
-  return SampleOutput(tokens=canvas, step_map=step_map, logprobs=logp,
-                      response_start=layout.response_start, response_lengths=lengths,
-                      steps_used=steps_used, forwards=forwards, prefill_columns=c0 - b)
+  return SampleOutput(
+    tokens=canvas,
+    step_map=step_map,
+    logprobs=logp,
+    response_start=layout.response_start,
+    response_lengths=lengths,
+    steps_used=steps_used,
+    forwards=forwards,
+    prefill_columns=c0 - b,
+  )
 
 
 _decode_jit = jax.jit(_decode, static_argnames=("graphdef", "cfg"), donate_argnames=("canvas",))
@@ -337,9 +393,14 @@ def decode(model, layout: Layout, cfg: SamplerConfig, rng=None) -> SampleOutput:
   return _decode_jit(graphdef, state, layout, canvas, rng, cfg=cfg)
 
 
-def generate(model, prompts: Sequence[Sequence[int]], cfg: SamplerConfig, rng=None,
-             max_new_tokens: Optional[Sequence[int]] = None, prompt_width: int = 0
-             ) -> SampleOutput:
+def generate(
+  model,
+  prompts: Sequence[Sequence[int]],
+  cfg: SamplerConfig,
+  rng=None,
+  max_new_tokens: Optional[Sequence[int]] = None,
+  prompt_width: int = 0,
+) -> SampleOutput:
   """Samples continuations of token-id `prompts` (list of lists, any lengths)."""
   layout = layout_prompts(prompts, cfg, model.cfg.mask_token_id, max_new_tokens, prompt_width)
   return decode(model, layout, cfg, rng)

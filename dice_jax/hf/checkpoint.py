@@ -29,8 +29,15 @@ from dice_jax.model.config import ModelConfig, from_hf_config, to_hf_config
 from dice_jax.model.transformer import Transformer
 from dice_jax.train import sharding as sharding_lib
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                   "added_tokens.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+  "tokenizer.json",
+  "tokenizer_config.json",
+  "vocab.json",
+  "merges.txt",
+  "added_tokens.json",
+  "special_tokens_map.json",
+  "chat_template.jinja",
+)
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -63,12 +70,15 @@ class _TensorIndex:
         self.weight_map = json.load(f).get("weight_map")
       if not isinstance(self.weight_map, dict):
         raise CheckpointError(f"{index_path}: no weight_map")
-      missing = sorted({fn for fn in self.weight_map.values()
-                        if not os.path.exists(os.path.join(hf_dir, fn))})
+      missing = sorted(
+        {fn for fn in self.weight_map.values() if not os.path.exists(os.path.join(hf_dir, fn))}
+      )
       if missing:
         name = next(k for k, v in self.weight_map.items() if v == missing[0])
-        raise CheckpointError(f"{index_path}: shard file {missing[0]} is missing "
-                              f"(it holds e.g. tensor {name}); missing shards: {missing}")
+        raise CheckpointError(
+          f"{index_path}: shard file {missing[0]} is missing "
+          f"(it holds e.g. tensor {name}); missing shards: {missing}"
+        )
     elif os.path.exists(os.path.join(hf_dir, SINGLE)):
       self.weight_map = {k: SINGLE for k in self._file(SINGLE).keys()}
     else:
@@ -88,15 +98,19 @@ class _TensorIndex:
     fn = self.weight_map[name]
     f = self._file(fn)
     if name not in f.header:
-      raise CheckpointError(f"{os.path.join(self.dir, fn)}: tensor {name} is listed in the "
-                            f"index but not present in the file")
+      raise CheckpointError(
+        f"{os.path.join(self.dir, fn)}: tensor {name} is listed in the "
+        f"index but not present in the file"
+      )
     try:
       w = f.get(name)
     except SafetensorsError as e:
       raise CheckpointError(str(e)) from e
     if tuple(w.shape) != tuple(expected_shape):
-      raise CheckpointError(f"{os.path.join(self.dir, fn)}: tensor {name} has shape "
-                            f"{tuple(w.shape)}, expected {tuple(expected_shape)} from config.json")
+      raise CheckpointError(
+        f"{os.path.join(self.dir, fn)}: tensor {name} has shape "
+        f"{tuple(w.shape)}, expected {tuple(expected_shape)} from config.json"
+      )
     return w
 
 
@@ -113,12 +127,18 @@ def import_hf(hf_dir: str, mesh: Optional[jax.sharding.Mesh] = None, **config_ov
   cfg = read_config(hf_dir, **config_overrides)
   index = _TensorIndex(hf_dir)
   expected = {n for p in mapping.param_paths(cfg) for n in mapping.hf_names(cfg, p)}
-  unexpected = [n for n in index.weight_map if n not in expected
-                and not n.endswith(mapping.IGNORED_HF_SUFFIXES)
-                and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+  unexpected = [
+    n
+    for n in index.weight_map
+    if n not in expected
+    and not n.endswith(mapping.IGNORED_HF_SUFFIXES)
+    and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+  ]
   if unexpected:
-    raise CheckpointError(f"{hf_dir}: tensors not used by a {cfg.num_layers}-layer Qwen3 model: "
-                          f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    raise CheckpointError(
+      f"{hf_dir}: tensors not used by a {cfg.num_layers}-layer Qwen3 model: "
+      f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+    )
   mesh = mesh or sharding_lib.make_mesh(devices=jax.devices()[:1])
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, abs_state = nnx.split(abstract)
@@ -137,8 +157,7 @@ def import_hf(hf_dir: str, mesh: Optional[jax.sharding.Mesh] = None, **config_ov
     def fetch(idx):
       if stacked:
         layers = range(cfg.num_layers)[idx[0]]
-        parts = [mapping.to_ours(cfg, path, index.get(names[i], hf_shape))[idx[1:]]
-                 for i in layers]
+        parts = [mapping.to_ours(cfg, path, index.get(names[i], hf_shape))[idx[1:]] for i in layers]
         out = np.stack(parts)
       else:
         out = mapping.to_ours(cfg, path, index.get(names[0], hf_shape))[idx]
@@ -148,9 +167,11 @@ def import_hf(hf_dir: str, mesh: Optional[jax.sharding.Mesh] = None, **config_ov
     return var.replace(arr)
 
   state = jax.tree_util.tree_map_with_path(
-      load, abs_state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  logging.info("imported %s (%d parameters) onto mesh %s", hf_dir, cfg.num_params(),
-               dict(mesh.shape))
+    load, abs_state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)
+  )
+  logging.info(
+    "imported %s (%d parameters) onto mesh %s", hf_dir, cfg.num_params(), dict(mesh.shape)
+  )
   return nnx.merge(graphdef, state), cfg
 
 
@@ -158,17 +179,26 @@ def _params_by_path(model) -> dict[tuple, jax.Array]:
   state = nnx.state(model, nnx.Param)
   out = {}
   for kp, v in jax.tree_util.tree_leaves_with_path(
-      state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+  ):
     out[_state_path(kp)] = v.get_value()
   return out
 
 
-def export_hf(model: Transformer, out_dir: str, *, dtype: str = "bfloat16",
-              tokenizer_dir: Optional[str] = None, max_shard_bytes: int = 4 << 30,
-              overwrite: bool = False) -> str:
+def export_hf(
+  model: Transformer,
+  out_dir: str,
+  *,
+  dtype: str = "bfloat16",
+  tokenizer_dir: Optional[str] = None,
+  max_shard_bytes: int = 4 << 30,
+  overwrite: bool = False,
+) -> str:
   """Writes `model` as an HF Qwen3ForCausalLM directory; atomic (temp dir + rename)."""
   cfg: ModelConfig = model.cfg
-  np_dtype = {"bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"], "float16": DTYPES["F16"]}.get(dtype)
+  np_dtype = {"bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"], "float16": DTYPES["F16"]}.get(
+    dtype
+  )
   if np_dtype is None:
     raise ValueError(f"export dtype must be bfloat16, float16 or float32, got {dtype!r}")
   out_dir = os.path.abspath(out_dir)
@@ -229,8 +259,12 @@ def _write_generation_config(cfg: ModelConfig, out: str, source_dir: Optional[st
   if src and os.path.exists(src):
     shutil.copy2(src, os.path.join(out, "generation_config.json"))
     return
-  gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": (
-      list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id),
-         "pad_token_id": cfg.pad_token_id}
+  gen = {
+    "bos_token_id": cfg.bos_token_id,
+    "eos_token_id": (
+      list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id
+    ),
+    "pad_token_id": cfg.pad_token_id,
+  }
   with open(os.path.join(out, "generation_config.json"), "w") as f:
     json.dump({k: v for k, v in gen.items() if v is not None}, f, indent=2)

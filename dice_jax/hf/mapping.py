@@ -13,22 +13,22 @@ from dice_jax.model.config import ModelConfig
 
 # our path (tuple of keys in the nnx state) -> HF name
 GLOBAL_PARAMS = {
-    ("embed",): "model.embed_tokens.weight",
-    ("final_norm",): "model.norm.weight",
-    ("lm_head",): "lm_head.weight",
+  ("embed",): "model.embed_tokens.weight",
+  ("final_norm",): "model.norm.weight",
+  ("lm_head",): "lm_head.weight",
 }
 LAYER_PARAMS = {
-    ("layers", "input_norm"): "model.layers.{i}.input_layernorm.weight",
-    ("layers", "q_proj"): "model.layers.{i}.self_attn.q_proj.weight",
-    ("layers", "k_proj"): "model.layers.{i}.self_attn.k_proj.weight",
-    ("layers", "v_proj"): "model.layers.{i}.self_attn.v_proj.weight",
-    ("layers", "o_proj"): "model.layers.{i}.self_attn.o_proj.weight",
-    ("layers", "q_norm"): "model.layers.{i}.self_attn.q_norm.weight",
-    ("layers", "k_norm"): "model.layers.{i}.self_attn.k_norm.weight",
-    ("layers", "post_attn_norm"): "model.layers.{i}.post_attention_layernorm.weight",
-    ("layers", "gate_proj"): "model.layers.{i}.mlp.gate_proj.weight",
-    ("layers", "up_proj"): "model.layers.{i}.mlp.up_proj.weight",
-    ("layers", "down_proj"): "model.layers.{i}.mlp.down_proj.weight",
+  ("layers", "input_norm"): "model.layers.{i}.input_layernorm.weight",
+  ("layers", "q_proj"): "model.layers.{i}.self_attn.q_proj.weight",
+  ("layers", "k_proj"): "model.layers.{i}.self_attn.k_proj.weight",
+  ("layers", "v_proj"): "model.layers.{i}.self_attn.v_proj.weight",
+  ("layers", "o_proj"): "model.layers.{i}.self_attn.o_proj.weight",
+  ("layers", "q_norm"): "model.layers.{i}.self_attn.q_norm.weight",
+  ("layers", "k_norm"): "model.layers.{i}.self_attn.k_norm.weight",
+  ("layers", "post_attn_norm"): "model.layers.{i}.post_attention_layernorm.weight",
+  ("layers", "gate_proj"): "model.layers.{i}.mlp.gate_proj.weight",
+  ("layers", "up_proj"): "model.layers.{i}.mlp.up_proj.weight",
+  ("layers", "down_proj"): "model.layers.{i}.mlp.down_proj.weight",
 }
 # HF tensors that carry nothing we need (recomputed buffers in old checkpoints).
 IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -38,14 +38,14 @@ def _hooks(cfg: ModelConfig):
   d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   t = lambda w: w.T
   return {
-      ("lm_head",): (t, t),
-      ("layers", "q_proj"): (lambda w: w.T.reshape(d, n, h), lambda w: w.reshape(d, n * h).T),
-      ("layers", "k_proj"): (lambda w: w.T.reshape(d, k, h), lambda w: w.reshape(d, k * h).T),
-      ("layers", "v_proj"): (lambda w: w.T.reshape(d, k, h), lambda w: w.reshape(d, k * h).T),
-      ("layers", "o_proj"): (lambda w: w.T.reshape(n, h, d), lambda w: w.reshape(n * h, d).T),
-      ("layers", "gate_proj"): (t, t),
-      ("layers", "up_proj"): (t, t),
-      ("layers", "down_proj"): (t, t),
+    ("lm_head",): (t, t),
+    ("layers", "q_proj"): (lambda w: w.T.reshape(d, n, h), lambda w: w.reshape(d, n * h).T),
+    ("layers", "k_proj"): (lambda w: w.T.reshape(d, k, h), lambda w: w.reshape(d, k * h).T),
+    ("layers", "v_proj"): (lambda w: w.T.reshape(d, k, h), lambda w: w.reshape(d, k * h).T),
+    ("layers", "o_proj"): (lambda w: w.T.reshape(n, h, d), lambda w: w.reshape(n * h, d).T),
+    ("layers", "gate_proj"): (t, t),
+    ("layers", "up_proj"): (t, t),
+    ("layers", "down_proj"): (t, t),
   }
 
 
@@ -54,13 +54,20 @@ def hf_shape(cfg: ModelConfig, path: tuple) -> tuple[int, ...]:
   d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
   n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   return {
-      ("embed",): (v, d), ("final_norm",): (d,), ("lm_head",): (v, d),
-      ("layers", "input_norm"): (d,), ("layers", "post_attn_norm"): (d,),
-      ("layers", "q_proj"): (n * h, d), ("layers", "k_proj"): (k * h, d),
-      ("layers", "v_proj"): (k * h, d), ("layers", "o_proj"): (d, n * h),
-      ("layers", "q_norm"): (h,), ("layers", "k_norm"): (h,),
-      ("layers", "gate_proj"): (f, d), ("layers", "up_proj"): (f, d),
-      ("layers", "down_proj"): (d, f),
+    ("embed",): (v, d),
+    ("final_norm",): (d,),
+    ("lm_head",): (v, d),
+    ("layers", "input_norm"): (d,),
+    ("layers", "post_attn_norm"): (d,),
+    ("layers", "q_proj"): (n * h, d),
+    ("layers", "k_proj"): (k * h, d),
+    ("layers", "v_proj"): (k * h, d),
+    ("layers", "o_proj"): (d, n * h),
+    ("layers", "q_norm"): (h,),
+    ("layers", "k_norm"): (h,),
+    ("layers", "gate_proj"): (f, d),
+    ("layers", "up_proj"): (f, d),
+    ("layers", "down_proj"): (d, f),
   }[path]
 
 

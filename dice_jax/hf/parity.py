@@ -28,7 +28,8 @@ def torch_logits(hf_dir: str, tokens: np.ndarray, mask: np.ndarray | None):
   import transformers
 
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      hf_dir, dtype=torch.float32, attn_implementation="eager")
+    hf_dir, dtype=torch.float32, attn_implementation="eager"
+  )
   model.eval()
   ids = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
   pos = torch.arange(ids.shape[1])[None].expand_as(ids)
@@ -40,8 +41,9 @@ def torch_logits(hf_dir: str, tokens: np.ndarray, mask: np.ndarray | None):
     return model(input_ids=ids, position_ids=pos, **kw).logits.float().numpy()
 
 
-def check_parity(hf_dir: str, *, batch: int = 2, seq_len: int = 24, block_size: int | None = None,
-                 seed: int = 0) -> list[ParityResult]:
+def check_parity(
+  hf_dir: str, *, batch: int = 2, seq_len: int = 24, block_size: int | None = None, seed: int = 0
+) -> list[ParityResult]:
   """Max |logit difference| under a causal and a block-causal mask."""
   model, cfg = import_hf(hf_dir, param_dtype="float32", dtype="float32")
   b = block_size or cfg.block_size
@@ -49,11 +51,14 @@ def check_parity(hf_dir: str, *, batch: int = 2, seq_len: int = 24, block_size: 
   tokens = rng.integers(0, cfg.vocab_size, size=(batch, seq_len), dtype=np.int32)
   positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), tokens.shape)
   results = []
-  for name, spec in (("causal", AttentionSpec.causal()),
-                     ("block_causal", AttentionSpec.block_causal(b))):
+  for name, spec in (
+    ("causal", AttentionSpec.causal()),
+    ("block_causal", AttentionSpec.block_causal(b)),
+  ):
     ours = np.asarray(model(jnp.asarray(tokens), jnp.asarray(positions), spec))
     mask = None if name == "causal" else np.asarray(dense_mask(spec, jnp.asarray(positions)))
     theirs = torch_logits(hf_dir, tokens, mask)
-    results.append(ParityResult(name, float(np.abs(ours - theirs).max()),
-                                float(np.abs(theirs).max())))
+    results.append(
+      ParityResult(name, float(np.abs(ours - theirs).max()), float(np.abs(theirs).max()))
+    )
   return results

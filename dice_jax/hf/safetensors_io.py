@@ -16,8 +16,10 @@ import ml_dtypes
 import numpy as np
 
 DTYPES = {
-    "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "F64": np.dtype(np.float64),
+  "F32": np.dtype(np.float32),
+  "F16": np.dtype(np.float16),
+  "BF16": np.dtype(ml_dtypes.bfloat16),
+  "F64": np.dtype(np.float64),
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -60,29 +62,38 @@ class SafetensorsFile:
       raise SafetensorsError(f"{self.path}: no tensor {name!r}")
     h = self.header[name]
     if h["dtype"] not in DTYPES:
-      raise SafetensorsError(f"{self.path}: tensor {name!r} has unsupported dtype {h['dtype']} "
-                             f"(supported: {sorted(DTYPES)})")
+      raise SafetensorsError(
+        f"{self.path}: tensor {name!r} has unsupported dtype {h['dtype']} "
+        f"(supported: {sorted(DTYPES)})"
+      )
     dt = DTYPES[h["dtype"]]
     begin, end = h["data_offsets"]
     count = int(np.prod(h["shape"], dtype=np.int64))
     if end - begin != count * dt.itemsize or self._data_start + end > self._size:
-      raise SafetensorsError(f"{self.path}: tensor {name!r} byte range {begin}..{end} does not "
-                             f"match shape {h['shape']} {h['dtype']} or the file size (truncated?)")
+      raise SafetensorsError(
+        f"{self.path}: tensor {name!r} byte range {begin}..{end} does not "
+        f"match shape {h['shape']} {h['dtype']} or the file size (truncated?)"
+      )
     if self._mmap is None:
       self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
-    raw = self._mmap[self._data_start + begin:self._data_start + end]
+    raw = self._mmap[self._data_start + begin : self._data_start + end]
     return raw.view(dt).reshape(h["shape"])
 
 
-def save_file(tensors: Mapping[str, np.ndarray], path: str, metadata: Mapping[str, str] | None = None):
+def save_file(
+  tensors: Mapping[str, np.ndarray], path: str, metadata: Mapping[str, str] | None = None
+):
   """Writes `tensors` (C-contiguous numpy arrays) to `path` in safetensors format."""
   header, offset, arrays = {}, 0, []
   for name in sorted(tensors):
     a = np.ascontiguousarray(tensors[name])
     if a.dtype not in _NAMES:
       raise SafetensorsError(f"cannot save {name!r}: dtype {a.dtype} not supported")
-    header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape),
-                    "data_offsets": [offset, offset + a.nbytes]}
+    header[name] = {
+      "dtype": _NAMES[a.dtype],
+      "shape": list(a.shape),
+      "data_offsets": [offset, offset + a.nbytes],
+    }
     offset += a.nbytes
     arrays.append(a)
   if metadata:

@@ -4,3 +4,14 @@ from dice_jax.model.config import ModelConfig, PRESETS, get_config, from_hf_conf
 from dice_jax.model.kv_cache import KVCache
 from dice_jax.model.masks import AttentionSpec
 from dice_jax.model.transformer import Transformer
+
+__all__ = [
+  "AttentionSpec",
+  "KVCache",
+  "ModelConfig",
+  "PRESETS",
+  "Transformer",
+  "from_hf_config",
+  "get_config",
+  "to_hf_config",
+]

@@ -47,20 +47,37 @@ class ModelConfig:
       if not cond:
         raise ValueError(f"ModelConfig: {msg}")
 
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "head_dim", "block_size", "max_position_embeddings"):
+    for name in (
+      "vocab_size",
+      "hidden_size",
+      "intermediate_size",
+      "num_layers",
+      "num_heads",
+      "num_kv_heads",
+      "head_dim",
+      "block_size",
+      "max_position_embeddings",
+    ):
       v = getattr(self, name)
       need(isinstance(v, int) and v > 0, f"{name} must be a positive int, got {v!r}")
-    need(self.num_heads % self.num_kv_heads == 0,
-         f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-    need(0 <= self.mask_token_id < self.vocab_size,
-         f"mask_token_id {self.mask_token_id} outside vocab of size {self.vocab_size}")
+    need(
+      self.num_heads % self.num_kv_heads == 0,
+      f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})",
+    )
+    need(
+      0 <= self.mask_token_id < self.vocab_size,
+      f"mask_token_id {self.mask_token_id} outside vocab of size {self.vocab_size}",
+    )
     need(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
     need(self.dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-    need(self.param_dtype in _DTYPES,
-         f"param_dtype must be one of {sorted(_DTYPES)}, got {self.param_dtype!r}")
-    need(self.attention_impl in ATTENTION_IMPLS,
-         f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+    need(
+      self.param_dtype in _DTYPES,
+      f"param_dtype must be one of {sorted(_DTYPES)}, got {self.param_dtype!r}",
+    )
+    need(
+      self.attention_impl in ATTENTION_IMPLS,
+      f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}",
+    )
 
   @property
   def compute_dtype(self):
@@ -83,24 +100,64 @@ class ModelConfig:
 
 # --- presets -----------------------------------------------------------------------------------
 
-_SDAR_COMMON = dict(vocab_size=151936, head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                    tie_word_embeddings=False, max_position_embeddings=32768, block_size=4,
-                    mask_token_id=151669, bos_token_id=151643, eos_token_id=151643)
+_SDAR_COMMON = dict(
+  vocab_size=151936,
+  head_dim=128,
+  rope_theta=1_000_000.0,
+  rms_norm_eps=1e-6,
+  tie_word_embeddings=False,
+  max_position_embeddings=32768,
+  block_size=4,
+  mask_token_id=151669,
+  bos_token_id=151643,
+  eos_token_id=151643,
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Small enough for CPU tests; vocab covers the mask id used by tests (255).
-    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                 num_kv_heads=2, head_dim=16, rope_theta=10_000.0, block_size=4, mask_token_id=255,
-                 bos_token_id=0, eos_token_id=1, pad_token_id=1, max_position_embeddings=4096),
-    # Qwen3-1.7B dimensions with untied embeddings (SDAR-1.7B-Chat, reference §2.2).
-    "sdar_1p7b": dict(_SDAR_COMMON, hidden_size=2048, intermediate_size=6144, num_layers=28,
-                      num_heads=16, num_kv_heads=8),
-    # ../shared/data/sdar_chat/config_4b.json
-    "sdar_4b": dict(_SDAR_COMMON, hidden_size=2560, intermediate_size=9728, num_layers=36,
-                    num_heads=32, num_kv_heads=8),
-    # ../shared/data/sdar_chat/config_8b.json
-    "sdar_8b": dict(_SDAR_COMMON, hidden_size=4096, intermediate_size=12288, num_layers=36,
-                    num_heads=32, num_kv_heads=8),
+  # Small enough for CPU tests; vocab covers the mask id used by tests (255).
+  "tiny": dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rope_theta=10_000.0,
+    block_size=4,
+    mask_token_id=255,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=1,
+    max_position_embeddings=4096,
+  ),
+  # Qwen3-1.7B dimensions with untied embeddings (SDAR-1.7B-Chat, reference §2.2).
+  "sdar_1p7b": dict(
+    _SDAR_COMMON,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+  ),
+  # ../shared/data/sdar_chat/config_4b.json
+  "sdar_4b": dict(
+    _SDAR_COMMON,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+  ),
+  # ../shared/data/sdar_chat/config_8b.json
+  "sdar_8b": dict(
+    _SDAR_COMMON,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+  ),
 }
 
 
@@ -115,34 +172,70 @@ def get_config(name: str, **overrides) -> ModelConfig:
 
 # HF field -> ModelConfig field.
 _HF_TO_OURS = {
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size",
-    "intermediate_size": "intermediate_size", "num_hidden_layers": "num_layers",
-    "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads",
-    "head_dim": "head_dim", "rope_theta": "rope_theta", "rms_norm_eps": "rms_norm_eps",
-    "tie_word_embeddings": "tie_word_embeddings",
-    "max_position_embeddings": "max_position_embeddings", "block_size": "block_size",
-    "mask_token_id": "mask_token_id", "bos_token_id": "bos_token_id",
-    "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id",
+  "vocab_size": "vocab_size",
+  "hidden_size": "hidden_size",
+  "intermediate_size": "intermediate_size",
+  "num_hidden_layers": "num_layers",
+  "num_attention_heads": "num_heads",
+  "num_key_value_heads": "num_kv_heads",
+  "head_dim": "head_dim",
+  "rope_theta": "rope_theta",
+  "rms_norm_eps": "rms_norm_eps",
+  "tie_word_embeddings": "tie_word_embeddings",
+  "max_position_embeddings": "max_position_embeddings",
+  "block_size": "block_size",
+  "mask_token_id": "mask_token_id",
+  "bos_token_id": "bos_token_id",
+  "eos_token_id": "eos_token_id",
+  "pad_token_id": "pad_token_id",
 }
 # Fields that carry no information for this architecture (bookkeeping, training-only switches of
 # SDAR's PyTorch code, defaults of generic PretrainedConfig). Accepted with any value.
 _HF_IGNORED = {
-    "architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype",
-    "use_cache", "initializer_range", "attn_implementation", "_attn_implementation",
-    "fuse_cross_entropy", "micro_forward", "skip_checkpoint", "use_deepep", "ep_size", "debug",
-    "max_window_layers", "layer_types", "output_hidden_states", "output_attentions",
-    "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
-    "problem_type", "_name_or_path", "tokenizer_class", "sliding_window",
+  "architectures",
+  "auto_map",
+  "model_type",
+  "transformers_version",
+  "torch_dtype",
+  "dtype",
+  "use_cache",
+  "initializer_range",
+  "attn_implementation",
+  "_attn_implementation",
+  "fuse_cross_entropy",
+  "micro_forward",
+  "skip_checkpoint",
+  "use_deepep",
+  "ep_size",
+  "debug",
+  "max_window_layers",
+  "layer_types",
+  "output_hidden_states",
+  "output_attentions",
+  "return_dict",
+  "chunk_size_feed_forward",
+  "is_encoder_decoder",
+  "id2label",
+  "label2id",
+  "problem_type",
+  "_name_or_path",
+  "tokenizer_class",
+  "sliding_window",
 }
 # Fields we accept only at the value that this architecture implements.
 _HF_REQUIRED_VALUE = {
-    "hidden_act": ("silu",), "attention_bias": (False,), "attention_dropout": (0.0, 0),
-    "use_sliding_window": (False,), "rope_scaling": (None,),
+  "hidden_act": ("silu",),
+  "attention_bias": (False,),
+  "attention_dropout": (0.0, 0),
+  "use_sliding_window": (False,),
+  "rope_scaling": (None,),
 }
 SUPPORTED_MODEL_TYPES = ("qwen3", "sdar")
 
 
-def from_hf_config(hf: Mapping[str, Any], *, source: str = "config.json", **overrides) -> ModelConfig:
+def from_hf_config(
+  hf: Mapping[str, Any], *, source: str = "config.json", **overrides
+) -> ModelConfig:
   """Builds a ModelConfig from an HF `config.json` dict (model_type qwen3 or sdar).
 
   An unknown field with a non-default value, or a known field at a value this architecture does
@@ -150,8 +243,10 @@ def from_hf_config(hf: Mapping[str, Any], *, source: str = "config.json", **over
   """
   model_type = hf.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
-    raise ValueError(f"{source}: model_type {model_type!r} is not supported "
-                     f"(expected one of {SUPPORTED_MODEL_TYPES})")
+    raise ValueError(
+      f"{source}: model_type {model_type!r} is not supported "
+      f"(expected one of {SUPPORTED_MODEL_TYPES})"
+    )
   kw: dict[str, Any] = {}
   problems = []
   for key, value in hf.items():
@@ -179,8 +274,18 @@ def from_hf_config(hf: Mapping[str, Any], *, source: str = "config.json", **over
     kw["eos_token_id"] = tuple(kw["eos_token_id"])
   if "mask_token_id" not in kw and kw.get("vocab_size", 0) <= 151669:
     kw["mask_token_id"] = kw["vocab_size"] - 1  # plain Qwen3 with a small vocab: last id
-  missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                         "num_attention_heads", "num_key_value_heads") if k not in hf]
+  missing = [
+    k
+    for k in (
+      "vocab_size",
+      "hidden_size",
+      "intermediate_size",
+      "num_hidden_layers",
+      "num_attention_heads",
+      "num_key_value_heads",
+    )
+    if k not in hf
+  ]
   if missing:
     raise ValueError(f"{source}: missing required fields {missing}")
   if "head_dim" not in kw:
@@ -196,30 +301,30 @@ def to_hf_config(cfg: ModelConfig, *, torch_dtype: str = "bfloat16") -> dict[str
   """The `config.json` of an HF Qwen3ForCausalLM, keeping SDAR's block_size and mask_token_id."""
   eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id
   return {
-      "architectures": ["Qwen3ForCausalLM"],
-      "model_type": "qwen3",
-      "vocab_size": cfg.vocab_size,
-      "hidden_size": cfg.hidden_size,
-      "intermediate_size": cfg.intermediate_size,
-      "num_hidden_layers": cfg.num_layers,
-      "num_attention_heads": cfg.num_heads,
-      "num_key_value_heads": cfg.num_kv_heads,
-      "head_dim": cfg.head_dim,
-      "hidden_act": "silu",
-      "attention_bias": False,
-      "attention_dropout": 0.0,
-      "rms_norm_eps": cfg.rms_norm_eps,
-      "rope_theta": cfg.rope_theta,
-      "rope_scaling": None,
-      "max_position_embeddings": cfg.max_position_embeddings,
-      "tie_word_embeddings": cfg.tie_word_embeddings,
-      "use_sliding_window": False,
-      "sliding_window": None,
-      "bos_token_id": cfg.bos_token_id,
-      "eos_token_id": eos,
-      "pad_token_id": cfg.pad_token_id,
-      "block_size": cfg.block_size,
-      "mask_token_id": cfg.mask_token_id,
-      "torch_dtype": torch_dtype,
-      "use_cache": True,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": cfg.vocab_size,
+    "hidden_size": cfg.hidden_size,
+    "intermediate_size": cfg.intermediate_size,
+    "num_hidden_layers": cfg.num_layers,
+    "num_attention_heads": cfg.num_heads,
+    "num_key_value_heads": cfg.num_kv_heads,
+    "head_dim": cfg.head_dim,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "rms_norm_eps": cfg.rms_norm_eps,
+    "rope_theta": cfg.rope_theta,
+    "rope_scaling": None,
+    "max_position_embeddings": cfg.max_position_embeddings,
+    "tie_word_embeddings": cfg.tie_word_embeddings,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "bos_token_id": cfg.bos_token_id,
+    "eos_token_id": eos,
+    "pad_token_id": cfg.pad_token_id,
+    "block_size": cfg.block_size,
+    "mask_token_id": cfg.mask_token_id,
+    "torch_dtype": torch_dtype,
+    "use_cache": True,
   }

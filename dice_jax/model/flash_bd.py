@@ -57,19 +57,25 @@ def _tile_mask(q_seg, q_rank, k_seg, k_rank, k_lo):
 
 def _tile_live(q_seg, q_rank, k_seg, k_rank, k_lo):
   """False only when the (q tile, k tile) mask is certainly all-false."""
-  return ((jnp.min(k_rank) <= jnp.max(q_rank)) & (jnp.max(k_lo) >= jnp.min(q_rank))
-          & (jnp.max(k_seg) >= jnp.min(q_seg)) & (jnp.min(k_seg) <= jnp.max(q_seg))
-          & (jnp.max(q_seg) > 0))
+  return (
+    (jnp.min(k_rank) <= jnp.max(q_rank))
+    & (jnp.max(k_lo) >= jnp.min(q_rank))
+    & (jnp.max(k_seg) >= jnp.min(q_seg))
+    & (jnp.min(k_seg) <= jnp.max(q_seg))
+    & (jnp.max(q_seg) > 0)
+  )
 
 
 def _dot(a, b):
   """a @ b with float32 accumulation (what the removed `pl.dot` did)."""
-  return lax.dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())),
-                         preferred_element_type=jnp.float32)
+  return lax.dot_general(
+    a, b, (((a.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+  )
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, rank_ref, klo_ref, o_ref, lse_ref, *,
-                scale, block_q, block_k):
+def _fwd_kernel(
+  q_ref, k_ref, v_ref, seg_ref, rank_ref, klo_ref, o_ref, lse_ref, *, scale, block_q, block_k
+):
   seq_len = k_ref.shape[0]
   start_q = pl.program_id(0)
   q_slice = pl.ds(start_q * block_q, block_q)
@@ -109,8 +115,24 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, rank_ref, klo_ref, o_ref, lse_ref,
   lse_ref[...] = m + jnp.log2(l)  # base-2 log-sum-exp of the scaled scores
 
 
-def _bwd_kernel(q_ref, k_ref, v_ref, seg_ref, rank_ref, klo_ref, do_ref, lse_ref, delta_ref,
-                dq_ref, dk_ref, dv_ref, *, scale, block_q, block_k):
+def _bwd_kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  seg_ref,
+  rank_ref,
+  klo_ref,
+  do_ref,
+  lse_ref,
+  delta_ref,
+  dq_ref,
+  dk_ref,
+  dv_ref,
+  *,
+  scale,
+  block_q,
+  block_k,
+):
   """dK/dV for one k tile (loop over q tiles), then dQ for one q tile (loop over k tiles)."""
   q_len = q_ref.shape[0]
   qk_scale = scale * math.log2(math.e)
@@ -166,8 +188,9 @@ def _bwd_kernel(q_ref, k_ref, v_ref, seg_ref, rank_ref, klo_ref, do_ref, lse_ref
 
     return lax.cond(_tile_live(q_seg, q_rank, k_seg, k_rank, k_lo), compute, lambda d: d, dq)
 
-  dq = lax.fori_loop(0, pl.cdiv(k_ref.shape[0], block_k), dq_body,
-                     jnp.zeros((block_q, h), jnp.float32))
+  dq = lax.fori_loop(
+    0, pl.cdiv(k_ref.shape[0], block_k), dq_body, jnp.zeros((block_q, h), jnp.float32)
+  )
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
@@ -182,18 +205,27 @@ def _forward(q, k, v, seg, rank, klo, scale, block_q, block_k, interpret):
   g = n // k.shape[2]
   row = pl.BlockSpec((None, s), lambda i, j, hh: (j, 0))
   out, lse = pl.pallas_call(
-      functools.partial(_fwd_kernel, scale=scale, block_q=block_q, block_k=block_k),
-      grid=(s // block_q, b, n),
-      in_specs=[pl.BlockSpec((None, block_q, None, h), lambda i, j, hh: (j, i, hh, 0)),
-                pl.BlockSpec((None, s, None, h), lambda i, j, hh: (j, 0, hh // g, 0)),
-                pl.BlockSpec((None, s, None, h), lambda i, j, hh: (j, 0, hh // g, 0)),
-                row, row, row],
-      out_specs=[pl.BlockSpec((None, block_q, None, h), lambda i, j, hh: (j, i, hh, 0)),
-                 pl.BlockSpec((None, None, block_q), lambda i, j, hh: (j, hh, i))],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((b, n, s), jnp.float32)],
-      compiler_params=_params(8 if h > 64 else 4, 2),
-      interpret=interpret, name="bd_flash_fwd",
+    functools.partial(_fwd_kernel, scale=scale, block_q=block_q, block_k=block_k),
+    grid=(s // block_q, b, n),
+    in_specs=[
+      pl.BlockSpec((None, block_q, None, h), lambda i, j, hh: (j, i, hh, 0)),
+      pl.BlockSpec((None, s, None, h), lambda i, j, hh: (j, 0, hh // g, 0)),
+      pl.BlockSpec((None, s, None, h), lambda i, j, hh: (j, 0, hh // g, 0)),
+      row,
+      row,
+      row,
+    ],
+    out_specs=[
+      pl.BlockSpec((None, block_q, None, h), lambda i, j, hh: (j, i, hh, 0)),
+      pl.BlockSpec((None, None, block_q), lambda i, j, hh: (j, hh, i)),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct(q.shape, q.dtype),
+      jax.ShapeDtypeStruct((b, n, s), jnp.float32),
+    ],
+    compiler_params=_params(8 if h > 64 else 4, 2),
+    interpret=interpret,
+    name="bd_flash_fwd",
   )(q, k, v, seg, rank, klo)
   return out, lse
 
@@ -209,15 +241,18 @@ def _backward(q, k, v, seg, rank, klo, out, lse, do, scale, block, interpret):
   stat = pl.BlockSpec((None, None, s), lambda i, j, t: (i, j, 0))
   tile = pl.BlockSpec((None, block, None, h), lambda i, j, t: (i, t, j, 0))
   dq, dk, dv = pl.pallas_call(
-      functools.partial(_bwd_kernel, scale=scale, block_q=block, block_k=block),
-      grid=(b, n, s // block),
-      in_specs=[full_q, full_kv, full_kv, row, row, row, full_q, stat, stat],
-      out_specs=[tile, tile, tile],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((b, s, n, h), jnp.float32),
-                 jax.ShapeDtypeStruct((b, s, n, h), jnp.float32)],
-      compiler_params=_params(4 if block <= 64 else 8, 2),
-      interpret=interpret, name="bd_flash_bwd",
+    functools.partial(_bwd_kernel, scale=scale, block_q=block, block_k=block),
+    grid=(b, n, s // block),
+    in_specs=[full_q, full_kv, full_kv, row, row, row, full_q, stat, stat],
+    out_specs=[tile, tile, tile],
+    out_shape=[
+      jax.ShapeDtypeStruct(q.shape, q.dtype),
+      jax.ShapeDtypeStruct((b, s, n, h), jnp.float32),
+      jax.ShapeDtypeStruct((b, s, n, h), jnp.float32),
+    ],
+    compiler_params=_params(4 if block <= 64 else 8, 2),
+    interpret=interpret,
+    name="bd_flash_bwd",
   )(q, k, v, seg, rank, klo, do, lse, delta)
   # Query heads sharing a K/V head: sum their dK/dV.
   dk = dk.reshape(b, s, kh, g, h).sum(3).astype(k.dtype)
@@ -226,8 +261,9 @@ def _backward(q, k, v, seg, rank, klo, out, lse, do, scale, block, interpret):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def flash_attention(q, k, v, seg, rank, klo, scale, block_q=128, block_k=64, block_bwd=64,
-                    interpret=False):
+def flash_attention(
+  q, k, v, seg, rank, klo, scale, block_q=128, block_k=64, block_bwd=64, interpret=False
+):
   """q `[B,S,N,H]`, k/v `[B,S,K,H]`, int32 vectors `[B,S]` (see module doc) -> `[B,S,N,H]`."""
   return _forward(q, k, v, seg, rank, klo, scale, block_q, block_k, interpret)[0]
 
@@ -246,8 +282,9 @@ def _fa_bwd(scale, block_q, block_k, block_bwd, interpret, res, do):
 flash_attention.defvjp(_fa_fwd, _fa_bwd)
 
 
-def block_diffusion_attention(q, k, v, seg_bt, blk_bt, *, block_q=128, block_k=64,
-                              block_bwd=64, interpret=None):
+def block_diffusion_attention(
+  q, k, v, seg_bt, blk_bt, *, block_q=128, block_k=64, block_bwd=64, interpret=None
+):
   """Attention of the `[x_t ; x_0]` input under the block-diffusion mask (see masks.py)."""
   s = q.shape[1]
   if interpret is None:
@@ -263,19 +300,21 @@ def block_diffusion_attention(q, k, v, seg_bt, blk_bt, *, block_q=128, block_k=6
 def mask_vectors(spec, positions):
   """(seg, rank, klo) `[B, S]` for any `AttentionSpec` kind over a self-attention input."""
   if spec.kind == "block_diffusion":
-    seg, blk = spec.resolve(positions[:, :positions.shape[1] // 2])
+    seg, blk = spec.resolve(positions[:, : positions.shape[1] // 2])
     return bd_mask_vectors(seg, blk)
   seg, blk = spec.resolve(positions)
-  rank = {"causal": positions, "block_causal": blk,
-          "full": jnp.zeros_like(blk)}[spec.kind].astype(jnp.int32)
+  rank = {"causal": positions, "block_causal": blk, "full": jnp.zeros_like(blk)}[spec.kind].astype(
+    jnp.int32
+  )
   return seg.astype(jnp.int32), rank, jnp.full_like(rank, BIG)
 
 
 BLOCKS = {"block_q": 128, "block_k": 64, "block_bwd": 64}  # GPU tiles (forward q/k, backward)
 
 
-def attention(q, k, v, spec, positions, *, block_q=None, block_k=None, block_bwd=None,
-              interpret=None):
+def attention(
+  q, k, v, spec, positions, *, block_q=None, block_k=None, block_bwd=None, interpret=None
+):
   """Flash attention for an `AttentionSpec` (the `attention_impl='flash'` path)."""
   block_q = block_q or BLOCKS["block_q"]
   block_k = block_k or BLOCKS["block_k"]
@@ -285,11 +324,18 @@ def attention(q, k, v, spec, positions, *, block_q=None, block_k=None, block_bwd
     interpret = jax.default_backend() != "gpu"
   bq, bk, bb = min(block_q, s), min(block_k, s), min(block_bwd, s)
   if s % bq or s % bk or s % bb:
-    raise ValueError(f"flash attention: input length {s} must be a multiple of the tiles "
-                     f"{bq}, {bk}, {bb}")
+    raise ValueError(
+      f"flash attention: input length {s} must be a multiple of the tiles {bq}, {bk}, {bb}"
+    )
   seg, rank, klo = mask_vectors(spec, positions)
-  fn = functools.partial(flash_attention, scale=q.shape[-1] ** -0.5, block_q=bq, block_k=bk,
-                         block_bwd=bb, interpret=interpret)
+  fn = functools.partial(
+    flash_attention,
+    scale=q.shape[-1] ** -0.5,
+    block_q=bq,
+    block_k=bk,
+    block_bwd=bb,
+    interpret=interpret,
+  )
   return _shard_mapped(fn, q, k)(q, k, v, seg, rank, klo)
 
 
@@ -304,5 +350,10 @@ def _shard_mapped(fn, q, k):
   row_axis, head_axis = sharding_lib.kernel_axes(mesh, q.shape[0], (q.shape[2], k.shape[2]))
   heads = P(row_axis, None, head_axis, None)
   vec = P(row_axis, None)
-  return jax.shard_map(lambda *a: fn(*a), mesh=mesh, in_specs=(heads, heads, heads, vec, vec, vec),
-                       out_specs=heads, check_vma=False)
+  return jax.shard_map(
+    lambda *a: fn(*a),
+    mesh=mesh,
+    in_specs=(heads, heads, heads, vec, vec, vec),
+    out_specs=heads,
+    check_vma=False,
+  )

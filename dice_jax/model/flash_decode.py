@@ -36,12 +36,27 @@ EMPTY_LSE = -1e30  # log-sum-exp of a row that sees no key
 
 
 def _dot(a, b):
-  return lax.dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())),
-                         preferred_element_type=jnp.float32)
+  return lax.dot_general(
+    a, b, (((a.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+  )
 
 
-def _kernel(layer_ref, live_ref, q_ref, k_ref, v_ref, qseg_ref, qrank_ref, kseg_ref, krank_ref,
-            o_ref, lse_ref, *, scale, block_k):
+def _kernel(
+  layer_ref,
+  live_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  qseg_ref,
+  qrank_ref,
+  kseg_ref,
+  krank_ref,
+  o_ref,
+  lse_ref,
+  *,
+  scale,
+  block_k,
+):
   """One (row, K/V head, cache split): online softmax over the split's `block_k` tiles."""
   layer = layer_ref[0]
   q = q_ref[...]  # [BQ, H]
@@ -55,8 +70,11 @@ def _kernel(layer_ref, live_ref, q_ref, k_ref, v_ref, qseg_ref, qrank_ref, kseg_
     k_seg, k_rank = kseg_ref[sl], krank_ref[sl]
     k = k_ref[layer, sl, :]
     qk = _dot(q, k.T) * qk_scale
-    vis = ((q_seg[:, None] == k_seg[None, :]) & (q_seg[:, None] > 0)
-           & (k_rank[None, :] <= q_rank[:, None]))
+    vis = (
+      (q_seg[:, None] == k_seg[None, :])
+      & (q_seg[:, None] > 0)
+      & (k_rank[None, :] <= q_rank[:, None])
+    )
     qk = jnp.where(vis, qk, MASK_VALUE)
     m_next = jnp.maximum(m_prev, jnp.max(qk, axis=-1))
     corr = jnp.exp2(m_prev - m_next)
@@ -67,13 +85,19 @@ def _kernel(layer_ref, live_ref, q_ref, k_ref, v_ref, qseg_ref, qrank_ref, kseg_
     return o_next, m_next, l_next
 
   def split(_):
-    init = (jnp.zeros((rows, h), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
+    init = (
+      jnp.zeros((rows, h), jnp.float32),
+      jnp.full((rows,), MASK_VALUE, jnp.float32),
+      jnp.zeros((rows,), jnp.float32),
+    )
     return lax.fori_loop(0, kseg_ref.shape[0] // block_k, tile, init)
 
   def dead(_):
-    return (jnp.zeros((rows, h), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
+    return (
+      jnp.zeros((rows, h), jnp.float32),
+      jnp.full((rows,), MASK_VALUE, jnp.float32),
+      jnp.zeros((rows,), jnp.float32),
+    )
 
   o, m, l = lax.cond(live_ref[0] > 0, split, dead, None)
   empty = l == 0.0
@@ -91,8 +115,9 @@ def _pick_block_k(s: int) -> int:
 SPLIT = 512  # cache slots per program (flash-decoding split); programs over dead slots exit early
 
 
-def _pallas_cache_part(layer, live, q_bkrh, k_lbskh, v_lbskh, q_seg, q_rank, k_seg, k_rank, *,
-                       split, block_q, interpret):
+def _pallas_cache_part(
+  layer, live, q_bkrh, k_lbskh, v_lbskh, q_seg, q_rank, k_seg, k_rank, *, split, block_q, interpret
+):
   """The kernel launch on (local) arrays; returns per-split (o, lse)."""
   b, kh, rp, h = q_bkrh.shape
   n_layers, s = k_lbskh.shape[0], k_lbskh.shape[2]
@@ -105,16 +130,27 @@ def _pallas_cache_part(layer, live, q_bkrh, k_lbskh, v_lbskh, q_seg, q_rank, k_s
   out_o = pl.BlockSpec((None, None, None, block_q, h), lambda i, j, t, c: (i, j, c, t, 0))
   out_l = pl.BlockSpec((None, None, None, block_q), lambda i, j, t, c: (i, j, c, t))
   return pl.pallas_call(
-      functools.partial(_kernel, scale=h ** -0.5, block_k=block_k),
-      grid=(b, kh, rp // block_q, n_split),
-      in_specs=[pl.BlockSpec((1,), lambda i, j, t, c: (0,)),
-                pl.BlockSpec((None, 1), lambda i, j, t, c: (i, c)),
-                pl.BlockSpec((None, None, block_q, h), lambda i, j, t, c: (i, j, t, 0)),
-                kv, kv, qrow, qrow, krow, krow],
-      out_specs=[out_o, out_l],
-      out_shape=[jax.ShapeDtypeStruct((b, kh, n_split, rp, h), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kh, n_split, rp), jnp.float32)],
-      compiler_params=params, interpret=interpret, name="flash_decode_cache",
+    functools.partial(_kernel, scale=h**-0.5, block_k=block_k),
+    grid=(b, kh, rp // block_q, n_split),
+    in_specs=[
+      pl.BlockSpec((1,), lambda i, j, t, c: (0,)),
+      pl.BlockSpec((None, 1), lambda i, j, t, c: (i, c)),
+      pl.BlockSpec((None, None, block_q, h), lambda i, j, t, c: (i, j, t, 0)),
+      kv,
+      kv,
+      qrow,
+      qrow,
+      krow,
+      krow,
+    ],
+    out_specs=[out_o, out_l],
+    out_shape=[
+      jax.ShapeDtypeStruct((b, kh, n_split, rp, h), jnp.float32),
+      jax.ShapeDtypeStruct((b, kh, n_split, rp), jnp.float32),
+    ],
+    compiler_params=params,
+    interpret=interpret,
+    name="flash_decode_cache",
   )(layer, live, q_bkrh, k_lbskh, v_lbskh, q_seg, q_rank, k_seg, k_rank)
 
 
@@ -128,14 +164,24 @@ def _shard_mapped(fn, rows: int, kv_heads: int):
   P = jax.sharding.PartitionSpec
   row, head = sharding_lib.kernel_axes(mesh, rows, (kv_heads,))
   vec = P(row, None)
-  in_specs = (P(None), vec, P(row, head, None, None), P(None, row, None, head, None),
-              P(None, row, None, head, None), vec, vec, vec, vec)
+  in_specs = (
+    P(None),
+    vec,
+    P(row, head, None, None),
+    P(None, row, None, head, None),
+    P(None, row, None, head, None),
+    vec,
+    vec,
+    vec,
+    vec,
+  )
   out_specs = (P(row, head, None, None, None), P(row, head, None, None))
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def cache_part(q_bkrh, k_lbskh, v_lbskh, layer, q_seg_br, q_rank_br, k_seg_bs, k_rank_bs, *,
-               interpret=None):
+def cache_part(
+  q_bkrh, k_lbskh, v_lbskh, layer, q_seg_br, q_rank_br, k_seg_bs, k_rank_bs, *, interpret=None
+):
   """Softmax attention of query rows over the cache slots of one layer.
 
   q `[B, K, R, H]` (R query rows per K/V head); k/v the stacked cache `[L, B, S, K, H]` and the
@@ -161,8 +207,17 @@ def cache_part(q_bkrh, k_lbskh, v_lbskh, layer, q_seg_br, q_rank_br, k_seg_bs, k
   # A split is live when some slot in it has a segment id (filled, not padding).
   live = (jnp.max(k_seg_bs.reshape(b, n_split, split), axis=-1) > 0).astype(jnp.int32)
   layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-  args = (layer, live, q_bkrh, k_lbskh, v_lbskh, q_seg_br.astype(jnp.int32),
-          q_rank_br.astype(jnp.int32), k_seg_bs.astype(jnp.int32), k_rank_bs.astype(jnp.int32))
+  args = (
+    layer,
+    live,
+    q_bkrh,
+    k_lbskh,
+    v_lbskh,
+    q_seg_br.astype(jnp.int32),
+    q_rank_br.astype(jnp.int32),
+    k_seg_bs.astype(jnp.int32),
+    k_rank_bs.astype(jnp.int32),
+  )
   call = functools.partial(_pallas_cache_part, split=split, block_q=block_q, interpret=interpret)
   o, lse = _shard_mapped(call, b, kh)(*args)
   o, lse = o[..., :r, :], lse[..., :r]
@@ -199,18 +254,28 @@ def cached_attention(q, k, v, layer, spec, positions, seg, blk, cache, *, interp
   qg = q.reshape(b, t, kh, g, h)
   q_rows = qg.transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
   rep = lambda x: jnp.repeat(x, g, axis=1)
-  o_c, lse_c = cache_part(q_rows, cache.k.astype(q.dtype), cache.v.astype(q.dtype), layer,
-                          rep(seg), rep(q_rank), k_seg, k_rank, interpret=interpret)
+  o_c, lse_c = cache_part(
+    q_rows,
+    cache.k.astype(q.dtype),
+    cache.v.astype(q.dtype),
+    layer,
+    rep(seg),
+    rep(q_rank),
+    k_seg,
+    k_rank,
+    interpret=interpret,
+  )
   o_c = o_c.reshape(b, kh, t, g, h)
   lse_c = lse_c.reshape(b, kh, t, g)
   # The new tokens' own keys, dense.
-  s_self = jnp.einsum("btkgh,bskh->bktgs", qg, k, preferred_element_type=jnp.float32) * h ** -0.5
+  s_self = jnp.einsum("btkgh,bskh->bktgs", qg, k, preferred_element_type=jnp.float32) * h**-0.5
   s_self = jnp.where(m_self[:, None, :, None, :], s_self, MASK_VALUE)
   lse_s = jax.nn.logsumexp(s_self, axis=-1)
   lse_s = jnp.where(jnp.any(m_self, -1)[:, None, :, None], lse_s, EMPTY_LSE)
   p_self = jnp.exp(s_self - lse_s[..., None])
-  o_s = jnp.einsum("bktgs,bskh->bktgh", p_self.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
+  o_s = jnp.einsum(
+    "bktgs,bskh->bktgh", p_self.astype(v.dtype), v, preferred_element_type=jnp.float32
+  )
   m = jnp.maximum(lse_c, lse_s)
   w_c, w_s = jnp.exp(lse_c - m), jnp.exp(lse_s - m)
   o = (w_c[..., None] * o_c + w_s[..., None] * o_s) / (w_c + w_s)[..., None]

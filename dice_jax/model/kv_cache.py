@@ -38,10 +38,13 @@ class KVCache:
     """Writes `k, v [L,B,T,K,H]` and their metadata `[B,T]` at slots [length, length+T)."""
     at = self.length
     upd = lambda buf, new, axis: jax.lax.dynamic_update_slice_in_dim(
-        buf, new.astype(buf.dtype), at, axis=axis)
+      buf, new.astype(buf.dtype), at, axis=axis
+    )
     return KVCache(
-        k=upd(self.k, k, 2), v=upd(self.v, v, 2),
-        positions=upd(self.positions, positions, 1),
-        segment_ids=upd(self.segment_ids, segment_ids, 1),
-        block_ids=upd(self.block_ids, block_ids, 1),
-        length=self.length + k.shape[2])
+      k=upd(self.k, k, 2),
+      v=upd(self.v, v, 2),
+      positions=upd(self.positions, positions, 1),
+      segment_ids=upd(self.segment_ids, segment_ids, 1),
+      block_ids=upd(self.block_ids, block_ids, 1),
+      length=self.length + k.shape[2],
+    )

@@ -17,7 +17,6 @@ With a cache, the new tokens attend to the cache's filled slots and to each othe
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -93,14 +92,22 @@ class Transformer(nnx.Module):
     if not cfg.tie_word_embeddings:
       self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
 
-  def __call__(self, tokens, positions, attention: masks_lib.AttentionSpec,
-               cache: KVCache | None = None, *, update_cache: bool = False,
-               return_hidden: bool = False):
+  def __call__(
+    self,
+    tokens,
+    positions,
+    attention: masks_lib.AttentionSpec,
+    cache: KVCache | None = None,
+    *,
+    update_cache: bool = False,
+    return_hidden: bool = False,
+  ):
     cfg = self.cfg
     x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype)
     seg, blk = masks_lib.token_segments_and_blocks(attention, positions)
-    layer_fn = functools.partial(_layer, cfg=cfg, attention=attention, positions=positions,
-                                 seg=seg, blk=blk, cache=cache)
+    layer_fn = functools.partial(
+      _layer, cfg=cfg, attention=attention, positions=positions, seg=seg, blk=blk, cache=cache
+    )
     if cfg.remat:
       layer_fn = jax.checkpoint(layer_fn, prevent_cse=False)
 
@@ -120,8 +127,9 @@ class Transformer(nnx.Module):
       out = x
     else:
       head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
-      out = jnp.einsum("btd,dv->btv", x, head.astype(cfg.compute_dtype),
-                       preferred_element_type=jnp.float32)
+      out = jnp.einsum(
+        "btd,dv->btv", x, head.astype(cfg.compute_dtype), preferred_element_type=jnp.float32
+      )
     if cache is None:
       return out
     if update_cache:
@@ -131,8 +139,9 @@ class Transformer(nnx.Module):
   def logits_from_hidden(self, hidden):
     cfg = self.cfg
     head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
-    return jnp.einsum("...d,dv->...v", hidden, head.astype(cfg.compute_dtype),
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum(
+      "...d,dv->...v", hidden, head.astype(cfg.compute_dtype), preferred_element_type=jnp.float32
+    )
 
 
 def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk, cache):
@@ -147,8 +156,20 @@ def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk
   if cache is None:
     o = self_attention(q, k, v, attention, positions, impl=cfg.attention_impl)
   else:
-    o = cached_attention(q, k, v, cache_k, cache_v, attention, positions, seg, blk, cache,
-                         impl=cfg.attention_impl, layer=layer)
+    o = cached_attention(
+      q,
+      k,
+      v,
+      cache_k,
+      cache_v,
+      attention,
+      positions,
+      seg,
+      blk,
+      cache,
+      impl=cfg.attention_impl,
+      layer=layer,
+    )
   x = x + jnp.einsum("btnh,nhd->btd", o, w["o_proj"].astype(dt))
   h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
   g = jnp.einsum("btd,df->btf", h, w["gate_proj"].astype(dt))
@@ -177,6 +198,7 @@ def dense_attention(q, k, v, mask):
 def self_attention(q, k, v, spec, positions, *, impl="dense"):
   if impl == "flash":  # mask-aware Pallas kernel: skips masked tiles, no [T, T] mask in memory
     from dice_jax.model import flash_bd
+
     return flash_bd.attention(q, k, v, spec, positions)
   mask = masks_lib.dense_mask(spec, positions)
   if impl == "dense":
@@ -184,8 +206,9 @@ def self_attention(q, k, v, spec, positions, *, impl="dense"):
   return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=impl)
 
 
-def cached_attention(q, k, v, cache_k, cache_v, spec, positions, seg, blk, cache: KVCache, *,
-                     impl="dense", layer=None):
+def cached_attention(
+  q, k, v, cache_k, cache_v, spec, positions, seg, blk, cache: KVCache, *, impl="dense", layer=None
+):
   """Attention of new tokens over (cache slots, new tokens) with one joint softmax.
 
   `impl='flash'` streams layer `layer` of the stacked cache in place with a Pallas kernel
@@ -201,6 +224,7 @@ def cached_attention(q, k, v, cache_k, cache_v, spec, positions, seg, blk, cache
     raise ValueError("block_diffusion attention is a training layout; it takes no KV cache")
   if impl == "flash":
     from dice_jax.model import flash_decode
+
     return flash_decode.cached_attention(q, k, v, layer, spec, positions, seg, blk, cache)
   filled = jnp.arange(cache.max_len)[None, :] < cache.length  # [1,S]
   if spec.kind == "causal":
@@ -217,7 +241,6 @@ def cached_attention(q, k, v, cache_k, cache_v, spec, positions, seg, blk, cache
   cache_k, cache_v = cache_k.astype(k.dtype), cache_v.astype(v.dtype)
   s = jnp.concatenate([_scores(qg, cache_k, m_cache), _scores(qg, k, m_self)], axis=-1)
   p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-  p_cache, p_self = p[..., :cache.max_len], p[..., cache.max_len:]
-  o = (jnp.einsum("bkgts,bskh->btkgh", p_cache, cache_v)
-       + jnp.einsum("bkgts,bskh->btkgh", p_self, v))
+  p_cache, p_self = p[..., : cache.max_len], p[..., cache.max_len :]
+  o = jnp.einsum("bkgts,bskh->btkgh", p_cache, cache_v) + jnp.einsum("bkgts,bskh->btkgh", p_self, v)
   return o.reshape(q.shape)

@@ -29,10 +29,15 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     self.save_every = save_every
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, save_interval_steps=save_every, create=True,
-        enable_async_checkpointing=async_save, cleanup_tmp_directories=True)
-    self._mngr = ocp.CheckpointManager(self.directory, options=options,
-                                       item_names=("state", "data", "config"))
+      max_to_keep=keep,
+      save_interval_steps=save_every,
+      create=True,
+      enable_async_checkpointing=async_save,
+      cleanup_tmp_directories=True,
+    )
+    self._mngr = ocp.CheckpointManager(
+      self.directory, options=options, item_names=("state", "data", "config")
+    )
 
   def latest_step(self) -> int | None:
     return self._mngr.latest_step()
@@ -43,12 +48,15 @@ class Checkpointer:
   def should_save(self, step: int) -> bool:
     return self._mngr.should_save(step)
 
-  def save(self, step: int, state: Any, data_state: dict | None, config: dict,
-           *, force: bool = False) -> bool:
+  def save(
+    self, step: int, state: Any, data_state: dict | None, config: dict, *, force: bool = False
+  ) -> bool:
     """Saves when `step` is on the interval (or `force`); returns whether a save started."""
-    args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                              data=ocp.args.JsonSave(data_state or {}),
-                              config=ocp.args.JsonSave(config))
+    args = ocp.args.Composite(
+      state=ocp.args.StandardSave(state),
+      data=ocp.args.JsonSave(data_state or {}),
+      config=ocp.args.JsonSave(config),
+    )
     saved = self._mngr.save(step, args=args, force=force)
     if saved:
       logging.info("checkpoint: saving step %d to %s (async)", step, self.directory)
@@ -60,9 +68,14 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    out = self._mngr.restore(step, args=ocp.args.Composite(
+    out = self._mngr.restore(
+      step,
+      args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state),
-        data=ocp.args.JsonRestore(), config=ocp.args.JsonRestore()))
+        data=ocp.args.JsonRestore(),
+        config=ocp.args.JsonRestore(),
+      ),
+    )
     logging.info("checkpoint: restored step %d from %s", step, self.directory)
     return out["state"], out["data"], out["config"]
 

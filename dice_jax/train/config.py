@@ -51,15 +51,27 @@ class SFTConfig:
     def need(cond, msg):
       if not cond:
         raise ValueError(f"SFTConfig: {msg}")
-    need(self.data_source in DATA_SOURCES, f"data_source must be one of {DATA_SOURCES}, "
-         f"got {self.data_source!r}")
+
+    need(
+      self.data_source in DATA_SOURCES,
+      f"data_source must be one of {DATA_SOURCES}, got {self.data_source!r}",
+    )
     need(isinstance(self.model_overrides, dict), "model_overrides must be a dict")
-    for name in ("seq_len", "batch_size", "accum_steps", "num_steps", "checkpoint_every",
-                 "checkpoint_keep", "log_every"):
+    for name in (
+      "seq_len",
+      "batch_size",
+      "accum_steps",
+      "num_steps",
+      "checkpoint_every",
+      "checkpoint_keep",
+      "log_every",
+    ):
       v = getattr(self, name)
       need(isinstance(v, int) and v >= 1, f"{name} must be a positive int, got {v!r}")
-    need(self.batch_size % self.accum_steps == 0,
-         f"batch_size ({self.batch_size}) must be a multiple of accum_steps ({self.accum_steps})")
+    need(
+      self.batch_size % self.accum_steps == 0,
+      f"batch_size ({self.batch_size}) must be a multiple of accum_steps ({self.accum_steps})",
+    )
     for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
       v = getattr(self, name)
       need(isinstance(v, int) and (v >= 1 or v == -1), f"{name} must be >= 1 or -1, got {v!r}")
@@ -84,8 +96,11 @@ def _coerce(raw: str, current: Any, where: str):
     raise ValueError(f"override {where}: expected True/False, got {raw!r}")
   if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
     value = float(value)
-  if current is not None and not isinstance(value, type(current)) and not (
-      isinstance(current, (int, float)) and value is None):
+  if (
+    current is not None
+    and not isinstance(value, type(current))
+    and not (isinstance(current, (int, float)) and value is None)
+  ):
     raise ValueError(f"override {where}: expected {type(current).__name__}, got {raw!r}")
   return value
 
@@ -115,8 +130,9 @@ def _set(obj, path, raw, where):
     return {**obj, head: value}
   fields = {f.name for f in dataclasses.fields(obj)}
   if head not in fields:
-    raise ValueError(f"override {where}: unknown field {head!r} of {type(obj).__name__} "
-                     f"(known: {sorted(fields)})")
+    raise ValueError(
+      f"override {where}: unknown field {head!r} of {type(obj).__name__} (known: {sorted(fields)})"
+    )
   current = getattr(obj, head)
   if rest:
     return dataclasses.replace(obj, **{head: _set(current, rest, raw, where)})

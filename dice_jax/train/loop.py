@@ -55,14 +55,17 @@ class _StopFlag:
 
 def make_loss_fn(cfg: SFTConfig):
   from dice_jax.diffusion.objective import ObjectiveConfig, block_diffusion_loss
-  ocfg = ObjectiveConfig(eps=cfg.eps, per_block_t=cfg.per_block_t,
-                         block_alignment=cfg.block_alignment)
+
+  ocfg = ObjectiveConfig(
+    eps=cfg.eps, per_block_t=cfg.per_block_t, block_alignment=cfg.block_alignment
+  )
   return lambda model, batch, rng: block_diffusion_loss(model, batch, rng, ocfg)
 
 
 def build_model(cfg: SFTConfig, mesh, init_hf: str | None, model_overrides: dict):
   if init_hf:
     from dice_jax.hf.checkpoint import import_hf
+
     return import_hf(init_hf, mesh, **model_overrides)
   mcfg = get_config(cfg.model, **model_overrides)
   model = sharding_lib.create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), mesh)
@@ -74,12 +77,14 @@ def batch_fingerprint(batch: dict) -> float:
   return float(zlib.crc32(np.ascontiguousarray(batch["tokens"]).tobytes()))
 
 
-def run_sft(cfg: SFTConfig, workdir: str, *, init_hf: str | None = None,
-            export_hf: str | None = None) -> dict:
+def run_sft(
+  cfg: SFTConfig, workdir: str, *, init_hf: str | None = None, export_hf: str | None = None
+) -> dict:
   """Trains to `cfg.num_steps` (resuming from `workdir/checkpoints`). Returns a summary dict."""
   mesh = sharding_lib.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
-  logging.info("mesh %s over %d devices (%s)", dict(mesh.shape), mesh.size,
-               jax.devices()[0].device_kind)
+  logging.info(
+    "mesh %s over %d devices (%s)", dict(mesh.shape), mesh.size, jax.devices()[0].device_kind
+  )
   tok, tok_dir = sft_data.load_tokenizer(cfg, workdir)
   overrides = dict(cfg.model_overrides)
   if cfg.tokenizer == "byte" and not init_hf:
@@ -87,9 +92,15 @@ def run_sft(cfg: SFTConfig, workdir: str, *, init_hf: str | None = None,
   model, mcfg = build_model(cfg, mesh, init_hf, overrides)
   if jax.process_index() == 0:
     save_model_config(mcfg, workdir)
-  logging.info("model %s: %.2fM params, attention=%s remat=%s dtype=%s/%s", cfg.model,
-               mcfg.num_params() / 1e6, mcfg.attention_impl, mcfg.remat, mcfg.dtype,
-               mcfg.param_dtype)
+  logging.info(
+    "model %s: %.2fM params, attention=%s remat=%s dtype=%s/%s",
+    cfg.model,
+    mcfg.num_params() / 1e6,
+    mcfg.attention_impl,
+    mcfg.remat,
+    mcfg.dtype,
+    mcfg.param_dtype,
+  )
 
   schedule = optim_lib.make_schedule(cfg.optim, cfg.num_steps)
   tx = optim_lib.make_optimizer(cfg.optim, cfg.num_steps)
@@ -98,20 +109,30 @@ def run_sft(cfg: SFTConfig, workdir: str, *, init_hf: str | None = None,
 
   samples = sft_data.load_samples(cfg)
   it = sft_data.make_iterator(cfg, samples, tok, mcfg.block_size)
-  ckpt = ckpt_lib.Checkpointer(f"{workdir}/checkpoints", save_every=cfg.checkpoint_every,
-                               keep=cfg.checkpoint_keep, async_save=cfg.async_checkpoint)
+  ckpt = ckpt_lib.Checkpointer(
+    f"{workdir}/checkpoints",
+    save_every=cfg.checkpoint_every,
+    keep=cfg.checkpoint_keep,
+    async_save=cfg.async_checkpoint,
+  )
   if ckpt.latest_step() is not None:
     state, data_state, _ = ckpt.restore(ts.abstract_state(state, shardings))
     it.set_state(data_state)
   start = int(jax.device_get(state["step"]))
 
   step_fn = ts.jit_train_step(
-      ts.make_train_step(graphdef, tx, make_loss_fn(cfg), accum_steps=cfg.accum_steps,
-                         schedule=schedule), shardings, mesh, cfg.accum_steps)
+    ts.make_train_step(
+      graphdef, tx, make_loss_fn(cfg), accum_steps=cfg.accum_steps, schedule=schedule
+    ),
+    shardings,
+    mesh,
+    cfg.accum_steps,
+  )
   writer = metrics_lib.MetricWriter(workdir)
   flops = cfg.batch_size * metrics_lib.sft_flops_per_row(mcfg, cfg.seq_len)
-  rate = metrics_lib.Throughput(cfg.num_steps, flops, cfg.batch_size * cfg.seq_len, mesh.size,
-                                metrics_lib.peak_flops())
+  rate = metrics_lib.Throughput(
+    cfg.num_steps, flops, cfg.batch_size * cfg.seq_len, mesh.size, metrics_lib.peak_flops()
+  )
   rng = jax.random.key(cfg.seed)
   config_json = cfg.to_json()
   logging.info("training steps %d -> %d", start, cfg.num_steps)
@@ -123,16 +144,18 @@ def run_sft(cfg: SFTConfig, workdir: str, *, init_hf: str | None = None,
       state, m = step_fn(state, batch, rng)
       m = {k: float(v) for k, v in jax.device_get(m).items()}
       done = step + 1
-      m.update(rate.tick(done), data_fingerprint=batch_fingerprint(host_batch),
-               real_tokens=float((host_batch["segment_ids"] > 0).sum()))
+      m.update(
+        rate.tick(done),
+        data_fingerprint=batch_fingerprint(host_batch),
+        real_tokens=float((host_batch["segment_ids"] > 0).sum()),
+      )
       if not np.isfinite(m["loss"]):
         raise FloatingPointError(f"non-finite loss {m['loss']} at step {done}")
       writer.write(done, m)
       if done % cfg.log_every == 0 or done == cfg.num_steps:
         metrics_lib.log_progress(done, cfg.num_steps, m, rate.eta_s(done))
       preempted = stop.set or ckpt.reached_preemption(done)
-      ckpt.save(done, state, it.get_state(), config_json,
-                force=preempted or done == cfg.num_steps)
+      ckpt.save(done, state, it.get_state(), config_json, force=preempted or done == cfg.num_steps)
       last = m
       if preempted:
         logging.warning("pre-empted at step %d: checkpoint saved, stopping", done)
@@ -141,10 +164,12 @@ def run_sft(cfg: SFTConfig, workdir: str, *, init_hf: str | None = None,
   ckpt.close()
   writer.close()
   if jax.process_index() == 0 and last:
-    metrics_lib.plot_loss(f"{workdir}/metrics.jsonl", f"{workdir}/loss.png",
-                          title=f"SFT {cfg.model} ({workdir})")
+    metrics_lib.plot_loss(
+      f"{workdir}/metrics.jsonl", f"{workdir}/loss.png", title=f"SFT {cfg.model} ({workdir})"
+    )
   if export_hf and not preempted:
     from dice_jax.hf.checkpoint import export_hf as export
+
     export(nnx.merge(graphdef, state["params"]), export_hf, tokenizer_dir=tok_dir)
     logging.info("exported HF checkpoint to %s", export_hf)
   return {"step": int(jax.device_get(state["step"])), "preempted": preempted, **last}
@@ -184,10 +209,14 @@ def restore_model(workdir: str, mesh=None, step: int | None = None):
     cfg = SFTConfig.from_json(ckpt.restore_config(step))
     mesh = mesh or sharding_lib.make_mesh()
     graphdef, abs_params = nnx.split(
-        nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))), nnx.Param)
+      nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))), nnx.Param
+    )
     p_sh = ts.param_shardings(abs_params, mesh)
-    shapes = {"params": jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
-                                     abs_params.to_pure_dict())}
+    shapes = {
+      "params": jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), abs_params.to_pure_dict()
+      )
+    }
     tx = optim_lib.make_optimizer(cfg.optim, cfg.num_steps)
     shardings = ts.state_shardings(tx, shapes["params"], p_sh, mesh)
     shapes["opt_state"] = jax.eval_shape(tx.init, shapes["params"])

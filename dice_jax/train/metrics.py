@@ -13,9 +13,18 @@ from dice_jax.model.config import ModelConfig
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity).
 PEAK_BF16_FLOPS = {
-    "h200": 989e12, "h100": 989e12, "a100": 312e12, "gh200": 989e12, "b200": 2250e12,
-    "tpu v4": 275e12, "tpu v5 lite": 197e12, "tpu v5e": 197e12, "tpu v5p": 459e12,
-    "tpu v5": 459e12, "tpu v6 lite": 918e12, "tpu v6e": 918e12,
+  "h200": 989e12,
+  "h100": 989e12,
+  "a100": 312e12,
+  "gh200": 989e12,
+  "b200": 2250e12,
+  "tpu v4": 275e12,
+  "tpu v5 lite": 197e12,
+  "tpu v5e": 197e12,
+  "tpu v5p": 459e12,
+  "tpu v5": 459e12,
+  "tpu v6 lite": 918e12,
+  "tpu v6e": 918e12,
 }
 
 
@@ -28,7 +37,9 @@ def peak_flops(device=None) -> float | None:
   return None
 
 
-def sft_flops_per_row(cfg: ModelConfig, seq_len: int, *, lm_head_tokens: int | None = None) -> float:
+def sft_flops_per_row(
+  cfg: ModelConfig, seq_len: int, *, lm_head_tokens: int | None = None
+) -> float:
   """Training FLOPs (forward + backward = 3x forward, matmuls only) of one SFT row of `seq_len`
   tokens, whose model input is the 2L `[x_t ; x_0]` sequence of 2*seq_len tokens.
 
@@ -60,6 +71,7 @@ class MetricWriter:
     self._tb = None
     if tensorboard:
       from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
       self._tb = EventFileWriter(os.path.join(workdir, "tb"))
 
   def write(self, step: int, scalars: dict):
@@ -69,9 +81,13 @@ class MetricWriter:
     self._jsonl.write(json.dumps({"step": int(step), **scalars}) + "\n")
     if self._tb is not None:
       from tensorboard.compat.proto import event_pb2, summary_pb2
+
       vals = [summary_pb2.Summary.Value(tag=k, simple_value=v) for k, v in scalars.items()]
-      self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=int(step),
-                                         summary=summary_pb2.Summary(value=vals)))
+      self._tb.add_event(
+        event_pb2.Event(
+          wall_time=time.time(), step=int(step), summary=summary_pb2.Summary(value=vals)
+        )
+      )
 
   def flush(self):
     if self.active:
@@ -89,8 +105,14 @@ class MetricWriter:
 class Throughput:
   """Step time, tokens/s, MFU and ETA over a sliding window of steps (first step = compile)."""
 
-  def __init__(self, total_steps: int, flops_per_step: float, tokens_per_step: int,
-               num_devices: int, peak: float | None):
+  def __init__(
+    self,
+    total_steps: int,
+    flops_per_step: float,
+    tokens_per_step: int,
+    num_devices: int,
+    peak: float | None,
+  ):
     self.total, self.flops, self.tokens = total_steps, flops_per_step, tokens_per_step
     self.ndev, self.peak = num_devices, peak
     self._t = None
@@ -146,19 +168,27 @@ def read_metrics(path: str) -> dict[int, dict]:
 def plot_loss(metrics_path: str, png_path: str, title: str = "SFT loss") -> str:
   """Loss and masked-token CE per step (raw and a 10-step running mean) as a PNG."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   import numpy as np
+
   recs = read_metrics(metrics_path)
   steps = np.array(list(recs))
   fig, ax = plt.subplots(figsize=(7, 4))
-  for key, label in (("loss", "block-diffusion loss (1/p weighted)"),
-                     ("masked_ce", "CE on masked tokens")):
+  for key, label in (
+    ("loss", "block-diffusion loss (1/p weighted)"),
+    ("masked_ce", "CE on masked tokens"),
+  ):
     y = np.array([recs[s].get(key, np.nan) for s in steps])
-    line, = ax.plot(steps, y, alpha=0.3)
+    (line,) = ax.plot(steps, y, alpha=0.3)
     k = min(10, len(y))
-    ax.plot(steps[k - 1:], np.convolve(y, np.ones(k) / k, "valid"), color=line.get_color(),
-            label=f"{label}, {k}-step mean")
+    ax.plot(
+      steps[k - 1 :],
+      np.convolve(y, np.ones(k) / k, "valid"),
+      color=line.get_color(),
+      label=f"{label}, {k}-step mean",
+    )
   ax.set_xlabel("step")
   ax.set_ylabel("nats / token")
   ax.set_title(title)

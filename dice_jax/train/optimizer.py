@@ -29,7 +29,9 @@ class OptimizerConfig:
 
   def __post_init__(self):
     if self.schedule not in SCHEDULES:
-      raise ValueError(f"OptimizerConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+      raise ValueError(
+        f"OptimizerConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}"
+      )
     if not self.learning_rate > 0:
       raise ValueError(f"OptimizerConfig.learning_rate must be > 0, got {self.learning_rate}")
     if not 0.0 <= self.warmup_ratio < 1.0:
@@ -67,8 +69,10 @@ def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
 
 def _decay_mask(params):
   """Weight decay on matrices only (HF excludes norms and biases)."""
+
   def keep(path, _):
     return not any("norm" in str(getattr(k, "key", k)) for k in path)
+
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
@@ -77,6 +81,9 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
   parts = []
   if cfg.clip_norm is not None:
     parts.append(optax.clip_by_global_norm(cfg.clip_norm))
-  parts.append(optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                           weight_decay=cfg.weight_decay, mask=_decay_mask))
+  parts.append(
+    optax.adamw(
+      sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=_decay_mask
+    )
+  )
   return optax.chain(*parts)

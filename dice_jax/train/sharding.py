@@ -21,19 +21,19 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 # logical axis -> candidate mesh axes, first fit wins.
 RULES: dict[str, tuple[Any, ...]] = {
-    # parameters
-    "vocab": ("tensor",),
-    "embed": ("fsdp",),
-    "mlp": ("tensor",),
-    "q_heads": ("tensor",),
-    "kv_heads": ("tensor",),
-    "head_dim": (),
-    "layers": (),
-    "norm": (),
-    # activations and batches
-    "batch": (("data", "fsdp"), "data", "fsdp"),
-    "length": (),
-    "cache_length": (),
+  # parameters
+  "vocab": ("tensor",),
+  "embed": ("fsdp",),
+  "mlp": ("tensor",),
+  "q_heads": ("tensor",),
+  "kv_heads": ("tensor",),
+  "head_dim": (),
+  "layers": (),
+  "norm": (),
+  # activations and batches
+  "batch": (("data", "fsdp"), "data", "fsdp"),
+  "length": (),
+  "cache_length": (),
 }
 
 
@@ -42,7 +42,9 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
   devices = list(devices if devices is not None else jax.devices())
   shape = [data, fsdp, tensor]
   if shape.count(-1) > 1:
-    raise ValueError(f"mesh: at most one axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}")
+    raise ValueError(
+      f"mesh: at most one axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}"
+    )
   known = math.prod(s for s in shape if s != -1)
   if -1 in shape:
     if len(devices) % known:
@@ -59,8 +61,9 @@ def _axis_size(mesh: Mesh, axis) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
-def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
-                    rules: dict = RULES) -> P:
+def logical_to_spec(
+  logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: dict = RULES
+) -> P:
   """PartitionSpec for an array of `shape` whose dimensions have these logical names."""
   used: set[str] = set()
   out = []
@@ -85,20 +88,24 @@ def _is_var(x):
 
 def param_logical_axes(state) -> Any:
   """The pytree of logical-axis tuples of an nnx.State (from each Variable's metadata)."""
+
   def axes(v):
     meta = v.get_metadata()
     if "logical_axes" not in meta:
       raise ValueError(f"parameter of shape {v.shape} has no logical_axes metadata")
     return tuple(meta["logical_axes"])
+
   return jax.tree.map(axes, state, is_leaf=_is_var)
 
 
 def state_shardings(state, mesh: Mesh, rules: dict = RULES):
   """NamedShardings for every Variable of an nnx.State (same tree structure as the state)."""
+
   def shard(v):
     axes = v.get_metadata().get("logical_axes")
     spec = P() if axes is None else logical_to_spec(axes, v.shape, mesh, rules)
     return v.replace(NamedSharding(mesh, spec))
+
   return jax.tree.map(shard, state, is_leaf=_is_var)
 
 
@@ -127,8 +134,10 @@ def assert_sufficiently_sharded(state, mesh: Mesh, tolerance: float = 0.02, rule
     return
   frac = unsharded_fraction(state, mesh, rules)
   if frac > tolerance:
-    raise ValueError(f"{frac:.1%} of parameters are unsharded on mesh {dict(mesh.shape)} "
-                     f"(tolerance {tolerance:.0%}): check the logical-axis rules")
+    raise ValueError(
+      f"{frac:.1%} of parameters are unsharded on mesh {dict(mesh.shape)} "
+      f"(tolerance {tolerance:.0%}): check the logical-axis rules"
+    )
 
 
 def create_sharded(model_fn, mesh: Mesh, rules: dict = RULES):
@@ -140,19 +149,25 @@ def create_sharded(model_fn, mesh: Mesh, rules: dict = RULES):
   return nnx.merge(graphdef, state)
 
 
-def maybe_initialize_distributed(enabled: bool, *, coordinator_address: str | None = None,
-                                 num_processes: int | None = None,
-                                 process_id: int | None = None) -> None:
+def maybe_initialize_distributed(
+  enabled: bool,
+  *,
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+) -> None:
   """Multi-host: `jax.distributed.initialize` (arguments None are read from the cluster
   environment: SLURM, Cloud TPU, Kubernetes...). Must run before any other JAX call."""
   if not enabled:
     return
-  jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=num_processes, process_id=process_id)
+  jax.distributed.initialize(
+    coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+  )
 
 
-def activation_sharding(mesh: Mesh, logical: Sequence[str | None], shape: Sequence[int],
-                        rules: dict = RULES) -> NamedSharding:
+def activation_sharding(
+  mesh: Mesh, logical: Sequence[str | None], shape: Sequence[int], rules: dict = RULES
+) -> NamedSharding:
   """NamedSharding of an activation with these logical axes (e.g. ('batch', 'length', None))."""
   return NamedSharding(mesh, logical_to_spec(logical, shape, mesh, rules))
 

@@ -32,18 +32,23 @@ def param_shardings(abstract_params_state, mesh: Mesh) -> dict:
   return sharding_lib.state_shardings(abstract_params_state, mesh).to_pure_dict()
 
 
-def opt_state_shardings(tx: optax.GradientTransformation, params_abstract: dict, params_sh: dict,
-                        mesh: Mesh):
+def opt_state_shardings(
+  tx: optax.GradientTransformation, params_abstract: dict, params_sh: dict, mesh: Mesh
+):
   """Optimizer state shardings: per-parameter leaves (Adam moments) follow their parameter."""
   abs_opt = jax.eval_shape(tx.init, params_abstract)
   replicated = NamedSharding(mesh, P())
-  return optax.tree_map_params(tx, lambda _, s: s, abs_opt, params_sh,
-                               transform_non_params=lambda _: replicated)
+  return optax.tree_map_params(
+    tx, lambda _, s: s, abs_opt, params_sh, transform_non_params=lambda _: replicated
+  )
 
 
 def state_shardings(tx, params_abstract: dict, params_sh: dict, mesh: Mesh) -> dict:
-  return {"params": params_sh, "opt_state": opt_state_shardings(tx, params_abstract, params_sh, mesh),
-          "step": NamedSharding(mesh, P())}
+  return {
+    "params": params_sh,
+    "opt_state": opt_state_shardings(tx, params_abstract, params_sh, mesh),
+    "step": NamedSharding(mesh, P()),
+  }
 
 
 def split_model(model) -> tuple[nnx.GraphDef, dict]:
@@ -52,8 +57,9 @@ def split_model(model) -> tuple[nnx.GraphDef, dict]:
   return graphdef, params.to_pure_dict()
 
 
-def init_train_state(model, tx: optax.GradientTransformation, mesh: Mesh, *,
-                     tolerance: float = 0.02):
+def init_train_state(
+  model, tx: optax.GradientTransformation, mesh: Mesh, *, tolerance: float = 0.02
+):
   """(graphdef, state, shardings) from a model already placed on `mesh` (create_sharded/import_hf).
 
   Fails when more than `tolerance` of the parameters would be unsharded on a multi-device mesh.
@@ -72,8 +78,9 @@ def init_train_state(model, tx: optax.GradientTransformation, mesh: Mesh, *,
 
 def abstract_state(state_or_shapes, shardings) -> dict:
   """ShapeDtypeStructs with shardings: an orbax restore target on the current mesh."""
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      state_or_shapes, shardings)
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state_or_shapes, shardings
+  )
 
 
 def batch_shardings(mesh: Mesh, accum_steps: int = 1) -> NamedSharding:
@@ -82,8 +89,14 @@ def batch_shardings(mesh: Mesh, accum_steps: int = 1) -> NamedSharding:
   return NamedSharding(mesh, P(rows, None) if accum_steps == 1 else P(None, rows, None))
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn, *,
-                    accum_steps: int = 1, schedule: optax.Schedule | None = None):
+def make_train_step(
+  graphdef,
+  tx: optax.GradientTransformation,
+  loss_fn: LossFn,
+  *,
+  accum_steps: int = 1,
+  schedule: optax.Schedule | None = None,
+):
   """`step(state, batch, rng) -> (state, metrics)`; pure, to be wrapped by `jit_train_step`."""
   if accum_steps < 1:
     raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
@@ -92,6 +105,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn,
     def f(p):
       loss, m = loss_fn(nnx.merge(graphdef, p), batch, rng)
       return loss * jax.lax.stop_gradient(m["answer_tokens"]), m  # = the weighted CE sum
+
     (_, m), g = jax.value_and_grad(f, has_aux=True)(params)
     return g, {k: jnp.asarray(v, jnp.float32) for k, v in m.items()}
 
@@ -101,19 +115,24 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn,
     if accum_steps == 1:
       grads, m = micro(params, batch, rng)
     else:
+
       def body(carry, xs):
         i, mb = xs
         g, m = micro(params, mb, jax.random.fold_in(rng, i))
         return jax.tree.map(jnp.add, carry, (g, m)), None
-      zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: micro(params, jax.tree.map(
-          lambda x: x[0], batch), rng)))
+
+      zeros = jax.tree.map(
+        jnp.zeros_like,
+        jax.eval_shape(lambda: micro(params, jax.tree.map(lambda x: x[0], batch), rng)),
+      )
       (grads, m), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), batch))
     n = jnp.maximum(m["answer_tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / n, grads)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     params = optax.apply_updates(params, updates)
-    metrics = dict(m, loss=m["weighted_ce_sum"] / n, grad_norm=_norm(grads),
-                   param_norm=_norm(params))
+    metrics = dict(
+      m, loss=m["weighted_ce_sum"] / n, grad_norm=_norm(grads), param_norm=_norm(params)
+    )
     if "masked_ce_sum" in m:
       metrics["masked_ce"] = m["masked_ce_sum"] / jnp.maximum(m["masked_tokens"], 1.0)
     if schedule is not None:
@@ -126,14 +145,17 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn,
 def jit_train_step(step_fn, shardings: dict, mesh: Mesh, accum_steps: int = 1):
   """jax.jit with explicit in/out shardings; the input state is donated."""
   replicated = NamedSharding(mesh, P())
-  jitted = jax.jit(step_fn,
-                   in_shardings=(shardings, batch_shardings(mesh, accum_steps), replicated),
-                   out_shardings=(shardings, replicated),
-                   donate_argnums=0)
+  jitted = jax.jit(
+    step_fn,
+    in_shardings=(shardings, batch_shardings(mesh, accum_steps), replicated),
+    out_shardings=(shardings, replicated),
+    donate_argnums=0,
+  )
 
   def run(state, batch, rng):
     with jax.set_mesh(mesh):  # lets kernels without partitioning rules shard_map themselves
       return jitted(state, batch, rng)
+
   run.jitted = jitted
   return run
 
@@ -141,13 +163,17 @@ def jit_train_step(step_fn, shardings: dict, mesh: Mesh, accum_steps: int = 1):
 def shard_batch(batch: dict, mesh: Mesh, accum_steps: int = 1) -> dict:
   """Host numpy batch `[B, T]` -> global jax arrays (rows over data x fsdp); `[accum, B/accum, T]`
   with accumulation. Multi-host: each process passes its local rows."""
+
   def put(x):
     if accum_steps > 1:
       if x.shape[0] % accum_steps:
-        raise ValueError(f"batch of {x.shape[0]} rows is not divisible by accum_steps={accum_steps}")
+        raise ValueError(
+          f"batch of {x.shape[0]} rows is not divisible by accum_steps={accum_steps}"
+        )
       x = x.reshape(accum_steps, x.shape[0] // accum_steps, *x.shape[1:])
     sh = batch_shardings(mesh, accum_steps)
     if jax.process_count() == 1:
       return jax.device_put(x, sh)
     return jax.make_array_from_process_local_data(sh, x)
+
   return {k: put(v) for k, v in batch.items()}

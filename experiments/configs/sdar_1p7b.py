@@ -13,17 +13,16 @@ from dice_jax.train.optimizer import OptimizerConfig
 
 def get_config() -> SFTConfig:
   return SFTConfig(
-      model="sdar_1p7b",
-      # H200: 2 rows of 4096 (8192 input) fit without remat (98 GiB); rows of 6144 need remat
-      model_overrides={"attention_impl": "flash", "remat": True},
-      data_source="cuke",
-      data_path="",
-      tokenizer="../shared/data/sdar_chat",
-      seq_len=6144,
-      batch_size=16,
-      num_steps=1000,
-      optim=OptimizerConfig(learning_rate=1e-5, schedule="constant_with_warmup",
-                            warmup_ratio=0.03),
-      checkpoint_every=200,
-      log_every=10,
+    model="sdar_1p7b",
+    # H200: 2 rows of 4096 (8192 input) fit without remat (98 GiB); rows of 6144 need remat
+    model_overrides={"attention_impl": "flash", "remat": True},
+    data_source="cuke",
+    data_path="",
+    tokenizer="../shared/data/sdar_chat",
+    seq_len=6144,
+    batch_size=16,
+    num_steps=1000,
+    optim=OptimizerConfig(learning_rate=1e-5, schedule="constant_with_warmup", warmup_ratio=0.03),
+    checkpoint_every=200,
+    log_every=10,
   )

@@ -9,24 +9,33 @@ import os
 from dice_jax.train.config import SFTConfig
 from dice_jax.train.optimizer import OptimizerConfig
 
-_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "dice_rl",
-                     "kernel_infilling_evaluation.json")
+_DATA = os.path.join(
+  os.path.dirname(__file__),
+  "..",
+  "..",
+  "..",
+  "shared",
+  "data",
+  "dice_rl",
+  "kernel_infilling_evaluation.json",
+)
 
 
 def get_config() -> SFTConfig:
   return SFTConfig(
-      model="tiny",
-      model_overrides={"dtype": "float32"},
-      data_source="infill_pairs",
-      data_path=os.path.normpath(_DATA),
-      tokenizer="byte",
-      max_prompt_chars=384,
-      max_response_chars=512,
-      seq_len=1024,
-      batch_size=8,
-      num_steps=150,
-      optim=OptimizerConfig(learning_rate=3e-3, schedule="cosine", warmup_ratio=0.05,
-                            end_lr_ratio=0.1, weight_decay=0.01),
-      checkpoint_every=50,
-      log_every=10,
+    model="tiny",
+    model_overrides={"dtype": "float32"},
+    data_source="infill_pairs",
+    data_path=os.path.normpath(_DATA),
+    tokenizer="byte",
+    max_prompt_chars=384,
+    max_response_chars=512,
+    seq_len=1024,
+    batch_size=8,
+    num_steps=150,
+    optim=OptimizerConfig(
+      learning_rate=3e-3, schedule="cosine", warmup_ratio=0.05, end_lr_ratio=0.1, weight_decay=0.01
+    ),
+    checkpoint_every=50,
+    log_every=10,
   )

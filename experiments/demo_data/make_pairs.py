@@ -8,14 +8,14 @@ import json
 import os
 
 OPS = {  # name: (torch expression of x, CUDA expression of v)
-    "relu": ("torch.relu(x)", "v > 0.f ? v : 0.f"),
-    "sigmoid": ("torch.sigmoid(x)", "1.f / (1.f + expf(-v))"),
-    "tanh": ("torch.tanh(x)", "tanhf(v)"),
-    "square": ("x * x", "v * v"),
-    "double": ("x * 2.0", "v * 2.f"),
-    "abs": ("torch.abs(x)", "fabsf(v)"),
-    "softplus": ("torch.nn.functional.softplus(x)", "log1pf(expf(v))"),
-    "silu": ("x * torch.sigmoid(x)", "v / (1.f + expf(-v))"),
+  "relu": ("torch.relu(x)", "v > 0.f ? v : 0.f"),
+  "sigmoid": ("torch.sigmoid(x)", "1.f / (1.f + expf(-v))"),
+  "tanh": ("torch.tanh(x)", "tanhf(v)"),
+  "square": ("x * x", "v * v"),
+  "double": ("x * 2.0", "v * 2.f"),
+  "abs": ("torch.abs(x)", "fabsf(v)"),
+  "softplus": ("torch.nn.functional.softplus(x)", "log1pf(expf(v))"),
+  "silu": ("x * torch.sigmoid(x)", "v / (1.f + expf(-v))"),
 }
 
 REFERENCE = '''import torch
@@ -90,8 +90,12 @@ def main():
   path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pairs.jsonl")
   with open(path, "w") as f:
     for i, (name, (expr, cuda)) in enumerate(OPS.items()):
-      row = {"id": name, "level": 1, "pytorch_code": REFERENCE.format(name=name, expr=expr),
-             "cuda_code": CANDIDATE.format(name=name, cuda=cuda)}
+      row = {
+        "id": name,
+        "level": 1,
+        "pytorch_code": REFERENCE.format(name=name, expr=expr),
+        "cuda_code": CANDIDATE.format(name=name, cuda=cuda),
+      }
       f.write(json.dumps(row) + "\n")
   print(f"wrote {len(OPS)} pairs to {path}")
 

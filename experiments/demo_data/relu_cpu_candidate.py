@@ -1,6 +1,5 @@
 # A known-good C++ (CPU) candidate for the "relu" pair of pairs.jsonl: what `make demo` sends to
 # the verifier's CPU backend next to the tiny model's own (untrained, so failing) candidate.
-import torch
 import torch.nn as nn
 from torch.utils.cpp_extension import load_inline
 
@@ -16,13 +15,14 @@ torch::Tensor relu_cpu(torch::Tensor x) {
 }
 """
 
-relu_ext = load_inline(name="demo_relu_cpu", cpp_sources=relu_cpp_source, functions=["relu_cpu"],
-                       extra_cflags=["-O2"])
+relu_ext = load_inline(
+  name="demo_relu_cpu", cpp_sources=relu_cpp_source, functions=["relu_cpu"], extra_cflags=["-O2"]
+)
 
 
 class ModelNew(nn.Module):
-    def __init__(self):
-        super().__init__()
+  def __init__(self):
+    super().__init__()
 
-    def forward(self, x):
-        return relu_ext.relu_cpu(x.contiguous())
+  def forward(self, x):
+    return relu_ext.relu_cpu(x.contiguous())

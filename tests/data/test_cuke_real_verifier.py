@@ -9,7 +9,7 @@ import pytest
 
 from ._helpers import REPO_ROOT
 
-REFERENCE = '''import torch
+REFERENCE = """import torch
 import torch.nn as nn
 
 
@@ -27,7 +27,7 @@ def get_inputs():
 
 def get_init_inputs():
     return []
-'''
+"""
 
 CANDIDATE = '''import torch
 import torch.nn as nn
@@ -62,44 +62,82 @@ class ModelNew(nn.Module):
 
 @pytest.fixture(scope="module")
 def cpu_verifier(tmp_path_factory):
-    pytest.importorskip("torch", reason="the verifier service needs torch")
-    from verifier.local import LocalVerifier
+  pytest.importorskip("torch", reason="the verifier service needs torch")
+  from verifier.local import LocalVerifier
 
-    with LocalVerifier(str(tmp_path_factory.mktemp("verifier")), device="cpu", start_timeout_s=90) as v:
-        yield v.address
+  with LocalVerifier(
+    str(tmp_path_factory.mktemp("verifier")), device="cpu", start_timeout_s=90
+  ) as v:
+    yield v.address
 
 
 @pytest.mark.slow
 def test_build_cuke_with_cpu_verifier(cpu_verifier, tmp_path):
-    from dice_jax.data.cuke import CukeConfig, build_cuke
-    from dice_jax.rl.verifier_client import GrpcVerifierClient
+  from dice_jax.data.cuke import CukeConfig, build_cuke
+  from dice_jax.rl.verifier_client import GrpcVerifierClient
 
-    rows = [{"id": "right", "pytorch_code": REFERENCE, "cuda_code": CANDIDATE.replace("FUNC", "relu_sub"), "level": 1},
-            {"id": "wrong", "pytorch_code": REFERENCE, "cuda_code": CANDIDATE.replace("FUNC", "relu_add"), "level": 1}]
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with GrpcVerifierClient(cpu_verifier, {"measure_performance": True, "num_perf_trials": 10}, token="") as client:
-        client.wait_ready(30)
-        s = build_cuke(str(pairs), client, str(tmp_path / "out"), CukeConfig(min_speedup=1e-3))
-    m = {r["pair_id"]: r for r in map(json.loads, (tmp_path / "out" / "measurements.jsonl").read_text().splitlines())}
-    assert m["pairs/right"]["correct"] and m["pairs/right"]["speedup"] > 0
-    assert not m["pairs/wrong"]["correct"] and m["pairs/wrong"]["failure_kind"] == "wrong_output"
-    assert (s.correct, s.kept) == (1, 1)
-    kept = [json.loads(line) for line in (tmp_path / "out" / "cuke.jsonl").read_text().splitlines()]
-    assert [r["id"] for r in kept] == ["pairs/right"] and kept[0]["speedup"] == m["pairs/right"]["speedup"]
+  rows = [
+    {
+      "id": "right",
+      "pytorch_code": REFERENCE,
+      "cuda_code": CANDIDATE.replace("FUNC", "relu_sub"),
+      "level": 1,
+    },
+    {
+      "id": "wrong",
+      "pytorch_code": REFERENCE,
+      "cuda_code": CANDIDATE.replace("FUNC", "relu_add"),
+      "level": 1,
+    },
+  ]
+  pairs = tmp_path / "pairs.jsonl"
+  pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  with GrpcVerifierClient(
+    cpu_verifier, {"measure_performance": True, "num_perf_trials": 10}, token=""
+  ) as client:
+    client.wait_ready(30)
+    s = build_cuke(str(pairs), client, str(tmp_path / "out"), CukeConfig(min_speedup=1e-3))
+  m = {
+    r["pair_id"]: r
+    for r in map(json.loads, (tmp_path / "out" / "measurements.jsonl").read_text().splitlines())
+  }
+  assert m["pairs/right"]["correct"] and m["pairs/right"]["speedup"] > 0
+  assert not m["pairs/wrong"]["correct"] and m["pairs/wrong"]["failure_kind"] == "wrong_output"
+  assert (s.correct, s.kept) == (1, 1)
+  kept = [json.loads(line) for line in (tmp_path / "out" / "cuke.jsonl").read_text().splitlines()]
+  assert [r["id"] for r in kept] == ["pairs/right"] and kept[0]["speedup"] == m["pairs/right"][
+    "speedup"
+  ]
 
 
 @pytest.mark.slow
 def test_build_cuke_cli_resumes(cpu_verifier, tmp_path):
-    rows = [{"id": "right", "pytorch_code": REFERENCE, "cuda_code": CANDIDATE.replace("FUNC", "relu_sub"), "level": 2}]
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"id": "bad", "pytorch_code": 3}\n')
-    cmd = [sys.executable, "-m", "experiments.build_cuke", f"--pairs={pairs}", f"--verifier={cpu_verifier}",
-           "--min_speedup=0.001", f"--out={tmp_path / 'out'}", "--num_perf_trials=5"]
-    env = {**os.environ, "VERIFIER_TOKEN": ""}
-    first = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "invalid rows: 1" in first.stdout and "measured now: 1" in first.stdout
-    assert "kept (>= 0.001x): 1  by level: {'2': 1}" in first.stdout
-    again = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert again.returncode == 0 and "measured now: 0  resumed: 1" in again.stdout
+  rows = [
+    {
+      "id": "right",
+      "pytorch_code": REFERENCE,
+      "cuda_code": CANDIDATE.replace("FUNC", "relu_sub"),
+      "level": 2,
+    }
+  ]
+  pairs = tmp_path / "pairs.jsonl"
+  pairs.write_text(
+    "".join(json.dumps(r) + "\n" for r in rows) + '{"id": "bad", "pytorch_code": 3}\n'
+  )
+  cmd = [
+    sys.executable,
+    "-m",
+    "experiments.build_cuke",
+    f"--pairs={pairs}",
+    f"--verifier={cpu_verifier}",
+    "--min_speedup=0.001",
+    f"--out={tmp_path / 'out'}",
+    "--num_perf_trials=5",
+  ]
+  env = {**os.environ, "VERIFIER_TOKEN": ""}
+  first = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert "invalid rows: 1" in first.stdout and "measured now: 1" in first.stdout
+  assert "kept (>= 0.001x): 1  by level: {'2': 1}" in first.stdout
+  again = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+  assert again.returncode == 0 and "measured now: 0  resumed: 1" in again.stdout

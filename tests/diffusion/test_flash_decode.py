@@ -23,9 +23,14 @@ def test_flash_cached_attention_matches_dense(kind, monkeypatch):
   cseg[0, :5] = 0  # left padding
   cseg[1, :20] = 0
   cpos = np.tile(np.arange(s) - 20, (b, 1)).astype(np.int32)
-  cache = KVCache(k=ck, v=cv, positions=jnp.asarray(cpos),
-                  segment_ids=jnp.asarray(cseg), block_ids=jnp.asarray(cpos // 4),
-                  length=jnp.asarray(37))  # slots >= 37 hold garbage and must be ignored
+  cache = KVCache(
+    k=ck,
+    v=cv,
+    positions=jnp.asarray(cpos),
+    segment_ids=jnp.asarray(cseg),
+    block_ids=jnp.asarray(cpos // 4),
+    length=jnp.asarray(37),
+  )  # slots >= 37 hold garbage and must be ignored
   pos = jnp.asarray(np.tile(np.arange(17, 17 + t), (b, 1)), jnp.int32)
   seg = jnp.ones((b, t), jnp.int32)
   blk = pos // 4

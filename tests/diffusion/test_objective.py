@@ -52,8 +52,9 @@ def test_block_ids_start_at_each_segments_response():
   want2 = np.floor_divide(np.arange(7) - 3, 4)  # [-1,-1,-1, 0,0,0,0]
   np.testing.assert_array_equal(blk[0, :13], want1)
   np.testing.assert_array_equal(blk[0, 13:20], want2)
-  absolute = np.asarray(blocks.block_ids(b["positions"], b["segment_ids"], b["loss_mask"],
-                                         B_SIZE, "absolute"))
+  absolute = np.asarray(
+    blocks.block_ids(b["positions"], b["segment_ids"], b["loss_mask"], B_SIZE, "absolute")
+  )
   np.testing.assert_array_equal(absolute[0, :13], np.arange(13) // 4)
 
 
@@ -98,13 +99,15 @@ def test_loss_by_hand_with_uniform_predictions():
   rng = jax.random.key(7)
   loss, metrics = _loss_jit(m, batch, rng, cfg=objective.ObjectiveConfig())
   blk = blocks.block_ids(batch["positions"], batch["segment_ids"], batch["loss_mask"], B_SIZE)
-  masked, p = noising.sample_mask(rng, jnp.asarray(batch["segment_ids"]), blk,
-                                  jnp.asarray(batch["loss_mask"]))
+  masked, p = noising.sample_mask(
+    rng, jnp.asarray(batch["segment_ids"]), blk, jnp.asarray(batch["loss_mask"])
+  )
   masked, p = np.asarray(masked), np.asarray(p)
   want = math.log(256) * np.sum(1.0 / p[masked]) / 24
   np.testing.assert_allclose(float(loss), want, rtol=1e-5)
-  np.testing.assert_allclose(float(metrics["masked_ce_sum"]), math.log(256) * masked.sum(),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    float(metrics["masked_ce_sum"]), math.log(256) * masked.sum(), rtol=1e-5
+  )
 
 
 def _reference_loss(model, batch, masked, p):
@@ -139,8 +142,9 @@ def test_loss_matches_blockwise_reference(model):
   rng = jax.random.key(3)
   loss, metrics = _loss_jit(model, batch, rng, cfg=objective.ObjectiveConfig())
   blk = blocks.block_ids(batch["positions"], batch["segment_ids"], batch["loss_mask"], B_SIZE)
-  masked, p = noising.sample_mask(rng, jnp.asarray(batch["segment_ids"]), blk,
-                                  jnp.asarray(batch["loss_mask"]))
+  masked, p = noising.sample_mask(
+    rng, jnp.asarray(batch["segment_ids"]), blk, jnp.asarray(batch["loss_mask"])
+  )
   masked, p = np.asarray(masked), np.asarray(p)
   want = _reference_loss(model, batch, masked, p)
   np.testing.assert_allclose(float(loss), want, rtol=2e-5)
@@ -173,11 +177,13 @@ def test_gradients_flow_only_through_masked_positions(model):
   batch = _packed_batch()
   x0 = jnp.asarray(batch["tokens"])
   blk = blocks.block_ids(batch["positions"], batch["segment_ids"], batch["loss_mask"], B_SIZE)
-  masked, p = noising.sample_mask(jax.random.key(2), jnp.asarray(batch["segment_ids"]), blk,
-                                  jnp.asarray(batch["loss_mask"]))
+  masked, p = noising.sample_mask(
+    jax.random.key(2), jnp.asarray(batch["segment_ids"]), blk, jnp.asarray(batch["loss_mask"])
+  )
   xt = noising.apply_mask(x0, masked, MASK)
-  hidden = objective.xt_hidden(model, x0, xt, jnp.asarray(batch["positions"]),
-                               jnp.asarray(batch["segment_ids"]), blk)
+  hidden = objective.xt_hidden(
+    model, x0, xt, jnp.asarray(batch["positions"]), jnp.asarray(batch["segment_ids"]), blk
+  )
   w = jnp.where(masked, 1.0 / p, 0.0)
   g = jax.grad(lambda h: objective.chunked_weighted_ce(model, h, x0, w, chunk=7))(hidden)
   g_norm = np.abs(np.asarray(g)).sum(-1)

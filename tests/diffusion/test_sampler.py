@@ -36,6 +36,7 @@ def _reference_forward(graphdef, block_size):
     m = nnx.merge(graphdef, state)
     spec = masks_lib.AttentionSpec.block_causal(block_size, segment_ids, block_ids)
     return m(tokens, positions, spec)
+
   return fwd
 
 
@@ -70,13 +71,20 @@ def reference_generate(model, prompt, cfg: sampler.SamplerConfig):
       pos = np.arange(MAX_LEN)[None].astype(np.int32)
       seg = (pos < width).astype(np.int32)
       blk = block_of(pos).astype(np.int32)
-      logits = fwd(state, tok, pos, seg, blk)[:, start:start + b]
-      cand = remasking.sample_candidates(None, logits, temperature=0.0,
-                                         want_entropy=cfg.strategy == "entropy_bounded")
+      logits = fwd(state, tok, pos, seg, blk)[:, start : start + b]
+      cand = remasking.sample_candidates(
+        None, logits, temperature=0.0, want_entropy=cfg.strategy == "entropy_bounded"
+      )
       sel = remasking.select_transfer(
-          cfg.strategy, jnp.asarray(masked)[None], cand["confidence"], cand["entropy"],
-          jnp.asarray([schedule[s]]), threshold=cfg.threshold, eb_threshold=cfg.eb_threshold,
-          flush=s == cfg.steps - 1)
+        cfg.strategy,
+        jnp.asarray(masked)[None],
+        cand["confidence"],
+        cand["entropy"],
+        jnp.asarray([schedule[s]]),
+        threshold=cfg.threshold,
+        eb_threshold=cfg.eb_threshold,
+        flush=s == cfg.steps - 1,
+      )
       sel = np.asarray(sel)[0]
       seen.append((step, list(inp)))
       block = [int(t) if c else x for t, c, x in zip(np.asarray(cand["token"])[0], sel, block)]
@@ -86,21 +94,22 @@ def reference_generate(model, prompt, cfg: sampler.SamplerConfig):
     step_map += [int(x) for x, f in zip(block_steps, fixed) if not f]
     start += b
     generated = seq[n:]
-    if EOS in block[max(0, n - start + b):] or len(generated) >= cfg.max_new_tokens:
+    if EOS in block[max(0, n - start + b) :] or len(generated) >= cfg.max_new_tokens:
       return generated, step_map, seen
 
 
 STRATEGY_CFGS = [
-    sampler.SamplerConfig(strategy="sequential", steps=4),
-    sampler.SamplerConfig(strategy="low_confidence_static", steps=2),
-    sampler.SamplerConfig(strategy="low_confidence_dynamic", steps=4, threshold=0.5),
-    sampler.SamplerConfig(strategy="entropy_bounded", steps=4, eb_threshold=0.5),
-    sampler.SamplerConfig(strategy="low_confidence_static", steps=4, block_alignment="absolute"),
+  sampler.SamplerConfig(strategy="sequential", steps=4),
+  sampler.SamplerConfig(strategy="low_confidence_static", steps=2),
+  sampler.SamplerConfig(strategy="low_confidence_dynamic", steps=4, threshold=0.5),
+  sampler.SamplerConfig(strategy="entropy_bounded", steps=4, eb_threshold=0.5),
+  sampler.SamplerConfig(strategy="low_confidence_static", steps=4, block_alignment="absolute"),
 ]
 
 
-@pytest.fixture(scope="module", params=STRATEGY_CFGS,
-                ids=lambda c: f"{c.strategy}-{c.steps}-{c.block_alignment}")
+@pytest.fixture(
+  scope="module", params=STRATEGY_CFGS, ids=lambda c: f"{c.strategy}-{c.steps}-{c.block_alignment}"
+)
 def sampled(request, model):
   cfg = dataclasses.replace(request.param, max_new_tokens=14, stop_ids=(EOS,), pad_id=0)
   out = sampler.generate(model, PROMPTS, cfg)
@@ -124,12 +133,13 @@ def test_cached_sampler_matches_cache_free_reference(sampled):
     assert int(out.steps_used[i]) == max(ref_steps) + 1
     # Prompt survives untouched, left-padded right before the response (or inside its block).
     n = len(PROMPTS[i])
-    np.testing.assert_array_equal(tokens[i, starts[i] - n:starts[i]], PROMPTS[i])
+    np.testing.assert_array_equal(tokens[i, starts[i] - n : starts[i]], PROMPTS[i])
   # Every step unmasks at least one token in some row; the dynamic/eb rules used fewer forwards.
   if cfg.strategy in ("low_confidence_static", "sequential") and cfg.block_alignment == "response":
-    per_block = step_map[:, starts[0]:starts[0] + 4]
+    per_block = step_map[:, starts[0] : starts[0] + 4]
     assert sorted(per_block[0].tolist()) == sorted(
-        np.repeat(np.arange(cfg.steps), 4 // cfg.steps).tolist())
+      np.repeat(np.arange(cfg.steps), 4 // cfg.steps).tolist()
+    )
 
 
 def test_replay_by_step_map_reproduces_sampler_inputs(sampled):
@@ -140,19 +150,22 @@ def test_replay_by_step_map_reproduces_sampler_inputs(sampled):
   for i, (_, _, seen) in enumerate(refs):
     assert seen, "reference recorded no steps"
     for step, inp in seen:
-      state = np.asarray(trace.state_before_step(tokens[i:i + 1], step_map[i:i + 1],
-                                                 jnp.asarray([step]), MASK))[0]
+      state = np.asarray(
+        trace.state_before_step(tokens[i : i + 1], step_map[i : i + 1], jnp.asarray([step]), MASK)
+      )[0]
       offset = pads[i]
-      np.testing.assert_array_equal(state[offset:offset + len(inp)], inp,
-                                    err_msg=f"row {i} step {step}")
-      active = np.asarray(trace.active_columns(step_map[i:i + 1], jnp.asarray([step])))[0]
+      np.testing.assert_array_equal(
+        state[offset : offset + len(inp)], inp, err_msg=f"row {i} step {step}"
+      )
+      active = np.asarray(trace.active_columns(step_map[i : i + 1], jnp.asarray([step])))[0]
       assert active.any() and np.nonzero(active)[0].max() < offset + len(inp)
 
 
 def test_stops_and_lengths(model):
   # Row 0 may emit EOS early; lengths never exceed the per-row budget and include the first EOS.
-  cfg = sampler.SamplerConfig(strategy="low_confidence_static", steps=4, max_new_tokens=14,
-                              stop_ids=(EOS,))
+  cfg = sampler.SamplerConfig(
+    strategy="low_confidence_static", steps=4, max_new_tokens=14, stop_ids=(EOS,)
+  )
   out = sampler.generate(model, PROMPTS, cfg, max_new_tokens=[14, 5, 9, 1])
   lengths = np.asarray(out.response_lengths)
   assert (lengths <= np.array([14, 5, 9, 1])).all() and lengths[3] == 1
@@ -184,16 +197,22 @@ def test_remasking_rules_by_hand():
 def test_top_k_top_p_and_temperature_filtering():
   logits = jnp.log(jnp.array([[[0.5, 0.3, 0.15, 0.05]]]))
   keys = jax.random.split(jax.random.key(0), 4000)
-  t1 = np.asarray(jax.vmap(lambda k: remasking.sample_candidates(
-      k, logits, temperature=1.0)["token"][0, 0])(keys))
-  np.testing.assert_allclose(np.bincount(t1, minlength=4) / 4000, [0.5, 0.3, 0.15, 0.05],
-                             atol=0.03)
-  tk = np.asarray(jax.vmap(lambda k: remasking.sample_candidates(
-      k, logits, temperature=1.0, top_k=2)["token"][0, 0])(keys))
+  t1 = np.asarray(
+    jax.vmap(lambda k: remasking.sample_candidates(k, logits, temperature=1.0)["token"][0, 0])(keys)
+  )
+  np.testing.assert_allclose(np.bincount(t1, minlength=4) / 4000, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+  tk = np.asarray(
+    jax.vmap(
+      lambda k: remasking.sample_candidates(k, logits, temperature=1.0, top_k=2)["token"][0, 0]
+    )(keys)
+  )
   assert set(tk.tolist()) == {0, 1}
   np.testing.assert_allclose((tk == 0).mean(), 0.5 / 0.8, atol=0.03)
-  tp = np.asarray(jax.vmap(lambda k: remasking.sample_candidates(
-      k, logits, temperature=1.0, top_p=0.85)["token"][0, 0])(keys))
+  tp = np.asarray(
+    jax.vmap(
+      lambda k: remasking.sample_candidates(k, logits, temperature=1.0, top_p=0.85)["token"][0, 0]
+    )(keys)
+  )
   assert set(tp.tolist()) == {0, 1, 2}  # 0.5 + 0.3 < 0.85 <= 0.95
   greedy = remasking.sample_candidates(None, logits, want_entropy=True, want_logprob=True)
   assert int(greedy["token"][0, 0]) == 0

@@ -26,9 +26,18 @@ def _save_tiny_qwen3(path, *, tie=False, dtype=torch.float32, seed=0):
   """A random tiny Qwen3 saved by transformers itself (norms perturbed so they matter)."""
   torch.manual_seed(seed)
   cfg = transformers.Qwen3Config(
-      vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
-      tie_word_embeddings=tie, initializer_range=0.15, max_position_embeddings=512)
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rope_theta=10000.0,
+    tie_word_embeddings=tie,
+    initializer_range=0.15,
+    max_position_embeddings=512,
+  )
   model = transformers.Qwen3ForCausalLM(cfg)
   with torch.no_grad():
     for name, p in model.named_parameters():
@@ -75,11 +84,13 @@ def _tensors(path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_hf_to_jax_to_hf_is_bit_exact_with_sharded_output(tmp_path, dtype):
-  src = _save_tiny_qwen3(str(tmp_path / "src"),
-                         dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+  src = _save_tiny_qwen3(
+    str(tmp_path / "src"), dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32
+  )
   model, cfg = hf_ckpt.import_hf(src, param_dtype=dtype)
-  out = hf_ckpt.export_hf(model, str(tmp_path / "out"), dtype=dtype, max_shard_bytes=40_000,
-                          tokenizer_dir=src)
+  out = hf_ckpt.export_hf(
+    model, str(tmp_path / "out"), dtype=dtype, max_shard_bytes=40_000, tokenizer_dir=src
+  )
   index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
   assert len(set(index["weight_map"].values())) > 1  # really sharded
   a, b = _tensors(src), _tensors(out)
@@ -89,8 +100,10 @@ def test_hf_to_jax_to_hf_is_bit_exact_with_sharded_output(tmp_path, dtype):
     assert a[k].tobytes() == b[k].tobytes(), k
   # and the sharded export re-imports to the same parameters
   again, _ = hf_ckpt.import_hf(out, param_dtype=dtype)
-  np.testing.assert_array_equal(np.asarray(again.layers.q_proj[...], np.float32),
-                                np.asarray(model.layers.q_proj[...], np.float32))
+  np.testing.assert_array_equal(
+    np.asarray(again.layers.q_proj[...], np.float32),
+    np.asarray(model.layers.q_proj[...], np.float32),
+  )
 
 
 def test_export_loads_in_transformers_with_no_missing_keys_and_same_logits(tmp_path):
@@ -98,15 +111,17 @@ def test_export_loads_in_transformers_with_no_missing_keys_and_same_logits(tmp_p
   model = Transformer(cfg, rngs=nnx.Rngs(3))
   out = hf_ckpt.export_hf(model, str(tmp_path / "export"), dtype="float32")
   hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(
-      out, dtype=torch.float32, output_loading_info=True)
+    out, dtype=torch.float32, output_loading_info=True
+  )
   assert not info["missing_keys"] and not info["unexpected_keys"], info
   cfg_json = json.load(open(os.path.join(out, "config.json")))
   assert cfg_json["architectures"] == ["Qwen3ForCausalLM"] and cfg_json["model_type"] == "qwen3"
   assert (cfg_json["block_size"], cfg_json["mask_token_id"]) == (cfg.block_size, cfg.mask_token_id)
   assert os.path.exists(os.path.join(out, "generation_config.json"))
   tok = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 10))
-  ours = np.asarray(model(jnp.asarray(tok), jnp.broadcast_to(jnp.arange(10), (2, 10)),
-                          AttentionSpec.causal()))
+  ours = np.asarray(
+    model(jnp.asarray(tok), jnp.broadcast_to(jnp.arange(10), (2, 10)), AttentionSpec.causal())
+  )
   with torch.no_grad():
     theirs = hf_model(input_ids=torch.as_tensor(tok)).logits.numpy()
   np.testing.assert_allclose(ours, theirs, atol=TOL)
@@ -129,6 +144,7 @@ def test_import_onto_an_8_device_mesh_equals_single_device(hf_dir):
 
 # --- bad input ---------------------------------------------------------------------------------
 
+
 def _sharded_copy(src, dst):
   model, _ = hf_ckpt.import_hf(src)
   return hf_ckpt.export_hf(model, dst, dtype="float32", max_shard_bytes=40_000)
@@ -146,12 +162,16 @@ def test_wrong_shape_names_file_and_tensor(hf_dir, tmp_path):
   out = str(tmp_path / "bad")
   os.makedirs(out)
   tensors = _tensors(hf_dir)
-  tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:, :10]
+  tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][
+    :, :10
+  ]
   save_file(tensors, os.path.join(out, "model.safetensors"))
   os.link(os.path.join(hf_dir, "config.json"), os.path.join(out, "config.json"))
-  with pytest.raises(hf_ckpt.CheckpointError,
-                     match=r"model\.safetensors: tensor model\.layers\.1\.mlp\.up_proj\.weight "
-                           r"has shape \(96, 10\), expected \(96, 64\)"):
+  with pytest.raises(
+    hf_ckpt.CheckpointError,
+    match=r"model\.safetensors: tensor model\.layers\.1\.mlp\.up_proj\.weight "
+    r"has shape \(96, 10\), expected \(96, 64\)",
+  ):
     hf_ckpt.import_hf(out)
 
 
@@ -164,9 +184,10 @@ def test_unsupported_dtype_names_the_tensor(hf_dir, tmp_path):
   # rewrite the dtype tag of model.norm.weight to I16 (same byte size as F16)
   raw = open(os.path.join(out, "model.safetensors"), "rb").read()
   n = int.from_bytes(raw[:8], "little")
-  header = raw[8:8 + n].replace(b'"model.norm.weight":{"dtype":"F16"',
-                                b'"model.norm.weight":{"dtype":"I16"')
-  open(os.path.join(out, "model.safetensors"), "wb").write(raw[:8] + header + raw[8 + n:])
+  header = raw[8 : 8 + n].replace(
+    b'"model.norm.weight":{"dtype":"F16"', b'"model.norm.weight":{"dtype":"I16"'
+  )
+  open(os.path.join(out, "model.safetensors"), "wb").write(raw[:8] + header + raw[8 + n :])
   os.link(os.path.join(hf_dir, "config.json"), os.path.join(out, "config.json"))
   with pytest.raises(hf_ckpt.CheckpointError, match=r"model\.norm\.weight.*unsupported dtype I16"):
     hf_ckpt.import_hf(out)
@@ -209,12 +230,22 @@ def test_export_refuses_to_clobber_without_overwrite(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
-def test_sdar_style_checkpoint_imports_with_its_block_size_and_mask_id(hf_dir, tmp_path, shared_data):
+def test_sdar_style_checkpoint_imports_with_its_block_size_and_mask_id(
+  hf_dir, tmp_path, shared_data
+):
   """A directory whose config.json is SDAR's (model_type sdar, auto_map, SDAR's training switches)."""
   sdar = json.loads((shared_data / "sdar_chat" / "config_4b.json").read_text())
   ours = json.load(open(os.path.join(hf_dir, "config.json")))
-  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings"):
+  for key in (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+  ):
     sdar[key] = ours[key]
   sdar.update(rope_theta=10000.0, block_size=8, mask_token_id=150)
   out = tmp_path / "sdar"
@@ -226,5 +257,6 @@ def test_sdar_style_checkpoint_imports_with_its_block_size_and_mask_id(hf_dir, t
   qwen, _ = hf_ckpt.import_hf(hf_dir, param_dtype="float32", dtype="float32")
   tok = jnp.asarray(np.random.default_rng(2).integers(0, 160, size=(1, 8)))
   pos = jnp.arange(8)[None]
-  np.testing.assert_array_equal(model(tok, pos, AttentionSpec.causal()),
-                                qwen(tok, pos, AttentionSpec.causal()))
+  np.testing.assert_array_equal(
+    model(tok, pos, AttentionSpec.causal()), qwen(tok, pos, AttentionSpec.causal())
+  )

@@ -4,10 +4,12 @@ import json
 
 import pytest
 
-from dice_jax.model.config import PRESETS, ModelConfig, from_hf_config, get_config, to_hf_config
+from dice_jax.model.config import PRESETS, from_hf_config, get_config, to_hf_config
 
 
-@pytest.mark.parametrize("name,fname", [("sdar_4b", "config_4b.json"), ("sdar_8b", "config_8b.json")])
+@pytest.mark.parametrize(
+  "name,fname", [("sdar_4b", "config_4b.json"), ("sdar_8b", "config_8b.json")]
+)
 def test_presets_equal_sdar_configs(shared_data, name, fname):
   hf = json.loads((shared_data / "sdar_chat" / fname).read_text())
   assert from_hf_config(hf) == get_config(name)
@@ -15,9 +17,16 @@ def test_presets_equal_sdar_configs(shared_data, name, fname):
 
 def test_sdar_1p7b_has_qwen3_1p7b_dimensions():
   c = get_config("sdar_1p7b")
-  assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-          c.intermediate_size, c.vocab_size, c.tie_word_embeddings) == (
-              28, 2048, 16, 8, 128, 6144, 151936, False)
+  assert (
+    c.num_layers,
+    c.hidden_size,
+    c.num_heads,
+    c.num_kv_heads,
+    c.head_dim,
+    c.intermediate_size,
+    c.vocab_size,
+    c.tie_word_embeddings,
+  ) == (28, 2048, 16, 8, 128, 6144, 151936, False)
   assert 2.0e9 < c.num_params() < 2.1e9  # SDAR-1.7B's 4.06 GB bf16 file: ~2.03B parameters
 
 
@@ -36,8 +45,14 @@ def test_unknown_non_default_hf_field_is_an_error_naming_it():
   assert from_hf_config(hf) == get_config("tiny")
 
 
-@pytest.mark.parametrize("field,value", [("attention_bias", True), ("hidden_act", "gelu"),
-                                         ("rope_scaling", {"type": "yarn", "factor": 4.0})])
+@pytest.mark.parametrize(
+  "field,value",
+  [
+    ("attention_bias", True),
+    ("hidden_act", "gelu"),
+    ("rope_scaling", {"type": "yarn", "factor": 4.0}),
+  ],
+)
 def test_unimplemented_architecture_variants_are_refused(field, value):
   hf = to_hf_config(get_config("tiny"))
   hf[field] = value

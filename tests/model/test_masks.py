@@ -19,9 +19,12 @@ def _random_layout(rng, batch=2, length=13, block=4):
     for i, n in enumerate(lens):
       sid = 0 if i == 2 and rng.random() < 0.5 else i + 1
       start = rng.integers(0, n)  # response start inside the segment
-      p += list(range(n)); s += [sid] * n
+      p += list(range(n))
+      s += [sid] * n
       b += [int(np.floor((q - start) / block)) for q in range(n)]
-    pos.append(p); seg.append(s); blk.append(b)
+    pos.append(p)
+    seg.append(s)
+    blk.append(b)
   return np.array(pos), np.array(seg), np.array(blk)
 
 
@@ -47,13 +50,13 @@ def brute_block_diffusion(seg, blk):
     q_clean, k_clean = i >= T, j >= T
     same = seg[b, qi] == seg[b, kj] and seg[b, qi] != 0
     if not q_clean and not k_clean:
-      ok = blk[b, qi] == blk[b, kj]          # M_BD: noisy block sees itself
+      ok = blk[b, qi] == blk[b, kj]  # M_BD: noisy block sees itself
     elif not q_clean and k_clean:
-      ok = blk[b, kj] < blk[b, qi]           # M_OBC: noisy sees earlier clean blocks
+      ok = blk[b, kj] < blk[b, qi]  # M_OBC: noisy sees earlier clean blocks
     elif q_clean and k_clean:
-      ok = blk[b, kj] <= blk[b, qi]          # M_BC: clean is block-causal
+      ok = blk[b, kj] <= blk[b, qi]  # M_BC: clean is block-causal
     else:
-      ok = False                             # clean never sees noisy
+      ok = False  # clean never sees noisy
     out[b, i, j] = same and ok
   return out
 

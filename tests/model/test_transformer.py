@@ -1,7 +1,5 @@
 """Behaviour of the NNX transformer: cache consistency, the 2L layout, dtypes, scan, sharding."""
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +7,6 @@ import pytest
 from flax import nnx
 
 from dice_jax.model import AttentionSpec, KVCache, Transformer, get_config
-from dice_jax.model.config import from_hf_config, to_hf_config
 from dice_jax.train import sharding
 
 CFG = get_config("tiny", dtype="float32")
@@ -55,8 +52,11 @@ def test_cache_slots_of_other_segments_are_invisible(model):
 def test_clean_half_of_the_2L_input_equals_the_block_causal_forward(model):
   tok, pos = _inputs()
   noisy = jnp.where(jax.random.bernoulli(jax.random.key(3), 0.5, tok.shape), CFG.mask_token_id, tok)
-  out = model(jnp.concatenate([noisy, tok], 1), jnp.concatenate([pos, pos], 1),
-              AttentionSpec.block_diffusion(4))
+  out = model(
+    jnp.concatenate([noisy, tok], 1),
+    jnp.concatenate([pos, pos], 1),
+    AttentionSpec.block_diffusion(4),
+  )
   np.testing.assert_allclose(out[:, T:], model(tok, pos, AttentionSpec.block_causal(4)), atol=1e-5)
 
 
@@ -69,7 +69,7 @@ def test_noisy_block_sees_only_its_own_block_and_earlier_clean_blocks(model):
   base = model(x, p2, spec)
   # change the clean tokens of block 1 (4..7): noisy blocks 0 and 1 must not change, noisy
   # block 2 (which conditions on clean blocks 0-1) must
-  x_changed = x.at[:, T + 4:T + 8].set(5)
+  x_changed = x.at[:, T + 4 : T + 8].set(5)
   changed = model(x_changed, p2, spec)
   np.testing.assert_allclose(changed[:, :8], base[:, :8], atol=1e-6)
   assert np.abs(np.asarray(changed[:, 8:T] - base[:, 8:T])).max() > 1e-4
@@ -93,6 +93,7 @@ def test_program_size_does_not_grow_with_depth():
     tok, pos = _inputs()
     jaxpr = jax.make_jaxpr(lambda m, t, p: m(t, p, AttentionSpec.block_causal(4)))(m, tok, pos)
     return str(jaxpr).count("dot_general")
+
   assert eqns(2) == eqns(12) > 0
 
 
@@ -102,11 +103,15 @@ def test_sharded_forward_on_8_devices_equals_single_device(model):
   sharded = sharding.create_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), mesh)
   q = sharded.layers.q_proj[...]
   assert q.sharding.spec == jax.P(None, "fsdp", "tensor", None)
-  tok, pos = jax.random.randint(jax.random.key(1), (4, T), 0, CFG.vocab_size), \
-      jnp.broadcast_to(jnp.arange(T), (4, T))
+  tok, pos = (
+    jax.random.randint(jax.random.key(1), (4, T), 0, CFG.vocab_size),
+    jnp.broadcast_to(jnp.arange(T), (4, T)),
+  )
   spec = AttentionSpec.block_causal(4)
   bs = sharding.batch_sharding(mesh)
-  got = jax.jit(lambda m, t, p: m(t, p, spec))(sharded, jax.device_put(tok, bs), jax.device_put(pos, bs))
+  got = jax.jit(lambda m, t, p: m(t, p, spec))(
+    sharded, jax.device_put(tok, bs), jax.device_put(pos, bs)
+  )
   np.testing.assert_allclose(got, model(tok, pos, spec), atol=1e-5)
   sharding.assert_sufficiently_sharded(nnx.state(sharded), mesh)
 

@@ -14,8 +14,9 @@ def _state_on(cfg, mesh, seed=0):
   tx = optax.adamw(1e-3)
   _, state, shardings = ts.init_train_state(model, tx, mesh)
   # make the optimizer state non-trivial
-  state["opt_state"] = jax.tree.map(lambda x: x + 0.5 if x.dtype == np.float32 else x,
-                                    state["opt_state"])
+  state["opt_state"] = jax.tree.map(
+    lambda x: x + 0.5 if x.dtype == np.float32 else x, state["opt_state"]
+  )
   state["step"] = state["step"] + 41
   return state, shardings
 

@@ -19,9 +19,19 @@ def _tensors(path):
 
 
 def test_checkpoint_restores_to_the_parameters_the_run_exported(tmp_path):
-  cfg = SFTConfig(model="tiny", model_overrides={"dtype": "float32"}, data_source="pairs",
-                  data_path=str(PAIRS), max_prompt_chars=96, max_response_chars=96, seq_len=256,
-                  batch_size=8, num_steps=2, checkpoint_every=1, log_every=1)
+  cfg = SFTConfig(
+    model="tiny",
+    model_overrides={"dtype": "float32"},
+    data_source="pairs",
+    data_path=str(PAIRS),
+    max_prompt_chars=96,
+    max_response_chars=96,
+    seq_len=256,
+    batch_size=8,
+    num_steps=2,
+    checkpoint_every=1,
+    log_every=1,
+  )
   workdir = str(tmp_path / "run")
   run_sft(cfg, workdir, export_hf=str(tmp_path / "from_run"))
   model, tok_dir, step = restore_model(workdir)

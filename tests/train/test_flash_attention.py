@@ -27,7 +27,7 @@ def _packed_ids(b, t):
   for r, lens in enumerate([(13, 7, 6), (t,)][:b]):
     at = 0
     for i, n in enumerate(lens):
-      seg[r, at:at + n], pos[r, at:at + n], starts[r, at:at + n] = i + 1, np.arange(n), 3 + i
+      seg[r, at : at + n], pos[r, at : at + n], starts[r, at : at + n] = i + 1, np.arange(n), 3 + i
       at += n
   blk = masks.block_ids_from_response_start(pos, starts, 4)
   return jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(blk)
@@ -56,8 +56,17 @@ def test_flash_matches_dense_values_and_gradients(kind):
   ct = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
   ct = ct * valid[:, :, None, None]  # padding rows are never read downstream
   ref = lambda *a: (dense_attention(*a, mask) * ct).sum()  # noqa: E731
-  fla = lambda *a: (flash_bd.attention(*a, spec, positions, block_q=16, block_k=8,  # noqa: E731
-                                       block_bwd=16) * ct).sum()
+  fla = lambda *a: (
+    flash_bd.attention(
+      *a,
+      spec,
+      positions,
+      block_q=16,
+      block_k=8,  # noqa: E731
+      block_bwd=16,
+    )
+    * ct
+  ).sum()
   np.testing.assert_allclose(fla(q, kk, v), ref(q, kk, v), rtol=1e-5)
   for g_ref, g_fla in zip(jax.grad(ref, (0, 1, 2))(q, kk, v), jax.grad(fla, (0, 1, 2))(q, kk, v)):
     np.testing.assert_allclose(np.asarray(g_fla), np.asarray(g_ref), atol=2e-5)
@@ -72,11 +81,13 @@ def test_flash_model_matches_dense_model_on_a_sharded_mesh(tiny_cfg):
   want = dense(tokens, positions, spec)
   mesh = sharding.make_mesh(1, 4, 2)
   flash = sharding.create_sharded(
-      lambda: Transformer(tiny_cfg.replace(attention_impl="flash"), rngs=nnx.Rngs(0)), mesh)
+    lambda: Transformer(tiny_cfg.replace(attention_impl="flash"), rngs=nnx.Rngs(0)), mesh
+  )
   rows = NamedSharding(mesh, P(("data", "fsdp"), None))
   with jax.set_mesh(mesh):  # the kernel runs per shard (shard_map) under a mesh
-    got = jax.jit(lambda m, t, p, s: m(t, p, s))(flash, jax.device_put(tokens, rows),
-                                                 jax.device_put(positions, rows), spec)
+    got = jax.jit(lambda m, t, p, s: m(t, p, s))(
+      flash, jax.device_put(tokens, rows), jax.device_put(positions, rows), spec
+    )
   valid = np.concatenate([batch["segment_ids"]] * 2, 1) > 0
   np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=1e-4)
 
@@ -85,5 +96,6 @@ def test_lengths_that_do_not_fit_the_tiles_are_refused():
   q, k, v = _qkv(1, 24, 2, 2, 16)
   pos = jnp.arange(24)[None]
   with pytest.raises(ValueError, match="multiple of the tiles"):
-    flash_bd.attention(q, k, v, masks.AttentionSpec.causal(), pos, block_q=16, block_k=16,
-                       block_bwd=16)
+    flash_bd.attention(
+      q, k, v, masks.AttentionSpec.causal(), pos, block_q=16, block_k=16, block_bwd=16
+    )

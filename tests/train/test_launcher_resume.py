@@ -18,15 +18,24 @@ NUM_STEPS = 30
 
 
 def _cmd(workdir, data):
-  return [sys.executable, "-m", "experiments.sft", "--config=tiny", f"--workdir={workdir}",
-          "--set=data_source=cuke", f"--set=data_path={data}", "--set=seq_len=256",
-          "--set=batch_size=4", f"--set=num_steps={NUM_STEPS}", "--set=checkpoint_every=4",
-          "--set=log_every=10"]
+  return [
+    sys.executable,
+    "-m",
+    "experiments.sft",
+    "--config=tiny",
+    f"--workdir={workdir}",
+    "--set=data_source=cuke",
+    f"--set=data_path={data}",
+    "--set=seq_len=256",
+    "--set=batch_size=4",
+    f"--set=num_steps={NUM_STEPS}",
+    "--set=checkpoint_every=4",
+    "--set=log_every=10",
+  ]
 
 
 def _env():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
-             JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
   return env
 
@@ -44,8 +53,14 @@ def _metrics(workdir):
 
 
 def _start(workdir, data):
-  return subprocess.Popen(_cmd(workdir, data), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+  return subprocess.Popen(
+    _cmd(workdir, data),
+    cwd=REPO,
+    env=_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
 
 
 def _wait_for_step(proc, workdir, step, timeout=240):
@@ -68,13 +83,13 @@ def data_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data_file):
   workdir = str(tmp_path_factory.mktemp("uninterrupted"))
-  subprocess.run(_cmd(workdir, data_file), cwd=REPO, env=_env(), check=True,
-                 capture_output=True, timeout=600)
+  subprocess.run(
+    _cmd(workdir, data_file), cwd=REPO, env=_env(), check=True, capture_output=True, timeout=600
+  )
   return _metrics(workdir)
 
 
-def test_kill_9_then_restart_resumes_with_identical_losses_and_data(tmp_path, data_file,
-                                                                     reference):
+def test_kill_9_then_restart_resumes_with_identical_losses_and_data(tmp_path, data_file, reference):
   assert sorted(reference) == list(range(1, NUM_STEPS + 1))
   workdir = str(tmp_path / "run")
   proc = _start(workdir, data_file)
@@ -83,8 +98,9 @@ def test_kill_9_then_restart_resumes_with_identical_losses_and_data(tmp_path, da
   proc.wait()
   assert killed_at < NUM_STEPS, "the run finished before it could be killed"
 
-  again = subprocess.run(_cmd(workdir, data_file), cwd=REPO, env=_env(), capture_output=True,
-                         text=True, timeout=600)
+  again = subprocess.run(
+    _cmd(workdir, data_file), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600
+  )
   assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
   log = again.stdout + again.stderr
   assert "restored step" in log  # it resumed rather than starting over

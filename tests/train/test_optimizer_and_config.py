@@ -10,14 +10,17 @@ def test_dice_schedule_is_constant_after_three_percent_warmup():
   sched = make_schedule(cfg, total_steps=200)
   assert warmup_steps(cfg, 200) == 6  # ceil(0.03 * 200), as HF computes it
   lrs = np.array([float(sched(s)) for s in range(200)])
-  np.testing.assert_allclose(lrs[:7], [0, 1e-5 / 6, 2e-5 / 6, 3e-5 / 6, 4e-5 / 6, 5e-5 / 6, 1e-5],
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    lrs[:7], [0, 1e-5 / 6, 2e-5 / 6, 3e-5 / 6, 4e-5 / 6, 5e-5 / 6, 1e-5], rtol=1e-6
+  )
   np.testing.assert_allclose(lrs[6:], 1e-5, rtol=1e-6)
 
 
 def test_cosine_schedule_reaches_the_end_ratio():
-  sched = make_schedule(OptimizerConfig(learning_rate=1.0, schedule="cosine", warmup_steps=10,
-                                        end_lr_ratio=0.1), total_steps=110)
+  sched = make_schedule(
+    OptimizerConfig(learning_rate=1.0, schedule="cosine", warmup_steps=10, end_lr_ratio=0.1),
+    total_steps=110,
+  )
   assert float(sched(10)) == pytest.approx(1.0)
   assert float(sched(60)) == pytest.approx(0.55, abs=1e-6)
   assert float(sched(110)) == pytest.approx(0.1, abs=1e-6)
@@ -31,20 +34,30 @@ def test_bad_optimizer_values_are_named():
 
 
 def test_overrides_set_nested_fields_with_types():
-  cfg = apply_overrides(SFTConfig(), ["optim.learning_rate=3e-4", "seq_len=512",
-                                      "model_overrides.remat=True", "async_checkpoint=False"])
+  cfg = apply_overrides(
+    SFTConfig(),
+    [
+      "optim.learning_rate=3e-4",
+      "seq_len=512",
+      "model_overrides.remat=True",
+      "async_checkpoint=False",
+    ],
+  )
   assert cfg.optim.learning_rate == 3e-4 and cfg.seq_len == 512
   assert cfg.model_overrides == {"remat": True} and cfg.async_checkpoint is False
   assert SFTConfig.from_json(cfg.to_json()) == cfg
 
 
-@pytest.mark.parametrize("override,message", [
+@pytest.mark.parametrize(
+  "override,message",
+  [
     ("optim.lr=1", "unknown field 'lr'"),
     ("seq_len=long", "expected int"),
     ("async_checkpoint=1", "True/False"),
     ("optim=3", "section"),
     ("seq_len", "key=value"),
-])
+  ],
+)
 def test_malformed_overrides_fail_clearly(override, message):
   with pytest.raises(ValueError, match=message):
     apply_overrides(SFTConfig(), [override])

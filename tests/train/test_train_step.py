@@ -22,8 +22,9 @@ def _run(cfg, mesh, batches, loss_fn=_loss, accum=1, lr=1e-3):
   model = sharding.create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
   tx = optimizer.make_optimizer(optimizer.OptimizerConfig(learning_rate=lr, warmup_steps=1), 10)
   graphdef, state, shardings = ts.init_train_state(model, tx, mesh)
-  step = ts.jit_train_step(ts.make_train_step(graphdef, tx, loss_fn, accum_steps=accum),
-                           shardings, mesh, accum)
+  step = ts.jit_train_step(
+    ts.make_train_step(graphdef, tx, loss_fn, accum_steps=accum), shardings, mesh, accum
+  )
   losses = []
   for b in batches:
     state, m = step(state, ts.shard_batch(b, mesh, accum), jax.random.key(7))
@@ -41,8 +42,11 @@ def test_fsdp4_tensor2_matches_one_device_over_five_steps(tiny_cfg):
   # parameters really are sharded over both axes, and end up equal
   spec = s8["params"]["layers"]["gate_proj"].sharding.spec
   assert spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
-                                                       atol=1e-5), s1["params"], s8["params"])
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5),
+    s1["params"],
+    s8["params"],
+  )
 
 
 def _same_position_ce(model, batch, rng):
@@ -64,11 +68,13 @@ def test_accumulation_equals_the_token_weighted_full_batch(tiny_cfg):
   acc, s_acc = _run(tiny_cfg, mesh, [b, b], _same_position_ce, accum=2)
   np.testing.assert_allclose(acc, full, rtol=1e-5)
   # Adam turns near-zero gradients into full-size steps, so compare at a fraction of one update
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4,
-                                                       atol=5e-5), s_full["params"],
-               s_acc["params"])
+  jax.tree.map(
+    lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=5e-5),
+    s_full["params"],
+    s_acc["params"],
+  )
   # the mean of per-micro-batch means would differ: the test would notice
-  halves = [{k: v[i * 4:(i + 1) * 4] for k, v in b.items()} for i in range(2)]
+  halves = [{k: v[i * 4 : (i + 1) * 4] for k, v in b.items()} for i in range(2)]
   model = Transformer(tiny_cfg, rngs=nnx.Rngs(0))
   means = [float(_same_position_ce(model, h, None)[0]) for h in halves]
   assert abs(np.mean(means) - full[0]) > 1e-3

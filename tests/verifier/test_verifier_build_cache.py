@@ -10,63 +10,80 @@ KB = 1024
 
 
 def _entry(root, key: str, size: int, age_s: float):
-    d = root / key
-    d.mkdir()
-    (d / "ext.so").write_bytes(b"\0" * size)
-    t = time.time() - age_s
-    os.utime(d, (t, t))
-    return d
+  d = root / key
+  d.mkdir()
+  (d / "ext.so").write_bytes(b"\0" * size)
+  t = time.time() - age_s
+  os.utime(d, (t, t))
+  return d
 
 
 def test_finished_build_keeps_the_library_and_sources_but_not_objects(tmp_path):
-    for f in ("ext.so", "main.cpp", "cuda.cu", "build.ninja", "main.o", "cuda.cuda.o", ".ninja_deps", ".ninja_log"):
-        (tmp_path / f).write_text("x")
-    build_cache.strip_intermediates(str(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == ["build.ninja", "cuda.cu", "ext.so", "main.cpp"]
+  for f in (
+    "ext.so",
+    "main.cpp",
+    "cuda.cu",
+    "build.ninja",
+    "main.o",
+    "cuda.cuda.o",
+    ".ninja_deps",
+    ".ninja_log",
+  ):
+    (tmp_path / f).write_text("x")
+  build_cache.strip_intermediates(str(tmp_path))
+  assert sorted(os.listdir(tmp_path)) == ["build.ninja", "cuda.cu", "ext.so", "main.cpp"]
 
 
 def test_eviction_removes_least_recently_used_entries_down_to_the_cap(tmp_path):
-    old = [_entry(tmp_path, f"{i:032x}", 100 * KB, age_s=7200 + 100 * i) for i in range(4)]  # old[3] is oldest
-    recent = _entry(tmp_path, "f" * 32, 100 * KB, age_s=10)
-    tmp_build = tmp_path / (f"{1:032x}" + ".tmp-123-abcd")
-    tmp_build.mkdir()
-    (tmp_path / "pch" / "k").mkdir(parents=True)
-    (tmp_path / "pch" / "k" / "dice_torch.h.gch").write_bytes(b"\0" * 500 * KB)
+  old = [
+    _entry(tmp_path, f"{i:032x}", 100 * KB, age_s=7200 + 100 * i) for i in range(4)
+  ]  # old[3] is oldest
+  recent = _entry(tmp_path, "f" * 32, 100 * KB, age_s=10)
+  tmp_build = tmp_path / (f"{1:032x}" + ".tmp-123-abcd")
+  tmp_build.mkdir()
+  (tmp_path / "pch" / "k").mkdir(parents=True)
+  (tmp_path / "pch" / "k" / "dice_torch.h.gch").write_bytes(b"\0" * 500 * KB)
 
-    out = build_cache.evict(str(tmp_path), max_bytes=250 * KB, min_age_s=3600)
-    assert out == {"removed": 3, "freed_bytes": 300 * KB, "kept_bytes": 200 * KB, "entries": 2}
-    assert [d.exists() for d in old] == [True, False, False, False] and recent.exists()
-    assert tmp_build.exists() and (tmp_path / "pch" / "k" / "dice_torch.h.gch").exists()
-    assert not [p for p in os.listdir(tmp_path) if ".evict-" in p]
+  out = build_cache.evict(str(tmp_path), max_bytes=250 * KB, min_age_s=3600)
+  assert out == {"removed": 3, "freed_bytes": 300 * KB, "kept_bytes": 200 * KB, "entries": 2}
+  assert [d.exists() for d in old] == [True, False, False, False] and recent.exists()
+  assert tmp_build.exists() and (tmp_path / "pch" / "k" / "dice_torch.h.gch").exists()
+  assert not [p for p in os.listdir(tmp_path) if ".evict-" in p]
 
 
 def test_recent_entries_are_kept_even_above_the_cap(tmp_path):
-    a = _entry(tmp_path, "a" * 32, 100 * KB, age_s=60)
-    b = _entry(tmp_path, "b" * 32, 100 * KB, age_s=30)
-    out = build_cache.evict(str(tmp_path), max_bytes=0, min_age_s=3600)
-    assert out["removed"] == 0 and a.exists() and b.exists() and out["kept_bytes"] == 200 * KB
+  a = _entry(tmp_path, "a" * 32, 100 * KB, age_s=60)
+  b = _entry(tmp_path, "b" * 32, 100 * KB, age_s=30)
+  out = build_cache.evict(str(tmp_path), max_bytes=0, min_age_s=3600)
+  assert out["removed"] == 0 and a.exists() and b.exists() and out["kept_bytes"] == 200 * KB
 
 
 def test_a_cache_hit_makes_an_entry_recently_used(tmp_path):
-    d = _entry(tmp_path, "c" * 32, KB, age_s=9000)
-    build_cache.touch(str(d))
-    assert time.time() - d.stat().st_mtime < 60
-    assert build_cache.evict(str(tmp_path), max_bytes=0, min_age_s=3600)["removed"] == 0
+  d = _entry(tmp_path, "c" * 32, KB, age_s=9000)
+  build_cache.touch(str(d))
+  assert time.time() - d.stat().st_mtime < 60
+  assert build_cache.evict(str(tmp_path), max_bytes=0, min_age_s=3600)["removed"] == 0
 
 
 def test_service_trims_the_cache_every_32_new_builds(tmp_path):
-    import asyncio
+  import asyncio
 
-    from verifier.service import ServiceConfig, VerifierService
+  from verifier.service import ServiceConfig, VerifierService
 
-    old = _entry(tmp_path, "d" * 32, 100 * KB, age_s=7200)
-    svc = VerifierService(ServiceConfig(device="cpu", cache_dir=str(tmp_path), cache_max_gb=50 * KB / 2**30))
+  old = _entry(tmp_path, "d" * 32, 100 * KB, age_s=7200)
+  svc = VerifierService(
+    ServiceConfig(device="cpu", cache_dir=str(tmp_path), cache_max_gb=50 * KB / 2**30)
+  )
 
-    async def go():
-        svc._maybe_evict({"builds": [{"cached": False}] * 31 + [{"cached": True}]})
-        assert svc.evicting is None and old.exists()  # 31 new builds: not yet
-        svc._maybe_evict({"builds": [{"cached": False, "error": ""}]})
-        await svc.evicting
+  async def go():
+    svc._maybe_evict({"builds": [{"cached": False}] * 31 + [{"cached": True}]})
+    assert svc.evicting is None and old.exists()  # 31 new builds: not yet
+    svc._maybe_evict({"builds": [{"cached": False, "error": ""}]})
+    await svc.evicting
 
-    asyncio.run(go())
-    assert not old.exists() and svc.metrics.cache_evicted == 1 and svc.metrics.snapshot()["cache_evicted"] == 1
+  asyncio.run(go())
+  assert (
+    not old.exists()
+    and svc.metrics.cache_evicted == 1
+    and svc.metrics.snapshot()["cache_evicted"] == 1
+  )

@@ -20,8 +20,12 @@ from verifier_loop import BackgroundLoop  # noqa: E402
 from verifier.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
 from verifier.service import ServiceConfig, VerifierService  # noqa: E402
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (run on a GPU host)")]
+pytestmark = [
+  pytest.mark.gpu,
+  pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs an NVIDIA GPU (run on a GPU host)"
+  ),
+]
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 OPTS = VerifyOptions(device="cuda", timeout_s=120)
@@ -29,109 +33,178 @@ OPTS = VerifyOptions(device="cuda", timeout_s=120)
 
 @pytest.fixture(scope="module")
 def gpu_service(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu_verifier")
-    major, minor = torch.cuda.get_device_capability(0)
-    cfg = ServiceConfig(device="cuda", gpus=("0",), slots_per_gpu=4,
-                        compile_workers=max(1, (os.cpu_count() or 2) // 2),
-                        cache_dir=os.environ.get("VERIFIER_CACHE_DIR", str(root / "builds")),
-                        scratch_root=str(root / "scratch"), arch_list=f"{major}.{minor}",
-                        isolate_network=os.environ.get("VERIFIER_NO_NETNS") != "1",
-                        split_build=os.environ.get("VERIFIER_NO_SPLIT_BUILD") != "1",
-                        fork_server=os.environ.get("VERIFIER_FORK_SERVER") == "1")
-    loop = BackgroundLoop()
-    svc = VerifierService(cfg)
-    loop.run(svc.start())
-    yield loop, svc
-    loop.run(svc.close())
-    loop.close()
+  root = tmp_path_factory.mktemp("gpu_verifier")
+  major, minor = torch.cuda.get_device_capability(0)
+  cfg = ServiceConfig(
+    device="cuda",
+    gpus=("0",),
+    slots_per_gpu=4,
+    compile_workers=max(1, (os.cpu_count() or 2) // 2),
+    cache_dir=os.environ.get("VERIFIER_CACHE_DIR", str(root / "builds")),
+    scratch_root=str(root / "scratch"),
+    arch_list=f"{major}.{minor}",
+    isolate_network=os.environ.get("VERIFIER_NO_NETNS") != "1",
+    split_build=os.environ.get("VERIFIER_NO_SPLIT_BUILD") != "1",
+    fork_server=os.environ.get("VERIFIER_FORK_SERVER") == "1",
+  )
+  loop = BackgroundLoop()
+  svc = VerifierService(cfg)
+  loop.run(svc.start())
+  yield loop, svc
+  loop.run(svc.close())
+  loop.close()
 
 
 def _verify(gpu_service, *reqs):
-    loop, svc = gpu_service
+  loop, svc = gpu_service
 
-    async def go():
-        return await asyncio.gather(*(svc.verify(r) for r in reqs))
+  async def go():
+    return await asyncio.gather(*(svc.verify(r) for r in reqs))
 
-    return loop.run(go())
+  return loop.run(go())
 
 
 def _req(rid, ref, cand, **kw):
-    return VerifyRequest(rid, rid, ref, cand, dataclasses.replace(OPTS, **kw))
+  return VerifyRequest(rid, rid, ref, cand, dataclasses.replace(OPTS, **kw))
 
 
 def test_good_kernels_pass_with_a_speedup(gpu_service):
-    add, mm = _verify(gpu_service, _req("good-add", g.ADD_REFERENCE, g.GOOD_ADD, measure_performance=True),
-                      _req("good-mm", g.MATMUL_REFERENCE, g.GOOD_MATMUL, measure_performance=True))
-    for r in (add, mm):
-        assert r.failure_kind is FailureKind.OK and r.reward == 1.0, (r.reason, r.logs[-3000:])
-        assert r.speedup > 0 and r.candidate.num_trials == 100 and r.device_name
-    assert add.speedup > 0.5  # an elementwise add is memory-bound: about as fast as aten's
+  add, mm = _verify(
+    gpu_service,
+    _req("good-add", g.ADD_REFERENCE, g.GOOD_ADD, measure_performance=True),
+    _req("good-mm", g.MATMUL_REFERENCE, g.GOOD_MATMUL, measure_performance=True),
+  )
+  for r in (add, mm):
+    assert r.failure_kind is FailureKind.OK and r.reward == 1.0, (r.reason, r.logs[-3000:])
+    assert r.speedup > 0 and r.candidate.num_trials == 100 and r.device_name
+  assert add.speedup > 0.5  # an elementwise add is memory-bound: about as fast as aten's
 
 
 ADVERSARIAL = [
-    ("result_reuse", g.MATMUL_REFERENCE, g.RESULT_REUSE, {FailureKind.WRONG_OUTPUT, FailureKind.NONFINITE_OUTPUT}),
-    ("input_zeroing", g.MATMUL_REFERENCE, g.INPUT_ZEROING, {FailureKind.INPUT_MUTATION}),
-    ("non_default_stream", g.MATMUL_REFERENCE, g.NON_DEFAULT_STREAM, {FailureKind.THREAD_OR_STREAM}),
-    ("illegal_memory_access", g.MATMUL_REFERENCE, g.ILLEGAL_ADDRESS, {FailureKind.CUDA_ERROR, FailureKind.CRASH}),
-    ("defined_never_launched", g.MATMUL_REFERENCE, g.DEFINED_NOT_LAUNCHED_STATIC, {FailureKind.KERNEL_NOT_LAUNCHED}),
-    ("dead_launch_host_compute", g.MATMUL_REFERENCE.replace("N = 1024", "N = 256"), g.NEVER_LAUNCHED,
-     {FailureKind.KERNEL_NOT_LAUNCHED}),
-    ("torch_matmul_forward", g.MATMUL_REFERENCE, g.TORCH_MATMUL_FORWARD, {FailureKind.TORCH_COMPUTE}),
+  (
+    "result_reuse",
+    g.MATMUL_REFERENCE,
+    g.RESULT_REUSE,
+    {FailureKind.WRONG_OUTPUT, FailureKind.NONFINITE_OUTPUT},
+  ),
+  ("input_zeroing", g.MATMUL_REFERENCE, g.INPUT_ZEROING, {FailureKind.INPUT_MUTATION}),
+  ("non_default_stream", g.MATMUL_REFERENCE, g.NON_DEFAULT_STREAM, {FailureKind.THREAD_OR_STREAM}),
+  (
+    "illegal_memory_access",
+    g.MATMUL_REFERENCE,
+    g.ILLEGAL_ADDRESS,
+    {FailureKind.CUDA_ERROR, FailureKind.CRASH},
+  ),
+  (
+    "defined_never_launched",
+    g.MATMUL_REFERENCE,
+    g.DEFINED_NOT_LAUNCHED_STATIC,
+    {FailureKind.KERNEL_NOT_LAUNCHED},
+  ),
+  (
+    "dead_launch_host_compute",
+    g.MATMUL_REFERENCE.replace("N = 1024", "N = 256"),
+    g.NEVER_LAUNCHED,
+    {FailureKind.KERNEL_NOT_LAUNCHED},
+  ),
+  ("torch_matmul_forward", g.MATMUL_REFERENCE, g.TORCH_MATMUL_FORWARD, {FailureKind.TORCH_COMPUTE}),
 ]
 
 
 @pytest.mark.parametrize("name,ref,cand,kinds", ADVERSARIAL, ids=[a[0] for a in ADVERSARIAL])
 def test_adversarial_kernel_is_rejected_and_pool_recovers(gpu_service, name, ref, cand, kinds):
-    bad, good = _verify(gpu_service, _req(f"adv-{name}", ref, cand), _req(f"good-after-{name}", g.ADD_REFERENCE, g.GOOD_ADD))
-    assert bad.failure_kind in kinds, (bad.failure_kind, bad.reason, bad.logs[-3000:])
-    assert bad.reward == 0.0
-    assert good.failure_kind is FailureKind.OK and good.reward == 1.0, (good.reason, good.logs[-2000:])
+  bad, good = _verify(
+    gpu_service,
+    _req(f"adv-{name}", ref, cand),
+    _req(f"good-after-{name}", g.ADD_REFERENCE, g.GOOD_ADD),
+  )
+  assert bad.failure_kind in kinds, (bad.failure_kind, bad.reason, bad.logs[-3000:])
+  assert bad.reward == 0.0
+  assert good.failure_kind is FailureKind.OK and good.reward == 1.0, (
+    good.reason,
+    good.logs[-2000:],
+  )
 
 
 def test_non_default_stream_is_timed_honestly_under_kernelbench_rules(gpu_service):
-    """With the static checks off, a kernel launched on an unsynchronised side stream gains nothing.
+  """With the static checks off, a kernel launched on an unsynchronised side stream gains nothing.
 
-    Its output races with the read of it: either the re-check after timing catches wrong values (what
-    the H200 showed on 2026-11-29: 203,360 of 1,048,576 values off) or, when it passes, the device-wide
-    synchronisation around the timed region charges it all of its work.
-    """
-    side, same = _verify(gpu_service,
-                         _req("stream-kb", g.MATMUL_REFERENCE, g.NON_DEFAULT_STREAM, strictness="off", measure_performance=True),
-                         _req("same-kb", g.MATMUL_REFERENCE, g.GOOD_MATMUL, strictness="off", measure_performance=True))
-    assert same.failure_kind is FailureKind.OK, same.reason
-    if side.failure_kind is FailureKind.OK:
-        assert side.candidate.median_ms > 0.5 * same.candidate.median_ms  # no free speedup from hiding work
-    else:
-        assert side.failure_kind is FailureKind.WRONG_OUTPUT and side.reward == 0.0, side.reason
+  Its output races with the read of it: either the re-check after timing catches wrong values (what
+  the H200 showed on 2026-11-29: 203,360 of 1,048,576 values off) or, when it passes, the device-wide
+  synchronisation around the timed region charges it all of its work.
+  """
+  side, same = _verify(
+    gpu_service,
+    _req(
+      "stream-kb",
+      g.MATMUL_REFERENCE,
+      g.NON_DEFAULT_STREAM,
+      strictness="off",
+      measure_performance=True,
+    ),
+    _req("same-kb", g.MATMUL_REFERENCE, g.GOOD_MATMUL, strictness="off", measure_performance=True),
+  )
+  assert same.failure_kind is FailureKind.OK, same.reason
+  if side.failure_kind is FailureKind.OK:
+    assert (
+      side.candidate.median_ms > 0.5 * same.candidate.median_ms
+    )  # no free speedup from hiding work
+  else:
+    assert side.failure_kind is FailureKind.WRONG_OUTPUT and side.reward == 0.0, side.reason
 
 
 def _data_file(name: str) -> pathlib.Path:
-    for base in (os.environ.get("VERIFIER_DATA", ""), REPO / ".gpu_data" / "verifier", REPO.parent / "shared" / "data" / "dice_rl"):
-        if base and (pathlib.Path(base) / name).is_file():
-            return pathlib.Path(base) / name
-    pytest.skip(f"{name} not found (set VERIFIER_DATA or provide ../shared/data)")
+  for base in (
+    os.environ.get("VERIFIER_DATA", ""),
+    REPO / ".gpu_data" / "verifier",
+    REPO.parent / "shared" / "data" / "dice_rl",
+  ):
+    if base and (pathlib.Path(base) / name).is_file():
+      return pathlib.Path(base) / name
+  pytest.skip(f"{name} not found (set VERIFIER_DATA or provide ../shared/data)")
 
 
 def test_dice_known_good_solutions(gpu_service, tmp_path):
-    tasks = json.loads(_data_file("kernel_infilling_evaluation.json").read_text())
-    reqs = [_req(f"dice-{t['id']}", t["pytorch_code"], t["cuda_code"]) for t in tasks]
-    results = _verify(gpu_service, *reqs)
-    loose = {r.request_id: r for r in _verify(gpu_service, *[
-        dataclasses.replace(q, request_id=q.request_id + "-kb", options=dataclasses.replace(q.options, strictness="kernelbench"))
-        for q, r in zip(reqs, results) if r.failure_kind is not FailureKind.OK])}
-    report = []
-    for t, r in zip(tasks, results):
-        kb = loose.get(r.request_id + "-kb")
-        report.append({"id": t["id"], "kind": r.failure_kind.value, "reason": r.reason[:600],
-                       "strict_correct": r.strict_correct, "max_abs_diff": r.max_abs_diff,
-                       "compile_s": r.compile_s, "run_s": r.run_s,
-                       "kernelbench_kind": kb.failure_kind.value if kb else "OK",
-                       "kernelbench_reason": kb.reason[:600] if kb else "", "logs": r.logs[-1500:] if r.failure_kind is not FailureKind.OK else ""})
-    out = pathlib.Path(os.environ.get("VERIFIER_REPORT_DIR", tmp_path))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "dice_known_good.json").write_text(json.dumps(report, indent=1))
-    strict = collections.Counter(x["kind"] for x in report)
-    kb = collections.Counter(x["kernelbench_kind"] for x in report)
-    print("strict:", dict(strict), "kernelbench:", dict(kb))
-    assert strict["INTERNAL_ERROR"] == 0 and kb["INTERNAL_ERROR"] == 0
-    assert kb["OK"] >= 60, dict(kb)
+  tasks = json.loads(_data_file("kernel_infilling_evaluation.json").read_text())
+  reqs = [_req(f"dice-{t['id']}", t["pytorch_code"], t["cuda_code"]) for t in tasks]
+  results = _verify(gpu_service, *reqs)
+  loose = {
+    r.request_id: r
+    for r in _verify(
+      gpu_service,
+      *[
+        dataclasses.replace(
+          q,
+          request_id=q.request_id + "-kb",
+          options=dataclasses.replace(q.options, strictness="kernelbench"),
+        )
+        for q, r in zip(reqs, results)
+        if r.failure_kind is not FailureKind.OK
+      ],
+    )
+  }
+  report = []
+  for t, r in zip(tasks, results):
+    kb = loose.get(r.request_id + "-kb")
+    report.append(
+      {
+        "id": t["id"],
+        "kind": r.failure_kind.value,
+        "reason": r.reason[:600],
+        "strict_correct": r.strict_correct,
+        "max_abs_diff": r.max_abs_diff,
+        "compile_s": r.compile_s,
+        "run_s": r.run_s,
+        "kernelbench_kind": kb.failure_kind.value if kb else "OK",
+        "kernelbench_reason": kb.reason[:600] if kb else "",
+        "logs": r.logs[-1500:] if r.failure_kind is not FailureKind.OK else "",
+      }
+    )
+  out = pathlib.Path(os.environ.get("VERIFIER_REPORT_DIR", tmp_path))
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "dice_known_good.json").write_text(json.dumps(report, indent=1))
+  strict = collections.Counter(x["kind"] for x in report)
+  kb = collections.Counter(x["kernelbench_kind"] for x in report)
+  print("strict:", dict(strict), "kernelbench:", dict(kb))
+  assert strict["INTERNAL_ERROR"] == 0 and kb["INTERNAL_ERROR"] == 0
+  assert kb["OK"] >= 60, dict(kb)

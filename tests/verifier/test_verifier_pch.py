@@ -23,57 +23,88 @@ torch::Tensor twice_{tag}(torch::Tensor x) {{
 
 
 def test_pch_request_takes_the_builds_flags_without_the_extension_name_or_its_own_include(tmp_path):
-    d = str(tmp_path / "pch" / "k")
-    (tmp_path / "build.ninja").write_text(
-        "ninja_required_version = 1.3\ncxx = c++\n\n"
-        f"cflags = -DTORCH_EXTENSION_NAME=ext_1 -DTORCH_API_INCLUDE_EXTENSION_H -isystem '/opt/torch include' "
-        f"-fPIC -std=c++20 -O0 -include {d}/dice_torch.h\npost_cflags = -D_GLIBCXX_USE_CXX11_ABI=1\n")
-    req = pch.request_from_build(str(tmp_path), d)
-    assert req["command"] == ["c++", "-DTORCH_API_INCLUDE_EXTENSION_H", "-isystem", "/opt/torch include", "-fPIC",
-                              "-std=c++20", "-O0", "-D_GLIBCXX_USE_CXX11_ABI=1"]
-    assert req["header"] == os.path.join(d, "dice_torch.h") and req["dir"] == d
-    assert pch.request_from_build(str(tmp_path / "missing"), d) is None
+  d = str(tmp_path / "pch" / "k")
+  (tmp_path / "build.ninja").write_text(
+    "ninja_required_version = 1.3\ncxx = c++\n\n"
+    f"cflags = -DTORCH_EXTENSION_NAME=ext_1 -DTORCH_API_INCLUDE_EXTENSION_H -isystem '/opt/torch include' "
+    f"-fPIC -std=c++20 -O0 -include {d}/dice_torch.h\npost_cflags = -D_GLIBCXX_USE_CXX11_ABI=1\n"
+  )
+  req = pch.request_from_build(str(tmp_path), d)
+  assert req["command"] == [
+    "c++",
+    "-DTORCH_API_INCLUDE_EXTENSION_H",
+    "-isystem",
+    "/opt/torch include",
+    "-fPIC",
+    "-std=c++20",
+    "-O0",
+    "-D_GLIBCXX_USE_CXX11_ABI=1",
+  ]
+  assert req["header"] == os.path.join(d, "dice_torch.h") and req["dir"] == d
+  assert pch.request_from_build(str(tmp_path / "missing"), d) is None
 
 
 def test_pch_directory_depends_on_the_flags_that_change_main_cpp():
-    tc = {"torch": "2.13"}
-    a = pch.pch_dir("/c", ["-O0"], None, False, tc)
-    assert a == pch.pch_dir("/c", ["-O0"], [], False, tc)
-    assert len({a, pch.pch_dir("/c", ["-O2"], None, False, tc), pch.pch_dir("/c", ["-O0"], None, True, tc),
-                pch.pch_dir("/c", ["-O0"], None, False, {"torch": "2.11"})}) == 4
+  tc = {"torch": "2.13"}
+  a = pch.pch_dir("/c", ["-O0"], None, False, tc)
+  assert a == pch.pch_dir("/c", ["-O0"], [], False, tc)
+  assert (
+    len(
+      {
+        a,
+        pch.pch_dir("/c", ["-O2"], None, False, tc),
+        pch.pch_dir("/c", ["-O0"], None, True, tc),
+        pch.pch_dir("/c", ["-O0"], None, False, {"torch": "2.11"}),
+      }
+    )
+    == 4
+  )
 
 
 def test_a_build_after_the_pch_is_published_uses_it_and_still_works(tmp_path):
-    from torch.utils.cpp_extension import load_inline
+  from torch.utils.cpp_extension import load_inline
 
-    cache = CachedLoadInline(load_inline, str(tmp_path / "builds"), use_pch=True)
-    first = cache(name="pch_a", cpp_sources=SOURCE.format(tag="a", offset=0), functions=["twice_a"],
-                  extra_cflags=["-O0"])
-    ev = cache.events[-1]
-    assert ev["pch"] is False and ev["pch_request"], ev
-    x = torch.arange(4, dtype=torch.float32)
-    assert torch.equal(first.twice_a(x), 2 * x)
+  cache = CachedLoadInline(load_inline, str(tmp_path / "builds"), use_pch=True)
+  first = cache(
+    name="pch_a",
+    cpp_sources=SOURCE.format(tag="a", offset=0),
+    functions=["twice_a"],
+    extra_cflags=["-O0"],
+  )
+  ev = cache.events[-1]
+  assert ev["pch"] is False and ev["pch_request"], ev
+  x = torch.arange(4, dtype=torch.float32)
+  assert torch.equal(first.twice_a(x), 2 * x)
 
-    built = pch.build(ev["pch_request"])
-    assert built["ok"], built["error"]
-    header = pathlib.Path(ev["pch_request"]["header"])
-    assert pathlib.Path(str(header) + ".gch").stat().st_size > 1_000_000  # the torch headers, precompiled
-    assert pch.build(ev["pch_request"])["existed"]  # published once
+  built = pch.build(ev["pch_request"])
+  assert built["ok"], built["error"]
+  header = pathlib.Path(ev["pch_request"]["header"])
+  assert (
+    pathlib.Path(str(header) + ".gch").stat().st_size > 1_000_000
+  )  # the torch headers, precompiled
+  assert pch.build(ev["pch_request"])["existed"]  # published once
 
-    second = cache(name="pch_b", cpp_sources=SOURCE.format(tag="b", offset=1), functions=["twice_b"],
-                   extra_cflags=["-O0"])
-    ev2 = cache.events[-1]
-    assert ev2["pch"] is True and "pch_request" not in ev2 and not ev2["cached"]
-    assert torch.equal(second.twice_b(x), 2 * x + 1)
-    ninja = (tmp_path / "builds" / ev2["key"] / "build.ninja").read_text()
-    assert f"-include {header}" in ninja
+  second = cache(
+    name="pch_b",
+    cpp_sources=SOURCE.format(tag="b", offset=1),
+    functions=["twice_b"],
+    extra_cflags=["-O0"],
+  )
+  ev2 = cache.events[-1]
+  assert ev2["pch"] is True and "pch_request" not in ev2 and not ev2["cached"]
+  assert torch.equal(second.twice_b(x), 2 * x + 1)
+  ninja = (tmp_path / "builds" / ev2["key"] / "build.ninja").read_text()
+  assert f"-include {header}" in ninja
 
 
 def test_pch_build_refuses_flags_gcc_cannot_use(tmp_path):
-    d = tmp_path / "p"
-    flags = pch.include_flags(str(d))
-    req = {"dir": str(d), "header": flags[1], "command": ["c++", "-std=c++20", "-DNOT_A_REAL_HEADER_FLAG",
-                                                          "-isystem", "/nonexistent"]}
-    out = pch.build(req, timeout_s=120)
-    assert not out["ok"] and "torch/extension.h" in out["error"]
-    assert not pch.ready(str(d)) and not list(d.glob("*.tmp-*"))
+  d = tmp_path / "p"
+  flags = pch.include_flags(str(d))
+  req = {
+    "dir": str(d),
+    "header": flags[1],
+    "command": ["c++", "-std=c++20", "-DNOT_A_REAL_HEADER_FLAG", "-isystem", "/nonexistent"],
+  }
+  out = pch.build(req, timeout_s=120)
+  assert not out["ok"] and "torch/extension.h" in out["error"]
+  assert not pch.ready(str(d)) and not list(d.glob("*.tmp-*"))

@@ -11,7 +11,7 @@ import pytest
 
 from verifier.split_build import split_sources, split_variant, top_level_chunks
 
-CUDA = r'''
+CUDA = r"""
 #include <torch/extension.h>
 #include <cuda_runtime.h>
 #define BLOCK 256
@@ -29,76 +29,100 @@ torch::Tensor scale(torch::Tensor x) {
     scale_kernel<<<blocks_for(n), BLOCK, 0, at::cuda::getCurrentCUDAStream()>>>(x.data_ptr<float>(), y.data_ptr<float>(), n, p);
     return y;
 }
-'''
+"""
 CPP = "torch::Tensor scale(torch::Tensor x);"
 
 
 def test_split_moves_torch_out_of_the_cu_and_rewrites_launches():
-    host, device = split_sources(CPP, CUDA)
-    assert "torch" not in device and "Tensor" not in device and "<<<" not in device
-    assert "static __global__" not in device and "__global__ void scale_kernel" in device
-    assert "__device__ __forceinline__ float twice" in device and "struct Pair" in device and "#define BLOCK 256" in device
-    assert "<<<" not in host and "#include <torch/extension.h>" in host
-    assert re.search(r"void scale_kernel\(const float\* __restrict__ x, float\* y, int n, Pair p\);", host)
-    assert "dice_launch(scale_kernel, dim3(blocks_for(n)), dim3(BLOCK), (size_t)(0), " \
-           "(cudaStream_t)(at::cuda::getCurrentCUDAStream()), x.data_ptr<float>()" in host
-    assert host.count("int blocks_for(int n)") == 1 and "blocks_for" not in device  # host function: host side only
-    assert host.count("struct Pair") == 1
+  host, device = split_sources(CPP, CUDA)
+  assert "torch" not in device and "Tensor" not in device and "<<<" not in device
+  assert "static __global__" not in device and "__global__ void scale_kernel" in device
+  assert (
+    "__device__ __forceinline__ float twice" in device
+    and "struct Pair" in device
+    and "#define BLOCK 256" in device
+  )
+  assert "<<<" not in host and "#include <torch/extension.h>" in host
+  assert re.search(
+    r"void scale_kernel\(const float\* __restrict__ x, float\* y, int n, Pair p\);", host
+  )
+  assert (
+    "dice_launch(scale_kernel, dim3(blocks_for(n)), dim3(BLOCK), (size_t)(0), "
+    "(cudaStream_t)(at::cuda::getCurrentCUDAStream()), x.data_ptr<float>()" in host
+  )
+  assert (
+    host.count("int blocks_for(int n)") == 1 and "blocks_for" not in device
+  )  # host function: host side only
+  assert host.count("struct Pair") == 1
 
 
-@pytest.mark.parametrize("extra", [
+@pytest.mark.parametrize(
+  "extra",
+  [
     "template <typename T> __global__ void k(T* x) {}",
     "namespace { __global__ void k2(float* x) {} }",
     "#ifdef FOO\n#endif",
     "__constant__ float table[16];",
-    "void f(torch::Tensor t) { AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), \"f\", ([&] {})); }",
-])
+    'void f(torch::Tensor t) { AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "f", ([&] {})); }',
+  ],
+)
 def test_split_refuses_what_it_does_not_understand(extra):
-    assert split_sources(CPP, CUDA + "\n" + extra + "\n") is None
+  assert split_sources(CPP, CUDA + "\n" + extra + "\n") is None
 
 
 def test_split_variant_sets_load_inline_arguments():
-    v = split_variant({"name": "x", "cpp_sources": CPP, "cuda_sources": CUDA, "functions": ["scale"]})
-    assert v["no_implicit_headers"] is True and v["functions"] == ["scale"]
-    assert split_variant({"name": "x", "cpp_sources": "int f() { return 0; }"}) is None
-    assert top_level_chunks("int a; }") is None  # unbalanced braces
+  v = split_variant({"name": "x", "cpp_sources": CPP, "cuda_sources": CUDA, "functions": ["scale"]})
+  assert v["no_implicit_headers"] is True and v["functions"] == ["scale"]
+  assert split_variant({"name": "x", "cpp_sources": "int f() { return 0; }"}) is None
+  assert top_level_chunks("int a; }") is None  # unbalanced braces
 
 
 def test_split_on_dice_known_good_solutions(shared_data):
-    tasks = json.loads((shared_data / "dice_rl" / "kernel_infilling_evaluation.json").read_text())
-    n_split = 0
-    for t in tasks:
-        ns = {}
-        src = t["cuda_code"]
-        # the sources are module-level string constants in every DICE solution
-        for m in re.finditer(r'^(\w+)\s*=\s*(r?"""[\s\S]*?""")', src, re.M):
-            ns[m.group(1)] = eval(m.group(2))  # noqa: S307 - a string literal from the data file
-        cuda = [v for v in ns.values() if "__global__" in v]
-        if cuda and split_sources("", cuda[0]) is not None:
-            n_split += 1
-            assert "torch/" not in split_sources("", cuda[0])[1]
-    assert n_split >= 85, n_split
+  tasks = json.loads((shared_data / "dice_rl" / "kernel_infilling_evaluation.json").read_text())
+  n_split = 0
+  for t in tasks:
+    ns = {}
+    src = t["cuda_code"]
+    # the sources are module-level string constants in every DICE solution
+    for m in re.finditer(r'^(\w+)\s*=\s*(r?"""[\s\S]*?""")', src, re.M):
+      ns[m.group(1)] = eval(m.group(2))  # noqa: S307 - a string literal from the data file
+    cuda = [v for v in ns.values() if "__global__" in v]
+    if cuda and split_sources("", cuda[0]) is not None:
+      n_split += 1
+      assert "torch/" not in split_sources("", cuda[0])[1]
+  assert n_split >= 85, n_split
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (dev machines and GPU hosts have it)")
+@pytest.mark.skipif(
+  shutil.which("nvcc") is None, reason="needs nvcc (dev machines and GPU hosts have it)"
+)
 def test_device_half_compiles_without_torch_headers(tmp_path):
-    _, device = split_sources(CPP, CUDA)
-    (tmp_path / "k.cu").write_text(device)
-    p = subprocess.run(["nvcc", "-c", "-arch=sm_90", str(tmp_path / "k.cu"), "-o", str(tmp_path / "k.o")],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
+  _, device = split_sources(CPP, CUDA)
+  (tmp_path / "k.cu").write_text(device)
+  p = subprocess.run(
+    ["nvcc", "-c", "-arch=sm_90", str(tmp_path / "k.cu"), "-o", str(tmp_path / "k.o")],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert p.returncode == 0, p.stderr[-2000:]
 
 
 def test_split_host_code_keeps_the_optimisation_level_nvcc_would_give_it():
-    from verifier.split_build import host_opt_level
+  from verifier.split_build import host_opt_level
 
-    assert host_opt_level(None) == "-O0"
-    assert host_opt_level(["--use_fast_math"]) == "-O0"
-    assert host_opt_level(["-O3", "--use_fast_math"]) == "-O3"
-    assert host_opt_level(["-O2", "-O1"]) == "-O1"
-    params = {"name": "e", "cpp_sources": "torch::Tensor f(torch::Tensor x);",
-              "cuda_sources": "#include <torch/extension.h>\n__global__ void k(float* p) { p[0] = 1; }\n"
-                              "torch::Tensor f(torch::Tensor x) { k<<<1, 1>>>(x.data_ptr<float>()); return x; }\n",
-              "functions": ["f"], "extra_cflags": None, "extra_cuda_cflags": ["-O3", "--use_fast_math"]}
-    out = split_variant(params)
-    assert out["extra_cflags"] == ["-O3"] and out["extra_cuda_cflags"] == ["-O3", "--use_fast_math"]
+  assert host_opt_level(None) == "-O0"
+  assert host_opt_level(["--use_fast_math"]) == "-O0"
+  assert host_opt_level(["-O3", "--use_fast_math"]) == "-O3"
+  assert host_opt_level(["-O2", "-O1"]) == "-O1"
+  params = {
+    "name": "e",
+    "cpp_sources": "torch::Tensor f(torch::Tensor x);",
+    "cuda_sources": "#include <torch/extension.h>\n__global__ void k(float* p) { p[0] = 1; }\n"
+    "torch::Tensor f(torch::Tensor x) { k<<<1, 1>>>(x.data_ptr<float>()); return x; }\n",
+    "functions": ["f"],
+    "extra_cflags": None,
+    "extra_cuda_cflags": ["-O3", "--use_fast_math"],
+  }
+  out = split_variant(params)
+  assert out["extra_cflags"] == ["-O3"] and out["extra_cuda_cflags"] == ["-O3", "--use_fast_math"]

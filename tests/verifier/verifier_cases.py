@@ -4,7 +4,7 @@ Each candidate calls a different exported function of the same ``load_inline`` s
 content-addressed build cache compiles the extension once for all of them.
 """
 
-REFERENCE = '''
+REFERENCE = """
 import torch
 import torch.nn as nn
 
@@ -24,9 +24,9 @@ def get_inputs():
 
 def get_init_inputs():
     return [2.0]
-'''
+"""
 
-EXTENSION = r'''
+EXTENSION = r"""
 #include <torch/extension.h>
 #include <cstring>
 #include <vector>
@@ -69,13 +69,22 @@ torch::Tensor nan_out(torch::Tensor a, torch::Tensor b, double scale) {
     out.data_ptr<float>()[7] = std::nanf("");
     return out;
 }
-'''
+"""
 
-FUNCTIONS = ["scaled_add", "scaled_sub", "segfault", "spin", "raise_error", "huge_alloc", "zero_inputs", "nan_out"]
+FUNCTIONS = [
+  "scaled_add",
+  "scaled_sub",
+  "segfault",
+  "spin",
+  "raise_error",
+  "huge_alloc",
+  "zero_inputs",
+  "nan_out",
+]
 
 
 def candidate(function: str, extension: str = EXTENSION, name: str = "vt_ops") -> str:
-    return f'''
+  return f'''
 import torch
 import torch.nn as nn
 from torch.utils.cpp_extension import load_inline
@@ -95,16 +104,26 @@ class ModelNew(nn.Module):
 
 
 GOOD = candidate("scaled_add")
-COMPILE_ERROR = candidate("scaled_add", extension=EXTENSION.replace("auto out = torch::empty_like(a);", "auto out = undefined_symbol_xyz(a);", 1), name="vt_broken")
+COMPILE_ERROR = candidate(
+  "scaled_add",
+  extension=EXTENSION.replace(
+    "auto out = torch::empty_like(a);", "auto out = undefined_symbol_xyz(a);", 1
+  ),
+  name="vt_broken",
+)
 SYNTAX_ERROR = GOOD.replace("def forward(self, a, b):", "def forward(self, a, b)")
 MISSING_MODEL_NEW = GOOD.replace("class ModelNew", "class ModelOld")
-PY_RAISE = GOOD.replace("return ops.scaled_add(a, b, self.scale)", "raise ValueError('python-side failure')")
-TORCH_FORWARD = GOOD.replace("return ops.scaled_add(a, b, self.scale)", "return torch.add(a, b) * self.scale")
+PY_RAISE = GOOD.replace(
+  "return ops.scaled_add(a, b, self.scale)", "raise ValueError('python-side failure')"
+)
+TORCH_FORWARD = GOOD.replace(
+  "return ops.scaled_add(a, b, self.scale)", "return torch.add(a, b) * self.scale"
+)
 
 
 # A light extension: pybind11 only (no torch headers), raw pointers from Python. It builds in seconds instead
 # of the ~40 s a torch/extension.h build takes on a 2-core CI machine; used where a fresh build is the point.
-LIGHT_EXTENSION = r'''
+LIGHT_EXTENSION = r"""
 #include <pybind11/pybind11.h>
 #include <cstdint>
 void scaled_add_raw(std::uintptr_t a, std::uintptr_t b, std::uintptr_t out, std::int64_t n, double scale) {
@@ -114,11 +133,11 @@ void scaled_add_raw(std::uintptr_t a, std::uintptr_t b, std::uintptr_t out, std:
     for (std::int64_t i = 0; i < n; ++i) po[i] = (pa[i] + pb[i]) * (float)scale;
 }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("scaled_add_raw", &scaled_add_raw); }
-'''
+"""
 
 
 def light_candidate(extension: str = LIGHT_EXTENSION, name: str = "vt_light") -> str:
-    return f'''
+  return f'''
 import torch
 import torch.nn as nn
 from torch.utils.cpp_extension import load_inline
@@ -139,4 +158,6 @@ class ModelNew(nn.Module):
 '''
 
 
-LIGHT_COMPILE_ERROR = light_candidate(LIGHT_EXTENSION.replace("po[i] = ", "po[i] = undefined_symbol_xyz + "), "vt_light_broken")
+LIGHT_COMPILE_ERROR = light_candidate(
+  LIGHT_EXTENSION.replace("po[i] = ", "po[i] = undefined_symbol_xyz + "), "vt_light_broken"
+)

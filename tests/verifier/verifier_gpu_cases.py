@@ -3,7 +3,7 @@
 access, a kernel that is never launched, and a forward that calls torch.matmul. Written for this project.
 """
 
-MATMUL_REFERENCE = '''
+MATMUL_REFERENCE = """
 import torch
 import torch.nn as nn
 
@@ -25,9 +25,9 @@ def get_inputs():
 
 def get_init_inputs():
     return []
-'''
+"""
 
-_MATMUL_KERNEL = r'''
+_MATMUL_KERNEL = r"""
 __global__ void tiled_matmul_kernel(const float* A, const float* B, float* C, int n) {
     __shared__ float As[16][16];
     __shared__ float Bs[16][16];
@@ -42,11 +42,11 @@ __global__ void tiled_matmul_kernel(const float* A, const float* B, float* C, in
     }
     if (row < n && col < n) C[row * n + col] = acc;
 }
-'''
+"""
 
 
 def _candidate(name: str, cuda_body: str, forward: str = "return ext.run(A, B)") -> str:
-    return f'''
+  return f'''
 import torch
 import torch.nn as nn
 from torch.utils.cpp_extension import load_inline
@@ -70,7 +70,9 @@ class ModelNew(nn.Module):
 '''
 
 
-GOOD_MATMUL = _candidate("good_mm", r'''
+GOOD_MATMUL = _candidate(
+  "good_mm",
+  r"""
 torch::Tensor run(torch::Tensor A, torch::Tensor B) {
     int n = A.size(0);
     auto C = torch::empty({n, n}, A.options());
@@ -78,10 +80,13 @@ torch::Tensor run(torch::Tensor A, torch::Tensor B) {
     tiled_matmul_kernel<<<grid, block>>>(A.data_ptr<float>(), B.data_ptr<float>(), C.data_ptr<float>(), n);
     return C;
 }
-''')
+""",
+)
 
 # Returns uninitialised memory after a launch that does nothing: passes only if it sees a stale result.
-RESULT_REUSE = _candidate("reuse_mm", r'''
+RESULT_REUSE = _candidate(
+  "reuse_mm",
+  r"""
 __global__ void touch_kernel(float* c) {}
 torch::Tensor run(torch::Tensor A, torch::Tensor B) {
     int n = A.size(0);
@@ -89,10 +94,13 @@ torch::Tensor run(torch::Tensor A, torch::Tensor B) {
     touch_kernel<<<1, 1>>>(C.data_ptr<float>());
     return C;
 }
-''')
+""",
+)
 
 # Zeroes its inputs and returns zeros: passes only if the reference then runs on the same (zeroed) inputs.
-INPUT_ZEROING = _candidate("zero_mm", r'''
+INPUT_ZEROING = _candidate(
+  "zero_mm",
+  r"""
 __global__ void zero_kernel(float* p, int64_t n) { int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; if (i < n) p[i] = 0.f; }
 torch::Tensor run(torch::Tensor A, torch::Tensor B) {
     int64_t n = A.numel();
@@ -102,10 +110,13 @@ torch::Tensor run(torch::Tensor A, torch::Tensor B) {
     zero_kernel<<<(n + 255) / 256, 256>>>(C.data_ptr<float>(), n);
     return C;
 }
-''')
+""",
+)
 
 # Computes on a private non-blocking stream so a current-stream timer would miss the work.
-NON_DEFAULT_STREAM = _candidate("stream_mm", r'''
+NON_DEFAULT_STREAM = _candidate(
+  "stream_mm",
+  r"""
 torch::Tensor run(torch::Tensor A, torch::Tensor B) {
     int n = A.size(0);
     auto C = torch::empty({n, n}, A.options());
@@ -115,9 +126,12 @@ torch::Tensor run(torch::Tensor A, torch::Tensor B) {
     tiled_matmul_kernel<<<grid, block, 0, side>>>(A.data_ptr<float>(), B.data_ptr<float>(), C.data_ptr<float>(), n);
     return C;
 }
-''')
+""",
+)
 
-ILLEGAL_ADDRESS = _candidate("oob_mm", r'''
+ILLEGAL_ADDRESS = _candidate(
+  "oob_mm",
+  r"""
 __global__ void wild_write_kernel(float* c) { c[(size_t)1 << 40] = 1.f; }
 torch::Tensor run(torch::Tensor A, torch::Tensor B) {
     auto C = torch::empty_like(A);
@@ -125,10 +139,13 @@ torch::Tensor run(torch::Tensor A, torch::Tensor B) {
     cudaDeviceSynchronize();
     return C;
 }
-''')
+""",
+)
 
 # Defines the matmul kernel and never launches it; computes with a host loop on a CPU copy instead.
-NEVER_LAUNCHED = _candidate("idle_mm", r'''
+NEVER_LAUNCHED = _candidate(
+  "idle_mm",
+  r"""
 torch::Tensor run(torch::Tensor A, torch::Tensor B) {
     int n = A.size(0);
     auto a = A.to(torch::kCPU), b = B.to(torch::kCPU);
@@ -138,15 +155,19 @@ torch::Tensor run(torch::Tensor A, torch::Tensor B) {
     if (n < 0) tiled_matmul_kernel<<<1, 1>>>(pa, pb, pc, n);  // dead launch keeps the static check quiet
     return c.to(A.device());
 }
-''')
+""",
+)
 
-DEFINED_NOT_LAUNCHED_STATIC = _candidate("unused_mm", r'''
+DEFINED_NOT_LAUNCHED_STATIC = _candidate(
+  "unused_mm",
+  r"""
 torch::Tensor run(torch::Tensor A, torch::Tensor B) { return A; }
-''')
+""",
+)
 
 TORCH_MATMUL_FORWARD = GOOD_MATMUL.replace("return ext.run(A, B)", "return torch.matmul(A, B)")
 
-ADD_REFERENCE = '''
+ADD_REFERENCE = """
 import torch
 import torch.nn as nn
 
@@ -165,7 +186,7 @@ def get_inputs():
 
 def get_init_inputs():
     return []
-'''
+"""
 
 GOOD_ADD = '''
 import torch

@@ -14,20 +14,30 @@ GRPC_FLOOR = "1.66.0"
 
 
 def main() -> int:
-    from grpc_tools import protoc  # test extra; not needed at runtime
+  from grpc_tools import protoc  # test extra; not needed at runtime
 
-    root = pathlib.Path(__file__).resolve().parents[2]
-    args = ["protoc", f"-I{root}", f"--python_out={root}", f"--grpc_python_out={root}", f"--pyi_out={root}"]
-    rc = protoc.main(args + [str(root / p) for p in PROTOS])
-    if rc:
-        print(f"protoc failed with status {rc}", file=sys.stderr)
-        return rc
-    for p in PROTOS:
-        stub = root / p.replace(".proto", "_pb2_grpc.py")
-        text = re.sub(r"GRPC_GENERATED_VERSION = '[^']*'", f"GRPC_GENERATED_VERSION = '{GRPC_FLOOR}'", stub.read_text())
-        stub.write_text(text)
-    return 0
+  root = pathlib.Path(__file__).resolve().parents[2]
+  args = [
+    "protoc",
+    f"-I{root}",
+    f"--python_out={root}",
+    f"--grpc_python_out={root}",
+    f"--pyi_out={root}",
+  ]
+  rc = protoc.main(args + [str(root / p) for p in PROTOS])
+  if rc:
+    print(f"protoc failed with status {rc}", file=sys.stderr)
+    return rc
+  for p in PROTOS:
+    stub = root / p.replace(".proto", "_pb2_grpc.py")
+    text = re.sub(
+      r"GRPC_GENERATED_VERSION = '[^']*'",
+      f"GRPC_GENERATED_VERSION = '{GRPC_FLOOR}'",
+      stub.read_text(),
+    )
+    stub.write_text(text)
+  return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+  sys.exit(main())

@@ -28,8 +28,8 @@ Optimize the architecture named Model with custom CUDA operators! Name your opti
 
 
 def reference_e2e(arc_src, example_arch_src, example_new_arch_src):
-    prompt = PROBLEM_STATEMENT
-    prompt += f"""
+  prompt = PROBLEM_STATEMENT
+  prompt += f"""
         Here's an example to show you the syntax of inline embedding custom CUDA operators in torch: The example given architecture is: \n
         ``` \n
         {example_arch_src}
@@ -39,13 +39,13 @@ def reference_e2e(arc_src, example_arch_src, example_new_arch_src):
         {example_new_arch_src}
         ``` \n
         """
-    prompt += f"""
+  prompt += f"""
     You are given the following architecture: \n
     ```
     {arc_src}
     ```
     """
-    return prompt + PROBLEM_INSTRUCTION
+  return prompt + PROBLEM_INSTRUCTION
 
 
 KERNEL_INFILLING = """<|im_start|>user\nYou write custom CUDA kernels to replace the pytorch operators in the given architecture to get speedups. \n
@@ -192,7 +192,7 @@ Generate the core C++ code of this custom CUDA kernel to make your optimized out
 """
 
 # A small self-contained target (so the golden test needs no shared data).
-TOY_ARCH = '''import torch
+TOY_ARCH = """import torch
 import torch.nn as nn
 
 class Model(nn.Module):
@@ -210,26 +210,33 @@ def get_inputs():
     return [x]
 
 def get_init_inputs():
-    return []'''
-TOY_PREFIX = "import torch\nimport torch.nn as nn\nfrom torch.utils.cpp_extension import load_inline\n\n"
-TOY_SUFFIX = ('\n\ncpp_src = """\ntorch::Tensor relu_cuda(torch::Tensor x);\n"""\n\nrelu = load_inline(name="relu", '
-              'cpp_sources=cpp_src, cuda_sources=source, functions=["relu_cuda"])\n\n\nclass ModelNew(nn.Module):\n'
-              '    def forward(self, x):\n        return relu.relu_cuda(x)\n')
+    return []"""
+TOY_PREFIX = (
+  "import torch\nimport torch.nn as nn\nfrom torch.utils.cpp_extension import load_inline\n\n"
+)
+TOY_SUFFIX = (
+  '\n\ncpp_src = """\ntorch::Tensor relu_cuda(torch::Tensor x);\n"""\n\nrelu = load_inline(name="relu", '
+  'cpp_sources=cpp_src, cuda_sources=source, functions=["relu_cuda"])\n\n\nclass ModelNew(nn.Module):\n'
+  "    def forward(self, x):\n        return relu.relu_cuda(x)\n"
+)
 
 
 def main():
-    ex_arch = (KB / "one_shot_model_ex_add.py.txt").read_text()
-    ex_new = (KB / "one_shot_model_new_ex_add.py.txt").read_text()
-    (HERE / "e2e_toy_relu.txt").write_text(reference_e2e(TOY_ARCH, ex_arch, ex_new))
-    kb1 = json.loads((KB / "level1.jsonl").read_text().splitlines()[18])
-    assert kb1["name"] == "19_ReLU", kb1["name"]
-    (HERE / "e2e_kernelbench_l1_19_relu.txt").write_text(reference_e2e(kb1["code"], ex_arch, ex_new))
-    t = Template(KERNEL_INFILLING)
-    (HERE / "infill_toy_relu.txt").write_text(t.render(pytorch_code=TOY_ARCH, prefix=TOY_PREFIX, suffix=TOY_SUFFIX))
-    row = json.loads((DICE / "kernel_infilling_evaluation.json").read_text())[0]
-    (HERE / "infill_dice_eval_0.txt").write_text(
-        t.render(pytorch_code=row["pytorch_code"], prefix=row["prefix"], suffix=row["suffix"]))
+  ex_arch = (KB / "one_shot_model_ex_add.py.txt").read_text()
+  ex_new = (KB / "one_shot_model_new_ex_add.py.txt").read_text()
+  (HERE / "e2e_toy_relu.txt").write_text(reference_e2e(TOY_ARCH, ex_arch, ex_new))
+  kb1 = json.loads((KB / "level1.jsonl").read_text().splitlines()[18])
+  assert kb1["name"] == "19_ReLU", kb1["name"]
+  (HERE / "e2e_kernelbench_l1_19_relu.txt").write_text(reference_e2e(kb1["code"], ex_arch, ex_new))
+  t = Template(KERNEL_INFILLING)
+  (HERE / "infill_toy_relu.txt").write_text(
+    t.render(pytorch_code=TOY_ARCH, prefix=TOY_PREFIX, suffix=TOY_SUFFIX)
+  )
+  row = json.loads((DICE / "kernel_infilling_evaluation.json").read_text())[0]
+  (HERE / "infill_dice_eval_0.txt").write_text(
+    t.render(pytorch_code=row["pytorch_code"], prefix=row["prefix"], suffix=row["suffix"])
+  )
 
 
 if __name__ == "__main__":
-    main()
+  main()

@@ -1,0 +1,107 @@
+"""One sampled response as the learner keeps it: the contract between rollout and TraceRL.
+
+A `Trajectory` is host data (numpy), one per response. It holds what the TraceRL objective needs to
+rebuild every state the sampler saw (reference §1.7 "Training sequences per response"):
+
+  prompt_ids    [P]  the prompt tokens, as the sampler read them (positions 0..P-1).
+  response_ids  [L]  every generated token, whole decoded blocks: tokens after the first stop id
+                     inside the last decoded block are kept, because the model saw them while it
+                     decoded that block. L is a multiple of the block size; the response starts
+                     on a block boundary (the `response` block grid, `diffusion/blocks.py`).
+  step_map      [L]  the row's denoising step at which each response token was unmasked (>= 0;
+                     counts the row's forwards that had masks, across blocks, so it never
+                     decreases from one block to the next).
+  loss_mask     [L]  the tokens that are trained: up to and including the first stop id, within
+                     the row's token budget.
+  sampler_logp  [L]  log-probability of each token under the unfiltered model distribution at
+                     the forward that unmasked it (0 where unknown), for checks and metrics.
+  advantage          the response's scalar advantage, broadcast to its tokens (set after rewards).
+
+`from_sample_output` cuts these out of a `diffusion.sampler.SampleOutput`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Trajectory:
+  prompt_ids: np.ndarray
+  response_ids: np.ndarray
+  step_map: np.ndarray
+  loss_mask: np.ndarray
+  sampler_logp: np.ndarray
+  advantage: float = 0.0
+  task_id: str = ""
+  group: int = -1  # global group number (the G responses of one task share it)
+  member: int = -1  # index inside the group
+
+  def __post_init__(self):
+    self.prompt_ids = np.asarray(self.prompt_ids, np.int32)
+    self.response_ids = np.asarray(self.response_ids, np.int32)
+    self.step_map = np.asarray(self.step_map, np.int32)
+    self.loss_mask = np.asarray(self.loss_mask, bool)
+    self.sampler_logp = np.asarray(self.sampler_logp, np.float32)
+    n = self.response_ids.shape
+    for name in ("step_map", "loss_mask", "sampler_logp"):
+      if getattr(self, name).shape != n:
+        raise ValueError(
+          f"Trajectory {self.task_id!r}: {name} has shape {getattr(self, name).shape}, "
+          f"response_ids has {n}"
+        )
+    if self.prompt_ids.ndim != 1 or self.prompt_ids.size == 0:
+      raise ValueError(f"Trajectory {self.task_id!r}: prompt_ids must be a non-empty 1-D array")
+    if self.step_map.size and self.step_map.min() < 0:
+      raise ValueError(f"Trajectory {self.task_id!r}: step_map has negative entries")
+
+  def check_grid(self, block_size: int) -> None:
+    """Raises unless the response is whole blocks whose step ids never go back across blocks."""
+    length = self.response_ids.size
+    if length % block_size:
+      raise ValueError(
+        f"Trajectory {self.task_id!r}: response length {length} is not a multiple of the "
+        f"block size {block_size}"
+      )
+    if length:
+      blocks = self.step_map.reshape(-1, block_size)
+      if (blocks.min(axis=1)[1:] <= blocks.max(axis=1)[:-1]).any():
+        raise ValueError(
+          f"Trajectory {self.task_id!r}: a block was unmasked before the previous block finished"
+        )
+
+  @property
+  def trained_tokens(self) -> int:
+    return int(self.loss_mask.sum())
+
+
+def from_sample_output(
+  out, prompts: Sequence[Sequence[int]], *, block_size: int
+) -> list[Trajectory]:
+  """One `Trajectory` per row of a `SampleOutput` decoded on the `response` block grid."""
+  tokens, step_map = np.asarray(out.tokens), np.asarray(out.step_map)
+  logp = None if out.logprobs is None else np.asarray(out.logprobs)
+  start, lengths = np.asarray(out.response_start), np.asarray(out.response_lengths)
+  trajs = []
+  for i, prompt in enumerate(prompts):
+    s = int(start[i])
+    decoded = step_map[i, s:] >= 0
+    n = int(decoded.sum())
+    if not decoded[:n].all():
+      raise ValueError(f"row {i}: decoded slots are not contiguous from the response start")
+    if tokens[i, s - len(prompt) : s].tolist() != list(prompt):
+      raise ValueError(f"row {i}: the prompt does not end at the response start column {s}")
+    trajs.append(
+      Trajectory(
+        prompt_ids=np.asarray(prompt, np.int32),
+        response_ids=tokens[i, s : s + n],
+        step_map=step_map[i, s : s + n],
+        loss_mask=np.arange(n) < int(lengths[i]),
+        sampler_logp=np.zeros(n, np.float32) if logp is None else logp[i, s : s + n],
+      )
+    )
+    trajs[-1].check_grid(block_size)
+  return trajs
