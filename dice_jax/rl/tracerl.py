@@ -125,19 +125,20 @@ def _clean_part(t: Trajectory, block_size: int) -> dict:
   )
 
 
-def _noisy_part(t: Trajectory, rounds, r: int, cols, block_size: int, mask_token_id: int) -> dict:
-  """Noisy tokens of round r at response columns `cols` (whole blocks)."""
-  p = t.prompt_ids.size
-  trained = (rounds[cols] == r) & t.loss_mask[cols]
+def _noisy_part(t: Trajectory, rounds, round_k, cols_kb, block_size: int, mask_token_id: int):
+  """Noisy copies of K whole blocks: block k at response columns `cols_kb[k]`, round `round_k[k]`."""
+  r = np.asarray(round_k, np.int32)[:, None]
+  trained = (rounds[cols_kb] == r) & t.loss_mask[cols_kb]
+  flat = lambda x: np.ascontiguousarray(x).reshape(-1)
   return dict(
-    tokens=trace.noisy_copy(t.response_ids[cols], rounds[cols], r, mask_token_id),
-    positions=(p + cols).astype(np.int32),
-    block_ids=(cols // block_size).astype(np.int32),
-    round_ids=np.full(cols.size, r, np.int32),
-    targets=t.response_ids[cols],
-    p_mask=trained,
-    advantages=np.where(trained, np.float32(t.advantage), 0.0).astype(np.float32),
-    sampler_logp=np.where(trained, t.sampler_logp[cols], 0.0).astype(np.float32),
+    tokens=flat(trace.noisy_copy(t.response_ids[cols_kb], rounds[cols_kb], r, mask_token_id)),
+    positions=flat(t.prompt_ids.size + cols_kb).astype(np.int32),
+    block_ids=flat(cols_kb // block_size).astype(np.int32),
+    round_ids=flat(np.broadcast_to(r, cols_kb.shape)),
+    targets=flat(t.response_ids[cols_kb]),
+    p_mask=flat(trained),
+    advantages=flat(np.where(trained, np.float32(t.advantage), 0.0)).astype(np.float32),
+    sampler_logp=flat(np.where(trained, t.sampler_logp[cols_kb], 0.0)).astype(np.float32),
   )
 
 
@@ -154,23 +155,28 @@ def trajectory_rows(
   """
   t.check_grid(block_size)
   rounds = trace.token_rounds(t.step_map, block_size, cfg.shrink)
-  live = np.unique(rounds[t.loss_mask])
+  n_blocks = t.response_ids.size // block_size
+  # trains[r, b]: round r of block b trains at least one token
+  trains = np.zeros((int(rounds.max(initial=0)) + 1, n_blocks), bool)
+  trains[rounds[t.loss_mask], np.nonzero(t.loss_mask)[0] // block_size] = True
+  live = np.nonzero(trains.any(axis=1))[0]
   if not live.size:
     return []
   clean = _clean_part(t, block_size)
-  blocks = np.arange(t.response_ids.size).reshape(-1, block_size)
+  blocks = np.arange(n_blocks * block_size).reshape(n_blocks, block_size)
   if cfg.layout == "per_round":
-    all_cols = blocks.reshape(-1)
     return [
-      (_concat([clean, _noisy_part(t, rounds, int(r), all_cols, block_size, mask_token_id)]), 1)
+      (
+        _concat(
+          [clean, _noisy_part(t, rounds, np.full(n_blocks, r), blocks, block_size, mask_token_id)]
+        ),
+        1,
+      )
       for r in live
     ]
-  parts = [clean]
-  for r in live:
-    for cols in blocks:
-      if np.any((rounds[cols] == r) & t.loss_mask[cols]):
-        parts.append(_noisy_part(t, rounds, int(r), cols, block_size, mask_token_id))
-  return [(_concat(parts), int(live.size))]
+  pair_round, pair_block = np.nonzero(trains)  # round-major: round 1's blocks, then round 2's...
+  noisy = _noisy_part(t, rounds, pair_round, blocks[pair_block], block_size, mask_token_id)
+  return [(_concat([clean, noisy]), int(live.size))]
 
 
 def bucket_length(n: int, multiple: int) -> int:
