@@ -7,9 +7,9 @@ prompt and the final earlier blocks. Two layouts give the same loss and gradient
 
   per_round  DICE's rows: one row per (response, round), `[prompt | x0 | xt]`; xt covers the whole
              response (a block with no k-th group keeps its clean tokens there, as in dLLM-RL).
-  packed     one row per response: `[prompt | x0 | noisy blocks of round 1 | of round 2 | ...]`,
-             holding only the (round, block) pairs that train a token, so the prompt and the
-             clean copy are not repeated per round.
+  packed     one row per response: `[prompt | x0 | noisy copies]`, holding only the (round,
+             block) pairs that train a token, block-major (block 0 round 1, block 0 round 2, ...,
+             block 1 round 1, ...), so the prompt and the clean copy are not repeated per round.
 The `trace` attention kind (model/masks.py) makes every noisy block see the prompt, the clean
 earlier blocks and itself, and nothing else. Rounds and (round, block) pairs that train no token
 (only tokens after the first stop id, outside `loss_mask`) are left out of both layouts.
@@ -174,7 +174,9 @@ def trajectory_rows(
       )
       for r in live
     ]
-  pair_round, pair_block = np.nonzero(trains)  # round-major: round 1's blocks, then round 2's...
+  # Block-major (block 0's rounds, then block 1's, ...): a tile of noisy queries then spans few
+  # blocks, so the flash kernel's rank bounds skip the noisy keys of other blocks.
+  pair_block, pair_round = np.nonzero(trains.T)
   noisy = _noisy_part(t, rounds, pair_round, blocks[pair_block], block_size, mask_token_id)
   return [(_concat([clean, noisy]), int(live.size))]
 

@@ -116,25 +116,23 @@ def test_packed_row_by_hand():
     t, tracerl.TraceRLConfig(), block_size=B, mask_token_id=M
   )
   assert rounds == 3
-  # [prompt | x0 | r1 b0 | r1 b1 | r2 b0 | r2 b1 | r3 b0]; round 3 of block 1 trains nothing.
+  # [prompt | x0 | b0 r1 | b0 r2 | b0 r3 | b1 r1 | b1 r2]; round 3 of block 1 trains nothing.
   want_tokens = [11, 12, 13, 21, 22, 23, 24, 25, 26, 27, 28]
-  want_tokens += [M, M, M, M] + [M, M, M, M] + [M, 22, M, M] + [M, 26, 27, M] + [21, 22, 23, M]
+  want_tokens += [M, M, M, M] + [M, 22, M, M] + [21, 22, 23, M] + [M, M, M, M] + [M, 26, 27, M]
   np.testing.assert_array_equal(row["tokens"], want_tokens)
   np.testing.assert_array_equal(
-    row["positions"], list(range(11)) + [3, 4, 5, 6, 7, 8, 9, 10] * 2 + [3, 4, 5, 6]
+    row["positions"], list(range(11)) + [3, 4, 5, 6] * 3 + [7, 8, 9, 10] * 2
   )
+  np.testing.assert_array_equal(row["block_ids"], [-1] * 3 + [0] * 4 + [1] * 4 + [0] * 12 + [1] * 8)
   np.testing.assert_array_equal(
-    row["block_ids"], [-1] * 3 + [0] * 4 + [1] * 4 + [0, 0, 0, 0, 1, 1, 1, 1] * 2 + [0] * 4
+    row["round_ids"], [0] * 11 + [1] * 4 + [2] * 4 + [3] * 4 + [1] * 4 + [2] * 4
   )
-  np.testing.assert_array_equal(row["round_ids"], [0] * 11 + [1] * 8 + [2] * 8 + [3] * 4)
-  p_mask = [0] * 11 + [0, 1, 0, 0, 0, 1, 1, 0] + [1, 0, 1, 0, 1, 0, 0, 0] + [0, 0, 0, 1]
+  p_mask = [0] * 11 + [0, 1, 0, 0] + [1, 0, 1, 0] + [0, 0, 0, 1] + [0, 1, 1, 0] + [1, 0, 0, 0]
   np.testing.assert_array_equal(row["p_mask"], np.array(p_mask, bool))
-  np.testing.assert_array_equal(
-    row["targets"][11:], [21, 22, 23, 24, 25, 26, 27, 28] * 2 + [21, 22, 23, 24]
-  )
+  np.testing.assert_array_equal(row["targets"][11:], [21, 22, 23, 24] * 3 + [25, 26, 27, 28] * 2)
   np.testing.assert_array_equal(row["advantages"], np.where(row["p_mask"], 1.5, 0.0))
   np.testing.assert_allclose(
-    row["sampler_logp"][row["p_mask"]], [-0.2, -0.6, -0.7, -0.1, -0.3, -0.5, -0.4]
+    row["sampler_logp"][row["p_mask"]], [-0.2, -0.1, -0.3, -0.4, -0.6, -0.7, -0.5]
   )
 
 
@@ -160,8 +158,8 @@ def test_shrink_2_trains_merged_steps_from_the_earliest_state():
     t, tracerl.TraceRLConfig(shrink=2), block_size=B, mask_token_id=M
   )
   assert rounds == 2  # block 1's round 2 holds only the untrained 28
-  np.testing.assert_array_equal(row["tokens"][11:], [M] * 8 + [21, 22, 23, M])
-  np.testing.assert_array_equal(np.nonzero(row["p_mask"])[0], [11, 12, 13, 15, 16, 17, 22])
+  np.testing.assert_array_equal(row["tokens"][11:], [M] * 4 + [21, 22, 23, M] + [M] * 4)
+  np.testing.assert_array_equal(np.nonzero(row["p_mask"])[0], [11, 12, 13, 18, 19, 20, 21])
 
 
 def test_batches_are_bucketed_padded_and_carry_the_normalisers():
