@@ -273,18 +273,22 @@ def trace_spec(batch, block_size: int) -> masks_lib.AttentionSpec:
   )
 
 
-def _target_logprobs(logits_btv, targets_bt, p_mask_bt):
-  """(log p(target), entropy) at p_mask positions, 0 elsewhere; float32."""
+def _target_logprobs(logits_btv, targets_bt, p_mask_bt, want_entropy=True):
+  """(log p(target), entropy or zeros) at p_mask positions, 0 elsewhere; float32."""
   logits = logits_btv.astype(jnp.float32)
   lse = jax.nn.logsumexp(logits, axis=-1)
   picked = jnp.take_along_axis(logits, targets_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
   logp = jnp.where(p_mask_bt, picked - lse, 0.0)
+  if not want_entropy:
+    return logp, jnp.zeros_like(logp)
   probs = jax.nn.softmax(jax.lax.stop_gradient(logits), axis=-1)
   ent = jax.lax.stop_gradient(lse) - jnp.sum(probs * jax.lax.stop_gradient(logits), axis=-1)
   return logp, jnp.where(p_mask_bt, ent, 0.0)
 
 
-def chunked_target_logprobs(model, hidden_btd, targets_bt, p_mask_bt, chunk: int):
+def chunked_target_logprobs(
+  model, hidden_btd, targets_bt, p_mask_bt, chunk: int, want_entropy: bool = True
+):
   """`_target_logprobs(model.logits_from_hidden(h), ...)` one chunk of the sequence at a time.
 
   Each chunk's logits are recomputed in the backward pass (jax.checkpoint), so the peak is one
@@ -292,7 +296,8 @@ def chunked_target_logprobs(model, hidden_btd, targets_bt, p_mask_bt, chunk: int
   """
   b, t, _ = hidden_btd.shape
   if t <= chunk:
-    return _target_logprobs(model.logits_from_hidden(hidden_btd), targets_bt, p_mask_bt)
+    logits = model.logits_from_hidden(hidden_btd)
+    return _target_logprobs(logits, targets_bt, p_mask_bt, want_entropy)
   n = -(-t // chunk)
   pad = n * chunk - t
 
@@ -302,7 +307,7 @@ def chunked_target_logprobs(model, hidden_btd, targets_bt, p_mask_bt, chunk: int
 
   @jax.checkpoint
   def one(h_c, y_c, m_c):
-    live = lambda: _target_logprobs(model.logits_from_hidden(h_c), y_c, m_c)
+    live = lambda: _target_logprobs(model.logits_from_hidden(h_c), y_c, m_c, want_entropy)
     none = lambda: (jnp.zeros(m_c.shape, jnp.float32), jnp.zeros(m_c.shape, jnp.float32))
     return jax.lax.cond(jnp.any(m_c), live, none)
 
@@ -313,20 +318,20 @@ def chunked_target_logprobs(model, hidden_btd, targets_bt, p_mask_bt, chunk: int
   return merge(logp), merge(ent)
 
 
-def _logprobs_and_entropy(model, batch, chunk: int):
+def _logprobs_and_entropy(model, batch, chunk: int, want_entropy: bool = True):
   tokens = jnp.asarray(batch["tokens"]).astype(jnp.int32)
   positions = jnp.asarray(batch["positions"]).astype(jnp.int32)
   p_mask = jnp.asarray(batch["p_mask"]).astype(bool) & (jnp.asarray(batch["segment_ids"]) > 0)
   spec = trace_spec(batch, model.cfg.block_size)
   hidden = model(tokens, positions, spec, return_hidden=True)
   targets = jnp.asarray(batch["targets"]).astype(jnp.int32)
-  logp, ent = chunked_target_logprobs(model, hidden, targets, p_mask, chunk)
+  logp, ent = chunked_target_logprobs(model, hidden, targets, p_mask, chunk, want_entropy)
   return logp, ent, p_mask
 
 
 def token_logprobs(model, batch, *, chunk: int = 2048) -> jax.Array:
   """`[B, T]` log p(target) at trained positions (p_mask), 0 elsewhere; float32."""
-  return _logprobs_and_entropy(model, batch, chunk)[0]
+  return _logprobs_and_entropy(model, batch, chunk, want_entropy=False)[0]
 
 
 def policy_terms(logp_new, logp_old, advantages, p_mask, *, clip_eps: float, ratio_clamp: float):
