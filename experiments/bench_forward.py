@@ -16,7 +16,7 @@ from absl import app, flags
 from flax import nnx
 
 from dice_jax.model import AttentionSpec, Transformer, get_config
-from dice_jax.train import sharding
+from dice_jax import sharding
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "tiny", "Model preset.")

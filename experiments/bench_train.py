@@ -99,7 +99,8 @@ def main(argv):
   from dice_jax.diffusion.objective import ObjectiveConfig, block_diffusion_loss
   from dice_jax.model.config import get_config
   from dice_jax.model.transformer import Transformer
-  from dice_jax.train import metrics, optimizer, sharding
+  from dice_jax import sharding
+  from dice_jax.train import metrics, optimizer
   from dice_jax.train import train_step as ts
 
   if FLAGS.flash_blocks:

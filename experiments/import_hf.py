@@ -12,7 +12,7 @@ from absl import app, flags
 from flax import nnx
 
 from dice_jax.hf import checkpoint as hf_ckpt
-from dice_jax.train import sharding
+from dice_jax import sharding
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "HF directory.", required=True)

@@ -64,7 +64,7 @@ class _QuietOrbax(std_logging.Filter):
 def main(argv):
   del argv
   logging.get_absl_handler().addFilter(_QuietOrbax())
-  from dice_jax.train import sharding
+  from dice_jax import sharding
 
   sharding.maybe_initialize_distributed(
     FLAGS.distributed or FLAGS.coordinator_address is not None,

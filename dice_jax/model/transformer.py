@@ -6,7 +6,7 @@ The logits at position i predict the token *at* position i (SDAR: no shift).
 
 Layers are stored stacked (a leading `layers` axis on every per-layer parameter) and applied with
 `jax.lax.scan`, so compile time does not grow with depth. Every parameter carries its logical axis
-names in the `logical_axes` metadata; `dice_jax.train.sharding` maps them onto a mesh.
+names in the `logical_axes` metadata; `dice_jax.sharding` maps them onto a mesh.
 
 Call contract (DESIGN.md):
   logits = model(tokens[B,T], positions[B,T], attention: AttentionSpec)

@@ -25,7 +25,7 @@ from dice_jax.train import checkpoint as ckpt_lib
 from dice_jax.train import metrics as metrics_lib
 from dice_jax.train import optimizer as optim_lib
 from dice_jax.train import sft_data
-from dice_jax.train import sharding as sharding_lib
+from dice_jax import sharding as sharding_lib
 from dice_jax.train import train_step as ts
 from dice_jax.train.config import SFTConfig
 

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dice_jax.model import flash_bd, masks
 from dice_jax.model.transformer import Transformer, dense_attention
-from dice_jax.train import sharding
+from dice_jax import sharding
 
 from ._helpers import packed_batch
 
