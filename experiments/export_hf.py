@@ -36,7 +36,7 @@ def load_model():
     return model, FLAGS.tokenizer_dir or FLAGS.hf_dir
   if not FLAGS.workdir:
     raise app.UsageError("--init=checkpoint needs --workdir")
-  from dice_jax.train.loop import restore_model
+  from dice_jax.train.checkpoint import restore_model
 
   model, tokenizer_dir, step = restore_model(FLAGS.workdir)
   logging.info("restored step %d of %s", step, FLAGS.workdir)

@@ -23,11 +23,11 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from dice_jax import sharding as sharding_lib
 from dice_jax.hf import mapping
 from dice_jax.hf.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, save_file
 from dice_jax.model.config import ModelConfig, from_hf_config, to_hf_config
 from dice_jax.model.transformer import Transformer
-from dice_jax import sharding as sharding_lib
 
 TOKENIZER_FILES = (
   "tokenizer.json",

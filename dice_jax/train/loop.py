@@ -8,9 +8,6 @@ SIGTERM (pre-emption) sets a flag; the loop then saves the current step and retu
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 import signal
 import zlib
 
@@ -19,13 +16,13 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from dice_jax.model.config import ModelConfig, get_config
+from dice_jax import sharding as sharding_lib
+from dice_jax.model.config import get_config
 from dice_jax.model.transformer import Transformer
 from dice_jax.train import checkpoint as ckpt_lib
 from dice_jax.train import metrics as metrics_lib
 from dice_jax.train import optimizer as optim_lib
 from dice_jax.train import sft_data
-from dice_jax import sharding as sharding_lib
 from dice_jax.train import train_step as ts
 from dice_jax.train.config import SFTConfig
 
@@ -91,7 +88,7 @@ def run_sft(
     overrides = {**sft_data.byte_model_overrides(), **overrides}
   model, mcfg = build_model(cfg, mesh, init_hf, overrides)
   if jax.process_index() == 0:
-    save_model_config(mcfg, workdir)
+    ckpt_lib.save_model_config(mcfg, workdir)
   logging.info(
     "model %s: %.2fM params, attention=%s remat=%s dtype=%s/%s",
     cfg.model,
@@ -173,56 +170,3 @@ def run_sft(
     export(nnx.merge(graphdef, state["params"]), export_hf, tokenizer_dir=tok_dir)
     logging.info("exported HF checkpoint to %s", export_hf)
   return {"step": int(jax.device_get(state["step"])), "preempted": preempted, **last}
-
-
-MODEL_CONFIG = "model_config.json"
-
-
-def save_model_config(mcfg: ModelConfig, workdir: str) -> None:
-  """Writes the run's resolved model config (what `restore_model` rebuilds), atomically."""
-  os.makedirs(workdir, exist_ok=True)
-  tmp = os.path.join(workdir, MODEL_CONFIG + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump(dataclasses.asdict(mcfg), f, indent=2)
-  os.replace(tmp, os.path.join(workdir, MODEL_CONFIG))
-
-
-def restore_model(workdir: str, mesh=None, step: int | None = None):
-  """(model, tokenizer_dir, step): the parameters of a run's checkpoint (default: latest).
-
-  The train state is restored against an abstract target (no random init, no optimizer
-  allocation before the restore), onto `mesh` (default: every device on the fsdp axis).
-  """
-  path = os.path.join(workdir, MODEL_CONFIG)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} not found: {workdir} is not an SFT run directory")
-  with open(path) as f:
-    raw = json.load(f)
-  if isinstance(raw.get("eos_token_id"), list):
-    raw["eos_token_id"] = tuple(raw["eos_token_id"])
-  mcfg = ModelConfig(**raw)
-  ckpt = ckpt_lib.Checkpointer(f"{workdir}/checkpoints", save_every=1, async_save=False)
-  try:
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
-    cfg = SFTConfig.from_json(ckpt.restore_config(step))
-    mesh = mesh or sharding_lib.make_mesh()
-    graphdef, abs_params = nnx.split(
-      nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))), nnx.Param
-    )
-    p_sh = ts.param_shardings(abs_params, mesh)
-    shapes = {
-      "params": jax.tree.map(
-        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), abs_params.to_pure_dict()
-      )
-    }
-    tx = optim_lib.make_optimizer(cfg.optim, cfg.num_steps)
-    shardings = ts.state_shardings(tx, shapes["params"], p_sh, mesh)
-    shapes["opt_state"] = jax.eval_shape(tx.init, shapes["params"])
-    shapes["step"] = jax.ShapeDtypeStruct((), np.int32)
-    state, _, _ = ckpt.restore(ts.abstract_state(shapes, shardings), step)
-  finally:
-    ckpt.close()
-  tok_dir = os.path.join(workdir, "tokenizer") if cfg.tokenizer == "byte" else cfg.tokenizer
-  return nnx.merge(graphdef, state["params"]), tok_dir, step
