@@ -17,6 +17,7 @@ from absl import logging
 from flax import nnx
 
 from dice_jax import sharding as sharding_lib
+from dice_jax.data import byte_tokenizer
 from dice_jax.model.config import get_config
 from dice_jax.model.transformer import Transformer
 from dice_jax.train import checkpoint as ckpt_lib
@@ -85,7 +86,7 @@ def run_sft(
   tok, tok_dir = sft_data.load_tokenizer(cfg, workdir)
   overrides = dict(cfg.model_overrides)
   if cfg.tokenizer == "byte" and not init_hf:
-    overrides = {**sft_data.byte_model_overrides(), **overrides}
+    overrides = {**byte_tokenizer.byte_model_overrides(), **overrides}
   model, mcfg = build_model(cfg, mesh, init_hf, overrides)
   if jax.process_index() == 0:
     ckpt_lib.save_model_config(mcfg, workdir)

@@ -1,78 +1,17 @@
 """SFT data for the launcher: tokenizer, samples and the resumable grain iterator.
 
-Imports `dice_jax.data` (and grain) lazily so that the train step and benchmarks run on hosts
+Imports the grain pipeline lazily so that the train step and benchmarks run on hosts
 without grain.
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
 
+from dice_jax.data import byte_tokenizer
 from dice_jax.train.config import SFTConfig
-
-BYTE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>")
-BYTE_VOCAB_SIZE = 264  # 256 bytes + 4 specials, rounded up to a multiple of 8
-_TEMPLATE = (
-  "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + "
-  "message.content + '<|im_end|>' + '\\n' }}{%- endfor %}"
-  "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
-def write_byte_tokenizer(path: str) -> str:
-  """A byte-level Qwen2-style tokenizer dir: 256 byte tokens (ids 0-255) + 4 specials (256-259)."""
-  from tokenizers import pre_tokenizers
-
-  os.makedirs(path, exist_ok=True)
-  vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-  decoder = {
-    str(256 + i): {
-      "content": t,
-      "lstrip": False,
-      "normalized": False,
-      "rstrip": False,
-      "single_word": False,
-      "special": t != "<|MASK|>",
-    }
-    for i, t in enumerate(BYTE_SPECIALS)
-  }
-  cfg = {
-    "added_tokens_decoder": decoder,
-    "eos_token": "<|endoftext|>",
-    "pad_token": "<|endoftext|>",
-    "mask_token": "<|MASK|>",
-    "tokenizer_class": "Qwen2Tokenizer",
-    "add_prefix_space": False,
-    "bos_token": None,
-    "unk_token": None,
-    "clean_up_tokenization_spaces": False,
-  }
-  files = {
-    "vocab.json": json.dumps(vocab, ensure_ascii=False),
-    "merges.txt": "#version: 0.2\n",
-    "tokenizer_config.json": json.dumps(cfg),
-    "chat_template.jinja": _TEMPLATE,
-  }
-  for name, text in files.items():
-    tmp = os.path.join(path, name + ".tmp")
-    with open(tmp, "w") as f:
-      f.write(text)
-    os.replace(tmp, os.path.join(path, name))
-  return path
-
-
-def byte_model_overrides() -> dict:
-  """Model-config fields that match the byte tokenizer."""
-  return dict(
-    vocab_size=BYTE_VOCAB_SIZE,
-    mask_token_id=259,
-    pad_token_id=256,
-    eos_token_id=256,
-    bos_token_id=None,
-  )
 
 
 def load_tokenizer(cfg: SFTConfig, workdir: str):
@@ -81,7 +20,7 @@ def load_tokenizer(cfg: SFTConfig, workdir: str):
 
   path = cfg.tokenizer
   if path == "byte":
-    path = write_byte_tokenizer(os.path.join(workdir, "tokenizer"))
+    path = byte_tokenizer.write_byte_tokenizer(os.path.join(workdir, "tokenizer"))
   tok = Tokenizer.from_dir(path)
   return tok, path
 
