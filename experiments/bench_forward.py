@@ -15,8 +15,8 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from dice_jax.model import AttentionSpec, Transformer, get_config
 from dice_jax import sharding
+from dice_jax.model import AttentionSpec, Transformer, get_config
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "tiny", "Model preset.")

@@ -11,8 +11,8 @@ import jax
 from absl import app, flags
 from flax import nnx
 
-from dice_jax.hf import checkpoint as hf_ckpt
 from dice_jax import sharding
+from dice_jax.hf import checkpoint as hf_ckpt
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "HF directory.", required=True)

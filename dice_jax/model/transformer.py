@@ -154,7 +154,9 @@ def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk
   q = rope(rms_norm(q, w["q_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
   k = rope(rms_norm(k, w["k_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
   if cache is None:
-    o = self_attention(q, k, v, attention, positions, impl=cfg.attention_impl)
+    o = self_attention(
+      q, k, v, attention, positions, impl=cfg.attention_impl, flash_tiles=cfg.flash_tiles
+    )
   else:
     o = cached_attention(
       q,
@@ -195,11 +197,14 @@ def dense_attention(q, k, v, mask):
   return jnp.einsum("bkgts,bskh->btkgh", p, v).reshape(q.shape)
 
 
-def self_attention(q, k, v, spec, positions, *, impl="dense"):
+def self_attention(q, k, v, spec, positions, *, impl="dense", flash_tiles=(128, 64, 64)):
   if impl == "flash":  # mask-aware Pallas kernel: skips masked tiles, no [T, T] mask in memory
     from dice_jax.model import flash_bd
 
-    return flash_bd.attention(q, k, v, spec, positions)
+    block_q, block_k, block_bwd = flash_tiles
+    return flash_bd.attention(
+      q, k, v, spec, positions, block_q=block_q, block_k=block_k, block_bwd=block_bwd
+    )
   mask = masks_lib.dense_mask(spec, positions)
   if impl == "dense":
     return dense_attention(q, k, v, mask)

@@ -60,9 +60,6 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self._mngr.all_steps())
 
-  def should_save(self, step: int) -> bool:
-    return self._mngr.should_save(step)
-
   def save(
     self, step: int, state: Any, data_state: dict | None, config: dict, *, force: bool = False
   ) -> bool:
@@ -137,8 +134,6 @@ def restore_model(workdir: str, mesh=None, step: int | None = None):
     raise FileNotFoundError(f"{path} not found: {workdir} is not an SFT run directory")
   with open(path) as f:
     raw = json.load(f)
-  if isinstance(raw.get("eos_token_id"), list):
-    raw["eos_token_id"] = tuple(raw["eos_token_id"])
   mcfg = ModelConfig(**raw)
   ckpt = Checkpointer(f"{workdir}/checkpoints", save_every=1, async_save=False)
   try:

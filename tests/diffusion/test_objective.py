@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dice_jax import sharding
 from dice_jax.diffusion import blocks, noising, objective
 from dice_jax.model import masks as masks_lib
 from dice_jax.model.config import get_config
 from dice_jax.model.transformer import Transformer
-from dice_jax import sharding
 
 B_SIZE = 4
 MASK = 255

@@ -12,12 +12,12 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from dice_jax import sharding
 from dice_jax.hf import checkpoint as hf_ckpt
 from dice_jax.hf.parity import check_parity, torch_logits
 from dice_jax.hf.safetensors_io import SafetensorsFile, save_file
 from dice_jax.model import AttentionSpec, Transformer, get_config
 from dice_jax.model.masks import dense_mask
-from dice_jax import sharding
 
 TOL = 1e-4
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dice_jax.model import AttentionSpec, KVCache, Transformer, get_config
 from dice_jax import sharding
+from dice_jax.model import AttentionSpec, KVCache, Transformer, get_config
 
 CFG = get_config("tiny", dtype="float32")
 B, T = 2, 12
