@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 
+from dice_jax import atomic
+
 BYTE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>")
 BYTE_VOCAB_SIZE = 264  # 256 bytes + 4 specials, rounded up to a multiple of 8
 _TEMPLATE = (
@@ -54,10 +56,7 @@ def write_byte_tokenizer(path: str) -> str:
     "chat_template.jinja": _TEMPLATE,
   }
   for name, text in files.items():
-    tmp = os.path.join(path, name + ".tmp")
-    with open(tmp, "w") as f:
-      f.write(text)
-    os.replace(tmp, os.path.join(path, name))
+    atomic.write_text(os.path.join(path, name), text)
   return path
 
 

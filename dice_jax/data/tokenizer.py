@@ -18,13 +18,14 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jinja2 import sandbox
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
+
+from dice_jax import atomic
 
 # Qwen2 pre-tokenisation regex (same split rule as the Qwen2 tokenizer family).
 QWEN2_SPLIT_REGEX = (
@@ -327,7 +328,7 @@ class Tokenizer:
     if self.chat_template:
       files["chat_template.jinja"] = self.chat_template
     for name, text in files.items():
-      _write_atomic(os.path.join(out_dir, name), text)
+      atomic.write_text(os.path.join(out_dir, name), text)
 
 
 def _tojson(x: Any, **kw: Any) -> str:
@@ -356,16 +357,3 @@ def _add_tokens_with_ids(
     if n != 1 or backend.token_to_id(at.content) != idx:
       raise TokenizerError(f"{where}: failed to add {at.content!r} at id {idx}")
     vocab[at.content] = idx
-
-
-def _write_atomic(path: str, text: str) -> None:
-  d = os.path.dirname(path) or "."
-  fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp_", suffix=os.path.basename(path))
-  try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      f.write(text)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from typing import Optional
 
 import jax
@@ -23,6 +22,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from dice_jax import atomic
 from dice_jax import sharding as sharding_lib
 from dice_jax.hf import mapping
 from dice_jax.hf.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, save_file
@@ -202,12 +202,7 @@ def export_hf(
   if np_dtype is None:
     raise ValueError(f"export dtype must be bfloat16, float16 or float32, got {dtype!r}")
   out_dir = os.path.abspath(out_dir)
-  if os.path.exists(out_dir) and not overwrite:
-    raise FileExistsError(f"{out_dir} exists (pass overwrite=True to replace it)")
-  parent = os.path.dirname(out_dir)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=parent)
-  try:
+  with atomic.new_directory(out_dir, overwrite=overwrite) as tmp:
     params = _params_by_path(model)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -240,16 +235,6 @@ def export_hf(
         src = os.path.join(tokenizer_dir, fn)
         if os.path.exists(src):
           shutil.copy2(src, os.path.join(tmp, fn))
-    if os.path.exists(out_dir):
-      old = out_dir + ".old"
-      os.rename(out_dir, old)
-      os.rename(tmp, out_dir)
-      shutil.rmtree(old)
-    else:
-      os.rename(tmp, out_dir)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
   logging.info("exported %d tensors in %d shard(s) to %s", len(weight_map), len(shards), out_dir)
   return out_dir
 

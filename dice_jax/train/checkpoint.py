@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
+from dice_jax import atomic
 from dice_jax import sharding as sharding_lib
 from dice_jax.model.config import ModelConfig
 from dice_jax.model.transformer import Transformer
@@ -116,11 +117,7 @@ MODEL_CONFIG = "model_config.json"
 
 def save_model_config(mcfg: ModelConfig, workdir: str) -> None:
   """Writes the run's resolved model config (what `restore_model` rebuilds), atomically."""
-  os.makedirs(workdir, exist_ok=True)
-  tmp = os.path.join(workdir, MODEL_CONFIG + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump(dataclasses.asdict(mcfg), f, indent=2)
-  os.replace(tmp, os.path.join(workdir, MODEL_CONFIG))
+  atomic.write_json(os.path.join(workdir, MODEL_CONFIG), dataclasses.asdict(mcfg), indent=2)
 
 
 def restore_model(workdir: str, mesh=None, step: int | None = None):
