@@ -21,8 +21,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
+
+from experiments import _cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "sdar_1p7b", "model preset")
@@ -164,4 +166,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _cli.run(main)

@@ -69,3 +69,15 @@ def byte_model_overrides() -> dict:
     eos_token_id=256,
     bos_token_id=None,
   )
+
+
+def load_byte_tokenizer():
+  """The byte tokenizer as a `Tokenizer`, without leaving files behind (built in a temp dir)."""
+  import tempfile
+
+  from dice_jax.data.tokenizer import Tokenizer
+
+  with tempfile.TemporaryDirectory(prefix="byte_tokenizer-") as d:
+    tok = Tokenizer.from_dir(write_byte_tokenizer(d))
+  tok.source_dir = None  # the files are gone; `Tokenizer.save` writes what it needs
+  return tok

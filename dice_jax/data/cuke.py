@@ -130,8 +130,8 @@ class CukeSummary:
 def build_cuke(
   pairs_path: str, verifier: BatchVerifier, out_dir: str, cfg: CukeConfig = CukeConfig()
 ) -> CukeSummary:
-  os.makedirs(out_dir, exist_ok=True)
   pairs, report = load_pairs(pairs_path, on_error=cfg.on_error)
+  os.makedirs(out_dir, exist_ok=True)
   unique, dups = dedup_pairs(pairs)
   n_dup = sum(len(v) for v in dups.values())
   logging.info(

@@ -11,18 +11,35 @@ import os
 import jax
 
 from dice_jax.data import byte_tokenizer
+from dice_jax.errors import UserError
 from dice_jax.train.config import SFTConfig
 
 
-def load_tokenizer(cfg: SFTConfig, workdir: str):
-  """(tokenizer, tokenizer_dir)."""
+def load_tokenizer(cfg: SFTConfig):
+  """The run's tokenizer, read without writing anything (see `save_tokenizer`)."""
   from dice_jax.data.tokenizer import Tokenizer
 
-  path = cfg.tokenizer
-  if path == "byte":
-    path = byte_tokenizer.write_byte_tokenizer(os.path.join(workdir, "tokenizer"))
-  tok = Tokenizer.from_dir(path)
-  return tok, path
+  if cfg.tokenizer == "byte":
+    return byte_tokenizer.load_byte_tokenizer()
+  if not os.path.isdir(cfg.tokenizer):
+    raise UserError(
+      f"SFTConfig.tokenizer {cfg.tokenizer}: no such directory (expected 'byte' or an HF "
+      "tokenizer directory)"
+    )
+  return Tokenizer.from_dir(cfg.tokenizer)
+
+
+def tokenizer_dir(cfg: SFTConfig, workdir: str) -> str:
+  """Where the run's tokenizer files are: `workdir/tokenizer` for 'byte', else `cfg.tokenizer`."""
+  return os.path.join(workdir, "tokenizer") if cfg.tokenizer == "byte" else cfg.tokenizer
+
+
+def save_tokenizer(cfg: SFTConfig, workdir: str) -> str:
+  """Writes the byte tokenizer into the workdir (other tokenizers stay where they are)."""
+  path = tokenizer_dir(cfg, workdir)
+  if cfg.tokenizer == "byte":
+    byte_tokenizer.write_byte_tokenizer(path)
+  return path
 
 
 def load_samples(cfg: SFTConfig) -> list:
@@ -30,7 +47,7 @@ def load_samples(cfg: SFTConfig) -> list:
   from dice_jax.data import prompts, tasks
 
   if not cfg.data_path:
-    raise ValueError("SFTConfig.data_path is empty: pass --set=data_path=FILE")
+    raise UserError("SFTConfig.data_path is empty: pass --set=data_path=FILE")
   if cfg.data_source == "cuke":
     samples, _ = tasks.load_sft_samples(cfg.data_path)
   elif cfg.data_source == "pairs":
@@ -49,6 +66,10 @@ def load_samples(cfg: SFTConfig) -> list:
       )
       for t in rows
     ]
+  if not samples:
+    raise tasks.DataError(
+      f"{cfg.data_path}: no SFT samples (the file is empty or has no valid {cfg.data_source} rows)"
+    )
   if cfg.max_prompt_chars or cfg.max_response_chars:
     samples = [
       prompts.SFTSample(
@@ -67,10 +88,9 @@ def make_iterator(cfg: SFTConfig, samples, tokenizer, block_size: int):
   forever; `get_state()` / `set_state()` checkpoint it."""
   from dice_jax.data.sft_pipeline import SFTPipelineConfig, make_sft_dataset
 
-  check_some_fit(samples, tokenizer, cfg.seq_len, block_size)
   nproc = jax.process_count()
   if cfg.batch_size % nproc:
-    raise ValueError(f"batch_size {cfg.batch_size} not divisible by {nproc} processes")
+    raise UserError(f"batch_size {cfg.batch_size} not divisible by {nproc} processes")
   pcfg = SFTPipelineConfig(
     seq_len=cfg.seq_len,
     block_size=block_size,
@@ -90,6 +110,8 @@ def check_some_fit(samples, tokenizer, seq_len: int, block_size: int, probe: int
   samples, and a repeating pipeline that drops everything would wait forever)."""
   from dice_jax.data.sft_pipeline import pad_to_block, sft_texts
 
+  if not samples:
+    raise UserError("no SFT samples to train on")
   lengths = []
   for s in samples[:probe]:
     prompt, response = sft_texts(s, tokenizer)
@@ -97,7 +119,7 @@ def check_some_fit(samples, tokenizer, seq_len: int, block_size: int, probe: int
     if n <= seq_len:
       return
     lengths.append(n)
-  raise ValueError(
+  raise UserError(
     f"none of the first {len(lengths)} SFT samples fits seq_len={seq_len} "
     f"(shortest is {min(lengths)} tokens): raise seq_len or truncate the texts"
   )
