@@ -18,3 +18,11 @@ def shared_data():
   if not SHARED_DATA.is_dir():
     pytest.skip(f"shared data not found at {SHARED_DATA} (only dev/CI checkouts have it)")
   return SHARED_DATA
+
+
+@pytest.fixture
+def umask_022():
+  """The usual umask (files 0644, directories 0755) for tests of output permissions."""
+  old = os.umask(0o022)
+  yield
+  os.umask(old)

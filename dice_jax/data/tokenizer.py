@@ -372,9 +372,9 @@ def check_compatible(tokenizer: Tokenizer, model_cfg: Any, *, where: str) -> Non
       f"and stop ids {list(tokenizer.stop_token_ids)}, the model's eos_token_id {list(eos)}"
     )
   if problems:
-    source = tokenizer.source_dir or "the tokenizer"
+    source = f"tokenizer {tokenizer.source_dir}" if tokenizer.source_dir else "the tokenizer"
     raise TokenizerMismatchError(
-      f"{where}: tokenizer {source} does not match the model: " + "; ".join(problems)
+      f"{where}: {source} does not match the model: " + "; ".join(problems)
     )
 
 

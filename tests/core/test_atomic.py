@@ -12,13 +12,6 @@ def _mode(path) -> int:
   return stat.S_IMODE(os.stat(path).st_mode)
 
 
-@pytest.fixture
-def umask_022():
-  old = os.umask(0o022)
-  yield
-  os.umask(old)
-
-
 def test_written_file_and_directory_get_umask_permissions(tmp_path, umask_022):
   f = atomic.write_text(str(tmp_path / "a.txt"), "hello")
   assert open(f).read() == "hello" and _mode(f) == 0o644
