@@ -32,6 +32,7 @@ from dice_jax import sharding as sharding_lib
 from dice_jax.model.config import ModelConfig
 from dice_jax.model.transformer import Transformer
 from dice_jax.train import optimizer as optim_lib
+from dice_jax.train import sft_data
 from dice_jax.train import train_step as ts
 from dice_jax.train.config import SFTConfig
 
@@ -155,5 +156,4 @@ def restore_model(workdir: str, mesh=None, step: int | None = None):
     state, _, _ = ckpt.restore(ts.abstract_state(shapes, shardings), step)
   finally:
     ckpt.close()
-  tok_dir = os.path.join(workdir, "tokenizer") if cfg.tokenizer == "byte" else cfg.tokenizer
-  return nnx.merge(graphdef, state["params"]), tok_dir, step
+  return nnx.merge(graphdef, state["params"]), sft_data.tokenizer_dir(cfg, workdir), step
