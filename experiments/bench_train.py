@@ -61,7 +61,7 @@ def flops_2l(cfg, seq_len: int) -> float:
   return 6.0 * n * s + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * s * s
 
 
-def check_attention(impl: str, flash_tiles=(128, 64, 64)):
+def check_attention(impl: str, flash_tiles=None):
   """Max abs error of `impl` vs the dense reference on a small block-diffusion problem."""
   from dice_jax.model import masks
   from dice_jax.model.transformer import dense_attention, self_attention

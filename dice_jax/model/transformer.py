@@ -197,14 +197,14 @@ def dense_attention(q, k, v, mask):
   return jnp.einsum("bkgts,bskh->btkgh", p, v).reshape(q.shape)
 
 
-def self_attention(q, k, v, spec, positions, *, impl="dense", flash_tiles=(128, 64, 64)):
+def self_attention(q, k, v, spec, positions, *, impl="dense", flash_tiles=None):
   if impl == "flash":  # mask-aware Pallas kernel: skips masked tiles, no [T, T] mask in memory
     from dice_jax.model import flash_bd
 
-    block_q, block_k, block_bwd = flash_tiles
-    return flash_bd.attention(
-      q, k, v, spec, positions, block_q=block_q, block_k=block_k, block_bwd=block_bwd
+    tiles = (
+      {} if flash_tiles is None else dict(zip(("block_q", "block_k", "block_bwd"), flash_tiles))
     )
+    return flash_bd.attention(q, k, v, spec, positions, **tiles)
   mask = masks_lib.dense_mask(spec, positions)
   if impl == "dense":
     return dense_attention(q, k, v, mask)
