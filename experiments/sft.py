@@ -95,11 +95,7 @@ def main(argv):
     export_hf=FLAGS.export_hf,
     allow_config_change=FLAGS.allow_config_change,
   )
-  if summary.get("stopped"):
-    logging.warning("stopped: %s", summary["stopped"])
-  elif summary["preempted"]:
-    logging.warning("stopped at step %d; rerun the same command to resume", summary["step"])
-  else:
+  if not summary["preempted"]:  # a stopped run has said so in one line (train/loop.py)
     logging.info("done: %s", summary)
 
 
