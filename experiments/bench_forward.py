@@ -12,11 +12,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
+from dice_jax import sharding
 from dice_jax.model import AttentionSpec, Transformer, get_config
-from dice_jax.train import sharding
+from experiments import _cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "tiny", "Model preset.")
@@ -132,4 +133,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _cli.run(main)

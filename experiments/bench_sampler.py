@@ -22,9 +22,9 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
+from dice_jax import sharding
 from dice_jax.diffusion import sampler
 from dice_jax.model import AttentionSpec, KVCache, Transformer, get_config
-from dice_jax.train import sharding
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "sdar_4b", "Model preset.")

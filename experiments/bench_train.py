@@ -21,8 +21,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
+
+from experiments import _cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "sdar_1p7b", "model preset")
@@ -59,7 +61,7 @@ def flops_2l(cfg, seq_len: int) -> float:
   return 6.0 * n * s + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * s * s
 
 
-def check_attention(impl: str):
+def check_attention(impl: str, flash_tiles=None):
   """Max abs error of `impl` vs the dense reference on a small block-diffusion problem."""
   from dice_jax.model import masks
   from dice_jax.model.transformer import dense_attention, self_attention
@@ -75,15 +77,15 @@ def check_attention(impl: str):
   ct = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
   f_ref = lambda q, k, v: (dense_attention(q, k, v, mask).astype(jnp.float32) * ct).sum()  # noqa
   f_imp = lambda q, k, v: (
-    self_attention(q, k, v, spec, positions, impl=impl).astype(  # noqa
+    self_attention(q, k, v, spec, positions, impl=impl, flash_tiles=flash_tiles).astype(  # noqa
       jnp.float32
     )
     * ct
   ).sum()
   o_ref = dense_attention(q, kk, v, mask).astype(jnp.float32)
-  o_imp = jax.jit(lambda q, k, v: self_attention(q, k, v, spec, positions, impl=impl))(
-    q, kk, v
-  ).astype(jnp.float32)
+  o_imp = jax.jit(
+    lambda q, k, v: self_attention(q, k, v, spec, positions, impl=impl, flash_tiles=flash_tiles)
+  )(q, kk, v).astype(jnp.float32)
   g_ref = jax.grad(f_ref, argnums=(0, 1, 2))(q, kk, v)
   g_imp = jax.jit(jax.grad(f_imp, argnums=(0, 1, 2)))(q, kk, v)
   errs = {"out": float(jnp.abs(o_ref - o_imp).max())}
@@ -99,16 +101,14 @@ def main(argv):
   from dice_jax.diffusion.objective import ObjectiveConfig, block_diffusion_loss
   from dice_jax.model.config import get_config
   from dice_jax.model.transformer import Transformer
-  from dice_jax.train import metrics, optimizer, sharding
+  from dice_jax import sharding
+  from dice_jax.train import metrics, optimizer
   from dice_jax.train import train_step as ts
 
-  if FLAGS.flash_blocks:
-    from dice_jax.model import flash_bd
-
-    flash_bd.BLOCKS.update(zip(("block_q", "block_k", "block_bwd"), map(int, FLAGS.flash_blocks)))
+  tiles = {"flash_tiles": tuple(map(int, FLAGS.flash_blocks))} if FLAGS.flash_blocks else {}
+  cfg = get_config(FLAGS.config, attention_impl=FLAGS.attention_impl, remat=FLAGS.remat, **tiles)
   if FLAGS.check:
-    check_attention(FLAGS.attention_impl)
-  cfg = get_config(FLAGS.config, attention_impl=FLAGS.attention_impl, remat=FLAGS.remat)
+    check_attention(FLAGS.attention_impl, cfg.flash_tiles)
   mesh = sharding.make_mesh(FLAGS.mesh_data, FLAGS.mesh_fsdp, FLAGS.mesh_tensor)
   rows = FLAGS.batch_per_device * mesh.size // FLAGS.mesh_tensor
   t0 = time.perf_counter()
@@ -149,7 +149,7 @@ def main(argv):
     "rows": rows,
     "attention_impl": cfg.attention_impl,
     "remat": cfg.remat,
-    "flash_blocks": FLAGS.flash_blocks,
+    "flash_blocks": list(cfg.flash_tiles),
     "step_s": round(dt, 4),
     "tokens_per_s": round(rows * FLAGS.seq_len / dt, 1),
     "input_tokens_per_s": round(rows * 2 * FLAGS.seq_len / dt, 1),
@@ -166,4 +166,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _cli.run(main)

@@ -6,9 +6,12 @@ Writes DIR/cuke.jsonl (atomic), DIR/summary.json, DIR/speedup_hist.png; DIR/meas
 journal (a rerun skips pairs already measured). See dice_jax/data/cuke.py.
 """
 
-from absl import app, flags, logging
+import grpc
+from absl import flags, logging
 
 from dice_jax.data.cuke import CukeConfig, build_cuke
+from dice_jax.errors import UserError
+from experiments import _cli
 
 _PAIRS = flags.DEFINE_string(
   "pairs", None, "JSON/JSONL of {pytorch_code, cuda_code, reasoning?, speedup?, level?}"
@@ -28,6 +31,9 @@ _TRIALS = flags.DEFINE_integer("num_perf_trials", 100, "timing trials per candid
 _DEVICE = flags.DEFINE_string(
   "device", None, "verifier device ('cuda' | 'cpu'); default: the server's"
 )
+_CONNECT = flags.DEFINE_float(
+  "connect_timeout_s", 30.0, "seconds to wait for the verifier at --verifier to answer"
+)
 flags.mark_flags_as_required(["pairs", "verifier", "out"])
 
 
@@ -38,8 +44,17 @@ def main(argv):
   options = {"measure_performance": True, "num_perf_trials": _TRIALS.value}
   if _DEVICE.value:
     options["device"] = _DEVICE.value
-  with GrpcVerifierClient(_VERIFIER.value, options) as client:
-    client.wait_ready()
+  with _cli.user_errors_from(ValueError):  # a malformed --verifier address
+    client = GrpcVerifierClient(_VERIFIER.value, options)
+  with client:
+    logging.info("connecting to the verifier at %s ...", _VERIFIER.value)
+    try:
+      client.wait_ready(timeout_s=_CONNECT.value)
+    except grpc.FutureTimeoutError:
+      raise UserError(
+        f"--verifier {_VERIFIER.value}: no verifier answered within {_CONNECT.value:g} s "
+        "(is `python -m verifier serve` running there, and is the port right?)"
+      ) from None
     s = build_cuke(
       _PAIRS.value,
       client,
@@ -58,4 +73,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _cli.run(main)

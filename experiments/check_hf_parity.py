@@ -7,9 +7,10 @@ Prints max |logit difference| under a causal and a block-causal mask; exits 1 ab
 
 import sys
 
-from absl import app, flags
+from absl import flags
 
 from dice_jax.hf.parity import check_parity
+from experiments import _cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "HF directory.", required=True)
@@ -34,4 +35,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _cli.run(main)

@@ -4,11 +4,13 @@ r"""Generate with the KV-cached block-diffusion sampler from an HF checkpoint di
       --strategy=low_confidence_dynamic --threshold=0.9 --steps=4 --max_new_tokens=512
 
 The prompt is wrapped in the tokenizer's chat template (`--nochat` to send it raw); the tokenizer is
-read from `--tokenizer_dir` (default: the checkpoint directory). Without a tokenizer, pass
-`--prompt_ids=1,2,3` and the output is printed as ids. Prints the text and the decoding stats:
+read from `--tokenizer_dir` (default: the checkpoint directory) and checked against the model
+(vocabulary size, mask and eos ids). Without a tokenizer, pass `--prompt_ids=1,2,3` and the
+output is printed as ids. Prints the text and the decoding stats:
 generated tokens, decode forwards, tokens per forward, denoising steps used, wall time.
 """
 
+import os
 import time
 
 import jax
@@ -16,7 +18,9 @@ import numpy as np
 from absl import app, flags, logging
 
 from dice_jax.diffusion import remasking, sampler
+from dice_jax.errors import UserError
 from dice_jax.hf import checkpoint
+from experiments import _cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "HF checkpoint directory (config.json + safetensors).")
@@ -44,24 +48,34 @@ flags.DEFINE_bool("warm_timing", False, "Generate twice and time the second (com
 flags.mark_flag_as_required("hf_dir")
 
 
-def _load_tokenizer(path):
-  try:
-    from dice_jax.data.tokenizer import Tokenizer
-
-    return Tokenizer.from_dir(path)
-  except Exception as e:  # no tokenizer files, or the data package is unavailable
-    logging.warning("no tokenizer loaded from %s (%s); ids only", path, e)
-    return None
+def _load_tokenizer(cfg):
+  """--tokenizer_dir's tokenizer, else --hf_dir's, else None; checked against the model."""
+  if FLAGS.tokenizer_dir is not None:
+    return checkpoint.load_tokenizer(
+      FLAGS.tokenizer_dir, cfg, where=f"generate --tokenizer_dir={FLAGS.tokenizer_dir}"
+    )
+  if checkpoint.has_tokenizer(FLAGS.hf_dir):
+    return checkpoint.load_tokenizer(FLAGS.hf_dir, cfg, where=f"generate --hf_dir={FLAGS.hf_dir}")
+  logging.warning("%s has no tokenizer: token ids only", FLAGS.hf_dir)
+  return None
 
 
 def main(argv):
   del argv
   if (FLAGS.prompt is None) == (FLAGS.prompt_ids is None):
     raise app.UsageError("pass exactly one of --prompt and --prompt_ids")
-  tok = _load_tokenizer(FLAGS.tokenizer_dir or FLAGS.hf_dir)
+  if not os.path.isdir(FLAGS.hf_dir):
+    raise UserError(f"--hf_dir {FLAGS.hf_dir}: no such directory")
+  if FLAGS.tokenizer_dir is not None and not os.path.isdir(FLAGS.tokenizer_dir):
+    raise UserError(f"--tokenizer_dir {FLAGS.tokenizer_dir}: no such directory")
+  mcfg = checkpoint.read_config(FLAGS.hf_dir)
+  tok = _load_tokenizer(mcfg)
   if FLAGS.prompt is not None:
     if tok is None:
-      raise app.UsageError("--prompt needs a tokenizer (--tokenizer_dir); or pass --prompt_ids")
+      raise UserError(
+        f"--prompt needs a tokenizer and {FLAGS.hf_dir} has none: pass --tokenizer_dir=DIR, "
+        "or the prompt as --prompt_ids=1,2,3"
+      )
     text = (
       tok.apply_chat_template([{"role": "user", "content": FLAGS.prompt}])
       if FLAGS.chat
@@ -69,11 +83,18 @@ def main(argv):
     )
     prompt = tok.encode(text)
   else:
-    prompt = [int(i) for i in FLAGS.prompt_ids]
+    with _cli.user_errors_from(ValueError):
+      prompt = [int(i) for i in FLAGS.prompt_ids]
+    bad = [i for i in prompt if not 0 <= i < mcfg.vocab_size]
+    if bad:
+      raise UserError(f"--prompt_ids {bad} outside the model's vocabulary [0, {mcfg.vocab_size})")
 
   t0 = time.perf_counter()
   model, cfg = checkpoint.import_hf(
-    FLAGS.hf_dir, param_dtype=FLAGS.param_dtype, attention_impl=FLAGS.attention_impl
+    FLAGS.hf_dir,
+    check_tokenizer=False,  # checked above, against --tokenizer_dir when given
+    param_dtype=FLAGS.param_dtype,
+    attention_impl=FLAGS.attention_impl,
   )
   logging.info("loaded %s in %.1f s", FLAGS.hf_dir, time.perf_counter() - t0)
   if tok is not None:
@@ -126,4 +147,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _cli.run(main)

@@ -8,11 +8,12 @@ With --orbax_out, the imported parameters are also saved as an orbax checkpoint.
 import math
 
 import jax
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
+from dice_jax import sharding
 from dice_jax.hf import checkpoint as hf_ckpt
-from dice_jax.train import sharding
+from experiments import _cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "HF directory.", required=True)
@@ -47,4 +48,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _cli.run(main)

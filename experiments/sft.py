@@ -4,7 +4,11 @@ r"""Block-diffusion SFT launcher.
       [--set=num_steps=20 --set=optim.learning_rate=1e-3] [--init_hf=DIR] [--export_hf=DIR]
 
 `--config` names a module of experiments/configs (or a path to a .py file) with `get_config()`.
-Re-running with the same workdir resumes from its last checkpoint. Multi-host: pass
+Re-running with the same workdir resumes from its last checkpoint, with the same config: a
+different one is refused (the message lists each changed field) unless `--allow_config_change`.
+Ctrl-C (SIGINT) or SIGTERM saves the current step and exits 0; rerun the command to resume.
+Bad input (data file, tokenizer, config field, existing export) is one line and exit status 2,
+with nothing written. Multi-host: pass
 `--distributed` (jax.distributed.initialize reads the cluster from the environment) or the
 coordinator flags.
 """
@@ -17,14 +21,20 @@ import json
 import logging as std_logging
 import os
 
-from absl import app, flags, logging
+from absl import flags, logging
+
+from dice_jax.errors import UserError
+from experiments import _cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "tiny", "config module under experiments/configs, or a .py path")
 flags.DEFINE_string("workdir", None, "output directory (checkpoints, metrics, tokenizer)")
 flags.DEFINE_multi_string("set", [], "config override key=value (dotted keys), repeatable")
 flags.DEFINE_string("init_hf", None, "initialise from this HF checkpoint directory")
-flags.DEFINE_string("export_hf", None, "write the final model as an HF directory here")
+flags.DEFINE_string("export_hf", None, "write the final model as an HF directory here (new dir)")
+flags.DEFINE_bool(
+  "allow_config_change", False, "resume a run whose saved config differs from this one"
+)
 flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() (multi-host)")
 flags.DEFINE_string("coordinator_address", None, "multi-host coordinator host:port")
 flags.DEFINE_integer("num_processes", None, "multi-host: number of processes")
@@ -36,7 +46,7 @@ def load_config(name: str):
   if name.endswith(".py"):
     spec = importlib.util.spec_from_file_location("sft_config", name)
     if spec is None or not os.path.exists(name):
-      raise ValueError(f"--config: no such file {name}")
+      raise UserError(f"--config: no such file {name}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
   else:
@@ -48,9 +58,9 @@ def load_config(name: str):
         for f in os.listdir(os.path.dirname(__file__) + "/configs")
         if f.endswith(".py") and not f.startswith("_")
       )
-      raise ValueError(f"--config: unknown config {name!r}; known: {known}") from e
+      raise UserError(f"--config: unknown config {name!r}; known: {known}") from e
   if not hasattr(module, "get_config"):
-    raise ValueError(f"--config {name}: module defines no get_config()")
+    raise UserError(f"--config {name}: module defines no get_config()")
   return module.get_config()
 
 
@@ -64,7 +74,7 @@ class _QuietOrbax(std_logging.Filter):
 def main(argv):
   del argv
   logging.get_absl_handler().addFilter(_QuietOrbax())
-  from dice_jax.train import sharding
+  from dice_jax import sharding
 
   sharding.maybe_initialize_distributed(
     FLAGS.distributed or FLAGS.coordinator_address is not None,
@@ -75,12 +85,19 @@ def main(argv):
   from dice_jax.train.config import apply_overrides
   from dice_jax.train.loop import run_sft
 
-  cfg = apply_overrides(load_config(FLAGS.config), FLAGS.set)
-  os.makedirs(FLAGS.workdir, exist_ok=True)
+  with _cli.user_errors_from(ValueError, TypeError):  # a bad --set key, value or field
+    cfg = apply_overrides(load_config(FLAGS.config), FLAGS.set)
   logging.info("config: %s", json.dumps(cfg.to_json(), default=str))
-  summary = run_sft(cfg, FLAGS.workdir, init_hf=FLAGS.init_hf, export_hf=FLAGS.export_hf)
-  logging.info("done: %s", summary)
+  summary = run_sft(
+    cfg,
+    FLAGS.workdir,
+    init_hf=FLAGS.init_hf,
+    export_hf=FLAGS.export_hf,
+    allow_config_change=FLAGS.allow_config_change,
+  )
+  if not summary["preempted"]:  # a stopped run has said so in one line (train/loop.py)
+    logging.info("done: %s", summary)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _cli.run(main)

@@ -1,6 +1,6 @@
 """Print rendered examples, token counts and packing efficiency of the data pipelines.
 
-  python -m experiments.show_data --pipeline=sft|infill|e2e --n=2
+  python -m experiments.show_data --pipeline=e2e --n=2    # or --pipeline=infill, --pipeline=sft
 
 Defaults read ../shared/data (relative to the repo root): the SDAR tokenizer, DICE's RL task files, and for
 ``sft`` either ``--sft_data`` (a CuKe jsonl from experiments.build_cuke) or, when absent, SFT samples made from the
@@ -14,7 +14,8 @@ import pathlib
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
+from tqdm import tqdm
 
 from dice_jax.data import prompts
 from dice_jax.data.rl_stream import RLStreamConfig, make_rl_stream, next_step, task_prompt
@@ -26,6 +27,7 @@ from dice_jax.data.tasks import (
   load_sft_samples,
 )
 from dice_jax.data.tokenizer import Tokenizer
+from experiments import _cli
 
 _SHARED = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -92,9 +94,14 @@ def _rl(tok: Tokenizer, infill: bool) -> None:
     )
     print(_clip(e["prompt"]))
   t0 = time.perf_counter()
-  lengths = [
-    len(ids) for ids in tok.encode_batch([task_prompt(t, tok, _STYLE.value) for t in tasks])
-  ]
+  lengths = []
+  chunk = 200
+  with tqdm(total=len(tasks), desc="tokenising prompts", unit="task", mininterval=1) as bar:
+    for i in range(0, len(tasks), chunk):
+      part = tasks[i : i + chunk]
+      ids = tok.encode_batch([task_prompt(t, tok, _STYLE.value) for t in part])
+      lengths += [len(x) for x in ids]
+      bar.update(len(part))
   print(
     f"\nprompt tokens over all {len(tasks)} tasks ({_STYLE.value} style): {_pct(lengths)} "
     f"[{time.perf_counter() - t0:.1f} s]"
@@ -135,7 +142,8 @@ def _sft(tok: Tokenizer) -> None:
   )
   stats = PackingStats()
   rows = used = loss = 0
-  for b in make_sft_dataset(samples, tok, cfg, stats):
+  batches = make_sft_dataset(samples, tok, cfg, stats)
+  for b in tqdm(batches, desc="packing one epoch", unit="batch", mininterval=1):
     rows += b["tokens"].shape[0]
     used += int((b["segment_ids"] > 0).sum())
     loss += int(b["loss_mask"].sum())
@@ -166,6 +174,7 @@ def _sft(tok: Tokenizer) -> None:
 
 def main(argv):
   del argv
+  print(f"loading the tokenizer from {_TOKENIZER.value} ...", flush=True)
   tok = Tokenizer.from_dir(_TOKENIZER.value)
   if _PIPELINE.value == "sft":
     _sft(tok)
@@ -174,4 +183,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _cli.run(main)

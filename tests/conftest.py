@@ -1,15 +1,45 @@
-"""Test-wide setup: 8 fake CPU devices (set before JAX initialises), shared data location."""
+"""Test-wide setup: JAX on 8 fake CPU devices (set before JAX initialises), except for a GPU run
+(`pytest -m gpu`), where JAX keeps its GPU; shared data location; the `gpu` fixture."""
 
 import os
 import pathlib
+import re
+import sys
 
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+_FORCED_CPU = "JAX_PLATFORMS" not in os.environ
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def gpu_session(markexpr: str) -> bool:
+  """Whether `-m markexpr` selects the GPU tests (`gpu`, `gpu and not slow`; not `not gpu`)."""
+  return bool(re.search(r"\bgpu\b", markexpr)) and not re.search(r"\bnot\s+gpu\b", markexpr)
+
+
+def pytest_configure(config):
+  """A GPU run undoes the CPU default (the conftest runs before `-m` is known)."""
+  if _FORCED_CPU and gpu_session(config.getoption("markexpr") or ""):
+    del os.environ["JAX_PLATFORMS"]
+    if "jax" in sys.modules:  # imported by a conftest already, not yet initialised
+      sys.modules["jax"].config.update("jax_platforms", None)
+
+
+@pytest.fixture(scope="session")
+def gpu():
+  """Fails (does not skip) a GPU test that finds no GPU: a skipped GPU test is one never run."""
+  import jax
+
+  if jax.default_backend() != "gpu":
+    pytest.fail(
+      f"JAX found no GPU (backend {jax.default_backend()!r}, devices {jax.devices()}); run the "
+      "GPU tests on a host with an NVIDIA GPU and CUDA jaxlib: python3 -m pytest -m gpu"
+    )
+  return jax.devices()[0]
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +48,11 @@ def shared_data():
   if not SHARED_DATA.is_dir():
     pytest.skip(f"shared data not found at {SHARED_DATA} (only dev/CI checkouts have it)")
   return SHARED_DATA
+
+
+@pytest.fixture
+def umask_022():
+  """The usual umask (files 0644, directories 0755) for tests of output permissions."""
+  old = os.umask(0o022)
+  yield
+  os.umask(old)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import uuid
 from typing import Sequence
 
 import grpc
@@ -162,7 +161,3 @@ class VerifierClient:
 
   async def close(self) -> None:
     await asyncio.gather(*(e.channel.close() for e in self.endpoints))
-
-
-def new_request_id() -> str:
-  return uuid.uuid4().hex

@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from collections import Counter
 from collections.abc import Sequence
 from typing import Protocol
@@ -24,6 +23,7 @@ from typing import Protocol
 from absl import logging
 from tqdm import tqdm
 
+from dice_jax import atomic
 from dice_jax.data.prompts import sft_sample_from_pair
 from dice_jax.data.tasks import KernelPair, OnError, load_pairs
 
@@ -106,28 +106,6 @@ def read_measurements(path: str) -> dict[str, dict]:
   return out
 
 
-def _write_atomic(path: str, write) -> None:
-  d = os.path.dirname(path) or "."
-  fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp_" + os.path.basename(path))
-  os.close(fd)
-  try:
-    write(tmp)
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-
-
-def _write_text_atomic(path: str, text: str) -> None:
-  def w(tmp):
-    with open(tmp, "w", encoding="utf-8") as f:
-      f.write(text)
-      f.flush()
-      os.fsync(f.fileno())
-
-  _write_atomic(path, w)
-
-
 @dataclasses.dataclass
 class CukeSummary:
   pairs_in: int
@@ -152,8 +130,8 @@ class CukeSummary:
 def build_cuke(
   pairs_path: str, verifier: BatchVerifier, out_dir: str, cfg: CukeConfig = CukeConfig()
 ) -> CukeSummary:
-  os.makedirs(out_dir, exist_ok=True)
   pairs, report = load_pairs(pairs_path, on_error=cfg.on_error)
+  os.makedirs(out_dir, exist_ok=True)
   unique, dups = dedup_pairs(pairs)
   n_dup = sum(len(v) for v in dups.values())
   logging.info(
@@ -216,7 +194,7 @@ def build_cuke(
       }
     )
     kept_levels[str(p.level) if p.level is not None else "unknown"] += 1
-  _write_text_atomic(os.path.join(out_dir, DATASET), "".join(json.dumps(r) + "\n" for r in rows))
+  atomic.write_text(os.path.join(out_dir, DATASET), "".join(json.dumps(r) + "\n" for r in rows))
   summary = CukeSummary(
     pairs_in=report.total,
     invalid_rows=[str(i) for i in report.skipped],
@@ -231,8 +209,8 @@ def build_cuke(
     failure_kinds=dict(sorted(failures.items())),
     speedups_correct=speedups,
   )
-  _write_text_atomic(os.path.join(out_dir, SUMMARY), json.dumps(summary.to_json(), indent=2))
-  _write_atomic(
+  atomic.write_text(os.path.join(out_dir, SUMMARY), json.dumps(summary.to_json(), indent=2))
+  atomic.write_file(
     os.path.join(out_dir, HISTOGRAM), lambda tmp: _plot_hist(tmp, speedups, cfg.min_speedup)
   )
   logging.info(

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from dice_jax.errors import UserError
+
 # A top-level assignment of a triple-quoted string: NAME = [prefix]\"\"\" or '''.
 _TRIPLE_ASSIGN = re.compile(r"^([A-Za-z_]\w*)[ \t]*=[ \t]*[rRuU]?(\"\"\"|''')", re.MULTILINE)
 _CUDA_MARKERS = ("__global__", "<<<", "#include")
@@ -26,7 +28,7 @@ class InfillSplit:
     return self.prefix + self.middle + self.suffix
 
 
-class NoCudaSourceError(ValueError):
+class NoCudaSourceError(UserError):
   """The file has no top-level triple-quoted CUDA source assignment."""
 
 

@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 from absl import logging
 
+from dice_jax.errors import UserError
+
 OnError = Literal["raise", "skip"]
 
 # Curriculum stages (DICE's data scheduling: single operations -> fused operations -> model structures).
@@ -35,7 +37,7 @@ def curriculum_stage(level: int) -> int:
   return 0 if level <= 1 else (1 if level == 2 else 2)
 
 
-class DataError(ValueError):
+class DataError(UserError):
   """A data row or file does not match its schema; the message names the file and row."""
 
 

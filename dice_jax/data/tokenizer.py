@@ -18,13 +18,15 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jinja2 import sandbox
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
+
+from dice_jax import atomic
+from dice_jax.errors import UserError
 
 # Qwen2 pre-tokenisation regex (same split rule as the Qwen2 tokenizer family).
 QWEN2_SPLIT_REGEX = (
@@ -38,7 +40,7 @@ IM_END = "<|im_end|>"
 MASK_TOKEN_ID = 151669  # SDAR config.mask_token_id
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError):
   """A tokenizer directory is missing files or is inconsistent."""
 
 
@@ -327,7 +329,53 @@ class Tokenizer:
     if self.chat_template:
       files["chat_template.jinja"] = self.chat_template
     for name, text in files.items():
-      _write_atomic(os.path.join(out_dir, name), text)
+      atomic.write_text(os.path.join(out_dir, name), text)
+
+
+class TokenizerMismatchError(TokenizerError):
+  """A tokenizer and a model that disagree on vocabulary size, mask id or eos ids."""
+
+
+def _ids(value) -> tuple[int, ...]:
+  if value is None:
+    return ()
+  return tuple(int(i) for i in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def check_compatible(tokenizer: Tokenizer, model_cfg: Any, *, where: str) -> None:
+  """Raises TokenizerMismatchError (one line, every disagreement) unless the tokenizer fits the model.
+
+  `model_cfg` is a `dice_jax.model.ModelConfig` (anything with `vocab_size`, `mask_token_id`,
+  `eos_token_id`). Checked: every id the tokenizer can produce has an embedding row
+  (`tokenizer.vocab_size <= vocab_size`); the mask ids are equal; the model's eos ids are tokens
+  of the tokenizer and include its eos or one of its stop ids. `where` names the place the two
+  meet (e.g. 'export --tokenizer_dir=DIR', 'sft', 'generate') and starts the message.
+  """
+  problems = []
+  if tokenizer.vocab_size > model_cfg.vocab_size:
+    problems.append(
+      f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
+      f"{model_cfg.vocab_size}"
+    )
+  if tokenizer.mask_token_id != model_cfg.mask_token_id:
+    problems.append(
+      f"mask id {tokenizer.mask_token_id} ({tokenizer.mask_token}) != the model's "
+      f"mask_token_id {model_cfg.mask_token_id}"
+    )
+  eos = _ids(model_cfg.eos_token_id)
+  unknown = [i for i in eos if tokenizer.id_to_token(i) is None]
+  if unknown:
+    problems.append(f"the model's eos_token_id {list(unknown)} are not tokens of the tokenizer")
+  elif eos and not set(eos) & {tokenizer.eos_token_id, *tokenizer.stop_token_ids}:
+    problems.append(
+      f"eos ids differ: the tokenizer's eos {tokenizer.eos_token_id} ({tokenizer.eos_token}) "
+      f"and stop ids {list(tokenizer.stop_token_ids)}, the model's eos_token_id {list(eos)}"
+    )
+  if problems:
+    source = f"tokenizer {tokenizer.source_dir}" if tokenizer.source_dir else "the tokenizer"
+    raise TokenizerMismatchError(
+      f"{where}: {source} does not match the model: " + "; ".join(problems)
+    )
 
 
 def _tojson(x: Any, **kw: Any) -> str:
@@ -356,16 +404,3 @@ def _add_tokens_with_ids(
     if n != 1 or backend.token_to_id(at.content) != idx:
       raise TokenizerError(f"{where}: failed to add {at.content!r} at id {idx}")
     vocab[at.content] = idx
-
-
-def _write_atomic(path: str, text: str) -> None:
-  d = os.path.dirname(path) or "."
-  fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp_", suffix=os.path.basename(path))
-  try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      f.write(text)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise

@@ -12,22 +12,26 @@ source directory, into a temporary directory that is renamed into place only whe
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
-import tempfile
 from typing import Optional
 
 import jax
 import numpy as np
 from absl import logging
 from flax import nnx
+from tqdm import tqdm
 
+from dice_jax import atomic
+from dice_jax import sharding as sharding_lib
+from dice_jax.errors import UserError
+from dice_jax.data.tokenizer import Tokenizer, TokenizerError, check_compatible
 from dice_jax.hf import mapping
 from dice_jax.hf.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, save_file
 from dice_jax.model.config import ModelConfig, from_hf_config, to_hf_config
 from dice_jax.model.transformer import Transformer
-from dice_jax.train import sharding as sharding_lib
 
 TOKENIZER_FILES = (
   "tokenizer.json",
@@ -42,20 +46,53 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
   """A malformed or incomplete HF checkpoint directory."""
 
 
 def read_config(hf_dir: str, **overrides) -> ModelConfig:
+  if not os.path.isdir(hf_dir):
+    raise CheckpointError(f"{hf_dir}: no such directory")
   path = os.path.join(hf_dir, "config.json")
   if not os.path.exists(path):
-    raise CheckpointError(f"{hf_dir}: no config.json")
+    raise CheckpointError(f"{hf_dir}: no config.json (not an HF checkpoint directory)")
   try:
     with open(path) as f:
       hf = json.load(f)
   except json.JSONDecodeError as e:
     raise CheckpointError(f"{path}: invalid JSON ({e})") from e
-  return from_hf_config(hf, source=path, **overrides)
+  try:
+    return from_hf_config(hf, source=path, **overrides)
+  except ValueError as e:
+    raise CheckpointError(str(e)) from e
+
+
+def has_tokenizer(directory: str) -> bool:
+  """Whether `directory` holds tokenizer files (tokenizer.json, or vocab.json + merges.txt)."""
+  return os.path.exists(os.path.join(directory, "tokenizer.json")) or all(
+    os.path.exists(os.path.join(directory, f)) for f in ("vocab.json", "merges.txt")
+  )
+
+
+def load_tokenizer(tokenizer_dir: str, cfg: ModelConfig, *, where: str):
+  """The tokenizer of `tokenizer_dir`, checked against the model config (`check_compatible`)."""
+  if not os.path.isdir(tokenizer_dir):
+    raise CheckpointError(f"{where}: tokenizer directory {tokenizer_dir}: no such directory")
+  tok = Tokenizer.from_dir(tokenizer_dir)
+  check_compatible(tok, cfg, where=where)
+  return tok
+
+
+def _check_own_tokenizer(hf_dir: str, cfg: ModelConfig) -> None:
+  """An HF directory's own tokenizer must fit its model; one we cannot read is only reported."""
+  if not has_tokenizer(hf_dir):
+    return
+  try:
+    tok = Tokenizer.from_dir(hf_dir)
+  except TokenizerError as e:
+    logging.warning("%s: tokenizer not checked against the model (%s)", hf_dir, e)
+    return
+  check_compatible(tok, cfg, where=f"import {hf_dir}")
 
 
 class _TensorIndex:
@@ -118,13 +155,23 @@ def _state_path(keypath) -> tuple:
   return tuple(getattr(k, "key", getattr(k, "name", k)) for k in keypath)
 
 
-def import_hf(hf_dir: str, mesh: Optional[jax.sharding.Mesh] = None, **config_overrides):
+def import_hf(
+  hf_dir: str,
+  mesh: Optional[jax.sharding.Mesh] = None,
+  *,
+  check_tokenizer: bool = True,
+  **config_overrides,
+):
   """Loads an HF directory into a `Transformer` placed on `mesh` (default: one device).
 
   `config_overrides` set non-HF fields such as `param_dtype`, `dtype`, `attention_impl`.
+  The directory's tokenizer, when it has one, must fit the model (TokenizerMismatchError; skip
+  with `check_tokenizer=False` when the caller checks the tokenizer it uses itself).
   Returns (model, cfg).
   """
   cfg = read_config(hf_dir, **config_overrides)
+  if check_tokenizer:
+    _check_own_tokenizer(hf_dir, cfg)
   index = _TensorIndex(hf_dir)
   expected = {n for p in mapping.param_paths(cfg) for n in mapping.hf_names(cfg, p)}
   unexpected = [
@@ -144,6 +191,8 @@ def import_hf(hf_dir: str, mesh: Optional[jax.sharding.Mesh] = None, **config_ov
   graphdef, abs_state = nnx.split(abstract)
   shardings = sharding_lib.state_shardings(abs_state, mesh)
   dtype = cfg.weight_dtype
+  total = sum(len(mapping.hf_names(cfg, p)) for p in mapping.param_paths(cfg))
+  bar = tqdm(total=total, desc=f"import {os.path.basename(hf_dir)}", unit="tensor", mininterval=2)
 
   def load(keypath, var, shard_var):
     path = _state_path(keypath)
@@ -164,11 +213,13 @@ def import_hf(hf_dir: str, mesh: Optional[jax.sharding.Mesh] = None, **config_ov
       return np.asarray(out, dtype=dtype)
 
     arr = jax.make_array_from_callback(var.shape, shard_var.get_value(), fetch)
+    bar.update(len(names))
     return var.replace(arr)
 
-  state = jax.tree_util.tree_map_with_path(
-    load, abs_state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)
-  )
+  with bar:
+    state = jax.tree_util.tree_map_with_path(
+      load, abs_state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
   logging.info(
     "imported %s (%d parameters) onto mesh %s", hf_dir, cfg.num_params(), dict(mesh.shape)
   )
@@ -194,7 +245,12 @@ def export_hf(
   max_shard_bytes: int = 4 << 30,
   overwrite: bool = False,
 ) -> str:
-  """Writes `model` as an HF Qwen3ForCausalLM directory; atomic (temp dir + rename)."""
+  """Writes `model` as an HF Qwen3ForCausalLM directory; atomic (temp dir + rename).
+
+  `tokenizer_dir`'s tokenizer files are copied after checking that they fit the model
+  (TokenizerMismatchError otherwise); without one the export has no tokenizer, which is logged.
+  An existing `out_dir` is refused (FileExistsError) unless `overwrite`.
+  """
   cfg: ModelConfig = model.cfg
   np_dtype = {"bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"], "float16": DTYPES["F16"]}.get(
     dtype
@@ -202,18 +258,22 @@ def export_hf(
   if np_dtype is None:
     raise ValueError(f"export dtype must be bfloat16, float16 or float32, got {dtype!r}")
   out_dir = os.path.abspath(out_dir)
+  if tokenizer_dir is not None:
+    load_tokenizer(tokenizer_dir, cfg, where=f"export with tokenizer {tokenizer_dir}")
+  else:
+    logging.warning("%s will have no tokenizer (none was given to copy)", out_dir)
   if os.path.exists(out_dir) and not overwrite:
-    raise FileExistsError(f"{out_dir} exists (pass overwrite=True to replace it)")
-  parent = os.path.dirname(out_dir)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=parent)
-  try:
+    raise FileExistsError(errno.EEXIST, "output directory already exists", out_dir)
+  total = sum(len(mapping.hf_names(cfg, p)) for p in mapping.param_paths(cfg))
+  bar = tqdm(total=total, desc=f"export {os.path.basename(out_dir)}", unit="tensor", mininterval=2)
+  with atomic.new_directory(out_dir, overwrite=overwrite) as tmp, bar:
     params = _params_by_path(model)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for path in mapping.param_paths(cfg):
       arr = params[path]
       for i, name in enumerate(mapping.hf_names(cfg, path)):
+        bar.update()
         ours = arr[i] if path[0] == "layers" else arr
         w = np.ascontiguousarray(mapping.to_hf(cfg, path, np.asarray(jax.device_get(ours))))
         w = w.astype(np_dtype)
@@ -240,16 +300,6 @@ def export_hf(
         src = os.path.join(tokenizer_dir, fn)
         if os.path.exists(src):
           shutil.copy2(src, os.path.join(tmp, fn))
-    if os.path.exists(out_dir):
-      old = out_dir + ".old"
-      os.rename(out_dir, old)
-      os.rename(tmp, out_dir)
-      shutil.rmtree(old)
-    else:
-      os.rename(tmp, out_dir)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
   logging.info("exported %d tensors in %d shard(s) to %s", len(weight_map), len(shards), out_dir)
   return out_dir
 

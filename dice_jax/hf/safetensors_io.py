@@ -15,6 +15,8 @@ from typing import Mapping
 import ml_dtypes
 import numpy as np
 
+from dice_jax.errors import UserError
+
 DTYPES = {
   "F32": np.dtype(np.float32),
   "F16": np.dtype(np.float16),
@@ -24,7 +26,7 @@ DTYPES = {
 _NAMES = {v: k for k, v in DTYPES.items()}
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(UserError):
   pass
 
 

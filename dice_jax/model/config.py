@@ -41,11 +41,20 @@ class ModelConfig:
   param_dtype: str = "float32"  # master parameter dtype
   attention_impl: str = "dense"  # dense reference | xla | cudnn (jax.nn.dot_product_attention) | flash (model/flash_bd.py)
   remat: bool = False  # rematerialise each layer in the backward pass
+  flash_tiles: tuple[int, int, int] = (
+    128,
+    64,
+    64,
+  )  # flash kernel tiles: block_q, block_k, block_bwd
 
   def __post_init__(self):
     def need(cond, msg):
       if not cond:
         raise ValueError(f"ModelConfig: {msg}")
+
+    for name in ("eos_token_id", "flash_tiles"):  # JSON gives lists; the config must hash
+      if isinstance(getattr(self, name), list):
+        object.__setattr__(self, name, tuple(getattr(self, name)))
 
     for name in (
       "vocab_size",
@@ -77,6 +86,11 @@ class ModelConfig:
     need(
       self.attention_impl in ATTENTION_IMPLS,
       f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}",
+    )
+    need(
+      len(self.flash_tiles) == 3 and all(isinstance(t, int) and t > 0 for t in self.flash_tiles),
+      f"flash_tiles must be three positive ints (block_q, block_k, block_bwd), "
+      f"got {self.flash_tiles!r}",
     )
 
   @property

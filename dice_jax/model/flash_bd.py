@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dice_jax.train import sharding as sharding_lib
+from dice_jax import sharding as sharding_lib
 
 try:  # the Triton backend's helpers (GPU); the interpreter needs only pl.
   from jax.experimental.pallas import triton as plgpu
@@ -302,21 +302,6 @@ def _fa_bwd(scale, block_q, block_k, block_bwd, interpret, res, do):
 flash_attention.defvjp(_fa_fwd, _fa_bwd)
 
 
-def block_diffusion_attention(
-  q, k, v, seg_bt, blk_bt, *, block_q=128, block_k=64, block_bwd=64, interpret=None
-):
-  """Attention of the `[x_t ; x_0]` input under the block-diffusion mask (see masks.py)."""
-  s = q.shape[1]
-  if interpret is None:
-    interpret = jax.default_backend() != "gpu"
-  bq, bk, bb = min(block_q, s), min(block_k, s), min(block_bwd, s)
-  if s % bq or s % bk or s % bb:
-    raise ValueError(f"flash_bd: sequence {s} must be a multiple of the tiles {bq}, {bk}, {bb}")
-  seg, rank, klo = bd_mask_vectors(seg_bt, blk_bt)
-  seg = jnp.where(seg > 0, seg, 0)
-  return flash_attention(q, k, v, seg, rank, klo, q.shape[-1] ** -0.5, bq, bk, bb, interpret)
-
-
 def mask_vectors(spec, positions):
   """(seg, rank, klo) `[B, S]` for any `AttentionSpec` kind over a self-attention input."""
   if spec.kind == "block_diffusion":
@@ -331,16 +316,12 @@ def mask_vectors(spec, positions):
   return seg.astype(jnp.int32), rank, jnp.full_like(rank, BIG)
 
 
-BLOCKS = {"block_q": 128, "block_k": 64, "block_bwd": 64}  # GPU tiles (forward q/k, backward)
+def attention(q, k, v, spec, positions, *, block_q=128, block_k=64, block_bwd=64, interpret=None):
+  """Flash attention for an `AttentionSpec` (the `attention_impl='flash'` path).
 
-
-def attention(
-  q, k, v, spec, positions, *, block_q=None, block_k=None, block_bwd=None, interpret=None
-):
-  """Flash attention for an `AttentionSpec` (the `attention_impl='flash'` path)."""
-  block_q = block_q or BLOCKS["block_q"]
-  block_k = block_k or BLOCKS["block_k"]
-  block_bwd = block_bwd or BLOCKS["block_bwd"]
+  `block_q`/`block_k` are the forward tiles, `block_bwd` the backward one (ModelConfig.flash_tiles);
+  each is clipped to the input length, which must be a multiple of it.
+  """
   s = q.shape[1]
   if interpret is None:
     interpret = jax.default_backend() != "gpu"

@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dice_jax.train import sharding as sharding_lib
+from dice_jax import sharding as sharding_lib
 
 try:
   from jax.experimental.pallas import triton as plgpu

@@ -6,7 +6,7 @@ The logits at position i predict the token *at* position i (SDAR: no shift).
 
 Layers are stored stacked (a leading `layers` axis on every per-layer parameter) and applied with
 `jax.lax.scan`, so compile time does not grow with depth. Every parameter carries its logical axis
-names in the `logical_axes` metadata; `dice_jax.train.sharding` maps them onto a mesh.
+names in the `logical_axes` metadata; `dice_jax.sharding` maps them onto a mesh.
 
 Call contract (DESIGN.md):
   logits = model(tokens[B,T], positions[B,T], attention: AttentionSpec)
@@ -154,7 +154,9 @@ def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk
   q = rope(rms_norm(q, w["q_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
   k = rope(rms_norm(k, w["k_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
   if cache is None:
-    o = self_attention(q, k, v, attention, positions, impl=cfg.attention_impl)
+    o = self_attention(
+      q, k, v, attention, positions, impl=cfg.attention_impl, flash_tiles=cfg.flash_tiles
+    )
   else:
     o = cached_attention(
       q,
@@ -195,11 +197,14 @@ def dense_attention(q, k, v, mask):
   return jnp.einsum("bkgts,bskh->btkgh", p, v).reshape(q.shape)
 
 
-def self_attention(q, k, v, spec, positions, *, impl="dense"):
+def self_attention(q, k, v, spec, positions, *, impl="dense", flash_tiles=None):
   if impl == "flash":  # mask-aware Pallas kernel: skips masked tiles, no [T, T] mask in memory
     from dice_jax.model import flash_bd
 
-    return flash_bd.attention(q, k, v, spec, positions)
+    tiles = (
+      {} if flash_tiles is None else dict(zip(("block_q", "block_k", "block_bwd"), flash_tiles))
+    )
+    return flash_bd.attention(q, k, v, spec, positions, **tiles)
   mask = masks_lib.dense_mask(spec, positions)
   if impl == "dense":
     return dense_attention(q, k, v, mask)

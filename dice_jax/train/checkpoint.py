@@ -1,4 +1,7 @@
-"""Orbax checkpoints of the train state, the data iterator state and the config.
+"""Orbax checkpoints of the train state, the data iterator state and the config; a run's model.
+
+`save_model_config` writes the resolved model config beside the checkpoints, and `restore_model`
+rebuilds the model of a run directory from both (export, evaluation).
 
 One `Checkpointer` wraps an `ocp.CheckpointManager` with three items per step:
   state   params + optimizer state + step (sharded arrays; restored onto the *current* mesh, which
@@ -13,11 +16,25 @@ the previous checkpoint as the latest one.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from typing import Any
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from flax import nnx
+
+from dice_jax import atomic
+from dice_jax import sharding as sharding_lib
+from dice_jax.model.config import ModelConfig
+from dice_jax.model.transformer import Transformer
+from dice_jax.train import optimizer as optim_lib
+from dice_jax.train import sft_data
+from dice_jax.train import train_step as ts
+from dice_jax.train.config import SFTConfig
 
 
 class Checkpointer:
@@ -44,9 +61,6 @@ class Checkpointer:
 
   def all_steps(self) -> list[int]:
     return list(self._mngr.all_steps())
-
-  def should_save(self, step: int) -> bool:
-    return self._mngr.should_save(step)
 
   def save(
     self, step: int, state: Any, data_state: dict | None, config: dict, *, force: bool = False
@@ -97,3 +111,49 @@ class Checkpointer:
 
   def close(self):
     self._mngr.close()
+
+
+MODEL_CONFIG = "model_config.json"
+
+
+def save_model_config(mcfg: ModelConfig, workdir: str) -> None:
+  """Writes the run's resolved model config (what `restore_model` rebuilds), atomically."""
+  atomic.write_json(os.path.join(workdir, MODEL_CONFIG), dataclasses.asdict(mcfg), indent=2)
+
+
+def restore_model(workdir: str, mesh=None, step: int | None = None):
+  """(model, tokenizer_dir, step): the parameters of a run's checkpoint (default: latest).
+
+  The train state is restored against an abstract target (no random init, no optimizer
+  allocation before the restore), onto `mesh` (default: every device on the fsdp axis).
+  """
+  path = os.path.join(workdir, MODEL_CONFIG)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} not found: {workdir} is not an SFT run directory")
+  with open(path) as f:
+    raw = json.load(f)
+  mcfg = ModelConfig(**raw)
+  ckpt = Checkpointer(f"{workdir}/checkpoints", save_every=1, async_save=False)
+  try:
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
+    cfg = SFTConfig.from_json(ckpt.restore_config(step))
+    mesh = mesh or sharding_lib.make_mesh()
+    graphdef, abs_params = nnx.split(
+      nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))), nnx.Param
+    )
+    p_sh = ts.param_shardings(abs_params, mesh)
+    shapes = {
+      "params": jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), abs_params.to_pure_dict()
+      )
+    }
+    tx = optim_lib.make_optimizer(cfg.optim, cfg.num_steps)
+    shardings = ts.state_shardings(tx, shapes["params"], p_sh, mesh)
+    shapes["opt_state"] = jax.eval_shape(tx.init, shapes["params"])
+    shapes["step"] = jax.ShapeDtypeStruct((), np.int32)
+    state, _, _ = ckpt.restore(ts.abstract_state(shapes, shardings), step)
+  finally:
+    ckpt.close()
+  return nnx.merge(graphdef, state["params"]), sft_data.tokenizer_dir(cfg, workdir), step

@@ -3,15 +3,15 @@
 Resume is exact: the checkpoint holds params, optimizer state, step and the grain iterator state
 taken right after the step's batch was drawn, and the step's noise key is `fold_in(seed, step)`,
 so a resumed run draws the same batches and the same noise as an uninterrupted one.
-SIGTERM (pre-emption) sets a flag; the loop then saves the current step and returns.
+Inputs are checked before anything is written (`prepare`): a resumed run refuses a changed config
+(`resume.py`), the tokenizer must fit the model. SIGTERM (pre-emption) and SIGINT (Ctrl-C) save
+the current step and return (`stop.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
-import signal
+import time
 import zlib
 
 import jax
@@ -19,39 +19,21 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from dice_jax import sharding as sharding_lib
+from dice_jax.data import byte_tokenizer
+from dice_jax.data.tokenizer import check_compatible
 from dice_jax.diffusion import objective as objective_lib
+from dice_jax.errors import UserError
 from dice_jax.model.config import ModelConfig, get_config
 from dice_jax.model.transformer import Transformer
 from dice_jax.train import checkpoint as ckpt_lib
 from dice_jax.train import metrics as metrics_lib
 from dice_jax.train import optimizer as optim_lib
+from dice_jax.train import resume
 from dice_jax.train import sft_data
-from dice_jax.train import sharding as sharding_lib
 from dice_jax.train import train_step as ts
 from dice_jax.train.config import SFTConfig
-
-
-class _StopFlag:
-  """Set by SIGTERM; restores the previous handler on exit."""
-
-  def __init__(self):
-    self.set = False
-    self._prev = None
-
-  def __enter__(self):
-    try:
-      self._prev = signal.signal(signal.SIGTERM, self._handle)
-    except ValueError:  # not the main thread
-      self._prev = None
-    return self
-
-  def _handle(self, signum, frame):
-    logging.warning("SIGTERM: saving a checkpoint at the end of this step, then stopping")
-    self.set = True
-
-  def __exit__(self, *exc):
-    if self._prev is not None:
-      signal.signal(signal.SIGTERM, self._prev)
+from dice_jax.train.stop import Interrupted, StopSignals
 
 
 def make_loss_fn(cfg: SFTConfig):
@@ -63,14 +45,29 @@ def make_loss_fn(cfg: SFTConfig):
   return lambda model, batch, rng: block_diffusion_loss(model, batch, rng, ocfg)
 
 
-def build_model(cfg: SFTConfig, mesh, init_hf: str | None, model_overrides: dict):
+def model_config(cfg: SFTConfig, init_hf: str | None) -> ModelConfig:
+  """The run's model config (from `init_hf`'s config.json or the preset), without building it."""
+  overrides = dict(cfg.model_overrides)
+  if cfg.tokenizer == "byte" and not init_hf:
+    overrides = {**byte_tokenizer.byte_model_overrides(), **overrides}
+  try:
+    if init_hf:
+      from dice_jax.hf.checkpoint import read_config
+
+      return read_config(init_hf, **overrides)
+    return get_config(cfg.model, **overrides)
+  except UserError:
+    raise
+  except (TypeError, ValueError) as e:
+    raise UserError(f"model config ({init_hf or cfg.model}, {overrides}): {e}") from e
+
+
+def build_model(cfg: SFTConfig, mcfg: ModelConfig, mesh, init_hf: str | None):
   if init_hf:
     from dice_jax.hf.checkpoint import import_hf
 
-    return import_hf(init_hf, mesh, **model_overrides)
-  mcfg = get_config(cfg.model, **model_overrides)
-  model = sharding_lib.create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), mesh)
-  return model, mcfg
+    return import_hf(init_hf, mesh, **cfg.model_overrides)[0]
+  return sharding_lib.create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), mesh)
 
 
 def batch_fingerprint(batch: dict) -> float:
@@ -78,37 +75,108 @@ def batch_fingerprint(batch: dict) -> float:
   return float(zlib.crc32(np.ascontiguousarray(batch["tokens"]).tobytes()))
 
 
+def _saved_run(workdir: str):
+  """(step, config) of the latest checkpoint in `workdir`, or None; creates nothing."""
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    return None
+  probe = ckpt_lib.Checkpointer(directory, save_every=1, async_save=False)
+  try:
+    step = probe.latest_step()
+    return None if step is None else (step, probe.restore_config(step))
+  finally:
+    probe.close()
+
+
+def prepare(
+  cfg: SFTConfig,
+  workdir: str,
+  *,
+  init_hf: str | None = None,
+  export_hf: str | None = None,
+  allow_config_change: bool = False,
+):
+  """Checks everything that can be checked before a file is written; (model config, tokenizer,
+  samples). Raises a UserError naming the input: a changed config on resume, an existing
+  export, bad data, a tokenizer that does not fit the model, samples longer than seq_len."""
+  saved = _saved_run(workdir)
+  if saved is not None:
+    step, saved_cfg = saved
+    changes = resume.check_resume(
+      saved_cfg, cfg.to_json(), workdir=workdir, step=step, allow_change=allow_config_change
+    )
+    if changes:
+      logging.warning("resuming step %d with config changes: %s", step, resume.describe(changes))
+  if export_hf and os.path.exists(export_hf):
+    raise UserError(
+      f"export_hf {export_hf} already exists: remove it or choose another directory "
+      f"(to re-export this run: python -m experiments.export_hf --init=checkpoint "
+      f"--workdir={workdir} --out={export_hf} --overwrite)"
+    )
+  mcfg = model_config(cfg, init_hf)
+  logging.info("loading SFT data (%s) from %s", cfg.data_source, cfg.data_path)
+  samples = sft_data.load_samples(cfg)
+  tok = sft_data.load_tokenizer(cfg)
+  check_compatible(
+    tok, mcfg, where=f"sft (tokenizer={cfg.tokenizer}, model={init_hf or cfg.model})"
+  )
+  sft_data.check_some_fit(samples, tok, cfg.seq_len, mcfg.block_size)
+  logging.info("%d SFT samples; tokenizer %s", len(samples), cfg.tokenizer)
+  return mcfg, tok, samples
+
+
 def run_sft(
-  cfg: SFTConfig, workdir: str, *, init_hf: str | None = None, export_hf: str | None = None
+  cfg: SFTConfig,
+  workdir: str,
+  *,
+  init_hf: str | None = None,
+  export_hf: str | None = None,
+  allow_config_change: bool = False,
 ) -> dict:
-  """Trains to `cfg.num_steps` (resuming from `workdir/checkpoints`). Returns a summary dict."""
+  """Trains to `cfg.num_steps` (resuming from `workdir/checkpoints`). Returns a summary dict.
+
+  Nothing is written before `prepare` has checked the inputs. SIGTERM or SIGINT during training
+  saves the current step and returns with `preempted` True; during start-up it returns at once
+  (`stop.py`).
+  """
+  with StopSignals() as stop:
+    try:
+      return _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change)
+    except Interrupted as e:
+      logging.warning("%s", e)
+      return {"step": None, "preempted": True, "stopped": str(e)}
+
+
+def _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change) -> dict:
+  mcfg, tok, samples = prepare(
+    cfg, workdir, init_hf=init_hf, export_hf=export_hf, allow_config_change=allow_config_change
+  )
   mesh = sharding_lib.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
   logging.info(
     "mesh %s over %d devices (%s)", dict(mesh.shape), mesh.size, jax.devices()[0].device_kind
   )
-  tok, tok_dir = sft_data.load_tokenizer(cfg, workdir)
-  overrides = dict(cfg.model_overrides)
-  if cfg.tokenizer == "byte" and not init_hf:
-    overrides = {**sft_data.byte_model_overrides(), **overrides}
-  model, mcfg = build_model(cfg, mesh, init_hf, overrides)
+  os.makedirs(workdir, exist_ok=True)
+  tok_dir = sft_data.save_tokenizer(cfg, workdir)
   if jax.process_index() == 0:
-    save_model_config(mcfg, workdir)
+    ckpt_lib.save_model_config(mcfg, workdir)
   logging.info(
-    "model %s: %.2fM params, attention=%s remat=%s dtype=%s/%s",
-    cfg.model,
+    "building model %s: %.2fM params, attention=%s remat=%s dtype=%s/%s",
+    init_hf or cfg.model,
     mcfg.num_params() / 1e6,
     mcfg.attention_impl,
     mcfg.remat,
     mcfg.dtype,
     mcfg.param_dtype,
   )
+  t0 = time.perf_counter()
+  model = build_model(cfg, mcfg, mesh, init_hf)
 
   schedule = optim_lib.make_schedule(cfg.optim, cfg.num_steps)
   tx = optim_lib.make_optimizer(cfg.optim, cfg.num_steps)
   graphdef, state, shardings = ts.init_train_state(model, tx, mesh, tolerance=cfg.shard_tolerance)
   del model
+  logging.info("model and optimizer state built in %.1f s", time.perf_counter() - t0)
 
-  samples = sft_data.load_samples(cfg)
   it = sft_data.make_iterator(cfg, samples, tok, mcfg.block_size)
   ckpt = ckpt_lib.Checkpointer(
     f"{workdir}/checkpoints",
@@ -143,29 +211,39 @@ def run_sft(
   config_json = cfg.to_json()
   logging.info("training steps %d -> %d", start, cfg.num_steps)
   last, preempted = {}, False
-  with _StopFlag() as stop:
-    for step in range(start, cfg.num_steps):
-      host_batch = next(it)
-      batch = ts.shard_batch(host_batch, mesh, cfg.accum_steps)
-      state, m = step_fn(state, batch, rng)
-      m = {k: float(v) for k, v in jax.device_get(m).items()}
-      done = step + 1
-      m.update(
-        rate.tick(done),
-        data_fingerprint=batch_fingerprint(host_batch),
-        real_tokens=float((host_batch["segment_ids"] > 0).sum()),
+  stop.training = True
+  for step in range(start, cfg.num_steps):
+    host_batch = next(it)
+    batch = ts.shard_batch(host_batch, mesh, cfg.accum_steps)
+    if step == start:
+      logging.info("compiling the train step (the first step waits for it)...")
+      t0 = time.perf_counter()
+    state, m = step_fn(state, batch, rng)
+    m = {k: float(v) for k, v in jax.device_get(m).items()}
+    done = step + 1
+    if step == start:
+      logging.info("train step compiled; first step took %.1f s", time.perf_counter() - t0)
+    m.update(
+      rate.tick(done),
+      data_fingerprint=batch_fingerprint(host_batch),
+      real_tokens=float((host_batch["segment_ids"] > 0).sum()),
+    )
+    if not np.isfinite(m["loss"]):
+      raise FloatingPointError(f"non-finite loss {m['loss']} at step {done}")
+    writer.write(done, m)
+    if done % cfg.log_every == 0 or done == cfg.num_steps:
+      metrics_lib.log_progress(done, cfg.num_steps, m, rate.eta_s(done))
+    preempted = stop.requested is not None or ckpt.reached_preemption(done)
+    ckpt.save(done, state, it.get_state(), config_json, force=preempted or done == cfg.num_steps)
+    last = m
+    if preempted:
+      logging.warning(
+        "%s: stopped at step %d, checkpoint saved; rerun the same command to resume",
+        stop.requested or "pre-emption notice",
+        done,
       )
-      if not np.isfinite(m["loss"]):
-        raise FloatingPointError(f"non-finite loss {m['loss']} at step {done}")
-      writer.write(done, m)
-      if done % cfg.log_every == 0 or done == cfg.num_steps:
-        metrics_lib.log_progress(done, cfg.num_steps, m, rate.eta_s(done))
-      preempted = stop.set or ckpt.reached_preemption(done)
-      ckpt.save(done, state, it.get_state(), config_json, force=preempted or done == cfg.num_steps)
-      last = m
-      if preempted:
-        logging.warning("pre-empted at step %d: checkpoint saved, stopping", done)
-        break
+      break
+  stop.training = False  # a signal from here on (saving, export) stops at once
   ckpt.wait()
   ckpt.close()
   writer.close()
@@ -179,56 +257,3 @@ def run_sft(
     export(nnx.merge(graphdef, state["params"]), export_hf, tokenizer_dir=tok_dir)
     logging.info("exported HF checkpoint to %s", export_hf)
   return {"step": int(jax.device_get(state["step"])), "preempted": preempted, **last}
-
-
-MODEL_CONFIG = "model_config.json"
-
-
-def save_model_config(mcfg: ModelConfig, workdir: str) -> None:
-  """Writes the run's resolved model config (what `restore_model` rebuilds), atomically."""
-  os.makedirs(workdir, exist_ok=True)
-  tmp = os.path.join(workdir, MODEL_CONFIG + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump(dataclasses.asdict(mcfg), f, indent=2)
-  os.replace(tmp, os.path.join(workdir, MODEL_CONFIG))
-
-
-def restore_model(workdir: str, mesh=None, step: int | None = None):
-  """(model, tokenizer_dir, step): the parameters of a run's checkpoint (default: latest).
-
-  The train state is restored against an abstract target (no random init, no optimizer
-  allocation before the restore), onto `mesh` (default: every device on the fsdp axis).
-  """
-  path = os.path.join(workdir, MODEL_CONFIG)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} not found: {workdir} is not an SFT run directory")
-  with open(path) as f:
-    raw = json.load(f)
-  if isinstance(raw.get("eos_token_id"), list):
-    raw["eos_token_id"] = tuple(raw["eos_token_id"])
-  mcfg = ModelConfig(**raw)
-  ckpt = ckpt_lib.Checkpointer(f"{workdir}/checkpoints", save_every=1, async_save=False)
-  try:
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
-    cfg = SFTConfig.from_json(ckpt.restore_config(step))
-    mesh = mesh or sharding_lib.make_mesh()
-    graphdef, abs_params = nnx.split(
-      nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))), nnx.Param
-    )
-    p_sh = ts.param_shardings(abs_params, mesh)
-    shapes = {
-      "params": jax.tree.map(
-        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), abs_params.to_pure_dict()
-      )
-    }
-    tx = optim_lib.make_optimizer(cfg.optim, cfg.num_steps)
-    shardings = ts.state_shardings(tx, shapes["params"], p_sh, mesh)
-    shapes["opt_state"] = jax.eval_shape(tx.init, shapes["params"])
-    shapes["step"] = jax.ShapeDtypeStruct((), np.int32)
-    state, _, _ = ckpt.restore(ts.abstract_state(shapes, shardings), step)
-  finally:
-    ckpt.close()
-  tok_dir = os.path.join(workdir, "tokenizer") if cfg.tokenizer == "byte" else cfg.tokenizer
-  return nnx.merge(graphdef, state["params"]), tok_dir, step

@@ -9,6 +9,7 @@ import time
 import jax
 from absl import logging
 
+from dice_jax import atomic
 from dice_jax.model.config import ModelConfig
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity).
@@ -195,8 +196,7 @@ def plot_loss(metrics_path: str, png_path: str, title: str = "SFT loss") -> str:
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
-  tmp = png_path + ".tmp.png"
-  fig.savefig(tmp, dpi=110)
-  plt.close(fig)
-  os.replace(tmp, png_path)
-  return png_path
+  try:
+    return atomic.write_file(png_path, lambda tmp: fig.savefig(tmp, dpi=110))
+  finally:
+    plt.close(fig)

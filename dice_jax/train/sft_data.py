@@ -1,89 +1,45 @@
 """SFT data for the launcher: tokenizer, samples and the resumable grain iterator.
 
-Imports `dice_jax.data` (and grain) lazily so that the train step and benchmarks run on hosts
+Imports the grain pipeline lazily so that the train step and benchmarks run on hosts
 without grain.
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
 
+from dice_jax.data import byte_tokenizer
+from dice_jax.errors import UserError
 from dice_jax.train.config import SFTConfig
 
-BYTE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>")
-BYTE_VOCAB_SIZE = 264  # 256 bytes + 4 specials, rounded up to a multiple of 8
-_TEMPLATE = (
-  "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + "
-  "message.content + '<|im_end|>' + '\\n' }}{%- endfor %}"
-  "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
-
-def write_byte_tokenizer(path: str) -> str:
-  """A byte-level Qwen2-style tokenizer dir: 256 byte tokens (ids 0-255) + 4 specials (256-259)."""
-  from tokenizers import pre_tokenizers
-
-  os.makedirs(path, exist_ok=True)
-  vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-  decoder = {
-    str(256 + i): {
-      "content": t,
-      "lstrip": False,
-      "normalized": False,
-      "rstrip": False,
-      "single_word": False,
-      "special": t != "<|MASK|>",
-    }
-    for i, t in enumerate(BYTE_SPECIALS)
-  }
-  cfg = {
-    "added_tokens_decoder": decoder,
-    "eos_token": "<|endoftext|>",
-    "pad_token": "<|endoftext|>",
-    "mask_token": "<|MASK|>",
-    "tokenizer_class": "Qwen2Tokenizer",
-    "add_prefix_space": False,
-    "bos_token": None,
-    "unk_token": None,
-    "clean_up_tokenization_spaces": False,
-  }
-  files = {
-    "vocab.json": json.dumps(vocab, ensure_ascii=False),
-    "merges.txt": "#version: 0.2\n",
-    "tokenizer_config.json": json.dumps(cfg),
-    "chat_template.jinja": _TEMPLATE,
-  }
-  for name, text in files.items():
-    tmp = os.path.join(path, name + ".tmp")
-    with open(tmp, "w") as f:
-      f.write(text)
-    os.replace(tmp, os.path.join(path, name))
-  return path
-
-
-def byte_model_overrides() -> dict:
-  """Model-config fields that match the byte tokenizer."""
-  return dict(
-    vocab_size=BYTE_VOCAB_SIZE,
-    mask_token_id=259,
-    pad_token_id=256,
-    eos_token_id=256,
-    bos_token_id=None,
-  )
-
-
-def load_tokenizer(cfg: SFTConfig, workdir: str):
-  """(tokenizer, tokenizer_dir)."""
+def load_tokenizer(cfg: SFTConfig):
+  """The run's tokenizer, read without writing anything (see `save_tokenizer`)."""
   from dice_jax.data.tokenizer import Tokenizer
 
-  path = cfg.tokenizer
-  if path == "byte":
-    path = write_byte_tokenizer(os.path.join(workdir, "tokenizer"))
-  tok = Tokenizer.from_dir(path)
-  return tok, path
+  if cfg.tokenizer == "byte":
+    return byte_tokenizer.load_byte_tokenizer()
+  if not os.path.isdir(cfg.tokenizer):
+    raise UserError(
+      f"SFTConfig.tokenizer {cfg.tokenizer}: no such directory (expected 'byte' or an HF "
+      "tokenizer directory)"
+    )
+  return Tokenizer.from_dir(cfg.tokenizer)
+
+
+def tokenizer_dir(cfg: SFTConfig, workdir: str) -> str:
+  """Where the run's tokenizer files are: `workdir/tokenizer` for 'byte', else `cfg.tokenizer`."""
+  return os.path.join(workdir, "tokenizer") if cfg.tokenizer == "byte" else cfg.tokenizer
+
+
+def save_tokenizer(cfg: SFTConfig, workdir: str) -> str:
+  """Writes the byte tokenizer into the workdir (other tokenizers stay where they are)."""
+  path = tokenizer_dir(cfg, workdir)
+  if cfg.tokenizer == "byte":
+    byte_tokenizer.write_byte_tokenizer(path)
+  return path
 
 
 def load_samples(cfg: SFTConfig) -> list:
@@ -91,7 +47,7 @@ def load_samples(cfg: SFTConfig) -> list:
   from dice_jax.data import prompts, tasks
 
   if not cfg.data_path:
-    raise ValueError("SFTConfig.data_path is empty: pass --set=data_path=FILE")
+    raise UserError("SFTConfig.data_path is empty: pass --set=data_path=FILE")
   if cfg.data_source == "cuke":
     samples, _ = tasks.load_sft_samples(cfg.data_path)
   elif cfg.data_source == "pairs":
@@ -110,6 +66,10 @@ def load_samples(cfg: SFTConfig) -> list:
       )
       for t in rows
     ]
+  if not samples:
+    raise tasks.DataError(
+      f"{cfg.data_path}: no SFT samples (the file is empty or has no valid {cfg.data_source} rows)"
+    )
   if cfg.max_prompt_chars or cfg.max_response_chars:
     samples = [
       prompts.SFTSample(
@@ -128,10 +88,9 @@ def make_iterator(cfg: SFTConfig, samples, tokenizer, block_size: int):
   forever; `get_state()` / `set_state()` checkpoint it."""
   from dice_jax.data.sft_pipeline import SFTPipelineConfig, make_sft_dataset
 
-  check_some_fit(samples, tokenizer, cfg.seq_len, block_size)
   nproc = jax.process_count()
   if cfg.batch_size % nproc:
-    raise ValueError(f"batch_size {cfg.batch_size} not divisible by {nproc} processes")
+    raise UserError(f"batch_size {cfg.batch_size} not divisible by {nproc} processes")
   pcfg = SFTPipelineConfig(
     seq_len=cfg.seq_len,
     block_size=block_size,
@@ -151,6 +110,8 @@ def check_some_fit(samples, tokenizer, seq_len: int, block_size: int, probe: int
   samples, and a repeating pipeline that drops everything would wait forever)."""
   from dice_jax.data.sft_pipeline import pad_to_block, sft_texts
 
+  if not samples:
+    raise UserError("no SFT samples to train on")
   lengths = []
   for s in samples[:probe]:
     prompt, response = sft_texts(s, tokenizer)
@@ -158,7 +119,7 @@ def check_some_fit(samples, tokenizer, seq_len: int, block_size: int, probe: int
     if n <= seq_len:
       return
     lengths.append(n)
-  raise ValueError(
+  raise UserError(
     f"none of the first {len(lengths)} SFT samples fits seq_len={seq_len} "
     f"(shortest is {min(lengths)} tokens): raise seq_len or truncate the texts"
   )

@@ -26,7 +26,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dice_jax.train import sharding as sharding_lib
+from dice_jax import sharding as sharding_lib
 
 _norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 LossFn = Callable[[Any, dict, jax.Array], tuple[jax.Array, dict]]

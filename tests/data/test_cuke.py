@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import re
+import stat
 
 import pytest
 
@@ -91,7 +92,7 @@ ROWS = [
 ]
 
 
-def test_build_keeps_correct_fast_pairs_and_writes_summary(tmp_path):
+def test_build_keeps_correct_fast_pairs_and_writes_summary(tmp_path, umask_022):
   out = tmp_path / "cuke"
   fake = FakeVerifier()
   s = build_cuke(_pairs(tmp_path, ROWS), fake, str(out), CukeConfig(min_speedup=2.0, batch_size=2))
@@ -122,7 +123,13 @@ def test_build_keeps_correct_fast_pairs_and_writes_summary(tmp_path):
   summary = json.loads((out / "summary.json").read_text())
   assert summary["kept"] == 3 and summary["speedups_correct"] == [1.5, 2.0, 3.0, 8.0]
   assert (out / "speedup_hist.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp_")]
+  assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp")]
+  assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {
+    "cuke.jsonl": 0o644,  # was 0600 (tempfile.mkstemp)
+    "summary.json": 0o644,
+    "speedup_hist.png": 0o644,
+    "measurements.jsonl": 0o644,
+  }
 
 
 def test_rerun_after_crash_skips_measured_pairs(tmp_path):
@@ -161,6 +168,7 @@ def test_bad_rows_fatal_when_asked(tmp_path):
     build_cuke(
       _pairs(tmp_path, ROWS), FakeVerifier(), str(tmp_path / "o"), CukeConfig(on_error="raise")
     )
+  assert not (tmp_path / "o").exists()  # the output directory is made only for valid input
 
 
 def test_pair_key_ignores_trailing_whitespace_only():

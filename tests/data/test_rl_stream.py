@@ -5,6 +5,8 @@ import collections
 import numpy as np
 import pytest
 
+pytest.importorskip("grain", reason="the data pipelines need grain (not on the GPU image)")
+
 from dice_jax.data import prompts
 from dice_jax.data.curriculum import StageSchedule, TaskScheduler, apportion
 from dice_jax.data.rl_stream import RLStreamConfig, make_rl_stream, next_step

@@ -5,6 +5,8 @@ import collections
 import numpy as np
 import pytest
 
+pytest.importorskip("grain", reason="the data pipelines need grain (not on the GPU image)")
+
 from dice_jax.data.prompts import SFTSample
 from dice_jax.data.sft_pipeline import (
   FEATURES,

@@ -154,3 +154,22 @@ def test_bad_dirs_give_clear_errors(tmp_path):
   (d / "tokenizer_config.json").write_text(json.dumps(cfg))
   with pytest.raises(TokenizerError, match="next free id"):
     Tokenizer.from_dir(d)
+
+
+def test_check_compatible_accepts_a_fitting_model_and_names_each_disagreement():
+  from types import SimpleNamespace
+
+  from dice_jax.data.byte_tokenizer import load_byte_tokenizer
+  from dice_jax.data.tokenizer import TokenizerMismatchError, check_compatible
+
+  tok = load_byte_tokenizer()  # 260 ids, eos 256, <|im_end|> 258 (a stop id), mask 259
+  model = lambda **kw: SimpleNamespace(**{"vocab_size": 264, "mask_token_id": 259, **kw})  # noqa
+  check_compatible(tok, model(eos_token_id=256), where="t")
+  check_compatible(tok, model(eos_token_id=(258, 7)), where="t")  # a stop id is enough
+  check_compatible(tok, model(eos_token_id=None), where="t")
+  with pytest.raises(TokenizerMismatchError) as e:
+    check_compatible(tok, model(vocab_size=200, eos_token_id=[300]), where="generate")
+  assert str(e.value) == (
+    "generate: the tokenizer does not match the model: the tokenizer has 260 ids but "
+    "the model's vocab_size is 200; the model's eos_token_id [300] are not tokens of the tokenizer"
+  )

@@ -45,7 +45,7 @@ def test_sampler_with_flash_attention_on_8_devices_matches_dense():
   under `jax.set_mesh`), reproduces the single-device dense sampler."""
   import jax
 
-  from dice_jax.train import sharding
+  from dice_jax import sharding
 
   prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20, 21] * 5, [30, 31, 32, 33]] * 2
   cfg = sampler.SamplerConfig(strategy="low_confidence_static", max_new_tokens=8)
@@ -58,7 +58,8 @@ def test_sampler_with_flash_attention_on_8_devices_matches_dense():
   flash = sharding.create_sharded(lambda: transformer.Transformer(mcfg, rngs=nnx.Rngs(0)), mesh)
   sharpen(flash)
   layout = sampler.layout_prompts(prompts, cfg, mcfg.mask_token_id)
-  layout = jax.tree.map(lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim)), layout)
+  rows = jax.NamedSharding(mesh, jax.P(("data", "fsdp")))
+  layout = jax.tree.map(lambda x: jax.device_put(x, rows), layout)
   with jax.set_mesh(mesh):
     got = sampler.decode(flash, layout, cfg)
   assert len(got.tokens.sharding.device_set) == 8

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dice_jax import sharding
 from dice_jax.diffusion import blocks, noising, objective
 from dice_jax.model import masks as masks_lib
 from dice_jax.model.config import get_config
 from dice_jax.model.transformer import Transformer
-from dice_jax.train import sharding
 
 B_SIZE = 4
 MASK = 255
@@ -229,7 +229,7 @@ def test_loss_on_8_devices_equals_single_device():
   want, _ = _loss_jit(single, batch, rng, cfg=ocfg)
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   sharded = sharding.create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-  bs = sharding.batch_sharding(mesh)
+  bs = jax.NamedSharding(mesh, jax.P(("data", "fsdp")))  # rows over data x fsdp
   sbatch = {k: jax.device_put(v, bs) for k, v in batch.items()}
   got, metrics = _loss_jit(sharded, sbatch, rng, cfg=ocfg)
   assert len(sbatch["tokens"].sharding.device_set) == 8

@@ -2,6 +2,7 @@
 
 import json
 import os
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -12,12 +13,15 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from dice_jax import sharding
+from dice_jax.data.byte_tokenizer import byte_model_overrides, write_byte_tokenizer
+from dice_jax.data.tokenizer import TokenizerMismatchError
 from dice_jax.hf import checkpoint as hf_ckpt
+from dice_jax.hf.checkpoint import CheckpointError
 from dice_jax.hf.parity import check_parity, torch_logits
 from dice_jax.hf.safetensors_io import SafetensorsFile, save_file
 from dice_jax.model import AttentionSpec, Transformer, get_config
 from dice_jax.model.masks import dense_mask
-from dice_jax.train import sharding
 
 TOL = 1e-4
 
@@ -88,9 +92,7 @@ def test_hf_to_jax_to_hf_is_bit_exact_with_sharded_output(tmp_path, dtype):
     str(tmp_path / "src"), dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32
   )
   model, cfg = hf_ckpt.import_hf(src, param_dtype=dtype)
-  out = hf_ckpt.export_hf(
-    model, str(tmp_path / "out"), dtype=dtype, max_shard_bytes=40_000, tokenizer_dir=src
-  )
+  out = hf_ckpt.export_hf(model, str(tmp_path / "out"), dtype=dtype, max_shard_bytes=40_000)
   index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
   assert len(set(index["weight_map"].values())) > 1  # really sharded
   a, b = _tensors(src), _tensors(out)
@@ -228,6 +230,49 @@ def test_export_refuses_to_clobber_without_overwrite(tmp_path):
     hf_ckpt.export_hf(model, out)
   hf_ckpt.export_hf(model, out, overwrite=True)
   assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_export_is_readable_by_others_under_the_usual_umask(tmp_path, umask_022):
+  model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+  out = hf_ckpt.export_hf(model, str(tmp_path / "out"))
+  assert stat.S_IMODE(os.stat(out).st_mode) == 0o755  # was 0700 (tempfile.mkdtemp)
+  modes = {stat.S_IMODE(os.stat(os.path.join(out, f)).st_mode) for f in os.listdir(out)}
+  assert modes == {0o644}
+
+
+def test_export_refuses_a_tokenizer_that_does_not_fit_the_model(tmp_path):
+  """A 260-id byte tokenizer on the 256-id tiny preset: vocab, mask and eos all disagree."""
+  tok_dir = write_byte_tokenizer(str(tmp_path / "byte_tok"))
+  model = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))
+  with pytest.raises(TokenizerMismatchError) as e:
+    hf_ckpt.export_hf(model, str(tmp_path / "out"), tokenizer_dir=tok_dir)
+  msg = str(e.value)
+  assert "\n" not in msg and tok_dir in msg
+  assert "has 260 ids but the model's vocab_size is 256" in msg
+  assert "mask id 259 (<|MASK|>) != the model's mask_token_id 255" in msg
+  assert "eos ids differ" in msg
+  assert sorted(os.listdir(tmp_path)) == ["byte_tok"]  # nothing written
+  with pytest.raises(CheckpointError, match="no_such: no such directory"):
+    hf_ckpt.export_hf(model, str(tmp_path / "out"), tokenizer_dir=str(tmp_path / "no_such"))
+
+
+def test_export_with_a_fitting_tokenizer_copies_it_and_import_checks_it(tmp_path):
+  tok_dir = write_byte_tokenizer(str(tmp_path / "byte_tok"))
+  cfg = get_config("tiny", **byte_model_overrides())
+  out = hf_ckpt.export_hf(
+    Transformer(cfg, rngs=nnx.Rngs(0)), str(tmp_path / "out"), tokenizer_dir=tok_dir
+  )
+  assert hf_ckpt.has_tokenizer(out)
+  hf_ckpt.import_hf(out)  # its own tokenizer fits
+  config = json.load(open(os.path.join(out, "config.json")))
+  json.dump({**config, "mask_token_id": 7}, open(os.path.join(out, "config.json"), "w"))
+  with pytest.raises(TokenizerMismatchError, match=f"import {out}: .*mask id 259"):
+    hf_ckpt.import_hf(out)
+
+
+def test_import_of_a_missing_directory_says_so(tmp_path):
+  with pytest.raises(CheckpointError, match="nope: no such directory"):
+    hf_ckpt.import_hf(str(tmp_path / "nope"))
 
 
 def test_sdar_style_checkpoint_imports_with_its_block_size_and_mask_id(

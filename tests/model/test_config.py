@@ -69,3 +69,11 @@ def test_invalid_values_are_rejected_on_construction():
     get_config("gpt5")
   with pytest.raises(ValueError, match="model_type"):
     from_hf_config({"model_type": "llama"})
+
+
+def test_flash_tiles_are_validated_and_json_lists_become_tuples():
+  with pytest.raises(ValueError, match="flash_tiles must be three positive ints"):
+    get_config("tiny", flash_tiles=(128, 0, 64))
+  cfg = get_config("tiny", flash_tiles=[64, 32, 32], eos_token_id=[1, 2])  # as read from JSON
+  assert cfg.flash_tiles == (64, 32, 32) and cfg.eos_token_id == (1, 2)
+  hash(cfg)  # a static module attribute must hash

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dice_jax import sharding
 from dice_jax.model import AttentionSpec, KVCache, Transformer, get_config
-from dice_jax.train import sharding
 
 CFG = get_config("tiny", dtype="float32")
 B, T = 2, 12
@@ -108,7 +108,7 @@ def test_sharded_forward_on_8_devices_equals_single_device(model):
     jnp.broadcast_to(jnp.arange(T), (4, T)),
   )
   spec = AttentionSpec.block_causal(4)
-  bs = sharding.batch_sharding(mesh)
+  bs = jax.NamedSharding(mesh, jax.P(("data", "fsdp")))  # rows over data x fsdp
   got = jax.jit(lambda m, t, p: m(t, p, spec))(
     sharded, jax.device_put(tok, bs), jax.device_put(pos, bs)
   )

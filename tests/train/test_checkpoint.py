@@ -3,8 +3,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dice_jax import sharding
 from dice_jax.model.transformer import Transformer
-from dice_jax.train import sharding
 from dice_jax.train import train_step as ts
 from dice_jax.train.checkpoint import Checkpointer
 

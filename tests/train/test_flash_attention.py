@@ -7,9 +7,10 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from dice_jax import sharding
 from dice_jax.model import flash_bd, masks
 from dice_jax.model.transformer import Transformer, dense_attention
-from dice_jax.train import sharding
+
 
 from ._helpers import packed_batch
 
@@ -99,3 +100,22 @@ def test_lengths_that_do_not_fit_the_tiles_are_refused():
     flash_bd.attention(
       q, k, v, masks.AttentionSpec.causal(), pos, block_q=16, block_k=16, block_bwd=16
     )
+
+
+def test_model_config_flash_tiles_reach_the_kernel(tiny_cfg):
+  """The tiles are a model parameter (no module global): a 24-token input does not fit 16-tiles."""
+  tokens = jnp.zeros((1, 24), jnp.int32)
+  positions = jnp.arange(24)[None]
+  model = Transformer(
+    tiny_cfg.replace(attention_impl="flash", flash_tiles=(16, 16, 16)), rngs=nnx.Rngs(0)
+  )
+  with pytest.raises(ValueError, match="multiple of the tiles 16, 16, 16"):
+    model(tokens, positions, masks.AttentionSpec.causal())
+  fits = Transformer(
+    tiny_cfg.replace(attention_impl="flash", flash_tiles=(8, 8, 8)), rngs=nnx.Rngs(0)
+  )
+  dense = Transformer(tiny_cfg, rngs=nnx.Rngs(0))
+  spec = masks.AttentionSpec.causal()
+  np.testing.assert_allclose(
+    np.asarray(fits(tokens, positions, spec)), np.asarray(dense(tokens, positions, spec)), atol=1e-4
+  )

@@ -1,4 +1,6 @@
-"""The launcher end to end (subprocesses): kill -9 + restart is exact; SIGTERM saves and stops."""
+"""The launcher end to end (subprocesses): kill -9 + restart is exact; SIGTERM and Ctrl-C (SIGINT)
+save the current step and stop cleanly, also during the first compile; a changed config is
+refused on resume unless allowed."""
 
 import json
 import os
@@ -11,7 +13,7 @@ import pytest
 
 from ._helpers import write_cuke_file
 
-pytestmark = pytest.mark.slow  # four launcher processes (start-up + compile each)
+pytestmark = pytest.mark.slow  # launcher processes (start-up + compile each)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM_STEPS = 30
@@ -81,12 +83,17 @@ def data_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_file):
+def reference_run(tmp_path_factory, data_file):
   workdir = str(tmp_path_factory.mktemp("uninterrupted"))
   subprocess.run(
     _cmd(workdir, data_file), cwd=REPO, env=_env(), check=True, capture_output=True, timeout=600
   )
-  return _metrics(workdir)
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+  return _metrics(reference_run)
 
 
 def test_kill_9_then_restart_resumes_with_identical_losses_and_data(tmp_path, data_file, reference):
@@ -113,15 +120,58 @@ def test_kill_9_then_restart_resumes_with_identical_losses_and_data(tmp_path, da
   assert len({r["data_fingerprint"] for r in reference.values()}) > NUM_STEPS // 2
 
 
-def test_sigterm_saves_a_checkpoint_then_exits(tmp_path, data_file, reference):
+def _saved_steps(workdir):
+  return sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_ctrl_c_saves_the_current_step_then_exits(tmp_path, data_file, reference, sig):
   workdir = str(tmp_path / "run")
   proc = _start(workdir, data_file)
   _wait_for_step(proc, workdir, 2)
-  proc.send_signal(signal.SIGTERM)
+  proc.send_signal(sig)
   out = proc.communicate(timeout=120)[0]
   assert proc.returncode == 0, out[-3000:]
+  assert "Traceback" not in out and "KeyboardInterrupt" not in out
   last = max(_metrics(workdir))
-  assert last < NUM_STEPS and "pre-empted" in out
-  steps = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
-  assert steps[-1] == last  # the interrupted step itself was saved, not only the interval ones
+  assert last < NUM_STEPS
+  assert f"{sig.name}: stopped at step {last}, checkpoint saved; rerun the same command" in out
+  assert _saved_steps(workdir)[-1] == last  # the interrupted step itself, not an interval one
   assert _metrics(workdir)[last]["loss"] == reference[last]["loss"]
+
+
+def test_sigterm_during_the_first_compile_saves_step_one_and_exits_cleanly(tmp_path, data_file):
+  workdir = str(tmp_path / "run")
+  proc = _start(workdir, data_file)
+  lines = []
+  for line in proc.stdout:  # the launcher logs this line right before the first (compiling) call
+    lines.append(line)
+    if "compiling the train step" in line:
+      proc.send_signal(signal.SIGTERM)
+      break
+  out = "".join(lines) + proc.communicate(timeout=180)[0]
+  assert proc.returncode == 0, out[-3000:]  # was 143
+  assert "Traceback" not in out
+  assert "SIGTERM: stopped at step 1, checkpoint saved; rerun the same command to resume" in out
+  assert _saved_steps(workdir) == [1] and max(_metrics(workdir)) == 1
+
+
+def test_resume_with_another_config_is_refused_unless_allowed(reference_run, data_file):
+  """Runs last: it extends the uninterrupted run by two steps."""
+  longer = [a for a in _cmd(reference_run, data_file) if "num_steps" not in a]
+  longer.append(f"--set=num_steps={NUM_STEPS + 2}")
+  run = lambda cmd: subprocess.run(  # noqa: E731
+    cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600
+  )
+  refused = run(longer)
+  assert refused.returncode == 2 and "Traceback" not in refused.stderr
+  assert refused.stderr.strip().splitlines()[-1] == (
+    f"sft: error: {reference_run} holds a run (step {NUM_STEPS}) started with another config: "
+    f"num_steps {NUM_STEPS} -> {NUM_STEPS + 2}; pass --allow_config_change to continue it with "
+    "the new values, or use a new --workdir"
+  )
+  assert _saved_steps(reference_run)[-1] == NUM_STEPS
+  allowed = run(longer + ["--allow_config_change"])
+  assert allowed.returncode == 0, allowed.stderr[-3000:]
+  assert f"resuming step {NUM_STEPS} with config changes: num_steps" in allowed.stderr
+  assert max(_metrics(reference_run)) == NUM_STEPS + 2

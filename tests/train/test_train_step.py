@@ -5,10 +5,11 @@ import optax
 import pytest
 from flax import nnx
 
+from dice_jax import sharding
 from dice_jax.diffusion.objective import ObjectiveConfig, block_diffusion_loss
 from dice_jax.model import masks
 from dice_jax.model.transformer import Transformer
-from dice_jax.train import optimizer, sharding
+from dice_jax.train import optimizer
 from dice_jax.train import train_step as ts
 
 from ._helpers import packed_batch

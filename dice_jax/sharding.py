@@ -1,5 +1,7 @@
 """Mesh, logical-axis rules and the shardings derived from them.
 
+The lowest floor of the learner: model, hf, diffusion and train all use it; it imports none of them.
+
 One table (`RULES`) maps the logical axis names that parameters carry (their `logical_axes`
 metadata) and that activations/batches use onto the mesh axes `data`, `fsdp`, `tensor`.
 A logical axis maps to the first of its candidate mesh axes (or tuple of axes) that divides the
@@ -109,12 +111,6 @@ def state_shardings(state, mesh: Mesh, rules: dict = RULES):
   return jax.tree.map(shard, state, is_leaf=_is_var)
 
 
-def batch_sharding(mesh: Mesh, ndim: int = 2, rules: dict = RULES) -> NamedSharding:
-  """Sharding of a `[batch, length, ...]` input: batch over data x fsdp."""
-  cand = rules["batch"][0]
-  return NamedSharding(mesh, P(cand, *([None] * (ndim - 1))))
-
-
 def unsharded_fraction(state, mesh: Mesh, rules: dict = RULES) -> float:
   """Fraction of parameters (by count) replicated on every device of a multi-device mesh."""
   total = replicated = 0
@@ -163,13 +159,6 @@ def maybe_initialize_distributed(
   jax.distributed.initialize(
     coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
   )
-
-
-def activation_sharding(
-  mesh: Mesh, logical: Sequence[str | None], shape: Sequence[int], rules: dict = RULES
-) -> NamedSharding:
-  """NamedSharding of an activation with these logical axes (e.g. ('batch', 'length', None))."""
-  return NamedSharding(mesh, logical_to_spec(logical, shape, mesh, rules))
 
 
 def kernel_axes(mesh, rows: int, heads: Sequence[int]):

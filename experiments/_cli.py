@@ -1,0 +1,91 @@
+"""What the absl launchers share: a user error is one line and exit status 2, not a traceback.
+
+  from experiments import _cli
+  ...
+  if __name__ == "__main__":
+    _cli.run(main)
+
+Inside `main`, bad input raises `dice_jax.errors.UserError` (or a subclass: DataError,
+TokenizerError, CheckpointError, ConfigChangedError, ...), `absl.app.UsageError`, or one of the
+OSErrors that name a path (missing file, existing output, file where a directory was expected).
+`run` prints it as `<launcher>: error: <message>` on stderr and exits 2. Ctrl-C outside the
+places that handle it prints `<launcher>: interrupted` and exits 130. Any other exception is a
+bug and keeps its traceback. `user_errors_from(ValueError)` marks a block whose errors of those
+types are the user's (e.g. building a config from `--set` overrides).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+
+from absl import app
+
+from dice_jax.errors import UserError
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+USER_ERRORS = (
+  UserError,
+  app.UsageError,
+  FileNotFoundError,
+  FileExistsError,
+  NotADirectoryError,
+  IsADirectoryError,
+  PermissionError,
+)
+
+
+def _prog() -> str:
+  main = sys.modules.get("__main__")
+  spec = getattr(main, "__spec__", None)
+  if spec is not None and spec.name:
+    return spec.name.rsplit(".", 1)[-1]
+  return os.path.basename(sys.argv[0]) or "dice_jax"
+
+
+def message(e: BaseException) -> str:
+  """The one-line text of a user error (an OSError as 'what: path')."""
+  if isinstance(e, OSError) and e.filename is not None and e.strerror:
+    text = f"{e.strerror}: {e.filename}"
+  else:
+    text = str(e) or type(e).__name__
+  return " ".join(text.split())
+
+
+def fail(text: str, code: int = EXIT_USER_ERROR):
+  """Prints `<launcher>: error: text` on stderr and exits with `code`."""
+  print(f"{_prog()}: error: {text}", file=sys.stderr, flush=True)
+  sys.exit(code)
+
+
+def guarded(main):
+  """`main` with user errors turned into one line + exit 2 and Ctrl-C into one line + 130."""
+
+  @functools.wraps(main)
+  def wrapper(argv):
+    try:
+      return main(argv)
+    except USER_ERRORS as e:
+      fail(message(e))
+    except KeyboardInterrupt:
+      print(f"{_prog()}: interrupted", file=sys.stderr, flush=True)
+      sys.exit(EXIT_INTERRUPTED)
+
+  return wrapper
+
+
+def run(main) -> None:
+  """`absl.app.run(main)` with `guarded`."""
+  app.run(guarded(main))
+
+
+@contextlib.contextmanager
+def user_errors_from(*types: type[BaseException]):
+  """Re-raises exceptions of `types` from the block as UserError (same message)."""
+  try:
+    yield
+  except types as e:
+    raise UserError(message(e)) from e

@@ -1,0 +1,256 @@
+"""The launchers as a user runs them (subprocesses): a wrong input gets one line naming it, exit
+status 2, no traceback, and nothing written; long work shows progress."""
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dice_jax.data.byte_tokenizer import write_byte_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SFT_SETS = ["--set=data_source=cuke", "--set=seq_len=256", "--set=batch_size=4"]
+
+
+def launch(module, *args, timeout=300):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+  return subprocess.run(
+    [sys.executable, "-m", f"experiments.{module}", *args],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+
+
+def error_line(proc, launcher: str) -> str:
+  """The launcher's one error line; asserts exit status 2, no traceback, and that it is last."""
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  lines = proc.stderr.strip().splitlines()
+  assert [x for x in lines if x.startswith(f"{launcher}: error: ")] == lines[-1:], lines[-5:]
+  return lines[-1]
+
+
+def tree(path) -> dict:
+  """{relative path: (size, mtime)} of everything under `path`."""
+  out = {}
+  for root, dirs, files in os.walk(path):
+    for name in dirs + files:
+      p = os.path.join(root, name)
+      out[os.path.relpath(p, path)] = (os.path.getsize(p), os.path.getmtime(p))
+  return out
+
+
+@pytest.fixture(scope="module")
+def cuke_file(tmp_path_factory):
+  path = tmp_path_factory.mktemp("data") / "cuke.jsonl"
+  rows = [
+    {"prompt": f"Write a relu kernel #{i}.", "response": "__global__ void k() {}"} for i in range(8)
+  ]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer_dir(tmp_path_factory):
+  return write_byte_tokenizer(str(tmp_path_factory.mktemp("tok") / "byte"))
+
+
+def test_sft_with_an_empty_data_file(tmp_path):
+  data = tmp_path / "empty.jsonl"
+  data.write_text("")
+  workdir = tmp_path / "run"
+  proc = launch("sft", f"--workdir={workdir}", f"--set=data_path={data}", *SFT_SETS)
+  assert error_line(proc, "sft") == (
+    f"sft: error: {data}: no SFT samples (the file is empty or has no valid cuke rows)"
+  )
+  assert not workdir.exists()  # was: model_config.json and tokenizer/ left behind
+
+
+def test_sft_with_a_missing_data_file_or_a_bad_override(tmp_path):
+  workdir = tmp_path / "run"
+  proc = launch("sft", f"--workdir={workdir}", f"--set=data_path={tmp_path}/no.jsonl", *SFT_SETS)
+  assert error_line(proc, "sft") == f"sft: error: {tmp_path}/no.jsonl: file not found"
+  proc = launch("sft", f"--workdir={workdir}", "--set=seq_len=25x")
+  assert error_line(proc, "sft") == "sft: error: override seq_len: expected int, got '25x'"
+  assert not workdir.exists()
+
+
+def test_sft_with_a_tokenizer_that_does_not_fit_the_model(tmp_path, cuke_file, byte_tokenizer_dir):
+  workdir = tmp_path / "run"
+  proc = launch(
+    "sft",
+    f"--workdir={workdir}",
+    f"--set=data_path={cuke_file}",
+    f"--set=tokenizer={byte_tokenizer_dir}",  # a directory: no byte-model overrides
+    *SFT_SETS,
+  )
+  line = error_line(proc, "sft")
+  assert line.startswith(f"sft: error: sft (tokenizer={byte_tokenizer_dir}, model=tiny): ")
+  assert "has 260 ids but the model's vocab_size is 256" in line and "mask id 259" in line
+  assert not workdir.exists()
+  proc = launch(
+    "sft",
+    f"--workdir={workdir}",
+    f"--set=data_path={cuke_file}",
+    f"--set=tokenizer={tmp_path}/nope",
+    *SFT_SETS,
+  )
+  assert f"SFTConfig.tokenizer {tmp_path}/nope: no such directory" in error_line(proc, "sft")
+
+
+@pytest.fixture
+def finished_run(tmp_path, cuke_file):
+  """A run directory whose checkpoint (step 4) holds the config of `SFT_SETS` + `cuke_file`."""
+  from experiments.configs.tiny import get_config
+
+  from dice_jax.train.checkpoint import Checkpointer
+  from dice_jax.train.config import apply_overrides
+
+  sets = [s.removeprefix("--set=") for s in SFT_SETS] + [f"data_path={cuke_file}"]
+  cfg = apply_overrides(get_config(), sets)
+  workdir = tmp_path / "run"
+  ckpt = Checkpointer(str(workdir / "checkpoints"), save_every=1, async_save=False)
+  ckpt.save(4, {"x": np.zeros(2, np.float32)}, {}, cfg.to_json(), force=True)
+  ckpt.close()
+  return workdir
+
+
+def test_sft_resume_with_another_config_is_refused_naming_each_field(finished_run, cuke_file):
+  before = tree(finished_run)
+  proc = launch(
+    "sft",
+    f"--workdir={finished_run}",
+    f"--set=data_path={cuke_file}",
+    *SFT_SETS,
+    "--set=seq_len=512",
+    "--set=batch_size=2",
+  )
+  assert error_line(proc, "sft") == (
+    f"sft: error: {finished_run} holds a run (step 4) started with another config: "
+    "batch_size 4 -> 2, seq_len 256 -> 512; pass --allow_config_change to continue it with the "
+    "new values, or use a new --workdir"
+  )
+  assert tree(finished_run) == before
+
+
+def test_sft_rerun_with_an_existing_export_says_what_to_do(finished_run, cuke_file, tmp_path):
+  export = tmp_path / "export"
+  export.mkdir()
+  before = tree(tmp_path)
+  proc = launch(
+    "sft",
+    f"--workdir={finished_run}",
+    f"--set=data_path={cuke_file}",
+    *SFT_SETS,
+    f"--export_hf={export}",
+  )
+  line = error_line(proc, "sft")
+  assert line.startswith(f"sft: error: export_hf {export} already exists: remove it or choose")
+  assert "overwrite=True" not in line and "python -m experiments.export_hf" in line
+  assert tree(tmp_path) == before
+
+
+def test_export_refuses_a_tokenizer_that_does_not_fit(tmp_path, byte_tokenizer_dir):
+  out = tmp_path / "out"
+  proc = launch(
+    "export_hf", "--init=random", f"--tokenizer_dir={byte_tokenizer_dir}", f"--out={out}"
+  )
+  line = error_line(proc, "export_hf")
+  assert line.startswith(f"export_hf: error: export with tokenizer {byte_tokenizer_dir}: ")
+  assert "vocab_size is 256" in line and "mask_token_id 255" in line and "eos ids differ" in line
+  proc = launch("export_hf", "--init=random", f"--tokenizer_dir={tmp_path}/none", f"--out={out}")
+  assert error_line(proc, "export_hf") == (
+    f"export_hf: error: --tokenizer_dir {tmp_path}/none: no such directory"
+  )
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.fixture(scope="module")
+def random_export(tmp_path_factory):
+  """`export_hf --init=random` without a tokenizer, under the usual umask."""
+  out = tmp_path_factory.mktemp("export") / "tiny_hf"
+  old = os.umask(0o022)
+  try:
+    proc = launch("export_hf", "--init=random", "--config=tiny", f"--out={out}")
+  finally:
+    os.umask(old)
+  return proc, out
+
+
+def test_random_export_says_it_has_no_tokenizer_and_is_readable(random_export):
+  proc, out = random_export
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f"wrote {out} WITHOUT a tokenizer (pass --tokenizer_dir=DIR" in proc.stderr
+  assert stat.S_IMODE(os.stat(out).st_mode) == 0o755  # was 0700
+  assert {stat.S_IMODE(os.stat(out / f).st_mode) for f in os.listdir(out)} == {0o644}
+  proc = launch("export_hf", "--init=random", f"--out={out}")
+  assert error_line(proc, "export_hf") == (
+    f"export_hf: error: --out {out} already exists (pass --overwrite to replace it)"
+  )
+
+
+def test_generate_names_a_missing_directory_or_tokenizer(tmp_path, random_export):
+  proc = launch("generate", f"--hf_dir={tmp_path}/nope", "--prompt=hi")
+  assert (
+    error_line(proc, "generate") == f"generate: error: --hf_dir {tmp_path}/nope: no such directory"
+  )
+  out = random_export[1]
+  proc = launch("generate", f"--hf_dir={out}", "--prompt=hi")
+  assert error_line(proc, "generate") == (
+    f"generate: error: --prompt needs a tokenizer and {out} has none: pass --tokenizer_dir=DIR, "
+    "or the prompt as --prompt_ids=1,2,3"
+  )
+
+
+def test_generate_refuses_a_tokenizer_that_does_not_fit(random_export, byte_tokenizer_dir):
+  out = random_export[1]
+  proc = launch(
+    "generate", f"--hf_dir={out}", f"--tokenizer_dir={byte_tokenizer_dir}", "--prompt=hi"
+  )
+  line = error_line(proc, "generate")
+  assert line.startswith(f"generate: error: generate --tokenizer_dir={byte_tokenizer_dir}: ")
+  assert "does not match the model" in line
+
+
+def test_build_cuke_names_an_unreachable_verifier(tmp_path):
+  with socket.socket() as s:  # a bound port nobody listens on: connections are refused
+    s.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{s.getsockname()[1]}"
+    proc = launch(
+      "build_cuke",
+      f"--pairs={REPO}/experiments/demo_data/pairs.jsonl",
+      f"--verifier={address}",
+      f"--out={tmp_path}/cuke",
+      "--connect_timeout_s=1",
+    )
+  assert error_line(proc, "build_cuke") == (
+    f"build_cuke: error: --verifier {address}: no verifier answered within 1 s "
+    "(is `python -m verifier serve` running there, and is the port right?)"
+  )
+  assert os.listdir(tmp_path) == []
+
+
+def test_show_data_shows_progress_while_tokenising(tmp_path, byte_tokenizer_dir):
+  tasks = tmp_path / "e2e.json"
+  code = "import torch\nclass Model(torch.nn.Module):\n  def forward(self, x):\n    return x\n"
+  tasks.write_text(json.dumps([{"pytorch_code": code, "level": 1, "idx": i} for i in range(3)]))
+  proc = launch(
+    "show_data",
+    "--pipeline=e2e",
+    "--n=0",
+    f"--tokenizer={byte_tokenizer_dir}",
+    f"--e2e_tasks={tasks}",
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f"loading the tokenizer from {byte_tokenizer_dir}" in proc.stdout
+  assert "tokenising prompts: 100%" in proc.stderr and "3/3" in proc.stderr
+  assert "prompt tokens over all 3 tasks" in proc.stdout
