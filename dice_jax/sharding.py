@@ -145,22 +145,6 @@ def create_sharded(model_fn, mesh: Mesh, rules: dict = RULES):
   return nnx.merge(graphdef, state)
 
 
-def maybe_initialize_distributed(
-  enabled: bool,
-  *,
-  coordinator_address: str | None = None,
-  num_processes: int | None = None,
-  process_id: int | None = None,
-) -> None:
-  """Multi-host: `jax.distributed.initialize` (arguments None are read from the cluster
-  environment: SLURM, Cloud TPU, Kubernetes...). Must run before any other JAX call."""
-  if not enabled:
-    return
-  jax.distributed.initialize(
-    coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
-  )
-
-
 def kernel_axes(mesh, rows: int, heads: Sequence[int]):
   """(row axis, head axis) for running a custom kernel per shard under `shard_map`.
 

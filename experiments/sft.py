@@ -8,9 +8,15 @@ Re-running with the same workdir resumes from its last checkpoint, with the same
 different one is refused (the message lists each changed field) unless `--allow_config_change`.
 Ctrl-C (SIGINT) or SIGTERM saves the current step and exits 0; rerun the command to resume.
 Bad input (data file, tokenizer, config field, existing export) is one line and exit status 2,
-with nothing written. Multi-host: pass
-`--distributed` (jax.distributed.initialize reads the cluster from the environment) or the
-coordinator flags.
+with nothing written.
+
+Multi-process (several hosts, or several processes on one): start the same command once per
+process with `--distributed` (jax.distributed.initialize reads the cluster from the environment,
+e.g. SLURM) or with `--coordinator_address=HOST:PORT --num_processes=N --process_id=I`. One
+mesh spans every process's devices; each process feeds its rows of the batch; checkpoints are
+written by all, metrics, logs and the export by process 0. If a process dies, the others exit
+after `--heartbeat_timeout_s`; rerun all of them to resume. On one machine:
+`python -m experiments.local_cluster --num_processes=2 -- python -m experiments.sft ...`.
 """
 
 from __future__ import annotations
@@ -39,6 +45,11 @@ flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() (mult
 flags.DEFINE_string("coordinator_address", None, "multi-host coordinator host:port")
 flags.DEFINE_integer("num_processes", None, "multi-host: number of processes")
 flags.DEFINE_integer("process_id", None, "multi-host: this process's id")
+flags.DEFINE_integer(
+  "heartbeat_timeout_s",
+  100,
+  "multi-host: a process that sent no heartbeat for this long is dead, and the others exit",
+)
 flags.mark_flag_as_required("workdir")
 
 
@@ -74,14 +85,18 @@ class _QuietOrbax(std_logging.Filter):
 def main(argv):
   del argv
   logging.get_absl_handler().addFilter(_QuietOrbax())
-  from dice_jax import sharding
+  if FLAGS.distributed or FLAGS.coordinator_address is not None:
+    from dice_jax import distributed
 
-  sharding.maybe_initialize_distributed(
-    FLAGS.distributed or FLAGS.coordinator_address is not None,
-    coordinator_address=FLAGS.coordinator_address,
-    num_processes=FLAGS.num_processes,
-    process_id=FLAGS.process_id,
-  )
+    distributed.initialize(
+      FLAGS.coordinator_address,
+      FLAGS.num_processes,
+      FLAGS.process_id,
+      heartbeat_timeout_s=FLAGS.heartbeat_timeout_s,
+    )
+    distributed.primary_logs_only()
+  elif FLAGS.num_processes is not None or FLAGS.process_id is not None:
+    raise UserError("--num_processes/--process_id need --coordinator_address (or --distributed)")
   from dice_jax.train.config import apply_overrides
   from dice_jax.train.loop import run_sft
 

@@ -24,7 +24,7 @@ from absl import logging
 from flax import nnx
 from tqdm import tqdm
 
-from dice_jax import atomic
+from dice_jax import atomic, distributed
 from dice_jax import sharding as sharding_lib
 from dice_jax.errors import UserError
 from dice_jax.data.tokenizer import Tokenizer, TokenizerError, check_compatible
@@ -192,7 +192,13 @@ def import_hf(
   shardings = sharding_lib.state_shardings(abs_state, mesh)
   dtype = cfg.weight_dtype
   total = sum(len(mapping.hf_names(cfg, p)) for p in mapping.param_paths(cfg))
-  bar = tqdm(total=total, desc=f"import {os.path.basename(hf_dir)}", unit="tensor", mininterval=2)
+  bar = tqdm(
+    total=total,
+    desc=f"import {os.path.basename(hf_dir)}",
+    unit="tensor",
+    mininterval=2,
+    disable=not distributed.is_primary(),
+  )
 
   def load(keypath, var, shard_var):
     path = _state_path(keypath)
@@ -236,6 +242,24 @@ def _params_by_path(model) -> dict[tuple, jax.Array]:
   return out
 
 
+def _hf_tensors(model: Transformer, np_dtype, *, convert: bool = True):
+  """(HF name, numpy tensor in HF layout and `np_dtype`) for every tensor, in mapping order.
+
+  Each tensor is gathered whole onto this host (one layer of a stacked parameter at a time); in a
+  multi-process run that is a collective, so every process iterates (`convert=False` yields
+  None in place of the tensor)."""
+  cfg: ModelConfig = model.cfg
+  params = _params_by_path(model)
+  for path in mapping.param_paths(cfg):
+    arr = params[path]
+    for i, name in enumerate(mapping.hf_names(cfg, path)):
+      ours = distributed.to_host(arr[i] if path[0] == "layers" else arr)
+      if convert:
+        yield name, np.ascontiguousarray(mapping.to_hf(cfg, path, ours)).astype(np_dtype)
+      else:
+        yield name, None
+
+
 def export_hf(
   model: Transformer,
   out_dir: str,
@@ -250,6 +274,8 @@ def export_hf(
   `tokenizer_dir`'s tokenizer files are copied after checking that they fit the model
   (TokenizerMismatchError otherwise); without one the export has no tokenizer, which is logged.
   An existing `out_dir` is refused (FileExistsError) unless `overwrite`.
+  Multi-process: every process calls it (each tensor is gathered from the processes holding its
+  parts); the primary process alone writes `out_dir`, and all return once it is in place.
   """
   cfg: ModelConfig = model.cfg
   np_dtype = {"bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"], "float16": DTYPES["F16"]}.get(
@@ -260,28 +286,27 @@ def export_hf(
   out_dir = os.path.abspath(out_dir)
   if tokenizer_dir is not None:
     load_tokenizer(tokenizer_dir, cfg, where=f"export with tokenizer {tokenizer_dir}")
-  else:
+  elif distributed.is_primary():
     logging.warning("%s will have no tokenizer (none was given to copy)", out_dir)
   if os.path.exists(out_dir) and not overwrite:
     raise FileExistsError(errno.EEXIST, "output directory already exists", out_dir)
+  if not distributed.is_primary():
+    for _ in _hf_tensors(model, np_dtype, convert=False):
+      pass
+    distributed.barrier(f"export_hf {out_dir}")
+    return out_dir
   total = sum(len(mapping.hf_names(cfg, p)) for p in mapping.param_paths(cfg))
   bar = tqdm(total=total, desc=f"export {os.path.basename(out_dir)}", unit="tensor", mininterval=2)
   with atomic.new_directory(out_dir, overwrite=overwrite) as tmp, bar:
-    params = _params_by_path(model)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
-    for path in mapping.param_paths(cfg):
-      arr = params[path]
-      for i, name in enumerate(mapping.hf_names(cfg, path)):
-        bar.update()
-        ours = arr[i] if path[0] == "layers" else arr
-        w = np.ascontiguousarray(mapping.to_hf(cfg, path, np.asarray(jax.device_get(ours))))
-        w = w.astype(np_dtype)
-        if size + w.nbytes > max_shard_bytes and shards[-1]:
-          shards.append({})
-          size = 0
-        shards[-1][name] = w
-        size += w.nbytes
+    for name, w in _hf_tensors(model, np_dtype):
+      bar.update()
+      if size + w.nbytes > max_shard_bytes and shards[-1]:
+        shards.append({})
+        size = 0
+      shards[-1][name] = w
+      size += w.nbytes
     weight_map, total = {}, 0
     for k, shard in enumerate(shards):
       fn = SINGLE if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -301,6 +326,7 @@ def export_hf(
         if os.path.exists(src):
           shutil.copy2(src, os.path.join(tmp, fn))
   logging.info("exported %d tensors in %d shard(s) to %s", len(weight_map), len(shards), out_dir)
+  distributed.barrier(f"export_hf {out_dir}")
   return out_dir
 
 

@@ -62,6 +62,11 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self._mngr.all_steps())
 
+  def should_save(self, step: int) -> bool:
+    """Whether `save(step, ...)` without `force` saves (interval, first step, pre-emption); the
+    same answer on every process."""
+    return self._mngr.should_save(step)
+
   def save(
     self, step: int, state: Any, data_state: dict | None, config: dict, *, force: bool = False
   ) -> bool:

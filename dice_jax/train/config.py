@@ -28,6 +28,10 @@ class SFTConfig:
   max_response_chars: int | None = None
   seq_len: int = 6144  # DICE cutoff_len; longer samples are dropped
   batch_size: int = 8  # global rows per optimizer step
+  # independent data streams the batch is drawn from (batch_size % data_shards == 0); a process
+  # reads only the streams its rows come from: a multiple of the host count splits data loading
+  # (the batches depend on data_shards, not on the process count)
+  data_shards: int = 1
   accum_steps: int = 1  # micro-batches per step (batch_size % accum_steps == 0)
   num_steps: int = 100
   seed: int = 0
@@ -60,6 +64,7 @@ class SFTConfig:
     for name in (
       "seq_len",
       "batch_size",
+      "data_shards",
       "accum_steps",
       "num_steps",
       "checkpoint_every",
@@ -71,6 +76,10 @@ class SFTConfig:
     need(
       self.batch_size % self.accum_steps == 0,
       f"batch_size ({self.batch_size}) must be a multiple of accum_steps ({self.accum_steps})",
+    )
+    need(
+      self.batch_size % self.data_shards == 0,
+      f"batch_size ({self.batch_size}) must be a multiple of data_shards ({self.data_shards})",
     )
     for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
       v = getattr(self, name)

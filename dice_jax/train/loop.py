@@ -19,6 +19,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from dice_jax import distributed
 from dice_jax import sharding as sharding_lib
 from dice_jax.data import byte_tokenizer
 from dice_jax.data.tokenizer import check_compatible
@@ -27,6 +28,7 @@ from dice_jax.errors import UserError
 from dice_jax.model.config import ModelConfig, get_config
 from dice_jax.model.transformer import Transformer
 from dice_jax.train import checkpoint as ckpt_lib
+from dice_jax.train import data_shards
 from dice_jax.train import metrics as metrics_lib
 from dice_jax.train import optimizer as optim_lib
 from dice_jax.train import resume
@@ -70,9 +72,30 @@ def build_model(cfg: SFTConfig, mcfg: ModelConfig, mesh, init_hf: str | None):
   return sharding_lib.create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), mesh)
 
 
-def batch_fingerprint(batch: dict) -> float:
-  """CRC32 of the batch's tokens (exact in float64): identifies the data order in metrics."""
-  return float(zlib.crc32(np.ascontiguousarray(batch["tokens"]).tobytes()))
+def batch_summary(host_batch: dict, rows, stop_requested: bool) -> tuple[float, float, bool]:
+  """(fingerprint, real tokens, stop) of the global batch, from this process's `rows` of it.
+
+  The fingerprint is a CRC32 over the CRC32s of the global batch's rows (exact in float64): it
+  identifies the data order in metrics, whatever the process count. `stop` is True when a stop
+  signal reached any process. Multi-process, a collective (every process calls it each step).
+  """
+  tokens = np.ascontiguousarray(host_batch["tokens"])
+  local = np.stack(
+    [
+      np.asarray(rows, np.int64),
+      [zlib.crc32(row.tobytes()) for row in tokens],
+      (np.asarray(host_batch["segment_ids"]) > 0).sum(axis=1),
+    ],
+    axis=1,
+  )
+  parts = distributed.gather(np.concatenate([[int(stop_requested)], local.ravel()]))
+  by_row = {}  # rows replicated on several processes count once
+  for part in parts:
+    for row, crc, real in part[1:].reshape(-1, 3):
+      by_row[int(row)] = (crc, real)
+  crcs = np.array([by_row[r][0] for r in sorted(by_row)], np.uint32)
+  real = sum(int(v[1]) for v in by_row.values())
+  return float(zlib.crc32(crcs.tobytes())), float(real), bool(parts[:, 0].any())
 
 
 def _saved_run(workdir: str):
@@ -102,6 +125,7 @@ def prepare(
   saved = _saved_run(workdir)
   if saved is not None:
     step, saved_cfg = saved
+    saved_cfg = {**SFTConfig().to_json(), **saved_cfg}  # fields added since take their defaults
     changes = resume.check_resume(
       saved_cfg, cfg.to_json(), workdir=workdir, step=step, allow_change=allow_config_change
     )
@@ -156,8 +180,9 @@ def _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change) -> dict:
     "mesh %s over %d devices (%s)", dict(mesh.shape), mesh.size, jax.devices()[0].device_kind
   )
   os.makedirs(workdir, exist_ok=True)
-  tok_dir = sft_data.save_tokenizer(cfg, workdir)
-  if jax.process_index() == 0:
+  tok_dir = sft_data.tokenizer_dir(cfg, workdir)
+  if distributed.is_primary():
+    sft_data.save_tokenizer(cfg, workdir)
     ckpt_lib.save_model_config(mcfg, workdir)
   logging.info(
     "building model %s: %.2fM params, attention=%s remat=%s dtype=%s/%s",
@@ -177,7 +202,17 @@ def _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change) -> dict:
   del model
   logging.info("model and optimizer state built in %.1f s", time.perf_counter() - t0)
 
-  it = sft_data.make_iterator(cfg, samples, tok, mcfg.block_size)
+  rows = ts.local_rows(mesh, cfg.batch_size, cfg.accum_steps)
+  it = sft_data.make_iterator(cfg, samples, tok, mcfg.block_size, rows)
+  if jax.process_count() > 1:
+    logging.info(
+      "%d processes; process 0 feeds %d of %d rows per step from data shards %s of %d",
+      jax.process_count(),
+      len(rows),
+      cfg.batch_size,
+      it.shards,
+      cfg.data_shards,
+    )
   ckpt = ckpt_lib.Checkpointer(
     f"{workdir}/checkpoints",
     save_every=cfg.checkpoint_every,
@@ -223,23 +258,22 @@ def _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change) -> dict:
     done = step + 1
     if step == start:
       logging.info("train step compiled; first step took %.1f s", time.perf_counter() - t0)
-    m.update(
-      rate.tick(done),
-      data_fingerprint=batch_fingerprint(host_batch),
-      real_tokens=float((host_batch["segment_ids"] > 0).sum()),
-    )
+    fingerprint, real_tokens, stop_any = batch_summary(host_batch, rows, stop.requested is not None)
+    m.update(rate.tick(done), data_fingerprint=fingerprint, real_tokens=real_tokens)
     if not np.isfinite(m["loss"]):
       raise FloatingPointError(f"non-finite loss {m['loss']} at step {done}")
     writer.write(done, m)
     if done % cfg.log_every == 0 or done == cfg.num_steps:
       metrics_lib.log_progress(done, cfg.num_steps, m, rate.eta_s(done))
-    preempted = stop.requested is not None or ckpt.reached_preemption(done)
-    ckpt.save(done, state, it.get_state(), config_json, force=preempted or done == cfg.num_steps)
+    preempted = stop_any or ckpt.reached_preemption(done)  # the same on every process
+    force = preempted or done == cfg.num_steps
+    if force or ckpt.should_save(done):
+      ckpt.save(done, state, data_shards.global_state(it), config_json, force=force)
     last = m
     if preempted:
       logging.warning(
         "%s: stopped at step %d, checkpoint saved; rerun the same command to resume",
-        stop.requested or "pre-emption notice",
+        stop.requested or "stop signal to another process or pre-emption notice",
         done,
       )
       break
@@ -247,13 +281,13 @@ def _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change) -> dict:
   ckpt.wait()
   ckpt.close()
   writer.close()
-  if jax.process_index() == 0 and last:
+  if distributed.is_primary() and last:
     metrics_lib.plot_loss(
       f"{workdir}/metrics.jsonl", f"{workdir}/loss.png", title=f"SFT {cfg.model} ({workdir})"
     )
   if export_hf and not preempted:
     from dice_jax.hf.checkpoint import export_hf as export
 
-    export(nnx.merge(graphdef, state["params"]), export_hf, tokenizer_dir=tok_dir)
+    export(nnx.merge(graphdef, state["params"]), export_hf, tokenizer_dir=tok_dir)  # collective
     logging.info("exported HF checkpoint to %s", export_hf)
   return {"step": int(jax.device_get(state["step"])), "preempted": preempted, **last}

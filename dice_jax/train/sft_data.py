@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 
-import jax
+import numpy as np
 
 from dice_jax.data import byte_tokenizer
 from dice_jax.errors import UserError
+from dice_jax.train import data_shards
 from dice_jax.train.config import SFTConfig
 
 
@@ -83,26 +84,32 @@ def load_samples(cfg: SFTConfig) -> list:
   return samples
 
 
-def make_iterator(cfg: SFTConfig, samples, tokenizer, block_size: int):
-  """The grain iterator of this process's rows (`batch_size / process_count` per step), repeating
-  forever; `get_state()` / `set_state()` checkpoint it."""
+def make_iterator(cfg: SFTConfig, samples, tokenizer, block_size: int, rows=None):
+  """This process's `rows` of every global batch (default: all `batch_size`), repeating forever;
+  `get_state()` / `set_state()` checkpoint it (`data_shards.global_state` across processes).
+
+  The batch is drawn from `cfg.data_shards` grain streams: stream j packs samples j, j+k, ...
+  of the shuffled data into `batch_size / k` rows (`data_shards.py`)."""
   from dice_jax.data.sft_pipeline import SFTPipelineConfig, make_sft_dataset
 
-  nproc = jax.process_count()
-  if cfg.batch_size % nproc:
-    raise UserError(f"batch_size {cfg.batch_size} not divisible by {nproc} processes")
-  pcfg = SFTPipelineConfig(
-    seq_len=cfg.seq_len,
-    block_size=block_size,
-    block_alignment=cfg.block_alignment,
-    batch_size=cfg.batch_size // nproc,
-    seed=cfg.seed,
-    num_epochs=None,
-    process_index=jax.process_index(),
-    process_count=nproc,
-    read_threads=1,
-  )
-  return iter(make_sft_dataset(samples, tokenizer, pcfg))
+  k = cfg.data_shards
+
+  def stream(j: int):
+    pcfg = SFTPipelineConfig(
+      seq_len=cfg.seq_len,
+      block_size=block_size,
+      block_alignment=cfg.block_alignment,
+      batch_size=cfg.batch_size // k,
+      seed=cfg.seed,
+      num_epochs=None,
+      process_index=j,
+      process_count=k,
+      read_threads=1,
+    )
+    return iter(make_sft_dataset(samples, tokenizer, pcfg))
+
+  rows = np.arange(cfg.batch_size) if rows is None else rows
+  return data_shards.ShardedBatches(stream, k, cfg.batch_size, rows)
 
 
 def check_some_fit(samples, tokenizer, seq_len: int, block_size: int, probe: int = 64) -> None:

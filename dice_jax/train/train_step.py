@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -196,6 +197,35 @@ def jit_train_step(step_fn, shardings: dict, mesh: Mesh, accum_steps: int = 1):
 
   run.jitted = jitted
   return run
+
+
+def local_rows(mesh: Mesh, batch_size: int, accum_steps: int = 1) -> np.ndarray:
+  """The rows of the global `[batch_size, T]` host batch that this process passes to
+  `shard_batch`, in order: all of them on one process; with several, the rows its devices hold.
+
+  With accumulation, micro-batch i is global rows `[i*B/accum, (i+1)*B/accum)`, of which a
+  process holds the same slice in each, so its rows are `accum` runs. A process whose devices
+  hold rows that are not one contiguous slice (a mesh whose row axes are not process-major)
+  cannot feed `jax.make_array_from_process_local_data`, which is an error.
+  """
+  if batch_size % accum_steps:
+    raise ValueError(f"batch of {batch_size} rows is not divisible by accum_steps={accum_steps}")
+  micro = batch_size // accum_steps
+  sh = batch_shardings(mesh, accum_steps)
+  shape, dim = ((batch_size, 1), 0) if accum_steps == 1 else ((accum_steps, micro, 1), 1)
+  spans = sorted(
+    {idx[dim].indices(shape[dim])[:2] for idx in sh.addressable_devices_indices_map(shape).values()}
+  )
+  lo, hi = spans[0][0], max(stop for _, stop in spans)
+  covered = np.zeros(shape[dim], bool)
+  for start, stop in spans:
+    covered[start:stop] = True
+  if not covered[lo:hi].all():
+    raise ValueError(
+      f"process {jax.process_index()} holds batch rows {spans}, not one contiguous slice: "
+      f"order the mesh's devices by process (mesh {dict(mesh.shape)})"
+    )
+  return (np.arange(accum_steps)[:, None] * micro + np.arange(lo, hi)[None, :]).ravel()
 
 
 def shard_batch(batch: dict, mesh: Mesh, accum_steps: int = 1) -> dict:
