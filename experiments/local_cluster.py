@@ -128,7 +128,7 @@ def supervise(procs: list[subprocess.Popen], grace_s: float = 10.0) -> int:
   previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
   try:
     status, failed_at = 0, None
-    while any(p.poll() is None for p in procs):
+    while [p.poll() for p in procs].count(None):
       for i, p in enumerate(procs):
         if p.returncode not in (None, 0) and failed_at is None:
           status, failed_at = p.returncode, time.monotonic()
