@@ -1,7 +1,8 @@
 """The import graph (parsed with ast, lazy imports inside functions included) has no upward arrow.
 
 Floors of the learner, lowest first; a module may import its own floor and the floors below:
-  0  dice_jax.sharding, dice_jax.atomic, dice_jax.errors   (helpers every floor uses)
+  0  dice_jax.sharding, dice_jax.distributed, dice_jax.atomic, dice_jax.errors   (helpers every
+     floor uses)
   1  dice_jax.model
   2  dice_jax.hf, dice_jax.diffusion, dice_jax.data
   3  dice_jax.train
@@ -15,6 +16,7 @@ import pathlib
 REPO = pathlib.Path(__file__).resolve().parents[2]
 FLOORS = {
   "sharding": 0,
+  "distributed": 0,
   "atomic": 0,
   "errors": 0,
   "model": 1,
