@@ -1,11 +1,12 @@
 """Multi-process runs on one machine: `experiments.local_cluster` starts N processes of one JAX
 cluster on 127.0.0.1; two SFT processes (2 fake CPU devices each, one mesh over the 4) train
 like one process with 4 devices on the same global batches, survive a kill -9 of one of them
-(the other exits instead of hanging; a restart of both resumes), write one export, and leave a
-checkpoint that a single process restores."""
+(the other exits instead of hanging; a restart of both resumes), stop together on a SIGTERM to
+one of them, write one export, and leave a checkpoint that a single process restores."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -68,7 +69,7 @@ def test_local_cluster_prefixes_output_and_stops_the_others_when_one_fails():
   assert "process 1 exited with status 3" in out.stderr
 
 
-STEPS = 6
+STEPS = 8
 
 
 def _sft(workdir, data, export):
@@ -152,11 +153,24 @@ def test_two_processes_train_like_one_survive_a_kill_and_export_once(tmp_path):
   assert killed_at < STEPS and not os.path.exists(two + "_hf")
 
   assert reference.wait(timeout=600) == 0, (tmp_path / "one.log").read_text()[-3000:]
+  # restart both; a SIGTERM to process 1 alone stops both at the same step, saved
+  procs = start("logs_stopped")
+  _wait_for_step(procs[0], two, killed_at + 2)
+  procs[1].send_signal(signal.SIGTERM)
+  codes = [p.wait(timeout=120) for p in procs]
+  log0, log1 = ((tmp_path / "logs_stopped" / f"process_{i}.log").read_text() for i in range(2))
+  assert codes == [0, 0], log0[-3000:]
+  assert "checkpoint: restored step" in log0
+  stopped = _last_step(two)
+  assert stopped < STEPS
+  assert f"SIGTERM: stopped at step {stopped}, checkpoint saved" in log1
+  assert f"another process or pre-emption notice: stopped at step {stopped}" in log0
+
   procs = start("logs")
   codes = [p.wait(timeout=600) for p in procs]
   log0, log1 = ((tmp_path / "logs" / f"process_{i}.log").read_text() for i in range(2))
   assert codes == [0, 0], log0[-3000:]
-  assert "checkpoint: restored step" in log0  # resumed, not started over
+  assert f"checkpoint: restored step {stopped}" in log0  # resumed, not started over
   assert f"step {STEPS}/{STEPS} | loss" in log0 and "| loss" not in log1  # process 0 logs
 
   # the same global batches, and the losses of one process
