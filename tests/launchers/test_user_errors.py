@@ -84,6 +84,27 @@ def test_sft_with_a_missing_data_file_or_a_bad_override(tmp_path):
   assert not workdir.exists()
 
 
+def test_sft_with_incomplete_or_inconsistent_multi_process_flags(tmp_path, cuke_file):
+  workdir = tmp_path / "run"
+  sets = [f"--workdir={workdir}", f"--set=data_path={cuke_file}", *SFT_SETS]
+  proc = launch("sft", *sets, "--num_processes=2", "--process_id=0")
+  assert error_line(proc, "sft") == (
+    "sft: error: --num_processes/--process_id need --coordinator_address (or --distributed)"
+  )
+  proc = launch(
+    "sft", *sets, "--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=2"
+  )
+  line = error_line(proc, "sft")
+  assert (
+    line.startswith(
+      "sft: error: jax.distributed.initialize (coordinator_address=127.0.0.1:1, num_processes=2, "
+      "process_id=2): "
+    )
+    and "process_id < num_processes" in line
+  )
+  assert not workdir.exists()
+
+
 def test_sft_with_a_tokenizer_that_does_not_fit_the_model(tmp_path, cuke_file, byte_tokenizer_dir):
   workdir = tmp_path / "run"
   proc = launch(
