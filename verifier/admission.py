@@ -1,0 +1,60 @@
+"""Memory-aware admission to a shared GPU: how many of its slots a run of a given reference holds.
+
+The first run of a reference reports its GPU peak (measured by the checker around the golden forwards);
+runs of the same reference that arrive meanwhile wait for it, later ones hold slots in proportion
+(``admission_units``). Until a peak is known a run holds one slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+GiB = 1 << 30
+
+
+def admission_units(
+  ref_peak_bytes: int,
+  gpu_total_bytes: int,
+  slots: int,
+  factor: float = 3.0,
+  overhead_bytes: int = 1 << 30,
+) -> int:
+  """GPU slots a run of this reference should hold: a run keeps the reference's inputs, outputs and model,
+  the candidate's own and input clones alive at once, so it needs about ``factor`` times the reference's
+  peak plus a CUDA context; a slot is 1/``slots`` of the device memory."""
+  if ref_peak_bytes <= 0 or gpu_total_bytes <= 0 or slots <= 1:
+    return 1
+  need = factor * ref_peak_bytes + overhead_bytes
+  return max(1, min(slots, math.ceil(need / (gpu_total_bytes / slots))))
+
+
+class MemoryAdmission:
+  """Slot units per (reference, device), learned from the first run's peak."""
+
+  def __init__(self):
+    self.known: dict[str, asyncio.Future] = {}
+
+  async def units(self, key: str) -> tuple[int, bool]:
+    """(units to hold, whether this caller is the one that measures)."""
+    probe = self.known.get(key)
+    if probe is None:
+      self.known[key] = asyncio.get_running_loop().create_future()
+      return 1, True
+    await asyncio.shield(probe)
+    return probe.result(), False
+
+  def learned(self, key: str, peak_bytes: int, total_bytes: int, slots: int) -> None:
+    """The measuring run's result; without a peak (it never got that far) the next run measures again."""
+    probe = self.known.get(key)
+    units = admission_units(peak_bytes, total_bytes, slots) if peak_bytes else 0
+    if probe is None or probe.done():
+      if units:
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(units)
+        self.known[key] = fut
+      return
+    if not units:
+      del self.known[key]
+      units = 1
+    probe.set_result(units)
