@@ -181,11 +181,14 @@ class Check:
     strictness = self.opts.strict
     max_abs, strict_ok = 0.0, True
     trials = self.opts.num_correct_trials
+    runtime = None
     for i in range(trials):
       profile = strictness.runtime_check and i == trials - 1
-      c = self._trial(i, self.task.inputs[i], self.task.golden[i], profile, strictness)
+      c, runtime = self._trial(i, self.task.inputs[i], self.task.golden[i], profile, strictness)
       max_abs, strict_ok = max(max_abs, c.max_abs_diff), strict_ok and c.strict_ok
     self.report.update(correct=True, strict_correct=strict_ok, max_abs_diff=max_abs)
+    if runtime is not None and runtime.kind is not FailureKind.OK:
+      raise Verdict(runtime.kind, runtime.reason)
     if self.opts.measure_performance:
       self._timing()
 
@@ -235,7 +238,7 @@ class Check:
 
   def _trial(
     self, i: int, inputs: list, golden, profile: bool, strictness
-  ) -> correctness.Comparison:
+  ) -> tuple[correctness.Comparison, runtime_check.RuntimeVerdict | None]:
     done, outs, pairs = self._forward(inputs, golden, self.task.seeds[i], profile, set())
     where = f"trial {i}"
     which = correctness.mutated([p for p, _ in pairs], [self._local(v) for _, v in pairs])
@@ -245,15 +248,17 @@ class Check:
     if c.kind is not FailureKind.OK:
       self.report["max_abs_diff"] = c.max_abs_diff
       raise Verdict(c.kind, c.reason)
+    runtime = None
     if profile:
       if done.evidence is None:
-        raise Verdict(
+        runtime = runtime_check.RuntimeVerdict(
           FailureKind.KERNEL_NOT_LAUNCHED, f"{where}: no profile of the forward came back"
         )
-      v = runtime_check.judge(done.evidence, self.device.type, self.job.kernel_names, strictness)
-      if v.kind is not FailureKind.OK:
-        raise Verdict(v.kind, v.reason)
-    return c
+      else:
+        runtime = runtime_check.judge(
+          done.evidence, self.device.type, self.job.kernel_names, strictness
+        )
+    return c, runtime
 
   def _local(self, view: torch.Tensor) -> torch.Tensor:
     """A buffer view as a tensor on the checker's device (host staging: copied over)."""
