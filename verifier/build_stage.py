@@ -18,7 +18,7 @@ from verifier.channel import ChannelClosed, ProtocolError
 from verifier.contract import FailureKind, VerifyRequest
 from verifier.pool import Slots, WorkerPool
 from verifier.records import BuildJob, BuildProgress, BuildReport
-from verifier.sandbox import WorkerStartError
+from verifier.sandbox import WorkerStartError, describe_exit
 from verifier.single_flight import SingleFlight
 
 
@@ -130,10 +130,8 @@ class BuildStage:
             seconds=time.monotonic() - t0,
           )
         except (ChannelClosed, ProtocolError) as e:
-          worker.kill()
-          await worker.wait_exited()
-          rc = await worker.returncode()
-          how = f"killed by signal {-rc}" if rc is not None and rc < 0 else f"exit status {rc}"
+          rc = await worker.ended(grace_s=2.0)
+          how = describe_exit(rc)
           return BuildOutcome(
             FailureKind.CRASH,
             f"build stage: the worker ended while {phase} ({how}; {type(e).__name__})",

@@ -90,11 +90,42 @@ def isolate_network() -> list[str]:
   return []
 
 
+def _wait_status(pid: int) -> int:
+  while True:
+    try:
+      return os.waitpid(pid, 0)[1]
+    except InterruptedError:
+      continue
+
+
+def _mirror(code: str) -> None:
+  """End this process the way the worker ended: ``"signal N"`` or ``"exit N"``."""
+  how, _, n = code.partition(" ")
+  if how == "signal" and n.isdigit():
+    sig = int(n)
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):
+      signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+  os._exit(int(n) if how == "exit" and n.isdigit() else 70)
+
+
+def _describe(status: int) -> str:
+  if os.WIFSIGNALED(status):
+    return f"signal {os.WTERMSIG(status)}"
+  return f"exit {os.WEXITSTATUS(status) if os.WIFEXITED(status) else 70}"
+
+
 def enter_pid_namespace(report_fd: int = -1, child_only: tuple[int, ...] = ()) -> list[str]:
-  """Fork into a fresh PID namespace. Returns only in the child (PID 1 there); the parent waits for it,
-  exits with the same status (re-raising its signal) and never returns. The child's PID as seen from
-  outside is written to ``report_fd`` (then closed) when given. Where the kernel refuses, returns in this
-  process with a note (and reports its own PID). ``child_only``: descriptors the waiter closes."""
+  """Move the rest of this worker into a fresh PID namespace. Returns only in the worker.
+
+  Three processes: this one stays behind as a waiter in the fork server's namespace; its child is PID 1
+  of the new namespace, a tiny init that reaps orphans and waits for the worker; the worker (PID 2) is
+  the grandchild, so it gets ordinary signal semantics (PID 1 ignores signals it sends itself, so
+  ``abort()`` would turn into SIGSEGV). When the worker ends, the init reports how and exits, which makes
+  the kernel kill everything left in the namespace; the waiter then ends the same way as the worker. The
+  init's PID as seen from outside (the process to kill to end the sandbox) is written to ``report_fd``.
+  ``child_only``: descriptors only the worker keeps. Where the kernel refuses a PID namespace, returns in
+  this process with a note (and reports its own PID)."""
 
   def report(pid: int) -> None:
     if report_fd >= 0:
@@ -108,37 +139,42 @@ def enter_pid_namespace(report_fd: int = -1, child_only: tuple[int, ...] = ()) -
       + _errno_text("unshare")
       + "); descendants may outlive the check"
     ]
-  r, w = os.pipe()
-  pid = os.fork()
-  if pid == 0:
-    os.close(w)
+  status_r, status_w = os.pipe()
+  init = os.fork()
+  if init == 0:
+    os.close(status_r)
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.read(r, 1) != b"1":  # the waiter is ready (and alive: PDEATHSIG covers the rest)
-      os._exit(70)
-    os.close(r)
-    if report_fd >= 0:
-      os.close(report_fd)
-    return []
-  os.close(r)
-  report(pid)
+    worker = os.fork()
+    if worker == 0:
+      os.close(status_w)
+      _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+      if report_fd >= 0:
+        os.close(report_fd)
+      return []
+    for fd in (*child_only, report_fd):
+      if fd >= 0:
+        os.close(fd)
+    while True:  # reap orphans until the worker itself ends
+      try:
+        pid, status = os.waitpid(-1, 0)
+      except InterruptedError:
+        continue
+      except ChildProcessError:
+        os._exit(70)
+      if pid == worker:
+        break
+    os.write(status_w, _describe(status).encode())
+    os._exit(0)  # the namespace goes with its init
+  os.close(status_w)
+  report(init)
   for fd in child_only:
     os.close(fd)
-  # The waiter: keeps only what it needs, forwards termination, mirrors the child's exit.
   for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-    signal.signal(s, lambda signum, frame: os.kill(pid, signal.SIGKILL))
-  os.write(w, b"1")
-  os.close(w)
-  while True:
-    try:
-      _, status = os.waitpid(pid, 0)
-      break
-    except InterruptedError:
-      continue
-  if os.WIFSIGNALED(status):
-    sig = os.WTERMSIG(status)
-    signal.signal(sig, signal.SIG_DFL)
-    os.kill(os.getpid(), sig)
-  os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 70)
+    signal.signal(s, lambda signum, frame: os.kill(init, signal.SIGKILL))
+  status = _wait_status(init)
+  code = os.read(status_r, 64).decode(errors="replace")
+  _mirror(code or _describe(status))
+  os._exit(70)
 
 
 def _mount_setattr(path: str, set_bits: int, clear_bits: int) -> int:

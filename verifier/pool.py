@@ -221,6 +221,7 @@ class DevicePool:
     self.candidates = WorkerPool(cfg)
     self.checkers = CheckerPool(cfg, cfg.slots)
     self.jobs_done = 0
+    self.running: dict[str, tuple[Worker, CheckerClient]] = {}  # job id -> its worker and checker
 
   @property
   def free_slots(self) -> int:

@@ -96,6 +96,8 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
     checker = await pool.checkers.take(ref_key)
     stage = {"name": "start"}
     healthy = True
+    report = None
+    pool.running[job.job_id] = (worker, checker)
     try:
       sock = worker.chan.detach()
       check = asyncio.ensure_future(checker.check(job, sock, lambda name: stage.update(name=name)))
@@ -124,9 +126,13 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
         check.cancel()
         checker_error = f"no report {30} s after the candidate was stopped"
     finally:
-      worker.kill()
-      await worker.wait_exited()
-      rc = await worker.returncode()
+      pool.running.pop(job.job_id, None)
+      if report is None or report.candidate_gone:
+        rc = await worker.ended(grace_s=2.0)  # it may still be unwinding a crash: let it finish
+      else:
+        worker.kill()
+        await worker.wait_exited()
+        rc = await worker.returncode()
       logs = worker.read_log()
       worker.discard()
     if report is None:

@@ -106,6 +106,17 @@ def process_tree_rss_mb(root: int) -> float:
   return total / (1 << 20)
 
 
+def describe_exit(rc: int | None) -> str:
+  if rc is None:
+    return "exit status unknown"
+  if rc < 0:
+    try:
+      return f"killed by {signal.Signals(-rc).name}"
+    except ValueError:
+      return f"killed by signal {-rc}"
+  return f"exit status {rc}"
+
+
 def _pidfd(pid: int) -> int:
   try:
     return os.pidfd_open(pid)
@@ -186,6 +197,16 @@ class Worker:
 
   async def returncode(self, timeout_s: float = 2.0) -> int | None:
     return await self.server.returncode(self.pid, timeout_s)
+
+  async def ended(self, grace_s: float) -> int | None:
+    """How the worker ended: give it ``grace_s`` to finish on its own (a crash still unwinding), then kill
+    it; returns its exit status (negative: the signal)."""
+    try:
+      await asyncio.wait_for(self.wait_exited(), grace_s)
+    except asyncio.TimeoutError:
+      self.kill()
+      await self.wait_exited()
+    return await self.returncode()
 
   def kill(self, why: str = "") -> None:
     """Kill the worker's PID namespace (and its waiter)."""

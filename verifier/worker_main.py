@@ -77,10 +77,10 @@ def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str
     faulthandler.enable()
     os.environ.clear()
     os.environ.update(req.env)
-    os.chdir(req.scratch)
     if req.mem_mb > 0 and not (req.role == "candidate" and device == "cuda"):
       confine.apply_limits(req.mem_mb, limit_address_space=True)
     notes += confine.confine(confine.SandboxSpec(writable=req.writable, readable=req.readable))
+    os.chdir(req.scratch)  # after the remount: the writable bind, not the read-only original
     mark("startup_fork")
     chan = Channel(socket.socket(fileno=chan_fd))
     if req.role == "candidate":
