@@ -65,6 +65,7 @@ class Channel:
   def __init__(self, sock: socket.socket, max_bytes: int = DEFAULT_MAX_BYTES):
     sock.setblocking(True)
     self.sock, self.max_bytes = sock, max_bytes
+    self.broken = ""  # after an invalid frame the stream is out of step: nothing more is read
 
   @classmethod
   def from_fd(cls, fd: int, max_bytes: int = DEFAULT_MAX_BYTES) -> "Channel":
@@ -113,7 +114,10 @@ class Channel:
     return bytes(buf)
 
   def recv(self, *expected: type, timeout: float | None = None, max_fds: int = 0):
-    """One record (of one of ``expected`` types when given) and the descriptors sent with it."""
+    """One record (of one of ``expected`` types when given) and the descriptors sent with it. After a
+    ``ProtocolError`` the channel is out of step and refuses every later frame."""
+    if self.broken:
+      raise ProtocolError(f"channel unusable after an earlier invalid frame ({self.broken})")
     deadline = None if timeout is None else time.monotonic() + timeout
     fds: list[int] = []
     head = b""
@@ -144,6 +148,10 @@ class Channel:
           f"frame carries {len(fds)} descriptors (announced {n_fds}, allowed {max_fds})"
         )
       rec = decode(self._read_exact(length, deadline), expected)
+    except ProtocolError as e:
+      _close_all(fds)
+      self.broken = str(e)[:200]
+      raise
     except BaseException:
       _close_all(fds)
       raise

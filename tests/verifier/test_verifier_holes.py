@@ -7,6 +7,7 @@ One module-scoped service; the candidates share one pybind11-only extension (bui
 
 import asyncio
 import dataclasses
+import logging
 import os
 import signal
 import time
@@ -248,3 +249,16 @@ def test_killed_from_outside_is_retried_and_never_blamed_on_the_candidate(servic
     r.logs[-1500:],
   )
   assert svc.metrics.infrastructure_retries == before + 1
+
+
+def test_each_request_logs_one_info_line(service, caplog):
+  with caplog.at_level(logging.INFO, logger="verifier.service"):
+    (r,) = _verify(service, _req("logged-once", holes.GOOD + "\n# logged\n"))
+  lines = [rec.getMessage() for rec in caplog.records if "logged-once" in rec.getMessage()]
+  assert r.reward == 1.0 and len(lines) == 1
+  assert "task holes" in lines[0] and "OK in" in lines[0] and lines[0].endswith(" s")
+
+
+def test_workers_are_forked_with_torch_imported(service):
+  phases = service[1].metrics.snapshot()["run_phase_mean_s"]
+  assert "startup_fork" in phases and "startup_import_torch" not in phases
