@@ -1,8 +1,10 @@
 """Memory-aware admission to a shared GPU: how many of its slots a run of a given reference holds.
 
-The first run of a reference reports its GPU peak (measured by the checker around the golden forwards);
-runs of the same reference that arrive meanwhile wait for it, later ones hold slots in proportion
-(``admission_units``). Until a peak is known a run holds one slot.
+The first run of a reference reports the checker's GPU peak over the job (reference instances, the trial
+being judged, trial 0 kept, input clones); the candidate's process holds about one more copy of the
+inputs and outputs, so a run needs about ``CHECKER_PEAK_FACTOR`` times that peak plus a CUDA context
+per process. Runs of the same reference that arrive meanwhile wait for that first run; later ones hold
+slots in proportion (``admission_units``). A larger peak seen later (an OOM retry) raises the estimate.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import math
 
 GiB = 1 << 30
+CHECKER_PEAK_FACTOR = 2.0
 
 
 def admission_units(
@@ -45,11 +48,16 @@ class MemoryAdmission:
     return probe.result(), False
 
   def learned(self, key: str, peak_bytes: int, total_bytes: int, slots: int) -> None:
-    """The measuring run's result; without a peak (it never got that far) the next run measures again."""
+    """A run's measured peak. The measuring run's result settles the waiters (without a peak, the next
+    run measures again); a later, larger one raises the estimate."""
     probe = self.known.get(key)
-    units = admission_units(peak_bytes, total_bytes, slots) if peak_bytes else 0
+    units = (
+      admission_units(peak_bytes, total_bytes, slots, factor=CHECKER_PEAK_FACTOR)
+      if peak_bytes
+      else 0
+    )
     if probe is None or probe.done():
-      if units:
+      if units and (probe is None or units > probe.result()):
         fut = asyncio.get_running_loop().create_future()
         fut.set_result(units)
         self.known[key] = fut

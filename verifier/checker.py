@@ -38,7 +38,7 @@ from verifier.records import (
   TimeDone,
   TimeRequest,
 )
-from verifier.reference import ReferenceTask
+from verifier.reference import ReferenceTask, TrialStream
 
 GRACE_S = (
   5.0  # the checker waits a little past the request's limit; the service kills the candidate
@@ -65,8 +65,10 @@ class Check:
     cand: Channel,
     stage,
     use_device_buffers: bool,
+    keep_bytes: int = 0,
   ):
     self.job, self.task, self.cand, self.stage_cb = job, task, cand, stage
+    self.trials = TrialStream(task, keep_bytes)
     self.opts = job.options
     self.device = task.device
     self.buffers = exchange.BufferSet(
@@ -76,7 +78,6 @@ class Check:
     self.calls = 0
     self.report: dict = {
       "job_id": job.job_id,
-      "ref_peak_bytes": task.peak_bytes,
       "reference_stateful": task.stateful,
       "device_name": torch.cuda.get_device_name(0) if self.device.type == "cuda" else "cpu",
       "gpu_total_bytes": (
@@ -146,6 +147,7 @@ class Check:
       self.report["stage"] = self.stage_name
       self.stage("")
       self.buffers.close()
+      self.report["phases"].update(self.report.pop("costs", {}))
     try:
       self.cand.send(Shutdown())
     except (ChannelClosed, OSError):
@@ -184,7 +186,9 @@ class Check:
     runtime = None
     for i in range(trials):
       profile = strictness.runtime_check and i == trials - 1
-      c, runtime = self._trial(i, self.task.inputs[i], self.task.golden[i], profile, strictness)
+      inputs, golden = self.trials.trial(i)
+      c, runtime = self._trial(i, inputs, golden, profile, strictness)
+      del inputs, golden
       max_abs, strict_ok = max(max_abs, c.max_abs_diff), strict_ok and c.strict_ok
     self.report.update(correct=True, strict_correct=strict_ok, max_abs_diff=max_abs)
     if runtime is not None and runtime.kind is not FailureKind.OK:
@@ -218,6 +222,7 @@ class Check:
 
   def _forward(self, call_args: list, golden, seed: int, profile: bool, keep: set[int]):
     """One forward in the candidate: returns (ForwardDone, output views, (private, view) input pairs)."""
+    t0 = time.monotonic()
     self.buffers.release_all(keep)
     used: list[int] = []
     pairs: list = []
@@ -230,21 +235,35 @@ class Check:
       torch.cuda.synchronize()
     call = self.calls
     self.calls += 1
+    t1 = time.monotonic()
     self._send(ForwardRequest(call, seed, args, outs, profile=profile), used)
     done = self._recv(ForwardDone)
     if done.call != call:
       raise Verdict(FailureKind.CRASH, f"the candidate answered call {done.call}, expected {call}")
+    # What the separation costs: staging buffers here, and everything around the candidate's forward
+    # in its process (copies in and out, messages) beyond the forward itself.
+    t2 = time.monotonic()
+    forward = min(max(done.wall_s, 0.0), t2 - t1)
+    self._acc("exchange_stage", t1 - t0)
+    self._acc("exchange_round_trip", t2 - t1 - forward)
+    self._acc("candidate_forward", forward)
     return done, outs, pairs
+
+  def _acc(self, name: str, seconds: float) -> None:
+    cost = self.report.setdefault("costs", {})
+    cost[name] = cost.get(name, 0.0) + seconds
 
   def _trial(
     self, i: int, inputs: list, golden, profile: bool, strictness
   ) -> tuple[correctness.Comparison, runtime_check.RuntimeVerdict | None]:
     done, outs, pairs = self._forward(inputs, golden, self.task.seeds[i], profile, set())
     where = f"trial {i}"
+    t0 = time.monotonic()
     which = correctness.mutated([p for p, _ in pairs], [self._local(v) for _, v in pairs])
     if which:
       raise Verdict(FailureKind.INPUT_MUTATION, f"{where}: the candidate modified {which}")
     c = self._compare(golden, done, outs, where)
+    self._acc("compare", time.monotonic() - t0)
     if c.kind is not FailureKind.OK:
       self.report["max_abs_diff"] = c.max_abs_diff
       raise Verdict(c.kind, c.reason)
@@ -314,7 +333,8 @@ class Check:
     opts = self.opts
     self.buffers.release_all()
     used: list[int] = []
-    args = tuple(exchange.send_value(a, self.buffers, used) for a in self.task.inputs[0])
+    inputs0, _ = self.trials.trial(0)
+    args = tuple(exchange.send_value(a, self.buffers, used) for a in inputs0)
     if self.device.type == "cuda":
       torch.cuda.synchronize()
     self._send(TimeRequest(args, opts.num_warmup, opts.num_perf_trials, self.task.seeds[0]), used)
@@ -322,7 +342,7 @@ class Check:
     done = self._recv(TimeDone)
     wall = time.monotonic() - t0
     calls = timing.TimedCalls(done.warmup_ms, done.trial_ms)
-    overhead = self.task.harness_overhead_ms()
+    overhead = self.task.harness_overhead_ms(inputs0)
     p = timing.plausible(calls, wall, overhead, opts.num_perf_trials, opts.num_warmup)
     if not p.ok:
       raise Verdict(FailureKind.TIMING_MISMATCH, p.reason)
@@ -336,17 +356,15 @@ class Check:
       if opts.compile_baseline:
         model = torch.compile(model)
       baseline = timing.time_forward(
-        model, self.task.inputs[0], self.device, opts.num_perf_trials, opts.num_warmup
+        model, inputs0, self.device, opts.num_perf_trials, opts.num_warmup
       )
       del model
       self.report["baseline_measured"] = True
     self.report["baseline"] = baseline
     # Re-check trial 0 after the timing loop (state- or cache-based cheats), in lock-step.
     self.stage("recheck")
-    expected = self.task.expected_after(self.calls - self.opts.num_correct_trials)
-    done, outs, pairs = self._forward(
-      self.task.inputs[0], expected, self.task.seeds[0], False, set()
-    )
+    expected = self.trials.expected_after(self.calls - self.opts.num_correct_trials)
+    done, outs, pairs = self._forward(inputs0, expected, self.task.seeds[0], False, set())
     c = self._compare(expected, done, outs, "trial 0 re-checked after timing")
     if c.kind is not FailureKind.OK:
       self.report["correct"] = False

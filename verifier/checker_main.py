@@ -115,6 +115,8 @@ class CheckerProcess:
     from verifier.reference import ReferenceFailure, ReferenceTask, task_key
 
     self.state.restore()
+    if self.device.type == "cuda":
+      torch.cuda.reset_peak_memory_stats()
     o = job.options
 
     def stage(name: str) -> None:
@@ -137,10 +139,12 @@ class CheckerProcess:
         except ReferenceFailure as e:
           return CheckReport(job.job_id, FailureKind.REFERENCE_ERROR, str(e), stage="reference")
         reference_s = time.monotonic() - t0
-        self.cache.put(task)
-      report = checker.check(job, task, cand, stage, use_device_buffers=True)
+      report = checker.check(
+        job, task, cand, stage, use_device_buffers=True, keep_bytes=self.cache.max_bytes
+      )
       phases = dict(report.phases, reference=reference_s, reference_cached=float(reference_s == 0))
-      return dataclasses.replace(report, phases=phases)
+      peak = int(torch.cuda.max_memory_allocated()) if self.device.type == "cuda" else 0
+      return dataclasses.replace(report, phases=phases, ref_peak_bytes=peak)
     except BaseException as e:  # noqa: BLE001 - this process's own failure, never the candidate's
       if _is_oom(e):
         self.cache.clear()
@@ -158,6 +162,8 @@ class CheckerProcess:
         infrastructure=True,
       )
     finally:
+      if task is not None:
+        self.cache.put(task)  # after the job: its kept trials count against the budget
       task = None
       gc.collect()
       correctness.empty_caches(self.device)

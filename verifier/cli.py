@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     "--budget-s", type=float, default=540, help="skip later phases past this many seconds"
   )
   b.add_argument("--skip-stock", action="store_true", help="skip the stock load_inline measurement")
-  b.add_argument("--phases", default="stock,single,compile,gpu_dice,gpu_level1")
+  b.add_argument("--phases", default="stock,single,compile,dice_e2e,gpu_level1,identity")
   b.add_argument("--offset", type=int, default=0, help="first DICE candidate to use")
   _service_args(b)
   a = p.parse_args(argv)

@@ -268,7 +268,10 @@ def landlock(spec: SandboxSpec) -> list[str]:
   notes = []
   read = LL_EXECUTE | LL_READ_FILE | LL_READ_DIR
   device = LL_READ_FILE | LL_WRITE_FILE | LL_READ_DIR | (LL_IOCTL_DEV if abi >= 5 else 0)
-  rules = [(p, read) for p in toolchain_paths() + list(spec.readable)]
+  # The build cache is readable file by file (a worker opens the entries its own sources name) but not
+  # listable, so a candidate cannot find and load another candidate's extension.
+  rules = [(p, read) for p in toolchain_paths()]
+  rules += [(p, LL_EXECUTE | LL_READ_FILE) for p in spec.readable]
   rules += [
     ("/dev", device),
     ("/proc", LL_READ_FILE | LL_READ_DIR),

@@ -3,11 +3,12 @@
 Lock-step: golden output ``k`` is what a fresh reference instance (built under the task seed, like the
 candidate's ``ModelNew``) returns on its ``k``-th forward, trial ``k``'s inputs, so a reference that
 updates its own state on every forward (a recurrent hidden state kept on the module) is compared with a
-candidate stepped the same number of times. Before any candidate code runs, a second fresh instance must
-reproduce golden output 0 within the request's tolerance (else the reference is not deterministic and
-cannot judge anyone: REFERENCE_ERROR), and a second forward of it on the same inputs tells whether the
-reference is stateful. The checker keeps a few tasks in memory (``TaskCache``) so an RL group of
-candidates for one task pays for the reference once.
+candidate stepped the same number of times. Before any candidate code runs, two fresh instances must
+agree on trial 0 within the request's tolerance (else the reference is not deterministic and cannot judge
+anyone: REFERENCE_ERROR), and a second forward of one of them on the same inputs tells whether the
+reference is stateful. Trials are computed one at a time (level-1 tensors reach gigabytes); a task whose
+trials fit the checker's budget keeps them (``TaskCache``), so an RL group of candidates for one task
+pays for the reference once.
 """
 
 from __future__ import annotations
@@ -54,26 +55,27 @@ def _nbytes(values) -> int:
 
 @dataclasses.dataclass
 class ReferenceTask:
+  """One task's reference: its code, init arguments, trial seeds and, once a job has computed them and
+  they fit the checker's budget, every trial's inputs and golden outputs (``kept``)."""
+
   key: str
   device: torch.device
   seed: int
   namespace: dict
   init_args: list
   seeds: list[int]
-  inputs: list[list]
-  golden: list
   stateful: bool
-  after_trials: (
-    torch.nn.Module | None
-  )  # the golden instance after its forwards (stateful tasks only)
-  peak_bytes: int
-  nbytes: int
+  kept: list[tuple[list, object]] = dataclasses.field(default_factory=list)
+  after_trials: torch.nn.Module | None = None  # the lock-step instance after all trials (stateful)
   overhead_ms: float | None = None
 
   @classmethod
   def load(
     cls, source: str, seed: int, trials: int, device: torch.device, atol: float, rtol: float
   ) -> "ReferenceTask":
+    """Run the reference's own checks before any candidate code: two fresh instances must agree on
+    trial 0 (else it is not deterministic and cannot judge), and a second forward of one of them tells
+    whether it is stateful."""
     key = task_key(source, seed, trials, device.type, atol, rtol)
     try:
       namespace = {"__name__": "reference", "__builtins__": __builtins__}
@@ -83,36 +85,32 @@ class ReferenceTask:
           raise ReferenceFailure(f"reference defines no {name}")
       set_seed(seed)
       init_args = correctness.to_device(list(namespace["get_init_inputs"]()), device)
-      seeds = trial_seeds(seed, trials)
-      if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-      task = cls(key, device, seed, namespace, init_args, seeds, [], [], False, None, 0, 0)
-      inputs = [task.make_inputs(i) for i in range(trials)]
-      model = task.fresh_model()
-      golden = [task.forward(model, inputs[i], i) for i in range(trials)]
+      task = cls(key, device, seed, namespace, init_args, trial_seeds(seed, trials), False)
+      inputs = task.make_inputs(0)
+      first = task.forward(task.fresh_model(), inputs, 0)
       again = task.fresh_model()
-      first = task.forward(again, inputs[0], 0)
-      c = correctness.compare_outputs(golden[0], first, atol, rtol, "a second fresh reference")
+      second = task.forward(again, inputs, 0)
+      c = correctness.compare_outputs(first, second, atol, rtol, "a second fresh reference")
       if c.kind is not FailureKind.OK:
         raise ReferenceFailure(
           f"the reference is not deterministic: {c.reason} (its own two runs disagree, so it cannot "
           "judge a candidate)"
         )
-      second = task.forward(again, inputs[0], 0)
-      stateful = (
-        correctness.compare_outputs(golden[0], second, atol, rtol, "").kind is not FailureKind.OK
+      third = task.forward(again, inputs, 0)
+      task.stateful = (
+        correctness.compare_outputs(first, third, atol, rtol, "").kind is not FailureKind.OK
       )
-      del again, first, second
+      del inputs, first, second, third, again
     except ReferenceFailure:
       raise
     except BaseException as e:  # noqa: BLE001 - reference code may raise anything
       raise ReferenceFailure(f"reference failed: {type(e).__name__}: {str(e)[:3000]}") from None
     correctness.empty_caches(device)
-    task.inputs, task.golden, task.stateful = inputs, golden, stateful
-    task.after_trials = model if stateful else None
-    task.peak_bytes = int(torch.cuda.max_memory_allocated()) if device.type == "cuda" else 0
-    task.nbytes = _nbytes(inputs) + _nbytes(golden)
     return task
+
+  @property
+  def trials(self) -> int:
+    return len(self.seeds)
 
   def make_inputs(self, i: int) -> list:
     # Drawn on the device (torch.device as a context sets the default device of factories): level-1
@@ -134,26 +132,64 @@ class ReferenceTask:
     with torch.no_grad():
       return model(*correctness.clone_args(args))
 
-  def expected_after(self, extra_calls: int):
-    """What the reference returns on trial 0's inputs after its golden forwards and ``extra_calls``
-    more on trial 0's inputs (the candidate's timing calls): the re-check after timing, in lock-step."""
-    if not self.stateful:
-      return self.golden[0]
-    model = copy.deepcopy(self.after_trials)
-    with torch.no_grad():
-      set_seed(self.seeds[0])
-      for _ in range(extra_calls):
-        model(*correctness.clone_args(self.inputs[0]))
-    return self.forward(model, self.inputs[0], 0)
-
-  def harness_overhead_ms(self) -> float:
+  def harness_overhead_ms(self, inputs0: list) -> float:
     if self.overhead_ms is None:
-      self.overhead_ms = timing.harness_overhead_ms(self.inputs[0], self.device)
+      self.overhead_ms = timing.harness_overhead_ms(inputs0, self.device)
     return self.overhead_ms
 
 
+class TrialStream:
+  """One job's walk through a task's trials, in lock-step with the candidate: trial ``k``'s golden output
+  is the ``k``-th forward of one fresh reference instance. Kept trials are replayed; otherwise they are
+  computed one at a time (only trial 0 stays, for the timing and its re-check), and kept for the next
+  job when the whole set fits ``keep_bytes``."""
+
+  def __init__(self, task: ReferenceTask, keep_bytes: int):
+    self.task, self.keep_bytes = task, keep_bytes
+    self.model = None if task.kept else task.fresh_model()
+    self.done: list[tuple[list, object]] = []
+    self.nbytes = 0
+
+  def trial(self, k: int) -> tuple[list, object]:
+    """Trial ``k``'s (inputs, golden output). Trials are asked for in order; trial 0 again at any time."""
+    task = self.task
+    if task.kept:
+      return task.kept[k]
+    if k == 0 and self.done:
+      return self.done[0]
+    if k != len(self.done):
+      raise ValueError(f"trial {k} requested out of order (next is {len(self.done)})")
+    inputs = task.make_inputs(k)
+    golden = task.forward(self.model, inputs, k)
+    self.nbytes += _nbytes(inputs) + _nbytes(golden)
+    self.done.append((inputs, golden))
+    if self.nbytes > self.keep_bytes:  # too big to keep them all: hold trial 0 and the newest only
+      for j in range(1, len(self.done) - 1):
+        self.done[j] = ([], None)
+    elif len(self.done) == task.trials:
+      task.kept = list(self.done)
+      task.after_trials = self.model if task.stateful else None
+    return inputs, golden
+
+  def expected_after(self, extra_calls: int):
+    """What the reference returns on trial 0's inputs after its trials and ``extra_calls`` more on
+    trial 0's inputs (the candidate's timing calls): the re-check after timing, in lock-step."""
+    inputs0, golden0 = self.trial(0)
+    if not self.task.stateful:
+      return golden0
+    model = copy.deepcopy(self.task.after_trials if self.task.kept else self.model)
+    with torch.no_grad():
+      set_seed(self.task.seeds[0])
+      for _ in range(extra_calls):
+        model(*correctness.clone_args(inputs0))
+    return self.task.forward(model, inputs0, 0)
+
+  def kept_bytes(self) -> int:
+    return sum(_nbytes(i) + _nbytes(g) for i, g in self.task.kept)
+
+
 class TaskCache:
-  """The last few tasks, within a byte budget (inputs + golden outputs)."""
+  """The last few tasks (their kept trials count against the byte budget)."""
 
   def __init__(self, max_tasks: int, max_bytes: int):
     self.max_tasks, self.max_bytes = max_tasks, max_bytes
@@ -166,14 +202,15 @@ class TaskCache:
     return task
 
   def put(self, task: ReferenceTask) -> None:
-    if task.nbytes > self.max_bytes or self.max_tasks <= 0:
+    if self.max_tasks <= 0:
       return
     self.tasks[task.key] = task
-    while (
-      len(self.tasks) > self.max_tasks
-      or sum(t.nbytes for t in self.tasks.values()) > self.max_bytes
-    ):
+    self.tasks.move_to_end(task.key)
+    while len(self.tasks) > self.max_tasks or self.nbytes() > self.max_bytes:
       self.tasks.popitem(last=False)
+
+  def nbytes(self) -> int:
+    return sum(_nbytes([x for i, g in t.kept for x in (i, g)]) for t in self.tasks.values())
 
   def clear(self) -> None:
     self.tasks.clear()

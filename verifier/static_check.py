@@ -656,6 +656,12 @@ def _introspection_rules(tree: ast.AST, bound: dict[str, str]) -> Rejection | No
           FailureKind.FORBIDDEN_IMPORT,
           f"calls {target}() (line {line}): file writing and process control are not allowed",
         )
+      if target in ("torch.utils.cpp_extension.load", "torch.ops.load_library"):
+        return Rejection(
+          FailureKind.FORBIDDEN_IMPORT,
+          f"calls {target}() (line {line}): extensions are built from the candidate's own sources "
+          "(load_inline), not from files",
+        )
       if target in ("torch.save", "torch.load", "numpy.save", "numpy.savez", "numpy.load"):
         return Rejection(
           FailureKind.FORBIDDEN_IMPORT, f"calls {target}() (line {line}): no file I/O"

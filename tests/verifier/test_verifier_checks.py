@@ -428,6 +428,13 @@ STATIC_HOLES = [
     "torch.save(",
   ),
   (
+    cases.GOOD.replace(
+      _FWD, "torch.utils.cpp_extension.load('x', ['/cache/k/cuda.cu'])\n        " + _FWD
+    ),
+    FailureKind.FORBIDDEN_IMPORT,
+    "torch.utils.cpp_extension.load(",
+  ),
+  (
     cases.GOOD.replace("import torch\n", "import verifier.candidate_main\nimport torch\n", 1),
     FailureKind.FORBIDDEN_IMPORT,
     "import verifier",
