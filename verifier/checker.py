@@ -376,6 +376,11 @@ class Check:
 
 
 def check(
-  job: RunJob, task: ReferenceTask, cand: Channel, stage, use_device_buffers: bool
+  job: RunJob,
+  task: ReferenceTask,
+  cand: Channel,
+  stage,
+  use_device_buffers: bool,
+  keep_bytes: int = 0,
 ) -> CheckReport:
-  return Check(job, task, cand, stage, use_device_buffers).run()
+  return Check(job, task, cand, stage, use_device_buffers, keep_bytes).run()
