@@ -68,10 +68,6 @@ class TorchState:
       torch.set_num_threads(v["threads"])
 
 
-def _is_oom(e: BaseException) -> bool:
-  return type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower()
-
-
 class CheckerProcess:
   def __init__(self, chan: Channel, device: str, cache_bytes: int, cache_tasks: int):
     import torch
@@ -112,7 +108,7 @@ class CheckerProcess:
     import torch
 
     from verifier import checker, correctness
-    from verifier.reference import ReferenceFailure, ReferenceTask, task_key
+    from verifier.reference import ReferenceFailure, ReferenceTask, is_out_of_memory, task_key
 
     self.state.restore()
     if self.device.type == "cuda":
@@ -137,7 +133,13 @@ class CheckerProcess:
             job.reference_source, o.seed, o.num_correct_trials, self.device, o.atol, o.rtol
           )
         except ReferenceFailure as e:
-          return CheckReport(job.job_id, FailureKind.REFERENCE_ERROR, str(e), stage="reference")
+          return CheckReport(
+            job.job_id,
+            FailureKind.REFERENCE_ERROR,
+            str(e),
+            stage="reference",
+            device_oom=e.out_of_memory,
+          )
         reference_s = time.monotonic() - t0
       report = checker.check(
         job, task, cand, stage, use_device_buffers=True, keep_bytes=self.cache.max_bytes
@@ -146,13 +148,14 @@ class CheckerProcess:
       peak = int(torch.cuda.max_memory_allocated()) if self.device.type == "cuda" else 0
       return dataclasses.replace(report, phases=phases, ref_peak_bytes=peak)
     except BaseException as e:  # noqa: BLE001 - this process's own failure, never the candidate's
-      if _is_oom(e):
+      if is_out_of_memory(e):
         self.cache.clear()
         return CheckReport(
           job.job_id,
           FailureKind.OUT_OF_MEMORY,
           f"the checker ran out of device memory: {str(e)[:500]}",
           stage="checker",
+          device_oom=True,
         )
       return CheckReport(
         job.job_id,

@@ -333,6 +333,9 @@ class CheckReport:
   stage: str = ""
   candidate_gone: bool = False
   infrastructure: bool = False  # the checker's own device or process failed (not the candidate)
+  device_oom: bool = (
+    False  # a device ran out of memory (maybe a shared GPU over-committed: re-run alone)
+  )
   reference_stateful: bool = False
   transport: str = ""
   phases: dict[str, float] = dataclasses.field(default_factory=dict)

@@ -27,6 +27,14 @@ from verifier.contract import FailureKind
 class ReferenceFailure(Exception):
   """The reference itself failed or cannot judge (not the candidate's fault)."""
 
+  def __init__(self, reason: str, out_of_memory: bool = False):
+    super().__init__(reason)
+    self.out_of_memory = out_of_memory
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+  return type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower()
+
 
 def set_seed(seed: int) -> None:
   torch.manual_seed(seed)
@@ -104,7 +112,9 @@ class ReferenceTask:
     except ReferenceFailure:
       raise
     except BaseException as e:  # noqa: BLE001 - reference code may raise anything
-      raise ReferenceFailure(f"reference failed: {type(e).__name__}: {str(e)[:3000]}") from None
+      raise ReferenceFailure(
+        f"reference failed: {type(e).__name__}: {str(e)[:3000]}", is_out_of_memory(e)
+      ) from None
     correctness.empty_caches(device)
     return task
 

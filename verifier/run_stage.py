@@ -33,6 +33,7 @@ class RunOutcome:
   report: CheckReport | None
   logs: str = ""
   infrastructure: bool = False  # not the candidate's doing: retry once
+  limit: str = ""  # a limit the service enforced on the candidate: "timeout" | "memory" | ""
   startup_wait_s: float = 0.0
   startup_phases: dict = dataclasses.field(default_factory=dict)
   sandbox_notes: tuple[str, ...] = ()
@@ -158,6 +159,7 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
       kind,
       reason,
       report,
+      limit=worker.killed_by,
       logs=logs,
       infrastructure=infra,
       startup_wait_s=startup_wait,

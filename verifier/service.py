@@ -130,9 +130,10 @@ def _sha(*parts: str) -> str:
 def _oom(outcome: RunOutcome) -> bool:
   """An out-of-memory that may be the over-commitment of a shared GPU rather than the candidate's fault
   (the host-memory watchdog's kills are the candidate's own)."""
-  if outcome.kind is FailureKind.OUT_OF_MEMORY:
-    return "host memory" not in outcome.reason
-  return outcome.kind is FailureKind.REFERENCE_ERROR and "out of memory" in outcome.reason.lower()
+  if outcome.limit == "memory":
+    return False
+  report = outcome.report
+  return outcome.kind is FailureKind.OUT_OF_MEMORY or bool(report and report.device_oom)
 
 
 class VerifierService:

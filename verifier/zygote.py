@@ -31,6 +31,12 @@ def threads() -> int:
   return len(os.listdir("/proc/self/task"))
 
 
+def cuda_driver_loaded() -> bool:
+  """Whether libcuda is mapped here: CUDA must first be touched after the fork, in each worker."""
+  with open("/proc/self/maps") as f:
+    return "libcuda.so" in f.read()
+
+
 class ForkServer:
   def __init__(self, chan: Channel, device: str, notes: list[str]):
     self.chan, self.device, self.notes = chan, device, notes
@@ -107,6 +113,11 @@ def main(argv=None) -> int:
   p.add_argument("--device", choices=("cuda", "cpu"), required=True)
   p.add_argument("--fd", type=int, required=True, help="this process's channel to the service")
   p.add_argument("--isolate-network", action="store_true")
+  p.add_argument(
+    "--no-preimport",
+    action="store_true",
+    help="do not import the profiler's dependencies here (set when they started a thread)",
+  )
   args = p.parse_args(argv)
 
   confine.apply_limits(0, limit_address_space=False)  # RLIMIT_AS is set per worker
@@ -116,6 +127,23 @@ def main(argv=None) -> int:
 
   import verifier.candidate_main  # noqa: F401 - and with the worker code imported
   import verifier.build_main  # noqa: F401
+
+  if not args.no_preimport:
+    # The first profiled forward imports torch._dynamo (about 5 s); import it once here. If that
+    # started a thread, forking would be unsafe: start over without it.
+    import torch._dynamo  # noqa: F401
+    import torch.profiler  # noqa: F401
+
+    if threads() != 1 or cuda_driver_loaded():
+      print(
+        "profiler imports started a thread or loaded the CUDA driver; restarting without them",
+        file=sys.stderr,
+        flush=True,
+      )
+      os.execv(
+        sys.executable,
+        [sys.executable, "-m", "verifier.zygote", *(argv or sys.argv[1:]), "--no-preimport"],
+      )
 
   chan = Channel(socket.socket(fileno=args.fd))
   ForkServer(chan, args.device, notes).serve()
