@@ -144,7 +144,7 @@ class CheckerProcess:
       report = checker.check(
         job, task, cand, stage, use_device_buffers=True, keep_bytes=self.cache.max_bytes
       )
-      phases = dict(report.phases, reference=reference_s, reference_cached=float(reference_s == 0))
+      phases = dict(report.phases, reference=reference_s)
       peak = int(torch.cuda.max_memory_allocated()) if self.device.type == "cuda" else 0
       return dataclasses.replace(report, phases=phases, ref_peak_bytes=peak)
     except BaseException as e:  # noqa: BLE001 - this process's own failure, never the candidate's

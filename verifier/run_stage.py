@@ -35,6 +35,7 @@ class RunOutcome:
   infrastructure: bool = False  # not the candidate's doing: retry once
   limit: str = ""  # a limit the service enforced on the candidate: "timeout" | "memory" | ""
   startup_wait_s: float = 0.0
+  check_s: float = 0.0  # wall time of the check (the job sent to the checker until its report)
   startup_phases: dict = dataclasses.field(default_factory=dict)
   sandbox_notes: tuple[str, ...] = ()
 
@@ -99,6 +100,7 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
     healthy = True
     report = None
     pool.running[job.job_id] = (worker, checker)
+    t_check = time.monotonic()
     try:
       sock = worker.chan.detach()
       check = asyncio.ensure_future(checker.check(job, sock, lambda name: stage.update(name=name)))
@@ -160,6 +162,7 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
       reason,
       report,
       limit=worker.killed_by,
+      check_s=time.monotonic() - t_check,
       logs=logs,
       infrastructure=infra,
       startup_wait_s=startup_wait,

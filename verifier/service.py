@@ -438,7 +438,7 @@ class VerifierService:
       max_abs_diff=float(report.max_abs_diff) if report else 0.0,
       warnings=warnings,
       compile_s=build.seconds,
-      run_s=sum(v for k, v in phases.items() if not k.startswith(("startup", "worker_"))),
+      run_s=outcome.check_s,
       build_cached=build.cached,
       device_name=report.device_name if report else "",
     )
