@@ -61,8 +61,20 @@ class Slots:
       self.cond.notify_all()
 
 
+# Confinement levels a pool steps down through when its workers cannot start (each step is reported).
+CONFINEMENT_LEVELS = (
+  ("full", True, True),
+  ("without Landlock", True, False),
+  ("without Landlock and the mount namespace", False, False),
+)
+
+
 class WorkerPool:
-  """Workers of one role forked from one fork server, ``prewarm`` of them kept starting."""
+  """Workers of one role forked from one fork server, ``prewarm`` of them kept starting.
+
+  Before prewarming, one worker must start (CUDA context, cuBLAS, the profiler) under full confinement; if
+  it cannot, the pool steps down a level (``CONFINEMENT_LEVELS``) and says so in ``notes``, which every
+  result of the pool carries, rather than failing every candidate."""
 
   def __init__(self, cfg: PoolConfig):
     self.cfg = cfg
@@ -78,6 +90,31 @@ class WorkerPool:
     self.starting: set[asyncio.Task] = set()
     self.closed = False
     self.start_failures = 0
+    self.level = 0
+    self.notes: list[str] = []
+
+  async def self_test(self, timeout_s: float = 300.0) -> None:
+    """Start one worker under each confinement level until one becomes ready."""
+    while True:
+      name = CONFINEMENT_LEVELS[self.level][0]
+      worker = None
+      try:
+        worker = await self.fork()
+        await worker.wait_ready(timeout_s)
+        return
+      except WorkerStartError as e:
+        log = worker.read_log()[-600:] if worker is not None else ""
+        if self.level + 1 >= len(CONFINEMENT_LEVELS):
+          self.notes.append(f"{self.cfg.role} workers do not start even {name}: {e} {log}")
+          return
+        self.level += 1
+        self.notes.append(
+          f"confinement degraded: {self.cfg.role} workers did not start with confinement {name} "
+          f"({e}; log: {log.strip()[-300:]}); now {CONFINEMENT_LEVELS[self.level][0]}"
+        )
+      finally:
+        if worker is not None:
+          worker.discard()
 
   async def fork(self) -> Worker:
     c = self.cfg
@@ -91,6 +128,8 @@ class WorkerPool:
       readable=tuple(p for p in readable if p),
       mem_mb=c.mem_mb,
       warm_profiler=c.warm_profiler,
+      mount_namespace=CONFINEMENT_LEVELS[self.level][1],
+      landlock=CONFINEMENT_LEVELS[self.level][2],
     )
 
   def _refill(self) -> None:
@@ -114,6 +153,8 @@ class WorkerPool:
   async def warm(self, ready_timeout_s: float = 0.0) -> None:
     """Start the pre-started workers; with ``ready_timeout_s``, also wait (up to that long) until they have
     finished starting, so the first jobs do not wait for torch and CUDA start-up."""
+    if self.cfg.prewarm > 0:
+      await self.self_test()
     self._refill()
     if self.starting:
       await asyncio.gather(*self.starting, return_exceptions=True)

@@ -382,6 +382,8 @@ class ForkRequest:
   readable: tuple[str, ...] = ()
   mem_mb: int = 0
   warm_profiler: bool = True
+  mount_namespace: bool = True  # the pool turns these off (with a warning) if workers cannot start
+  landlock: bool = True
 
 
 @record

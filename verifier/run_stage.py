@@ -167,7 +167,7 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
       infrastructure=infra,
       startup_wait_s=startup_wait,
       startup_phases=dict(ready.startup_phases),
-      sandbox_notes=tuple(ready.sandbox_notes),
+      sandbox_notes=tuple(ready.sandbox_notes) + tuple(pool.candidates.notes),
     )
   finally:
     await pool.slots.release(units)

@@ -321,7 +321,15 @@ class ForkServerClient:
         self.reply.set_result(ForkFailed(f"fork server gone: {e}"))
 
   async def fork(
-    self, role: str, *, writable=(), readable=(), mem_mb=0, warm_profiler=True
+    self,
+    role: str,
+    *,
+    writable=(),
+    readable=(),
+    mem_mb=0,
+    warm_profiler=True,
+    mount_namespace=True,
+    landlock=True,
   ) -> Worker:
     """A new worker (its start-up still running; see ``Worker.wait_ready``)."""
     os.makedirs(self.scratch_root, exist_ok=True)
@@ -334,6 +342,8 @@ class ForkServerClient:
       readable=tuple(readable),
       mem_mb=mem_mb,
       warm_profiler=warm_profiler,
+      mount_namespace=mount_namespace,
+      landlock=landlock,
     )
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -42,6 +42,7 @@ def warm_device(device: str, profiler: bool, mark: StartupClock) -> None:
   if device == "cuda":
     torch.cuda.init()
     x = x.cuda()
+    (torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")).sum().item()  # loads cuBLAS
     torch.cuda.synchronize()
     activities.append(ProfilerActivity.CUDA)
     mark("startup_device_context")
@@ -79,7 +80,13 @@ def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str
     os.environ.update(req.env)
     if req.mem_mb > 0 and not (req.role == "candidate" and device == "cuda"):
       confine.apply_limits(req.mem_mb, limit_address_space=True)
-    notes += confine.confine(confine.SandboxSpec(writable=req.writable, readable=req.readable))
+    spec = confine.SandboxSpec(
+      writable=req.writable,
+      readable=req.readable,
+      mount_namespace=req.mount_namespace,
+      landlock=req.landlock,
+    )
+    notes += confine.confine(spec)
     os.chdir(req.scratch)  # after the remount: the writable bind, not the read-only original
     mark("startup_fork")
     chan = Channel(socket.socket(fileno=chan_fd))

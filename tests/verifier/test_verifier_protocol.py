@@ -206,3 +206,38 @@ def test_confinement_layers_on_this_kernel(tmp_path):
   assert "procs=2" in line and (scratch / "ok.txt").exists()
   assert not (tmp_path / "outside.txt").exists()
   assert confine.landlock_abi() >= 1
+
+
+def test_pool_steps_down_confinement_when_workers_cannot_start_and_says_so(tmp_path):
+  from verifier.pool import CONFINEMENT_LEVELS, PoolConfig, WorkerPool
+  from verifier.sandbox import WorkerStartError
+
+  class Worker:
+    def __init__(self, ok):
+      self.ok = ok
+
+    async def wait_ready(self, timeout_s):
+      if not self.ok:
+        raise WorkerStartError("worker 7 did not become ready: ChannelClosed")
+
+    def read_log(self):
+      return "Permission denied: /usr/share/nvidia/x.bin"
+
+    def discard(self):
+      pass
+
+  pool = WorkerPool(PoolConfig(role="candidate", device="cpu", scratch_root=str(tmp_path)))
+  started = []
+
+  async def fork():
+    started.append(CONFINEMENT_LEVELS[pool.level][0])
+    return Worker(ok=pool.level == 1)  # only starts without Landlock
+
+  pool.fork = fork
+  asyncio.run(pool.self_test())
+  assert started == ["full", "without Landlock"] and pool.level == 1
+  assert (
+    len(pool.notes) == 1
+    and "Permission denied" in pool.notes[0]
+    and "now without Landlock" in pool.notes[0]
+  )
