@@ -143,6 +143,8 @@ class Check:
     except CandidateGone:
       kind, reason = FailureKind.CRASH, f"the candidate's process ended during {self.stage_name}"
       self.report["candidate_gone"] = True
+    except exchange.ExchangeError as e:  # the reference's inputs or outputs cannot be exchanged
+      kind, reason = FailureKind.REFERENCE_ERROR, f"reference values cannot be sent: {e}"
     finally:
       self.report["stage"] = self.stage_name
       self.stage("")
