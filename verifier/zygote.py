@@ -16,6 +16,7 @@ pidfd and kills it (its PID namespace) on a limit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import select
 import signal
@@ -27,14 +28,39 @@ from verifier.channel import Channel, ChannelClosed
 from verifier.records import Exited, ForkFailed, Forked, ForkRequest
 
 
+def thread_names() -> list[str]:
+  names = []
+  for tid in sorted(os.listdir("/proc/self/task")):
+    try:
+      with open(f"/proc/self/task/{tid}/comm") as f:
+        names.append(f.read().strip())
+    except OSError:  # the thread ended meanwhile
+      pass
+  return names
+
+
 def threads() -> int:
   return len(os.listdir("/proc/self/task"))
 
 
-def cuda_driver_loaded() -> bool:
-  """Whether libcuda is mapped here: CUDA must first be touched after the fork, in each worker."""
-  with open("/proc/self/maps") as f:
-    return "libcuda.so" in f.read()
+@contextlib.contextmanager
+def no_cuda_probe():
+  """Keeps `torch.cuda.is_available()` from initialising the CUDA driver while modules import.
+
+  torch >= 2.11's `torch.utils.cpp_extension` calls `torch.cuda.is_available()` at import (only to
+  decide whether to print a warning about CUDA_HOME); that runs cuInit, which starts a driver thread
+  and makes every later fork unable to use CUDA. Seen on the H200 host (torch 2.11.0+cu130,
+  2026-11-30): one `cuda...` thread after the import. Inside this block the probe answers True
+  without touching the driver; it is restored on exit, before any worker is forked.
+  """
+  import torch
+
+  real = torch.cuda.is_available
+  torch.cuda.is_available = lambda: True
+  try:
+    yield
+  finally:
+    torch.cuda.is_available = real
 
 
 class ForkServer:
@@ -46,9 +72,11 @@ class ForkServer:
     os.set_blocking(self.wake_r, False)
 
   def fork(self, req: ForkRequest, chan_fd: int):
-    n = threads()
-    if n != 1:
-      return ForkFailed(f"fork server has {n} threads; forking is unsafe")
+    names = thread_names()
+    if len(names) != 1:
+      return ForkFailed(
+        f"fork server has {len(names)} threads ({', '.join(names)}); forking is unsafe"
+      )
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -123,20 +151,23 @@ def main(argv=None) -> int:
   confine.apply_limits(0, limit_address_space=False)  # RLIMIT_AS is set per worker
   notes = confine.isolate_network() if args.isolate_network else []
   import torch  # noqa: F401 - the point of this process: workers start with torch imported
-  import torch.utils.cpp_extension  # noqa: F401 - slow first import (setuptools)
 
-  import verifier.candidate_main  # noqa: F401 - and with the worker code imported
-  import verifier.build_main  # noqa: F401
+  with no_cuda_probe():
+    import torch.utils.cpp_extension  # noqa: F401 - slow first import (setuptools)
+
+    import verifier.candidate_main  # noqa: F401 - and with the worker code imported
+    import verifier.build_main  # noqa: F401
 
   if not args.no_preimport:
     # The first profiled forward imports torch._dynamo (about 5 s); import it once here. If that
     # started a thread, forking would be unsafe: start over without it.
-    import torch._dynamo  # noqa: F401
-    import torch.profiler  # noqa: F401
+    with no_cuda_probe():
+      import torch._dynamo  # noqa: F401
+      import torch.profiler  # noqa: F401
 
-    if threads() != 1 or cuda_driver_loaded():
+    if threads() != 1:
       print(
-        "profiler imports started a thread or loaded the CUDA driver; restarting without them",
+        f"profiler imports started threads ({', '.join(thread_names())}); restarting without them",
         file=sys.stderr,
         flush=True,
       )
@@ -145,6 +176,12 @@ def main(argv=None) -> int:
         [sys.executable, "-m", "verifier.zygote", *(argv or sys.argv[1:]), "--no-preimport"],
       )
 
+  if threads() != 1:  # the worker code's imports started one: no fork could use CUDA safely
+    print(
+      f"fork server: imports started threads ({', '.join(thread_names())}); forking is unsafe",
+      file=sys.stderr,
+      flush=True,
+    )
   chan = Channel(socket.socket(fileno=args.fd))
   ForkServer(chan, args.device, notes).serve()
   return 0

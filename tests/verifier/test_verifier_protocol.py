@@ -241,3 +241,17 @@ def test_pool_steps_down_confinement_when_workers_cannot_start_and_says_so(tmp_p
     and "Permission denied" in pool.notes[0]
     and "now without Landlock" in pool.notes[0]
   )
+
+
+def test_fork_server_imports_keep_torch_from_initialising_cuda():
+  """torch 2.11's cpp_extension import probes CUDA (cuInit: a driver thread, then no fork can use
+  CUDA); the fork server answers the probe itself during its imports and restores it after."""
+  import torch
+
+  from verifier import zygote
+
+  real = torch.cuda.is_available
+  with zygote.no_cuda_probe():
+    assert torch.cuda.is_available() is True
+  assert torch.cuda.is_available is real
+  assert zygote.thread_names() and zygote.threads() == len(zygote.thread_names())
