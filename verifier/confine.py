@@ -198,6 +198,11 @@ def read_only_filesystem(writable: tuple[str, ...]) -> list[str]:
       return notes + [f"bind of {path} refused (" + _errno_text("mount") + "): filesystem writable"]
   if _mount_setattr("/", MOUNT_ATTR_RDONLY, 0) != 0:
     return notes + ["read-only remount refused (" + _errno_text("mount_setattr") + ")"]
+  # The fresh /proc (this PID namespace's own processes) stays writable: the CUDA driver writes under
+  # /proc at cuInit, and fails with cudaErrorOperatingSystem (304) on a read-only /proc (H200 host,
+  # driver 580, 2026-11-30; /dev, /dev/shm and /sys may stay read-only).
+  if _mount_setattr("/proc", 0, MOUNT_ATTR_RDONLY) != 0:
+    notes.append("/proc stays read-only (" + _errno_text("mount_setattr") + "): CUDA cannot start")
   for path in writable:
     if _mount_setattr(path, 0, MOUNT_ATTR_RDONLY) != 0:
       notes.append(f"{path} stays read-only (" + _errno_text("mount_setattr") + ")")
@@ -274,7 +279,7 @@ def landlock(spec: SandboxSpec) -> list[str]:
   rules += [(p, LL_EXECUTE | LL_READ_FILE) for p in spec.readable]
   rules += [
     ("/dev", device),
-    ("/proc", LL_READ_FILE | LL_READ_DIR),
+    ("/proc", LL_READ_FILE | LL_READ_DIR | LL_WRITE_FILE),  # CUDA writes under /proc (above)
     ("/sys", LL_READ_FILE | LL_READ_DIR),
   ]
   rules += [(p, fs) for p in spec.writable]
