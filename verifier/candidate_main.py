@@ -188,11 +188,12 @@ class CandidateRuntime:
   def forward(self, req: ForwardRequest, fds) -> ForwardDone:
     if self.model is None:
       raise _Failed(FailureKind.RUNTIME_ERROR, "forward requested before the model was loaded")
-    self._map(req.new_buffers, fds)
-    views, args = self._args(req.args)
     t0 = time.monotonic()
     evidence = None
-    try:
+    try:  # copying the inputs in can fail too (a full GPU): classified like the forward's own errors
+      self._map(req.new_buffers, fds)
+      views, args = self._args(req.args)
+      t0 = time.monotonic()
       set_seed(req.seed)
       if req.profile:
         evidence, out = runtime_check.collect_evidence(
@@ -254,8 +255,8 @@ class CandidateRuntime:
   def time(self, req: TimeRequest, fds) -> TimeDone:
     if self.model is None:
       raise _Failed(FailureKind.RUNTIME_ERROR, "timing requested before the model was loaded")
-    _, args = self._args(req.args)
     try:
+      _, args = self._args(req.args)
       set_seed(req.seed)
       calls = timing.time_calls(self.model, args, self.device, req.trials, req.warmup)
     except BaseException as e:  # noqa: BLE001
@@ -283,5 +284,6 @@ def run(chan: Channel, device: str, scratch: str) -> None:
     CandidateRuntime(chan, device, scratch).serve()
   except ChannelClosed:
     pass
-  except Exception:  # noqa: BLE001 - our own bug: say so in the log; the checker sees the channel close
-    traceback.print_exc()
+  except Exception:  # our own failure, not the candidate's: the log says why; the worker exits with
+    traceback.print_exc()  # INTERNAL_EXIT so that the service retries instead of blaming the candidate
+    raise

@@ -17,6 +17,10 @@ from typing import Any
 from verifier.contract import FailureKind, Runtime, VerifyOptions
 
 
+# Exit status of a worker whose own code (not the candidate's) failed: the service retries the job.
+INTERNAL_EXIT = 70
+
+
 class RecordError(ValueError):
   """A message that is not a valid record (names the record and the field)."""
 

@@ -18,7 +18,7 @@ import time
 from verifier.channel import ChannelClosed, ProtocolError
 from verifier.contract import FailureKind
 from verifier.pool import DevicePool
-from verifier.records import CheckReport, RunJob
+from verifier.records import INTERNAL_EXIT, CheckReport, RunJob
 from verifier.sandbox import WorkerStartError
 
 MEMORY_POLL_S = 0.25
@@ -72,6 +72,8 @@ def _fate(worker, rc: int | None, stage: str) -> tuple[FailureKind, str, bool]:
     return FailureKind.CRASH, f"worker killed by {sig.name} during {stage}", False
   if rc is None:
     return FailureKind.INTERNAL_ERROR, f"the worker vanished during {stage}", True
+  if rc == INTERNAL_EXIT:
+    return FailureKind.INTERNAL_ERROR, f"the worker's own code failed during {stage}", True
   return (
     FailureKind.CRASH,
     f"worker exited with status {rc} during {stage} without finishing the check",

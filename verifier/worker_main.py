@@ -15,7 +15,7 @@ import time
 
 from verifier import confine
 from verifier.channel import Channel, ChannelClosed
-from verifier.records import ForkRequest, WorkerReady
+from verifier.records import INTERNAL_EXIT, ForkRequest, WorkerReady
 
 LOG_FILE = "worker.log"
 
@@ -107,7 +107,7 @@ def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str
     import traceback
 
     traceback.print_exc()
-    code = 70
+    code = INTERNAL_EXIT
   finally:
     sys.stdout.flush()
     sys.stderr.flush()
