@@ -73,6 +73,15 @@ class Completion:
     return self.response_ids[: self.response_length]
 
 
+def _replicated_on_model_mesh(state):
+  """`NamedSharding(mesh, P())` on the mesh the model's parameters live on, else None."""
+  for leaf in jax.tree.leaves(state):
+    sh = getattr(leaf, "sharding", None)
+    if isinstance(sh, jax.sharding.NamedSharding):
+      return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
+  return None
+
+
 def _bucket(n: int, multiple: int) -> int:
   return max(multiple, -(-n // multiple) * multiple)
 
@@ -84,6 +93,7 @@ class ContinuousSampler:
   prompts are prefilled `prefill_rows` at a time (else one by one), padded to a multiple of
   `prompt_bucket` tokens (one compile per width). `device_bytes`: memory to check the setting
   against before compiling (default: the device's limit; no check where unknown).
+  `compiler_options`: XLA options for the two compiled steps (e.g. from `bench_sampler`).
   """
 
   def __init__(
@@ -96,6 +106,7 @@ class ContinuousSampler:
     prefill_rows: int = 16,
     prompt_bucket: int = 128,
     device_bytes: Optional[int] = None,
+    compiler_options: Optional[dict] = None,
   ):
     cfg.check_model(model.cfg)
     for name, v in (("slots", slots), ("max_prompt_len", max_prompt_len)):
@@ -108,9 +119,12 @@ class ContinuousSampler:
     self.max_prompt_len = max_prompt_len
     b = cfg.block_size
     multiple = cfg.decode_tiles.block_k if flash else 16
-    self.cache_len = max(
-      slots_lib.cache_slots(b, max_prompt_len, cfg.max_new_tokens, multiple),
-      b + _bucket(max_prompt_len, self.prompt_bucket),
+    self.cache_len = _bucket(
+      max(
+        slots_lib.cache_slots(b, max_prompt_len, cfg.max_new_tokens, multiple),
+        b + _bucket(max_prompt_len, self.prompt_bucket),
+      ),
+      multiple,
     )
     self.out_width = slots_lib.out_width(b, cfg.max_new_tokens)
     self.estimate = memory.estimate(
@@ -123,16 +137,33 @@ class ContinuousSampler:
     )
     memory.check_fits(self.estimate, device_bytes, what=f"ContinuousSampler(slots={slots})")
     graphdef, self._state = nnx.split(model)
+
+    def advance(st, sl, cache):
+      sl, cache, finished, fw = slots_lib.advance(nnx.merge(graphdef, st), sl, cache, cfg)
+      return sl, cache, finished, fw, slots_lib.response_lengths(sl, cfg.stop_ids)
+
     self._advance = jax.jit(
-      lambda st, sl, cache: slots_lib.advance(nnx.merge(graphdef, st), sl, cache, cfg),
+      advance,
       donate_argnums=(2,),
+      compiler_options=compiler_options,
     )
-    self._admit = jax.jit(
-      lambda st, sl, cache, rows, prompts, n, new, keys: slots_lib.admit(
-        nnx.merge(graphdef, st), sl, cache, rows, prompts, n, new, keys, cfg
-      ),
-      donate_argnums=(2,),
-    )
+
+    def admit(st, sl, cache, rows, prompts, n, new, keys):
+      model_ = nnx.merge(graphdef, st)
+      return slots_lib.admit(model_, sl, cache, rows, prompts, n, new, keys, cfg)
+
+    self._admit = jax.jit(admit, donate_argnums=(2,), compiler_options=compiler_options)
+    # The initial state is made with the sharding the steps' outputs have (replicated on the
+    # model's mesh), so that the steps see one kind of input and compile once per shape.
+    mask_id = model.cfg.mask_token_id
+
+    def init():
+      return (
+        slots_lib.empty_slots(slots, b, self.out_width, cfg.return_logprobs, mask_id),
+        KVCache.empty(model.cfg, slots, self.cache_len, tiles=cfg.decode_tiles),
+      )
+
+    self._init = jax.jit(init, out_shardings=_replicated_on_model_mesh(self._state))
     self.stats = {}
 
   def _request_arrays(self, reqs: Sequence[Request]):
@@ -179,12 +210,7 @@ class ContinuousSampler:
 
   def run(self, requests: Iterable[Request]) -> Iterator[Completion]:
     """Decodes every request, yielding each `Completion` as soon as its row has stopped."""
-    cfg = self.cfg
-    mask_id = self.model.cfg.mask_token_id
-    sl = slots_lib.empty_slots(
-      self.num_slots, cfg.block_size, self.out_width, cfg.return_logprobs, mask_id
-    )
-    cache = KVCache.empty(self.model.cfg, self.num_slots, self.cache_len, tiles=cfg.decode_tiles)
+    sl, cache = self._init()
     queue = iter(requests)
     free = list(range(self.num_slots))
     owner: dict[int, Request] = {}
@@ -217,13 +243,12 @@ class ContinuousSampler:
         host_s += time.perf_counter() - t0
         break
       # Dispatch the next block, then harvest the rows that finished at the previous one.
-      sl, cache, finished, fw = self._advance(self._state, sl, cache)
+      sl, cache, finished, fw, lengths = self._advance(self._state, sl, cache)
       stats["blocks"] += 1
       host_s += time.perf_counter() - t0
       if pending is not None:
-        done_rows = yield from self._harvest(pending, owner, free, stats)
-        wait_s += done_rows
-      pending = (sl, finished, fw)
+        wait_s += yield from self._harvest(pending, owner, free, stats)
+      pending = (sl, finished, fw, lengths)
     stats["wall_s"] = time.perf_counter() - t_start
     stats["host_s"] = host_s
     stats["wait_s"] = wait_s
@@ -231,29 +256,29 @@ class ContinuousSampler:
 
   def _harvest(self, pending, owner, free, stats):
     """Yields the completions of the rows finished at a dispatched block; returns the seconds
-    spent waiting for that block."""
-    sl, finished, fw = pending
+    spent waiting for that block. Small per-slot arrays come to the host whole (no per-shape
+    gathers to compile)."""
+    sl, finished, fw, lengths = pending
     t0 = time.perf_counter()
     flags = np.asarray(finished)
     waited = time.perf_counter() - t0
     stats["forwards"] += int(fw)
     rows = [int(i) for i in np.nonzero(flags)[0] if int(i) in owner]
     if rows:
-      idx = jnp.asarray(rows, jnp.int32)
-      lengths = slots_lib.response_lengths(sl, self.cfg.stop_ids)
-      fields = dict(
-        out_tokens=sl.out_tokens,
-        out_steps=sl.out_steps,
-        out_logp=sl.out_logp,
-        first_pos=sl.first_pos,
-        steps_used=sl.steps_used,
-        forwards=sl.forwards,
-        length=lengths,
+      host = jax.device_get(
+        dict(
+          out_tokens=sl.out_tokens,
+          out_steps=sl.out_steps,
+          out_logp=sl.out_logp,
+          first_pos=sl.first_pos,
+          steps_used=sl.steps_used,
+          forwards=sl.forwards,
+          length=lengths,
+        )
       )
-      host = jax.device_get({k: v[idx] for k, v in fields.items()})
-      for j, slot in enumerate(rows):
+      for slot in rows:
         req = owner.pop(slot)
         free.append(slot)
         stats["completed"] += 1
-        yield self._completion(req, slot, {k: v[j] for k, v in host.items()})
+        yield self._completion(req, slot, {k: v[slot] for k, v in host.items()})
     return waited
