@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from dice_jax.diffusion import remasking
 from dice_jax.model import masks as masks_lib
-from dice_jax.model.kv_cache import KVCache, _put
+from dice_jax.model.kv_cache import KVCache, put_rows
 
 
 @jax.tree_util.register_dataclass
@@ -261,7 +261,7 @@ def advance(model, slots: Slots, cache: KVCache, cfg):
   budget = (slots.block_pos + b - slots.prompt_len) >= slots.max_new
   finished = live & (hit_stop | budget)
   at = slots.block_pos - slots.first_pos
-  record = lambda out, new: jnp.where(live[:, None], _put(out, new, at, 0), out)
+  record = lambda out, new: jnp.where(live[:, None], put_rows(out, new, at, 0), out)
   steps = jnp.where(gen, slots.block_steps, -1)
   out_logp = slots.out_logp
   if out_logp.shape[1]:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from dice_jax.model.flash_decode import DecodeTiles
 
 
-def _put(buf, new, at, row_axis: int):
+def put_rows(buf, new, at, row_axis: int):
   """Writes `new` into every row b of `buf` (rows on `row_axis`) at offset `at[b]` along the axis
   right after the rows (slots). One scatter in `buf`'s own layout (a vmapped dynamic-update-slice
   would transpose the rows, and XLA then copies the whole buffer back to its layout)."""
@@ -77,11 +77,11 @@ class KVCache:
     at = self.length
     return dataclasses.replace(
       self,
-      k=_put(self.k, k, at, 1),
-      v=_put(self.v, v, at, 1),
-      positions=_put(self.positions, positions, at, 0),
-      segment_ids=_put(self.segment_ids, segment_ids, at, 0),
-      block_ids=_put(self.block_ids, block_ids, at, 0),
+      k=put_rows(self.k, k, at, 1),
+      v=put_rows(self.v, v, at, 1),
+      positions=put_rows(self.positions, positions, at, 0),
+      segment_ids=put_rows(self.segment_ids, segment_ids, at, 0),
+      block_ids=put_rows(self.block_ids, block_ids, at, 0),
       length=self.length + k.shape[2],
     )
 
