@@ -37,12 +37,9 @@ from dice_jax.train.stop import Interrupted, StopSignals
 
 
 def make_loss_fn(cfg: SFTConfig):
-  from dice_jax.diffusion.objective import ObjectiveConfig, block_diffusion_loss
+  from dice_jax.diffusion.objective import block_diffusion_loss
 
-  ocfg = ObjectiveConfig(
-    eps=cfg.eps, per_block_t=cfg.per_block_t, block_alignment=cfg.block_alignment
-  )
-  return lambda model, batch, rng: block_diffusion_loss(model, batch, rng, ocfg)
+  return lambda model, batch, rng: block_diffusion_loss(model, batch, rng, cfg.objective)
 
 
 def model_config(cfg: SFTConfig, init_hf: str | None) -> ModelConfig:
@@ -120,7 +117,8 @@ def prepare(
   check_compatible(
     tok, mcfg, where=f"sft (tokenizer={cfg.tokenizer}, model={init_hf or cfg.model})"
   )
-  sft_data.check_some_fit(samples, tok, cfg.seq_len, mcfg.block_size)
+  cfg.objective.grid.check_model(mcfg, "SFTConfig.objective.grid")
+  sft_data.check_some_fit(samples, tok, cfg.seq_len, cfg.objective.grid)
   logging.info("%d SFT samples; tokenizer %s", len(samples), cfg.tokenizer)
   return mcfg, tok, samples
 
@@ -177,7 +175,7 @@ def _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change) -> dict:
   del model
   logging.info("model and optimizer state built in %.1f s", time.perf_counter() - t0)
 
-  it = sft_data.make_iterator(cfg, samples, tok, mcfg.block_size)
+  it = sft_data.make_iterator(cfg, samples, tok)
   ckpt = ckpt_lib.Checkpointer(
     f"{workdir}/checkpoints",
     save_every=cfg.checkpoint_every,
