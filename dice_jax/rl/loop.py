@@ -26,7 +26,6 @@ import time
 import zlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import nnx
@@ -180,13 +179,6 @@ def load_tasks(cfg: RLConfig) -> list[tasks_lib.KernelTask]:
   if not tasks:
     raise ValueError(f"{path}: no tasks")
   return tasks
-
-
-def sampling_params(params, dtype):
-  """Matrices cast to the compute dtype for the sampler (decoding is bound by weight reads);
-  vectors (norm scales) stay as they are."""
-  cast = lambda x: x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
-  return jax.tree.map(cast, params)
 
 
 # ------------------------------------------------------------------ metrics of one step
@@ -406,7 +398,9 @@ def run_rl(
         groups = rollout_lib.groups_from_stream(
           elements, tokenizer=tok, prompt_tail_chars=cfg.prompt_tail_chars
         )
-        sample_model = nnx.merge(graphdef, sampling_params(state["params"], mcfg.compute_dtype))
+        sample_model = nnx.merge(
+          graphdef, rollout_lib.sampling_params(state["params"], mcfg.compute_dtype)
+        )
         with jax.set_mesh(mesh):
           ro = rollout_lib.collect(
             sample_model,

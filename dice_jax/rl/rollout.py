@@ -8,6 +8,9 @@ service, or a local function for tests) as soon as it is sampled, so verificatio
 sampling of the next groups. Outcomes are joined back to responses by request id (a content hash:
 equal candidates of a task are judged once).
 
+The data stack (`dice_jax.data`: tokenizers, grain) is imported only by the functions that need
+it, so a GPU host can sample and judge without it (`experiments/bench_rl.py`).
+
 Two seams:
 * `SamplerBackend` -- how groups are sampled. `StaticBatches` (today) runs `groups_per_batch`
   groups per `sampler.generate` call with one key per call, derived from (seed, RL step, first
@@ -28,10 +31,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from dice_jax.data import prompts as prompts_lib
 from dice_jax.diffusion import sampler as sampler_lib
 from dice_jax.rl.trajectory import Trajectory, from_sample_output
 from dice_jax.verifier_client import VerifyOutcome, request_id
@@ -64,6 +67,8 @@ def extract_candidate(response: str, rule: str) -> str | None:
   if rule == "dice":
     return extract_first_code_dice(response)
   if rule == "first_block":
+    from dice_jax.data import prompts as prompts_lib  # the data stack only where it is used
+
     return prompts_lib.extract_code(response)
   if rule == "whole_response":
     return response
@@ -84,6 +89,8 @@ class GroupTask:
 
 def user_message(element: dict) -> str:
   """The un-templated user message of an RL stream element (end-to-end or infilling)."""
+  from dice_jax.data import prompts as prompts_lib
+
   if element["kind"] == "infill":
     return prompts_lib.infilling_user_message(
       element["reference_code"], element["prefix"], element["suffix"]
@@ -110,10 +117,22 @@ def groups_from_stream(
       raise ValueError(f"group {g} ({first['task_id']}) is missing members")
     ids = np.asarray(first["prompt_ids"], np.int32)
     if prompt_tail_chars:
+      from dice_jax.data import prompts as prompts_lib
+
       text = prompts_lib.render_user_turn(user_message(first)[-prompt_tail_chars:], tokenizer)
       ids = np.asarray(tokenizer.encode(text), np.int32)
     out.append(GroupTask(g, first["task_id"], ids, first["reference_code"], len(members)))
   return out
+
+
+def sampling_params(params, dtype):
+  """Parameters for the sampler: matrices cast to the compute dtype (decoding is bound by weight
+  reads, and the fp32 masters would double them); vectors (norm scales) stay as they are."""
+
+  def cast(x):
+    return x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
+
+  return jax.tree.map(cast, params)
 
 
 def rollout_key(seed: int, rl_step: int, group: int) -> jax.Array:
