@@ -156,8 +156,15 @@ def step_check(workdir: str) -> dict:
 
 
 def _run(cmd: list[str]) -> None:
+  """Runs a launcher. On CPU, XLA's constant folding of the sampler's prefill (an empty-cache
+  attention over the whole prompt) takes minutes per compile, so the children skip that pass."""
+  env = dict(os.environ)
+  if "constant_folding" not in env.get("XLA_FLAGS", ""):
+    env["XLA_FLAGS"] = (
+      env.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=constant_folding"
+    ).strip()
   print("  $", " ".join(cmd), flush=True)
-  subprocess.run(cmd, check=True)
+  subprocess.run(cmd, check=True, env=env)
 
 
 def step_sft(workdir: str) -> dict:

@@ -121,6 +121,20 @@ def test_run_writes_metrics_samples_and_checkpoints(tmp_path):
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
   again = run_rl(small_config(), str(tmp_path))  # finished: resumes at the end, does nothing
   assert again["rl_step"] == 2
+  # the run directory initialises a next phase (--init_checkpoint): its params and tokenizer
+  import jax
+  from flax import nnx
+
+  from dice_jax.model import Transformer
+  from dice_jax.rl.loop import restore_run_params
+  from dice_jax.train import sharding
+
+  model, mcfg, tok_dir = restore_run_params(str(tmp_path), sharding.make_mesh())
+  assert tok_dir == str(tmp_path / "tokenizer") and mcfg.vocab_size == 264
+  fresh = nnx.state(Transformer(mcfg, rngs=nnx.Rngs(1)), nnx.Param).to_pure_dict()
+  trained = nnx.state(model, nnx.Param).to_pure_dict()
+  diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(abs(a - b).max()), trained, fresh))
+  assert max(diffs) > 0  # updated by RL, not a re-initialisation with the run's seed
 
 
 @pytest.mark.slow

@@ -97,6 +97,26 @@ def test_groups_from_stream_and_prompt_tail(tok):
     rollout.groups_from_stream(bad)
 
 
+def test_infill_prompt_tail_renders_the_infilling_message(tok):
+  task = KernelTask(
+    "inf0",
+    1,
+    "class Model: pass\n",
+    kind="infill",
+    prefix="PREFIX\n",
+    middle="M",
+    suffix="SUFFIX\n",
+  )
+  cfg = RLStreamConfig(group_size=2, tasks_per_step=1, num_steps=1, prompt_style="chat")
+  elements = next_step(iter(make_rl_stream([task], tok, cfg)), cfg)
+  (g,) = rollout.groups_from_stream(elements, tokenizer=tok, prompt_tail_chars=500)
+  msg = prompts.infilling_user_message("class Model: pass\n", "PREFIX\n", "SUFFIX\n")
+  assert "SUFFIX" in msg[-500:]
+  assert tok.decode(g.prompt_ids.tolist()) == prompts.render_user_turn(msg[-500:], tok)
+  (full,) = rollout.groups_from_stream(elements)  # no tail: the stream's own (DICE) prompt
+  assert full.prompt_ids.tolist() == elements[0]["prompt_ids"].tolist()
+
+
 class _Recorder:
   """Wraps a backend and a judge function, recording the order of sampler calls and verdicts."""
 
