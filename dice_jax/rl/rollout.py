@@ -309,11 +309,12 @@ def collect(
       traj.task_id, traj.group, traj.member = task.task_id, task.group, member
       text = response_text(traj, tokenizer)
       cand = extract_candidate(text, extraction)
-      if cand is None:
+      if cand is None or not cand.strip():  # nothing to judge (the service refuses empty code)
         rid = request_id(task.task_id, task.reference, "", {"no_code": True})
         local[rid] = VerifyOutcome(
-          rid, task.task_id, False, False, False, 0.0, NO_CODE, "no fenced code block"
+          rid, task.task_id, False, False, False, 0.0, NO_CODE, "no code in the response"
         )
+        cand = None
       else:
         rid = request_id(task.task_id, task.reference, cand)
         if rid not in pending:

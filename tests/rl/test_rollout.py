@@ -161,10 +161,13 @@ def test_collect_judges_each_group_while_the_next_samples_and_joins_by_request_i
   # a verdict for group 0 was asked for before group 2 was sampled: judging overlaps sampling
   first_judged = rec.events.index(("judged", "t0"))
   assert first_judged < rec.events.index(("sampled", 2))
-  expected = [float(sum(c.encode()) % 2 == 0) for c in r.candidates]
+  # an empty response is no code (judged locally, never sent); the rest by the toy verdict
+  expected = [0.0 if c is None else float(sum(c.encode()) % 2 == 0) for c in r.candidates]
   assert r.rewards.tolist() == expected and 0 < sum(expected) < 12
+  assert all((c is None) == (not t) for c, t in zip(r.candidates, r.responses))
   assert [o.task_id for o in r.outcomes] == [t.task_id for t in r.trajectories]
-  assert r.judge_requests == len({(t.task_id, c) for t, c in zip(r.trajectories, r.candidates)})
+  sent = {(t.task_id, c) for t, c in zip(r.trajectories, r.candidates) if c is not None}
+  assert r.judge_requests == len(sent)
   assert r.responses == [rollout.response_text(t, tok) for t in r.trajectories]
   assert r.generated_tokens == sum(t.response_ids.size for t in r.trajectories)
   assert r.forwards > 0 and r.steps_used >= r.generated_tokens // 4
