@@ -25,18 +25,26 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 from absl import app, flags
 
 FLAGS = flags.FLAGS
 OPS_NAMES = ("relu", "square", "triple")
 flags.DEFINE_string("workdir", "/tmp/rl_signal", "where everything is written")
-flags.DEFINE_list("steps", ["data", "check", "sft", "rl", "plot"], "steps to run, in order")
+flags.DEFINE_list(
+  "steps",
+  ["data", "check", "sft", "eval_before", "rl", "eval_after", "plot"],
+  "steps to run, in order",
+)
 flags.DEFINE_list("ops", ["relu"], f"problems (of {sorted(OPS_NAMES)})")
 flags.DEFINE_integer(
   "prompt_tail_chars", 0, "characters of the user message kept (0: 64 for one problem, else 390)"
 )
 flags.DEFINE_integer("sft_steps", 400, "SFT optimizer steps")
 flags.DEFINE_integer("rl_steps", 12, "BiC-RL steps")
+flags.DEFINE_integer("rl_group_size", 16, "samples per task in an RL step")
+flags.DEFINE_integer("rl_tasks_per_step", 1, "groups per RL step (CPU time: 1 x 16 samples)")
+flags.DEFINE_float("rl_learning_rate", 1e-3, "BiC-RL learning rate (a small model)")
 flags.DEFINE_multi_string("rl_set", [], "extra --set overrides for the RL launcher")
 flags.DEFINE_string("png", "", "where the plot goes (default: WORKDIR/rl_signal.png)")
 
@@ -213,10 +221,78 @@ def step_rl(workdir: str) -> dict:
       f"--set=e2e_tasks={p['tasks']}",
       f"--set=prompt_tail_chars={tail_chars()}",
       f"--set=stream.num_steps={FLAGS.rl_steps}",
+      f"--set=stream.group_size={FLAGS.rl_group_size}",
+      f"--set=stream.tasks_per_step={FLAGS.rl_tasks_per_step}",
+      f"--set=rows_per_update={FLAGS.rl_group_size * FLAGS.rl_tasks_per_step}",
+      "--set=accum_steps=4",
+      f"--set=optim.learning_rate={FLAGS.rl_learning_rate}",
       *[f"--set={s}" for s in FLAGS.rl_set],
     ]
   )
   return step_plot(workdir, quiet=True)
+
+
+def evaluate(run_dir: str, workdir: str, label: str) -> dict:
+  """The correct fraction over 64 samples (4 groups x 16 of the problems, fixed keys) of a run's
+  latest checkpoint, judged by the CPU verifier; written to WORKDIR/eval_{label}.json."""
+  import dataclasses
+
+  from dice_jax.data import prompts
+  from dice_jax.data.tokenizer import Tokenizer
+  from dice_jax.rl import rewards, rollout
+  from dice_jax.rl.loop import restore_run_params
+  from dice_jax.train import sharding
+  from dice_jax.verifier_client import VerifierClient
+  from experiments.configs import rl_tiny
+  from verifier.local import LocalVerifier
+
+  model, mcfg, tok_dir = restore_run_params(run_dir, sharding.make_mesh())
+  tok = Tokenizer.from_dir(tok_dir)
+  groups = []
+  for g in range(4):
+    name = FLAGS.ops[g % len(FLAGS.ops)]
+    ref = REFERENCE.format(expr=OPS[name][0])
+    text = prompts.render_user_turn(prompts.e2e_user_message(ref)[-tail_chars() :], tok)
+    groups.append(rollout.GroupTask(g, name, np.asarray(tok.encode(text), np.int32), ref, 16))
+  scfg = dataclasses.replace(
+    rl_tiny.get_config().sampler, stop_ids=tuple(tok.stop_token_ids), pad_id=mcfg.pad_token_id
+  )
+  with LocalVerifier(os.path.join(paths(workdir)["rl_dir"], "verifier"), device="cpu") as v:
+    with VerifierClient(v.address, options={"num_correct_trials": 1}, token="") as client:
+      client.wait_ready(120)
+      ro = rollout.collect(
+        model,
+        groups,
+        backend=rollout.StaticBatches(scfg, groups_per_batch=4, seed=20261130),
+        judge=client,
+        tokenizer=tok,
+        reward_fn=rewards.make_reward("binary"),
+        rl_step=0,
+        extraction="dice",
+      )
+  kinds: dict[str, int] = {}
+  for o in ro.outcomes:
+    kinds[o.failure_kind] = kinds.get(o.failure_kind, 0) + 1
+  res = {
+    "run": run_dir,
+    "samples": len(ro.outcomes),
+    "correct": int(ro.rewards.sum()),
+    "correct_rate": float(ro.rewards.mean()),
+    "failure_kinds": kinds,
+    "unique_candidates": ro.judge_requests,
+  }
+  with open(os.path.join(workdir, f"eval_{label}.json"), "w") as f:
+    json.dump(res, f, indent=2)
+  print(f"  {label}: {res['correct']}/{res['samples']} correct; outcomes {kinds}")
+  return res
+
+
+def step_eval_before(workdir: str) -> dict:
+  return evaluate(paths(workdir)["sft_dir"], workdir, "before")
+
+
+def step_eval_after(workdir: str) -> dict:
+  return evaluate(paths(workdir)["rl_dir"], workdir, "after")
 
 
 def step_plot(workdir: str, quiet: bool = False) -> dict:
@@ -237,7 +313,8 @@ def step_plot(workdir: str, quiet: bool = False) -> dict:
     ("failure/compile_error", "compile error"),
   ):
     ax.plot(steps, [recs[s].get(key, 0.0) for s in steps], marker=".", alpha=0.7, label=label)
-  ax.set_xlabel("RL step (64 samples each: 4 tasks x 16, sampled before that step's update)")
+  n = int(recs[steps[0]]["samples"])
+  ax.set_xlabel(f"RL step ({n} samples each, drawn before that step's update)")
   ax.set_ylabel("fraction of samples")
   ax.set_ylim(-0.02, 1.02)
   ax.set_title("BiC-RL on CPU against the real verifier (tiny model after SFT)")
@@ -257,13 +334,20 @@ STEPS = {
   "data": step_data,
   "check": step_check,
   "sft": step_sft,
+  "eval_before": step_eval_before,
   "rl": step_rl,
+  "eval_after": step_eval_after,
   "plot": step_plot,
 }
 
 
 def main(argv):
   del argv
+  # This driver samples on CPU in process too (eval steps): skip XLA's constant folding of the
+  # sampler's prefill, as its children do (set before JAX is first imported, in a step).
+  if "constant_folding" not in os.environ.get("XLA_FLAGS", ""):
+    flags_now = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags_now} --xla_disable_hlo_passes=constant_folding".strip()
   os.makedirs(FLAGS.workdir, exist_ok=True)
   summary = {}
   for i, name in enumerate(FLAGS.steps, 1):
