@@ -303,7 +303,7 @@ class _Trainer:
   state: dict
   step_fn: Any
   old_logp_fn: Any
-  backend: rollout_lib.StaticBatches
+  backend: rollout_lib.SamplerBackend
   reward_fn: Any
   stream: Any  # the RL-stream iterator
   start: int  # RL steps already done
@@ -387,11 +387,17 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
     state=state,
     step_fn=step_fn,
     old_logp_fn=old_logp_fn,
-    backend=rollout_lib.StaticBatches(scfg, cfg.groups_per_batch, cfg.seed),
+    backend=make_backend(cfg, scfg),
     reward_fn=rewards_lib.make_reward(cfg.reward, **cfg.reward_options),
     stream=stream,
     start=start,
   )
+
+
+def make_backend(cfg: RLConfig, scfg) -> rollout_lib.SamplerBackend:
+  if cfg.sampler_backend == "continuous":
+    return rollout_lib.ContinuousBatches(scfg, cfg.slots, cfg.max_prompt_len, cfg.seed)
+  return rollout_lib.StaticBatches(scfg, cfg.groups_per_batch, cfg.seed)
 
 
 def _warn_config_changes(saved: dict, now: dict) -> None:

@@ -123,6 +123,10 @@ class _Recorder:
   def __init__(self, backend):
     self.backend, self.events, self.lock = backend, [], threading.Lock()
 
+  @property
+  def forwards(self):
+    return self.backend.forwards
+
   def sample(self, model, groups, rl_step):
     for sg in self.backend.sample(model, groups, rl_step):
       with self.lock:
@@ -176,24 +180,28 @@ def test_collect_judges_each_group_while_the_next_samples_and_joins_by_request_i
     assert np.all(t.sampler_logp[t.loss_mask] <= 0) and t.loss_mask.sum() >= 1
 
 
-def test_keys_depend_on_seed_step_and_group_not_on_reruns(tok, model):
+def _tokens(backend, model, groups, step):
+  return [
+    (sg.task.group, [(t.response_ids.tolist(), t.step_map.tolist()) for t in sg.trajectories])
+    for sg in backend.sample(model, groups, step)
+  ]
+
+
+def test_samples_depend_on_seed_step_group_member_not_on_batching_or_backend(tok, model):
   (groups,) = _groups(tok)
-  backend = rollout.StaticBatches(_sampler(tok), groups_per_batch=3, seed=3)
-
-  def tokens(step, seed_backend=backend):
-    return [
-      t.response_ids.tolist()
-      for sg in seed_backend.sample(model, groups, step)
-      for t in sg.trajectories
-    ]
-
-  a, b, c = tokens(5), tokens(5), tokens(6)
-  assert a == b and a != c
-  other_seed = rollout.StaticBatches(_sampler(tok), groups_per_batch=3, seed=4)
-  assert tokens(5, other_seed) != a
-  k = rollout.rollout_key(3, 5, 0)
+  cfg = _sampler(tok)
+  three = rollout.StaticBatches(cfg, groups_per_batch=3, seed=3)
+  a, again, other_step = (_tokens(three, model, groups, s) for s in (5, 5, 6))
+  assert a == again and a != other_step
+  assert _tokens(rollout.StaticBatches(cfg, 1, seed=3), model, groups, 5) == a
+  assert _tokens(rollout.StaticBatches(cfg, 3, seed=4), model, groups, 5) != a
+  engine = rollout.ContinuousBatches(cfg, slots=5, max_prompt_len=0, seed=3)
+  assert sorted(_tokens(engine, model, groups, 5)) == sorted(a)  # groups may finish out of order
+  assert engine.forwards > 0 and three.forwards > 0
+  k = rollout.sample_key(3, 5, 0, 1)
   assert (
-    jax.random.key_data(k).tolist() == jax.random.key_data(rollout.rollout_key(3, 5, 0)).tolist()
+    jax.random.key_data(k).tolist()
+    == jax.random.key_data(jax.random.fold_in(rollout.rollout_key(3, 5, 0), 1)).tolist()
   )
 
 
