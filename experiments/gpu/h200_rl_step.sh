@@ -22,11 +22,12 @@ XLA_PYTHON_CLIENT_MEM_FRACTION=0.80 timeout 230 python3 -m experiments.bench_rl 
   --verifier=local --rows_per_update=256 --micro_rows=2 --update_steps=2 --out="$OUT" \
   > "$OUT/bench_rl.log" 2>&1; echo "bench_rl exit $?" >> "$OUT/status.txt"
 
-# 2. The sampler alone on one call's shape (128 rows, same prompt, same new tokens, same strategy).
+# 2. The sampler alone on one call's shape (128 rows, same prompt and new tokens; its static run is
+#    greedy low_confidence_static: with random weights no confidence passes 0.9, so the rollout's
+#    low_confidence_dynamic also unmasks one token per forward, the same forwards).
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.90 timeout 55 python3 -m experiments.bench_sampler --config=sdar_1p7b \
-  --batch=128 --prompt_len=$PROMPT --new_tokens=$NEW --strategies=low_confidence_dynamic \
-  --temperature=1.0 --attention_impl=flash --prefill_chunk=16 --out="$OUT/bench_sampler.jsonl" \
-  > "$OUT/bench_sampler.log" 2>&1; echo "bench_sampler exit $?" >> "$OUT/status.txt"
+  --runs=static --batch=128 --prompt_len=$PROMPT --new_tokens=$NEW --prefill_chunk=16 \
+  --out="$OUT/bench_sampler" > "$OUT/bench_sampler.log" 2>&1; echo "bench_sampler exit $?" >> "$OUT/status.txt"
 
 # 3. The train step alone on one micro-batch's token count: TraceRL rows here are 896 + 512 +
 #    4 x 512 = 3456 tokens (random weights decode 1 token per step), bucketed to 4096; bench_train's
@@ -45,7 +46,7 @@ print(json.dumps(rl, indent=1))
 def last(name):
     p = os.path.join(out, name)
     return json.loads(open(p).read().splitlines()[-1]) if os.path.exists(p) else None
-s, t = last("bench_sampler.jsonl"), last("bench_train.jsonl")
+s, t = last("bench_sampler/results.jsonl"), last("bench_train.jsonl")
 if s and "sample_s" in rl:
     expect = rl["sampler_calls"] * s["run_s"]
     print(f"rollout: {rl['sample_s']:.1f} s for {rl['sampler_calls']} calls vs bench_sampler "
