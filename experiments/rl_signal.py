@@ -241,7 +241,7 @@ def evaluate(run_dir: str, workdir: str, label: str) -> dict:
   from dice_jax.data.tokenizer import Tokenizer
   from dice_jax.rl import rewards, rollout
   from dice_jax.rl.loop import restore_run_params
-  from dice_jax.train import sharding
+  from dice_jax import sharding
   from dice_jax.verifier_client import VerifierClient
   from experiments.configs import rl_tiny
   from verifier.local import LocalVerifier

@@ -44,7 +44,7 @@ from dice_jax.rl.config import RLConfig
 from dice_jax.train import checkpoint as ckpt_lib
 from dice_jax.train import metrics as metrics_lib
 from dice_jax.train import optimizer as optim_lib
-from dice_jax.train import sharding as sharding_lib
+from dice_jax import sharding as sharding_lib
 from dice_jax.train import train_step as ts
 
 MODEL_CONFIG = "model_config.json"  # the same file the SFT loop writes: run dirs are alike
@@ -136,11 +136,11 @@ def load_tokenizer(cfg: RLConfig, workdir: str, inherited: str | None):
   """(tokenizer, dir): the init run's tokenizer when it has one, else `cfg.tokenizer` ('byte'
   writes the byte tokenizer into the workdir, as SFT does)."""
   from dice_jax.data.tokenizer import Tokenizer
-  from dice_jax.train import sft_data
+  from dice_jax.data import byte_tokenizer
 
   path = inherited or cfg.tokenizer
   if path == "byte":
-    path = sft_data.write_byte_tokenizer(os.path.join(workdir, "tokenizer"))
+    path = byte_tokenizer.write_byte_tokenizer(os.path.join(workdir, "tokenizer"))
   elif inherited and os.path.abspath(path) != os.path.abspath(os.path.join(workdir, "tokenizer")):
     Tokenizer.from_dir(path).save(os.path.join(workdir, "tokenizer"))
   return Tokenizer.from_dir(path), path
@@ -160,9 +160,9 @@ def build_model(
     has_tok = os.path.exists(os.path.join(init_hf, "tokenizer_config.json"))
     return model, mcfg, init_hf if has_tok else None
   if cfg.tokenizer == "byte":
-    from dice_jax.train import sft_data
+    from dice_jax.data import byte_tokenizer
 
-    overrides = {**sft_data.byte_model_overrides(), **overrides}
+    overrides = {**byte_tokenizer.byte_model_overrides(), **overrides}
   mcfg = get_config(cfg.model, **overrides)
   model = sharding_lib.create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), mesh)
   return model, mcfg, None

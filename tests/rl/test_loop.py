@@ -127,7 +127,7 @@ def test_run_writes_metrics_samples_and_checkpoints(tmp_path):
 
   from dice_jax.model import Transformer
   from dice_jax.rl.loop import restore_run_params
-  from dice_jax.train import sharding
+  from dice_jax import sharding
 
   model, mcfg, tok_dir = restore_run_params(str(tmp_path), sharding.make_mesh())
   assert tok_dir == str(tmp_path / "tokenizer") and mcfg.vocab_size == 264

@@ -17,17 +17,19 @@ from dice_jax.data.tokenizer import Tokenizer
 from dice_jax.diffusion.sampler import SamplerConfig
 from dice_jax.model import Transformer, get_config
 from dice_jax.rl import rewards, rollout
-from dice_jax.train import sft_data
+from dice_jax.data import byte_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-  return Tokenizer.from_dir(sft_data.write_byte_tokenizer(str(tmp_path_factory.mktemp("tok"))))
+  return Tokenizer.from_dir(
+    byte_tokenizer.write_byte_tokenizer(str(tmp_path_factory.mktemp("tok")))
+  )
 
 
 @pytest.fixture(scope="module")
 def model():
-  cfg = get_config("tiny", dtype="float32", **sft_data.byte_model_overrides())
+  cfg = get_config("tiny", dtype="float32", **byte_tokenizer.byte_model_overrides())
   return Transformer(cfg, rngs=nnx.Rngs(0))
 
 
