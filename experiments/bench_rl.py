@@ -121,7 +121,8 @@ def main(argv):
   from dice_jax.model import Transformer, get_config
   from dice_jax.rl import rollout, tracerl
   from dice_jax.rl.rewards import make_reward
-  from dice_jax.train import optimizer, sharding
+  from dice_jax import sharding
+  from dice_jax.train import optimizer
   from dice_jax.train import train_step as ts
 
   report = Report(FLAGS.out)
