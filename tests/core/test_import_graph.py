@@ -1,7 +1,8 @@
 """The import graph (parsed with ast, lazy imports inside functions included) has no upward arrow.
 
 Floors of the learner, lowest first; a module may import its own floor and the floors below:
-  0  dice_jax.sharding, dice_jax.atomic, dice_jax.errors   (helpers every floor uses)
+  0  dice_jax.sharding, dice_jax.atomic, dice_jax.errors   (helpers every floor uses), and
+     dice_jax.verifier_client (the learner's one gRPC client: the CuKe builder, RL and eval use it)
   1  dice_jax.model
   2  dice_jax.hf, dice_jax.diffusion, dice_jax.data
   3  dice_jax.train
@@ -17,6 +18,7 @@ FLOORS = {
   "sharding": 0,
   "atomic": 0,
   "errors": 0,
+  "verifier_client": 0,
   "model": 1,
   "hf": 2,
   "diffusion": 2,
