@@ -1,12 +1,11 @@
 """Build CuKe: verify + time PyTorch->CUDA pairs through the verifier, keep correct ones >= --min_speedup.
 
-  python -m experiments.build_cuke --pairs=pairs.jsonl --verifier=HOST:PORT --min_speedup=2.0 --out=DIR
+  python -m experiments.build_cuke --pairs=pairs.jsonl --verifier=HOST:PORT[,HOST:PORT] --min_speedup=2.0 --out=DIR
 
 Writes DIR/cuke.jsonl (atomic), DIR/summary.json, DIR/speedup_hist.png; DIR/measurements.jsonl is the resume
 journal (a rerun skips pairs already measured). See dice_jax/data/cuke.py.
 """
 
-import grpc
 from absl import flags, logging
 
 from dice_jax.data.cuke import CukeConfig, build_cuke
@@ -16,7 +15,9 @@ from experiments import _cli
 _PAIRS = flags.DEFINE_string(
   "pairs", None, "JSON/JSONL of {pytorch_code, cuda_code, reasoning?, speedup?, level?}"
 )
-_VERIFIER = flags.DEFINE_string("verifier", None, "verifier gRPC address HOST:PORT")
+_VERIFIER = flags.DEFINE_string(
+  "verifier", None, "verifier gRPC address(es) HOST:PORT[,HOST:PORT...]"
+)
 _MIN_SPEEDUP = flags.DEFINE_float(
   "min_speedup", 2.0, "keep pairs with measured speedup >= this (DICE: 2.0)"
 )
@@ -39,21 +40,21 @@ flags.mark_flags_as_required(["pairs", "verifier", "out"])
 
 def main(argv):
   del argv
-  from dice_jax.rl.verifier_client import GrpcVerifierClient
+  from dice_jax.verifier_client import VerifierClient, VerifierUnavailable
 
   options = {"measure_performance": True, "num_perf_trials": _TRIALS.value}
   if _DEVICE.value:
     options["device"] = _DEVICE.value
   with _cli.user_errors_from(ValueError):  # a malformed --verifier address
-    client = GrpcVerifierClient(_VERIFIER.value, options)
+    client = VerifierClient(_VERIFIER.value, options=options)
   with client:
     logging.info("connecting to the verifier at %s ...", _VERIFIER.value)
     try:
       client.wait_ready(timeout_s=_CONNECT.value)
-    except grpc.FutureTimeoutError:
+    except VerifierUnavailable as e:
       raise UserError(
-        f"--verifier {_VERIFIER.value}: no verifier answered within {_CONNECT.value:g} s "
-        "(is `python -m verifier serve` running there, and is the port right?)"
+        f"--verifier {_VERIFIER.value}: {e} (is `python -m verifier serve` running there, "
+        "and is the port right?)"
       ) from None
     s = build_cuke(
       _PAIRS.value,

@@ -134,7 +134,7 @@ def step_generate(workdir):
 def step_verify(workdir):
   """CPU verifier service: the sampled candidate and a known-good C++ candidate, over gRPC."""
   from dice_jax.data import prompts
-  from dice_jax.rl.verifier_client import GrpcVerifierClient
+  from dice_jax.verifier_client import VerifierClient
   from verifier.local import LocalVerifier
 
   with LocalVerifier(workdir, device="cpu") as server:
@@ -144,8 +144,8 @@ def step_verify(workdir):
       ("tiny model's sample", prompts.extract_code(generated) or generated),
       ("known-good C++ relu", open(os.path.join(DEMO_DATA, "relu_cpu_candidate.py")).read()),
     ]
-    with GrpcVerifierClient(
-      server.address, {"measure_performance": True, "num_perf_trials": 10}, token=""
+    with VerifierClient(
+      server.address, options={"measure_performance": True, "num_perf_trials": 10}, token=""
     ) as client:
       client.wait_ready(60)
       results = client.verify_batch([("relu", reference, c) for _, c in candidates])

@@ -5,12 +5,19 @@ runs out):
   stock        stock ``load_inline`` of KernelBench's one-kernel example in a fresh process and build dir
   single       the same candidate through this verifier (cold cache), one at a time; then renamed, once the
                precompiled torch header exists (on ``--device cpu``: the demo's C++ relu instead)
+  startup      candidate-worker supply: N workers forked at once from the fork server (time to ready)
   compile      N unique DICE candidates through the build stage (``compile_workers`` in parallel)
+  dice_e2e     N unique DICE candidates end to end (static check, cold build, run; strict): rate, verdicts
+               (non-OK ones again under the kernelbench preset) and what the checker/candidate separation
+               cost
   gpu_dice     the same N candidates through the GPU stage in reward mode (builds cached): rate and verdicts
-  startup      run-worker supply: N workers started at once, spawned vs forked from the fork server
-               (time to ready, workers per minute)
   gpu_level1   KernelBench level-1 problems with a pass-through candidate (the reference renamed ModelNew,
                strictness off): GPU-stage rate in reward mode, then with timing on (cold and cached baseline)
+  identity     every KernelBench level 1-3 problem's reference renamed ModelNew, strictness off: must all pass
+
+Separation cost (per phase): the checker's staging of buffers and the round trips around the candidate's
+forward (``exchange_stage`` + ``exchange_round_trip``, per candidate) as a share of the slot time each
+candidate had at the measured rate.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from verifier.contract import FailureKind, VerifyOptions, VerifyRequest
 from verifier.service import ServiceConfig, VerifierService
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+SEPARATION_PHASES = ("exchange_stage", "exchange_round_trip")
 DATA_DIRS = [
   REPO / ".gpu_data" / "verifier",
   REPO.parent / "shared" / "data" / "dice_rl",
@@ -187,8 +195,8 @@ class Bench:
     t0 = time.monotonic()
     res = await asyncio.gather(*(one(t) for t in tasks))
     wall = time.monotonic() - t0
-    build_s = [sum(e["seconds"] for e in b.get("builds", [])) for _, _, b in res if b.get("builds")]
-    fast = sum(1 for _, _, b in res for e in b.get("builds", []) if e.get("fast"))
+    build_s = [sum(e.get("seconds", 0.0) for e in b.events) for _, _, b in res if b.events]
+    fast = sum(1 for _, _, b in res for e in b.events if e.get("fast"))
     self.save(
       "compile",
       {
@@ -204,7 +212,7 @@ class Bench:
         "fast_variant_builds": fast,
         "split_builds": sum(1 for e in svc.metrics.build_s if e.get("split")),
         "pch_builds": sum(1 for e in svc.metrics.build_s if e.get("pch")),
-        "kinds": dict(collections.Counter(b["kind"] for _, _, b in res)),
+        "kinds": dict(collections.Counter(b.kind.value for _, _, b in res)),
         "fast_fallbacks": [e["fast_error"] for e in svc.metrics.build_s if e["fast_error"]][:5],
       },
     )
@@ -258,45 +266,159 @@ class Bench:
     )
 
   async def startup(self) -> None:
-    """How fast run workers become ready: ``--startup-workers`` at once, spawned, then forked."""
+    """How fast candidate workers become ready: ``--startup-workers`` forked at once."""
     from verifier.pool import PoolConfig, WorkerPool
 
-    c, n, out = self.cfg, self.a.startup_workers, {}
-    for mode in ("spawn", "fork"):
-      pool = WorkerPool(
-        PoolConfig(
-          role="run",
-          device=c.device,
-          gpu_index=c.gpus[0] if c.gpus else "",
-          scratch_root=c.scratch_root,
-          mem_mb=c.mem_mb,
-          isolate_network=c.isolate_network,
-          arch_list=c.arch_list,
-          prewarm=0,
-          fork_server=mode == "fork",
-        )
+    c, n = self.cfg, self.a.startup_workers
+    pool = WorkerPool(
+      PoolConfig(
+        role="candidate",
+        device=c.device,
+        gpu_index=c.gpus[0] if c.gpus else "",
+        scratch_root=c.scratch_root,
+        mem_mb=c.mem_mb,
+        isolate_network=c.isolate_network,
+        arch_list=c.arch_list,
+        prewarm=0,
+        build_root=c.cache_dir,
+        warm_profiler=c.warm_profiler,
       )
+    )
+    out = {}
+    for round_name in ("with_fork_server_start", "fork_server_running"):
       t0 = time.monotonic()
-      workers = await asyncio.gather(*(pool._start() for _ in range(n)))
-      ready_at: dict[int, float] = {}
-      while len(ready_at) < n and time.monotonic() - t0 < 600:
-        for i, w in enumerate(workers):
-          if i not in ready_at and w.ready():
-            ready_at[i] = time.monotonic() - t0
-        await asyncio.sleep(0.02)
-      wall = max(ready_at.values()) if ready_at else float("nan")
-      out[mode] = {
+      workers = await asyncio.gather(*(pool.fork() for _ in range(n)))
+      ready_at, phases = [], collections.Counter()
+      for w in workers:
+        try:
+          msg = await w.wait_ready(600)
+          ready_at.append(time.monotonic() - t0)
+          phases.update(msg.startup_phases)
+        except Exception:  # noqa: BLE001 - counted as not ready
+          pass
+      wall = max(ready_at) if ready_at else float("nan")
+      for w in workers:
+        w.discard()
+      out[round_name] = {
         "workers": n,
         "ready": len(ready_at),
         "wall_s": wall,
-        "median_ready_s": statistics.median(ready_at.values()) if ready_at else None,
+        "median_ready_s": statistics.median(ready_at) if ready_at else None,
         "workers_per_min": 60 * len(ready_at) / wall if ready_at else 0.0,
-        "forked": sum(type(w).__name__ == "ForkedWorker" for w in workers),
+        "startup_phase_mean_s": {k: v / max(len(ready_at), 1) for k, v in phases.items()},
       }
-      for w in workers:
-        w.discard()
-      await pool.close()
       self.save("startup", out)
+    await pool.close()
+
+  def separation(self, svc: VerifierService, rate_per_min: float, slots: int) -> dict:
+    """What the checker/candidate separation cost per candidate, as a share of its slot time."""
+    mean = svc.metrics.snapshot()["run_phase_mean_s"]
+    extra = sum(mean.get(k, 0.0) for k in SEPARATION_PHASES)
+    slot_s = slots * 60.0 / rate_per_min if rate_per_min else float("nan")
+    return {
+      "per_candidate_s": extra,
+      "slot_s_per_candidate": slot_s,
+      "share_of_rate": extra / slot_s if slot_s == slot_s and slot_s > 0 else None,
+      "parts_s": {k: mean.get(k, 0.0) for k in SEPARATION_PHASES},
+      "candidate_forward_s": mean.get("candidate_forward", 0.0),
+      "compare_s": mean.get("compare", 0.0),
+    }
+
+  async def dice_e2e(self, svc: VerifierService, tasks: list[dict]) -> None:
+    """Unique candidates end to end (cold builds), strict; verdicts; non-OK ones again under kernelbench."""
+    opts = VerifyOptions(device=self.cfg.device, timeout_s=180)
+    reqs = [
+      VerifyRequest(f"e2e-{t['id']}", str(t["id"]), t["pytorch_code"], t["cuda_code"], opts)
+      for t in tasks
+    ]
+    self.reset_phases(svc)
+    t0 = time.monotonic()
+    res = await asyncio.gather(*(svc.verify(r) for r in reqs))
+    wall = time.monotonic() - t0
+    rate = 60 * len(reqs) / wall
+    out = {
+      "candidates": len(reqs),
+      "wall_s": wall,
+      "candidates_per_min": rate,
+      "strict": dict(collections.Counter(r.failure_kind.value for r in res)),
+      "strict_fp32_1e-4": sum(r.strict_correct for r in res),
+      "build_cached": sum(r.build_cached for r in res),
+      "run_phase_mean_s": svc.metrics.snapshot()["run_phase_mean_s"],
+      "separation": self.separation(svc, rate, self.cfg.slots_per_gpu),
+      "transports": dict(svc.metrics.transports),
+      "failures": [
+        (r.task_id, r.failure_kind.value, r.reason[:300])
+        for r in res
+        if r.failure_kind
+        not in (FailureKind.OK, FailureKind.FOREIGN_KERNELS, FailureKind.NO_KERNEL)
+      ],
+    }
+    self.save("dice_e2e", out)
+    if self.left() > 60:
+      redo = [
+        dataclasses.replace(
+          q,
+          request_id=q.request_id + "-kb",
+          options=dataclasses.replace(opts, strictness="kernelbench"),
+        )
+        for q, r in zip(reqs, res)
+        if r.failure_kind is not FailureKind.OK
+      ]
+      kb = await asyncio.gather(*(svc.verify(q) for q in redo))
+      out["kernelbench_for_non_ok"] = dict(collections.Counter(r.failure_kind.value for r in kb))
+      out["kernelbench_failures"] = [
+        (r.task_id, r.failure_kind.value, r.reason[:300])
+        for r in kb
+        if r.failure_kind is not FailureKind.OK
+      ]
+      self.save("dice_e2e", out)
+
+  def reset_phases(self, svc: VerifierService) -> None:
+    svc.metrics.run_phase_s.clear()
+    svc.metrics.run_phase_n.clear()
+
+  async def identity(self, svc: VerifierService, problems: list[dict]) -> None:
+    """Every problem's own reference as its candidate (strictness off): a verifier that rejects one of
+    these rejects correct work."""
+    opts = VerifyOptions(device="cuda", strictness="off", timeout_s=300)
+    reqs = [
+      VerifyRequest(
+        f"identity-{p['level']}-{p['problem_id']}",
+        p["name"],
+        p["code"],
+        pass_through(p["code"]),
+        opts,
+      )
+      for p in problems
+    ]
+    self.reset_phases(svc)
+    t0 = time.monotonic()
+    level = {r.request_id: p["level"] for p, r in zip(problems, reqs)}
+    res = []
+    for fut in asyncio.as_completed([svc.verify(r) for r in reqs]):
+      res.append(await fut)
+      if len(res) % 25 == 0 or len(res) == len(reqs):  # progress survives a time limit
+        wall = time.monotonic() - t0
+        by_level = collections.defaultdict(collections.Counter)
+        for r in res:
+          by_level[level[r.request_id]][r.failure_kind.value] += 1
+        self.save(
+          "identity",
+          {
+            "problems": len(reqs),
+            "done": len(res),
+            "ok": sum(r.failure_kind is FailureKind.OK for r in res),
+            "wall_s": wall,
+            "candidates_per_min": 60 * len(res) / wall,
+            "by_level": {str(k): dict(v) for k, v in sorted(by_level.items())},
+            "oom_retries_so_far": svc.metrics.oom_retries,
+            "failures": [
+              (r.task_id, r.failure_kind.value, r.reason[:300])
+              for r in res
+              if r.failure_kind is not FailureKind.OK
+            ],
+          },
+        )
 
   async def gpu_level1(self, svc: VerifierService, problems: list[dict]) -> None:
     def reqs(tag, probs, samples=1, **kw):
@@ -324,15 +446,17 @@ class Bench:
         out[tag] = "skipped: bench budget used up" if probs else "skipped: no problems"
         continue
       rs = reqs(tag, probs, **kw)
-      svc.metrics.run_phase_s.clear()
-      svc.metrics.run_phase_n.clear()
+      self.reset_phases(svc)
       t0 = time.monotonic()
       res = await asyncio.gather(*(svc.verify(r) for r in rs))
       wall = time.monotonic() - t0
+      rate = 60 * len(rs) / wall
+      timed = kw.get("measure_performance", False)
       out[tag] = {
         "candidates": len(rs),
         "wall_s": wall,
-        "candidates_per_min": 60 * len(rs) / wall,
+        "candidates_per_min": rate,
+        "separation": self.separation(svc, rate, 1 if timed else self.cfg.slots_per_gpu),
         "kinds": dict(collections.Counter(r.failure_kind.value for r in res)),
         "median_run_s": statistics.median(r.run_s for r in res),
         "run_phase_mean_s": svc.metrics.snapshot()["run_phase_mean_s"],
@@ -347,6 +471,12 @@ class Bench:
       self.save("gpu_level1", out)
 
 
+def _jsonl(name: str, explicit: str = "") -> list[dict]:
+  return [
+    json.loads(line) for line in _find(name, explicit).read_text().splitlines() if line.strip()
+  ]
+
+
 async def run(a, cfg: ServiceConfig) -> int:
   cfg = dataclasses.replace(
     cfg, cache_dir=tempfile.mkdtemp(prefix="bench-cache-"), build_timeout_s=900
@@ -359,44 +489,48 @@ async def run(a, cfg: ServiceConfig) -> int:
     demo = REPO / "experiments" / "demo_data"
     ref = json.loads((demo / "pairs.jsonl").read_text().splitlines()[0])["pytorch_code"]
     cand = (demo / "relu_cpu_candidate.py").read_text()
-  phases = set(a.phases.split(","))
+  phases = [p for p in a.phases.split(",") if p]
   dice = (
     json.loads(_find("kernel_infilling_evaluation.json").read_text())[
       a.offset : a.offset + a.candidates
     ]
-    if phases & {"compile", "gpu_dice"}
+    if {"compile", "gpu_dice", "dice_e2e"} & set(phases)
     else []
   )
-  level1 = (
-    [
-      json.loads(line)
-      for line in _find("level1.jsonl", a.kernelbench).read_text().splitlines()
-      if line.strip()
-    ]
-    if "gpu_level1" in phases
+  level1 = _jsonl("level1.jsonl", a.kernelbench) if "gpu_level1" in phases else []
+  levels = (
+    [p for name in ("level1.jsonl", "level2.jsonl", "level3.jsonl") for p in _jsonl(name)]
+    if "identity" in phases
     else []
   )
   if "stock" in phases and not a.skip_stock:
     b.stock(cand)
   if "startup" in phases:
     await b.startup()
-  if "single" in phases:
-    svc = VerifierService(dataclasses.replace(cfg, compile_workers=1))
-    await svc.start()
-    try:
-      await b.single(svc, ref, cand)
-      b.save("single_build_events", svc.metrics.build_s)
-    finally:
-      await svc.close()
   svc = VerifierService(cfg)
+  t0 = time.monotonic()
   await svc.start()
+  b.save("service_start_s", time.monotonic() - t0)
   try:
-    if "compile" in phases:
-      await b.compile_stage(svc, dice)
-    if cfg.device == "cuda" and "gpu_dice" in phases and b.left() > 60:
-      await b.gpu_dice(svc, dice)
-    if cfg.device == "cuda" and "gpu_level1" in phases and b.left() > 60:
-      await b.gpu_level1(svc, level1[: a.level1])
+    for phase in phases:
+      if phase == "single":  # first, alone: it also builds the precompiled header later phases use
+        await b.single(svc, ref, cand)
+        b.save("single_build_events", list(svc.metrics.build_s))
+        continue
+      if b.left() < 60:
+        b.save(f"{phase}_skipped", "bench budget used up")
+        continue
+      if phase == "compile":
+        await b.compile_stage(svc, dice)
+      elif phase == "dice_e2e":
+        await b.dice_e2e(svc, dice)
+      elif phase == "gpu_dice" and cfg.device == "cuda":
+        await b.gpu_dice(svc, dice)
+      elif phase == "gpu_level1" and cfg.device == "cuda":
+        await b.gpu_level1(svc, level1[: a.level1])
+      elif phase == "identity" and cfg.device == "cuda":
+        await b.identity(svc, levels)
   finally:
+    b.save("metrics", svc.metrics.snapshot())
     await svc.close()
   return 0

@@ -114,10 +114,22 @@ class ExtensionProxy:
 
 
 class CachedLoadInline:
+  """``publish``: a build lands in ``build_root`` (build workers); otherwise (run workers, which see the
+  cache read-only) a cache miss builds under ``scratch`` and is used once."""
+
   def __init__(
-    self, real, build_root: str, fast: bool = True, split: bool = False, use_pch: bool = True
+    self,
+    real,
+    build_root: str,
+    fast: bool = True,
+    split: bool = False,
+    use_pch: bool = True,
+    publish: bool = True,
+    scratch: str = "",
   ):
     self.real = real
+    self.publish = publish
+    self.work_root = build_root if publish else (scratch or build_root)
     self.fast = fast
     self.split = split
     self.use_pch = use_pch
@@ -142,7 +154,7 @@ class CachedLoadInline:
       module = _import_so(name, so_path)
       touch(final)
     else:
-      tmp = os.path.join(self.build_root, f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+      tmp = os.path.join(self.work_root, f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
       os.makedirs(tmp)
       params.update(
         build_directory=tmp, verbose=False
@@ -177,11 +189,12 @@ class CachedLoadInline:
           event["seconds"] = time.monotonic() - t0
           shutil.rmtree(tmp, ignore_errors=True)
           raise
-      strip_intermediates(tmp)
-      try:
-        os.rename(tmp, final)
-      except OSError:  # another process published the same key first
-        shutil.rmtree(tmp, ignore_errors=True)
+      if self.publish:
+        strip_intermediates(tmp)
+        try:
+          os.rename(tmp, final)
+        except OSError:  # another process published the same key first
+          shutil.rmtree(tmp, ignore_errors=True)
     event["seconds"] = time.monotonic() - t0
     if not params.get("is_python_module", True):
       return module
@@ -203,7 +216,7 @@ class CachedLoadInline:
     )
     event["pch"] = pch.ready(directory)
     module = self.real(**dict(params, extra_cflags=flags + pch.include_flags(directory)))
-    if not event["pch"] and not pch.ready(directory):
+    if self.publish and not event["pch"] and not pch.ready(directory):
       event["pch_request"] = pch.request_from_build(params["build_directory"], directory)
     return module
 
@@ -290,12 +303,20 @@ def _import_so(name: str, path: str):
 
 
 def install(
-  build_root: str, fast: bool = True, split: bool = False, use_pch: bool = True
+  build_root: str,
+  fast: bool = True,
+  split: bool = False,
+  use_pch: bool = True,
+  publish: bool = True,
+  scratch: str = "",
 ) -> CachedLoadInline:
   """Replace load_inline in torch.utils.cpp_extension (what ``from ... import load_inline`` reads)."""
   import torch.utils.cpp_extension as cpp_extension
 
-  os.makedirs(build_root, exist_ok=True)
-  cached = CachedLoadInline(cpp_extension.load_inline, build_root, fast, split, use_pch)
+  if publish:
+    os.makedirs(build_root, exist_ok=True)
+  cached = CachedLoadInline(
+    cpp_extension.load_inline, build_root, fast, split, use_pch, publish, scratch
+  )
   cpp_extension.load_inline = cached
   return cached

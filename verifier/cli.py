@@ -12,7 +12,7 @@ import signal
 import sys
 
 from verifier.contract import VerifyOptions, VerifyRequest
-from verifier.service import ServiceConfig, VerifierService
+from verifier.service import ServiceConfig, VerifierService, default_mem_mb
 
 
 def _detect_arch() -> str:
@@ -39,7 +39,12 @@ def _service_args(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     "--fork-server",
     action="store_true",
-    help="fork run workers from a process that imported torch once (opt-in; BUILD_NOTES, Verifier)",
+    help="accepted for old scripts: every worker is now forked from a fork server",
+  )
+  p.add_argument(
+    "--no-warm-profiler",
+    action="store_true",
+    help="candidates skip starting the profiler before their job (cheaper when no job is strict)",
   )
   p.add_argument(
     "--run-prewarm",
@@ -57,7 +62,12 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     help="evict least-recently-used builds above this size (0: never)",
   )
   p.add_argument("--scratch-root", default=ServiceConfig.scratch_root)
-  p.add_argument("--mem-mb", type=int, default=ServiceConfig.mem_mb, help="host memory per worker")
+  p.add_argument(
+    "--mem-mb",
+    type=int,
+    default=None,
+    help="host memory per worker's process tree (default: half of this host's, at most 32768)",
+  )
   p.add_argument("--gpu-memory-fraction", type=float, default=0.0)
   p.add_argument("--arch", default=None, help="TORCH_CUDA_ARCH_LIST for builds (default: detected)")
   p.add_argument("--no-network-isolation", action="store_true")
@@ -86,31 +96,36 @@ def _config(a) -> ServiceConfig:
     cache_dir=a.cache_dir,
     cache_max_gb=a.cache_max_gb,
     scratch_root=a.scratch_root,
-    mem_mb=a.mem_mb,
+    mem_mb=a.mem_mb if a.mem_mb is not None else default_mem_mb(),
     gpu_memory_fraction=a.gpu_memory_fraction,
     arch_list=arch,
     isolate_network=not a.no_network_isolation,
     split_build=a.split_build,
     use_pch=a.pch,
     run_prewarm=a.run_prewarm,
-    fork_server=a.fork_server,
+    warm_profiler=not a.no_warm_profiler,
   )
 
 
 async def _serve(a) -> int:
-  from verifier.server import VerifierServer
+  from verifier.server import TlsFiles, VerifierServer
 
   token = os.environ.get("VERIFIER_TOKEN", "")
   if a.token_file:
     token = pathlib.Path(a.token_file).read_text().strip()
+  if bool(a.tls_cert) != bool(a.tls_key):
+    print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+    return 2
   cfg = _config(a)
   cfg.build_only = a.build_only
+  tls = TlsFiles(a.tls_cert, a.tls_key) if a.tls_cert else None
   try:
-    server = VerifierServer(cfg, a.host, a.port, token, a.stream_window)
-  except ValueError as e:
+    server = VerifierServer(cfg, a.host, a.port, token, a.stream_window, tls)
+    port = await server.start()
+  except (ValueError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
+    await server.stop(0) if "server" in locals() else None
     return 2
-  port = await server.start()
   print(f"verifier listening on {a.host}:{port}", flush=True)
   stop = asyncio.Event()
   loop = asyncio.get_running_loop()
@@ -177,6 +192,8 @@ def main(argv=None) -> int:
     "--token-file", default="", help="file holding the bearer token (or set VERIFIER_TOKEN)"
   )
   s.add_argument("--stream-window", type=int, default=256)
+  s.add_argument("--tls-cert", default="", help="PEM certificate chain: serve TLS (with --tls-key)")
+  s.add_argument("--tls-key", default="", help="PEM private key for --tls-cert")
   s.add_argument(
     "--build-only",
     action="store_true",
@@ -218,7 +235,7 @@ def main(argv=None) -> int:
     "--budget-s", type=float, default=540, help="skip later phases past this many seconds"
   )
   b.add_argument("--skip-stock", action="store_true", help="skip the stock load_inline measurement")
-  b.add_argument("--phases", default="stock,single,compile,gpu_dice,gpu_level1")
+  b.add_argument("--phases", default="stock,single,compile,dice_e2e,gpu_level1,identity")
   b.add_argument("--offset", type=int, default=0, help="first DICE candidate to use")
   _service_args(b)
   a = p.parse_args(argv)

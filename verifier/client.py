@@ -26,15 +26,17 @@ RETRYABLE = {
 
 
 class _Endpoint:
-  def __init__(self, address: str):
+  def __init__(self, address: str, root_certificates: bytes | None = None):
     self.address = address
-    self.channel = grpc.aio.insecure_channel(
-      address,
-      options=[
-        ("grpc.max_receive_message_length", 16 << 20),
-        ("grpc.max_send_message_length", 16 << 20),
-      ],
-    )
+    options = [
+      ("grpc.max_receive_message_length", 16 << 20),
+      ("grpc.max_send_message_length", 16 << 20),
+    ]
+    if root_certificates is None:
+      self.channel = grpc.aio.insecure_channel(address, options=options)
+    else:  # TLS: the server's certificate must chain to these roots (PEM)
+      creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+      self.channel = grpc.aio.secure_channel(address, creds, options=options)
     self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
     self.health = health_pb2_grpc.HealthStub(self.channel)
     self.outstanding = 0
@@ -49,10 +51,11 @@ class VerifierClient:
     retries: int = 4,
     backoff_s: float = 0.5,
     max_concurrency: int = 1024,
+    root_certificates: bytes | None = None,
   ):
     if not endpoints:
       raise ValueError("VerifierClient needs at least one endpoint (host:port)")
-    self.endpoints = [_Endpoint(a) for a in endpoints]
+    self.endpoints = [_Endpoint(a, root_certificates) for a in endpoints]
     self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
     self.deadline_s, self.retries, self.backoff_s = deadline_s, retries, backoff_s
     self.limit = asyncio.Semaphore(max_concurrency)

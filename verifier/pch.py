@@ -41,7 +41,7 @@ def pch_dir(
   payload = json.dumps(
     {
       "v": PCH_VERSION,
-      "cflags": list(extra_cflags),
+      "cflags": [str(f) for f in extra_cflags if str(f).strip()],  # "" adds nothing to the command
       "inc": list(extra_include_paths or []),
       "cuda": bool(with_cuda),
       "toolchain": toolchain,

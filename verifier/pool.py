@@ -1,9 +1,10 @@
-"""Pools of pre-started sandboxed workers: one per GPU (run stage) and one for CPU builds.
+"""Pools: pre-forked one-shot workers (candidates or builds) and long-lived checkers, per device.
 
 Every worker runs one job and exits, so a worker is always replaced after a CUDA error or a crash (and
-after a clean run too: no candidate can leave patches behind for the next one). Start-up (python, torch
-import, CUDA context) is hidden by keeping ``prewarm`` idle workers per device. A device has ``slots``
-concurrent runs; a timed run takes all of them, so timing owns the GPU (reference doc section 4.4).
+after a clean run too: no candidate can leave anything behind for the next one). Start-up (the fork, the
+sandbox, the CUDA context, CUPTI) is hidden by keeping ``prewarm`` workers starting. A device has
+``slots`` concurrent runs, each with its own checker; a timed run takes all slots, so timing owns the GPU
+(reference doc section 4.4).
 """
 
 from __future__ import annotations
@@ -12,24 +13,25 @@ import asyncio
 import collections
 import dataclasses
 
-from verifier.sandbox import ForkServer, WorkerProcess
+from verifier.sandbox import CheckerClient, ForkServerClient, Worker, WorkerStartError
 
 
 @dataclasses.dataclass
 class PoolConfig:
-  role: str  # "run" | "build"
+  role: str  # "candidate" | "build"
   device: str  # "cuda" | "cpu"
-  gpu_index: str = ""  # CUDA_VISIBLE_DEVICES value for run workers
+  gpu_index: str = ""  # CUDA_VISIBLE_DEVICES value for candidates and checkers
   scratch_root: str = "/tmp/dice_verifier"
   mem_mb: int = 16384
   isolate_network: bool = True
   arch_list: str = ""
-  max_jobs: int = 2
+  max_jobs: int = 2  # MAX_JOBS (ninja) for builds
   slots: int = 1
   prewarm: int = 1
-  fork_server: bool = (
-    False  # run workers forked from a process that imported torch once (zygote.py)
-  )
+  build_root: str = ""  # the build cache: writable for builds, readable for candidates
+  warm_profiler: bool = True  # candidates start CUPTI before their job (the runtime check needs it)
+  checker_cache_mb: int = 2048
+  checker_max_jobs: int = 500  # a checker is replaced after this many jobs (0: never)
 
 
 class Slots:
@@ -59,56 +61,89 @@ class Slots:
       self.cond.notify_all()
 
 
+# Confinement levels a pool steps down through when its workers cannot start (each step is reported).
+CONFINEMENT_LEVELS = (
+  ("full", True, True),
+  ("without Landlock", True, False),
+  ("without Landlock and the mount namespace", False, False),
+)
+
+
 class WorkerPool:
+  """Workers of one role forked from one fork server, ``prewarm`` of them kept starting.
+
+  Before prewarming, one worker must start (CUDA context, cuBLAS, the profiler) under full confinement; if
+  it cannot, the pool steps down a level (``CONFINEMENT_LEVELS``) and says so in ``notes``, which every
+  result of the pool carries, rather than failing every candidate."""
+
   def __init__(self, cfg: PoolConfig):
     self.cfg = cfg
-    self.slots = Slots(cfg.slots)
-    self.idle: collections.deque[WorkerProcess] = collections.deque()
+    self.server = ForkServerClient(
+      device=cfg.device,
+      gpu_index=cfg.gpu_index,
+      scratch_root=cfg.scratch_root,
+      isolate_network=cfg.isolate_network,
+      arch_list=cfg.arch_list,
+      max_jobs=cfg.max_jobs,
+    )
+    self.idle: collections.deque[Worker] = collections.deque()
     self.starting: set[asyncio.Task] = set()
     self.closed = False
-    self.jobs_done = 0
-    self.crashes = 0
-    self.fork_server = (
-      ForkServer(
-        role=cfg.role,
-        device=cfg.device,
-        gpu_index=cfg.gpu_index,
-        scratch_root=cfg.scratch_root,
-        mem_mb=cfg.mem_mb,
-        isolate_network=cfg.isolate_network,
-        arch_list=cfg.arch_list,
-        max_jobs=cfg.max_jobs,
-      )
-      if cfg.fork_server
-      else None
-    )
+    self.start_failures = 0
+    self.level = 0
+    self.notes: list[str] = []
 
-  async def _start(self) -> WorkerProcess:
+  async def self_test(self, timeout_s: float = 300.0) -> None:
+    """Start one worker under each confinement level until one becomes ready."""
+    while True:
+      name = CONFINEMENT_LEVELS[self.level][0]
+      worker = None
+      try:
+        worker = await self.fork()
+        await worker.wait_ready(timeout_s)
+        return
+      except WorkerStartError as e:
+        log = worker.read_log()[-600:] if worker is not None else ""
+        if self.level + 1 >= len(CONFINEMENT_LEVELS):
+          self.notes.append(f"{self.cfg.role} workers do not start even {name}: {e} {log}")
+          return
+        self.level += 1
+        self.notes.append(
+          f"confinement degraded: {self.cfg.role} workers did not start with confinement {name} "
+          f"({e}; log: {log.strip()[-300:]}); now {CONFINEMENT_LEVELS[self.level][0]}"
+        )
+      finally:
+        if worker is not None:
+          worker.discard()
+
+  async def fork(self) -> Worker:
     c = self.cfg
-    if self.fork_server is not None:
-      worker = await self.fork_server.fork()
-      if worker is not None:
-        return worker
-    return await WorkerProcess.start(
-      role=c.role,
-      device=c.device,
-      gpu_index=c.gpu_index,
-      scratch_root=c.scratch_root,
+    if c.role == "build":
+      writable, readable = (c.build_root,), ()
+    else:
+      writable, readable = (), (c.build_root,)
+    return await self.server.fork(
+      c.role,
+      writable=tuple(p for p in writable if p),
+      readable=tuple(p for p in readable if p),
       mem_mb=c.mem_mb,
-      isolate_network=c.isolate_network,
-      arch_list=c.arch_list,
-      max_jobs=c.max_jobs,
+      warm_profiler=c.warm_profiler,
+      mount_namespace=CONFINEMENT_LEVELS[self.level][1],
+      landlock=CONFINEMENT_LEVELS[self.level][2],
     )
 
   def _refill(self) -> None:
     while not self.closed and len(self.idle) + len(self.starting) < self.cfg.prewarm:
-      task = asyncio.ensure_future(self._start())
+      task = asyncio.ensure_future(self.fork())
       self.starting.add(task)
       task.add_done_callback(self._started)
 
   def _started(self, task: asyncio.Task) -> None:
     self.starting.discard(task)
-    if task.cancelled() or task.exception() is not None:
+    if task.cancelled():
+      return
+    if task.exception() is not None:
+      self.start_failures += 1
       return
     if self.closed:
       task.result().discard()
@@ -118,71 +153,123 @@ class WorkerPool:
   async def warm(self, ready_timeout_s: float = 0.0) -> None:
     """Start the pre-started workers; with ``ready_timeout_s``, also wait (up to that long) until they have
     finished starting, so the first jobs do not wait for torch and CUDA start-up."""
+    if self.cfg.prewarm > 0:
+      await self.self_test()
     self._refill()
     if self.starting:
       await asyncio.gather(*self.starting, return_exceptions=True)
-    deadline = asyncio.get_running_loop().time() + ready_timeout_s
-    while (
-      any(not w.ready() and w.alive() for w in self.idle)
-      and asyncio.get_running_loop().time() < deadline
-    ):
-      await asyncio.sleep(0.1)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ready_timeout_s
+    while any(not w.ready() and w.alive() for w in self.idle) and loop.time() < deadline:
+      await asyncio.sleep(0.05)
 
-  async def _take(self) -> WorkerProcess:
-    for w in [w for w in self.idle if not w.alive()]:
+  async def take(self) -> Worker:
+    """A worker, ready ones first (the oldest), else the oldest still starting, else a new fork."""
+    for w in [
+      w
+      for w in self.idle
+      if not w.alive() or (w.ready_task and w.ready_task.done() and not w.ready())
+    ]:
       self.idle.remove(w)
       w.discard()  # died while idle
-    for w in self.idle:  # the oldest ready worker, else the oldest one still starting
-      if w.ready():
-        self.idle.remove(w)
-        return w
-    if self.idle:
-      return self.idle.popleft()
-    return await self._start()
-
-  async def run_unslotted(self, job: dict, timeout_s: float) -> tuple[dict | None, str, str]:
-    """A job outside the slot count (a short service task that must not queue behind candidates)."""
-    worker = await self._take()
-    self._refill()
     try:
-      return await worker.run(job, timeout_s)
+      for w in self.idle:
+        if w.ready():
+          self.idle.remove(w)
+          return w
+      if self.idle:
+        return self.idle.popleft()
+      return await self.fork()
     finally:
-      worker.discard()
+      self._refill()
+
+  async def close(self) -> None:
+    self.closed = True
+    await asyncio.gather(*self.starting, return_exceptions=True)
+    while self.idle:
+      w = self.idle.popleft()
+      w.discard()
+      try:
+        await asyncio.wait_for(w.wait_exited(), 5)
+      except asyncio.TimeoutError:
+        pass
+    await self.server.close()
+
+
+class CheckerPool:
+  """``n`` long-lived checkers; a job prefers one that served the same reference lately (its cache)."""
+
+  def __init__(self, cfg: PoolConfig, n: int):
+    self.cfg, self.n = cfg, n
+    self.free: list[CheckerClient] = []
+    self.cond = asyncio.Condition()
+    self.restarts = 0
+
+  def _new(self) -> CheckerClient:
+    c = self.cfg
+    return CheckerClient(
+      device=c.device,
+      gpu_index=c.gpu_index,
+      scratch_root=c.scratch_root,
+      cache_mb=c.checker_cache_mb,
+      max_jobs=c.checker_max_jobs,
+    )
+
+  async def start(self) -> None:
+    checkers = [self._new() for _ in range(self.n)]
+    await asyncio.gather(*(c.start() for c in checkers))
+    self.free = checkers
+
+  async def take(self, key: str) -> CheckerClient:
+    async with self.cond:
+      await self.cond.wait_for(lambda: bool(self.free))
+      pick = next((c for c in self.free if key in c.recent), self.free[0])
+      self.free.remove(pick)
+    if not pick.alive():
+      pick = await self._replace(pick)
+    return pick
+
+  async def _replace(self, checker: CheckerClient) -> CheckerClient:
+    await checker.close()
+    self.restarts += 1
+    fresh = self._new()
+    await fresh.start()
+    return fresh
+
+  async def give_back(self, checker: CheckerClient, key: str, healthy: bool) -> None:
+    if healthy and checker.alive():
+      checker.recent = ([key] + [k for k in checker.recent if k != key])[:2]
+    else:
+      try:
+        checker = await self._replace(checker)
+      except WorkerStartError:
+        checker = self._new()  # started lazily by the next take()
+    async with self.cond:
+      self.free.append(checker)
+      self.cond.notify_all()
+
+  async def close(self) -> None:
+    await asyncio.gather(*(c.close() for c in self.free), return_exceptions=True)
+    self.free = []
+
+
+class DevicePool:
+  """One GPU (or the CPU backend): slots, candidate workers and checkers."""
+
+  def __init__(self, cfg: PoolConfig):
+    self.cfg = cfg
+    self.slots = Slots(cfg.slots)
+    self.candidates = WorkerPool(cfg)
+    self.checkers = CheckerPool(cfg, cfg.slots)
+    self.jobs_done = 0
+    self.running: dict[str, tuple[Worker, CheckerClient]] = {}  # job id -> its worker and checker
 
   @property
   def free_slots(self) -> int:
     return self.slots.free
 
-  async def run(
-    self, job: dict, timeout_s: float, exclusive: bool = False, units: int = 1
-  ) -> tuple[dict | None, str, str]:
-    """Run one job on a fresh worker holding ``units`` slots (all of them when ``exclusive``)."""
-    k = self.cfg.slots if exclusive else max(1, min(units, self.cfg.slots))
-    await self.slots.acquire(k)
-    try:
-      worker = await self._take()
-      self._refill()
-      try:
-        result, outcome, logs = await worker.run(job, timeout_s)
-      finally:
-        worker.discard()
-      self.jobs_done += 1
-      self.crashes += bool(outcome)
-      return result, outcome, logs
-    finally:
-      await self.slots.release(k)
+  async def start(self, ready_timeout_s: float) -> None:
+    await asyncio.gather(self.checkers.start(), self.candidates.warm(ready_timeout_s))
 
   async def close(self) -> None:
-    self.closed = True
-    await asyncio.gather(
-      *self.starting, return_exceptions=True
-    )  # spawning is quick; _started discards
-    while self.idle:
-      w = self.idle.popleft()
-      w.discard()  # kills its process group
-      try:
-        await asyncio.wait_for(w.wait_exited(), 5)
-      except asyncio.TimeoutError:
-        pass
-    if self.fork_server is not None:
-      await self.fork_server.close()
+    await asyncio.gather(self.candidates.close(), self.checkers.close())

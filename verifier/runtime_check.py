@@ -1,5 +1,8 @@
 """Runtime anti-cheating: profile one candidate forward and see where the work went.
 
+The forward runs in the candidate's process, so the evidence is collected there (``collect_evidence``) and
+judged in the checker (``judge``). Native code could forge that evidence; BUILD_NOTES says so.
+
 The candidate must call its own extension; on GPU, at least one of its own ``__global__`` kernels must
 run, and GPU time in other kernels (aten, cuBLAS, cuDNN) beyond allocation/copy/fill kernels must stay
 under ``max_foreign_fraction``. Under ``forbid_torch_compute`` any aten operator outside the
@@ -15,6 +18,7 @@ import re
 import torch
 
 from verifier.contract import FailureKind, Strictness
+from verifier.records import ProfileEvidence
 
 ALLOWED_ATEN = frozenset(
   {
@@ -114,41 +118,57 @@ def _device_time_us(e) -> float:
     return 0.0
 
 
-def check_forward(
-  model,
-  args: list,
-  device: torch.device,
-  kernel_names: tuple[str, ...],
-  extension_calls: dict[str, int],
-  strictness: Strictness,
-) -> RuntimeVerdict:
+MAX_EVIDENCE_NAMES = 4096
+
+
+def collect_evidence(
+  run_forward, device: torch.device, extension_calls: dict[str, int]
+) -> tuple[ProfileEvidence, object]:
+  """Profile one forward (``run_forward()``) in the candidate's process and report what ran: calls into the
+  candidate's own extension, GPU kernels with their device time, and aten operators. The verdict is the
+  checker's (``judge``)."""
   from torch.profiler import ProfilerActivity, profile
 
   activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
   calls_before = sum(extension_calls.values())
   with torch.no_grad(), profile(activities=activities) as prof:
-    model(*args)
+    out = run_forward()
     if device.type == "cuda":
       torch.cuda.synchronize()
-  if sum(extension_calls.values()) == calls_before:
+  kernels: dict[str, float] = {}
+  ops: set[str] = set()
+  for e in prof.events():
+    if str(getattr(e, "device_type", "")).endswith("CUDA"):
+      if len(kernels) < MAX_EVIDENCE_NAMES or e.name in kernels:
+        kernels[e.name] = kernels.get(e.name, 0.0) + _device_time_us(e)
+    elif e.name.startswith("aten::") and len(ops) < MAX_EVIDENCE_NAMES:
+      ops.add(e.name)
+  evidence = ProfileEvidence(
+    extension_calls=sum(extension_calls.values()) - calls_before,
+    gpu_kernels=kernels,
+    aten_ops=tuple(sorted(ops)),
+  )
+  return evidence, out
+
+
+def judge(
+  evidence: ProfileEvidence, device_type: str, kernel_names: tuple[str, ...], strictness: Strictness
+) -> RuntimeVerdict:
+  """The runtime verdict from a profiled forward's evidence (rules in the module docstring)."""
+  if evidence.extension_calls <= 0:
     return RuntimeVerdict(
       FailureKind.KERNEL_NOT_LAUNCHED,
       "forward never called a function of the candidate's own extension",
     )
-  foreign_ops, own_us, foreign_us = set(), 0.0, 0.0
   own_patterns = [re.compile(rf"\b{re.escape(k)}\b") for k in kernel_names]
-  for e in prof.events():
-    is_gpu = str(getattr(e, "device_type", "")).endswith("CUDA")
-    if is_gpu:
-      t = _device_time_us(e)
-      if any(p.search(e.name) for p in own_patterns):
-        own_us += t
-      elif not ALLOWED_KERNEL.search(e.name):
-        foreign_us += t
-    elif e.name.startswith("aten::") and e.name[6:] not in ALLOWED_ATEN:
-      foreign_ops.add(e.name)
-  ops = tuple(sorted(foreign_ops))
-  if device.type == "cuda" and own_us <= 0:
+  own_us = foreign_us = 0.0
+  for name, t in evidence.gpu_kernels.items():
+    if any(p.search(name) for p in own_patterns):
+      own_us += t
+    elif not ALLOWED_KERNEL.search(name):
+      foreign_us += t
+  ops = tuple(sorted(o for o in evidence.aten_ops if o[6:] not in ALLOWED_ATEN))
+  if device_type == "cuda" and own_us <= 0:
     return RuntimeVerdict(
       FailureKind.KERNEL_NOT_LAUNCHED,
       f"none of the candidate's kernels ({', '.join(kernel_names) or 'none found'}) ran on the GPU",

@@ -1,29 +1,29 @@
-"""Process isolation for builds and candidate runs.
+"""The parent side of the process isolation: fork servers, workers and checkers as the service sees them.
 
-Each candidate runs in a fresh ``python -m verifier.worker_main`` process (own CUDA context, one GPU via
-CUDA_VISIBLE_DEVICES), in its own session/process group, with a scrubbed environment, a private scratch
-directory (HOME, TMPDIR, cwd) removed afterwards, a wall-clock limit and a memory watchdog that kill the
-whole process group. Why: a CUDA error is sticky for the process (reference doc section 4.1), and
-in-process candidates can patch torch for whoever runs next. What is enforced is listed in BUILD_NOTES.md.
-Child-side limits (rlimits, network namespace) are applied by the worker itself in ``apply_child_limits``
-so that no ``preexec_fn`` runs in the threaded server.
+Workers (one candidate or one build each) are forked by a per-pool fork server (``zygote.py``) and confined
+there (``confine.py``: own PID, mount, user and network namespaces, Landlock, no capabilities). This module
+starts fork servers and checkers, hands channel sockets around, watches workers (exit through a pidfd,
+host memory of the whole PID namespace) and kills a worker by killing PID 1 of its namespace, which takes
+every descendant with it. Environments are rebuilt from an allow-list. What is enforced is listed in
+BUILD_NOTES.md (Verifier).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import json
 import os
 import pathlib
 import resource
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
 
+from verifier.channel import AsyncChannel, ChannelClosed, ProtocolError
 from verifier.contract import truncate_log
+from verifier.records import Exited, ForkFailed, Forked, ForkRequest, WorkerReady
 
 # Variables a build or run needs; everything else (tokens, credentials, proxies, cloud keys) is dropped.
 ENV_ALLOW = (
@@ -46,11 +46,7 @@ ENV_ALLOW = (
   "NVSHMEM_DISABLE_NVLS",
 )
 PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
-RESULT_FILE = "result.json"
 LOG_FILE = "worker.log"
-FILE_SIZE_LIMIT = 4 << 30
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWNET = 0x40000000
 
 
 def scrubbed_env(
@@ -67,6 +63,8 @@ def scrubbed_env(
     {
       "HOME": scratch,
       "TMPDIR": scratch,
+      "USER": "verifier",
+      "LOGNAME": "verifier",
       "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
       "PYTHONDONTWRITEBYTECODE": "1",
       "PYTHONUNBUFFERED": "1",
@@ -83,180 +81,142 @@ def scrubbed_env(
   return env
 
 
-def apply_child_limits(mem_mb: int, isolate_network: bool, limit_address_space: bool) -> list[str]:
-  """Called first thing in the worker. Returns notes on what could not be enforced."""
-  notes = []
-  resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-  # No single file over 4 GiB (runaway logs); builds write objects of tens of MB.
-  resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
-  if limit_address_space and mem_mb > 0:
-    # Not for CUDA workers: the CUDA driver reserves huge virtual ranges (RSS watchdog covers those).
-    resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
-  if isolate_network:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
-      notes.append(f"network isolation unavailable (unshare: errno {ctypes.get_errno()})")
-  return notes
-
-
-def _group_rss_mb(pgid: int) -> float:
-  total = 0
+def process_tree_rss_mb(root: int) -> float:
+  """Resident memory of ``root`` and all its descendants (a worker's PID namespace: orphans there are
+  re-parented to its PID 1, so the tree is the namespace)."""
+  parent, rss = {}, {}
+  page = resource.getpagesize()
   for d in os.listdir("/proc"):
     if not d.isdigit():
       continue
     try:
       with open(f"/proc/{d}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-      if int(fields[2]) == pgid:  # field 5 (pgrp) after the comm field
-        total += int(fields[21]) * resource.getpagesize()  # rss pages
+      parent[int(d)], rss[int(d)] = int(fields[1]), int(fields[21]) * page
     except (OSError, IndexError, ValueError):
       continue
+  children: dict[int, list[int]] = {}
+  for pid, ppid in parent.items():
+    children.setdefault(ppid, []).append(pid)
+  total, stack = 0, [root]
+  while stack:
+    pid = stack.pop()
+    total += rss.get(pid, 0)
+    stack += children.get(pid, [])
   return total / (1 << 20)
 
 
-def kill_group(pid: int) -> None:
-  try:
-    os.killpg(pid, signal.SIGKILL)
-  except (ProcessLookupError, PermissionError):
-    pass
-
-
-class WorkerProcess:
-  """One sandboxed worker: started ahead of time (torch imported, device ready), runs exactly one job."""
-
-  def __init__(
-    self, proc: asyncio.subprocess.Process, scratch: str, role: str, device: str, mem_mb: int
-  ):
-    self.proc, self.scratch, self.role, self.device, self.mem_mb = (
-      proc,
-      scratch,
-      role,
-      device,
-      mem_mb,
-    )
-    self.started = time.monotonic()
-
-  @classmethod
-  async def start(
-    cls,
-    *,
-    role: str,
-    device: str,
-    gpu_index: str,
-    scratch_root: str,
-    mem_mb: int,
-    isolate_network: bool,
-    arch_list: str = "",
-    max_jobs: int = 2,
-  ) -> "WorkerProcess":
-    os.makedirs(scratch_root, exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix=f"{role}-", dir=scratch_root)
-    env = scrubbed_env(
-      scratch,
-      cuda_visible=gpu_index if device == "cuda" and role == "run" else "",
-      arch_list=arch_list,
-      max_jobs=max_jobs,
-    )
-    log = open(os.path.join(scratch, LOG_FILE), "wb")
+def describe_exit(rc: int | None) -> str:
+  if rc is None:
+    return "exit status unknown"
+  if rc < 0:
     try:
-      proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "verifier.worker_main",
-        "--role",
-        role,
-        "--device",
-        device,
-        "--mem-mb",
-        str(mem_mb),
-        "--scratch",
-        scratch,
-        *(["--isolate-network"] if isolate_network else []),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=log,
-        stderr=asyncio.subprocess.STDOUT,
-        cwd=scratch,
-        env=env,
-        start_new_session=True,
-      )
-    finally:
-      log.close()
-    return cls(proc, scratch, role, device, mem_mb)
+      return f"killed by {signal.Signals(-rc).name}"
+    except ValueError:
+      return f"killed by signal {-rc}"
+  return f"exit status {rc}"
+
+
+def _pidfd(pid: int) -> int:
+  try:
+    return os.pidfd_open(pid)
+  except (ProcessLookupError, OSError):
+    return -1
+
+
+def _signal_pidfd(fd: int, sig=signal.SIGKILL) -> None:
+  if fd >= 0:
+    try:
+      signal.pidfd_send_signal(fd, sig)
+    except (ProcessLookupError, OSError):
+      pass
+
+
+def _exited(fd: int) -> bool:
+  if fd < 0:
+    return True
+  import select
+
+  return bool(select.select([fd], [], [], 0)[0])
+
+
+class Worker:
+  """One forked worker: ``pid`` is its waiter in the fork server's namespace (its exit status mirrors the
+  worker's), ``sandbox_pid`` the worker itself, PID 1 of its own namespace."""
+
+  def __init__(self, forked: Forked, scratch: str, chan: AsyncChannel, server: "ForkServerClient"):
+    self.pid, self.sandbox_pid, self.scratch, self.chan = (
+      forked.pid,
+      forked.sandbox_pid,
+      scratch,
+      chan,
+    )
+    self.server = server
+    self.pidfd = _pidfd(self.pid)
+    self.sandbox_pidfd = _pidfd(self.sandbox_pid)
+    self.started = time.monotonic()
+    self.ready_msg: WorkerReady | None = None
+    self.ready_task: asyncio.Task | None = None
+    self.killed_by = ""  # why the service killed it ("" if it was not killed)
+
+  # ---- readiness ----------------------------------------------------------------------------------
+  def watch_ready(self) -> None:
+    async def read():
+      self.ready_msg = await self.chan.recv(WorkerReady)
+      return self.ready_msg
+
+    self.ready_task = asyncio.ensure_future(read())
+    self.ready_task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
   def ready(self) -> bool:
-    """Start-up done (torch imported, device and profiler initialised): a job would start at once."""
-    return os.path.exists(os.path.join(self.scratch, "ready"))
+    return self.ready_task is not None and self.ready_task.done() and self.ready_msg is not None
 
-  async def _watch_memory(self) -> str:
-    while True:
-      await asyncio.sleep(0.25)
-      rss = _group_rss_mb(self.pid)
-      if self.mem_mb and rss > self.mem_mb:
-        kill_group(self.pid)
-        return (
-          f"host memory {rss:.0f} MiB exceeded the limit of {self.mem_mb} MiB; process group killed"
-        )
-
-  async def run(self, job: dict, timeout_s: float) -> tuple[dict | None, str, str]:
-    """Send the job and wait. Returns (result or None, outcome, logs); outcome is '', 'timeout',
-    'memory: ...' or 'exit: ...' (died without a result)."""
-    outcome = ""
-    sent_at = time.monotonic()
-    watch = asyncio.ensure_future(self._watch_memory())
+  async def wait_ready(self, timeout_s: float) -> WorkerReady:
+    """The worker's ``WorkerReady`` (it finished its start-up), or an error if it died or hung."""
     try:
-      await self._send(job)
-      done, _ = await asyncio.wait(
-        {asyncio.ensure_future(self.wait_exited()), watch},
-        timeout=timeout_s,
-        return_when=asyncio.FIRST_COMPLETED,
-      )
-      if watch in done:
-        outcome = "memory: " + watch.result()
-      elif not done:
-        outcome = f"timeout: wall-clock limit of {timeout_s:.0f} s hit; process group killed"
-    except (BrokenPipeError, ConnectionResetError):
-      pass  # the worker died before reading its job; reported below
-    finally:
-      watch.cancel()
-      kill_group(self.pid)
-      await self.wait_exited()
-    result = None
-    path = os.path.join(self.scratch, RESULT_FILE)
-    if not outcome and os.path.exists(path):
-      with open(path) as f:
-        result = json.load(f)
-      if "worker_ready_at" in result:  # time the job waited for the worker's start-up (torch, CUDA)
-        ready_at = float(result.pop("worker_ready_at"))
-        result["startup_wait_s"] = max(0.0, ready_at - sent_at)
-        result["startup_s"] = ready_at - self.started
-    if not outcome and result is None:
-      rc = await self._returncode()
-      outcome = (
-        f"exit: worker killed by {signal.Signals(-rc).name}"
-        if rc and rc < 0
-        else f"exit: worker exited with status {rc} without a result"
-      )
-    logs = self.read_log()
-    return result, outcome, logs
+      return await asyncio.wait_for(asyncio.shield(self.ready_task), timeout_s)
+    except (ChannelClosed, ProtocolError, asyncio.TimeoutError) as e:
+      raise WorkerStartError(
+        f"worker {self.pid} did not become ready: {type(e).__name__} {e}"
+      ) from None
 
-  # What differs between a spawned worker and a forked one (ForkedWorker).
-  @property
-  def pid(self) -> int:
-    return self.proc.pid
-
+  # ---- life -------------------------------------------------------------------------------------
   def alive(self) -> bool:
-    return self.proc.returncode is None
-
-  async def _send(self, job: dict) -> None:
-    self.proc.stdin.write(json.dumps(job).encode())
-    await self.proc.stdin.drain()
-    self.proc.stdin.close()
+    return not _exited(self.pidfd)
 
   async def wait_exited(self) -> None:
-    await self.proc.wait()
+    if self.pidfd < 0 or _exited(self.pidfd):
+      return
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    loop.add_reader(self.pidfd, lambda: done.done() or done.set_result(None))
+    try:
+      await done
+    finally:
+      loop.remove_reader(self.pidfd)
 
-  async def _returncode(self) -> int | None:
-    return self.proc.returncode
+  async def returncode(self, timeout_s: float = 2.0) -> int | None:
+    return await self.server.returncode(self.pid, timeout_s)
+
+  async def ended(self, grace_s: float) -> int | None:
+    """How the worker ended: give it ``grace_s`` to finish on its own (a crash still unwinding), then kill
+    it; returns its exit status (negative: the signal)."""
+    try:
+      await asyncio.wait_for(self.wait_exited(), grace_s)
+    except asyncio.TimeoutError:
+      self.kill()
+      await self.wait_exited()
+    return await self.returncode()
+
+  def kill(self, why: str = "") -> None:
+    """Kill the worker's PID namespace (and its waiter)."""
+    if why and not self.killed_by:
+      self.killed_by = why
+    _signal_pidfd(self.sandbox_pidfd)
+    _signal_pidfd(self.pidfd)
+
+  def rss_mb(self) -> float:
+    return process_tree_rss_mb(self.sandbox_pid)
 
   def read_log(self) -> str:
     try:
@@ -266,177 +226,271 @@ class WorkerProcess:
       return ""
 
   def discard(self) -> None:
-    if self.alive():
-      kill_group(self.pid)
+    self.kill()
+    if self.ready_task is not None and not self.ready_task.done():
+      self.ready_task.cancel()
+    self.chan.close()
+    for fd in (self.pidfd, self.sandbox_pidfd):
+      if fd >= 0:
+        os.close(fd)
+    self.pidfd = self.sandbox_pidfd = -1
     shutil.rmtree(self.scratch, ignore_errors=True)
+    self.server.forget(self.pid)
 
 
-class ForkedWorker(WorkerProcess):
-  """A worker forked by the fork server (zygote.py): the same sandbox, scratch and one-job life as a spawned
-  worker; the job arrives as ``job.json``, exit is watched through a pidfd, and the exit status is written
-  by the fork server, which reaps it."""
-
-  def __init__(self, pid: int, scratch: str, role: str, device: str, mem_mb: int, status_dir: str):
-    super().__init__(None, scratch, role, device, mem_mb)
-    self._pid = pid
-    self._status = os.path.join(status_dir, f"{pid}.status")
-    try:
-      self._pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-      self._pidfd = -1  # already gone
-    self._exit: asyncio.Future | None = (
-      None  # resolved when the pidfd turns readable (the process ended)
-    )
-    self._loop: asyncio.AbstractEventLoop | None = None
-
-  @property
-  def pid(self) -> int:
-    return self._pid
-
-  def alive(self) -> bool:
-    if self._pidfd < 0:
-      return False
-    import select
-
-    return not select.select([self._pidfd], [], [], 0)[0]
-
-  async def _send(self, job: dict) -> None:
-    from verifier.zygote import JOB_FILE
-
-    tmp = os.path.join(self.scratch, JOB_FILE + ".tmp")
-    with open(tmp, "w") as f:
-      json.dump(job, f)
-    os.replace(tmp, os.path.join(self.scratch, JOB_FILE))
-
-  async def wait_exited(self) -> None:
-    if self._exit is None:
-      self._loop = asyncio.get_running_loop()
-      self._exit = self._loop.create_future()
-      if self.alive():
-        self._loop.add_reader(self._pidfd, self._on_exit)
-      else:
-        self._exit.set_result(None)
-    await asyncio.shield(self._exit)
-
-  def _on_exit(self) -> None:
-    self._loop.remove_reader(self._pidfd)
-    if not self._exit.done():
-      self._exit.set_result(None)
-
-  async def _returncode(self) -> int | None:
-    for _ in range(50):  # the fork server writes it when it reaps the child
-      if os.path.exists(self._status):
-        with open(self._status) as f:
-          return json.load(f)["returncode"]
-      await asyncio.sleep(0.02)
-    return None
-
-  def discard(self) -> None:
-    super().discard()
-    if self._pidfd >= 0:
-      if self._exit is not None and not self._exit.done():
-        self._loop.remove_reader(self._pidfd)
-        self._exit.set_result(None)
-      os.close(self._pidfd)
-      self._pidfd = -1
-    try:
-      os.remove(self._status)
-    except OSError:
-      pass  # not reaped yet: the fork server's directory goes when it closes
+class WorkerStartError(RuntimeError):
+  pass
 
 
-class ForkServer:
-  """The fork server process of one pool (``python -m verifier.zygote``), restarted if it dies."""
+class ForkServerClient:
+  """The fork server of one pool (``python -m verifier.zygote``), restarted if it dies."""
 
   def __init__(
     self,
     *,
-    role: str,
     device: str,
     gpu_index: str,
     scratch_root: str,
-    mem_mb: int,
     isolate_network: bool,
     arch_list: str = "",
     max_jobs: int = 2,
   ):
-    self.kw = dict(
-      role=role,
-      device=device,
-      gpu_index=gpu_index,
-      scratch_root=scratch_root,
-      mem_mb=mem_mb,
-      isolate_network=isolate_network,
-      arch_list=arch_list,
-      max_jobs=max_jobs,
-    )
+    self.device, self.gpu_index, self.scratch_root = device, gpu_index, scratch_root
+    self.isolate_network, self.arch_list, self.max_jobs = isolate_network, arch_list, max_jobs
     self.proc: asyncio.subprocess.Process | None = None
+    self.chan: AsyncChannel | None = None
     self.home = ""
     self.lock = asyncio.Lock()
+    self.reply: asyncio.Future | None = None
+    self.exits: dict[int, asyncio.Future] = {}
+    self.reader: asyncio.Task | None = None
     self.failures = 0
 
-  def _env(self, scratch: str) -> dict[str, str]:
-    k = self.kw
+  def env(self, scratch: str, role: str) -> dict[str, str]:
     return scrubbed_env(
       scratch,
-      cuda_visible=k["gpu_index"] if k["device"] == "cuda" and k["role"] == "run" else "",
-      arch_list=k["arch_list"],
-      max_jobs=k["max_jobs"],
+      cuda_visible=self.gpu_index if self.device == "cuda" and role == "candidate" else "",
+      arch_list=self.arch_list,
+      max_jobs=self.max_jobs,
     )
 
   async def _ensure(self) -> None:
     if self.proc is not None and self.proc.returncode is None:
       return
-    k = self.kw
-    os.makedirs(k["scratch_root"], exist_ok=True)
-    self.home = self.home or tempfile.mkdtemp(prefix="forkserver-", dir=k["scratch_root"])
+    os.makedirs(self.scratch_root, exist_ok=True)
+    self.home = self.home or tempfile.mkdtemp(prefix="forkserver-", dir=self.scratch_root)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     log = open(os.path.join(self.home, LOG_FILE), "ab")
     try:
       self.proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "verifier.zygote",
-        "--role",
-        k["role"],
         "--device",
-        k["device"],
-        "--mem-mb",
-        str(k["mem_mb"]),
-        *(["--isolate-network"] if k["isolate_network"] else []),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
+        self.device,
+        "--fd",
+        str(theirs.fileno()),
+        *(["--isolate-network"] if self.isolate_network else []),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=log,
         stderr=log,
         cwd=self.home,
-        env=self._env(self.home),
+        env=self.env(self.home, "candidate"),
         start_new_session=True,
+        pass_fds=(theirs.fileno(),),
       )
     finally:
       log.close()
+      theirs.close()
+    self.chan = AsyncChannel(ours)
+    self.reader = asyncio.ensure_future(self._read())
 
-  async def fork(self) -> ForkedWorker | None:
-    """A new worker, or None if the fork server cannot fork (the caller spawns one instead)."""
-    k = self.kw
-    scratch = tempfile.mkdtemp(prefix=f"{k['role']}-", dir=k["scratch_root"])
-    async with self.lock:
-      try:
+  async def _read(self) -> None:
+    chan = self.chan
+    try:
+      while True:
+        msg = await chan.recv(Forked, ForkFailed, Exited)
+        if isinstance(msg, Exited):
+          fut = self.exits.setdefault(msg.pid, asyncio.get_running_loop().create_future())
+          if not fut.done():
+            fut.set_result(msg.returncode)
+        elif self.reply is not None and not self.reply.done():
+          self.reply.set_result(msg)
+    except (ChannelClosed, ProtocolError, OSError) as e:
+      if self.reply is not None and not self.reply.done():
+        self.reply.set_result(ForkFailed(f"fork server gone: {e}"))
+
+  async def fork(
+    self,
+    role: str,
+    *,
+    writable=(),
+    readable=(),
+    mem_mb=0,
+    warm_profiler=True,
+    mount_namespace=True,
+    landlock=True,
+  ) -> Worker:
+    """A new worker (its start-up still running; see ``Worker.wait_ready``)."""
+    os.makedirs(self.scratch_root, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=f"{role}-", dir=self.scratch_root)
+    req = ForkRequest(
+      role=role,
+      scratch=scratch,
+      env=self.env(scratch, role),
+      writable=(scratch, *writable),
+      readable=tuple(readable),
+      mem_mb=mem_mb,
+      warm_profiler=warm_profiler,
+      mount_namespace=mount_namespace,
+      landlock=landlock,
+    )
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+      async with self.lock:
         await self._ensure()
-        self.proc.stdin.write(
-          (json.dumps({"scratch": scratch, "env": self._env(scratch)}) + "\n").encode()
-        )
-        await self.proc.stdin.drain()
-        line = await asyncio.wait_for(self.proc.stdout.readline(), 120)
-        reply = json.loads(line or b"{}")
-      except (OSError, asyncio.TimeoutError, ValueError) as e:
-        reply = {"error": f"{type(e).__name__}: {e}"}
-    if "pid" not in reply:
+        self.reply = asyncio.get_running_loop().create_future()
+        try:
+          await self.chan.send(req, fds=[theirs.fileno()])
+          reply = await asyncio.wait_for(self.reply, 120)
+        except (ChannelClosed, OSError, asyncio.TimeoutError) as e:
+          reply = ForkFailed(f"{type(e).__name__}: {e}")
+    finally:
+      theirs.close()
+    if isinstance(reply, ForkFailed):
       self.failures += 1
+      ours.close()
       shutil.rmtree(scratch, ignore_errors=True)
+      if self.proc is not None and self.proc.returncode is None and "gone" in reply.reason:
+        self.proc.kill()
+      raise WorkerStartError(f"fork server could not fork a {role} worker: {reply.reason}")
+    worker = Worker(reply, scratch, AsyncChannel(ours), self)
+    worker.watch_ready()
+    return worker
+
+  async def returncode(self, pid: int, timeout_s: float) -> int | None:
+    fut = self.exits.setdefault(pid, asyncio.get_running_loop().create_future())
+    try:
+      return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+    except asyncio.TimeoutError:
       return None
-    return ForkedWorker(int(reply["pid"]), scratch, k["role"], k["device"], k["mem_mb"], self.home)
+
+  def forget(self, pid: int) -> None:
+    fut = self.exits.get(pid)
+    if fut is not None and fut.done():
+      del self.exits[pid]
 
   async def close(self) -> None:
+    if self.chan is not None:
+      self.chan.close()
+    if self.reader is not None:
+      self.reader.cancel()
+      await asyncio.gather(self.reader, return_exceptions=True)
     if self.proc is not None and self.proc.returncode is None:
-      kill_group(self.proc.pid)
+      try:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+      except (ProcessLookupError, PermissionError):
+        pass
+      await self.proc.wait()
+    if self.home:
+      shutil.rmtree(self.home, ignore_errors=True)
+
+
+class CheckerClient:
+  """One long-lived checker process (``python -m verifier.checker_main``) and its channel. It runs no
+  candidate code, so it is started directly (not forked from the fork server) and kept across jobs."""
+
+  def __init__(
+    self,
+    *,
+    device: str,
+    gpu_index: str,
+    scratch_root: str,
+    cache_mb: int = 2048,
+    max_jobs: int = 0,
+  ):
+    self.device, self.gpu_index, self.scratch_root = device, gpu_index, scratch_root
+    self.cache_mb, self.max_jobs = cache_mb, max_jobs
+    self.proc: asyncio.subprocess.Process | None = None
+    self.chan: AsyncChannel | None = None
+    self.home = ""
+    self.recent: list[str] = []  # reference keys it served lately (it probably still holds them)
+    self.jobs = 0
+
+  async def start(self, timeout_s: float = 300.0) -> None:
+    os.makedirs(self.scratch_root, exist_ok=True)
+    self.home = tempfile.mkdtemp(prefix="checker-", dir=self.scratch_root)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    log = open(os.path.join(self.home, LOG_FILE), "ab")
+    try:
+      self.proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "verifier.checker_main",
+        "--device",
+        self.device,
+        "--fd",
+        str(theirs.fileno()),
+        "--max-jobs",
+        str(self.max_jobs),
+        "--cache-mb",
+        str(self.cache_mb),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+        cwd=self.home,
+        env=scrubbed_env(self.home, cuda_visible=self.gpu_index if self.device == "cuda" else ""),
+        start_new_session=True,
+        pass_fds=(theirs.fileno(),),
+      )
+    finally:
+      log.close()
+      theirs.close()
+    self.chan = AsyncChannel(ours)
+    try:
+      await asyncio.wait_for(self.chan.recv(WorkerReady), timeout_s)
+    except (ChannelClosed, ProtocolError, asyncio.TimeoutError) as e:
+      tail = self.read_log()[-2000:]
+      await self.close()
+      raise WorkerStartError(f"checker did not start ({type(e).__name__}): {tail}") from None
+
+  def alive(self) -> bool:
+    return self.proc is not None and self.proc.returncode is None
+
+  async def check(self, job, candidate: socket.socket, on_stage) -> "object":
+    """Send ``job`` with the candidate's socket; returns the ``CheckReport``. Stage messages go to
+    ``on_stage(name)``. Raises ChannelClosed if the checker died."""
+    from verifier.records import CheckReport, Stage
+
+    try:
+      await self.chan.send(job, fds=[candidate.fileno()])
+    finally:
+      candidate.close()
+    self.jobs += 1
+    while True:
+      msg = await self.chan.recv(Stage, CheckReport)
+      if isinstance(msg, Stage):
+        on_stage(msg.name)
+      else:
+        return msg
+
+  def read_log(self) -> str:
+    try:
+      with open(os.path.join(self.home, LOG_FILE), errors="replace") as f:
+        return truncate_log(f.read())
+    except OSError:
+      return ""
+
+  async def close(self) -> None:
+    if self.chan is not None:
+      self.chan.close()
+      self.chan = None
+    if self.proc is not None and self.proc.returncode is None:
+      try:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+      except (ProcessLookupError, PermissionError):
+        pass
+    if self.proc is not None:
       await self.proc.wait()
     if self.home:
       shutil.rmtree(self.home, ignore_errors=True)

@@ -1,20 +1,25 @@
 """gRPC server (grpc.aio) over :class:`verifier.service.VerifierService`.
 
 Auth: a bearer token in the ``authorization`` metadata (``Bearer <token>``) is required on every Verifier
-call when the server has one; binding a non-loopback address without a token is refused. The standard
-``grpc.health.v1.Health`` service answers without a token (it reveals only the serving status).
+call when the server has one; binding a non-loopback address without a token is refused. With a TLS
+certificate and key (``tls``) the port speaks TLS (``grpc.ssl_server_credentials``), so the token does not
+cross the network in the clear. The standard ``grpc.health.v1.Health`` service answers without a token
+(it reveals only the serving status). Request bytes that do not decode are answered INVALID_ARGUMENT.
 Back-pressure: a unary call is refused with RESOURCE_EXHAUSTED when ``max_pending`` requests are queued;
-a stream stops reading requests while ``stream_window`` of its own are unanswered.
+a stream stops reading requests while ``stream_window`` of its own are unanswered. The port is bound
+before any worker starts, so an address in use fails at once with one line naming it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import ipaddress
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from verifier import wire
 from verifier.contract import FailureKind
@@ -35,6 +40,68 @@ def is_loopback(host: str) -> bool:
     return False
 
 
+@dataclasses.dataclass(frozen=True)
+class TlsFiles:
+  cert_chain: str  # PEM certificate chain of this server
+  private_key: str  # PEM private key
+
+  def credentials(self) -> grpc.ServerCredentials:
+    with open(self.private_key, "rb") as k, open(self.cert_chain, "rb") as c:
+      return grpc.ssl_server_credentials([(k.read(), c.read())])
+
+
+def _check_free(host: str, port: int, address: str) -> None:
+  """Fail with one line naming the address if something listens there (grpc would log its own error
+  and, with SO_REUSEPORT, could even share the port)."""
+  import socket
+
+  if not port:
+    return
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  with socket.socket(family, socket.SOCK_STREAM) as s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      s.bind((host.strip("[]"), port))
+    except OSError as e:
+      raise OSError(f"cannot listen on {address}: {e.strerror or e}") from None
+
+
+class _Undecodable:
+  """What a request deserializes to when its bytes are not a valid message."""
+
+  def __init__(self, error: str):
+    self.error = error
+
+
+def _safe(parse):
+  def deserialize(data: bytes):
+    try:
+      return parse(data)
+    except (DecodeError, ValueError, TypeError) as e:
+      return _Undecodable(f"{type(e).__name__}: {e}")
+
+  return deserialize
+
+
+def _handlers(servicer) -> grpc.GenericRpcHandler:
+  """The Verifier service's handlers (as the generated ``add_VerifierServicer_to_server``), with
+  deserializers that turn undecodable bytes into INVALID_ARGUMENT instead of UNKNOWN."""
+  pb = verifier_pb2
+  req = _safe(pb.VerifyRequest.FromString)
+  out = pb.VerifyResult.SerializeToString
+  return grpc.method_handlers_generic_handler(
+    "dice.verifier.v1.Verifier",
+    {
+      "Verify": grpc.unary_unary_rpc_method_handler(servicer.Verify, req, out),
+      "VerifyStream": grpc.stream_stream_rpc_method_handler(servicer.VerifyStream, req, out),
+      "Metrics": grpc.unary_unary_rpc_method_handler(
+        servicer.Metrics, _safe(pb.MetricsRequest.FromString), pb.MetricsReply.SerializeToString
+      ),
+      "Build": grpc.unary_unary_rpc_method_handler(servicer.Build, req, out),
+    },
+  )
+
+
 class _Servicer(verifier_pb2_grpc.VerifierServicer):
   def __init__(self, service: VerifierService, token: str, stream_window: int):
     self.service, self.token, self.stream_window = service, token, stream_window
@@ -47,11 +114,18 @@ class _Servicer(verifier_pb2_grpc.VerifierServicer):
     if not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
       await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
-  async def _one(self, msg, context) -> verifier_pb2.VerifyResult:
+  async def _decode(self, msg, context):
+    if isinstance(msg, _Undecodable):
+      await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT, f"request bytes are not a VerifyRequest: {msg.error}"
+      )
     try:
-      req = wire.request_from_proto(msg, self.service.cfg.device)
+      return wire.request_from_proto(msg, self.service.cfg.device)
     except (ValueError, TypeError) as e:
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad VerifyOptions: {e}")
+
+  async def _one(self, msg, context) -> verifier_pb2.VerifyResult:
+    req = await self._decode(msg, context)
     result = await self.service.verify(req)
     return wire.result_to_proto(result)
 
@@ -97,14 +171,13 @@ class _Servicer(verifier_pb2_grpc.VerifierServicer):
 
   async def Build(self, request, context):
     await self._authorize(context)
-    try:
-      req = wire.request_from_proto(request, self.service.cfg.device)
-    except (ValueError, TypeError) as e:
-      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad VerifyOptions: {e}")
+    req = await self._decode(request, context)
     return wire.result_to_proto(await self.service.build(req))
 
   async def Metrics(self, request, context):
     await self._authorize(context)
+    if isinstance(request, _Undecodable):
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad MetricsRequest: {request.error}")
     return verifier_pb2.MetricsReply(**self.service.metrics.snapshot())
 
 
@@ -133,6 +206,7 @@ class VerifierServer:
     port: int = 50051,
     token: str = "",
     stream_window: int = 256,
+    tls: TlsFiles | None = None,
   ):
     if not is_loopback(host) and not token:
       raise ValueError(
@@ -140,29 +214,46 @@ class VerifierServer:
         "(pass --token-file or set VERIFIER_TOKEN)"
       )
     self.cfg, self.host, self.requested_port, self.token = cfg, host, port, token
+    self.tls = tls
     self.service = VerifierService(cfg)
     self.stream_window = stream_window
     self.server: grpc.aio.Server | None = None
     self.port = 0
 
   async def start(self) -> int:
-    await self.service.start()
+    """Bind the port (refused at once if taken), then start the workers, then serve."""
     opts = [
       ("grpc.max_receive_message_length", 16 << 20),
       ("grpc.max_send_message_length", 16 << 20),
+      ("grpc.so_reuseport", 0),
     ]
     self.server = grpc.aio.server(options=opts)
-    verifier_pb2_grpc.add_VerifierServicer_to_server(
-      _Servicer(self.service, self.token, self.stream_window), self.server
+    self.server.add_generic_rpc_handlers(
+      (_handlers(_Servicer(self.service, self.token, self.stream_window)),)
     )
     self.health = _Health()
     health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
     host = f"[{self.host}]" if ":" in self.host else self.host
-    self.port = self.server.add_insecure_port(f"{host}:{self.requested_port}")
+    address = f"{host}:{self.requested_port}"
+    _check_free(self.host, self.requested_port, address)
+    try:
+      if self.tls is not None:
+        self.port = self.server.add_secure_port(address, self.tls.credentials())
+      else:
+        self.port = self.server.add_insecure_port(address)
+    except RuntimeError as e:
+      raise OSError(f"cannot listen on {address}: {e} (is the address already in use?)") from None
     if not self.port:
-      raise OSError(f"could not bind {self.host}:{self.requested_port}")
+      raise OSError(f"cannot listen on {address}: the address is in use or not available")
+    await self.service.start()
     await self.server.start()
-    log.info("verifier serving on %s:%d (device=%s)", self.host, self.port, self.cfg.device)
+    log.info(
+      "verifier serving on %s:%d (device=%s, %s)",
+      self.host,
+      self.port,
+      self.cfg.device,
+      "TLS" if self.tls else "plaintext",
+    )
     return self.port
 
   async def stop(self, grace: float = 2.0) -> None:
@@ -175,4 +266,4 @@ class VerifierServer:
     await self.server.wait_for_termination()
 
 
-__all__ = ["VerifierServer", "is_loopback", "FailureKind"]
+__all__ = ["VerifierServer", "TlsFiles", "is_loopback", "FailureKind"]

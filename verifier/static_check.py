@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import re
 
+from verifier import aten_ops
 from verifier.contract import FailureKind, Strictness
 
 
@@ -178,30 +179,143 @@ COMPUTE_METHODS = frozenset(
     "nonzero",
   }
 )
+# Modules a candidate may not import. Introspection, native access, file writing, processes, networking,
+# persistence and this verifier itself (reference doc section 2.8: KernelBench STRICT plus what RL found).
 FORBIDDEN_MODULES = frozenset(
   {
     "gc",
-    "inspect",
     "ctypes",
     "cffi",
     "subprocess",
+    "_posixsubprocess",
     "socket",
+    "socketserver",
+    "ssl",
+    "select",
+    "selectors",
+    "http",
+    "urllib",
+    "requests",
+    "ftplib",
+    "smtplib",
     "signal",
     "importlib",
     "builtins",
     "pickle",
     "marshal",
+    "shelve",
+    "dbm",
+    "sqlite3",
+    "copyreg",
+    "dill",
+    "cloudpickle",
     "shutil",
     "sys",
     "code",
+    "codeop",
     "pty",
+    "tty",
+    "termios",
     "mmap",
     "faulthandler",
     "tracemalloc",
+    "pathlib",
+    "io",
+    "_io",
+    "tempfile",
+    "fcntl",
+    "posix",
+    "resource",
+    "atexit",
+    "runpy",
+    "zipimport",
+    "site",
+    "platform",
+    "webbrowser",
+    "logging",
+    "zipfile",
+    "tarfile",
+    "weakref",
+    "dis",
+    "types",
+    "verifier",
   }
 )
+FORBIDDEN_TORCH_MODULES = (
+  "torch.multiprocessing",
+  "torch.distributed",
+  "torch.library",
+  "torch.overrides",
+  "torch.utils._python_dispatch",
+  "torch._C",
+  "torch._dynamo",
+  "torch.hub",
+)
+FRAME_MODULES = frozenset({"inspect", "traceback"})
 THREAD_MODULES = frozenset({"threading", "multiprocessing", "concurrent", "asyncio", "_thread"})
-PATCH_ROOTS = frozenset({"torch", "time", "F", "nn", "builtins", "np", "numpy", "os", "sys"})
+# Attributes that reach frames, code objects or another scope's variables (walking to the caller).
+FRAME_ATTRIBUTES = frozenset(
+  {
+    "f_back",
+    "f_locals",
+    "f_globals",
+    "f_builtins",
+    "f_code",
+    "f_trace",
+    "f_lasti",
+    "tb_frame",
+    "tb_next",
+    "gi_frame",
+    "gi_code",
+    "gi_yieldfrom",
+    "cr_frame",
+    "cr_code",
+    "cr_await",
+    "ag_frame",
+    "ag_code",
+    "_getframe",
+    "_current_frames",
+    "exc_info",
+    "settrace",
+    "setprofile",
+    "walk_stack",
+    "walk_tb",
+    "extract_stack",
+    "currentframe",
+    "__traceback__",
+    "__code__",
+    "__globals__",
+    "__closure__",
+    "__builtins__",
+  }
+)
+# Module names that must not be reached through another module either (``torch.utils.cpp_extension.os``).
+REACHABLE_MODULE_ATTRIBUTES = frozenset(
+  {
+    "os",
+    "sys",
+    "subprocess",
+    "ctypes",
+    "inspect",
+    "traceback",
+    "gc",
+    "builtins",
+    "importlib",
+    "shutil",
+    "pathlib",
+    "tempfile",
+    "socket",
+    "threading",
+    "multiprocessing",
+    "_thread",
+    "pickle",
+    "marshal",
+    "_C",
+  }
+)
+# Roots whose attributes a candidate may not assign: timers, builtins, numpy, os. Names bound to anything
+# imported from torch (whatever the alias) are added per candidate.
+PATCH_ROOTS = frozenset({"time", "builtins", "np", "numpy", "os", "sys", "math", "random"})
 FORBIDDEN_CALLS = frozenset(
   {
     "exec",
@@ -209,12 +323,14 @@ FORBIDDEN_CALLS = frozenset(
     "compile",
     "__import__",
     "globals",
+    "locals",
     "setattr",
     "delattr",
     "getattr",
     "vars",
     "breakpoint",
     "open",
+    "input",
   }
 )
 CPP_STREAM_OR_THREAD = re.compile(
@@ -228,10 +344,23 @@ CPP_FOREIGN_LIBS = re.compile(
   r"\bcublas\w*\s*\(|\bcudnn\w*\s*\(|\bat::(?:matmul|mm|bmm|addmm|conv\w*|linear)\s*\(|"
   r"\btorch::(?:matmul|mm|bmm|addmm|conv\w*|linear)\s*\("
 )
+# Kernels called without the dispatcher (no profiler event): at::cpu::clamp_min, at::native::add_out,
+# at::_ops::sum::call, at::redispatch::..., and namespace aliases or using-directives for them.
+CPP_BACKEND_CALL = re.compile(
+  r"\bat\s*::\s*(cpu|cuda|native|meta|mps|compositeexplicitautograd|"
+  r"compositeexplicitautogradnonfunctional|compositeimplicitautograd)\s*::\s*(\w+)"
+)
+CPP_ANY_OP_CALL = re.compile(r"\bat\s*::\s*(_ops|redispatch)\s*::\s*\w+")
+CPP_NAMESPACE_ESCAPE = re.compile(
+  r"\busing\s+namespace\s+(?:::)?at\s*::\s*(?:cpu|cuda|native|_ops|meta|redispatch)\b|"
+  r"\bnamespace\s+\w+\s*=\s*(?:::)?at\s*::\s*(?:cpu|cuda|native|_ops|meta|redispatch)\b|"
+  r"\busing\s+(?:::)?at\s*::\s*(?:cpu|native|_ops|meta)\s*::\s*\w+"
+)
 GLOBAL_KERNEL = re.compile(
   r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(?:static\s+)?(?:inline\s+)?void\s+"
   r"(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)"
 )
+# os functions that write files, change the process tree or signal anything.
 OS_FORBIDDEN = frozenset(
   {
     "system",
@@ -240,25 +369,89 @@ OS_FORBIDDEN = frozenset(
     "forkpty",
     "kill",
     "killpg",
+    "abort",
     "_exit",
     "execv",
     "execve",
     "execvp",
+    "execvpe",
     "execl",
+    "execle",
     "execlp",
+    "execlpe",
     "spawnl",
+    "spawnle",
+    "spawnlp",
     "spawnv",
+    "spawnve",
+    "spawnvp",
     "posix_spawn",
+    "posix_spawnp",
     "setsid",
+    "setpgid",
+    "setpgrp",
     "putenv",
+    "unsetenv",
+    "open",
+    "fdopen",
+    "write",
+    "writev",
+    "pwrite",
+    "sendfile",
+    "remove",
+    "unlink",
+    "rmdir",
+    "removedirs",
+    "rename",
+    "renames",
+    "replace",
+    "mkdir",
+    "makedirs",
+    "mkfifo",
+    "mknod",
+    "symlink",
+    "link",
+    "truncate",
+    "ftruncate",
+    "chmod",
+    "fchmod",
+    "chown",
+    "fchown",
+    "lchown",
+    "utime",
+    "chdir",
+    "fchdir",
+    "chroot",
+    "dup",
+    "dup2",
+    "pipe",
+    "pipe2",
+    "openpty",
+    "memfd_create",
+    "pidfd_open",
+    "register_at_fork",
+    "nice",
+    "sched_setaffinity",
+    "setuid",
+    "setgid",
   }
 )
 LOAD_CALLS = frozenset({"load_inline", "load"})
 
 
+@dataclasses.dataclass(frozen=True)
+class Rejection:
+  kind: FailureKind
+  reason: str
+
+
 def _strip_cpp_comments(text: str) -> str:
-  text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
-  return re.sub(r"//[^\n]*", " ", text)
+  """Blank out C/C++ comments, keeping every newline so positions still map to lines."""
+
+  def blank(m: re.Match) -> str:
+    return re.sub(r"[^\n]", " ", m.group(0))
+
+  return re.sub(r"/\*.*?\*/|//[^\n]*", blank, text, flags=re.S)
 
 
 def _dotted(node: ast.AST) -> str:
@@ -272,12 +465,31 @@ def _dotted(node: ast.AST) -> str:
   return ""
 
 
-def _string_constants(tree: ast.AST) -> str:
-  chunks = []
-  for node in ast.walk(tree):
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-      chunks.append(node.value)
-  return "\n".join(chunks)
+@dataclasses.dataclass(frozen=True)
+class _CppText:
+  """One string constant of the candidate (C++/CUDA source, comments blanked) and where it starts."""
+
+  text: str
+  lineno: int
+
+  def line_of(self, pos: int) -> int:
+    return self.lineno + self.text.count("\n", 0, pos)
+
+
+def _cpp_texts(tree: ast.AST) -> list[_CppText]:
+  return [
+    _CppText(_strip_cpp_comments(node.value), node.lineno)
+    for node in ast.walk(tree)
+    if isinstance(node, ast.Constant) and isinstance(node.value, str)
+  ]
+
+
+def _search_cpp(pattern: re.Pattern, texts: list[_CppText]) -> tuple[re.Match, int] | None:
+  for t in texts:
+    m = pattern.search(t.text)
+    if m:
+      return m, t.line_of(m.start())
+  return None
 
 
 def _exported_functions(tree: ast.AST) -> tuple[list[str], int, bool]:
@@ -326,6 +538,191 @@ def _forward_path_calls(cls: ast.ClassDef) -> list[ast.Call]:
   return calls
 
 
+def _imported_modules(node: ast.AST) -> list[str]:
+  if isinstance(node, ast.Import):
+    return [a.name for a in node.names]
+  if isinstance(node, ast.ImportFrom) and node.module:
+    return [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+  return []
+
+
+def _bindings(tree: ast.AST) -> dict[str, str]:
+  """Local dotted name -> the dotted module path it stands for, for every import and every plain alias
+  (``T = torch``; ``self.t = Tensor``), followed to a fixed point: ``from torch import Tensor as X`` makes
+  ``X`` stand for ``torch.Tensor``."""
+  bound: dict[str, str] = {}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for a in node.names:
+        if a.asname:
+          bound[a.asname] = a.name
+        else:
+          root = a.name.split(".")[0]
+          bound[root] = root
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      for a in node.names:
+        bound[a.asname or a.name] = f"{node.module}.{a.name}"
+  aliases = [
+    (t, n.value)
+    for n in ast.walk(tree)
+    if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None
+    for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+  ]
+  changed = True
+  while changed:
+    changed = False
+    for target, value in aliases:
+      name, src = _dotted(target), _resolve(_dotted(value), bound)
+      if name and src and bound.get(name) != src:
+        bound[name] = src
+        changed = True
+  return bound
+
+
+def _resolve(dotted: str, bound: dict[str, str]) -> str:
+  """The module path a dotted expression stands for ('' if it does not start at an imported name)."""
+  if not dotted:
+    return ""
+  parts = dotted.split(".")
+  for i in range(len(parts), 0, -1):
+    head = ".".join(parts[:i])
+    if head in bound:
+      return ".".join([bound[head]] + parts[i:])
+  return ""
+
+
+def _line(node: ast.AST) -> int:
+  return getattr(node, "lineno", 0)
+
+
+def _import_rules(tree: ast.AST, strictness: Strictness) -> Rejection | None:
+  for node in ast.walk(tree):
+    for m in _imported_modules(node):
+      root, line = m.split(".")[0], _line(node)
+      if root in THREAD_MODULES and strictness.forbid_threads_streams:
+        return Rejection(
+          FailureKind.THREAD_OR_STREAM,
+          f"imports {m!r} (line {line}): extra threads/processes are not allowed",
+        )
+      if not strictness.forbid_imports:
+        continue
+      if root in FRAME_MODULES:
+        return Rejection(
+          FailureKind.FRAME_INTROSPECTION,
+          f"imports {m!r} (line {line}): frame and stack introspection is not allowed",
+        )
+      if root in FORBIDDEN_MODULES or any(
+        m == t or m.startswith(t + ".") for t in FORBIDDEN_TORCH_MODULES
+      ):
+        return Rejection(
+          FailureKind.FORBIDDEN_IMPORT, f"imports {m!r} (line {line}), which is not allowed"
+        )
+      if root == "os" and m.split(".")[-1] in OS_FORBIDDEN:
+        return Rejection(
+          FailureKind.FORBIDDEN_IMPORT,
+          f"imports {m!r} (line {line}): file writing and process control are not allowed",
+        )
+  return None
+
+
+def _introspection_rules(tree: ast.AST, bound: dict[str, str]) -> Rejection | None:
+  """Builtins that execute or reach other scopes, frame walking, dunders and os process/file calls."""
+  for node in ast.walk(tree):
+    line = _line(node)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+      if node.func.id in FORBIDDEN_CALLS:
+        return Rejection(
+          FailureKind.FORBIDDEN_IMPORT, f"calls builtin {node.func.id}() (line {line})"
+        )
+    if isinstance(node, ast.Attribute):
+      if node.attr in FRAME_ATTRIBUTES:
+        return Rejection(
+          FailureKind.FRAME_INTROSPECTION,
+          f"uses .{node.attr} (line {line}): frame and stack introspection is not allowed",
+        )
+      if node.attr.startswith("__") and node.attr not in ("__init__", "__name__"):
+        return Rejection(
+          FailureKind.FORBIDDEN_IMPORT, f"uses dunder attribute {node.attr} (line {line})"
+        )
+      if node.attr in REACHABLE_MODULE_ATTRIBUTES and _dotted(node.value) not in ("self", ""):
+        return Rejection(
+          FailureKind.FORBIDDEN_IMPORT,
+          f"reaches module {node.attr!r} through {_dotted(node.value)} (line {line})",
+        )
+    if isinstance(node, ast.Call):
+      target = _resolve(_dotted(node.func), bound)
+      if target.startswith("os.") and target.split(".")[-1] in OS_FORBIDDEN:
+        return Rejection(
+          FailureKind.FORBIDDEN_IMPORT,
+          f"calls {target}() (line {line}): file writing and process control are not allowed",
+        )
+      if target in ("torch.utils.cpp_extension.load", "torch.ops.load_library"):
+        return Rejection(
+          FailureKind.FORBIDDEN_IMPORT,
+          f"calls {target}() (line {line}): extensions are built from the candidate's own sources "
+          "(load_inline), not from files",
+        )
+      if target in ("torch.save", "torch.load", "numpy.save", "numpy.savez", "numpy.load"):
+        return Rejection(
+          FailureKind.FORBIDDEN_IMPORT, f"calls {target}() (line {line}): no file I/O"
+        )
+  return None
+
+
+def _patch_rules(tree: ast.AST, bound: dict[str, str]) -> Rejection | None:
+  """Assignment to (or deletion of) an attribute of anything imported from torch / timers / os, under any
+  alias, or of an expression that is not a plain name (``type(x).sum = ...``)."""
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Assign):
+      targets = node.targets
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+      targets = [node.target]
+    elif isinstance(node, ast.Delete):
+      targets = node.targets
+    else:
+      continue
+    flat = []
+    for t in targets:
+      flat += list(t.elts) if isinstance(t, (ast.Tuple, ast.List)) else [t]
+    for t in flat:
+      if isinstance(t, ast.Subscript):
+        t = t.value
+      if not isinstance(t, ast.Attribute):
+        continue
+      name = _dotted(t)
+      if not name:
+        return Rejection(
+          FailureKind.MONKEY_PATCH,
+          f"assigns to attribute .{t.attr} of an expression (line {_line(node)})",
+        )
+      owner = name.rsplit(".", 1)[0]  # the object whose attribute changes
+      source = _resolve(owner, bound)
+      if owner.split(".")[0] in PATCH_ROOTS or source.split(".")[0] in {"torch"} | PATCH_ROOTS:
+        shown = name if source in ("", owner) else f"{name} ({owner} is {source})"
+        return Rejection(FailureKind.MONKEY_PATCH, f"assigns to {shown} (line {_line(node)})")
+  return None
+
+
+def _direct_aten(texts: list[_CppText]) -> Rejection | None:
+  for t in texts:
+    for pattern in (CPP_ANY_OP_CALL, CPP_NAMESPACE_ESCAPE):
+      m = pattern.search(t.text)
+      if m:
+        return Rejection(
+          FailureKind.DIRECT_ATEN_CALL,
+          f"C++ uses {' '.join(m.group(0).split())!r} (line {t.line_of(m.start())}): ATen kernels "
+          "called directly skip the dispatcher and the runtime check",
+        )
+    for m in CPP_BACKEND_CALL.finditer(t.text):
+      if aten_ops.is_compute_operator(m.group(2)):
+        return Rejection(
+          FailureKind.DIRECT_ATEN_CALL,
+          f"C++ calls at::{m.group(1)}::{m.group(2)} (line {t.line_of(m.start())}): an ATen kernel "
+          "called directly (no dispatcher, invisible to the runtime check) is not an own kernel",
+        )
+  return None
+
+
 def check_candidate(source: str, strictness: Strictness, device: str) -> StaticVerdict:
   """Parse and statically check a candidate; the first rule that fails decides the kind."""
   try:
@@ -340,103 +737,95 @@ def check_candidate(source: str, strictness: Strictness, device: str) -> StaticV
       FailureKind.MISSING_MODEL_NEW, "candidate defines no top-level class ModelNew"
     )
 
-  cpp = _strip_cpp_comments(_string_constants(tree))
+  texts = _cpp_texts(tree)
+  cpp = "\n".join(t.text for t in texts)
   kernels = tuple(dict.fromkeys(GLOBAL_KERNEL.findall(cpp)))
   functions, n_loads, with_cuda = _exported_functions(tree)
+  bound = _bindings(tree)
   warnings: list[str] = []
 
-  def reject(kind: FailureKind, reason: str) -> StaticVerdict:
-    return StaticVerdict(kind, reason, tuple(warnings), kernels, tuple(functions))
+  def reject(r: Rejection) -> StaticVerdict:
+    return StaticVerdict(r.kind, r.reason, tuple(warnings), kernels, tuple(functions))
 
-  # Imports and dangerous builtins.
-  for node in ast.walk(tree):
-    mods = []
-    if isinstance(node, ast.Import):
-      mods = [a.name for a in node.names]
-    elif isinstance(node, ast.ImportFrom) and node.module:
-      mods = [node.module]
-    for m in mods:
-      root = m.split(".")[0]
-      if root in THREAD_MODULES and strictness.forbid_threads_streams:
-        return reject(
-          FailureKind.THREAD_OR_STREAM, f"imports {m!r}: extra threads/processes are not allowed"
-        )
-      if root in FORBIDDEN_MODULES and strictness.forbid_imports:
-        return reject(
-          FailureKind.FORBIDDEN_IMPORT, f"imports {m!r}, which is not allowed in a candidate"
-        )
-    if (
-      isinstance(node, ast.Call)
-      and isinstance(node.func, ast.Name)
-      and node.func.id in FORBIDDEN_CALLS
-      and strictness.forbid_imports
-    ):
-      return reject(
-        FailureKind.FORBIDDEN_IMPORT, f"calls builtin {node.func.id}() (line {node.lineno})"
-      )
-    if (
-      isinstance(node, ast.Attribute)
-      and node.attr.startswith("__")
-      and node.attr not in ("__init__", "__name__")
-      and strictness.forbid_imports
-    ):
-      return reject(
-        FailureKind.FORBIDDEN_IMPORT, f"uses dunder attribute {node.attr} (line {node.lineno})"
-      )
+  # Imports, dangerous builtins, frame walking.
+  r = _import_rules(tree, strictness) or (
+    _introspection_rules(tree, bound) if strictness.forbid_imports else None
+  )
+  if r:
+    return reject(r)
 
   # Fallbacks: try/except around the kernel, or reusing the reference Model.
   if strictness.forbid_fallback:
     for node in ast.walk(tree):
       if isinstance(node, ast.Try) or (hasattr(ast, "TryStar") and isinstance(node, ast.TryStar)):
         return reject(
-          FailureKind.FALLBACK, f"try/except at line {node.lineno}: no fallback paths allowed"
+          Rejection(
+            FailureKind.FALLBACK, f"try/except at line {node.lineno}: no fallback paths allowed"
+          )
         )
     for base in cls.bases:
       if _dotted(base) not in ("nn.Module", "torch.nn.Module", "Module"):
         return reject(
-          FailureKind.FALLBACK, f"ModelNew must subclass nn.Module only, not {_dotted(base) or '?'}"
+          Rejection(
+            FailureKind.FALLBACK,
+            f"ModelNew must subclass nn.Module only, not {_dotted(base) or '?'} (line {cls.lineno})",
+          )
         )
 
-  # Monkey patching of torch / timers / builtins, and lazy tensor subclasses.
+  # Monkey patching of torch / timers / builtins (any alias), and lazy tensor subclasses.
   if strictness.forbid_monkey_patch:
+    r = _patch_rules(tree, bound)
+    if r:
+      return reject(r)
     for node in ast.walk(tree):
-      targets = []
-      if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-      for t in targets:
-        name = _dotted(t) if isinstance(t, ast.Attribute) else ""
-        if name and name.split(".")[0] in PATCH_ROOTS:
-          return reject(FailureKind.MONKEY_PATCH, f"assigns to {name} (line {node.lineno})")
       if isinstance(node, ast.ClassDef):
         for b in node.bases:
-          if _dotted(b) in ("torch.Tensor", "Tensor"):
-            return reject(FailureKind.LAZY_OUTPUT, f"class {node.name} subclasses torch.Tensor")
+          if _resolve(_dotted(b), bound) == "torch.Tensor" or _dotted(b) in (
+            "torch.Tensor",
+            "Tensor",
+          ):
+            return reject(
+              Rejection(
+                FailureKind.LAZY_OUTPUT,
+                f"class {node.name} subclasses torch.Tensor (line {node.lineno})",
+              )
+            )
     if re.search(r"_make_subclass|__torch_function__|__torch_dispatch__", source):
       return reject(
-        FailureKind.LAZY_OUTPUT, "uses tensor-subclass hooks (_make_subclass/__torch_function__)"
+        Rejection(
+          FailureKind.LAZY_OUTPUT, "uses tensor-subclass hooks (_make_subclass/__torch_function__)"
+        )
       )
 
-  if strictness.forbid_threads_streams:
-    m = PY_STREAM.search(source) or CPP_STREAM_OR_THREAD.search(cpp)
-    if m:
+  stream = PY_STREAM.search(source)
+  stream_line = source.count("\n", 0, stream.start()) + 1 if stream else 0
+  found = _search_cpp(CPP_STREAM_OR_THREAD, texts)
+  if stream or found:
+    what, line = (stream.group(0), stream_line) if stream else (found[0].group(0), found[1])
+    if strictness.forbid_threads_streams:
       return reject(
-        FailureKind.THREAD_OR_STREAM,
-        f"uses {m.group(0).strip()!r}: extra streams/threads are not allowed",
+        Rejection(
+          FailureKind.THREAD_OR_STREAM,
+          f"uses {what.strip()!r} (line {line}): extra streams/threads are not allowed",
+        )
       )
-  elif PY_STREAM.search(source) or CPP_STREAM_OR_THREAD.search(cpp):
     warnings.append("uses extra CUDA streams or threads")
 
   # A real kernel of its own, defined and launched.
   if strictness.require_kernel:
     if n_loads == 0:
       return reject(
-        FailureKind.NO_KERNEL,
-        "no torch.utils.cpp_extension.load_inline/load call builds an extension",
+        Rejection(
+          FailureKind.NO_KERNEL,
+          "no torch.utils.cpp_extension.load_inline/load call builds an extension",
+        )
       )
     if device == "cuda":
       if not kernels:
         return reject(
-          FailureKind.NO_KERNEL, "no __global__ kernel is defined in the candidate's CUDA source"
+          Rejection(
+            FailureKind.NO_KERNEL, "no __global__ kernel is defined in the candidate's CUDA source"
+          )
         )
       launched = [
         k
@@ -446,33 +835,34 @@ def check_candidate(source: str, strictness: Strictness, device: str) -> StaticV
       ]
       if not launched:
         return reject(
-          FailureKind.KERNEL_NOT_LAUNCHED,
-          f"__global__ kernel(s) {', '.join(kernels)} defined but never launched with <<<...>>>",
+          Rejection(
+            FailureKind.KERNEL_NOT_LAUNCHED,
+            f"__global__ kernel(s) {', '.join(kernels)} defined but never launched with <<<...>>>",
+          )
         )
     elif not functions and not cpp.strip():
       return reject(
-        FailureKind.NO_KERNEL, "no C++ function is exported through load_inline(functions=[...])"
+        Rejection(
+          FailureKind.NO_KERNEL,
+          "no C++ function is exported through load_inline(functions=[...])",
+        )
       )
-  m = CPP_FOREIGN_LIBS.search(cpp)
-  if m:
+  found = _search_cpp(CPP_FOREIGN_LIBS, texts)
+  if found:
+    call = found[0].group(0).strip()
     if strictness.forbid_torch_compute:
       return reject(
-        FailureKind.FOREIGN_KERNELS,
-        f"C++ source calls {m.group(0).strip()!r} (library compute, not an own kernel)",
-      )
-    warnings.append(f"C++ calls {m.group(0).strip()!r}")
-
-  # Process control through os.
-  if strictness.forbid_imports:
-    for node in ast.walk(tree):
-      if (
-        isinstance(node, ast.Call)
-        and _dotted(node.func).split(".")[0] == "os"
-        and _dotted(node.func).split(".")[-1] in OS_FORBIDDEN
-      ):
-        return reject(
-          FailureKind.FORBIDDEN_IMPORT, f"calls {_dotted(node.func)}() (line {node.lineno})"
+        Rejection(
+          FailureKind.FOREIGN_KERNELS,
+          f"C++ source calls {call!r} (line {found[1]}): library compute, not an own kernel",
         )
+      )
+    warnings.append(f"C++ calls {call!r}")
+  r = _direct_aten(texts)
+  if r:
+    if strictness.forbid_torch_compute:
+      return reject(r)
+    warnings.append(r.reason)
 
   # Torch compute in the forward path (calls into the candidate's own extension modules are fine).
   exported, extensions = set(functions), _extension_names(tree)
@@ -484,9 +874,16 @@ def check_candidate(source: str, strictness: Strictness, device: str) -> StaticV
       call.func.attr in exported or _dotted(call.func.value) in extensions
     ):
       continue
-    if parts[0] in ("torch", "F") and len(parts) >= 2:
+    resolved = _resolve(name, bound).split(".")
+    if (
+      parts[0] in ("torch", "F")
+      and len(parts) >= 2
+      or (resolved[0] == "torch" and len(resolved) >= 2 and parts[0] != "self")
+    ):
       leaf = parts[-1]
-      if parts[:2] == ["torch", "cuda"] or leaf in ALLOWED_TORCH_CALLS:
+      if parts[:2] == ["torch", "cuda"] or resolved[:2] == ["torch", "cuda"]:
+        continue
+      if leaf in ALLOWED_TORCH_CALLS or leaf in LOAD_CALLS:
         continue
       offending = name
     elif (
@@ -502,8 +899,11 @@ def check_candidate(source: str, strictness: Strictness, device: str) -> StaticV
     if offending:
       if strictness.forbid_torch_compute:
         return reject(
-          FailureKind.TORCH_COMPUTE,
-          f"forward path calls {offending} (line {call.lineno}); only allocation/view/shape torch ops are allowed",
+          Rejection(
+            FailureKind.TORCH_COMPUTE,
+            f"forward path calls {offending} (line {call.lineno}); only allocation/view/shape torch "
+            "ops are allowed",
+          )
         )
       warnings.append(f"forward path calls {offending}")
   return StaticVerdict(FailureKind.OK, "", tuple(warnings), kernels, tuple(functions))

@@ -1,105 +1,104 @@
-"""Fork server for run workers (``--fork-server``, opt-in): torch is imported once, workers are forked from it.
+"""The fork server of a pool (``python -m verifier.zygote --device cuda|cpu --fd N``): imports torch once
+and forks every worker of the pool from itself.
 
-A run worker serves one candidate and then exits, so the service starts one per candidate. On the H200 host a
-worker took 16 s from spawn to ready with 14 starting beside 4 running, and that start-up, not the GPU, bounded
-the reward-mode rate (BUILD_NOTES, Verifier). This process pays the sandbox set-up (rlimits, network namespace)
-and ``import torch`` once; each worker is a ``fork()`` of it that then creates its own CUDA context, so every
-candidate still gets a fresh process, its own session and process group, its own scratch directory and
-environment, exactly as a spawned worker. Forking is refused (the pool falls back to spawning) if this process
-ever has more than one thread, and CUDA is never initialised here.
+A worker serves one candidate (or one build) and exits, so the service needs a new process per candidate;
+spawning one cost the torch import each time (13.5 s per worker on the H200 host under load, BUILD_NOTES).
+This process applies what all its workers share (rlimits, the user and network namespace) and imports
+torch, never initialising CUDA; each fork then gets its own PID namespace, session, environment, scratch,
+mounts and Landlock domain (``worker_main.run_forked``) and creates its own CUDA context. It never runs
+candidate code. Forking is refused if this process ever has a second thread.
 
-Protocol: one JSON request per stdin line, ``{"scratch": dir, "env": {...}}``; one JSON reply per stdout line,
-``{"pid": n}`` or ``{"error": "..."}``. The child waits for ``<scratch>/job.json`` (written atomically by the
-parent), then runs ``worker_main.serve_one`` like a spawned worker. This process reaps its children and writes
-each one's exit status to ``<pid>.status`` in its own working directory; the parent watches them through a pidfd.
+Channel (``records``): ``ForkRequest`` with the worker's channel socket attached -> ``Forked`` or
+``ForkFailed``; ``Exited`` whenever a worker's waiter is reaped. The service watches each worker through a
+pidfd and kills it (its PID namespace) on a limit.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
-import resource
+import select
 import signal
+import socket
 import sys
-import time
 
-JOB_FILE = "job.json"
-
-
-def wait_for_job_file(scratch: str, poll_s: float = 0.005):
-  """Block until the parent hands over a job (an empty one discards the worker)."""
-  path = os.path.join(scratch, JOB_FILE)
-
-  def read_job() -> dict:
-    while not os.path.exists(path):
-      time.sleep(poll_s)
-    with open(path) as f:
-      return json.load(f)
-
-  return read_job
+from verifier import confine
+from verifier.channel import Channel, ChannelClosed
+from verifier.records import Exited, ForkFailed, Forked, ForkRequest
 
 
-def _child(req: dict, role: str, device: str, mem_mb: int, notes: list[str]) -> None:
-  """In the forked child: detach, take the worker's own environment and scratch, then serve one job."""
-  from verifier import worker_main
-
-  mark = worker_main.StartupClock()
-  os.setsid()
-  scratch = req["scratch"]
-  log = os.open(os.path.join(scratch, "worker.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-  null = os.open(os.devnull, os.O_RDONLY)
-  os.dup2(null, 0)
-  os.dup2(log, 1)
-  os.dup2(log, 2)
-  os.close(null)
-  os.close(log)
-  import faulthandler
-
-  faulthandler.enable()
-  signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-  os.environ.clear()
-  os.environ.update(req["env"])
-  os.chdir(scratch)
-  if mem_mb > 0 and not (role == "run" and device == "cuda"):
-    resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
-  mark("startup_fork")
-  worker_main.serve_one(role, device, scratch, notes, mark, wait_for_job_file(scratch))
+def thread_names() -> list[str]:
+  names = []
+  for tid in sorted(os.listdir("/proc/self/task")):
+    try:
+      with open(f"/proc/self/task/{tid}/comm") as f:
+        names.append(f.read().strip())
+    except OSError:  # the thread ended meanwhile
+      pass
+  return names
 
 
 def threads() -> int:
   return len(os.listdir("/proc/self/task"))
 
 
-def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="verifier.zygote")
-  p.add_argument("--role", choices=("run", "build"), default="run")
-  p.add_argument("--device", choices=("cuda", "cpu"), required=True)
-  p.add_argument("--mem-mb", type=int, default=0)
-  p.add_argument("--isolate-network", action="store_true")
-  args = p.parse_args(argv)
+@contextlib.contextmanager
+def no_cuda_probe():
+  """Keeps `torch.cuda.is_available()` from initialising the CUDA driver while modules import.
 
-  from verifier.sandbox import apply_child_limits
+  torch >= 2.11's `torch.utils.cpp_extension` calls `torch.cuda.is_available()` at import (only to
+  decide whether to print a warning about CUDA_HOME); that runs cuInit, which starts a driver thread
+  and makes every later fork unable to use CUDA. Seen on the H200 host (torch 2.11.0+cu130,
+  2026-11-30): one `cuda...` thread after the import. Inside this block the probe answers True
+  without touching the driver; it is restored on exit, before any worker is forked.
+  """
+  import torch
 
-  # rlimits and the network namespace are inherited by every child; RLIMIT_AS is set per child.
-  notes = apply_child_limits(0, args.isolate_network, limit_address_space=False)
-  import torch  # noqa: F401 - the point of this process: children start with torch imported
-  import torch.utils.cpp_extension  # noqa: F401
+  real = torch.cuda.is_available
+  torch.cuda.is_available = lambda: True
+  try:
+    yield
+  finally:
+    torch.cuda.is_available = real
 
-  children: dict[int, str] = {}
-  early: dict[int, int] = {}  # exited before it was registered
 
-  def write_status(pid: int, rc: int) -> None:
-    # In this process's own directory (its cwd), not the worker's scratch, which the parent may be removing.
-    try:
-      with open(f"{pid}.status.tmp", "w") as f:
-        json.dump({"returncode": rc}, f)
-      os.replace(f"{pid}.status.tmp", f"{pid}.status")
-    except OSError:
-      pass
+class ForkServer:
+  def __init__(self, chan: Channel, device: str, notes: list[str]):
+    self.chan, self.device, self.notes = chan, device, notes
+    self.children: set[int] = set()
+    self.wake_r, self.wake_w = os.pipe()
+    os.set_blocking(self.wake_w, False)
+    os.set_blocking(self.wake_r, False)
 
-  def reap(signum, frame):
-    """Reap exited children and leave each one's exit status in its scratch directory."""
+  def fork(self, req: ForkRequest, chan_fd: int):
+    names = thread_names()
+    if len(names) != 1:
+      return ForkFailed(
+        f"fork server has {len(names)} threads ({', '.join(names)}); forking is unsafe"
+      )
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+      os.close(r)
+      from verifier import worker_main
+
+      worker_main.run_forked(req, chan_fd, self.device, self.notes, w)  # never returns
+    os.close(w)
+    os.close(chan_fd)
+    self.children.add(pid)
+    line = b""
+    while not line.endswith(b"\n"):
+      chunk = os.read(r, 64)
+      if not chunk:
+        break
+      line += chunk
+    os.close(r)
+    if not line.strip().isdigit():
+      return ForkFailed(f"worker {pid} did not start its sandbox")
+    return Forked(pid, int(line))
+
+  def reap(self) -> None:
     while True:
       try:
         pid, status = os.waitpid(-1, os.WNOHANG)
@@ -107,35 +106,84 @@ def main(argv=None) -> int:
         return
       if pid == 0:
         return
+      self.children.discard(pid)
       rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-      if children.pop(pid, None) is None:
-        early[pid] = rc
-      else:
-        write_status(pid, rc)
+      self.chan.send(Exited(pid, rc))
 
-  signal.signal(signal.SIGCHLD, reap)
-  out = sys.stdout
-  for line in sys.stdin:
-    if not line.strip():
-      continue
-    req = json.loads(line)
-    n = threads()
-    if n != 1:
-      out.write(json.dumps({"error": f"fork server has {n} threads; forking is unsafe"}) + "\n")
-      out.flush()
-      continue
-    pid = os.fork()
-    if pid == 0:
-      try:
-        _child(req, args.role, args.device, args.mem_mb, notes)
-      finally:
-        os._exit(70)
-    children[pid] = req["scratch"]
-    if pid in early:
-      children.pop(pid)
-      write_status(pid, early.pop(pid))
-    out.write(json.dumps({"pid": pid}) + "\n")
-    out.flush()
+  def serve(self) -> None:
+    signal.set_wakeup_fd(self.wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    while True:
+      ready, _, _ = select.select([self.chan.fileno(), self.wake_r], [], [])
+      if self.wake_r in ready:
+        try:
+          while os.read(self.wake_r, 512):
+            pass
+        except BlockingIOError:
+          pass
+        self.reap()
+      if self.chan.fileno() in ready:
+        try:
+          req, fds = self.chan.recv(ForkRequest, max_fds=1)
+        except ChannelClosed:
+          return
+        if len(fds) != 1:
+          for fd in fds:
+            os.close(fd)
+          self.chan.send(ForkFailed("a fork request needs the worker's channel socket"))
+          continue
+        self.chan.send(self.fork(req, fds[0]))
+        self.reap()
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="verifier.zygote")
+  p.add_argument("--device", choices=("cuda", "cpu"), required=True)
+  p.add_argument("--fd", type=int, required=True, help="this process's channel to the service")
+  p.add_argument("--isolate-network", action="store_true")
+  p.add_argument(
+    "--no-preimport",
+    action="store_true",
+    help="do not import the profiler's dependencies here (set when they started a thread)",
+  )
+  args = p.parse_args(argv)
+
+  confine.apply_limits(0, limit_address_space=False)  # RLIMIT_AS is set per worker
+  notes = confine.isolate_network() if args.isolate_network else []
+  import torch  # noqa: F401 - the point of this process: workers start with torch imported
+
+  with no_cuda_probe():
+    import torch.utils.cpp_extension  # noqa: F401 - slow first import (setuptools)
+
+    import verifier.candidate_main  # noqa: F401 - and with the worker code imported
+    import verifier.build_main  # noqa: F401
+
+  if not args.no_preimport:
+    # The first profiled forward imports torch._dynamo (about 5 s); import it once here. If that
+    # started a thread, forking would be unsafe: start over without it.
+    with no_cuda_probe():
+      import torch._dynamo  # noqa: F401
+      import torch.profiler  # noqa: F401
+
+    if threads() != 1:
+      print(
+        f"profiler imports started threads ({', '.join(thread_names())}); restarting without them",
+        file=sys.stderr,
+        flush=True,
+      )
+      os.execv(
+        sys.executable,
+        [sys.executable, "-m", "verifier.zygote", *(argv or sys.argv[1:]), "--no-preimport"],
+      )
+
+  if threads() != 1:  # the worker code's imports started one: no fork could use CUDA safely
+    print(
+      f"fork server: imports started threads ({', '.join(thread_names())}); forking is unsafe",
+      file=sys.stderr,
+      flush=True,
+    )
+  chan = Channel(socket.socket(fileno=args.fd))
+  ForkServer(chan, args.device, notes).serve()
   return 0
 
 

@@ -39,12 +39,9 @@ from dice_jax.train.stop import Interrupted, StopSignals
 
 
 def make_loss_fn(cfg: SFTConfig):
-  from dice_jax.diffusion.objective import ObjectiveConfig, block_diffusion_loss
+  from dice_jax.diffusion.objective import block_diffusion_loss
 
-  ocfg = ObjectiveConfig(
-    eps=cfg.eps, per_block_t=cfg.per_block_t, block_alignment=cfg.block_alignment
-  )
-  return lambda model, batch, rng: block_diffusion_loss(model, batch, rng, ocfg)
+  return lambda model, batch, rng: block_diffusion_loss(model, batch, rng, cfg.objective)
 
 
 def model_config(cfg: SFTConfig, init_hf: str | None) -> ModelConfig:
@@ -111,6 +108,15 @@ def _saved_run(workdir: str):
     probe.close()
 
 
+def _in_current_layout(saved: dict) -> dict:
+  """A saved run config as today's code reads it (`SFTConfig.from_json`: fields added since take
+  their defaults, the old flat objective fields move into `objective`); as saved if unreadable."""
+  try:
+    return SFTConfig.from_json(saved).to_json()
+  except (TypeError, ValueError):
+    return saved
+
+
 def prepare(
   cfg: SFTConfig,
   workdir: str,
@@ -125,7 +131,7 @@ def prepare(
   saved = _saved_run(workdir)
   if saved is not None:
     step, saved_cfg = saved
-    saved_cfg = {**SFTConfig().to_json(), **saved_cfg}  # fields added since take their defaults
+    saved_cfg = _in_current_layout(saved_cfg)
     changes = resume.check_resume(
       saved_cfg, cfg.to_json(), workdir=workdir, step=step, allow_change=allow_config_change
     )
@@ -144,7 +150,8 @@ def prepare(
   check_compatible(
     tok, mcfg, where=f"sft (tokenizer={cfg.tokenizer}, model={init_hf or cfg.model})"
   )
-  sft_data.check_some_fit(samples, tok, cfg.seq_len, mcfg.block_size)
+  cfg.objective.grid.check_model(mcfg, "SFTConfig.objective.grid")
+  sft_data.check_some_fit(samples, tok, cfg.seq_len, cfg.objective.grid)
   logging.info("%d SFT samples; tokenizer %s", len(samples), cfg.tokenizer)
   return mcfg, tok, samples
 
@@ -203,7 +210,7 @@ def _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change) -> dict:
   logging.info("model and optimizer state built in %.1f s", time.perf_counter() - t0)
 
   rows = ts.local_rows(mesh, cfg.batch_size, cfg.accum_steps)
-  it = sft_data.make_iterator(cfg, samples, tok, mcfg.block_size, rows)
+  it = sft_data.make_iterator(cfg, samples, tok, rows)
   if jax.process_count() > 1:
     logging.info(
       "%d processes; process 0 feeds %d of %d rows per step from data shards %s of %d",

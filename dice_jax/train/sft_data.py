@@ -84,9 +84,10 @@ def load_samples(cfg: SFTConfig) -> list:
   return samples
 
 
-def make_iterator(cfg: SFTConfig, samples, tokenizer, block_size: int, rows=None):
+def make_iterator(cfg: SFTConfig, samples, tokenizer, rows=None):
   """This process's `rows` of every global batch (default: all `batch_size`), repeating forever;
   `get_state()` / `set_state()` checkpoint it (`data_shards.global_state` across processes).
+  Packed on `cfg.objective.grid`.
 
   The batch is drawn from `cfg.data_shards` grain streams: stream j packs samples j, j+k, ...
   of the shuffled data into `batch_size / k` rows (`data_shards.py`)."""
@@ -97,8 +98,7 @@ def make_iterator(cfg: SFTConfig, samples, tokenizer, block_size: int, rows=None
   def stream(j: int):
     pcfg = SFTPipelineConfig(
       seq_len=cfg.seq_len,
-      block_size=block_size,
-      block_alignment=cfg.block_alignment,
+      grid=cfg.objective.grid,
       batch_size=cfg.batch_size // k,
       seed=cfg.seed,
       num_epochs=None,
@@ -112,17 +112,18 @@ def make_iterator(cfg: SFTConfig, samples, tokenizer, block_size: int, rows=None
   return data_shards.ShardedBatches(stream, k, cfg.batch_size, rows)
 
 
-def check_some_fit(samples, tokenizer, seq_len: int, block_size: int, probe: int = 64) -> None:
-  """Fails when none of the first `probe` samples fits `seq_len` (the pipeline drops longer
-  samples, and a repeating pipeline that drops everything would wait forever)."""
-  from dice_jax.data.sft_pipeline import pad_to_block, sft_texts
+def check_some_fit(samples, tokenizer, seq_len: int, grid, probe: int = 64) -> None:
+  """Fails when none of the first `probe` samples fits `seq_len` once padded on `grid` (the
+  pipeline drops longer samples, and a repeating pipeline that drops everything would wait
+  forever)."""
+  from dice_jax.data.sft_pipeline import sft_texts
 
   if not samples:
     raise UserError("no SFT samples to train on")
   lengths = []
   for s in samples[:probe]:
     prompt, response = sft_texts(s, tokenizer)
-    n = pad_to_block(len(tokenizer.encode(prompt)) + len(tokenizer.encode(response)), block_size)
+    n = grid.padded_length(len(tokenizer.encode(prompt)), len(tokenizer.encode(response)))
     if n <= seq_len:
       return
     lengths.append(n)

@@ -2,7 +2,8 @@
 
 Floors of the learner, lowest first; a module may import its own floor and the floors below:
   0  dice_jax.sharding, dice_jax.distributed, dice_jax.atomic, dice_jax.errors   (helpers every
-     floor uses)
+     floor uses), and dice_jax.verifier_client (the learner's one gRPC client: the CuKe builder,
+     RL and eval use it)
   1  dice_jax.model
   2  dice_jax.hf, dice_jax.diffusion, dice_jax.data
   3  dice_jax.train
@@ -19,6 +20,7 @@ FLOORS = {
   "distributed": 0,
   "atomic": 0,
   "errors": 0,
+  "verifier_client": 0,
   "model": 1,
   "hf": 2,
   "diffusion": 2,

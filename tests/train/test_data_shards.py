@@ -30,7 +30,7 @@ def _processes(data, n, cfg=None):
   cfg = cfg or data[0]
   per = BATCH // n
   return [
-    sft_data.make_iterator(cfg, data[1], data[2], 4, rows=np.arange(p * per, (p + 1) * per))
+    sft_data.make_iterator(cfg, data[1], data[2], rows=np.arange(p * per, (p + 1) * per))
     for p in range(n)
   ]
 
@@ -82,11 +82,11 @@ def test_a_state_saved_on_two_processes_restores_on_one_and_on_four(data):
 def test_a_state_of_another_shard_count_is_refused_and_a_pre_shard_state_restores(data):
   cfg, samples, tok = data
   single = dataclasses.replace(cfg, data_shards=1)
-  old = sft_data.make_iterator(single, samples, tok, 4)
+  old = sft_data.make_iterator(single, samples, tok)
   next(old)
   legacy = old.get_state()["streams"]["0"]  # what checkpoints held before data shards
   want = next(old)
-  resumed = sft_data.make_iterator(single, samples, tok, 4)
+  resumed = sft_data.make_iterator(single, samples, tok)
   resumed.set_state(legacy)
   np.testing.assert_array_equal(next(resumed)["tokens"], want["tokens"])
   with pytest.raises(UserError, match=r"streams \['0'\] but this run reads \[0, 1\]: data_shards"):

@@ -38,7 +38,7 @@ def test_compiled_decode_kernel_matches_dense_cached_attention_on_gpu(gpu, kind)
     positions=jnp.asarray(cpos),
     segment_ids=jnp.asarray(cseg),
     block_ids=jnp.asarray(cpos // 4),
-    length=jnp.asarray(700),  # slots >= 700 are unfilled
+    length=jnp.full((b,), 700, jnp.int32),  # slots >= 700 are unfilled
   )
   pos = jnp.asarray(np.tile(np.arange(400, 400 + t), (b, 1)), jnp.int32)
   seg = jnp.ones((b, t), jnp.int32)

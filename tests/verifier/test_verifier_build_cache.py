@@ -68,6 +68,8 @@ def test_a_cache_hit_makes_an_entry_recently_used(tmp_path):
 def test_service_trims_the_cache_every_32_new_builds(tmp_path):
   import asyncio
 
+  from verifier.build_stage import BuildOutcome
+  from verifier.contract import FailureKind
   from verifier.service import ServiceConfig, VerifierService
 
   old = _entry(tmp_path, "d" * 32, 100 * KB, age_s=7200)
@@ -76,9 +78,11 @@ def test_service_trims_the_cache_every_32_new_builds(tmp_path):
   )
 
   async def go():
-    svc._maybe_evict({"builds": [{"cached": False}] * 31 + [{"cached": True}]})
+    svc._maybe_evict(
+      BuildOutcome(FailureKind.OK, events=({"cached": False},) * 31 + ({"cached": True},))
+    )
     assert svc.evicting is None and old.exists()  # 31 new builds: not yet
-    svc._maybe_evict({"builds": [{"cached": False, "error": ""}]})
+    svc._maybe_evict(BuildOutcome(FailureKind.OK, events=({"cached": False, "error": ""},)))
     await svc.evicting
 
   asyncio.run(go())

@@ -327,3 +327,141 @@ def test_slots_let_a_waiting_exclusive_run_go_first():
     return order
 
   assert asyncio.run(go()) == ["exclusive", "single"]
+
+
+def _line_of(source: str, needle: str) -> int:
+  return source[: source.index(needle)].count("\n") + 1
+
+
+_FWD = "return ops.scaled_add(a, b, self.scale)"
+STATIC_HOLES = [
+  # Attribute assignment on anything imported from torch, whatever its alias.
+  (
+    cases.GOOD.replace("import torch\n", "import torch\nfrom torch import Tensor\n", 1)
+    + "\nTensor.sum = lambda self, *a, **k: 0\n",
+    FailureKind.MONKEY_PATCH,
+    "Tensor.sum = ",
+  ),
+  (
+    cases.GOOD.replace("import torch\n", "import torch as T\n", 1).replace("torch.", "T.")
+    + "\nT.Tensor.sum = None\n",
+    FailureKind.MONKEY_PATCH,
+    "T.Tensor.sum",
+  ),
+  (cases.GOOD + "\nX = torch.Tensor\nX.sum = None\n", FailureKind.MONKEY_PATCH, "X.sum"),
+  (cases.GOOD + "\ntype(torch.ones(1)).sum = None\n", FailureKind.MONKEY_PATCH, "type(torch"),
+  (cases.GOOD + "\ndel torch.Tensor.sum\n", FailureKind.MONKEY_PATCH, "del torch"),
+  # Walking frames to reach the caller (the reference used to live there).
+  (
+    cases.GOOD.replace(_FWD, "import traceback\n        " + _FWD),
+    FailureKind.FRAME_INTROSPECTION,
+    "import traceback",
+  ),
+  (
+    cases.GOOD.replace(
+      _FWD, "g = (x for x in [a])\n        f = g.gi_frame.f_back\n        " + _FWD
+    ),
+    FailureKind.FRAME_INTROSPECTION,
+    "g.gi_frame",
+  ),
+  (
+    cases.GOOD.replace(_FWD, "c = self.forward.__code__\n        " + _FWD),
+    FailureKind.FRAME_INTROSPECTION,
+    "__code__",
+  ),
+  # Direct ATen entry points from C++ (no dispatcher event for the runtime check).
+  (
+    cases.GOOD.replace(
+      "auto out = torch::empty_like(a);", "auto out = at::cpu::clamp_min(a, 0);", 1
+    ),
+    FailureKind.DIRECT_ATEN_CALL,
+    "at::cpu::clamp_min",
+  ),
+  (
+    cases.GOOD.replace("auto out = torch::empty_like(a);", "auto out = at::native::add(a, b);", 1),
+    FailureKind.DIRECT_ATEN_CALL,
+    "at::native::add",
+  ),
+  (
+    cases.GOOD.replace(
+      "auto out = torch::empty_like(a);", "auto out = at::_ops::sum::call(a, {});", 1
+    ),
+    FailureKind.DIRECT_ATEN_CALL,
+    "at::_ops::sum",
+  ),
+  (
+    cases.GOOD.replace("#include <vector>", "#include <vector>\nusing namespace at::native;", 1),
+    FailureKind.DIRECT_ATEN_CALL,
+    "using namespace at::native",
+  ),
+  # File writing and process control, however they are reached.
+  (
+    cases.GOOD.replace(_FWD, "os.abort()\n        " + _FWD).replace(
+      "import torch\n", "import os\nimport torch\n", 1
+    ),
+    FailureKind.FORBIDDEN_IMPORT,
+    "os.abort()",
+  ),
+  (
+    cases.GOOD.replace("import torch\n", "from os import write as w\nimport torch\n", 1),
+    FailureKind.FORBIDDEN_IMPORT,
+    "from os import write",
+  ),
+  (
+    cases.GOOD.replace("import torch\n", "import pathlib\nimport torch\n", 1),
+    FailureKind.FORBIDDEN_IMPORT,
+    "import pathlib",
+  ),
+  (
+    cases.GOOD.replace("import torch\n", "import tempfile\nimport torch\n", 1),
+    FailureKind.FORBIDDEN_IMPORT,
+    "import tempfile",
+  ),
+  (
+    cases.GOOD.replace(_FWD, "torch.utils.cpp_extension.os.abort()\n        " + _FWD),
+    FailureKind.FORBIDDEN_IMPORT,
+    "torch.utils.cpp_extension.os",
+  ),
+  (
+    cases.GOOD.replace(_FWD, "torch.save(a, 'result.json')\n        " + _FWD),
+    FailureKind.FORBIDDEN_IMPORT,
+    "torch.save(",
+  ),
+  (
+    cases.GOOD.replace(
+      _FWD, "torch.utils.cpp_extension.load('x', ['/cache/k/cuda.cu'])\n        " + _FWD
+    ),
+    FailureKind.FORBIDDEN_IMPORT,
+    "torch.utils.cpp_extension.load(",
+  ),
+  (
+    cases.GOOD.replace("import torch\n", "import verifier.candidate_main\nimport torch\n", 1),
+    FailureKind.FORBIDDEN_IMPORT,
+    "import verifier",
+  ),
+]
+
+
+@pytest.mark.parametrize(
+  "source,kind,needle",
+  STATIC_HOLES,
+  ids=[f"{k.value}-{i}" for i, (_, k, _) in enumerate(STATIC_HOLES)],
+)
+def test_static_holes_get_their_own_kind_and_the_line(source, kind, needle):
+  v = check_candidate(source, STRICT, "cpu")
+  assert v.kind is kind, v.reason
+  assert f"line {_line_of(source, needle)}" in v.reason, (v.reason, _line_of(source, needle))
+
+
+def test_static_check_allows_stream_getters_and_aliases_of_torch_functions():
+  # at::cuda utilities are not ATen kernels; keeping torch.sigmoid on self is not patching torch.
+  src = g.GOOD_MATMUL.replace(
+    "tiled_matmul_kernel<<<grid, block>>>(",
+    "auto stream = at::cuda::getCurrentCUDAStream();\n    tiled_matmul_kernel<<<grid, block, 0, stream>>>(",
+  ).replace("super().__init__()", "super().__init__()\n        self.act = torch.sigmoid")
+  v = check_candidate(src, STRICT, "cuda")
+  assert v.kind is FailureKind.OK, v.reason
+  kb = check_candidate(
+    STATIC_HOLES[8][0], KB, "cpu"
+  )  # direct ATen: only a warning under kernelbench
+  assert kb.kind is FailureKind.OK and any("at::cpu::clamp_min" in w for w in kb.warnings)

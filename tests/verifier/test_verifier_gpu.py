@@ -1,6 +1,9 @@
 """GPU tests (``pytest -m gpu tests/verifier``) on an NVIDIA host: adversarial kernels are rejected with the
-right kind and the pool recovers; DICE's 99 known-good infilling solutions are checked against their
-``pytorch_code`` and a JSON report is written to ``$VERIFIER_REPORT_DIR`` (default: the pytest tmp dir).
+right kind and the pool recovers; tensors cross between the checker and the candidate through device
+buffers (CUDA VMM file descriptors); a reference that updates its own state (KernelBench's earlier
+VanillaRNN) judges its identity candidate correct; DICE's 99 known-good infilling solutions are checked
+against their ``pytorch_code`` and a JSON report is written to ``$VERIFIER_REPORT_DIR`` (default: the
+pytest tmp dir).
 """
 
 import asyncio
@@ -45,7 +48,6 @@ def gpu_service(tmp_path_factory):
     arch_list=f"{major}.{minor}",
     isolate_network=os.environ.get("VERIFIER_NO_NETNS") != "1",
     split_build=os.environ.get("VERIFIER_NO_SPLIT_BUILD") != "1",
-    fork_server=os.environ.get("VERIFIER_FORK_SERVER") == "1",
   )
   loop = BackgroundLoop()
   svc = VerifierService(cfg)
@@ -124,6 +126,26 @@ def test_adversarial_kernel_is_rejected_and_pool_recovers(gpu_service, name, ref
     good.reason,
     good.logs[-2000:],
   )
+
+
+def test_tensors_cross_through_device_buffers_and_the_worker_is_confined(gpu_service):
+  (r,) = _verify(
+    gpu_service, _req("transport-add", g.ADD_REFERENCE, g.GOOD_ADD + "\n# transport\n")
+  )
+  assert r.failure_kind is FailureKind.OK, (r.reason, r.logs[-2000:])
+  assert gpu_service[1].metrics.transports.get("cuda_vmm", 0) >= 1, (
+    dict(gpu_service[1].metrics.transports),
+    r.warnings,
+  )
+  assert not [w for w in r.warnings if "unavailable" in w or "refused" in w], r.warnings
+
+
+def test_stateful_reference_identity_candidate_passes(gpu_service):
+  (r,) = _verify(
+    gpu_service,
+    _req("vanilla-rnn", g.VANILLA_RNN_REFERENCE, g.VANILLA_RNN_IDENTITY, strictness="off"),
+  )
+  assert r.failure_kind is FailureKind.OK and r.reward == 1.0, (r.reason, r.logs[-2000:])
 
 
 def test_non_default_stream_is_timed_honestly_under_kernelbench_rules(gpu_service):

@@ -6,8 +6,13 @@ once through the build cache, so the whole module costs about two C++ builds.
 
 import asyncio
 import dataclasses
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -15,6 +20,7 @@ grpc = pytest.importorskip("grpc")
 torch = pytest.importorskip("torch")
 
 import verifier_cases as cases  # noqa: E402
+from verifier_loop import BackgroundLoop  # noqa: E402
 
 from verifier.client import VerifierClient  # noqa: E402
 from verifier.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
@@ -371,3 +377,113 @@ def test_client_balances_over_endpoints_by_outstanding_requests():
       await client.close()
 
   assert asyncio.run(go()) == (True, True)
+
+
+def test_undecodable_request_bytes_get_invalid_argument(server):
+  async def go():
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+      call = channel.unary_unary(
+        "/dice.verifier.v1.Verifier/Verify",
+        request_serializer=lambda b: b,
+        response_deserializer=lambda b: b,
+      )
+      with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call(b"\xff\xff\xff\x07garbage", metadata=(("authorization", f"Bearer {TOKEN}"),))
+      return e.value
+
+  err = asyncio.run(go())
+  assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "VerifyRequest" in err.details()
+
+
+def _self_signed(tmp_path):
+  cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+  subprocess.run(
+    [
+      "openssl",
+      "req",
+      "-x509",
+      "-newkey",
+      "rsa:2048",
+      "-nodes",
+      "-days",
+      "1",
+      "-subj",
+      "/CN=localhost",
+      "-addext",
+      "subjectAltName=DNS:localhost,IP:127.0.0.1",
+      "-keyout",
+      str(key),
+      "-out",
+      str(cert),
+    ],
+    check=True,
+    capture_output=True,
+  )
+  return cert, key
+
+
+def test_tls_serves_with_the_token_and_refuses_plaintext(tmp_path):
+  if shutil.which("openssl") is None:
+    pytest.skip("openssl is needed to make a test certificate")
+  from verifier.server import TlsFiles
+
+  cert, key = _self_signed(tmp_path)
+  cfg = ServiceConfig(
+    device="cpu",
+    build_only=True,
+    prewarm=False,
+    compile_workers=1,
+    cache_dir=str(tmp_path / "c"),
+    scratch_root=str(tmp_path / "s"),
+  )
+  loop = BackgroundLoop()
+  srv = VerifierServer(cfg, "127.0.0.1", 0, TOKEN, tls=TlsFiles(str(cert), str(key)))
+  port = loop.run(srv.start())
+
+  async def call(tls: bool):
+    client = VerifierClient(
+      [f"127.0.0.1:{port}"],
+      token=TOKEN,
+      retries=0,
+      deadline_s=20,
+      root_certificates=cert.read_bytes() if tls else None,
+    )
+    try:
+      return await client.verify(_req("tls-probe", cases.GOOD))
+    finally:
+      await client.close()
+
+  try:
+    over_tls = asyncio.run(call(True))
+    plain = asyncio.run(call(False))
+  finally:
+    loop.run(srv.stop(0))
+    loop.close()
+  assert over_tls.failure_kind is FailureKind.INVALID_REQUEST and "build-only" in over_tls.reason
+  assert plain.failure_kind is FailureKind.INTERNAL_ERROR and "UNAVAILABLE" in plain.reason
+
+
+def test_port_in_use_fails_at_once_with_one_line_and_leaves_nothing(tmp_path):
+  with socket.socket() as busy:
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    t0 = time.monotonic()
+    p = subprocess.run(
+      [sys.executable, "-m", "verifier", "serve", "--device", "cpu", "--port", str(port)]
+      + ["--scratch-root", str(tmp_path / "scratch"), "--cache-dir", str(tmp_path / "cache")],
+      capture_output=True,
+      text=True,
+      timeout=120,
+      env={**os.environ, "VERIFIER_TOKEN": ""},
+    )
+  assert p.returncode == 2 and time.monotonic() - t0 < 30
+  lines = [line for line in p.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0], p.stderr
+  assert not (tmp_path / "scratch").exists()
+
+
+def test_memory_limit_defaults_to_what_the_host_has():
+  from verifier.service import host_memory_mb
+
+  assert 1024 <= ServiceConfig().mem_mb <= host_memory_mb()

@@ -214,3 +214,47 @@ class ModelNew(nn.Module):
     def forward(self, a, b):
         return ext.add(a, b)
 '''
+
+
+# KernelBench's earlier level-3 VanillaRNN: the hidden state lives on the module and every forward
+# updates it (the current version takes it as an input). A correct candidate is stepped in lock-step.
+VANILLA_RNN_REFERENCE = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, input_size: int, hidden_size: int, output_size: int):
+        super(Model, self).__init__()
+        self.input_size = input_size
+        self.hidden_size = hidden_size
+        self.output_size = output_size
+        self.hidden = torch.randn((batch_size, hidden_size))
+        self.i2h = nn.Linear(input_size + hidden_size, hidden_size)
+        self.h2o = nn.Linear(hidden_size, output_size)
+        self.tanh = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.hidden = self.hidden.to(x.device)
+        combined = torch.cat((x, self.hidden), dim=1)
+        self.hidden = self.tanh(self.i2h(combined))
+        output = self.h2o(self.hidden)
+        return output
+
+
+batch_size = 8
+input_size = 1024
+hidden_size = 256
+output_size = 128
+
+
+def get_inputs():
+    return [torch.randn(batch_size, input_size)]
+
+
+def get_init_inputs():
+    return [input_size, hidden_size, output_size]
+"""
+VANILLA_RNN_IDENTITY = VANILLA_RNN_REFERENCE.replace("Model(", "ModelNew(").replace(
+  "super(Model,", "super(ModelNew,"
+)

@@ -1,0 +1,257 @@
+"""Fast unit tests of the pieces between processes: records, channels with descriptors, shared buffers,
+the request table, single-flight builds, timing plausibility and the confinement layers."""
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from verifier import confine, exchange, timing  # noqa: E402
+from verifier.channel import Channel, ChannelClosed, ProtocolError  # noqa: E402
+from verifier.contract import FailureKind, VerifyOptions, VerifyRequest, VerifyResult  # noqa: E402
+from verifier.records import (  # noqa: E402
+  BufferRef,
+  CheckReport,
+  RecordError,
+  RunJob,
+  TensorRef,
+  Value,
+  from_wire,
+  to_wire,
+)
+from verifier.request_table import IdReused, RequestTable  # noqa: E402
+from verifier.single_flight import SingleFlight  # noqa: E402
+
+
+def test_records_round_trip_and_reject_wrong_fields():
+  job = RunJob("j1", "ref", "cand", VerifyOptions(device="cpu", atol=0.5), "/cache", ("k",))
+  assert from_wire(to_wire(job)) == job
+  report = CheckReport("j1", FailureKind.WRONG_OUTPUT, "bad", phases={"trials": 1.5})
+  assert from_wire(to_wire(report), CheckReport) == report
+  body = to_wire(report)["body"]
+  with pytest.raises(RecordError, match="unknown field"):
+    from_wire({"type": "CheckReport", "body": {**body, "reward": 1.0}})
+  with pytest.raises(RecordError, match="kind"):
+    from_wire({"type": "CheckReport", "body": {**body, "kind": "EXCELLENT"}})
+  with pytest.raises(RecordError, match="expected a number"):
+    from_wire({"type": "CheckReport", "body": {**body, "max_abs_diff": "0"}})
+  with pytest.raises(RecordError, match="expected RunJob"):
+    from_wire(to_wire(report), RunJob)
+  with pytest.raises(RecordError, match="unknown record type"):
+    from_wire({"type": "os.system", "body": {}})
+
+
+def _pair(max_bytes=4096):
+  a, b = socket.socketpair()
+  return Channel(a), Channel(b, max_bytes=max_bytes)
+
+
+def _job(job_id, reference="r"):
+  return RunJob(job_id, reference, "c", VerifyOptions(device="cpu"), "/x")
+
+
+def test_channel_carries_records_and_descriptors_and_refuses_what_it_did_not_ask_for():
+  left, right = _pair()
+  r, w = os.pipe()
+  left.send(_job("j"), fds=[r])
+  msg, fds = right.recv(RunJob, max_fds=1)
+  assert msg.job_id == "j" and len(fds) == 1
+  os.write(w, b"hi")
+  assert os.read(fds[0], 2) == b"hi"  # the same pipe, received through SCM_RIGHTS
+  left.send(_job("j2"), fds=[r])
+  with pytest.raises(ProtocolError, match="descriptors"):
+    right.recv(RunJob, max_fds=0)  # unexpected descriptors are closed, not kept
+  left.send(_job("j3"))
+  with pytest.raises(ProtocolError, match="unusable"):
+    right.recv(RunJob)  # out of step after an invalid frame: nothing more is believed
+  left, right = _pair()
+  left.send(_job("big", "r" * 5000))
+  with pytest.raises(ProtocolError, match="exceeds"):
+    right.recv(RunJob)
+  left, right = _pair()
+  left.send(CheckReport("x", FailureKind.OK))
+  with pytest.raises(ProtocolError, match="expected RunJob"):
+    right.recv(RunJob)
+  left, right = _pair()
+  left.close()
+  with pytest.raises(ChannelClosed):
+    right.recv(RunJob, timeout=2)
+  for fd in (r, w, fds[0]):
+    os.close(fd)
+
+
+def test_host_buffers_cross_with_layout_and_stay_in_bounds():
+  buffers = exchange.BufferSet(torch.device("cpu"), use_device_memory=False)
+  x = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # transposed: kept as it is
+  used, pairs = [], []
+  v = exchange.send_value([x, 3, torch.float16], buffers, used, pairs)
+  refs, fds = buffers.new_refs(used)
+  # The receiving side maps the same memory through the descriptor.
+  mapped = {ref.buffer: exchange.open_buffer(ref, fd) for ref, fd in zip(refs, fds)}
+  got = exchange.receive_value(v, mapped)
+  assert torch.equal(got[0], x) and got[0].stride() == x.stride() and got[1:] == [3, torch.float16]
+  got[0].mul_(2)  # a mutation by the candidate is visible to the checker
+  assert torch.equal(pairs[0][1], x * 2)
+  with pytest.raises(exchange.ExchangeError, match="exceeds"):
+    mapped[refs[0].buffer].view(TensorRef(refs[0].buffer, "float32", (100,), (1,)))
+  with pytest.raises(exchange.ExchangeError, match="cannot be sent"):
+    exchange.send_value(object(), buffers, [])
+  out = exchange.output_buffer(torch.zeros(5), buffers, [])
+  assert torch.isnan(buffers.buffers[out.buffer].view(out)).all()  # unwritten outputs cannot pass
+  assert exchange.receive_value(Value(data=None), {}) is None
+  with pytest.raises(exchange.ExchangeError):
+    exchange.open_buffer(BufferRef(9, 64, "gpu_magic"), os.open(os.devnull, os.O_RDONLY))
+  buffers.close()
+
+
+def test_request_table_answers_a_retry_once_and_refuses_an_id_reused_for_another_payload():
+  async def go():
+    table = RequestTable()
+    a = VerifyRequest("id-1", "t", "ref", "cand")
+    earlier, _ = table.claim(a)
+    assert earlier is None
+    pending, _ = table.claim(a)  # in flight: the same future
+    table.answer(a, VerifyResult("id-1", "t", failure_kind=FailureKind.OK))
+    assert (await pending).failure_kind is FailureKind.OK
+    assert table.claim(a)[0].failure_kind is FailureKind.OK
+    with pytest.raises(IdReused, match="id-1"):
+      table.claim(VerifyRequest("id-1", "t", "ref", "another candidate"))
+
+  asyncio.run(go())
+
+
+def test_single_flight_shares_work_in_flight_and_keeps_only_what_it_should():
+  async def go():
+    calls = []
+
+    async def work(v):
+      calls.append(v)
+      await asyncio.sleep(0.01)
+      return v
+
+    flight = SingleFlight(keep=lambda v: v != "timeout")
+    (x, how1), (y, how2) = await asyncio.gather(
+      flight.run("k", lambda: work("ok")), flight.run("k", lambda: work("ok"))
+    )
+    assert (x, y, how1, how2, calls) == ("ok", "ok", "own", "joined", ["ok"])
+    assert (await flight.run("k", lambda: work("again")))[1] == "kept"
+    await flight.run("t", lambda: work("timeout"))
+    assert (await flight.run("t", lambda: work("timeout")))[1] == "own"  # not kept: done again
+
+  asyncio.run(go())
+
+
+def test_timing_claims_must_fit_the_wall_time_seen_outside():
+  honest = timing.TimedCalls((1.0,) * 3, (1.0,) * 10)
+  assert timing.plausible(honest, 0.0135, 0.02, 10, 3).ok
+  forged = timing.TimedCalls(
+    (0.002,) * 3, (0.002,) * 10
+  )  # claims 2 us, took 13 ms of wall time each
+  p = timing.plausible(forged, 0.169, 0.02, 10, 3)
+  assert not p.ok and "unexplained" in p.reason
+  assert not timing.plausible(timing.TimedCalls((1.0,) * 3, (0.0001,) * 10), 1, 0, 10, 3).ok
+  assert not timing.plausible(honest, 0.0135, 0.02, 11, 3).ok  # fewer calls than asked
+  assert not timing.plausible(
+    timing.TimedCalls((), (500.0,)), 0.1, 0, 1, 0
+  ).ok  # more than the wall
+
+
+CONFINED = r"""
+import os, sys
+from verifier import confine
+scratch = sys.argv[1]
+notes = confine.isolate_network()
+notes += confine.enter_pid_namespace()
+notes += confine.confine(confine.SandboxSpec(writable=(scratch,)))
+out = [f"pid={os.getpid()}", f"notes={notes}"]
+for path in ("/etc/passwd", os.path.join(scratch, "..", "sibling", "secret.txt")):
+  try:
+    open(path).read(); out.append("read:" + path)
+  except OSError:
+    pass
+for path in (os.path.join(scratch, "ok.txt"), os.path.join(scratch, "..", "outside.txt")):
+  try:
+    open(path, "w").write("x"); out.append("wrote:" + os.path.basename(path))
+  except OSError:
+    pass
+out.append("procs=" + str(len([p for p in os.listdir("/proc") if p.isdigit()])))
+print(" ".join(out), flush=True)
+"""
+
+
+def test_confinement_layers_on_this_kernel(tmp_path):
+  scratch = tmp_path / "scratch"
+  scratch.mkdir()
+  (tmp_path / "sibling").mkdir()
+  (tmp_path / "sibling" / "secret.txt").write_text("another candidate's file")
+  p = subprocess.run(
+    [sys.executable, "-c", CONFINED, str(scratch)],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+  )
+  assert p.returncode == 0, p.stderr
+  line = p.stdout.strip()
+  if "unavailable" in line or "refused" in line:
+    pytest.skip(f"this kernel refuses a layer: {line}")
+  assert "pid=2" in line  # the worker, under a private init
+  assert "read:" not in line  # neither /etc/passwd nor another worker's scratch
+  assert "wrote:ok.txt" in line and "wrote:outside.txt" not in line
+  assert "procs=2" in line and (scratch / "ok.txt").exists()
+  assert not (tmp_path / "outside.txt").exists()
+  assert confine.landlock_abi() >= 1
+
+
+def test_pool_steps_down_confinement_when_workers_cannot_start_and_says_so(tmp_path):
+  from verifier.pool import CONFINEMENT_LEVELS, PoolConfig, WorkerPool
+  from verifier.sandbox import WorkerStartError
+
+  class Worker:
+    def __init__(self, ok):
+      self.ok = ok
+
+    async def wait_ready(self, timeout_s):
+      if not self.ok:
+        raise WorkerStartError("worker 7 did not become ready: ChannelClosed")
+
+    def read_log(self):
+      return "Permission denied: /usr/share/nvidia/x.bin"
+
+    def discard(self):
+      pass
+
+  pool = WorkerPool(PoolConfig(role="candidate", device="cpu", scratch_root=str(tmp_path)))
+  started = []
+
+  async def fork():
+    started.append(CONFINEMENT_LEVELS[pool.level][0])
+    return Worker(ok=pool.level == 1)  # only starts without Landlock
+
+  pool.fork = fork
+  asyncio.run(pool.self_test())
+  assert started == ["full", "without Landlock"] and pool.level == 1
+  assert (
+    len(pool.notes) == 1
+    and "Permission denied" in pool.notes[0]
+    and "now without Landlock" in pool.notes[0]
+  )
+
+
+def test_fork_server_imports_keep_torch_from_initialising_cuda():
+  """torch 2.11's cpp_extension import probes CUDA (cuInit: a driver thread, then no fork can use
+  CUDA); the fork server answers the probe itself during its imports and restores it after."""
+  import torch
+
+  from verifier import zygote
+
+  real = torch.cuda.is_available
+  with zygote.no_cuda_probe():
+    assert torch.cuda.is_available() is True
+  assert torch.cuda.is_available is real
+  assert zygote.thread_names() and zygote.threads() == len(zygote.thread_names())

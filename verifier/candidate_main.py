@@ -1,0 +1,289 @@
+"""The candidate's process: imports the candidate, builds ``ModelNew`` and runs the forwards the checker asks
+for. It holds nothing of the verdict: no reference, no golden outputs, no comparison, no result file. Its
+only link to the world is the channel to the checker, where every message it sends is untrusted input.
+
+Per request (``records``): ``ProbeRequest`` (can device buffers be mapped here?), ``CandidateJob`` (load),
+``ForwardRequest`` (one forward on the given buffers; outputs copied into the checker's buffers; inputs
+copied back so the checker sees any mutation), ``TimeRequest`` (time the forward), ``Shutdown``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import traceback
+
+import torch
+
+from verifier import build_cache, correctness, exchange, runtime_check, timing
+from verifier.channel import Channel, ChannelClosed
+from verifier.contract import FailureKind
+from verifier.records import (
+  CandidateFailure,
+  CandidateJob,
+  ForwardDone,
+  ForwardRequest,
+  Loaded,
+  OutputSpec,
+  ProbeReply,
+  ProbeRequest,
+  Shutdown,
+  TimeDone,
+  TimeRequest,
+)
+
+# Kinds a candidate may report about itself (anything else it sends is a protocol violation).
+SELF_REPORTED_KINDS = frozenset(
+  {
+    FailureKind.COMPILE_ERROR,
+    FailureKind.IMPORT_ERROR,
+    FailureKind.MISSING_MODEL_NEW,
+    FailureKind.INIT_ERROR,
+    FailureKind.RUNTIME_ERROR,
+    FailureKind.CUDA_ERROR,
+    FailureKind.OUT_OF_MEMORY,
+  }
+)
+
+
+def classify_exception(exc: BaseException, default: FailureKind) -> FailureKind:
+  text = f"{type(exc).__name__}: {exc}"
+  name = type(exc).__name__
+  if (
+    name in ("AcceleratorError", "CudaError")
+    or "CUDA error" in text
+    or "cudaError" in text
+    or "illegal memory access" in text
+    or "device-side assert" in text
+  ):
+    return FailureKind.CUDA_ERROR
+  if (
+    isinstance(exc, MemoryError)
+    or name == "OutOfMemoryError"
+    or "out of memory" in text.lower()
+    or "can't allocate memory" in text
+    or "bad_alloc" in text
+  ):
+    return FailureKind.OUT_OF_MEMORY
+  return default
+
+
+def short(exc: BaseException, limit: int = 4000) -> str:
+  text = f"{type(exc).__name__}: {exc}"
+  return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def set_seed(seed: int) -> None:
+  torch.manual_seed(seed)
+  if torch.cuda.is_available():
+    torch.cuda.manual_seed_all(seed)
+
+
+class _Failed(Exception):
+  def __init__(self, kind: FailureKind, reason: str):
+    super().__init__(reason)
+    self.kind, self.reason = kind, reason
+
+
+class CandidateRuntime:
+  def __init__(self, chan: Channel, device: str, scratch: str):
+    self.chan = chan
+    self.device = torch.device("cuda:0" if device == "cuda" else "cpu")
+    self.scratch = scratch
+    self.buffers: dict[int, exchange.SharedBuffer] = {}
+    self.model = None
+    self.cache: build_cache.CachedLoadInline | None = None
+
+  # ---- messages ---------------------------------------------------------------------------------
+  def serve(self) -> None:
+    handlers = {
+      ProbeRequest: self.probe,
+      CandidateJob: self.load,
+      ForwardRequest: self.forward,
+      TimeRequest: self.time,
+    }
+    while True:
+      try:
+        msg, fds = self.chan.recv(*handlers, Shutdown, max_fds=exchange_limit())
+      except ChannelClosed:
+        return
+      if isinstance(msg, Shutdown):
+        return
+      try:
+        reply = handlers[type(msg)](msg, fds)
+      except _Failed as f:
+        reply = CandidateFailure(f.kind, f.reason)
+      self.chan.send(reply)
+
+  def _map(self, refs, fds) -> None:
+    if len(refs) != len(fds):
+      raise _Failed(FailureKind.RUNTIME_ERROR, "buffer descriptors do not match their announcement")
+    for ref, fd in zip(refs, fds):
+      self.buffers[ref.buffer] = exchange.open_buffer(ref, fd)
+
+  def probe(self, req: ProbeRequest, fds) -> ProbeReply:
+    """Before any candidate code: can this process map the checker's device buffers?"""
+    try:
+      self._map([req.probe], fds)
+      value = float(self.buffers[req.probe.buffer].view(req.tensor).float().sum().item())
+      return ProbeReply(value, req.probe.kind)
+    except Exception as e:  # noqa: BLE001 - the checker falls back to host buffers
+      return ProbeReply(0.0, "", short(e, 600))
+
+  def load(self, job: CandidateJob, fds) -> Loaded:
+    self._map(job.buffers, fds)
+    if self.device.type == "cuda" and job.gpu_memory_fraction:
+      torch.cuda.set_per_process_memory_fraction(job.gpu_memory_fraction)
+    self.cache = build_cache.install(
+      job.build_root,
+      split=job.split_build,
+      use_pch=job.use_pch,
+      publish=False,
+      scratch=self.scratch,
+    )
+    t0 = time.monotonic()
+    try:
+      namespace = {"__name__": "candidate", "__builtins__": __builtins__}
+      exec(compile(job.candidate_source, "candidate", "exec"), namespace)
+    except BaseException as e:  # noqa: BLE001 - every failure of candidate code is a verdict
+      raise self._load_failure(e, FailureKind.IMPORT_ERROR, "candidate module raised") from None
+    if "ModelNew" not in namespace:
+      raise _Failed(FailureKind.MISSING_MODEL_NEW, "candidate module defines no ModelNew")
+    try:
+      init = [self._to_device(exchange.receive_value(v, self.buffers)) for v in job.init_args]
+      set_seed(job.seed)
+      with torch.no_grad():
+        self.model = namespace["ModelNew"](*init).to(self.device)
+    except BaseException as e:  # noqa: BLE001
+      raise self._load_failure(e, FailureKind.INIT_ERROR, "ModelNew(*init_inputs) raised") from None
+    events = tuple(self.cache.events)
+    return Loaded(
+      build_events=events,
+      load_s=time.monotonic() - t0,
+      build_cached=bool(events) and all(ev["cached"] for ev in events),
+      device_name=torch.cuda.get_device_name(0) if self.device.type == "cuda" else "cpu",
+    )
+
+  def _load_failure(self, e: BaseException, default: FailureKind, what: str) -> _Failed:
+    failed = [ev for ev in self.cache.events if ev["error"]]
+    if failed:
+      return _Failed(
+        FailureKind.COMPILE_ERROR,
+        f"building extension {failed[0]['name']!r} failed: {failed[0]['error']}",
+      )
+    return _Failed(classify_exception(e, default), f"{what}: {short(e)}")
+
+  def _to_device(self, value):
+    if isinstance(value, torch.Tensor):
+      return value.to(self.device, copy=True)
+    if isinstance(value, (list, tuple)):
+      return type(value)(self._to_device(v) for v in value)
+    return value
+
+  def _args(self, values) -> tuple[list, list]:
+    """(the checker's buffer views, the candidate's own copies of them on its device)."""
+    views = [exchange.receive_value(v, self.buffers) for v in values]
+    return views, [self._to_device(v) for v in views]
+
+  def forward(self, req: ForwardRequest, fds) -> ForwardDone:
+    if self.model is None:
+      raise _Failed(FailureKind.RUNTIME_ERROR, "forward requested before the model was loaded")
+    t0 = time.monotonic()
+    evidence = None
+    try:  # copying the inputs in can fail too (a full GPU): classified like the forward's own errors
+      self._map(req.new_buffers, fds)
+      views, args = self._args(req.args)
+      t0 = time.monotonic()
+      set_seed(req.seed)
+      if req.profile:
+        evidence, out = runtime_check.collect_evidence(
+          lambda: self._call(args), self.device, self.cache.calls
+        )
+      else:
+        out = self._call(args)
+      if self.device.type == "cuda":
+        torch.cuda.synchronize()
+      specs = self._publish(out, req.outputs)
+      _copy_back(views, args)
+      if self.device.type == "cuda":
+        torch.cuda.synchronize()
+    except _Failed:
+      raise
+    except BaseException as e:  # noqa: BLE001
+      raise _Failed(
+        classify_exception(e, FailureKind.RUNTIME_ERROR), f"forward raised: {short(e)}"
+      ) from None
+    return ForwardDone(req.call, specs, evidence, time.monotonic() - t0)
+
+  def _call(self, args):
+    with torch.no_grad():
+      return self.model(*args)
+
+  def _publish(self, out, targets) -> tuple[OutputSpec, ...]:
+    """Describe each output leaf and copy the ones that match an expected tensor into its buffer."""
+    specs = []
+    for leaf, target in itertools.zip_longest(correctness.flatten(out), targets):
+      if isinstance(leaf, torch.Tensor):
+        plain = type(leaf) in (torch.Tensor, torch.nn.Parameter)
+        spec = dict(
+          kind="tensor",
+          type_name=type(leaf).__name__,
+          dtype=str(leaf.dtype).removeprefix("torch."),
+          shape=tuple(leaf.shape),
+          device=str(leaf.device),
+          plain=plain,
+        )
+        copied = False
+        if (
+          target is not None
+          and plain
+          and leaf.device == self.device
+          and tuple(leaf.shape) == tuple(target.shape)
+          and spec["dtype"] == target.dtype
+          and target.buffer in self.buffers
+        ):
+          self.buffers[target.buffer].view(target).copy_(leaf.detach())
+          copied = True
+        specs.append(OutputSpec(copied=copied, **spec))
+      elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+        specs.append(OutputSpec(kind="data", type_name=type(leaf).__name__, data=leaf))
+      else:
+        specs.append(OutputSpec(kind="other", type_name=type(leaf).__name__))
+    correctness.poison(out, correctness.storages_of(self.model))
+    return tuple(specs)
+
+  def time(self, req: TimeRequest, fds) -> TimeDone:
+    if self.model is None:
+      raise _Failed(FailureKind.RUNTIME_ERROR, "timing requested before the model was loaded")
+    try:
+      _, args = self._args(req.args)
+      set_seed(req.seed)
+      calls = timing.time_calls(self.model, args, self.device, req.trials, req.warmup)
+    except BaseException as e:  # noqa: BLE001
+      raise _Failed(
+        classify_exception(e, FailureKind.RUNTIME_ERROR), f"forward raised: {short(e)}"
+      ) from None
+    return TimeDone(calls.warmup_ms, calls.trial_ms)
+
+
+def _copy_back(views: list, args: list) -> None:
+  """Write the candidate's (maybe mutated) copies of the inputs back to the checker's buffers."""
+  for view, arg in zip(views, args):
+    if isinstance(view, torch.Tensor) and isinstance(arg, torch.Tensor) and view.shape == arg.shape:
+      view.copy_(arg)
+    elif isinstance(view, (list, tuple)) and isinstance(arg, (list, tuple)):
+      _copy_back(list(view), list(arg))
+
+
+def exchange_limit() -> int:
+  return 32
+
+
+def run(chan: Channel, device: str, scratch: str) -> None:
+  try:
+    CandidateRuntime(chan, device, scratch).serve()
+  except ChannelClosed:
+    pass
+  except Exception:  # our own failure, not the candidate's: the log says why; the worker exits with
+    traceback.print_exc()  # INTERNAL_EXIT so that the service retries instead of blaming the candidate
+    raise

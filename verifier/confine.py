@@ -1,0 +1,376 @@
+"""Confinement applied inside a worker before any candidate code runs (Linux; ctypes, no dependencies).
+
+Layers, each degrading to a recorded note where the kernel refuses it (BUILD_NOTES, Verifier, says what is
+enforced where):
+
+1. rlimits (no core dumps, file size cap, optionally address space);
+2. a user and network namespace (no interfaces, not even loopback) - applied once in the fork server or
+   the spawned worker;
+3. a PID namespace per worker: ``enter_pid_namespace`` forks, the child is PID 1 of a fresh namespace and
+   the parent stays behind as a tiny waiter; when that PID 1 exits the kernel kills everything left in
+   the namespace, so ``setsid``/double-fork escapes die with the check;
+4. a mount namespace: a fresh ``/proc`` for that PID namespace (other processes' ``/proc/<pid>`` entries,
+   environments and memory are not reachable) and every mount read-only except the scratch directory
+   (and the build cache for build workers);
+5. Landlock: reads only beneath the toolchain (Python, torch, CUDA, compilers, this package, the build
+   cache), writes only beneath the writable directories, TCP bind/connect denied, no signals and no
+   abstract Unix sockets outside the sandbox;
+6. no capabilities and ``no_new_privs``; every inherited descriptor other than stdio and the channel closed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import resource
+import signal
+import struct
+import sys
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 0x4000, 1 << 18
+MOUNT_ATTR_RDONLY = 1
+AT_FDCWD, AT_RECURSIVE = -100, 0x8000
+SYS_MOUNT_SETATTR = 442
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+FILE_SIZE_LIMIT = 4 << 30
+
+# Landlock access rights (include/uapi/linux/landlock.h).
+LL_EXECUTE, LL_WRITE_FILE, LL_READ_FILE, LL_READ_DIR = 1, 2, 4, 8
+LL_DIR_ONLY = sum(1 << i for i in range(4, 14))  # remove/make entries, refer (ABI 2)
+LL_TRUNCATE, LL_IOCTL_DEV = 1 << 14, 1 << 15
+LL_NET_BIND_TCP, LL_NET_CONNECT_TCP = 1, 2
+LL_SCOPE_ABSTRACT_UNIX_SOCKET, LL_SCOPE_SIGNAL = 1, 2
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.mount.argtypes = [
+  ctypes.c_char_p,
+  ctypes.c_char_p,
+  ctypes.c_char_p,
+  ctypes.c_ulong,
+  ctypes.c_void_p,
+]
+
+
+def _errno_text(what: str) -> str:
+  e = ctypes.get_errno()
+  return f"{what}: {os.strerror(e)} (errno {e})"
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxSpec:
+  """What a worker may touch. ``writable``: directories it may write beneath (its scratch, a build
+  cache); ``readable``: extra directories it may read (the build cache for run workers)."""
+
+  writable: tuple[str, ...]
+  readable: tuple[str, ...] = ()
+  mount_namespace: bool = True
+  landlock: bool = True
+
+
+def apply_limits(mem_mb: int, limit_address_space: bool) -> None:
+  resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+  resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
+  if limit_address_space and mem_mb > 0:
+    # Not for CUDA workers: the driver reserves huge virtual ranges (the RSS watchdog covers those).
+    resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
+
+
+def isolate_network() -> list[str]:
+  """User + network namespace for this process (and everything it forks). Returns notes on failure."""
+  if _libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
+    return ["network isolation unavailable (" + _errno_text("unshare") + ")"]
+  return []
+
+
+def _wait_status(pid: int) -> int:
+  while True:
+    try:
+      return os.waitpid(pid, 0)[1]
+    except InterruptedError:
+      continue
+
+
+def _mirror(code: str) -> None:
+  """End this process the way the worker ended: ``"signal N"`` or ``"exit N"``."""
+  how, _, n = code.partition(" ")
+  if how == "signal" and n.isdigit():
+    sig = int(n)
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):
+      signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+  os._exit(int(n) if how == "exit" and n.isdigit() else 70)
+
+
+def _describe(status: int) -> str:
+  if os.WIFSIGNALED(status):
+    return f"signal {os.WTERMSIG(status)}"
+  return f"exit {os.WEXITSTATUS(status) if os.WIFEXITED(status) else 70}"
+
+
+def enter_pid_namespace(report_fd: int = -1, child_only: tuple[int, ...] = ()) -> list[str]:
+  """Move the rest of this worker into a fresh PID namespace. Returns only in the worker.
+
+  Three processes: this one stays behind as a waiter in the fork server's namespace; its child is PID 1
+  of the new namespace, a tiny init that reaps orphans and waits for the worker; the worker (PID 2) is
+  the grandchild, so it gets ordinary signal semantics (PID 1 ignores signals it sends itself, so
+  ``abort()`` would turn into SIGSEGV). When the worker ends, the init reports how and exits, which makes
+  the kernel kill everything left in the namespace; the waiter then ends the same way as the worker. The
+  init's PID as seen from outside (the process to kill to end the sandbox) is written to ``report_fd``.
+  ``child_only``: descriptors only the worker keeps. Where the kernel refuses a PID namespace, returns in
+  this process with a note (and reports its own PID)."""
+
+  def report(pid: int) -> None:
+    if report_fd >= 0:
+      os.write(report_fd, f"{pid}\n".encode())
+      os.close(report_fd)
+
+  if _libc.unshare(CLONE_NEWPID) != 0:
+    report(os.getpid())
+    return [
+      "PID namespace unavailable ("
+      + _errno_text("unshare")
+      + "); descendants may outlive the check"
+    ]
+  status_r, status_w = os.pipe()
+  init = os.fork()
+  if init == 0:
+    os.close(status_r)
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    worker = os.fork()
+    if worker == 0:
+      os.close(status_w)
+      _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+      if report_fd >= 0:
+        os.close(report_fd)
+      return []
+    for fd in (*child_only, report_fd):
+      if fd >= 0:
+        os.close(fd)
+    while True:  # reap orphans until the worker itself ends
+      try:
+        pid, status = os.waitpid(-1, 0)
+      except InterruptedError:
+        continue
+      except ChildProcessError:
+        os._exit(70)
+      if pid == worker:
+        break
+    os.write(status_w, _describe(status).encode())
+    os._exit(0)  # the namespace goes with its init
+  os.close(status_w)
+  report(init)
+  for fd in child_only:
+    os.close(fd)
+  for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, lambda signum, frame: os.kill(init, signal.SIGKILL))
+  status = _wait_status(init)
+  code = os.read(status_r, 64).decode(errors="replace")
+  _mirror(code or _describe(status))
+  os._exit(70)
+
+
+def _mount_setattr(path: str, set_bits: int, clear_bits: int) -> int:
+  attr = ctypes.create_string_buffer(struct.pack("QQQQ", set_bits, clear_bits, 0, 0))
+  return _libc.syscall(
+    SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(), AT_RECURSIVE, attr, ctypes.c_size_t(32)
+  )
+
+
+def read_only_filesystem(writable: tuple[str, ...]) -> list[str]:
+  """New mount namespace: fresh /proc, everything read-only except ``writable``."""
+  if _libc.unshare(CLONE_NEWNS) != 0:
+    return ["mount namespace unavailable (" + _errno_text("unshare") + "): filesystem writable"]
+  notes = []
+  if _libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+    return ["mounts not private (" + _errno_text("mount") + "): filesystem writable"]
+  if _libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) != 0:
+    notes.append("fresh /proc refused (" + _errno_text("mount proc") + "): host /proc visible")
+  for path in writable:
+    if _libc.mount(path.encode(), path.encode(), None, MS_BIND | MS_REC, None) != 0:
+      return notes + [f"bind of {path} refused (" + _errno_text("mount") + "): filesystem writable"]
+  if _mount_setattr("/", MOUNT_ATTR_RDONLY, 0) != 0:
+    return notes + ["read-only remount refused (" + _errno_text("mount_setattr") + ")"]
+  # The fresh /proc (this PID namespace's own processes) stays writable: the CUDA driver writes under
+  # /proc at cuInit, and fails with cudaErrorOperatingSystem (304) on a read-only /proc (H200 host,
+  # driver 580, 2026-11-30; /dev, /dev/shm and /sys may stay read-only).
+  if _mount_setattr("/proc", 0, MOUNT_ATTR_RDONLY) != 0:
+    notes.append("/proc stays read-only (" + _errno_text("mount_setattr") + "): CUDA cannot start")
+  for path in writable:
+    if _mount_setattr(path, 0, MOUNT_ATTR_RDONLY) != 0:
+      notes.append(f"{path} stays read-only (" + _errno_text("mount_setattr") + ")")
+  return notes
+
+
+def landlock_abi() -> int:
+  return max(
+    0, _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+  )
+
+
+LOADER_FILES = (
+  "/etc/ld.so.cache",
+  "/etc/ld.so.conf",
+  "/etc/ld.so.conf.d",
+  "/etc/ld.so.preload",
+  "/etc/alternatives",
+  "/etc/localtime",
+  "/etc/nsswitch.conf",
+  "/etc/nvidia",
+)
+SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/opt")
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def toolchain_paths() -> list[str]:
+  """Paths a worker reads: this Python and its packages (``sys.path``), this repository, CUDA and the
+  compilers (system directories, ``PATH``, ``LD_LIBRARY_PATH``, ``CUDA_HOME``) and the loader's
+  configuration. Not /home, /root, /tmp, /var or the rest of /etc."""
+  import sysconfig
+
+  paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, PACKAGE_ROOT]
+  paths.append(os.path.dirname(os.path.realpath(sys.executable)))
+  paths += [sysconfig.get_path(n) or "" for n in ("stdlib", "platstdlib", "purelib", "platlib")]
+  paths += sys.path
+  for var in ("PATH", "LD_LIBRARY_PATH"):
+    paths += os.environ.get(var, "").split(os.pathsep)
+  paths += [os.environ.get(v, "") for v in ("CUDA_HOME", "CUDA_PATH", "CUDA_ROOT", "VIRTUAL_ENV")]
+  paths += list(SYSTEM_DIRS) + list(LOADER_FILES)
+  out = []
+  for p in paths:
+    if p and os.path.isabs(p) and os.path.exists(p):
+      out += [p, os.path.realpath(p)]
+  return list(dict.fromkeys(out))
+
+
+def landlock(spec: SandboxSpec) -> list[str]:
+  abi = landlock_abi()
+  if abi < 1:
+    return ["Landlock unavailable: reads and writes are limited by the mount namespace only"]
+  fs = (1 << 13) - 1
+  if abi >= 2:
+    fs |= 1 << 13
+  if abi >= 3:
+    fs |= LL_TRUNCATE
+  if abi >= 5:
+    fs |= LL_IOCTL_DEV
+  net = (LL_NET_BIND_TCP | LL_NET_CONNECT_TCP) if abi >= 4 else 0
+  scoped = (LL_SCOPE_ABSTRACT_UNIX_SOCKET | LL_SCOPE_SIGNAL) if abi >= 6 else 0
+  size = 8 if abi < 4 else (16 if abi < 6 else 24)
+  attr = ctypes.create_string_buffer(struct.pack("QQQ", fs, net, scoped)[:size])
+  ruleset = _libc.syscall(
+    SYS_LANDLOCK_CREATE_RULESET, attr, ctypes.c_size_t(size), ctypes.c_uint32(0)
+  )
+  if ruleset < 0:
+    return ["Landlock refused (" + _errno_text("landlock_create_ruleset") + ")"]
+  notes = []
+  read = LL_EXECUTE | LL_READ_FILE | LL_READ_DIR
+  device = LL_READ_FILE | LL_WRITE_FILE | LL_READ_DIR | (LL_IOCTL_DEV if abi >= 5 else 0)
+  # The build cache is readable file by file (a worker opens the entries its own sources name) but not
+  # listable, so a candidate cannot find and load another candidate's extension.
+  rules = [(p, read) for p in toolchain_paths()]
+  rules += [(p, LL_EXECUTE | LL_READ_FILE) for p in spec.readable]
+  rules += [
+    ("/dev", device),
+    ("/proc", LL_READ_FILE | LL_READ_DIR | LL_WRITE_FILE),  # CUDA writes under /proc (above)
+    ("/sys", LL_READ_FILE | LL_READ_DIR),
+  ]
+  rules += [(p, fs) for p in spec.writable]
+  try:
+    for path, access in rules:
+      try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+      except OSError:
+        continue  # absent on this host
+      try:
+        if not os.path.isdir(path):
+          access &= LL_EXECUTE | LL_READ_FILE | LL_WRITE_FILE | LL_TRUNCATE | LL_IOCTL_DEV
+        rule = ctypes.create_string_buffer(struct.pack("=Qi", access & fs, fd))
+        if _libc.syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), 1, rule, ctypes.c_uint32(0)):
+          notes.append(
+            f"Landlock rule for {path} refused (" + _errno_text("landlock_add_rule") + ")"
+          )
+      finally:
+        os.close(fd)
+    _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    if _libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)):
+      return notes + ["Landlock refused (" + _errno_text("landlock_restrict_self") + ")"]
+  finally:
+    os.close(ruleset)
+  return notes
+
+
+class _CapHeader(ctypes.Structure):
+  _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+  _fields_ = [
+    ("effective", ctypes.c_uint32),
+    ("permitted", ctypes.c_uint32),
+    ("inheritable", ctypes.c_uint32),
+  ]
+
+
+def drop_capabilities() -> list[str]:
+  _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+  header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+  data = (_CapData * 2)()
+  if _libc.capset(ctypes.byref(header), data) != 0:
+    return ["capabilities not dropped (" + _errno_text("capset") + ")"]
+  return []
+
+
+def close_inherited_fds(keep: tuple[int, ...]) -> None:
+  """Close every descriptor but stdio and ``keep`` (no channel of the service leaks into a worker)."""
+  fds = sorted(int(f) for f in os.listdir("/proc/self/fd") if f.isdigit())
+  for fd in fds:
+    if fd > 2 and fd not in keep:
+      try:
+        os.close(fd)
+      except OSError:
+        pass
+
+
+def confine(spec: SandboxSpec) -> list[str]:
+  """Layers 4-6 for the current process (already PID 1 of its namespace). Returns notes on what the
+  kernel refused."""
+  notes = []
+  if spec.mount_namespace:
+    notes += read_only_filesystem(spec.writable)
+  if spec.landlock:
+    notes += landlock(spec)
+  notes += drop_capabilities()
+  return notes
+
+
+def die_with_parent() -> None:
+  _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def set_undumpable() -> None:
+  """No ptrace attach and no /proc/<pid>/mem for same-user processes without CAP_SYS_PTRACE."""
+  _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
+def is_pid_namespace_init() -> bool:
+  return os.getpid() == 1
+
+
+__all__ = [
+  "SandboxSpec",
+  "apply_limits",
+  "isolate_network",
+  "enter_pid_namespace",
+  "confine",
+  "close_inherited_fds",
+  "set_undumpable",
+  "landlock_abi",
+]
