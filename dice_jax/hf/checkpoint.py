@@ -7,7 +7,9 @@ ever holds the whole model.
 
 Export writes `config.json` (Qwen3ForCausalLM, model_type qwen3, keeping block_size and
 mask_token_id), `generation_config.json`, safetensors shards + index, and the tokenizer files of a
-source directory, into a temporary directory that is renamed into place only when complete.
+source directory, into a temporary directory that is renamed into place only when complete. In a
+multi-process run every process takes part (each tensor is gathered whole, one at a time) and
+process 0 alone writes.
 """
 
 from __future__ import annotations
