@@ -35,6 +35,10 @@ class VerifyOutcome:
   deceptive: bool = False
   candidate_ms: float = 0.0
   baseline_ms: float = 0.0
+  strict_correct: bool = False  # also correct at fp32 atol = rtol = 1e-4
+  device_name: str = ""  # the GPU (or "cpu") that ran it
+  compile_s: float = 0.0
+  run_s: float = 0.0
 
 
 def request_id(
@@ -64,6 +68,10 @@ def outcome_from_proto(r) -> VerifyOutcome:
     deceptive=bool(r.deceptive),
     candidate_ms=float(r.candidate.mean_ms),
     baseline_ms=float(r.baseline.mean_ms),
+    strict_correct=bool(r.strict_correct),
+    device_name=r.device_name,
+    compile_s=float(r.compile_s),
+    run_s=float(r.run_s),
   )
 
 
