@@ -24,7 +24,7 @@ import os
 import platform
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 
 FLAGS = flags.FLAGS
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,6 +45,7 @@ flags.DEFINE_string(
   "verifier", None, "Verifier address HOST:PORT[,HOST:PORT...] or 'local' (a child service)."
 )
 flags.DEFINE_enum("verifier_device", "cuda", ["cuda", "cpu"], "Device of --verifier=local.")
+flags.DEFINE_float("verifier_wait_s", 60.0, "Seconds to wait for the verifier to answer at start.")
 flags.DEFINE_string("out", None, "Run directory (records, report).")
 flags.DEFINE_bool("allow_config_change", False, "Resume --out even if its settings differ.")
 flags.DEFINE_bool("report_only", False, "Only rebuild the report of --out.")
@@ -275,16 +276,17 @@ def run() -> str:
     "review_speedup": FLAGS.review_speedup,
   }
   try:
-    records.check_manifest(FLAGS.out, settings, FLAGS.allow_config_change, environment())
+    records.check_manifest(FLAGS.out, settings, FLAGS.allow_config_change)
   except records.RunError as e:
     raise UserError(str(e)) from None
-  log = records.RecordLog(FLAGS.out)
-  print(
-    f"eval: {len(tasks)} problems x {FLAGS.samples} samples, {len(log)} already done; "
-    f"records in {log.path}",
-    flush=True,
-  )
-  with _verifier(opts) as verifier:
+  with _verifier(opts) as verifier:  # reachable before anything is written
+    records.write_manifest(FLAGS.out, settings, environment())
+    log = records.RecordLog(FLAGS.out)
+    print(
+      f"eval: {len(tasks)} problems x {FLAGS.samples} samples, {len(log)} already done; "
+      f"records in {log.path}",
+      flush=True,
+    )
     s = Evaluator(
       log,
       source,
@@ -345,7 +347,6 @@ def main(argv):
   except UserError as e:
     print(f"eval: error: {e}", file=sys.stderr)
     sys.exit(2)
-  logging.info("report: %s", path)
   print(f"report: {path}")
 
 

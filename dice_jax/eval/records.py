@@ -135,38 +135,46 @@ class RecordLog:
     self.records[rec.key] = rec
 
 
-def check_manifest(
-  run_dir: str,
-  settings: Mapping[str, Any],
-  allow_change: bool = False,
-  environment: Mapping[str, Any] | None = None,
-) -> None:
-  """Writes ``run.json`` (``settings`` plus ``environment``, the hardware and versions of the first
-  session) for a new run; for an existing one, refuses ``settings`` that differ from it."""
+def _normalised(settings: Mapping[str, Any]) -> dict[str, Any]:
+  return json.loads(json.dumps(settings))  # as it will be read back
+
+
+def check_manifest(run_dir: str, settings: Mapping[str, Any], allow_change: bool = False) -> None:
+  """Refuses ``settings`` that differ from those in an existing ``run.json`` of ``run_dir`` (the
+  message names the fields); writes nothing."""
   path = os.path.join(run_dir, MANIFEST)
-  settings = json.loads(json.dumps(settings))  # normalised as it will be read back
+  if not os.path.exists(path) or allow_change:
+    return
+  with open(path, encoding="utf-8") as f:
+    old = json.load(f)
+  old.pop("environment", None)
+  new = _normalised(settings)
+  diff = [
+    f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
+    for k in sorted(set(old) | set(new))
+    if old.get(k) != new.get(k)
+  ]
+  if diff:
+    shown = "; ".join(d if len(d) < 300 else d[:300] + "..." for d in diff)
+    raise RunError(
+      f"{run_dir} holds a run with other settings ({shown}); use a new --out, or --allow_config_change"
+    )
+
+
+def write_manifest(
+  run_dir: str, settings: Mapping[str, Any], environment: Mapping[str, Any] | None = None
+) -> None:
+  """Writes ``run.json``: ``settings`` plus ``environment`` (hardware and versions of the session that
+  started the run; kept when a rerun writes it again)."""
+  path = os.path.join(run_dir, MANIFEST)
   env = dict(environment or {})
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
-      old = json.load(f)
-    env = old.pop("environment", env)
-    diff = [
-      f"{k}: {old.get(k)!r} -> {settings.get(k)!r}"
-      for k in sorted(set(old) | set(settings))
-      if old.get(k) != settings.get(k)
-    ]
-    if diff and not allow_change:
-      shown = "; ".join(d if len(d) < 300 else d[:300] + "..." for d in diff)
-      raise RunError(
-        f"{run_dir} holds a run with other settings ({shown}); "
-        "use a new --out, or --allow_config_change"
-      )
-    if not diff:
-      return
+      env = json.load(f).get("environment", env)
   os.makedirs(run_dir, exist_ok=True)
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
-    json.dump({**settings, "environment": env}, f, indent=2)
+    json.dump({**_normalised(settings), "environment": env}, f, indent=2)
   os.replace(tmp, path)
 
 

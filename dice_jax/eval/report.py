@@ -121,48 +121,50 @@ def _time_split(records: Sequence[EvalRecord]) -> list[str]:
   comp = math.fsum(r.compile_s for r in records)
   run = math.fsum(r.run_s for r in records)
   return [
-    "| generation (wall, all batches) s | compile (sum over candidates) s | run on device (sum) s |",
+    "| generation (wall, all batches) s | compile (sum over candidates, incl. waits for a shared "
+    "build) s | run on the device (sum) s |",
     "| --- | --- | --- |",
     f"| {gen:.1f} | {comp:.1f} | {run:.1f} |",
   ]
 
 
 def plot_speedups(records: Sequence[EvalRecord], threshold: float, path: str) -> None:
-  """Histogram of log2(eager speedup) of correct samples, one colour per level."""
+  """Histogram of log2(eager speedup) of correct samples, one colour per level; speedups flagged
+  for review are drawn as their own hatched series."""
   from matplotlib.figure import Figure
+  from matplotlib.patches import Rectangle
+  from matplotlib.ticker import MaxNLocator
 
-  by_level = collections.defaultdict(list)
+  series = collections.defaultdict(list)
   for r in records:
     if r.correct and r.eager.speedup > 0:
-      by_level[r.level].append(math.log2(r.eager.speedup))
+      label = "flagged for review" if r.speedup_flagged else f"level {r.level}"
+      series[label].append(math.log2(r.eager.speedup))
+  labels = sorted(series, key=lambda k: (k.startswith("flagged"), k))
   fig = Figure(figsize=(7, 4), dpi=110)
   ax = fig.add_subplot()
-  if by_level:
-    lo = min(min(v) for v in by_level.values())
-    hi = max(max(v) for v in by_level.values())
+  if series:
+    lo = min(min(v) for v in series.values())
+    hi = max(max(v) for v in series.values())
     lo, hi = min(lo, -1.0) - 0.25, max(hi, math.log2(threshold)) + 0.25
     bins = [lo + i * (hi - lo) / 30 for i in range(31)]
-    ax.hist(
-      [by_level[lv] for lv in sorted(by_level)],
-      bins=bins,
-      stacked=True,
-      label=[f"level {lv}" for lv in sorted(by_level)],
-    )
+    levels = [k for k in labels if not k.startswith("flagged")]
+    if levels:
+      ax.hist([series[k] for k in levels], bins=bins, stacked=True, label=levels)
+    if "flagged for review" in series:
+      style = dict(hatch="//", fill=False, edgecolor="crimson")
+      _, _, bars = ax.hist(series["flagged for review"], bins=bins, **style)
+      for bar in bars:
+        bar.set_visible(bar.get_height() > 0)  # no edge lines along the axis
+      ax.add_patch(Rectangle((0, 0), 0, 0, label="flagged for review", **style))
     ax.legend()
   else:
     ax.text(0.5, 0.5, "no correct kernels", ha="center", va="center", transform=ax.transAxes)
-  for x, style, name in ((0.0, "--", "1x"), (1.0, ":", "2x"), (math.log2(threshold), "-.", "")):
+  marks = ((0.0, "--", " 1x"), (1.0, ":", " 2x"), (math.log2(threshold), "-.", f" {threshold:g}x"))
+  for x, style, name in marks:
     ax.axvline(x, color="k", linestyle=style, linewidth=0.8)
-    if name:
-      ax.text(x, 1.0, f" {name}", transform=ax.get_xaxis_transform(), va="top", fontsize=8)
-  ax.text(
-    math.log2(threshold),
-    0.9,
-    f" review > {threshold:g}x",
-    transform=ax.get_xaxis_transform(),
-    va="top",
-    fontsize=8,
-  )
+    ax.text(x, 1.0, name, transform=ax.get_xaxis_transform(), va="top", fontsize=8)
+  ax.yaxis.set_major_locator(MaxNLocator(integer=True))
   ax.set_xlabel("log2 speedup over eager PyTorch (correct samples)")
   ax.set_ylabel("samples")
   ax.set_title("Speedup distribution")
@@ -202,12 +204,18 @@ def render_markdown(
   threshold = float(manifest.get("review_speedup", metrics.REVIEW_SPEEDUP))
   devices = sorted({r.device_name for r in records if r.device_name})
   env = manifest.get("environment", {})
+  if manifest.get("decoding") is None:
+    what = f"Known candidates from `{model.get('source', '?')}` (no model, no published row)."
+  else:
+    what = (
+      f"Model: `{model.get('source', '?')}` ({int(model.get('num_params', 0)):,} parameters; "
+      + (f"compared with the published {size} rows" if rows else "no published row of this size")
+      + ")."
+    )
   lines = [
     "# KernelBench evaluation",
     "",
-    f"Model: `{model.get('source', '?')}` ({int(model.get('num_params', 0)):,} parameters; "
-    + (f"compared with the published {size} rows" if rows else "no published row of this size")
-    + ").",
+    what,
     f"Problems: {manifest.get('problems_source', '?')}; {manifest.get('samples', 1)} sample(s) per "
     "problem; headline metrics use sample 0 of every problem, missing results count as failures "
     "(KernelBench's `benchmark_eval_analysis.py`).",
