@@ -1,13 +1,18 @@
-r"""The tiny end-to-end pipeline on CPU (`make demo`).
+r"""The whole pipeline, tiny and on CPU: the main job (`make demo`).
 
   python -m experiments.demo --workdir=/tmp/dice_jax_demo
 
-Steps, each printing what it did (the data is embedded: experiments/demo_data/pairs.jsonl):
-  1. hf        random `tiny` model -> HF export -> import -> parity with `transformers`
-  2. sft       block-diffusion SFT of a tiny model (byte tokenizer) on the embedded pairs -> HF export
+Steps, each printing what it did (all data is embedded in experiments/demo_data/):
+  1. sft       block-diffusion SFT of the tiny model (byte tokenizer) on pairs.jsonl -> HF export
+  2. rl        BiC-RL against the local CPU verifier over gRPC -- NOT WIRED YET: it needs the RL
+               launcher (experiments/rl.py, branch rl-loop); until then it says so and the later
+               steps use the SFT model
   3. generate  the KV-cached block sampler on one task prompt, with its step map
-  4. verify    a CPU verifier service on 127.0.0.1: the sampled candidate and a known-good C++
-               candidate are compiled, checked and rewarded over gRPC
+  4. eval      KernelBench-style evaluation on the seven CPU problems (cpu_problems.jsonl) through a
+               local CPU verifier over gRPC: the model's own candidates, then the known candidates
+               (cpu_candidates.jsonl, verdicts fixed by construction) -> two reports
+  5. export    the final model's HF export loaded by `transformers`: logits equal ours
+Finally the path of the evaluation report is printed.
 """
 
 import json
@@ -21,37 +26,16 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", "/tmp/dice_jax_demo", "Where the demo writes everything.")
-flags.DEFINE_list("steps", ["hf", "sft", "generate", "verify"], "Steps to run, in order.")
-flags.DEFINE_integer("seed", 0, "Seed of the random tiny model.")
+flags.DEFINE_list("steps", ["sft", "rl", "generate", "eval", "export"], "Steps to run, in order.")
 flags.DEFINE_integer("sft_steps", 30, "SFT optimizer steps.")
 
 DEMO_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_data")
 PAIRS = os.path.join(DEMO_DATA, "pairs.jsonl")
 MAX_PROMPT_CHARS = 192  # the tiny CPU run trains on truncated texts
+EVAL_NEW_TOKENS = 128  # the tiny model's evaluation budget (DICE: 4,096)
 
 
-def step_hf(workdir):
-  """Random tiny model -> HF directory -> import -> logit parity with transformers."""
-  from flax import nnx
-
-  from dice_jax.hf import checkpoint as hf_ckpt
-  from dice_jax.hf.parity import check_parity
-  from dice_jax.model import Transformer, get_config
-
-  cfg = get_config("tiny")
-  model = Transformer(cfg, rngs=nnx.Rngs(FLAGS.seed))
-  out = hf_ckpt.export_hf(model, os.path.join(workdir, "tiny_hf"), dtype="float32", overwrite=True)
-  print(f"  exported random tiny model ({cfg.num_params():,} parameters) to {out}")
-  results = check_parity(out)
-  for r in results:
-    print(f"  parity vs transformers, {r.mask:>12} mask: max |dlogit| = {r.max_abs_diff:.2e}")
-  worst = max(r.max_abs_diff for r in results)
-  if worst > 1e-4:
-    raise SystemExit(f"parity check failed: {worst:.2e} > 1e-4")
-  return {"hf_dir": out, "parity_max_abs_diff": worst}
-
-
-def step_sft(workdir):
+def step_sft(workdir, summary):
   """Block-diffusion SFT of the tiny model on the embedded pairs, then HF export."""
   out = os.path.join(workdir, "sft_hf")
   for old in (
@@ -92,7 +76,7 @@ def _relu_pair():
   return next(p for p in pairs if p.pair_id.endswith("/relu"))
 
 
-def step_generate(workdir):
+def step_generate(workdir, summary):
   """KV-cached block sampler on the relu task prompt (greedy, block 4, 4 steps)."""
   import jax
   import numpy as np
@@ -102,7 +86,7 @@ def step_generate(workdir):
   from dice_jax.diffusion import sampler
   from dice_jax.hf import checkpoint as hf_ckpt
 
-  hf_dir = os.path.join(workdir, "sft_hf")
+  hf_dir = _final_hf(workdir, summary)
   tok = Tokenizer.from_dir(hf_dir)
   model, cfg = hf_ckpt.import_hf(hf_dir, param_dtype="float32", dtype="float32")
   message = prompts.e2e_user_message(_relu_pair().pytorch_code)[:MAX_PROMPT_CHARS]
@@ -131,53 +115,112 @@ def step_generate(workdir):
   return {"new_tokens": n, "forwards": int(out.forwards)}
 
 
-def step_verify(workdir):
-  """CPU verifier service: the sampled candidate and a known-good C++ candidate, over gRPC."""
-  from dice_jax.data import prompts
-  from dice_jax.rl.verifier_client import GrpcVerifierClient
+def step_rl(workdir, summary):
+  """BiC-RL against a local CPU verifier over gRPC (needs experiments/rl.py, branch rl-loop)."""
+  # >>> RL STEP: wire `python -m experiments.rl` here once the rl-loop branch is merged: start from
+  # >>> workdir/sft_hf, reward against the demo's LocalVerifier (CPU), export to workdir/rl_hf, and
+  # >>> return {"hf_dir": workdir/rl_hf, ...} so that the eval and export steps use the RL model.
+  print("  skipped: the BiC-RL launcher (experiments/rl.py) is not on this branch yet")
+  return {"skipped": True, "hf_dir": os.path.join(workdir, "sft_hf")}
+
+
+def _final_hf(workdir, summary):
+  return summary.get("rl", {}).get("hf_dir") or os.path.join(workdir, "sft_hf")
+
+
+def _run_eval(workdir, verifier_address, out, *source):
+  cmd = [
+    sys.executable,
+    "-m",
+    "experiments.eval",
+    *source,
+    f"--kernelbench={os.path.join(DEMO_DATA, 'cpu_problems.jsonl')}",
+    "--levels=1",
+    f"--verifier={verifier_address}",
+    f"--out={out}",
+    "--num_perf_trials=20",
+    "--param_dtype=float32",
+    f"--max_new_tokens={EVAL_NEW_TOKENS}",
+    "--batch_size=7",
+  ]
+  shutil.rmtree(out, ignore_errors=True)  # a rerun of the demo evaluates afresh
+  subprocess.run(cmd, check=True, env={**os.environ, "VERIFIER_TOKEN": ""})
+  with open(os.path.join(out, "metrics.json")) as f:
+    return json.load(f)["eager"]["1"]
+
+
+def step_eval(workdir, summary):
+  """KernelBench-style evaluation on CPU problems through a local CPU verifier over gRPC."""
   from verifier.local import LocalVerifier
 
-  with LocalVerifier(workdir, device="cpu") as server:
-    reference = _relu_pair().pytorch_code
-    generated = open(os.path.join(workdir, "generated.txt")).read()
-    candidates = [
-      ("tiny model's sample", prompts.extract_code(generated) or generated),
-      ("known-good C++ relu", open(os.path.join(DEMO_DATA, "relu_cpu_candidate.py")).read()),
-    ]
-    with GrpcVerifierClient(
-      server.address, {"measure_performance": True, "num_perf_trials": 10}, token=""
-    ) as client:
-      client.wait_ready(60)
-      results = client.verify_batch([("relu", reference, c) for _, c in candidates])
-  print(f"  {'candidate':<22}{'reward':>7}{'correct':>9}{'speedup':>9}  failure kind: reason")
-  for (name, _), r in zip(candidates, results):
+  hf_dir = _final_hf(workdir, summary)
+  with LocalVerifier(os.path.join(workdir, "verifier"), device="cpu") as server:
+    model = _run_eval(workdir, server.address, os.path.join(workdir, "eval"), f"--hf_dir={hf_dir}")
+    known = _run_eval(
+      workdir,
+      server.address,
+      os.path.join(workdir, "eval_known"),
+      f"--candidates={os.path.join(DEMO_DATA, 'cpu_candidates.jsonl')}",
+    )
+  for name, m in (("tiny model", model), ("known candidates", known)):
     print(
-      f"  {name:<22}{r.reward:>7.1f}{str(r.correct):>9}{r.speedup:>9.2f}  "
-      f"{r.failure_kind}: {r.reason[:70]}"
+      f"  {name:<17} compiled {100 * m['compile_rate']:5.1f}%  exec {100 * m['exec_accuracy']:5.1f}%"
+      f"  fast_1 {100 * m['fast_p']['1']:5.1f}%  flagged {m['flagged']}  kinds {m['failure_kinds']}"
     )
   return {
-    name: {"reward": r.reward, "failure_kind": r.failure_kind}
-    for (name, _), r in zip(candidates, results)
+    "report": os.path.join(workdir, "eval", "report.md"),
+    "known_candidates_report": os.path.join(workdir, "eval_known", "report.md"),
+    "model": model,
+    "known_candidates": known,
   }
 
 
-STEPS = {"hf": step_hf, "sft": step_sft, "generate": step_generate, "verify": step_verify}
+def step_export(workdir, summary):
+  """The final model's HF export loaded by `transformers`: logit parity with our model."""
+  from dice_jax.hf.parity import check_parity
+
+  hf_dir = _final_hf(workdir, summary)
+  results = check_parity(hf_dir)
+  for r in results:
+    print(
+      f"  {hf_dir}: transformers vs ours, {r.mask:>12} mask: max |dlogit| = {r.max_abs_diff:.2e}"
+    )
+  worst = max(r.max_abs_diff for r in results)
+  if worst > 1e-4:
+    raise SystemExit(f"parity check failed: {worst:.2e} > 1e-4")
+  return {"hf_dir": hf_dir, "parity_max_abs_diff": worst}
+
+
+STEPS = {
+  "sft": step_sft,
+  "rl": step_rl,
+  "generate": step_generate,
+  "eval": step_eval,
+  "export": step_export,
+}
 
 
 def main(argv):
   del argv
+  unknown = [n for n in FLAGS.steps if n not in STEPS]
+  if unknown:
+    raise app.UsageError(f"unknown steps {unknown}; known: {list(STEPS)}")
   os.makedirs(FLAGS.workdir, exist_ok=True)
   summary = {}
+  t_all = time.time()
   for i, name in enumerate(FLAGS.steps, 1):
-    if name not in STEPS:
-      raise app.UsageError(f"unknown step {name!r}; known: {list(STEPS)}")
     print(f"[{i}/{len(FLAGS.steps)}] {name}: {STEPS[name].__doc__.strip()}", flush=True)
     t0 = time.time()
-    summary[name] = STEPS[name](FLAGS.workdir)
+    summary[name] = STEPS[name](FLAGS.workdir, summary)
     print(f"  done in {time.time() - t0:.1f} s", flush=True)
   with open(os.path.join(FLAGS.workdir, "demo_summary.json"), "w") as f:
     json.dump(summary, f, indent=2, default=str)
-  print(f"demo finished; summary in {os.path.join(FLAGS.workdir, 'demo_summary.json')}")
+  print(
+    f"demo finished in {time.time() - t_all:.0f} s; summary in {FLAGS.workdir}/demo_summary.json"
+  )
+  if "eval" in summary:
+    print(f"evaluation report: {summary['eval']['report']}")
+    print(f"known-candidates report: {summary['eval']['known_candidates_report']}")
 
 
 if __name__ == "__main__":

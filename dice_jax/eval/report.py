@@ -91,8 +91,9 @@ def _flagged_section(
     "",
     "A flagged result counts as compiled and correct (exec accuracy, fast_0) but its speedup is "
     "left out of fast_p for p > 0 and of the geometric mean until `reviews.json` in this directory "
-    'accepts it (`{"TASK#SAMPLE": "accept" | "reject"}`; reject = incorrect and deceptive). The '
-    "`fast_p counting flagged` row below is what KernelBench, which only warns, would report.",
+    'accepts it (`{"TASK#SAMPLE": "accept" | "reject"}`; reject = incorrect and deceptive). '
+    "KernelBench, which only warns, counts them: its numbers are listed under the metrics table "
+    "whenever a speedup is flagged.",
     "",
   ]
   if not flagged:
