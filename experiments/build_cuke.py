@@ -1,6 +1,6 @@
 """Build CuKe: verify + time PyTorch->CUDA pairs through the verifier, keep correct ones >= --min_speedup.
 
-  python -m experiments.build_cuke --pairs=pairs.jsonl --verifier=HOST:PORT --min_speedup=2.0 --out=DIR
+  python -m experiments.build_cuke --pairs=pairs.jsonl --verifier=HOST:PORT[,HOST:PORT] --min_speedup=2.0 --out=DIR
 
 Writes DIR/cuke.jsonl (atomic), DIR/summary.json, DIR/speedup_hist.png; DIR/measurements.jsonl is the resume
 journal (a rerun skips pairs already measured). See dice_jax/data/cuke.py.
@@ -13,7 +13,9 @@ from dice_jax.data.cuke import CukeConfig, build_cuke
 _PAIRS = flags.DEFINE_string(
   "pairs", None, "JSON/JSONL of {pytorch_code, cuda_code, reasoning?, speedup?, level?}"
 )
-_VERIFIER = flags.DEFINE_string("verifier", None, "verifier gRPC address HOST:PORT")
+_VERIFIER = flags.DEFINE_string(
+  "verifier", None, "verifier gRPC address(es) HOST:PORT[,HOST:PORT...]"
+)
 _MIN_SPEEDUP = flags.DEFINE_float(
   "min_speedup", 2.0, "keep pairs with measured speedup >= this (DICE: 2.0)"
 )
@@ -33,12 +35,12 @@ flags.mark_flags_as_required(["pairs", "verifier", "out"])
 
 def main(argv):
   del argv
-  from dice_jax.rl.verifier_client import GrpcVerifierClient
+  from dice_jax.verifier_client import VerifierClient
 
   options = {"measure_performance": True, "num_perf_trials": _TRIALS.value}
   if _DEVICE.value:
     options["device"] = _DEVICE.value
-  with GrpcVerifierClient(_VERIFIER.value, options) as client:
+  with VerifierClient(_VERIFIER.value, options=options) as client:
     client.wait_ready()
     s = build_cuke(
       _PAIRS.value,

@@ -31,7 +31,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DEFAULT_KB = os.path.join(os.path.dirname(_REPO), "shared", "data", "kernelbench")
 
 flags.DEFINE_string("hf_dir", None, "HF checkpoint directory of the model.")
-flags.DEFINE_string("checkpoint", None, "SFT/RL run directory (orbax checkpoints) of the model.")
+flags.DEFINE_string("checkpoint", None, "SFT or RL run directory (its latest checkpoint).")
 flags.DEFINE_string("tokenizer_dir", None, "Tokenizer (default: the model's).")
 flags.DEFINE_string("candidates", None, "JSONL of known candidates instead of a model.")
 flags.DEFINE_string(
@@ -183,15 +183,18 @@ def load_model():
       raise UserError(f"--hf_dir: {e}") from None
     source, tok_dir = os.path.abspath(FLAGS.hf_dir), FLAGS.hf_dir
   else:
-    from dice_jax.train.loop import restore_model
+    from dice_jax.rl.loop import restore_run_params
+    from dice_jax.train import sharding
 
     if not os.path.isdir(FLAGS.checkpoint):
       raise UserError(f"--checkpoint {FLAGS.checkpoint}: no such directory")
     try:
-      model, tok_dir, step = restore_model(FLAGS.checkpoint)
+      model, _, tok_dir = restore_run_params(FLAGS.checkpoint, sharding.make_mesh())
     except FileNotFoundError as e:
       raise UserError(f"--checkpoint: {e}") from None
-    source = f"{os.path.abspath(FLAGS.checkpoint)} (step {step})"
+    if tok_dir is None and not FLAGS.tokenizer_dir:
+      raise UserError(f"--checkpoint {FLAGS.checkpoint} has no tokenizer: pass --tokenizer_dir")
+    source = os.path.abspath(FLAGS.checkpoint)
   tok_dir = FLAGS.tokenizer_dir or tok_dir
   try:
     tok = Tokenizer.from_dir(tok_dir)

@@ -7,6 +7,9 @@ shift). With N_ans = number of answer (loss) tokens of the batch:
 
     L = (1 / N_ans) * sum_{samples s} sum_{j masked} (1 / p_s) * CE(logits_j, x0_j)        (§2.3.5)
 
+`block_diffusion_loss` returns the sum and N_ans as its denominator (`train_step`'s contract), so
+that gradient accumulation divides once by the N_ans of the whole batch.
+
 Blocks follow `dice_jax.diffusion.blocks` (response alignment by default; the response start of a
 packed segment is its first loss token). Packing-aware: segment ids, positions and the block grid
 restart per segment; row padding (segment 0) is never attended, masked or counted.
@@ -101,12 +104,15 @@ def chunked_weighted_ce(model, hidden_btd, targets_bt, weights_bt, chunk: int):
   return total
 
 
-def block_diffusion_loss(model, batch, rng, cfg: ObjectiveConfig = ObjectiveConfig()):
-  """SDAR SFT loss of one (micro-)batch. Returns (loss, metrics).
+METRIC_MEANS = {"masked_ce": ("masked_ce_sum", "masked_tokens")}  # for train_step.make_train_step
 
-  loss = weighted_ce_sum / answer_tokens (scalar f32). metrics carries the sums
-  (`weighted_ce_sum`, `answer_tokens`, `masked_tokens`, `masked_ce_sum`) so that gradient
-  accumulation can form token-weighted means as sum / sum.
+
+def block_diffusion_loss(model, batch, rng, cfg: ObjectiveConfig = ObjectiveConfig()):
+  """SDAR SFT loss of one (micro-)batch as `(loss_sum, metrics)` (train_step's loss contract).
+
+  loss_sum = weighted_ce_sum; the loss is loss_sum / metrics["denominator"] with denominator =
+  answer_tokens. metrics carries the sums (`weighted_ce_sum`, `answer_tokens`, `masked_tokens`,
+  `masked_ce_sum`) so that gradient accumulation forms token-weighted means as sum / sum.
   """
   tokens = jnp.asarray(batch["tokens"]).astype(jnp.int32)
   positions = jnp.asarray(batch["positions"]).astype(jnp.int32)
@@ -127,12 +133,11 @@ def block_diffusion_loss(model, batch, rng, cfg: ObjectiveConfig = ObjectiveConf
   sums = chunked_weighted_ce(model, hidden, tokens, weights, cfg.ce_chunk)
   weighted_ce_sum, masked_ce_sum = sums[0], sums[1]
   answer_tokens = jnp.sum(loss_mask).astype(jnp.float32)
-  masked_tokens = jnp.sum(masked).astype(jnp.float32)
-  loss = weighted_ce_sum / jnp.maximum(answer_tokens, 1.0)
   metrics = dict(
-    weighted_ce_sum=weighted_ce_sum,
+    denominator=answer_tokens,
+    weighted_ce_sum=jax.lax.stop_gradient(weighted_ce_sum),
     answer_tokens=answer_tokens,
-    masked_tokens=masked_tokens,
+    masked_tokens=jnp.sum(masked).astype(jnp.float32),
     masked_ce_sum=jax.lax.stop_gradient(masked_ce_sum),
   )
-  return loss, metrics
+  return weighted_ce_sum, metrics

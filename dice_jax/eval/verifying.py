@@ -2,14 +2,11 @@
 generated stubs and one learner-side client).
 
 ``CandidateVerifier`` is what the evaluation loop needs; ``GrpcCandidateVerifier`` implements it with
-the learner-side client ``dice_jax.rl.verifier_client.GrpcVerifierClient`` (one per endpoint; a batch
-is split across endpoints). When the multi-endpoint client ``dice_jax/verifier_client.py`` lands, only
-``GrpcCandidateVerifier`` changes.
+the learner-side client ``dice_jax.verifier_client`` (the only module here that knows it).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -73,7 +70,8 @@ def _verdict(o) -> Verdict:
 
 
 class GrpcCandidateVerifier:
-  """Verifies batches on one or more verifier endpoints (``HOST:PORT``), splitting each batch evenly."""
+  """Verifies batches through the learner-side client ``dice_jax.verifier_client.VerifierClient``
+  (several endpoints, retries, content-hash request ids)."""
 
   def __init__(
     self,
@@ -82,44 +80,26 @@ class GrpcCandidateVerifier:
     token: str | None = None,
     ready_timeout_s: float = 60.0,
   ):
-    from dice_jax.rl.verifier_client import GrpcVerifierClient
+    from dice_jax.verifier_client import VerifierClient, VerifierUnavailable
 
     if not addresses:
       raise ValueError("no verifier address given (HOST:PORT[,HOST:PORT...])")
-    self.addresses = list(addresses)
     self.options = dict(options)
-    self._clients = {}
-    for compile_baseline in (False, True):
-      opts = dict(self.options, compile_baseline=compile_baseline)
-      self._clients[compile_baseline] = [
-        GrpcVerifierClient(a, opts, token=token) for a in self.addresses
-      ]
-    for c in self._clients[False]:
-      try:
-        c.wait_ready(ready_timeout_s)
-      except Exception as e:  # grpc's FutureTimeoutError says nothing about the address
-        self.close()
-        raise ConnectionError(
-          f"verifier at {c.address} not reachable within {ready_timeout_s:g} s"
-        ) from e
-    self._pool = concurrent.futures.ThreadPoolExecutor(len(self.addresses))
+    self._clients: dict[bool, Any] = {}
+    try:
+      for compile_baseline in (False, True):
+        opts = dict(self.options, compile_baseline=compile_baseline)
+        self._clients[compile_baseline] = VerifierClient(list(addresses), options=opts, token=token)
+      self._clients[False].wait_ready(ready_timeout_s)
+    except VerifierUnavailable as e:
+      self.close()
+      raise ConnectionError(str(e)) from None
 
   def verify_batch(self, items: Sequence[Item], compile_baseline: bool = False) -> list[Verdict]:
     if not items:
       return []
-    clients = self._clients[compile_baseline]
-    chunks = [list(items[i :: len(clients)]) for i in range(len(clients))]
-    futures = [self._pool.submit(c.verify_batch, ch) for c, ch in zip(clients, chunks) if ch]
-    parts = [f.result() for f in futures]
-    out: list[Verdict | None] = [None] * len(items)
-    for i, part in enumerate(parts):
-      for j, o in enumerate(part):
-        out[i + j * len(clients)] = _verdict(o)
-    return out  # type: ignore[return-value]
+    return [_verdict(o) for o in self._clients[compile_baseline].verify_batch(list(items))]
 
   def close(self) -> None:
-    for cs in self._clients.values():
-      for c in cs:
-        c.close()
-    if hasattr(self, "_pool"):
-      self._pool.shutdown(wait=False)
+    for c in self._clients.values():
+      c.close()

@@ -11,6 +11,15 @@ Rank encoding (for the 2L `[x_t ; x_0]` input; `half` = 0 on x_t, 1 on x_0):
 which is exactly M_BD (x_t->x_t same block), M_OBC (x_t->x_0 earlier blocks), M_BC (x_0->x_0
 block-causal) and nothing for x_0->x_t. Block-causal attention (one half, no x_t) is the same
 with half = 1 everywhere. Grouped-query attention: K/V heads are shared by `N // K` query heads.
+
+The TraceRL layout (`trace` kind, masks.py) fits the same test (`trace_mask_vectors`). With R >= the
+largest round id of the batch and u = R + 1:
+  prompt / clean token in block b:  rank = u * b + R,        klo = BIG
+  noisy token of round r in block b: rank = klo = u * b + (r - 1)     (0 <= r - 1 < R)
+clean -> clean: u b_k + R <= u b_q + R iff b_k <= b_q. noisy -> clean: u b_k + R <= u b_q + r - 1
+iff b_k < b_q (the gap u (b_q - b_k) must reach R - r + 1 in [1, R]). noisy -> noisy: rank_k <=
+rank_q <= klo_k = rank_k forces equal ranks, i.e. the same block and round (r - 1 < u). clean ->
+noisy: rank_q <= klo_k needs b_k > b_q, and then rank_k - rank_q >= u - R > 0: never.
 """
 
 from __future__ import annotations
@@ -42,6 +51,17 @@ def bd_mask_vectors(seg_bt, blk_bt):
   rank = jnp.concatenate([2 * blk, 2 * blk + 1], 1)
   klo = jnp.concatenate([2 * blk, jnp.full_like(blk, BIG)], 1)
   return seg, rank, klo
+
+
+def trace_mask_vectors(seg_bt, blk_bt, rnd_bt):
+  """(seg, rank, klo) `[B, T]` of the TraceRL layout from per-token ids (module docstring)."""
+  blk, rnd = blk_bt.astype(jnp.int32), rnd_bt.astype(jnp.int32)
+  rounds = jnp.max(rnd, initial=0)
+  u = rounds + 1
+  noisy = rnd > 0
+  rank = jnp.where(noisy, u * blk + rnd - 1, u * blk + rounds)
+  klo = jnp.where(noisy, rank, BIG)
+  return seg_bt.astype(jnp.int32), rank, klo
 
 
 def mask_from_vectors(seg, rank, klo):
@@ -303,6 +323,8 @@ def mask_vectors(spec, positions):
     seg, blk = spec.resolve(positions[:, : positions.shape[1] // 2])
     return bd_mask_vectors(seg, blk)
   seg, blk = spec.resolve(positions)
+  if spec.kind == "trace":
+    return trace_mask_vectors(seg, blk, spec.round_ids)
   rank = {"causal": positions, "block_causal": blk, "full": jnp.zeros_like(blk)}[spec.kind].astype(
     jnp.int32
   )

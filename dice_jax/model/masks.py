@@ -27,7 +27,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-MASK_KINDS = ("causal", "block_causal", "block_diffusion", "full")
+MASK_KINDS = ("causal", "block_causal", "block_diffusion", "full", "trace")
 
 
 @jax.tree_util.register_dataclass
@@ -39,12 +39,20 @@ class AttentionSpec:
   block_size: int = dataclasses.field(default=1, metadata=dict(static=True))
   segment_ids: Optional[jax.Array] = None  # 0 = padding; None = one segment, no padding
   block_ids: Optional[jax.Array] = None  # None = positions // block_size
+  round_ids: Optional[jax.Array] = None  # trace only: 0 = prompt / clean response, r >= 1 = noisy
 
   def __post_init__(self):
     if self.kind not in MASK_KINDS:
       raise ValueError(f"AttentionSpec.kind must be one of {MASK_KINDS}, got {self.kind!r}")
     if not isinstance(self.block_size, int) or self.block_size < 1:
       raise ValueError(f"AttentionSpec.block_size must be a positive int, got {self.block_size!r}")
+    if (self.kind == "trace") != (self.round_ids is not None):
+      raise ValueError(
+        f"AttentionSpec: round_ids are required for kind 'trace' and only for it "
+        f"(kind {self.kind!r}, round_ids {'set' if self.round_ids is not None else 'None'})"
+      )
+    if self.kind == "trace" and self.block_ids is None:
+      raise ValueError("AttentionSpec: kind 'trace' needs explicit (response-aligned) block_ids")
 
   @classmethod
   def causal(cls, segment_ids=None):
@@ -58,6 +66,11 @@ class AttentionSpec:
   def block_diffusion(cls, block_size, segment_ids=None, block_ids=None):
     """For a `[x_t ; x_0]` input of length 2T; arrays here describe one half (`[B, T]`)."""
     return cls("block_diffusion", block_size, segment_ids, block_ids)
+
+  @classmethod
+  def trace(cls, block_size, segment_ids, block_ids, round_ids):
+    """TraceRL rows: arrays describe every token of the input (`[B, T]`, noisy copies included)."""
+    return cls("trace", block_size, segment_ids, block_ids, round_ids)
 
   def resolve(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(segment_ids, block_ids) for tokens at `positions` (`[B, T]`, T = one half for diffusion)."""
@@ -110,6 +123,19 @@ def block_diffusion_mask(blk, seg):
   return jnp.concatenate([top, bottom], axis=1)
 
 
+def trace_mask(blk, seg, rnd):
+  """`[B, T, T]` mask of the TraceRL layout (module docstring) from per-token ids `[B, T]`."""
+  qs, ks = _pair(seg, seg)
+  qb, kb = _pair(blk, blk)
+  qr, kr = _pair(rnd, rnd)
+  same = (qs == ks) & (qs > 0)
+  clean_q, clean_k = qr == 0, kr == 0
+  clean_clean = clean_q & clean_k & (kb <= qb)
+  noisy_clean = ~clean_q & clean_k & (kb < qb)
+  noisy_noisy = ~clean_q & ~clean_k & (qr == kr) & (qb == kb)
+  return same & (clean_clean | noisy_clean | noisy_noisy)
+
+
 def dense_mask(spec: AttentionSpec, positions: jax.Array) -> jax.Array:
   """The `[B, T, T]` boolean mask for a self-attention call described by `spec`.
 
@@ -124,6 +150,8 @@ def dense_mask(spec: AttentionSpec, positions: jax.Array) -> jax.Array:
     return causal_mask(positions, positions, seg, seg)
   if spec.kind == "block_causal":
     return block_causal_mask(blk, blk, seg, seg)
+  if spec.kind == "trace":
+    return trace_mask(blk, seg, spec.round_ids.astype(jnp.int32))
   return full_mask(seg, seg)
 
 

@@ -220,8 +220,8 @@ def cached_attention(
   other under the same rule. Scores are computed per part, so the cache is never concatenated
   with the new keys (the dense path still reads a per-layer slice of the stacked cache).
   """
-  if spec.kind == "block_diffusion":
-    raise ValueError("block_diffusion attention is a training layout; it takes no KV cache")
+  if spec.kind in ("block_diffusion", "trace"):
+    raise ValueError(f"{spec.kind} attention is a training layout; it takes no KV cache")
   if impl == "flash":
     from dice_jax.model import flash_decode
 

@@ -19,6 +19,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from dice_jax.diffusion import objective as objective_lib
 from dice_jax.model.config import ModelConfig, get_config
 from dice_jax.model.transformer import Transformer
 from dice_jax.train import checkpoint as ckpt_lib
@@ -122,7 +123,12 @@ def run_sft(
 
   step_fn = ts.jit_train_step(
     ts.make_train_step(
-      graphdef, tx, make_loss_fn(cfg), accum_steps=cfg.accum_steps, schedule=schedule
+      graphdef,
+      tx,
+      make_loss_fn(cfg),
+      accum_steps=cfg.accum_steps,
+      schedule=schedule,
+      means=objective_lib.METRIC_MEANS,
     ),
     shardings,
     mesh,

@@ -1,19 +1,24 @@
-"""Train state, sharded initialisation and the jitted SFT train step.
+"""Train state, sharded initialisation and the generic jitted train step (SFT and BiC-RL).
 
 The train state is a plain dict pytree `{'params', 'opt_state', 'step'}`: params are the model's
 `nnx.Param` values as a pure nested dict (float32 masters; the model casts to its compute dtype),
 so optax, orbax and `jax.jit` shardings all see ordinary arrays. The model is rebuilt inside the
 step with `nnx.merge(graphdef, params)`.
 
+Loss contract: `loss_fn(model, batch, rng) -> (loss_sum, metrics)`, where `loss_sum` is a sum over
+the (micro-)batch and `metrics["denominator"]` is what it is divided by (SFT: answer tokens;
+TraceRL: L1 x rounds, or trained tokens). Every metric is a sum over the micro-batch, except
+names ending in `_max` / `_min` (combined by max / min).
+
 Gradient accumulation (`accum_steps > 1`): the batch arrives as `[accum, micro, T]` and the step
-scans over micro-batches, summing the gradients of each micro-batch's *token sum*
-(`loss * answer_tokens` = weighted CE sum) and dividing once by the total answer tokens. The result
-equals the gradient of the whole batch's token-weighted mean, whatever the micro-batch split.
+scans over micro-batches, summing the gradients of each micro-batch's `loss_sum` and its metrics,
+then divides once by the summed denominator. The result equals the gradient of the whole batch's
+loss_sum / denominator, whatever the micro-batch split.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +94,24 @@ def batch_shardings(mesh: Mesh, accum_steps: int = 1) -> NamedSharding:
   return NamedSharding(mesh, P(rows, None) if accum_steps == 1 else P(None, rows, None))
 
 
+def combine_metrics(a: dict, b: dict) -> dict:
+  """Two micro-batches' metrics as one: sums, except `*_max` (max) and `*_min` (min)."""
+  out = {}
+  for k in a:
+    if k.endswith("_max"):
+      out[k] = jnp.maximum(a[k], b[k])
+    elif k.endswith("_min"):
+      out[k] = jnp.minimum(a[k], b[k])
+    else:
+      out[k] = a[k] + b[k]
+  return out
+
+
+def _identity_metrics(shapes: dict) -> dict:
+  fill = lambda k: -jnp.inf if k.endswith("_max") else jnp.inf if k.endswith("_min") else 0.0
+  return {k: jnp.full(v.shape, fill(k), v.dtype) for k, v in shapes.items()}
+
+
 def make_train_step(
   graphdef,
   tx: optax.GradientTransformation,
@@ -96,18 +119,31 @@ def make_train_step(
   *,
   accum_steps: int = 1,
   schedule: optax.Schedule | None = None,
+  means: Mapping[str, tuple[str, str]] | None = None,
 ):
-  """`step(state, batch, rng) -> (state, metrics)`; pure, to be wrapped by `jit_train_step`."""
+  """`step(state, batch, rng) -> (state, metrics)`; pure, to be wrapped by `jit_train_step`.
+
+  `loss_fn` follows the module's loss contract. The update uses the gradient of
+  sum(loss_sum) / sum(denominator) over the micro-batches. Metrics: the combined sums, `loss`
+  (= loss_sum / denominator), `grad_norm` (of that gradient), `param_norm` (after the update),
+  `lr` when a `schedule` is given, and for each `name: (numerator, count)` of `means` the ratio
+  of the two summed metrics (e.g. SFT's `masked_ce`, TraceRL's `kl`).
+  """
   if accum_steps < 1:
     raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
+  means = dict(means or {})
 
   def micro(params, batch, rng):
     def f(p):
-      loss, m = loss_fn(nnx.merge(graphdef, p), batch, rng)
-      return loss * jax.lax.stop_gradient(m["answer_tokens"]), m  # = the weighted CE sum
+      loss_sum, m = loss_fn(nnx.merge(graphdef, p), batch, rng)
+      if "denominator" not in m:
+        raise KeyError(f"loss_fn metrics need a 'denominator' entry, got {sorted(m)}")
+      return loss_sum, m
 
-    (_, m), g = jax.value_and_grad(f, has_aux=True)(params)
-    return g, {k: jnp.asarray(v, jnp.float32) for k, v in m.items()}
+    (loss_sum, m), g = jax.value_and_grad(f, has_aux=True)(params)
+    m = {k: jnp.asarray(jax.lax.stop_gradient(v), jnp.float32) for k, v in m.items()}
+    m["loss_sum"] = jnp.asarray(loss_sum, jnp.float32)
+    return g, m
 
   def step(state, batch, rng):
     params = state["params"]
@@ -119,22 +155,24 @@ def make_train_step(
       def body(carry, xs):
         i, mb = xs
         g, m = micro(params, mb, jax.random.fold_in(rng, i))
-        return jax.tree.map(jnp.add, carry, (g, m)), None
+        return (jax.tree.map(jnp.add, carry[0], g), combine_metrics(carry[1], m)), None
 
-      zeros = jax.tree.map(
-        jnp.zeros_like,
-        jax.eval_shape(lambda: micro(params, jax.tree.map(lambda x: x[0], batch), rng)),
+      g_shape, m_shape = jax.eval_shape(
+        lambda: micro(params, jax.tree.map(lambda x: x[0], batch), rng)
+      )
+      zeros = (
+        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), g_shape),
+        _identity_metrics(m_shape),
       )
       (grads, m), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), batch))
-    n = jnp.maximum(m["answer_tokens"], 1.0)
+    den = m["denominator"]
+    n = jnp.where(den > 0, den, 1.0)
     grads = jax.tree.map(lambda g: g / n, grads)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     params = optax.apply_updates(params, updates)
-    metrics = dict(
-      m, loss=m["weighted_ce_sum"] / n, grad_norm=_norm(grads), param_norm=_norm(params)
-    )
-    if "masked_ce_sum" in m:
-      metrics["masked_ce"] = m["masked_ce_sum"] / jnp.maximum(m["masked_tokens"], 1.0)
+    metrics = dict(m, loss=m["loss_sum"] / n, grad_norm=_norm(grads), param_norm=_norm(params))
+    for name, (num, count) in means.items():
+      metrics[name] = m[num] / jnp.maximum(m[count], 1e-12)
     if schedule is not None:
       metrics["lr"] = jnp.asarray(schedule(state["step"]), jnp.float32)
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics

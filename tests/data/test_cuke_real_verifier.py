@@ -1,4 +1,4 @@
-"""CuKe builder against the real verifier service (CPU device, C++ extension), via dice_jax.rl.verifier_client."""
+"""CuKe builder against the real verifier service (CPU device, C++ extension), via dice_jax.verifier_client."""
 
 import json
 import os
@@ -74,7 +74,7 @@ def cpu_verifier(tmp_path_factory):
 @pytest.mark.slow
 def test_build_cuke_with_cpu_verifier(cpu_verifier, tmp_path):
   from dice_jax.data.cuke import CukeConfig, build_cuke
-  from dice_jax.rl.verifier_client import GrpcVerifierClient
+  from dice_jax.verifier_client import VerifierClient
 
   rows = [
     {
@@ -92,8 +92,8 @@ def test_build_cuke_with_cpu_verifier(cpu_verifier, tmp_path):
   ]
   pairs = tmp_path / "pairs.jsonl"
   pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  with GrpcVerifierClient(
-    cpu_verifier, {"measure_performance": True, "num_perf_trials": 10}, token=""
+  with VerifierClient(
+    cpu_verifier, options={"measure_performance": True, "num_perf_trials": 10}, token=""
   ) as client:
     client.wait_ready(30)
     s = build_cuke(str(pairs), client, str(tmp_path / "out"), CukeConfig(min_speedup=1e-3))

@@ -41,7 +41,13 @@ def _packed_batch(seed=0, rows=2, length=24):
   return dict(tokens=tokens, positions=positions, segment_ids=seg, loss_mask=loss)
 
 
-_loss_jit = jax.jit(objective.block_diffusion_loss, static_argnames="cfg")
+def _mean_loss(model, batch, rng, cfg):
+  """The per-token loss the step trains on: loss_sum / denominator."""
+  loss_sum, metrics = objective.block_diffusion_loss(model, batch, rng, cfg)
+  return loss_sum / metrics["denominator"], metrics
+
+
+_loss_jit = jax.jit(_mean_loss, static_argnames="cfg")
 
 
 def test_block_ids_start_at_each_segments_response():

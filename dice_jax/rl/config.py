@@ -1,0 +1,222 @@
+"""The BiC-RL run config: one frozen dataclass nesting the sampler, stream, optimizer and TraceRL
+configs, validated on construction (errors name the field), saved with every checkpoint.
+
+Defaults are DICE's (reference §1.7 table): 64 tasks x 16 rollouts per step, temperature 1.0,
+block 4 / 4 steps, `low_confidence_dynamic` 0.9, 4,096 new tokens, binary reward, group z-score
+advantages, TraceRL (eps 0.2, k3 KL beta 0.01, shrink 1), AdamW lr 1e-6 (constant, wd 0, clip 1),
+256 rows per optimizer step, one epoch over the rollout, seed 10086. Phases: `infill` (the kernel
+infilling tasks, 20 steps, prompts up to 2,000 tokens) then `e2e` (end-to-end tasks, 100 steps,
+prompts up to 1,500 tokens), the second initialised from the first's checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from dice_jax.data.rl_stream import RLStreamConfig
+from dice_jax.diffusion.sampler import SamplerConfig
+from dice_jax.rl import advantages as advantages_lib
+from dice_jax.rl import rewards as rewards_lib
+from dice_jax.rl.rollout import EXTRACTIONS
+from dice_jax.rl.tracerl import TraceRLConfig
+from dice_jax.train.optimizer import OptimizerConfig
+from dice_jax.verifier_client import RetryPolicy
+
+PHASES = ("infill", "e2e")
+SCHEDULES = ("sequential", "sequential_by_stage")
+
+DICE_SAMPLER = SamplerConfig(
+  block_size=4,
+  steps=4,
+  strategy="low_confidence_dynamic",
+  threshold=0.9,
+  temperature=1.0,
+  top_k=0,
+  top_p=1.0,
+  max_new_tokens=4096,
+  return_logprobs=True,
+)
+DICE_OPTIMIZER = OptimizerConfig(
+  learning_rate=1e-6, schedule="constant", warmup_ratio=0.0, weight_decay=0.0, clip_norm=1.0
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifierConfig:
+  """How candidates are judged. `options` are `VerifyOptions` fields sent with every request
+  (DICE: one correctness trial, atol = rtol = 1e-2, no timing); endpoints come from the launcher."""
+
+  options: dict = dataclasses.field(default_factory=lambda: {"num_correct_trials": 1})
+  retry: RetryPolicy = RetryPolicy()
+  local_device: str = ""  # --verifier=local: "cpu" | "cuda" ("" = cuda when a GPU is visible)
+  local_compile_workers: int = 0  # 0: the service's default
+  ready_timeout_s: float = 300.0
+
+  def __post_init__(self):
+    if not isinstance(self.options, dict):
+      raise ValueError("RLConfig.verifier.options must be a dict of VerifyOptions fields")
+    from verifier.proto import verifier_pb2  # generated stubs only
+
+    try:
+      verifier_pb2.VerifyOptions(**self.options)
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"RLConfig.verifier.options: {e}") from None
+    if self.local_device not in ("", "cpu", "cuda"):
+      raise ValueError(
+        f"RLConfig.verifier.local_device must be '', 'cpu' or 'cuda', got {self.local_device!r}"
+      )
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  """Everything a BiC-RL run needs besides its workdir and verifier endpoints."""
+
+  # model (ignored with --init_hf / --init_checkpoint, which bring their own)
+  model: str = "tiny"
+  model_overrides: dict = dataclasses.field(default_factory=dict)
+  tokenizer: str = "byte"  # 'byte' or an HF tokenizer dir
+  # phase and data
+  phase: str = "e2e"
+  infill_tasks: str = ""  # DICE kernel_infilling_*.json
+  e2e_tasks: str = ""  # DICE end_to_end_kernel_generation_4000.json (or {id, pytorch_code} rows)
+  task_default_level: int = 1  # for task files without levels
+  schedule: str = "sequential"  # DICE's file order; sequential_by_stage sorts by curriculum stage
+  stream: RLStreamConfig = RLStreamConfig(group_size=16, tasks_per_step=64, num_steps=100)
+  max_prompt_len: int = 1500  # tokens; longer prompts are skipped (and counted)
+  prompt_tail_chars: int = 0  # tiny CPU runs: keep the user message's last N characters
+  # rollout and reward
+  sampler: SamplerConfig = DICE_SAMPLER
+  groups_per_batch: int = 8  # groups per sampler call (x group_size rows)
+  code_extraction: str = "dice"  # rollout.EXTRACTIONS
+  judge: str = "verifier"  # or "python:package.module:function" (tests, toy rewards)
+  reward: str = "binary"
+  reward_options: dict = dataclasses.field(default_factory=dict)
+  advantage: str = "group_zscore"
+  verifier: VerifierConfig = VerifierConfig()
+  # policy update
+  tracerl: TraceRLConfig = TraceRLConfig(layout="packed")
+  optim: OptimizerConfig = DICE_OPTIMIZER
+  rows_per_update: int = 256  # TraceRL rows (responses when packed) per optimizer step
+  accum_steps: int = 1  # micro-batches per optimizer step
+  length_multiple: int = 128  # row lengths are bucketed in these units (few compiles)
+  seed: int = 10086
+  # mesh (-1 fills)
+  mesh_data: int = 1
+  mesh_fsdp: int = -1
+  mesh_tensor: int = 1
+  shard_tolerance: float = 0.02
+  # bookkeeping
+  checkpoint_every: int = 1  # RL steps
+  checkpoint_keep: int = 3
+  async_checkpoint: bool = True
+  samples_per_step: int = 4  # responses written to samples.jsonl per RL step
+
+  def __post_init__(self):
+    def need(cond, msg):
+      if not cond:
+        raise ValueError(f"RLConfig: {msg}")
+
+    need(self.phase in PHASES, f"phase must be one of {PHASES}, got {self.phase!r}")
+    need(self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+    need(
+      self.code_extraction in EXTRACTIONS,
+      f"code_extraction must be one of {EXTRACTIONS}, got {self.code_extraction!r}",
+    )
+    need(
+      self.advantage in advantages_lib.ADVANTAGES,
+      f"advantage must be one of {sorted(advantages_lib.ADVANTAGES)}, got {self.advantage!r}",
+    )
+    need(isinstance(self.reward_options, dict), "reward_options must be a dict")
+    try:
+      rewards_lib.make_reward(self.reward, **self.reward_options)
+    except ValueError as e:
+      raise ValueError(f"RLConfig.reward: {e}") from None
+    need(
+      self.judge == "verifier" or self.judge.startswith("python:"),
+      f"judge must be 'verifier' or 'python:package.module:function', got {self.judge!r}",
+    )
+    need(isinstance(self.model_overrides, dict), "model_overrides must be a dict")
+    for name, kind in (
+      ("stream", RLStreamConfig),
+      ("sampler", SamplerConfig),
+      ("tracerl", TraceRLConfig),
+      ("optim", OptimizerConfig),
+      ("verifier", VerifierConfig),
+    ):
+      need(isinstance(getattr(self, name), kind), f"{name} must be a {kind.__name__}")
+    for name in (
+      "groups_per_batch",
+      "rows_per_update",
+      "accum_steps",
+      "length_multiple",
+      "checkpoint_every",
+      "checkpoint_keep",
+    ):
+      v = getattr(self, name)
+      need(isinstance(v, int) and v >= 1, f"{name} must be a positive int, got {v!r}")
+    for name in ("max_prompt_len", "prompt_tail_chars", "samples_per_step"):
+      v = getattr(self, name)
+      need(isinstance(v, int) and v >= 0, f"{name} must be an int >= 0, got {v!r}")
+    need(
+      self.rows_per_update % self.accum_steps == 0,
+      f"rows_per_update ({self.rows_per_update}) must be a multiple of accum_steps "
+      f"({self.accum_steps})",
+    )
+    for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
+      v = getattr(self, name)
+      need(isinstance(v, int) and (v >= 1 or v == -1), f"{name} must be >= 1 or -1, got {v!r}")
+    s = self.sampler
+    need(s.return_logprobs, "sampler.return_logprobs must be True (TraceRL checks log-probs)")
+    need(
+      s.block_alignment == "response",
+      f"sampler.block_alignment must be 'response' (TraceRL's block grid), got "
+      f"{s.block_alignment!r}",
+    )
+    need(self.stream.group_size >= 2, "stream.group_size must be >= 2 (advantages are per group)")
+    if self.reward in rewards_lib.NEEDS_TIMING:
+      need(
+        bool(self.verifier.options.get("measure_performance")),
+        f"reward {self.reward!r} needs verifier.options.measure_performance=True",
+      )
+
+  @property
+  def tasks_path(self) -> str:
+    return self.infill_tasks if self.phase == "infill" else self.e2e_tasks
+
+  @property
+  def num_steps(self) -> int:
+    return self.stream.num_steps
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: dict) -> "RLConfig":
+    d = dict(d)
+    d["stream"] = RLStreamConfig(**d["stream"])
+    sampler = dict(d["sampler"])
+    sampler["stop_ids"] = tuple(sampler.get("stop_ids", ()))
+    d["sampler"] = SamplerConfig(**sampler)
+    d["tracerl"] = TraceRLConfig(**d["tracerl"])
+    d["optim"] = OptimizerConfig(**d["optim"])
+    v = dict(d["verifier"])
+    v["retry"] = RetryPolicy(**v["retry"])
+    d["verifier"] = VerifierConfig(**v)
+    return cls(**d)
+
+
+def dice_phase_config(phase: str, model: str, **overrides: Any) -> RLConfig:
+  """DICE's numbers for `phase` and model preset (reference §1.7 table; `max_active` is the
+  rollout engine's concurrency and has no counterpart here: `groups_per_batch` plays its part)."""
+  if phase not in PHASES:
+    raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+  steps = 20 if phase == "infill" else 100
+  base = dict(
+    model=model,
+    phase=phase,
+    stream=RLStreamConfig(group_size=16, tasks_per_step=64, num_steps=steps, prompt_style="dice"),
+    max_prompt_len=2000 if phase == "infill" else 1500,
+  )
+  base.update(overrides)
+  return RLConfig(**base)

@@ -1,0 +1,571 @@
+"""The BiC-RL loop (reference §1.7 "Loop per RL step"): sample -> verify -> learn, with exact resume.
+
+Per RL step s:
+  1. the step's tasks from the RL stream (DICE's sequential file order by default), G per group;
+  2. rollout: the block sampler on every group, each group judged as soon as it is sampled;
+  3. rewards -> group advantages (equal-reward groups dropped);
+  4. TraceRL mini-batches of `rows_per_update` rows; the old log-probs of every mini-batch with
+     the rollout parameters, before any update; one optimizer step per mini-batch (one epoch);
+  5. metrics, samples, and an orbax checkpoint at the step boundary.
+
+Resume is exact: the checkpoint holds params, optimizer state, the optimizer-step counter, the
+RL-stream iterator state taken after the step's tasks were drawn and the RL step; sampling keys
+are (seed, RL step, group) and mini-batch shuffles are seeded by (seed, RL step), so a restarted
+run draws the same tasks, samples the same tokens (same judge verdicts) and gets the same losses.
+SIGTERM finishes the current step, saves and stops.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import signal
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from dice_jax.data import rl_stream
+from dice_jax.data import tasks as tasks_lib
+from dice_jax.data.curriculum import SequentialSchedule
+from dice_jax.model.config import ModelConfig, get_config
+from dice_jax.model.transformer import Transformer
+from dice_jax.rl import advantages as advantages_lib
+from dice_jax.rl import rewards as rewards_lib
+from dice_jax.rl import rollout as rollout_lib
+from dice_jax.rl import tracerl
+from dice_jax.rl.config import RLConfig
+from dice_jax.train import checkpoint as ckpt_lib
+from dice_jax.train import metrics as metrics_lib
+from dice_jax.train import optimizer as optim_lib
+from dice_jax.train import sharding as sharding_lib
+from dice_jax.train import train_step as ts
+
+MODEL_CONFIG = "model_config.json"  # the same file the SFT loop writes: run dirs are alike
+
+
+class _Preemption:
+  """Set by SIGTERM (finish the step, save, stop); restores the previous handler on exit."""
+
+  def __init__(self):
+    self.set, self._prev = False, None
+
+  def __enter__(self):
+    try:
+      self._prev = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # not the main thread
+      self._prev = None
+    return self
+
+  def _handle(self, signum, frame):
+    logging.warning("SIGTERM: saving a checkpoint at the end of this RL step, then stopping")
+    self.set = True
+
+  def __exit__(self, *exc):
+    if self._prev is not None:
+      signal.signal(signal.SIGTERM, self._prev)
+
+
+# ------------------------------------------------------------------ model, tokenizer, tasks
+def _write_model_config(mcfg: ModelConfig, workdir: str) -> None:
+  os.makedirs(workdir, exist_ok=True)
+  tmp = os.path.join(workdir, MODEL_CONFIG + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump(dataclasses.asdict(mcfg), f, indent=2)
+  os.replace(tmp, os.path.join(workdir, MODEL_CONFIG))
+
+
+def _read_model_config(run_dir: str) -> ModelConfig:
+  path = os.path.join(run_dir, MODEL_CONFIG)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} not found: {run_dir} is not an SFT or RL run directory")
+  with open(path) as f:
+    raw = json.load(f)
+  if isinstance(raw.get("eos_token_id"), list):
+    raw["eos_token_id"] = tuple(raw["eos_token_id"])
+  return ModelConfig(**raw)
+
+
+def abstract_train_state(mcfg: ModelConfig, tx, mesh):
+  """(graphdef, train-state target of ShapeDtypeStructs with shardings, shardings), allocating
+  nothing: what an orbax restore fills."""
+  graphdef, abs_params = nnx.split(
+    nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))), nnx.Param
+  )
+  p_sh = ts.param_shardings(abs_params, mesh)
+  shapes = {
+    "params": jax.tree.map(
+      lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), abs_params.to_pure_dict()
+    )
+  }
+  shardings = ts.state_shardings(tx, shapes["params"], p_sh, mesh)
+  shapes["opt_state"] = jax.eval_shape(tx.init, shapes["params"])
+  shapes["step"] = jax.ShapeDtypeStruct((), np.int32)
+  return graphdef, ts.abstract_state(shapes, shardings), shardings
+
+
+def restore_run_params(run_dir: str, mesh, step: int | None = None):
+  """(model, model config, tokenizer dir or None) from an SFT or RL run's checkpoint (default: its
+  latest): `--init_checkpoint` (phase 2 starts from phase 1; phase 1 from SFT)."""
+  mcfg = _read_model_config(run_dir)
+  ckpt = ckpt_lib.Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=1, async_save=False)
+  try:
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint under {run_dir}/checkpoints")
+    saved = ckpt.restore_config(step)
+    tx = optim_lib.make_optimizer(optim_lib.OptimizerConfig(**saved["optim"]), 1)
+    graphdef, target, _ = abstract_train_state(mcfg, tx, mesh)
+    state, _, _ = ckpt.restore(target, step)
+  finally:
+    ckpt.close()
+  tok_dir = os.path.join(run_dir, "tokenizer")
+  if not os.path.isdir(tok_dir):
+    tok_dir = saved.get("tokenizer") if saved.get("tokenizer") not in (None, "", "byte") else None
+  logging.info("initialised from %s step %d", run_dir, step)
+  return nnx.merge(graphdef, state["params"]), mcfg, tok_dir
+
+
+def load_tokenizer(cfg: RLConfig, workdir: str, inherited: str | None):
+  """(tokenizer, dir): the init run's tokenizer when it has one, else `cfg.tokenizer` ('byte'
+  writes the byte tokenizer into the workdir, as SFT does)."""
+  from dice_jax.data.tokenizer import Tokenizer
+  from dice_jax.train import sft_data
+
+  path = inherited or cfg.tokenizer
+  if path == "byte":
+    path = sft_data.write_byte_tokenizer(os.path.join(workdir, "tokenizer"))
+  elif inherited and os.path.abspath(path) != os.path.abspath(os.path.join(workdir, "tokenizer")):
+    Tokenizer.from_dir(path).save(os.path.join(workdir, "tokenizer"))
+  return Tokenizer.from_dir(path), path
+
+
+def build_model(
+  cfg: RLConfig, mesh, workdir: str, init_hf: str | None, init_checkpoint: str | None
+):
+  """(model, model config, inherited tokenizer dir or None)."""
+  if init_checkpoint:
+    return restore_run_params(init_checkpoint, mesh)
+  overrides = dict(cfg.model_overrides)
+  if init_hf:
+    from dice_jax.hf.checkpoint import import_hf
+
+    model, mcfg = import_hf(init_hf, mesh, **overrides)
+    has_tok = os.path.exists(os.path.join(init_hf, "tokenizer_config.json"))
+    return model, mcfg, init_hf if has_tok else None
+  if cfg.tokenizer == "byte":
+    from dice_jax.train import sft_data
+
+    overrides = {**sft_data.byte_model_overrides(), **overrides}
+  mcfg = get_config(cfg.model, **overrides)
+  model = sharding_lib.create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), mesh)
+  return model, mcfg, None
+
+
+def load_tasks(cfg: RLConfig) -> list[tasks_lib.KernelTask]:
+  path = cfg.tasks_path
+  if not path:
+    key = "infill_tasks" if cfg.phase == "infill" else "e2e_tasks"
+    raise ValueError(f"phase {cfg.phase!r} needs a task file: pass --set={key}=FILE")
+  if cfg.phase == "infill":
+    tasks, _ = tasks_lib.load_infilling_tasks(path, default_level=cfg.task_default_level)
+  else:
+    tasks, _ = tasks_lib.load_e2e_tasks(path, default_level=cfg.task_default_level)
+  if not tasks:
+    raise ValueError(f"{path}: no tasks")
+  return tasks
+
+
+def sampling_params(params, dtype):
+  """Matrices cast to the compute dtype for the sampler (decoding is bound by weight reads);
+  vectors (norm scales) stay as they are."""
+  cast = lambda x: x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
+  return jax.tree.map(cast, params)
+
+
+# ------------------------------------------------------------------ metrics of one step
+def rollout_metrics(ro: rollout_lib.Rollout) -> dict:
+  n = max(len(ro.outcomes), 1)
+  passed = [rewards_lib.passed(o) for o in ro.outcomes]
+  kinds = collections.Counter(o.failure_kind for o in ro.outcomes)
+  m = {
+    "samples": float(len(ro.outcomes)),
+    "reward_mean": float(ro.rewards.mean()) if ro.rewards.size else 0.0,
+    "correct_rate": sum(passed) / n,
+    "compiled_rate": sum(o.compiled for o in ro.outcomes) / n,
+    "deceptive_rate": sum(o.deceptive for o in ro.outcomes) / n,
+    "response_tokens_mean": float(np.mean([t.trained_tokens for t in ro.trajectories]))
+    if ro.trajectories
+    else 0.0,
+    "tokens_per_forward": ro.generated_tokens / max(ro.steps_used, 1),
+    "sampler_forwards": float(ro.forwards),
+    "judge_requests": float(ro.judge_requests),
+    "groups_skipped": float(ro.groups_skipped),
+    "time/sample_s": ro.sample_s,
+    "time/verify_wait_s": ro.verify_wait_s,
+  }
+  for kind, c in kinds.items():
+    if kind != "ok":
+      m[f"failure/{kind}"] = c / n
+  speedups = np.asarray([o.speedup for o, p in zip(ro.outcomes, passed) if p and o.speedup > 0])
+  if speedups.size:
+    m.update(
+      speedup_p10=float(np.percentile(speedups, 10)),
+      speedup_p50=float(np.median(speedups)),
+      speedup_p90=float(np.percentile(speedups, 90)),
+      speedup_geomean=float(np.exp(np.log(speedups).mean())),
+      speedup_timed=float(speedups.size),
+    )
+  return m
+
+
+def _fingerprint(parts) -> float:
+  crc = 0
+  for p in parts:
+    crc = zlib.crc32(np.ascontiguousarray(p).tobytes() if isinstance(p, np.ndarray) else p, crc)
+  return float(crc)
+
+
+class _UpdateStats:
+  """Sums of the train step's metric sums over one RL step's optimizer steps."""
+
+  def __init__(self):
+    self.sums = collections.Counter()
+    self.losses: list[float] = []
+    self.grad_norms: list[float] = []
+    self.ratio_max = 0.0
+
+  def add(self, m: dict) -> None:
+    self.losses.append(m["loss"])
+    self.grad_norms.append(m["grad_norm"])
+    self.ratio_max = max(self.ratio_max, m.get("ratio_max", 0.0))
+    for k in ("pg_sum", "kl_sum", "clipped_tokens", "entropy_sum", "ratio_sum", "trained_tokens"):
+      self.sums[k] += m.get(k, 0.0)
+    self.sums["rounds"] += m.get("rounds", 0.0)
+
+  def metrics(self) -> dict:
+    tok = max(self.sums["trained_tokens"], 1.0)
+    out = {"updates": float(len(self.losses)), "trained_tokens": self.sums["trained_tokens"]}
+    if self.losses:
+      out.update(
+        loss=float(np.mean(self.losses)),
+        loss_first=self.losses[0],
+        loss_last=self.losses[-1],
+        grad_norm=float(np.mean(self.grad_norms)),
+        kl=self.sums["kl_sum"] / tok,
+        clip_fraction=self.sums["clipped_tokens"] / tok,
+        entropy=self.sums["entropy_sum"] / tok,
+        ratio_mean=self.sums["ratio_sum"] / tok,
+        ratio_max=self.ratio_max,
+        trace_rounds=self.sums["rounds"],
+      )
+    return out
+
+
+def progress_line(step: int, total: int, m: dict) -> str:
+  parts = [
+    f"rl step {step}/{total}",
+    f"reward {m['reward_mean']:.3f}",
+    f"correct {m['correct_rate']:.3f} compiled {m['compiled_rate']:.3f}",
+    f"groups kept {int(m['groups'] - m['groups_dropped'])}/{int(m['groups'])}",
+    f"updates {int(m['updates'])}",
+  ]
+  if m.get("updates"):
+    parts.append(f"loss {m['loss']:.4g} kl {m['kl']:.2e} clip {m['clip_fraction']:.3f}")
+  parts.append(
+    f"time sample {m['time/sample_s']:.1f}s verify-wait {m['time/verify_wait_s']:.1f}s "
+    f"update {m['time/update_s']:.1f}s"
+  )
+  return " | ".join(parts)
+
+
+# ------------------------------------------------------------------ the loop
+def make_judge(cfg: RLConfig, endpoints: list[str] | None):
+  if cfg.judge != "verifier":
+    return rollout_lib.load_function_judge(cfg.judge)
+  from dice_jax.verifier_client import VerifierClient
+
+  if not endpoints:
+    raise ValueError("judge 'verifier' needs verifier endpoints (--verifier=HOST:PORT or local)")
+  client = VerifierClient(endpoints, options=cfg.verifier.options, retry=cfg.verifier.retry)
+  client.wait_ready(cfg.verifier.ready_timeout_s)
+  return client
+
+
+def run_rl(
+  cfg: RLConfig,
+  workdir: str,
+  *,
+  endpoints: list[str] | None = None,
+  init_hf: str | None = None,
+  init_checkpoint: str | None = None,
+  max_steps: int | None = None,
+) -> dict:
+  """Runs RL steps up to `cfg.num_steps` (or `max_steps` more), resuming from `workdir`."""
+  os.makedirs(workdir, exist_ok=True)
+  mesh = sharding_lib.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
+  ckpt = ckpt_lib.Checkpointer(
+    os.path.join(workdir, "checkpoints"),
+    save_every=cfg.checkpoint_every,
+    keep=cfg.checkpoint_keep,
+    async_save=cfg.async_checkpoint,
+  )
+  resuming = ckpt.latest_step() is not None
+  if resuming:
+    mcfg = _read_model_config(workdir)
+    tok, _ = load_tokenizer(cfg, workdir, _existing_dir(os.path.join(workdir, "tokenizer")))
+  else:
+    model, mcfg, inherited = build_model(cfg, mesh, workdir, init_hf, init_checkpoint)
+    tok, _ = load_tokenizer(cfg, workdir, inherited)
+    if jax.process_index() == 0:
+      _write_model_config(mcfg, workdir)
+  if cfg.sampler.block_size != mcfg.block_size:
+    raise ValueError(
+      f"RLConfig.sampler.block_size {cfg.sampler.block_size} != the model's {mcfg.block_size}"
+    )
+  scfg = dataclasses.replace(
+    cfg.sampler,
+    stop_ids=cfg.sampler.stop_ids or tuple(tok.stop_token_ids),
+    pad_id=mcfg.pad_token_id if mcfg.pad_token_id is not None else tok.pad_token_id,
+  )
+  logging.info(
+    "model %.2fM params (block %d, %s), mesh %s",
+    mcfg.num_params() / 1e6,
+    mcfg.block_size,
+    mcfg.dtype,
+    dict(mesh.shape),
+  )
+
+  updates_per_step = -(-cfg.stream.elements_per_step // cfg.rows_per_update)
+  schedule = optim_lib.make_schedule(cfg.optim, cfg.num_steps * updates_per_step)
+  tx = optim_lib.make_optimizer(cfg.optim, cfg.num_steps * updates_per_step)
+  if resuming:
+    graphdef, target, shardings = abstract_train_state(mcfg, tx, mesh)
+  else:
+    graphdef, state, shardings = ts.init_train_state(model, tx, mesh, tolerance=cfg.shard_tolerance)
+    del model
+
+  tasks = load_tasks(cfg)
+  sched = SequentialSchedule(sort_by_stage=cfg.schedule == "sequential_by_stage")
+  it = iter(rl_stream.make_rl_stream(tasks, tok, cfg.stream, sched))
+  start = 0
+  if resuming:
+    state, data, _ = ckpt.restore(target)
+    it.set_state(data["iterator"])
+    start = int(data["rl_step"])
+  end = cfg.num_steps if max_steps is None else min(cfg.num_steps, start + max_steps)
+  logging.info(
+    "BiC-RL phase %s: %d tasks from %s, RL steps %d -> %d (of %d), %d x %d samples per step",
+    cfg.phase,
+    len(tasks),
+    cfg.tasks_path,
+    start,
+    end,
+    cfg.num_steps,
+    cfg.stream.local_tasks_per_step,
+    cfg.stream.group_size,
+  )
+
+  loss_fn = lambda model, batch, rng: tracerl.tracerl_loss(model, batch, rng, cfg.tracerl)
+  step_fn = ts.jit_train_step(
+    ts.make_train_step(
+      graphdef,
+      tx,
+      loss_fn,
+      accum_steps=cfg.accum_steps,
+      schedule=schedule,
+      means=tracerl.METRIC_MEANS,
+    ),
+    shardings,
+    mesh,
+    cfg.accum_steps,
+  )
+  old_logp_fn = tracerl.jit_token_logprobs(
+    graphdef, shardings["params"], mesh, cfg.accum_steps, chunk=cfg.tracerl.logit_chunk
+  )
+  backend = rollout_lib.StaticBatches(scfg, cfg.groups_per_batch, cfg.seed)
+  reward_fn = rewards_lib.make_reward(cfg.reward, **cfg.reward_options)
+  judge = make_judge(cfg, endpoints)
+  writer = metrics_lib.MetricWriter(workdir)
+  samples_path = os.path.join(workdir, "samples.jsonl")
+  config_json = cfg.to_json()
+  rng = jax.random.key(cfg.seed)
+  last, preempted, done = {}, False, start
+  try:
+    with _Preemption() as stop:
+      for rl_step in range(start, end):
+        t_step = time.perf_counter()
+        elements = rl_stream.next_step(it, cfg.stream)
+        data_state = it.get_state()
+        groups = rollout_lib.groups_from_stream(
+          elements, tokenizer=tok, prompt_tail_chars=cfg.prompt_tail_chars
+        )
+        sample_model = nnx.merge(graphdef, sampling_params(state["params"], mcfg.compute_dtype))
+        with jax.set_mesh(mesh):
+          ro = rollout_lib.collect(
+            sample_model,
+            groups,
+            backend=backend,
+            judge=judge,
+            tokenizer=tok,
+            reward_fn=reward_fn,
+            rl_step=rl_step,
+            extraction=cfg.code_extraction,
+            max_prompt_len=cfg.max_prompt_len,
+          )
+        del sample_model
+        m = rollout_metrics(ro)
+        state, update_m = _learn(cfg, mcfg, ro, state, step_fn, old_logp_fn, mesh, rng, rl_step)
+        m.update(update_m)
+        m["data_fingerprint"] = _fingerprint(
+          [g.task_id.encode() for g in groups] + [g.prompt_ids for g in groups]
+        )
+        m["sample_fingerprint"] = _fingerprint([t.response_ids for t in ro.trajectories])
+        m["optimizer_step"] = float(jax.device_get(state["step"]))
+        m["time/step_s"] = time.perf_counter() - t_step
+        for k, v in m.items():
+          if not np.isfinite(v):
+            raise FloatingPointError(f"RL step {rl_step + 1}: metric {k} is {v}")
+        done = rl_step + 1
+        writer.write(done, m)
+        _write_samples(samples_path, done, ro, cfg.samples_per_step)
+        logging.info(progress_line(done, cfg.num_steps, m))
+        preempted = stop.set or ckpt.reached_preemption(done)
+        ckpt.save(
+          done,
+          state,
+          {"iterator": data_state, "rl_step": done, "seed": cfg.seed},
+          config_json,
+          force=preempted or done == end,
+        )
+        last = m
+        if preempted:
+          logging.warning("pre-empted after RL step %d: checkpoint saved, stopping", done)
+          break
+  finally:
+    ckpt.wait()
+    ckpt.close()
+    writer.close()
+    if hasattr(judge, "close"):
+      judge.close()
+  if jax.process_index() == 0 and last:
+    plot_rl(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "rl.png"), cfg.phase)
+  return {"rl_step": done, "preempted": preempted, **last}
+
+
+def _existing_dir(path: str) -> str | None:
+  return path if os.path.isdir(path) else None
+
+
+def _learn(cfg: RLConfig, mcfg, ro, state, step_fn, old_logp_fn, mesh, rng, rl_step):
+  """Advantages -> TraceRL mini-batches -> old log-probs for all -> one update per mini-batch."""
+  t0 = time.perf_counter()
+  adv = advantages_lib.compute(
+    cfg.advantage, ro.rewards, np.asarray([t.group for t in ro.trajectories], np.int64)
+  )
+  kept = []
+  for traj, a, keep in zip(ro.trajectories, adv.values, adv.keep):
+    traj.advantage = float(a)
+    if keep:
+      kept.append(traj)
+  batches = tracerl.build_batches(
+    kept,
+    cfg.tracerl,
+    block_size=mcfg.block_size,
+    mask_token_id=mcfg.mask_token_id,
+    rows_per_batch=cfg.rows_per_update,
+    pad_id=mcfg.pad_token_id or 0,
+    length_multiple=cfg.length_multiple,
+    rng=np.random.default_rng([cfg.seed, rl_step]),
+  )
+  sharded = [ts.shard_batch(b, mesh, cfg.accum_steps) for b in batches]
+  gap_sum, gap_n = 0.0, 0.0
+  for host, b in zip(batches, sharded):  # old log-probs with the rollout parameters, for all first
+    b["old_logp"] = old_logp_fn(state["params"], b)
+    old = np.asarray(jax.device_get(b["old_logp"])).reshape(host["p_mask"].shape)
+    mask = host["p_mask"]
+    gap_sum += float(np.abs(old - host["sampler_logp"])[mask].sum())
+    gap_n += float(mask.sum())
+  t_old = time.perf_counter() - t0
+  stats = _UpdateStats()
+  for b in sharded:
+    state, m = step_fn(state, b, rng)
+    stats.add({k: float(v) for k, v in jax.device_get(m).items()})
+  out = stats.metrics()
+  out.update(
+    {
+      "groups": float(adv.groups),
+      "groups_dropped": float(adv.dropped_groups),
+      "rows": float(sum(int((b["traj_index"] >= 0).sum()) for b in batches)),
+      "sampler_logp_gap": gap_sum / max(gap_n, 1.0),
+      "time/old_logp_s": t_old,
+      "time/update_s": time.perf_counter() - t0,
+    }
+  )
+  return state, out
+
+
+def _write_samples(path: str, step: int, ro, n: int) -> None:
+  if not n or jax.process_index() != 0:
+    return
+  with open(path, "a") as f:
+    for i in range(min(n, len(ro.trajectories))):
+      t, o = ro.trajectories[i], ro.outcomes[i]
+      rec = {
+        "step": step,
+        "task_id": t.task_id,
+        "group": t.group,
+        "member": t.member,
+        "reward": float(ro.rewards[i]),
+        "failure_kind": o.failure_kind,
+        "reason": o.reason[:300],
+        "response": ro.responses[i],
+      }
+      f.write(json.dumps(rec) + "\n")
+
+
+def plot_rl(metrics_path: str, png_path: str, phase: str) -> str:
+  """Reward/correctness, KL and clip fraction, and the time split per RL step, as one PNG."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  recs = metrics_lib.read_metrics(metrics_path)
+  steps = np.array(list(recs))
+  get = lambda k: np.array([recs[s].get(k, np.nan) for s in steps], float)  # noqa: E731
+  fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+  for k in ("reward_mean", "correct_rate", "compiled_rate", "deceptive_rate"):
+    axes[0].plot(steps, get(k), marker=".", label=k)
+  axes[0].set_title(f"BiC-RL {phase}: rollout outcomes")
+  axes[0].set_ylim(-0.02, max(1.02, np.nanmax(get("reward_mean")) + 0.05))
+  axes[1].plot(steps, get("kl"), marker=".", label="kl (k3, vs rollout policy)")
+  axes[1].plot(steps, get("clip_fraction"), marker=".", label="clip fraction")
+  axes[1].set_yscale("symlog", linthresh=1e-4)
+  axes[1].set_title("policy update")
+  bottom = np.zeros(len(steps))
+  for k, label in (
+    ("time/sample_s", "sampling"),
+    ("time/verify_wait_s", "waiting for the verifier"),
+    ("time/update_s", "update"),
+  ):
+    v = np.nan_to_num(get(k))
+    axes[2].bar(steps, v, bottom=bottom, label=label)
+    bottom += v
+  axes[2].set_title("time per RL step (s)")
+  for ax in axes:
+    ax.set_xlabel("RL step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  tmp = png_path + ".tmp.png"
+  fig.savefig(tmp, dpi=100)
+  plt.close(fig)
+  os.replace(tmp, png_path)
+  return png_path

@@ -1,0 +1,343 @@
+"""BiC-RL rollout: G samples per task with the block sampler, judged while the next groups sample.
+
+Reference §1.7, steps 1-3 of an RL step: every scheduled task is sampled G times (one group) with
+DICE's decoding (temperature 1.0, block 4, 4 steps, `low_confidence_dynamic` 0.9, up to 4,096 new
+tokens; `RLConfig.sampler`), the first fenced code block of each response is the candidate
+(`extract_candidate`, DICE's `extract_first_code`), and each group goes to the judge (the verifier
+service, or a local function for tests) as soon as it is sampled, so verification overlaps the
+sampling of the next groups. Outcomes are joined back to responses by request id (a content hash:
+equal candidates of a task are judged once).
+
+Two seams:
+* `SamplerBackend` -- how groups are sampled. `StaticBatches` (today) runs `groups_per_batch`
+  groups per `sampler.generate` call with one key per call, derived from (seed, RL step, first
+  group of the call): resumed runs sample the same tokens. A continuous-batching engine with
+  per-request keys drops in behind the same `sample` method.
+* `Judge` -- `submit(task_id, reference, candidate) -> Future[VerifyOutcome]`:
+  `dice_jax.verifier_client.VerifierClient` or `FunctionJudge`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import importlib
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+import jax
+import numpy as np
+from absl import logging
+
+from dice_jax.data import prompts as prompts_lib
+from dice_jax.diffusion import sampler as sampler_lib
+from dice_jax.rl.trajectory import Trajectory, from_sample_output
+from dice_jax.verifier_client import VerifyOutcome, request_id
+
+EXTRACTIONS = ("dice", "first_block", "whole_response")
+NO_CODE = "no_code"  # failure kind of a response without a fenced code block (never sent)
+
+
+# ------------------------------------------------------------------ candidates
+_FENCE = re.compile(r"```(.*?)```", re.DOTALL)
+
+
+def extract_first_code_dice(response: str) -> str | None:
+  """DICE's `extract_first_code(output, ["python", "cpp"])` (sample/sdar_rl_rollout_kernel.py): the
+  first ```...``` span of the stripped text, stripped, then a leading "python" and then a leading
+  "cpp" removed (no newline needed; other tags such as "cuda" stay and fail to run). None when
+  there is no closed fence (DICE sends a placeholder sentence that fails)."""
+  m = _FENCE.search(response.strip())
+  if m is None:
+    return None
+  code = m.group(1).strip()
+  for tag in ("python", "cpp"):
+    if code.startswith(tag):
+      code = code[len(tag) :].strip()
+  return code
+
+
+def extract_candidate(response: str, rule: str) -> str | None:
+  """The candidate source of a response under `rule` (one of `EXTRACTIONS`)."""
+  if rule == "dice":
+    return extract_first_code_dice(response)
+  if rule == "first_block":
+    return prompts_lib.extract_code(response)
+  if rule == "whole_response":
+    return response
+  raise ValueError(f"code extraction must be one of {EXTRACTIONS}, got {rule!r}")
+
+
+# ------------------------------------------------------------------ groups
+@dataclasses.dataclass(frozen=True)
+class GroupTask:
+  """One task to sample `size` times: the unit of sampling, judging and advantages."""
+
+  group: int  # global group number (RL stream's group_index)
+  task_id: str
+  prompt_ids: np.ndarray
+  reference: str  # the PyTorch reference the candidates are judged against
+  size: int
+
+
+def user_message(element: dict) -> str:
+  """The un-templated user message of an RL stream element (end-to-end or infilling)."""
+  if element["kind"] == "infill":
+    return prompts_lib.infilling_user_message(
+      element["reference_code"], element["prefix"], element["suffix"]
+    )
+  return prompts_lib.e2e_user_message(element["reference_code"])
+
+
+def groups_from_stream(
+  elements: Sequence[dict], *, tokenizer=None, prompt_tail_chars: int = 0
+) -> list[GroupTask]:
+  """Groups of consecutive stream elements (`data.rl_stream`: G members share a group_index).
+
+  `prompt_tail_chars > 0` (tiny CPU runs only) keeps the last N characters of the user message
+  and renders it with the tokenizer's chat template, as SFT rows built the same way were."""
+  by_group: dict[int, list[dict]] = {}
+  for e in elements:
+    by_group.setdefault(int(e["group_index"]), []).append(e)
+  out = []
+  for g, members in by_group.items():
+    first = members[0]
+    if any(m["task_id"] != first["task_id"] for m in members):
+      raise ValueError(f"group {g} mixes tasks: {sorted({m['task_id'] for m in members})}")
+    if sorted(m["member_index"] for m in members) != list(range(len(members))):
+      raise ValueError(f"group {g} ({first['task_id']}) is missing members")
+    ids = np.asarray(first["prompt_ids"], np.int32)
+    if prompt_tail_chars:
+      text = prompts_lib.render_user_turn(user_message(first)[-prompt_tail_chars:], tokenizer)
+      ids = np.asarray(tokenizer.encode(text), np.int32)
+    out.append(GroupTask(g, first["task_id"], ids, first["reference_code"], len(members)))
+  return out
+
+
+def rollout_key(seed: int, rl_step: int, group: int) -> jax.Array:
+  """The sampling key of (seed, RL step, group): independent of batching and of restarts."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), rl_step), group)
+
+
+# ------------------------------------------------------------------ sampler backends
+@dataclasses.dataclass
+class SampledGroup:
+  task: GroupTask
+  trajectories: list[Trajectory]
+  call: int  # which sampler call of the step sampled it (groups of one call share the next two)
+  call_forwards: int  # decode forwards of that call
+  steps_used: int  # this group's rows' denoising forwards, summed
+
+
+class SamplerBackend(Protocol):
+  def sample(self, model, groups: Sequence[GroupTask], rl_step: int) -> Iterator[SampledGroup]:
+    """Yields each group as soon as all its members are sampled."""
+    ...
+
+
+class StaticBatches:
+  """`groups_per_batch` groups per `sampler.generate` call, all calls of a step at one prompt width
+  (one compile per width). The last call is padded with copies of its last group (discarded)."""
+
+  def __init__(self, cfg: sampler_lib.SamplerConfig, groups_per_batch: int, seed: int):
+    if groups_per_batch < 1:
+      raise ValueError(f"groups_per_batch must be >= 1, got {groups_per_batch}")
+    if not cfg.return_logprobs:
+      raise ValueError("the rollout needs SamplerConfig.return_logprobs=True")
+    if cfg.block_alignment != "response":
+      raise ValueError("TraceRL trains on the 'response' block grid; the sampler must use it too")
+    self.cfg, self.k, self.seed = cfg, groups_per_batch, seed
+
+  def sample(self, model, groups: Sequence[GroupTask], rl_step: int) -> Iterator[SampledGroup]:
+    if not groups:
+      return
+    width = max(len(g.prompt_ids) for g in groups)
+    for call, start in enumerate(range(0, len(groups), self.k)):
+      chunk = list(groups[start : start + self.k])
+      padded = chunk + [chunk[-1]] * (self.k - len(chunk))
+      prompts = [g.prompt_ids.tolist() for g in padded for _ in range(g.size)]
+      key = rollout_key(self.seed, rl_step, chunk[0].group)
+      out = jax.device_get(sampler_lib.generate(model, prompts, self.cfg, key, prompt_width=width))
+      n_real = sum(g.size for g in chunk)
+      trajs = from_sample_output(out, prompts[:n_real], block_size=self.cfg.block_size)
+      steps = np.asarray(out.steps_used)
+      row = 0
+      for g in chunk:
+        yield SampledGroup(
+          g,
+          trajs[row : row + g.size],
+          call,
+          int(out.forwards),
+          int(steps[row : row + g.size].sum()),
+        )
+        row += g.size
+
+
+# ------------------------------------------------------------------ judges
+class Judge(Protocol):
+  def submit(self, task_id: str, reference: str, candidate: str) -> concurrent.futures.Future:
+    """The future `VerifyOutcome` of one candidate."""
+    ...
+
+
+class FunctionJudge:
+  """Judges with a Python function `fn(task_id, reference, candidate) -> VerifyOutcome | bool`
+  (True: compiled and correct), on one worker thread: for tests and toy rewards."""
+
+  def __init__(self, fn: Callable[[str, str, str], VerifyOutcome | bool]):
+    self.fn = fn
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="judge")
+
+  def _judge(self, task_id: str, reference: str, candidate: str) -> VerifyOutcome:
+    got = self.fn(task_id, reference, candidate)
+    if isinstance(got, VerifyOutcome):
+      return got
+    ok = bool(got)
+    return VerifyOutcome(
+      request_id=request_id(task_id, reference, candidate),
+      task_id=task_id,
+      compiled=ok,
+      correct=ok,
+      deceptive=False,
+      reward=float(ok),
+      failure_kind="ok" if ok else "wrong_output",
+    )
+
+  def submit(self, task_id: str, reference: str, candidate: str) -> concurrent.futures.Future:
+    return self._pool.submit(self._judge, task_id, reference, candidate)
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=True)
+
+
+def load_function_judge(spec: str) -> FunctionJudge:
+  """'python:package.module:function' -> a `FunctionJudge` of that function."""
+  _, _, target = spec.partition("python:")
+  module, _, attr = target.partition(":")
+  if not spec.startswith("python:") or not module or not attr:
+    raise ValueError(f"judge {spec!r}: expected 'verifier' or 'python:package.module:function'")
+  try:
+    fn = getattr(importlib.import_module(module), attr)
+  except (ImportError, AttributeError) as e:
+    raise ValueError(f"judge {spec!r}: cannot load {module}.{attr}: {e}") from None
+  return FunctionJudge(fn)
+
+
+# ------------------------------------------------------------------ one step's rollout
+@dataclasses.dataclass
+class Rollout:
+  """What one RL step sampled and how it was judged; lists are aligned, in group order."""
+
+  trajectories: list[Trajectory]
+  responses: list[str]  # decoded response text (up to the stop id)
+  candidates: list[str | None]  # extracted candidate source (None: no code block)
+  outcomes: list[VerifyOutcome]
+  rewards: np.ndarray  # [N] float32
+  sample_s: float  # wall time of the sampling loop (sampler calls and host-side decoding)
+  verify_wait_s: float  # waiting for verdicts after the last group was sampled
+  judge_requests: int  # unique requests sent to the judge
+  forwards: int  # decode forwards, summed over sampler calls
+  steps_used: int  # per-row denoising forwards, summed over rows
+  generated_tokens: int  # decoded response tokens (whole blocks), summed over rows
+  groups_skipped: int  # groups whose prompt exceeded max_prompt_len
+
+
+def response_text(traj: Trajectory, tokenizer) -> str:
+  """The decoded response up to (without) its first stop id, special tokens dropped."""
+  ids = traj.response_ids[traj.loss_mask]
+  return tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+
+
+def collect(
+  model,
+  groups: Sequence[GroupTask],
+  *,
+  backend: SamplerBackend,
+  judge: Judge,
+  tokenizer,
+  reward_fn: Callable[[VerifyOutcome], float],
+  rl_step: int,
+  extraction: str = "dice",
+  max_prompt_len: int = 0,
+  progress_every_s: float = 30.0,
+) -> Rollout:
+  """Samples every group, judges each group as soon as it is sampled, joins verdicts by request id."""
+  if extraction not in EXTRACTIONS:
+    raise ValueError(f"code extraction must be one of {EXTRACTIONS}, got {extraction!r}")
+  keep = [g for g in groups if not max_prompt_len or len(g.prompt_ids) <= max_prompt_len]
+  if len(keep) < len(groups):
+    logging.warning(
+      "rollout step %d: %d of %d groups skipped: prompt longer than %d tokens",
+      rl_step,
+      len(groups) - len(keep),
+      len(groups),
+      max_prompt_len,
+    )
+  trajs: list[Trajectory] = []
+  texts: list[str] = []
+  cands: list[str | None] = []
+  rids: list[str] = []
+  pending: dict[str, concurrent.futures.Future] = {}
+  local: dict[str, VerifyOutcome] = {}
+  call_forwards: dict[int, int] = {}
+  steps_used = 0
+  t_start = last_log = time.perf_counter()
+  for n_done, sg in enumerate(backend.sample(model, keep, rl_step), 1):
+    task = sg.task
+    for member, traj in enumerate(sg.trajectories):
+      traj.task_id, traj.group, traj.member = task.task_id, task.group, member
+      text = response_text(traj, tokenizer)
+      cand = extract_candidate(text, extraction)
+      if cand is None:
+        rid = request_id(task.task_id, task.reference, "", {"no_code": True})
+        local[rid] = VerifyOutcome(
+          rid, task.task_id, False, False, False, 0.0, NO_CODE, "no fenced code block"
+        )
+      else:
+        rid = request_id(task.task_id, task.reference, cand)
+        if rid not in pending:
+          pending[rid] = judge.submit(task.task_id, task.reference, cand)
+      trajs.append(traj)
+      texts.append(text)
+      cands.append(cand)
+      rids.append(rid)
+    call_forwards[sg.call] = sg.call_forwards
+    steps_used += sg.steps_used
+    now = time.perf_counter()
+    if now - last_log > progress_every_s or n_done == len(keep):
+      ready = sum(f.done() for f in pending.values())
+      logging.info(
+        "rollout step %d: %d/%d groups sampled (%.0f s), verdicts %d/%d",
+        rl_step,
+        n_done,
+        len(keep),
+        now - t_start,
+        ready,
+        len(pending),
+      )
+      last_log = now
+  sample_s = time.perf_counter() - t_start
+  t_wait = time.perf_counter()
+  verdicts = {rid: fut.result() for rid, fut in pending.items()}
+  verify_wait_s = time.perf_counter() - t_wait
+  verdicts.update(local)
+  outcomes = [verdicts[r] for r in rids]
+  for o, t in zip(outcomes, trajs):
+    if o.task_id != t.task_id:
+      raise RuntimeError(f"verdict for task {o.task_id!r} joined to a response of {t.task_id!r}")
+  return Rollout(
+    trajectories=trajs,
+    responses=texts,
+    candidates=cands,
+    outcomes=outcomes,
+    rewards=np.asarray([reward_fn(o) for o in outcomes], np.float32),
+    sample_s=sample_s,
+    verify_wait_s=verify_wait_s,
+    judge_requests=len(pending),
+    forwards=sum(call_forwards.values()),
+    steps_used=steps_used,
+    generated_tokens=int(sum(t.response_ids.size for t in trajs)),
+    groups_skipped=len(groups) - len(keep),
+  )

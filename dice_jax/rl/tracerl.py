@@ -1,0 +1,408 @@
+"""The TraceRL objective on block diffusion (DICE's BiC-RL policy update; reference §1.7, §3.1).
+
+Rows. Each response is replayed from its step map (`diffusion/trace.py`): in round k every block
+trains the tokens of its k-th (shrunk) step group, reading a noisy copy of the block in which the
+tokens of that group and later ones are [MASK] (the exact state the sampler saw), next to the
+prompt and the final earlier blocks. Two layouts give the same loss and gradients:
+
+  per_round  DICE's rows: one row per (response, round), `[prompt | x0 | xt]`; xt covers the whole
+             response (a block with no k-th group keeps its clean tokens there, as in dLLM-RL).
+  packed     one row per response: `[prompt | x0 | noisy blocks of round 1 | of round 2 | ...]`,
+             holding only the (round, block) pairs that train a token, so the prompt and the
+             clean copy are not repeated per round.
+The `trace` attention kind (model/masks.py) makes every noisy block see the prompt, the clean
+earlier blocks and itself, and nothing else. Rounds and (round, block) pairs that train no token
+(only tokens after the first stop id, outside `loss_mask`) are left out of both layouts.
+
+Objective (dLLM-RL `train/rl_sdar.py::forward_process`), per trained token j of a row with
+advantage A, Δ_j = logp_new_j − logp_old_j (log-probs at the same position, no shift):
+
+  ρ_j  = exp(clamp(Δ_j, −c, c))                       c = ratio_clamp = 10
+  pg_j = −min(ρ_j A, clip(ρ_j, 1 − ε, 1 + ε) A)          ε = clip_eps = 0.2
+  kl_j = exp(clamp(−Δ_j, −c, c)) − 1 + Δ_j              (k3, against the rollout policy)
+  L    = Σ_j (pg_j + β kl_j) / D                        β = kl_beta = 0.01
+
+with D = L1 × (rows of the step counted as (response, round) pairs) for `dice` (DICE: per row
+1/L1, L1 the padded max response length of the RL step, mean over rows) or D = trained tokens for
+`tokens`. Both are defined per round, not per row, so the packed layout (one row, R rounds) and
+the per-round layout (R rows) give the same D. `tracerl_loss` returns (Σ_j ..., metrics with D as
+`denominator`) for `train/train_step.make_train_step`, which divides once per optimizer step.
+
+Old log-probs (`logp_old`) come from `token_logprobs` with the pre-update parameters, computed
+once per RL step for every mini-batch before the first update (`jit_token_logprobs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from dice_jax.diffusion import trace
+from dice_jax.model import masks as masks_lib
+from dice_jax.rl.trajectory import Trajectory
+from dice_jax.train import train_step as ts
+
+NORMALIZATIONS = ("dice", "tokens")
+LAYOUTS = ("packed", "per_round")
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceRLConfig:
+  clip_eps: float = 0.2
+  ratio_clamp: float = 10.0
+  kl_beta: float = 0.01
+  normalization: str = "dice"  # "dice" | "tokens"
+  layout: str = "packed"  # "packed" | "per_round"
+  shrink: int = 1
+  logit_chunk: int = 2048  # tokens per chunk of the LM head + log-softmax (bounds [B, T, V])
+
+  def __post_init__(self):
+    if self.normalization not in NORMALIZATIONS:
+      raise ValueError(
+        f"TraceRLConfig.normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}"
+      )
+    if self.layout not in LAYOUTS:
+      raise ValueError(f"TraceRLConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
+    if not isinstance(self.shrink, int) or self.shrink < 1:
+      raise ValueError(f"TraceRLConfig.shrink must be a positive int, got {self.shrink!r}")
+    if not 0.0 <= self.clip_eps < 1.0:
+      raise ValueError(f"TraceRLConfig.clip_eps must be in [0, 1), got {self.clip_eps}")
+    if self.ratio_clamp <= 0 or self.kl_beta < 0:
+      raise ValueError(
+        f"TraceRLConfig: ratio_clamp must be > 0 and kl_beta >= 0, got "
+        f"{self.ratio_clamp}, {self.kl_beta}"
+      )
+    if self.logit_chunk < 1:
+      raise ValueError(f"TraceRLConfig.logit_chunk must be >= 1, got {self.logit_chunk}")
+
+
+METRIC_MEANS = {  # for train_step.make_train_step(means=...)
+  "pg_loss": ("pg_sum", "denominator"),
+  "kl": ("kl_sum", "trained_tokens"),
+  "clip_fraction": ("clipped_tokens", "trained_tokens"),
+  "entropy": ("entropy_sum", "trained_tokens"),
+  "ratio_mean": ("ratio_sum", "trained_tokens"),
+}
+
+# Per-token arrays of a batch ([B, T]) and per-row constants ([B, 1]).
+TOKEN_FIELDS = (
+  "tokens",
+  "positions",
+  "segment_ids",
+  "block_ids",
+  "round_ids",
+  "targets",
+  "p_mask",
+  "advantages",
+  "sampler_logp",
+)
+ROW_FIELDS = ("norm_rounds", "norm_length", "traj_index")
+
+
+# --- rows (host numpy) ---------------------------------------------------------------------------
+
+
+def _clean_part(t: Trajectory, block_size: int) -> dict:
+  """[prompt | x0]: positions from 0, response-aligned blocks (negative in the prompt), round 0."""
+  p, n = t.prompt_ids.size, t.response_ids.size
+  pos = np.arange(p + n, dtype=np.int32)
+  zeros_i, zeros_f = np.zeros(p + n, np.int32), np.zeros(p + n, np.float32)
+  return dict(
+    tokens=np.concatenate([t.prompt_ids, t.response_ids]),
+    positions=pos,
+    block_ids=np.floor_divide(pos - p, block_size).astype(np.int32),
+    round_ids=zeros_i,
+    targets=zeros_i,
+    p_mask=np.zeros(p + n, bool),
+    advantages=zeros_f,
+    sampler_logp=zeros_f,
+  )
+
+
+def _noisy_part(t: Trajectory, rounds, r: int, cols, block_size: int, mask_token_id: int) -> dict:
+  """Noisy tokens of round r at response columns `cols` (whole blocks)."""
+  p = t.prompt_ids.size
+  trained = (rounds[cols] == r) & t.loss_mask[cols]
+  return dict(
+    tokens=trace.noisy_copy(t.response_ids[cols], rounds[cols], r, mask_token_id),
+    positions=(p + cols).astype(np.int32),
+    block_ids=(cols // block_size).astype(np.int32),
+    round_ids=np.full(cols.size, r, np.int32),
+    targets=t.response_ids[cols],
+    p_mask=trained,
+    advantages=np.where(trained, np.float32(t.advantage), 0.0).astype(np.float32),
+    sampler_logp=np.where(trained, t.sampler_logp[cols], 0.0).astype(np.float32),
+  )
+
+
+def _concat(parts: Sequence[dict]) -> dict:
+  return {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+
+
+def trajectory_rows(
+  t: Trajectory, cfg: TraceRLConfig, *, block_size: int, mask_token_id: int
+) -> list[tuple[dict, int]]:
+  """The rows of one response under `cfg.layout`, each with the number of rounds it holds.
+
+  Rounds that train no token are left out; a response with no trained token gives no row.
+  """
+  t.check_grid(block_size)
+  rounds = trace.token_rounds(t.step_map, block_size, cfg.shrink)
+  live = np.unique(rounds[t.loss_mask])
+  if not live.size:
+    return []
+  clean = _clean_part(t, block_size)
+  blocks = np.arange(t.response_ids.size).reshape(-1, block_size)
+  if cfg.layout == "per_round":
+    all_cols = blocks.reshape(-1)
+    return [
+      (_concat([clean, _noisy_part(t, rounds, int(r), all_cols, block_size, mask_token_id)]), 1)
+      for r in live
+    ]
+  parts = [clean]
+  for r in live:
+    for cols in blocks:
+      if np.any((rounds[cols] == r) & t.loss_mask[cols]):
+        parts.append(_noisy_part(t, rounds, int(r), cols, block_size, mask_token_id))
+  return [(_concat(parts), int(live.size))]
+
+
+def bucket_length(n: int, multiple: int) -> int:
+  """`n` rounded up to `multiple` x {1, 2, 3, 4, 6, 8, 12, 16, ...} (two lengths per octave)."""
+  if multiple < 1:
+    raise ValueError(f"length_multiple must be >= 1, got {multiple}")
+  units, size = max(1, -(-n // multiple)), 1
+  while size < units:
+    size = size // 3 * 4 if size % 3 == 0 else max(2, size * 3 // 2)
+  return size * multiple
+
+
+def _pad_batch(rows: list, length: int, pad_id: int, norm_length: float) -> dict:
+  n = len(rows)
+  out = {k: np.zeros((n, length), np.int32) for k in TOKEN_FIELDS}
+  out["tokens"][:] = pad_id
+  out["p_mask"] = np.zeros((n, length), bool)
+  for k in ("advantages", "sampler_logp"):
+    out[k] = np.zeros((n, length), np.float32)
+  out["norm_rounds"] = np.zeros((n, 1), np.float32)
+  out["norm_length"] = np.full((n, 1), norm_length, np.float32)
+  out["traj_index"] = np.full((n, 1), -1, np.int32)
+  for i, row in enumerate(rows):
+    if row is None:
+      continue
+    fields, rounds, index = row
+    m = fields["tokens"].size
+    for k, v in fields.items():
+      out[k][i, :m] = v
+    out["segment_ids"][i, :m] = 1
+    out["norm_rounds"][i, 0] = rounds
+    out["traj_index"][i, 0] = index
+  return out
+
+
+def build_batches(
+  trajs: list[Trajectory],
+  cfg: TraceRLConfig,
+  *,
+  block_size: int,
+  mask_token_id: int,
+  rows_per_batch: int,
+  pad_id: int = 0,
+  length_multiple: int = 128,
+  rng: Optional[np.random.Generator] = None,
+) -> list[dict[str, np.ndarray]]:
+  """Host mini-batches of TraceRL rows, one per optimizer step, for `train_step.shard_batch`.
+
+  `rows_per_batch`: responses per batch (packed) or (response, round) rows (per_round); the last
+  batch is filled with empty rows (segment 0, no rounds). Each batch's length is the longest row
+  rounded up by `bucket_length` (few distinct shapes, few compiles). `rng` shuffles the units
+  (responses or rows) before batching; None keeps their order.
+
+  Batch fields: `[B, T]` tokens, positions, segment_ids (1 / 0 = padding), block_ids, round_ids
+  (0 = prompt / clean, r = noisy copy of round r), targets (the clean token at noisy positions),
+  p_mask (trained positions), advantages (the response's advantage at p_mask), sampler_logp (the
+  rollout's log-prob at p_mask); `[B, 1]` norm_rounds (rounds the row holds), norm_length (L1,
+  the longest response of `trajs`), traj_index (index into `trajs`, -1 for an empty row).
+  The loop adds `old_logp` (`[B, T]`, from `token_logprobs`) before training on a batch.
+  """
+  if rows_per_batch < 1:
+    raise ValueError(f"rows_per_batch must be >= 1, got {rows_per_batch}")
+  units = []
+  for i, t in enumerate(trajs):
+    for fields, rounds in trajectory_rows(
+      t, cfg, block_size=block_size, mask_token_id=mask_token_id
+    ):
+      units.append((fields, rounds, i))
+  if not units:
+    return []
+  if rng is not None:
+    units = [units[i] for i in rng.permutation(len(units))]
+  norm_length = float(max(t.response_ids.size for t in trajs))
+  batches = []
+  for at in range(0, len(units), rows_per_batch):
+    chunk = units[at : at + rows_per_batch]
+    length = bucket_length(max(u[0]["tokens"].size for u in chunk), length_multiple)
+    chunk = chunk + [None] * (rows_per_batch - len(chunk))
+    batches.append(_pad_batch(chunk, length, pad_id, norm_length))
+  return batches
+
+
+# --- log-probs and the objective (jax) -----------------------------------------------------------
+
+
+def trace_spec(batch, block_size: int) -> masks_lib.AttentionSpec:
+  return masks_lib.AttentionSpec.trace(
+    block_size,
+    jnp.asarray(batch["segment_ids"]).astype(jnp.int32),
+    jnp.asarray(batch["block_ids"]).astype(jnp.int32),
+    jnp.asarray(batch["round_ids"]).astype(jnp.int32),
+  )
+
+
+def _target_logprobs(logits_btv, targets_bt, p_mask_bt):
+  """(log p(target), entropy) at p_mask positions, 0 elsewhere; float32."""
+  logits = logits_btv.astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(logits, targets_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  logp = jnp.where(p_mask_bt, picked - lse, 0.0)
+  probs = jax.nn.softmax(jax.lax.stop_gradient(logits), axis=-1)
+  ent = jax.lax.stop_gradient(lse) - jnp.sum(probs * jax.lax.stop_gradient(logits), axis=-1)
+  return logp, jnp.where(p_mask_bt, ent, 0.0)
+
+
+def chunked_target_logprobs(model, hidden_btd, targets_bt, p_mask_bt, chunk: int):
+  """`_target_logprobs(model.logits_from_hidden(h), ...)` one chunk of the sequence at a time.
+
+  Each chunk's logits are recomputed in the backward pass (jax.checkpoint), so the peak is one
+  `[B, chunk, V]`; chunks without a trained position (the prompt and clean copy) are skipped.
+  """
+  b, t, _ = hidden_btd.shape
+  if t <= chunk:
+    return _target_logprobs(model.logits_from_hidden(hidden_btd), targets_bt, p_mask_bt)
+  n = -(-t // chunk)
+  pad = n * chunk - t
+
+  def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
+    x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+    return x.reshape(b, n, chunk, *x.shape[2:]).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one(h_c, y_c, m_c):
+    live = lambda: _target_logprobs(model.logits_from_hidden(h_c), y_c, m_c)
+    none = lambda: (jnp.zeros(m_c.shape, jnp.float32), jnp.zeros(m_c.shape, jnp.float32))
+    return jax.lax.cond(jnp.any(m_c), live, none)
+
+  _, (logp, ent) = jax.lax.scan(
+    lambda c, xs: (c, one(*xs)), None, (split(hidden_btd), split(targets_bt), split(p_mask_bt))
+  )
+  merge = lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+  return merge(logp), merge(ent)
+
+
+def _logprobs_and_entropy(model, batch, chunk: int):
+  tokens = jnp.asarray(batch["tokens"]).astype(jnp.int32)
+  positions = jnp.asarray(batch["positions"]).astype(jnp.int32)
+  p_mask = jnp.asarray(batch["p_mask"]).astype(bool) & (jnp.asarray(batch["segment_ids"]) > 0)
+  spec = trace_spec(batch, model.cfg.block_size)
+  hidden = model(tokens, positions, spec, return_hidden=True)
+  targets = jnp.asarray(batch["targets"]).astype(jnp.int32)
+  logp, ent = chunked_target_logprobs(model, hidden, targets, p_mask, chunk)
+  return logp, ent, p_mask
+
+
+def token_logprobs(model, batch, *, chunk: int = 2048) -> jax.Array:
+  """`[B, T]` log p(target) at trained positions (p_mask), 0 elsewhere; float32."""
+  return _logprobs_and_entropy(model, batch, chunk)[0]
+
+
+def policy_terms(logp_new, logp_old, advantages, p_mask, *, clip_eps: float, ratio_clamp: float):
+  """Per-token PPO-clip and k3 terms (module docstring); zero outside `p_mask`.
+
+  Returns dict of `[B, T]` arrays: pg (−min(ρA, clip(ρ)A)), kl (k3), ratio (ρ, 1 outside
+  p_mask), clipped (bool: the clipped branch is the minimum, so the token has no gradient).
+  """
+  delta = jnp.where(p_mask, logp_new - logp_old, 0.0)
+  ratio = jnp.exp(jnp.clip(delta, -ratio_clamp, ratio_clamp))
+  clipped_ratio = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+  unclipped_obj, clipped_obj = ratio * advantages, clipped_ratio * advantages
+  pg = jnp.where(p_mask, -jnp.minimum(unclipped_obj, clipped_obj), 0.0)
+  kl = jnp.where(p_mask, jnp.exp(jnp.clip(-delta, -ratio_clamp, ratio_clamp)) - 1.0 + delta, 0.0)
+  clipped = p_mask & (clipped_obj < unclipped_obj)
+  return dict(pg=pg, kl=kl, ratio=ratio, clipped=clipped)
+
+
+def normalizer(batch, normalization: str, p_mask=None) -> jax.Array:
+  """D of the module docstring for one (micro-)batch: L1 x rounds (`dice`) or trained tokens."""
+  if normalization == "dice":
+    rounds = jnp.asarray(batch["norm_rounds"], jnp.float32)
+    return jnp.sum(rounds * jnp.asarray(batch["norm_length"], jnp.float32))
+  if normalization == "tokens":
+    p_mask = jnp.asarray(batch["p_mask"]) if p_mask is None else p_mask
+    return jnp.sum(p_mask).astype(jnp.float32)
+  raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+
+
+def tracerl_loss(model, batch, rng, cfg: TraceRLConfig) -> tuple[jax.Array, dict]:
+  """(loss_sum, metrics) of one (micro-)batch; the loss is loss_sum / metrics["denominator"].
+
+  `batch["old_logp"]` (from `token_logprobs` with the rollout parameters) must be present.
+  Metrics are sums (exact under accumulation) except `ratio_max`; see `METRIC_MEANS`.
+  """
+  del rng  # the objective is deterministic
+  if "old_logp" not in batch:
+    raise KeyError(
+      "tracerl_loss: batch has no 'old_logp'; compute it with token_logprobs (or "
+      "jit_token_logprobs) before the first update of the RL step"
+    )
+  logp, ent, p_mask = _logprobs_and_entropy(model, batch, cfg.logit_chunk)
+  old = jnp.asarray(batch["old_logp"], jnp.float32)
+  adv = jnp.asarray(batch["advantages"], jnp.float32)
+  terms = policy_terms(logp, old, adv, p_mask, clip_eps=cfg.clip_eps, ratio_clamp=cfg.ratio_clamp)
+  pg_sum, kl_sum = jnp.sum(terms["pg"]), jnp.sum(terms["kl"])
+  loss_sum = pg_sum + cfg.kl_beta * kl_sum
+  sg = jax.lax.stop_gradient
+  ratio = sg(terms["ratio"])
+  metrics = dict(
+    denominator=normalizer(batch, cfg.normalization, p_mask),
+    trained_tokens=jnp.sum(p_mask).astype(jnp.float32),
+    rounds=jnp.sum(jnp.asarray(batch["norm_rounds"], jnp.float32)),
+    pg_sum=sg(pg_sum),
+    kl_sum=sg(kl_sum),
+    clipped_tokens=jnp.sum(terms["clipped"]).astype(jnp.float32),
+    entropy_sum=jnp.sum(ent),
+    ratio_sum=jnp.sum(jnp.where(p_mask, ratio, 0.0)),
+    ratio_max=jnp.max(jnp.where(p_mask, ratio, 0.0)),
+  )
+  return loss_sum, metrics
+
+
+def jit_token_logprobs(graphdef, param_shardings, mesh: Mesh, accum_steps: int = 1, chunk=2048):
+  """`run(params, batch) -> old_logp`, jitted and sharded like the train step's batch.
+
+  `batch` is what `train_step.shard_batch(b, mesh, accum_steps)` returns (`[B, T]`, or
+  `[accum, micro, T]` processed one micro-batch at a time); the result has the same layout, ready
+  to be stored as `batch["old_logp"]`.
+  """
+  batch_sh = ts.batch_shardings(mesh, accum_steps)
+
+  def fn(params, batch):
+    model = nnx.merge(graphdef, params)
+    batch = {k: v for k, v in batch.items() if k != "old_logp"}
+    if accum_steps == 1:
+      return token_logprobs(model, batch, chunk=chunk)
+    return jax.lax.map(lambda mb: token_logprobs(model, mb, chunk=chunk), batch)
+
+  jitted = jax.jit(fn, in_shardings=(param_shardings, batch_sh), out_shardings=batch_sh)
+
+  def run(params, batch):
+    with jax.set_mesh(mesh):
+      return jitted(params, batch)
+
+  run.jitted = jitted
+  return run

@@ -1,0 +1,29 @@
+"""DICE's BiC-RL kernel-infilling phase (reference §1.7 table, `rl_sdar_kernel_infilling-*.yaml`).
+
+20 RL steps x 64 tasks x 16 rollouts of DICE's infilling tasks in file order: the reference, the
+kernel file's prefix and suffix in the prompt, the whole file emitted; prompts up to 2,000 tokens,
+4,096 new tokens, binary reward, AdamW 1e-6 constant, 256 rows per optimizer step. Start from the
+SFT model (`--init_hf=SFT_HF` or `--init_checkpoint=SFT_RUN`); the end-to-end phase then starts
+from this run (`rl_dice_e2e`). DICE's sizes differ only in `max_active` (16 / 32 / 32 for
+1.7B / 4B / 8B), which `groups_per_batch` replaces.
+
+DICE trains on `kernel_infilling_992.json`, which the released snapshot lacks (only the 99-task
+`kernel_infilling_evaluation.json` is there): pass `--set=infill_tasks=FILE`; with the
+evaluation file the 99 tasks are no longer held out.
+"""
+
+import os
+
+from dice_jax.rl.config import dice_phase_config
+
+_SHARED = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared"))
+
+
+def get_config():
+  return dice_phase_config(
+    "infill",
+    "sdar_1p7b",
+    infill_tasks=os.path.join(_SHARED, "data", "dice_rl", "kernel_infilling_992.json"),
+    model_overrides={"dtype": "bfloat16", "param_dtype": "float32", "attention_impl": "flash"},
+    tokenizer=os.path.join(_SHARED, "data", "sdar_chat"),
+  )

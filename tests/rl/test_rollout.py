@@ -1,0 +1,223 @@
+"""Rollout: DICE's candidate extraction, groups from the RL stream, sampling with judging overlapped,
+verdicts joined by request id, keys from (seed, RL step, group)."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from dice_jax.data import prompts
+from dice_jax.data.rl_stream import RLStreamConfig, make_rl_stream, next_step
+from dice_jax.data.tasks import KernelTask
+from dice_jax.data.tokenizer import Tokenizer
+from dice_jax.diffusion.sampler import SamplerConfig
+from dice_jax.model import Transformer, get_config
+from dice_jax.rl import rewards, rollout
+from dice_jax.train import sft_data
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+  return Tokenizer.from_dir(sft_data.write_byte_tokenizer(str(tmp_path_factory.mktemp("tok"))))
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = get_config("tiny", dtype="float32", **sft_data.byte_model_overrides())
+  return Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+def _tasks(n=3):
+  return [
+    KernelTask(f"t{i}", 1, f"class Model:\n    op = {i}\n", kind="e2e", origin="test")
+    for i in range(n)
+  ]
+
+
+def _groups(tok, steps=1, group_size=4, tasks_per_step=3, tail=64):
+  cfg = RLStreamConfig(
+    group_size=group_size, tasks_per_step=tasks_per_step, num_steps=steps, prompt_style="chat"
+  )
+  it = iter(make_rl_stream(_tasks(), tok, cfg))
+  return [
+    rollout.groups_from_stream(next_step(it, cfg), tokenizer=tok, prompt_tail_chars=tail)
+    for _ in range(steps)
+  ]
+
+
+def _sampler(tok, new=16):
+  return SamplerConfig(
+    block_size=4,
+    steps=4,
+    strategy="low_confidence_dynamic",
+    threshold=0.9,
+    temperature=1.0,
+    max_new_tokens=new,
+    stop_ids=tuple(tok.stop_token_ids),
+    return_logprobs=True,
+    pad_id=256,
+  )
+
+
+def test_dice_extraction_matches_extract_first_code():
+  ex = rollout.extract_first_code_dice
+  assert ex("Here:\n```python\nimport torch\nx = 1\n```\nand ```other```") == "import torch\nx = 1"
+  assert ex("```cpp\nint f();\n```") == "int f();"
+  assert ex("```\nplain\n```") == "plain"
+  assert ex("```pythonic = 1```") == "ic = 1"  # DICE strips the tag without looking for a newline
+  assert ex("```cuda\n__global__ void k();\n```") == "cuda\n__global__ void k();"  # stays, fails
+  assert ex("no fence") is None and ex("```python\nunterminated") is None
+  # the prompts module's lenient rule strips more tags (reported, not DICE's behaviour)
+  assert (
+    prompts.extract_code("```py\nx = 1\n```") == "x = 1" and ex("```py\nx = 1\n```") == "py\nx = 1"
+  )
+  assert rollout.extract_candidate("whole text", "whole_response") == "whole text"
+  with pytest.raises(ValueError, match="code extraction must be one of"):
+    rollout.extract_candidate("x", "last_block")
+
+
+def test_groups_from_stream_and_prompt_tail(tok):
+  (groups,) = _groups(tok, tail=40)
+  assert [(g.group, g.task_id, g.size) for g in groups] == [
+    (0, "t0", 4),
+    (1, "t1", 4),
+    (2, "t2", 4),
+  ]
+  msg = prompts.e2e_user_message("class Model:\n    op = 1\n")[-40:]
+  assert tok.decode(groups[1].prompt_ids.tolist()) == prompts.render_user_turn(msg, tok)
+  bad = [
+    {"group_index": 0, "task_id": "a", "member_index": 0, "prompt_ids": [1], "reference_code": ""},
+    {"group_index": 0, "task_id": "b", "member_index": 1, "prompt_ids": [1], "reference_code": ""},
+  ]
+  with pytest.raises(ValueError, match="group 0 mixes tasks"):
+    rollout.groups_from_stream(bad)
+
+
+class _Recorder:
+  """Wraps a backend and a judge function, recording the order of sampler calls and verdicts."""
+
+  def __init__(self, backend):
+    self.backend, self.events, self.lock = backend, [], threading.Lock()
+
+  def sample(self, model, groups, rl_step):
+    for sg in self.backend.sample(model, groups, rl_step):
+      with self.lock:
+        self.events.append(("sampled", sg.task.group))
+      yield sg
+
+  def judge(self, task_id, reference, candidate):
+    with self.lock:
+      self.events.append(("judged", task_id))
+    return sum(candidate.encode()) % 2 == 0  # a deterministic toy verdict with variance
+
+
+def test_collect_judges_each_group_while_the_next_samples_and_joins_by_request_id(tok, model):
+  (groups,) = _groups(tok)
+  rec = _Recorder(rollout.StaticBatches(_sampler(tok), groups_per_batch=1, seed=7))
+  judge = rollout.FunctionJudge(rec.judge)
+  r = rollout.collect(
+    model,
+    groups,
+    backend=rec,
+    judge=judge,
+    tokenizer=tok,
+    reward_fn=rewards.make_reward("binary"),
+    rl_step=0,
+    extraction="whole_response",
+  )
+  judge.close()
+  assert len(r.trajectories) == 12 and r.rewards.shape == (12,)
+  assert [(t.task_id, t.group, t.member) for t in r.trajectories[:5]] == [
+    ("t0", 0, 0),
+    ("t0", 0, 1),
+    ("t0", 0, 2),
+    ("t0", 0, 3),
+    ("t1", 1, 0),
+  ]
+  # a verdict for group 0 was asked for before group 2 was sampled: judging overlaps sampling
+  first_judged = rec.events.index(("judged", "t0"))
+  assert first_judged < rec.events.index(("sampled", 2))
+  expected = [float(sum(c.encode()) % 2 == 0) for c in r.candidates]
+  assert r.rewards.tolist() == expected and 0 < sum(expected) < 12
+  assert [o.task_id for o in r.outcomes] == [t.task_id for t in r.trajectories]
+  assert r.judge_requests == len({(t.task_id, c) for t, c in zip(r.trajectories, r.candidates)})
+  assert r.responses == [rollout.response_text(t, tok) for t in r.trajectories]
+  assert r.generated_tokens == sum(t.response_ids.size for t in r.trajectories)
+  assert r.forwards > 0 and r.steps_used >= r.generated_tokens // 4
+  for t in r.trajectories:
+    t.check_grid(4)
+    assert np.all(t.sampler_logp[t.loss_mask] <= 0) and t.loss_mask.sum() >= 1
+
+
+def test_keys_depend_on_seed_step_and_group_not_on_reruns(tok, model):
+  (groups,) = _groups(tok)
+  backend = rollout.StaticBatches(_sampler(tok), groups_per_batch=3, seed=3)
+
+  def tokens(step, seed_backend=backend):
+    return [
+      t.response_ids.tolist()
+      for sg in seed_backend.sample(model, groups, step)
+      for t in sg.trajectories
+    ]
+
+  a, b, c = tokens(5), tokens(5), tokens(6)
+  assert a == b and a != c
+  other_seed = rollout.StaticBatches(_sampler(tok), groups_per_batch=3, seed=4)
+  assert tokens(5, other_seed) != a
+  k = rollout.rollout_key(3, 5, 0)
+  assert (
+    jax.random.key_data(k).tolist() == jax.random.key_data(rollout.rollout_key(3, 5, 0)).tolist()
+  )
+
+
+def test_no_code_responses_are_failures_without_a_judge_call(tok, model):
+  (groups,) = _groups(tok)
+  calls = []
+  judge = rollout.FunctionJudge(lambda *a: calls.append(a) or True)
+  r = rollout.collect(
+    model,
+    groups[:1],
+    backend=rollout.StaticBatches(_sampler(tok), groups_per_batch=1, seed=0),
+    judge=judge,
+    tokenizer=tok,
+    reward_fn=rewards.make_reward("binary"),
+    rl_step=0,
+    extraction="dice",  # a random byte model never closes a ``` fence
+    max_prompt_len=10_000,
+  )
+  judge.close()
+  assert calls == [] and r.judge_requests == 0
+  assert {o.failure_kind for o in r.outcomes} == {rollout.NO_CODE} and r.rewards.sum() == 0
+
+
+def test_long_prompts_are_skipped_and_counted(tok, model):
+  (groups,) = _groups(tok)
+  r = rollout.collect(
+    model,
+    groups,
+    backend=rollout.StaticBatches(_sampler(tok, new=4), groups_per_batch=2, seed=0),
+    judge=rollout.FunctionJudge(lambda *a: True),
+    tokenizer=tok,
+    reward_fn=rewards.make_reward("binary"),
+    rl_step=0,
+    extraction="whole_response",
+    max_prompt_len=10,
+  )
+  assert r.groups_skipped == 3 and r.trajectories == [] and r.rewards.shape == (0,)
+
+
+def test_static_batches_refuse_settings_traceRL_cannot_train_on(tok):
+  import dataclasses
+
+  with pytest.raises(ValueError, match="return_logprobs"):
+    rollout.StaticBatches(dataclasses.replace(_sampler(tok), return_logprobs=False), 1, 0)
+  with pytest.raises(ValueError, match="response"):
+    rollout.StaticBatches(dataclasses.replace(_sampler(tok), block_alignment="absolute"), 1, 0)
+  with pytest.raises(ValueError, match="python:package.module:function"):
+    rollout.load_function_judge("tests.rl:judge")
+  with pytest.raises(ValueError, match="cannot load"):
+    rollout.load_function_judge("python:no_such_module_here:judge")
