@@ -26,6 +26,7 @@ from dice_jax.data.tasks import (
   load_sft_samples,
 )
 from dice_jax.data.tokenizer import Tokenizer
+from dice_jax.diffusion.blocks import BlockGrid
 
 _SHARED = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -128,7 +129,7 @@ def _sft(tok: Tokenizer) -> None:
     print(_clip(p + r))
   cfg = SFTPipelineConfig(
     seq_len=_SEQ.value,
-    block_size=_BLOCK.value,
+    grid=BlockGrid(_BLOCK.value),
     batch_size=_BATCH.value,
     num_packing_bins=_BINS.value,
     drop_remainder=False,
@@ -146,7 +147,7 @@ def _sft(tok: Tokenizer) -> None:
   if _ROWS.value:
     cfg = SFTPipelineConfig(
       seq_len=_SEQ.value,
-      block_size=_BLOCK.value,
+      grid=BlockGrid(_BLOCK.value),
       batch_size=_BATCH.value,
       num_packing_bins=_BINS.value,
       num_epochs=None,

@@ -9,10 +9,10 @@ shape ``[batch, seq_len]``:
   ``loss_mask``    bool   True on response tokens *including* the pad tokens appended to reach a block multiple
                           (SDAR trains them); False on prompt tokens and on row padding.
 
-SDAR packing (dice_sdar_tracerl.md §2.3): every sample is padded with ``pad_token_id`` to a multiple of
-``block_size``: by default its response (blocks start at the response, the convention of
-``dice_jax.diffusion.blocks``), or with ``block_alignment="absolute"`` the whole sample (SDAR's own grid); prompt labels are ignored; positions
-restart per sample. Samples longer than ``seq_len`` are dropped (DICE: ``cutoff_len: 6144``,
+SDAR packing (dice_sdar_tracerl.md §2.3): every sample is padded with ``pad_token_id`` to whole blocks of
+the config's ``grid`` (``dice_jax.diffusion.blocks.BlockGrid``, the grid the objective uses): its response
+with ``response`` alignment (the default), the whole sample with ``absolute`` (SDAR's own grid); prompt
+labels are ignored; positions restart per sample. Samples longer than ``seq_len`` are dropped (DICE: ``cutoff_len: 6144``,
 ``truncate_mode: drop``), each drop logged with the sample id and counted in ``PackingStats``.
 
 The response text is what the chat template appends after the generation prompt for an assistant turn (for the
@@ -31,6 +31,7 @@ from absl import flags, logging
 from grain.experimental import FirstFitPackIterDataset
 
 from dice_jax.data.prompts import SFTSample
+from dice_jax.diffusion.blocks import BlockGrid
 
 FEATURES = ("tokens", "positions", "segment_ids", "loss_mask")
 
@@ -38,10 +39,7 @@ FEATURES = ("tokens", "positions", "segment_ids", "loss_mask")
 @dataclasses.dataclass(frozen=True)
 class SFTPipelineConfig:
   seq_len: int = 6144
-  block_size: int = 4
-  block_alignment: str = (
-    "response"  # "response" pads each response, "absolute" each sample, to a block multiple
-  )
+  grid: BlockGrid = BlockGrid()  # "response" pads each response, "absolute" each sample
   batch_size: int = 8  # rows per batch on this process
   seed: int = 0
   shuffle: bool = True
@@ -54,9 +52,12 @@ class SFTPipelineConfig:
   drop_remainder: bool = True
 
   def __post_init__(self):
-    if self.block_size < 1 or self.seq_len < self.block_size or self.seq_len % self.block_size:
+    if not isinstance(self.grid, BlockGrid):
+      raise ValueError(f"SFTPipelineConfig.grid must be a BlockGrid, got {self.grid!r}")
+    b = self.grid.size
+    if self.seq_len < b or self.seq_len % b:
       raise ValueError(
-        f"seq_len ({self.seq_len}) must be a positive multiple of block_size ({self.block_size})"
+        f"seq_len ({self.seq_len}) must be a positive multiple of the block size ({b})"
       )
     if self.worker_count < 0:
       raise ValueError(f"worker_count must be >= 0, got {self.worker_count}")
@@ -82,30 +83,17 @@ def sft_texts(sample: SFTSample, tokenizer) -> tuple[str, str]:
   return prompt, full[len(prompt) :]
 
 
-def pad_to_block(n: int, block_size: int) -> int:
-  return -(-n // block_size) * block_size
-
-
 def tokenize_sample(
-  prompt_ids: Sequence[int],
-  response_ids: Sequence[int],
-  block_size: int,
-  pad_id: int,
-  block_alignment: str = "response",
+  prompt_ids: Sequence[int], response_ids: Sequence[int], grid: BlockGrid, pad_id: int
 ) -> dict[str, np.ndarray]:
-  """One SDAR sample: prompt + response + pad to a block multiple; loss on response and the block pad.
+  """One SDAR sample: prompt + response + pad to whole blocks; loss on response and the block pad.
 
-  With ``block_alignment="response"`` (the project's convention, `dice_jax.diffusion.blocks`: blocks
-  start at the response) the *response* is padded to a block multiple, so its last block is whole, as
-  in sampling; with ``"absolute"`` (SDAR's packing) the whole sample is.
+  On a ``response`` grid (the project's convention: blocks start at the response) the *response* is
+  padded to a block multiple, so its last block is whole, as in sampling; on an ``absolute`` grid
+  (SDAR's packing) the whole sample is (``BlockGrid.padded_length``).
   """
   n = len(prompt_ids) + len(response_ids)
-  if block_alignment == "response":
-    total = len(prompt_ids) + pad_to_block(len(response_ids), block_size)
-  elif block_alignment == "absolute":
-    total = pad_to_block(n, block_size)
-  else:
-    raise ValueError(f"block_alignment must be 'response' or 'absolute', got {block_alignment!r}")
+  total = grid.padded_length(len(prompt_ids), len(response_ids))
   tokens = np.full(total, pad_id, np.int32)
   tokens[: len(prompt_ids)] = prompt_ids
   tokens[len(prompt_ids) : n] = response_ids
@@ -138,17 +126,13 @@ class PackingStats:
 
 
 class _Tokenize(grain.transforms.Map):
-  def __init__(self, tokenizer, block_size: int, block_alignment: str = "response"):
-    self.tok, self.block, self.alignment = tokenizer, block_size, block_alignment
+  def __init__(self, tokenizer, grid: BlockGrid):
+    self.tok, self.grid = tokenizer, grid
 
   def map(self, sample: SFTSample) -> dict:
     prompt, response = sft_texts(sample, self.tok)
     out = tokenize_sample(
-      self.tok.encode(prompt),
-      self.tok.encode(response),
-      self.block,
-      self.tok.pad_token_id,
-      self.alignment,
+      self.tok.encode(prompt), self.tok.encode(response), self.grid, self.tok.pad_token_id
     )
     out["sample_id"] = sample.sample_id
     return out
@@ -187,7 +171,7 @@ def make_sft_dataset(
     ds = ds.repeat(cfg.num_epochs)
   if cfg.process_count > 1:
     ds = ds[cfg.process_index :: cfg.process_count]
-  ds = ds.map(_Tokenize(tokenizer, cfg.block_size, cfg.block_alignment))
+  ds = ds.map(_Tokenize(tokenizer, cfg.grid))
   ids = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=64))
 
   per_pass = -(-len(samples) // cfg.process_count)  # samples this process sees per epoch

@@ -1,22 +1,28 @@
-"""The block grid shared by SFT, sampling and RL.
+"""The block grid shared by SFT (objective and packing), sampling, TraceRL rows and evaluation.
 
-Convention (decided for dice-jax; the sampler, the SFT objective and TraceRL all use it):
-  `response` alignment (default): blocks start at the response. A token at position p of a sample
-  whose response starts at position r is in block floor((p - r) / b). Prompt tokens get negative
-  block ids: the prompt is split into blocks counted backwards from the response start. Training
-  therefore reproduces the sampler's exact states (the first response block is all-mask at the
-  start of decoding, as in the sampler).
-  `absolute` alignment: block = p // b (SDAR's `generate.py` / JetEngine; the first decoded block
-  may then hold the prompt's tail). Kept as a switch for checkpoints trained that way.
+One frozen `BlockGrid` (DESIGN.md "One block grid") says how a sequence is cut into blocks of
+`size` tokens. Its `alignment` anchors the cut:
 
-DICE's code uses absolute alignment at rollout and response alignment in TraceRL training
-(reference §1.7 "Block-alignment mismatch", §6.6); we do not copy that mismatch.
+  `response` (default, the training convention): blocks start at the response. A token at position
+  p of a sample whose response starts at position r is in block floor((p - r) / size); prompt
+  tokens get negative ids, the prompt being cut backwards from r. Decoding starts with an all-mask
+  block at r, and SFT / TraceRL see exactly the states the sampler saw.
+  `absolute`: block = p // size (anchor 0). This is SDAR's `generate.py`, its evaluation decoder
+  (`huggingface_bd3.py`) and JetEngine (reference §2.4, §1.7), hence the setting that reproduces
+  SDAR's and DICE's published decoding: the first decoded block may hold the prompt's tail, which
+  stays fixed. SFT packing pads the whole sample, not the response, to whole blocks.
+
+DICE's code decodes on the absolute grid and trains TraceRL on the response grid (reference §1.7
+"Block-alignment mismatch", §6.6); here rollout and training read the same `BlockGrid`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dice_jax.model import masks as masks_lib
 
@@ -26,6 +32,63 @@ BLOCK_ALIGNMENTS = ("response", "absolute")
 def check_alignment(block_alignment: str) -> None:
   if block_alignment not in BLOCK_ALIGNMENTS:
     raise ValueError(f"block_alignment must be one of {BLOCK_ALIGNMENTS}, got {block_alignment!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockGrid:
+  """Block size and alignment (module docstring). Methods work on ints, numpy and jax arrays."""
+
+  size: int = 4
+  alignment: str = "response"
+
+  def __post_init__(self):
+    if not isinstance(self.size, (int, np.integer)) or isinstance(self.size, bool) or self.size < 1:
+      raise ValueError(f"BlockGrid.size must be a positive int, got {self.size!r}")
+    if self.alignment not in BLOCK_ALIGNMENTS:
+      raise ValueError(
+        f"BlockGrid.alignment must be one of {BLOCK_ALIGNMENTS}, got {self.alignment!r}"
+      )
+    object.__setattr__(self, "size", int(self.size))
+
+  def anchor(self, response_start):
+    """Position at which block 0 starts: the response start (`response`) or 0 (`absolute`)."""
+    return response_start if self.alignment == "response" else response_start * 0
+
+  def block_of(self, positions, response_start):
+    """Block id of tokens at `positions` of a sequence whose response starts at `response_start`
+    (broadcasting; numpy in, numpy out; jax in, jax out)."""
+    return (positions - self.anchor(response_start)) // self.size
+
+  def first_block_start(self, prompt_len):
+    """Position of the first block decoding works on: the response start (`response`), or the
+    start of the block holding it (`absolute`; positions before it in that block are prompt)."""
+    if self.alignment == "response":
+      return prompt_len
+    return (prompt_len // self.size) * self.size
+
+  def padded_length(self, prompt_len: int, response_len: int) -> int:
+    """SFT sample length after block padding: the response (`response`) or the whole sample
+    (`absolute`) is padded to whole blocks."""
+    b = self.size
+    if self.alignment == "response":
+      return prompt_len + -(-response_len // b) * b
+    return -(-(prompt_len + response_len) // b) * b
+
+  def token_block_ids(self, positions_bt, segment_ids_bt, loss_mask_bt):
+    """Block id of every token of packed training rows (`[B, T]` int32). The response start of a
+    packed segment is the position of its first loss token (`response_start_per_token`)."""
+    if self.alignment == "absolute":
+      return jnp.floor_divide(positions_bt, self.size).astype(jnp.int32)
+    start = response_start_per_token(positions_bt, segment_ids_bt, loss_mask_bt)
+    return masks_lib.block_ids_from_response_start(positions_bt, start, self.size).astype(jnp.int32)
+
+  def check_model(self, model_cfg, where: str = "BlockGrid") -> None:
+    """Raises unless the model was built for this block size (its `block_size`)."""
+    if model_cfg.block_size != self.size:
+      raise ValueError(
+        f"{where}: block size {self.size} differs from the model's block_size "
+        f"{model_cfg.block_size}; the grid must be the one the model was trained on"
+      )
 
 
 def response_start_per_token(positions_bt, segment_ids_bt, loss_mask_bt):
@@ -52,9 +115,7 @@ def response_start_per_token(positions_bt, segment_ids_bt, loss_mask_bt):
 def block_ids(
   positions_bt, segment_ids_bt, loss_mask_bt, block_size: int, block_alignment: str = "response"
 ):
-  """Block id of every token (`[B, T]` int32) under the chosen alignment (module docstring)."""
-  check_alignment(block_alignment)
-  if block_alignment == "absolute":
-    return jnp.floor_divide(positions_bt, block_size).astype(jnp.int32)
-  start = response_start_per_token(positions_bt, segment_ids_bt, loss_mask_bt)
-  return masks_lib.block_ids_from_response_start(positions_bt, start, block_size).astype(jnp.int32)
+  """`BlockGrid(block_size, block_alignment).token_block_ids(...)` (kept for callers by name)."""
+  return BlockGrid(block_size, block_alignment).token_block_ids(
+    positions_bt, segment_ids_bt, loss_mask_bt
+  )

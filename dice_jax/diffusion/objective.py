@@ -10,8 +10,9 @@ shift). With N_ans = number of answer (loss) tokens of the batch:
 `block_diffusion_loss` returns the sum and N_ans as its denominator (`train_step`'s contract), so
 that gradient accumulation divides once by the N_ans of the whole batch.
 
-Blocks follow `dice_jax.diffusion.blocks` (response alignment by default; the response start of a
-packed segment is its first loss token). Packing-aware: segment ids, positions and the block grid
+Blocks follow `ObjectiveConfig.grid` (`dice_jax.diffusion.blocks.BlockGrid`; response alignment by
+default, the response start of a packed segment being its first loss token); its size must be the
+model's block size. Packing-aware: segment ids, positions and the block grid
 restart per segment; row padding (segment 0) is never attended, masked or counted.
 
 Batch contract (numpy or jax arrays, `[B, T]`): `tokens` int32 (x_0), `positions` int32,
@@ -34,11 +35,16 @@ from dice_jax.model import masks as masks_lib
 class ObjectiveConfig:
   eps: float = 1e-3  # p = (1-eps) t + eps
   per_block_t: bool = False  # BD3-LM: one t per (sample, block) instead of per sample
-  block_alignment: str = "response"  # "response" | "absolute" (see diffusion/blocks.py)
+  grid: blocks_lib.BlockGrid = (
+    blocks_lib.BlockGrid()
+  )  # block size + alignment (diffusion/blocks.py)
   ce_chunk: int = 2048  # tokens per chunk of the LM-head + CE (bounds the [T, V] logits memory)
 
   def __post_init__(self):
-    blocks_lib.check_alignment(self.block_alignment)
+    if isinstance(self.grid, dict):  # from JSON
+      object.__setattr__(self, "grid", blocks_lib.BlockGrid(**self.grid))
+    if not isinstance(self.grid, blocks_lib.BlockGrid):
+      raise ValueError(f"ObjectiveConfig.grid must be a BlockGrid, got {self.grid!r}")
     if not 0.0 < self.eps < 1.0:
       raise ValueError(f"ObjectiveConfig.eps must be in (0, 1), got {self.eps}")
     if self.ce_chunk < 1:
@@ -119,10 +125,8 @@ def block_diffusion_loss(model, batch, rng, cfg: ObjectiveConfig = ObjectiveConf
   segment_ids = jnp.asarray(batch["segment_ids"]).astype(jnp.int32)
   loss_mask = jnp.asarray(batch["loss_mask"]).astype(bool) & (segment_ids > 0)
   mcfg = model.cfg
-
-  block_ids = blocks_lib.block_ids(
-    positions, segment_ids, loss_mask, mcfg.block_size, cfg.block_alignment
-  )
+  cfg.grid.check_model(mcfg, "ObjectiveConfig.grid")
+  block_ids = cfg.grid.token_block_ids(positions, segment_ids, loss_mask)
   masked, p = noising.sample_mask(
     rng, segment_ids, block_ids, loss_mask, eps=cfg.eps, per_block_t=cfg.per_block_t
   )

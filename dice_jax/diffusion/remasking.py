@@ -1,8 +1,16 @@
 """Pure functions of one denoising step: draw candidate tokens, choose which positions to unmask.
 
-Reference §2.4 (SDAR `generate.py`) and §1.7 (JetEngine, as used by DICE/TraceRL rollouts):
-  * candidates: logits -> top-k -> temperature -> top-p -> sample (argmax when temperature = 0);
-    a position's confidence is the probability of its candidate under that filtered distribution.
+Reference §2.4 (SDAR `generate.py`, `huggingface_bd3.py`) and §1.7 (JetEngine, as used by
+DICE/TraceRL rollouts):
+  * candidates: logits -> top-k -> temperature -> top-p -> sample (argmax when temperature = 0).
+    The mask token is never a candidate (its logit is removed first), so no sampler emits [MASK].
+  * a position's confidence (`confidence=`):
+      "filtered"    the candidate's probability under the filtered distribution (top-k / top-p /
+                    temperature, mask removed): JetEngine's rollouts. With top_k = 1 every
+                    confidence is 1 and low_confidence_static becomes left-to-right;
+      "unfiltered"  its probability under softmax(logits / temperature) before any filtering
+                    (temperature 1 when greedy): SDAR's evaluation decoder `huggingface_bd3.py`,
+                    behind DICE's published eval settings (temperature 1, top_k 1, static).
   * per step, `num_transfer[s]` = block // steps, the remainder spread over the earliest steps.
   * strategies:
       sequential              the leftmost k masked positions;
@@ -14,6 +22,8 @@ Reference §2.4 (SDAR `generate.py`) and §1.7 (JetEngine, as used by DICE/Trace
   * at the last allowed step every remaining masked position is unmasked (so a block always
     finishes within `steps` forwards; only `entropy_bounded` can need this).
 Arrays are `[B, N]` over the N positions of the active block; ties break towards the left.
+Randomness: one key for the whole batch, or one key per row (`[B]`), so that a row's draws depend
+on its own key only (the same tokens alone or batched).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 STRATEGIES = ("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded")
+CONFIDENCES = ("filtered", "unfiltered")
 
 
 def transfer_schedule(block_size: int, steps: int) -> np.ndarray:
@@ -48,6 +59,17 @@ def _filtered_logits(logits_bnv, *, temperature: float, top_k: int, top_p: float
   return x
 
 
+def _per_row_keys(key, rows: int) -> bool:
+  """True when `key` holds one PRNG key per row (typed `[B]` or raw `[B, 2]`)."""
+  if key is None:
+    return False
+  typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+  per_row = key.ndim == (1 if typed else 2)
+  if per_row and key.shape[0] != rows:
+    raise ValueError(f"sample_candidates: {key.shape[0]} row keys for {rows} rows of logits")
+  return per_row
+
+
 def sample_candidates(
   key,
   logits_bnv,
@@ -55,34 +77,48 @@ def sample_candidates(
   temperature: float = 0.0,
   top_k: int = 0,
   top_p: float = 1.0,
+  confidence: str = "filtered",
+  mask_token_id: int | None = None,
   want_entropy: bool = False,
   want_logprob: bool = False,
 ):
   """Candidate token per position and its statistics.
 
-  Returns dict: `token` [B,N] int32, `confidence` [B,N] (probability under the filtered
-  distribution), `entropy` [B,N] (of the filtered distribution; zeros unless `want_entropy`),
-  `logprob` [B,N] (log-probability under the unfiltered model distribution, temperature 1; zeros
-  unless `want_logprob`).
+  `key`: one PRNG key, or one per row (`[B]`); unused when greedy. `mask_token_id`: never drawn.
+  Returns dict: `token` [B,N] int32, `confidence` [B,N] (module docstring), `entropy` [B,N] (of
+  the filtered distribution; zeros unless `want_entropy`), `logprob` [B,N] (log-probability under
+  the unfiltered model distribution, temperature 1, mask included: what the trainer computes;
+  zeros unless `want_logprob`).
   """
-  x = _filtered_logits(logits_bnv, temperature=temperature, top_k=top_k, top_p=top_p)
+  if confidence not in CONFIDENCES:
+    raise ValueError(f"confidence must be one of {CONFIDENCES}, got {confidence!r}")
+  raw = logits_bnv.astype(jnp.float32)
+  allowed = raw if mask_token_id is None else raw.at[..., mask_token_id].set(-jnp.inf)
+  x = _filtered_logits(allowed, temperature=temperature, top_k=top_k, top_p=top_p)
   if temperature > 0:
-    token = jax.random.categorical(key, x, axis=-1)
+    if _per_row_keys(key, x.shape[0]):
+      token = jax.vmap(lambda k, xb: jax.random.categorical(k, xb, axis=-1))(key, x)
+    else:
+      token = jax.random.categorical(key, x, axis=-1)
   else:
     token = jnp.argmax(x, axis=-1)
   token = token.astype(jnp.int32)
+  pick = lambda a: jnp.take_along_axis(a, token[..., None], axis=-1)[..., 0]
   lse = jax.nn.logsumexp(x, axis=-1)
-  picked = jnp.take_along_axis(x, token[..., None], axis=-1)[..., 0]
-  out = dict(token=token, confidence=jnp.exp(picked - lse))
+  picked = pick(x)
+  if confidence == "filtered":
+    conf = jnp.exp(picked - lse)
+  else:
+    scaled = raw / temperature if temperature > 0 else raw
+    conf = jnp.exp(pick(scaled) - jax.nn.logsumexp(scaled, axis=-1))
+  out = dict(token=token, confidence=conf)
   if want_entropy:
     logp = x - lse[..., None]
     out["entropy"] = -jnp.sum(jnp.where(jnp.isfinite(logp), jnp.exp(logp) * logp, 0.0), axis=-1)
   else:
     out["entropy"] = jnp.zeros_like(picked)
   if want_logprob:
-    raw = logits_bnv.astype(jnp.float32)
-    raw_picked = jnp.take_along_axis(raw, token[..., None], axis=-1)[..., 0]
-    out["logprob"] = raw_picked - jax.nn.logsumexp(raw, axis=-1)
+    out["logprob"] = pick(raw) - jax.nn.logsumexp(raw, axis=-1)
   else:
     out["logprob"] = jnp.zeros_like(picked)
   return out

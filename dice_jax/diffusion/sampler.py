@@ -3,15 +3,17 @@
 Blocks are decoded in parallel inside and autoregressively across: a block starts all-[MASK]; each
 denoising forward runs the active block against the KV cache of the committed prefix, draws a
 candidate per position and unmasks some of them (`remasking.py`); after at most `steps` forwards
-the block is final and its keys/values are committed.
+the block is final and its keys/values are committed by the next block's first forward (the exact
+cheaper commit of `slots.py`: `steps` forwards per block instead of SDAR's `steps + 1`).
 
-Exact cheaper commit. SDAR/JetEngine spend one extra forward per block to write the final block's
-K/V. Here the commit of block k-1 is fused into block k's first denoising forward: the input is
-[final block k-1 ; all-mask block k] (2b tokens) under the block-causal mask, so block k-1 sees only
-the cache and itself (exactly the commit pass) and block k sees the cache, block k-1 and itself
-(exactly the first denoising pass). Its 2b K/V rows are appended, then the cache length is rolled
-back by b so that block k's provisional rows are overwritten later. Per block this costs `steps`
-forwards (one of 2b tokens) instead of `steps + 1`; the last block needs no commit at all.
+This module is the static API: a batch of prompts in, a `SampleOutput` canvas out, one compiled
+call (`decode` runs `slots.admit` and a `lax.while_loop` of `slots.advance` on device). Rows are
+independent (own positions, cache row, step counter and PRNG key), so a row's tokens and step map
+do not depend on the other rows. `engine.ContinuousSampler` runs the same steps with refills.
+
+Block grid: `SamplerConfig.grid` (`blocks.BlockGrid`; its size must be the model's block size).
+`response` alignment (default) starts blocks at the response, the training convention;
+`absolute` (block = position // b) reproduces SDAR's and DICE's published decoding.
 
 Layout (what `SampleOutput` holds; the RL engineer builds the TraceRL mask from it):
   * Rows are sequences. Columns are a shared canvas of C = P + n_blocks * b slots.
@@ -26,22 +28,26 @@ Layout (what `SampleOutput` holds; the RL engineer builds the TraceRL mask from 
   * `tokens[i, c]`: prompt, then generated tokens; slots never generated (after the row stopped)
     hold `pad_id`. Tokens after the first stop id inside the last decoded block are kept: the
     model saw them. `response_lengths[i]` counts response tokens up to and including the first
-    stop id, capped at max_new_tokens[i].
+    stop id, capped at max_new_tokens[i]. No generated token is ever the mask id.
   * `step_map[i, c]` int32: the per-row denoising step (0, 1, 2, ... counting this row's forwards
     that had masks in its active block, across blocks) at which token (i, c) was unmasked; -1 for
     prompt, padding and never-generated slots. Replay: `state_before_step` in `trace.py`.
   * `logprobs[i, c]`: log-probability of the chosen token under the unfiltered model distribution
-    at the forward that unmasked it (0 where step_map is -1), when `return_logprobs`.
+    (temperature 1, mask included) at the forward that unmasked it (0 where step_map is -1), when
+    `return_logprobs`.
 
-Compilation: one jit per (model graph, config, batch size, prompt width); blocks and steps are
-`lax.while_loop`s, so nothing recompiles per block or step. The cache and the canvas live inside
-the compiled loop (updated in place); the initial canvas passed in is donated to the output.
+Randomness: row i draws from its own key (`keys[i]`, default `fold_in(rng, i)`) folded with its
+step id, so a request decodes the same alone, batched, or in the continuous engine.
+
+Compilation: one jit per (model graph, config, batch size, canvas width); blocks and steps are
+`lax.while_loop`s. The KV cache is created inside the call, exactly once (no copy: the loops
+carry it), and the canvas passed in is donated to the output.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +56,8 @@ from flax import nnx
 
 from dice_jax.diffusion import blocks as blocks_lib
 from dice_jax.diffusion import remasking
-from dice_jax.model import masks as masks_lib
+from dice_jax.diffusion import slots as slots_lib
+from dice_jax.model.flash_decode import DecodeTiles
 from dice_jax.model.kv_cache import KVCache
 
 
@@ -72,9 +79,15 @@ class SamplerConfig:
   return_logprobs: bool = False
   pad_id: int = 0
   prefill_chunk: int = 0  # rows per prefill chunk (bounds prefill attention memory); 0 = all
+  confidence: str = "filtered"  # "filtered" (JetEngine) | "unfiltered" (SDAR eval); remasking.py
+  decode_tiles: DecodeTiles = DecodeTiles()  # flash cache-attention kernel tiling
 
   def __post_init__(self):
     blocks_lib.check_alignment(self.block_alignment)
+    if self.confidence not in remasking.CONFIDENCES:
+      raise ValueError(
+        f"SamplerConfig.confidence must be one of {remasking.CONFIDENCES}, got {self.confidence!r}"
+      )
     if self.strategy not in remasking.STRATEGIES:
       raise ValueError(
         f"SamplerConfig.strategy must be one of {remasking.STRATEGIES}, got {self.strategy!r}"
@@ -89,6 +102,20 @@ class SamplerConfig:
       )
     if not isinstance(self.stop_ids, tuple):
       object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
+
+  @property
+  def grid(self) -> blocks_lib.BlockGrid:
+    """The block grid this config decodes on (size + alignment)."""
+    return blocks_lib.BlockGrid(self.block_size, self.block_alignment)
+
+  @classmethod
+  def on_grid(cls, grid: blocks_lib.BlockGrid, **kw) -> "SamplerConfig":
+    """A config decoding on `grid` (e.g. the training run's `ObjectiveConfig.grid`)."""
+    return cls(block_size=grid.size, block_alignment=grid.alignment, **kw)
+
+  def check_model(self, model_cfg) -> None:
+    """Raises unless the model decodes blocks of this size (its `block_size`)."""
+    self.grid.check_model(model_cfg, "SamplerConfig")
 
 
 @jax.tree_util.register_dataclass
@@ -197,200 +224,112 @@ class SampleOutput:
     return [toks[i, start[i] : start[i] + n[i]].tolist() for i in range(toks.shape[0])]
 
 
-def _slice_cols(x, start, width):
-  return jax.lax.dynamic_slice_in_dim(x, start, width, axis=1)
+def _prompt_rows(layout: Layout, width: int):
+  """(prompts `[B, width]` from column 0, prompt lengths `[B]`) read off the canvas."""
+  n = layout.response_start - layout.pad_columns
+  col = jnp.arange(width, dtype=jnp.int32)[None, :]
+  idx = jnp.clip(layout.pad_columns[:, None] + col, 0, layout.tokens.shape[1] - 1)
+  prompts = jnp.take_along_axis(layout.tokens, idx, axis=1)
+  return jnp.where(col < n[:, None], prompts, 0), n
 
 
-def _prefill(
-  model, layout: Layout, width: int, chunk: int, max_len: int, block_size: int
-) -> KVCache:
-  """Cache holding the first `width` columns, computed `chunk` rows at a time."""
-  cfg = model.cfg
-  rows = layout.tokens.shape[0]
-  chunk = chunk if chunk and rows % chunk == 0 else rows
-  cache = KVCache.empty(cfg, rows, max_len)
-  if width == 0:
-    return cache
-  small_len = -(-width // 16) * 16  # flash_decode tiles the cache in multiples of 16
-  tok, pos = layout.tokens[:, :width], layout.positions[:, :width]
-  seg, blk = layout.segment_ids[:, :width], layout.block_ids[:, :width]
-
-  def one(i, kv):
-    k_all, v_all = kv
-    sl = lambda x: jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=0)
-    spec = masks_lib.AttentionSpec.block_causal(block_size, sl(seg), sl(blk))
-    small = KVCache.empty(cfg, chunk, small_len)
-    _, small = model(sl(tok), sl(pos), spec, cache=small, update_cache=True, return_hidden=True)
-    k_all = jax.lax.dynamic_update_slice(k_all, small.k, (0, i * chunk, 0, 0, 0))
-    v_all = jax.lax.dynamic_update_slice(v_all, small.v, (0, i * chunk, 0, 0, 0))
-    return k_all, v_all
-
-  k, v = jax.lax.fori_loop(0, rows // chunk, one, (cache.k, cache.v))
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, max_len - width)))
-  return KVCache(
-    k=k,
-    v=v,
-    positions=pad(pos),
-    segment_ids=pad(seg),
-    block_ids=pad(blk),
-    length=jnp.asarray(width, jnp.int32),
-  )
+def _prefill_width(model, layout: Layout, cfg: SamplerConfig) -> int:
+  """Static prefill width: every prompt fits (flash prefill tiles by 128). Response alignment:
+  prompts end by column c0; absolute: by c0 + b (c0 may sit inside the last prompt block)."""
+  width = layout.first_block_column + (cfg.block_size if cfg.block_alignment == "absolute" else 0)
+  tile = 128 if model.cfg.attention_impl == "flash" else 8
+  return -(-width // tile) * tile
 
 
-class _Carry(NamedTuple):
-  """Decoding state carried through the block and step loops."""
-
-  canvas: jax.Array  # [B, C] tokens
-  step_map: jax.Array  # [B, C]
-  logp: Optional[jax.Array]  # [B, C] or None
-  steps_used: jax.Array  # [B] per-row denoising forwards so far (the next step id)
-  done: jax.Array  # [B] row stopped
-  key: jax.Array
+def _cache_len(model, cfg: SamplerConfig, total: int, prefill: int) -> int:
+  b = cfg.block_size
+  multiple = cfg.decode_tiles.block_k if model.cfg.attention_impl == "flash" else 16
+  return slots_lib.cache_slots(b, max(total, prefill), 0, multiple)
 
 
-def _decode(graphdef, state, layout: Layout, canvas, rng, *, cfg: SamplerConfig):
+def _decode(graphdef, state, layout: Layout, canvas, keys, *, cfg: SamplerConfig):
   model = nnx.merge(graphdef, state)
-  mcfg = model.cfg
-  b, steps = cfg.block_size, cfg.steps
+  b = cfg.block_size
   rows, total = layout.tokens.shape
-  c0 = layout.first_block_column
-  n_blocks = (total - c0) // b
-  mask_id = mcfg.mask_token_id
-  schedule = jnp.asarray(remasking.transfer_schedule(b, steps))
-  tile = 512 if mcfg.attention_impl == "flash" else 16  # flash_decode: whole cache splits
-  cache_len = -(-total // tile) * tile
-  cache = _prefill(model, layout, c0 - b, cfg.prefill_chunk, cache_len, b)
-  stop_ids = jnp.asarray(cfg.stop_ids if cfg.stop_ids else (-1,), jnp.int32)
-
-  def masked_in_block(carry: _Carry, col):
-    cur = _slice_cols(carry.canvas, col, b)
-    gen = _slice_cols(layout.is_generation, col, b)
-    return cur, (cur == mask_id) & gen & ~carry.done[:, None]
-
-  def denoise(carry: _Carry, logits_bnv, col, s_in_block) -> _Carry:
-    """One denoising update of the active block at `col` from its logits (in-block step s)."""
-    canvas, step_map, logp, steps_used, done, key = carry
-    key, sub = jax.random.split(key)
-    cur, masked = masked_in_block(carry, col)
-    cand = remasking.sample_candidates(
-      sub,
-      logits_bnv,
-      temperature=cfg.temperature,
-      top_k=cfg.top_k,
-      top_p=cfg.top_p,
-      want_entropy=cfg.strategy == "entropy_bounded",
-      want_logprob=cfg.return_logprobs,
-    )
-    k = jnp.broadcast_to(schedule[jnp.minimum(s_in_block, steps - 1)], (rows,))
-    sel = remasking.select_transfer(
-      cfg.strategy,
-      masked,
-      cand["confidence"],
-      cand["entropy"],
-      k,
-      threshold=cfg.threshold,
-      eb_threshold=cfg.eb_threshold,
-      flush=s_in_block >= steps - 1,
-    )
-    had_mask = jnp.any(masked, axis=-1)
-    canvas = jax.lax.dynamic_update_slice_in_dim(
-      canvas, jnp.where(sel, cand["token"], cur), col, axis=1
-    )
-    sm = jnp.where(sel, steps_used[:, None], _slice_cols(step_map, col, b))
-    step_map = jax.lax.dynamic_update_slice_in_dim(step_map, sm, col, axis=1)
-    if logp is not None:
-      lp = jnp.where(sel, cand["logprob"], _slice_cols(logp, col, b))
-      logp = jax.lax.dynamic_update_slice_in_dim(logp, lp, col, axis=1)
-    steps_used = steps_used + had_mask.astype(jnp.int32)
-    return _Carry(canvas, step_map, logp, steps_used, done, key)
-
-  def forward(canvas, cache, col, width, update):
-    """Logits of the last b of `width` columns from `col`, against (and maybe into) the cache."""
-    cols = lambda x: _slice_cols(x, col, width)
-    spec = masks_lib.AttentionSpec.block_causal(b, cols(layout.segment_ids), cols(layout.block_ids))
-    hidden, cache = model(
-      cols(canvas),
-      cols(layout.positions),
-      spec,
-      cache=cache,
-      update_cache=update,
-      return_hidden=True,
-    )
-    return model.logits_from_hidden(hidden[:, -b:]), cache
-
-  def block_body(state_):
-    k_blk, cache, carry, forwards = state_
-    col = c0 + k_blk * b
-    # Step 0: commit block k-1 and denoise block k in one forward of 2b tokens; keep only block
-    # k-1's K/V (block k's provisional rows are overwritten by the next append).
-    logits, cache = forward(carry.canvas, cache, col - b, 2 * b, True)
-    cache = dataclasses.replace(cache, length=cache.length - b)
-    carry = denoise(carry, logits, col, jnp.asarray(0))
-
-    def step_cond(s_state):
-      s, carry_, _ = s_state
-      return (s < steps) & jnp.any(masked_in_block(carry_, col)[1])
-
-    def step_body(s_state):
-      s, carry_, fw = s_state
-      logits_, _ = forward(carry_.canvas, cache, col, b, False)
-      carry_ = denoise(carry_, logits_, col, s)
-      return s + 1, carry_, fw + 1
-
-    _, carry, forwards = jax.lax.while_loop(
-      step_cond, step_body, (jnp.asarray(1), carry, forwards + 1)
-    )
-    # Stop rows that emitted a stop id in this block or reached their token budget.
-    cur = _slice_cols(carry.canvas, col, b)
-    gen = _slice_cols(layout.is_generation, col, b)
-    hit_stop = jnp.any(gen & jnp.isin(cur, stop_ids), axis=-1)
-    budget = (col + b - layout.response_start) >= layout.max_new_tokens
-    carry = carry._replace(done=carry.done | hit_stop | budget)
-    return k_blk + 1, cache, carry, forwards
-
-  def block_cond(state_):
-    k_blk, _, carry, _ = state_
-    return (k_blk < n_blocks) & ~jnp.all(carry.done)
-
-  step_map = jnp.full((rows, total), -1, jnp.int32)
-  logp = jnp.zeros((rows, total), jnp.float32) if cfg.return_logprobs else None
-  carry = _Carry(
-    canvas, step_map, logp, jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), bool), rng
+  width = slots_lib.out_width(b, total)
+  prefill = _prefill_width(model, layout, cfg)
+  cache = KVCache.empty(
+    model.cfg, rows, _cache_len(model, cfg, total, prefill), tiles=cfg.decode_tiles
   )
-  _, _, carry, forwards = jax.lax.while_loop(
-    block_cond, block_body, (jnp.asarray(0), cache, carry, jnp.asarray(0))
-  )
-  canvas, step_map, logp, steps_used, _, _ = carry
+  sl = slots_lib.empty_slots(rows, b, width, cfg.return_logprobs, model.cfg.mask_token_id)
+  prompts, n = _prompt_rows(layout, prefill)
+  chunk = cfg.prefill_chunk if cfg.prefill_chunk and rows % cfg.prefill_chunk == 0 else rows
 
-  never = layout.is_generation & (step_map < 0)
-  canvas = jnp.where(never, cfg.pad_id, canvas)
-  idx = jnp.arange(total)[None, :] - layout.response_start[:, None]
-  stop_hit = layout.is_generation & (step_map >= 0) & jnp.isin(canvas, stop_ids)
-  first_stop = jnp.min(jnp.where(stop_hit, idx, total), axis=-1)
-  generated = jnp.sum(layout.is_generation & (step_map >= 0), axis=-1)
-  lengths = jnp.minimum(jnp.minimum(first_stop + 1, generated), layout.max_new_tokens)
+  def admit_chunk(i, carry):
+    sl_, cache_ = carry
+    pick = lambda x: jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=0)
+    ids = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
+    return slots_lib.admit(
+      model, sl_, cache_, ids, pick(prompts), pick(n), pick(layout.max_new_tokens), pick(keys), cfg
+    )
+
+  sl, cache = jax.lax.fori_loop(0, rows // chunk, admit_chunk, (sl, cache))
+
+  def block_cond(c):
+    k_blk, sl_, _, _ = c
+    return (k_blk < width // b) & ~jnp.all(sl_.done)
+
+  def block_body(c):
+    k_blk, sl_, cache_, forwards = c
+    sl_, cache_, _, fw = slots_lib.advance(model, sl_, cache_, cfg)
+    return k_blk + 1, sl_, cache_, forwards + fw
+
+  _, sl, _, forwards = jax.lax.while_loop(
+    block_cond, block_body, (jnp.asarray(0), sl, cache, jnp.asarray(0))
+  )
+
+  # Canvas columns from each row's output buffer (index = position - first decoded position).
+  col = jnp.arange(total, dtype=jnp.int32)[None, :]
+  j = col - layout.pad_columns[:, None] - sl.first_pos[:, None]
+  jj = jnp.clip(j, 0, width - 1)
+  gen = col >= layout.response_start[:, None]
+  steps = jnp.take_along_axis(sl.out_steps, jj, axis=1)
+  decoded = gen & (j >= 0) & (j < width) & (steps >= 0)
+  tokens = jnp.take_along_axis(sl.out_tokens, jj, axis=1)
+  canvas = jnp.where(gen, jnp.where(decoded, tokens, cfg.pad_id), canvas)
+  logp = None
+  if cfg.return_logprobs:
+    logp = jnp.where(decoded, jnp.take_along_axis(sl.out_logp, jj, axis=1), 0.0)
   return SampleOutput(
     tokens=canvas,
-    step_map=step_map,
+    step_map=jnp.where(decoded, steps, -1),
     logprobs=logp,
     response_start=layout.response_start,
-    response_lengths=lengths,
-    steps_used=steps_used,
+    response_lengths=slots_lib.response_lengths(sl, cfg.stop_ids),
+    steps_used=sl.steps_used,
     forwards=forwards,
-    prefill_columns=c0 - b,
+    prefill_columns=layout.first_block_column - b,
   )
 
 
 _decode_jit = jax.jit(_decode, static_argnames=("graphdef", "cfg"), donate_argnames=("canvas",))
 
 
-def decode(model, layout: Layout, cfg: SamplerConfig, rng=None) -> SampleOutput:
-  """Runs the compiled sampler on a prepared `Layout` (see `layout_prompts`)."""
-  graphdef, state = nnx.split(model)
+def row_keys(rng, rows: int):
+  """Default per-row keys: row i gets `fold_in(rng, i)`."""
   rng = jax.random.key(0) if rng is None else rng
+  return jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(rows))
+
+
+def decode(model, layout: Layout, cfg: SamplerConfig, rng=None, keys=None) -> SampleOutput:
+  """Runs the compiled sampler on a prepared `Layout` (see `layout_prompts`).
+
+  `keys`: one PRNG key per row (typed `[B]`); default `row_keys(rng, B)`.
+  """
+  cfg.check_model(model.cfg)
+  graphdef, state = nnx.split(model)
+  rows = layout.tokens.shape[0]
+  keys = row_keys(rng, rows) if keys is None else keys
+  if keys.shape != (rows,):
+    raise ValueError(f"decode: keys must be {rows} typed PRNG keys, got shape {keys.shape}")
   layout = jax.tree.map(jnp.asarray, layout)
   canvas = jnp.array(layout.tokens)  # a fresh buffer, donated to the output tokens
-  return _decode_jit(graphdef, state, layout, canvas, rng, cfg=cfg)
+  return _decode_jit(graphdef, state, layout, canvas, keys, cfg=cfg)
 
 
 def generate(
@@ -400,7 +339,9 @@ def generate(
   rng=None,
   max_new_tokens: Optional[Sequence[int]] = None,
   prompt_width: int = 0,
+  keys=None,
 ) -> SampleOutput:
   """Samples continuations of token-id `prompts` (list of lists, any lengths)."""
+  cfg.check_model(model.cfg)
   layout = layout_prompts(prompts, cfg, model.cfg.mask_token_id, max_new_tokens, prompt_width)
-  return decode(model, layout, cfg, rng)
+  return decode(model, layout, cfg, rng, keys)

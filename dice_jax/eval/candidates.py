@@ -78,14 +78,6 @@ class EvalDecoding:
       raise ValueError(
         f"extract must be 'first_block' or 'first_block_or_raw', got {self.extract!r}"
       )
-    filters = self.top_k > 0 or self.top_p < 1.0 or self.temperature not in (0.0, 1.0)
-    if self.confidence == "unfiltered" and filters:
-      # The sampler on this branch ranks by the filtered distribution only (SamplerConfig.confidence
-      # comes with the sampler-engine branch); refuse rather than decode differently than asked.
-      raise ValueError(
-        "confidence='unfiltered' with top_k/top_p/temperature filtering needs "
-        "SamplerConfig.confidence (sampler-engine); use confidence='filtered' or no filtering"
-      )
 
   def sampler_config(self, stop_ids: Sequence[int], pad_id: int):
     from dice_jax.diffusion import sampler
@@ -101,6 +93,7 @@ class EvalDecoding:
       max_new_tokens=self.max_new_tokens,
       stop_ids=tuple(stop_ids),
       block_alignment=self.block_alignment,
+      confidence=self.confidence,
       pad_id=pad_id,
     )
 

@@ -3,18 +3,22 @@
 The dense `cached_attention` writes `[B, K, G, T, S]` float32 scores for the whole cache buffer and
 reads them back several times; at decode shapes (T = 4..8 new tokens per row, S = thousands of
 slots) that traffic is as large as reading the cache itself. Here one program per (row, K/V head,
-query tile) streams the cache in `block_k` tiles with an online softmax, skips tiles that no query
-may see (unfilled slots, left padding: segment id 0), and returns the cache part's output and
-log-sum-exp. The new tokens' own keys (a few) are attended densely and merged by log-sum-exp, so
-the result is the joint softmax over (cache slots, new tokens) of `transformer.cached_attention`.
+query tile, cache split) streams its split of the cache in `block_k` tiles with an online softmax,
+and returns the split's output and log-sum-exp; the splits are merged by log-sum-exp
+(flash-decoding). A program visits only the tiles below its row's fill (`KVCache.length`), and
+none when the row has no live query (a finished or empty slot). The new tokens' own keys (a few)
+are attended densely and merged the same way, so the result is the joint softmax over (cache
+slots, new tokens) of `transformer.cached_attention`.
 
 Only block-causal / full / causal masks of the cache part are needed: visibility is
 `seg_q == seg_k > 0 and rank_k <= rank_q`, with rank = block id (block_causal), position (causal)
-or 0 (full). Triton on GPU, the Pallas interpreter elsewhere.
+or 0 (full). Triton on GPU, the Pallas interpreter elsewhere. Tile sizes are a `DecodeTiles`
+value carried by the cache (`KVCache.tiles`), so a benchmark can sweep them without globals.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -31,6 +35,29 @@ try:
 except ImportError:  # pragma: no cover
   plgpu = None
 
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiles:
+  """Tiling of the cache-attention kernel: cache slots per program (`split`), slots per inner
+  tile (`block_k`), and the Triton launch parameters. `split` is a multiple of `block_k`."""
+
+  split: int = 512
+  block_k: int = 128
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("split", "block_k", "num_warps", "num_stages"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 1:
+        raise ValueError(f"DecodeTiles.{name} must be a positive int, got {v!r}")
+    if self.block_k < 16 or self.block_k & (self.block_k - 1) or self.split % self.block_k:
+      raise ValueError(
+        f"DecodeTiles: block_k ({self.block_k}) must be a power of two >= 16 dividing split "
+        f"({self.split})"
+      )
+
+
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 EMPTY_LSE = -1e30  # log-sum-exp of a row that sees no key
 
@@ -43,7 +70,7 @@ def _dot(a, b):
 
 def _kernel(
   layer_ref,
-  live_ref,
+  ntiles_ref,
   q_ref,
   k_ref,
   v_ref,
@@ -55,18 +82,21 @@ def _kernel(
   lse_ref,
   *,
   scale,
+  split,
   block_k,
 ):
-  """One (row, K/V head, cache split): online softmax over the split's `block_k` tiles."""
+  """One (row, K/V head, query tile, cache split): online softmax over the split's live tiles
+  (`ntiles_ref`: how many of its `block_k` tiles lie below the row's fill; 0 = none)."""
   layer = layer_ref[0]
   q = q_ref[...]  # [BQ, H]
   q_seg, q_rank = qseg_ref[...], qrank_ref[...]
   rows, h = q.shape
   qk_scale = scale * math.log2(math.e)
+  base = pl.program_id(3) * split
 
   def tile(j, carry):
     o_prev, m_prev, l_prev = carry
-    sl = pl.ds(j * block_k, block_k)
+    sl = pl.ds(pl.multiple_of(base + j * block_k, block_k), block_k)
     k_seg, k_rank = kseg_ref[sl], krank_ref[sl]
     k = k_ref[layer, sl, :]
     qk = _dot(q, k.T) * qk_scale
@@ -84,53 +114,48 @@ def _kernel(
     o_next = corr[:, None] * o_prev + _dot(p.astype(v.dtype), v)
     return o_next, m_next, l_next
 
-  def split(_):
-    init = (
-      jnp.zeros((rows, h), jnp.float32),
-      jnp.full((rows,), MASK_VALUE, jnp.float32),
-      jnp.zeros((rows,), jnp.float32),
-    )
-    return lax.fori_loop(0, kseg_ref.shape[0] // block_k, tile, init)
-
-  def dead(_):
-    return (
-      jnp.zeros((rows, h), jnp.float32),
-      jnp.full((rows,), MASK_VALUE, jnp.float32),
-      jnp.zeros((rows,), jnp.float32),
-    )
-
-  o, m, l = lax.cond(live_ref[0] > 0, split, dead, None)
+  init = (
+    jnp.zeros((rows, h), jnp.float32),
+    jnp.full((rows,), MASK_VALUE, jnp.float32),
+    jnp.zeros((rows,), jnp.float32),
+  )
+  o, m, l = lax.fori_loop(0, ntiles_ref[0], tile, init)  # a dynamic-bound scf.for on Triton
   empty = l == 0.0
   o_ref[...] = jnp.where(empty[:, None], 0.0, o / jnp.where(empty, 1.0, l)[:, None])
   lse_ref[...] = jnp.where(empty, EMPTY_LSE, (m + jnp.log2(jnp.where(empty, 1.0, l))) * math.log(2))
 
 
-def _pick_block_k(s: int) -> int:
-  for bk in (128, 64, 32, 16):
-    if s % bk == 0:
-      return bk
-  raise ValueError(f"flash_decode: cache length {s} must be a multiple of 16")
-
-
-SPLIT = 512  # cache slots per program (flash-decoding split); programs over dead slots exit early
-
-
 def _pallas_cache_part(
-  layer, live, q_bkrh, k_lbskh, v_lbskh, q_seg, q_rank, k_seg, k_rank, *, split, block_q, interpret
+  layer,
+  ntiles,
+  q_bkrh,
+  k_lbskh,
+  v_lbskh,
+  q_seg,
+  q_rank,
+  k_seg,
+  k_rank,
+  *,
+  tiles,
+  block_q,
+  interpret,
 ):
   """The kernel launch on (local) arrays; returns per-split (o, lse)."""
   b, kh, rp, h = q_bkrh.shape
   n_layers, s = k_lbskh.shape[0], k_lbskh.shape[2]
-  n_split = s // split
-  block_k = _pick_block_k(split)
-  params = plgpu.CompilerParams(num_warps=4, num_stages=2) if plgpu is not None else None
+  n_split = ntiles.shape[1]
+  params = (
+    plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if plgpu is not None
+    else None
+  )
   qrow = pl.BlockSpec((None, block_q), lambda i, j, t, c: (i, t))
-  krow = pl.BlockSpec((None, split), lambda i, j, t, c: (i, c))
-  kv = pl.BlockSpec((n_layers, None, split, None, h), lambda i, j, t, c: (0, i, c, j, 0))
+  krow = pl.BlockSpec((None, s), lambda i, j, t, c: (i, 0))
+  kv = pl.BlockSpec((n_layers, None, s, None, h), lambda i, j, t, c: (0, i, 0, j, 0))
   out_o = pl.BlockSpec((None, None, None, block_q, h), lambda i, j, t, c: (i, j, c, t, 0))
   out_l = pl.BlockSpec((None, None, None, block_q), lambda i, j, t, c: (i, j, c, t))
   return pl.pallas_call(
-    functools.partial(_kernel, scale=h**-0.5, block_k=block_k),
+    functools.partial(_kernel, scale=h**-0.5, split=tiles.split, block_k=tiles.block_k),
     grid=(b, kh, rp // block_q, n_split),
     in_specs=[
       pl.BlockSpec((1,), lambda i, j, t, c: (0,)),
@@ -151,7 +176,7 @@ def _pallas_cache_part(
     compiler_params=params,
     interpret=interpret,
     name="flash_decode_cache",
-  )(layer, live, q_bkrh, k_lbskh, v_lbskh, q_seg, q_rank, k_seg, k_rank)
+  )(layer, ntiles, q_bkrh, k_lbskh, v_lbskh, q_seg, q_rank, k_seg, k_rank)
 
 
 def _shard_mapped(fn, rows: int, kv_heads: int):
@@ -179,19 +204,45 @@ def _shard_mapped(fn, rows: int, kv_heads: int):
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
+def live_tiles(fill_b, row_live_b, max_len: int, tiles: DecodeTiles):
+  """`[B, n_split]` int32: per row and cache split, the `block_k` tiles below the row's fill
+  (`fill_b` slots), 0 for rows with no live query."""
+  n_split = -(-max_len // tiles.split)
+  lo = jnp.arange(n_split, dtype=jnp.int32) * tiles.split
+  fill = jnp.clip(jnp.minimum(fill_b, max_len)[:, None] - lo[None, :], 0, tiles.split)
+  n = -(-fill // tiles.block_k)
+  return jnp.where(row_live_b[:, None], n, 0).astype(jnp.int32)
+
+
 def cache_part(
-  q_bkrh, k_lbskh, v_lbskh, layer, q_seg_br, q_rank_br, k_seg_bs, k_rank_bs, *, interpret=None
+  q_bkrh,
+  k_lbskh,
+  v_lbskh,
+  layer,
+  q_seg_br,
+  q_rank_br,
+  k_seg_bs,
+  k_rank_bs,
+  fill_b,
+  *,
+  tiles: DecodeTiles = DecodeTiles(),
+  interpret=None,
 ):
   """Softmax attention of query rows over the cache slots of one layer.
 
   q `[B, K, R, H]` (R query rows per K/V head); k/v the stacked cache `[L, B, S, K, H]` and the
   layer index `layer` (scalar): the kernel reads that layer in place, so no per-layer copy of the
-  cache is made. int32 vectors: query rows `[B, R]`, slots `[B, S]` (segment 0 = invisible).
+  cache is made. int32 vectors: query rows `[B, R]`, slots `[B, S]` (segment 0 = invisible);
+  `fill_b [B]`: slots at or above it are never read. S must be a multiple of `tiles.block_k`.
   Returns (o `[B, K, R, H]` f32, lse `[B, K, R]` f32, natural log; EMPTY_LSE where no slot is
   visible).
   """
   b, kh, r, _ = q_bkrh.shape
   s = k_lbskh.shape[2]
+  if s % tiles.block_k:
+    raise ValueError(
+      f"flash_decode: cache length {s} must be a multiple of block_k {tiles.block_k}"
+    )
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   block_q = 16
@@ -202,14 +253,11 @@ def cache_part(
     q_bkrh = jnp.pad(q_bkrh, ((0, 0), (0, 0), (0, pad), (0, 0)))
     q_seg_br = jnp.pad(q_seg_br, ((0, 0), (0, pad)))
     q_rank_br = jnp.pad(q_rank_br, ((0, 0), (0, pad)))
-  split = math.gcd(s, SPLIT)
-  n_split = s // split
-  # A split is live when some slot in it has a segment id (filled, not padding).
-  live = (jnp.max(k_seg_bs.reshape(b, n_split, split), axis=-1) > 0).astype(jnp.int32)
+  ntiles = live_tiles(fill_b, jnp.any(q_seg_br > 0, axis=-1), s, tiles)
   layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
   args = (
     layer,
-    live,
+    ntiles,
     q_bkrh,
     k_lbskh,
     v_lbskh,
@@ -218,7 +266,7 @@ def cache_part(
     k_seg_bs.astype(jnp.int32),
     k_rank_bs.astype(jnp.int32),
   )
-  call = functools.partial(_pallas_cache_part, split=split, block_q=block_q, interpret=interpret)
+  call = functools.partial(_pallas_cache_part, tiles=tiles, block_q=block_q, interpret=interpret)
   o, lse = _shard_mapped(call, b, kh)(*args)
   o, lse = o[..., :r, :], lse[..., :r]
   # Merge the splits by log-sum-exp.
@@ -239,7 +287,7 @@ def cached_attention(q, k, v, layer, spec, positions, seg, blk, cache, *, interp
   b, t, n, h = q.shape
   kh = k.shape[2]
   g = n // kh
-  filled = jnp.arange(cache.max_len)[None, :] < cache.length
+  filled = jnp.arange(cache.max_len)[None, :] < cache.length[:, None]
   k_seg = jnp.where(filled, cache.segment_ids, 0)
   if spec.kind == "causal":
     q_rank, k_rank = positions, cache.positions
@@ -254,15 +302,19 @@ def cached_attention(q, k, v, layer, spec, positions, seg, blk, cache, *, interp
   qg = q.reshape(b, t, kh, g, h)
   q_rows = qg.transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
   rep = lambda x: jnp.repeat(x, g, axis=1)
+  if cache.k.dtype != q.dtype:  # a cast would copy the whole cache
+    raise ValueError(f"flash_decode: cache dtype {cache.k.dtype} differs from queries' {q.dtype}")
   o_c, lse_c = cache_part(
     q_rows,
-    cache.k.astype(q.dtype),
-    cache.v.astype(q.dtype),
+    cache.k,
+    cache.v,
     layer,
     rep(seg),
     rep(q_rank),
     k_seg,
     k_rank,
+    cache.length,
+    tiles=cache.tiles,
     interpret=interpret,
   )
   o_c = o_c.reshape(b, kh, t, g, h)

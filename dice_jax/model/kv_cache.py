@@ -1,8 +1,13 @@
-"""Key/value cache for block-wise decoding.
+"""Key/value cache for block-wise decoding, one region per row.
 
-Slots are columns of a fixed-size buffer shared by the whole batch: `length` slots are filled,
-each with its key/value per layer and the metadata the masks need (position, segment id, block id).
-Segment id 0 marks a slot that holds no token (e.g. left padding of a shorter prompt).
+Row b of the cache belongs to one sequence (a batch row, or a slot of the continuous-batching
+engine). Its slots hold keys/values per layer and the metadata the masks need (position, segment
+id, block id). A slot is visible when it is below the row's `length` and its segment id is > 0
+(0 marks a slot that holds no token: padding, or a stale slot of the row's previous sequence).
+
+Writes go to each row's own offset (`append` at `length[b]`, `write_rows` for whole rows), so rows
+advance independently. Every write is an in-place update of the (donated or loop-carried) buffer:
+no copy of the cache is made (`tests/diffusion/test_engine.py` checks the compiled memory).
 """
 
 from __future__ import annotations
@@ -11,6 +16,15 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from dice_jax.model.flash_decode import DecodeTiles
+
+
+def _put(buf, new, at, row_axis: int):
+  """Writes `new` into every row b of `buf` (rows on `row_axis`) at offset `at[b]` along the axis
+  right after the rows (slots)."""
+  fn = lambda b, n, a: jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype), a, axis=row_axis)
+  return jax.vmap(fn, in_axes=(row_axis, row_axis, 0), out_axes=row_axis)(buf, new, at)
 
 
 @jax.tree_util.register_dataclass
@@ -21,30 +35,64 @@ class KVCache:
   positions: jax.Array  # [B, S] int32
   segment_ids: jax.Array  # [B, S] int32, 0 = empty
   block_ids: jax.Array  # [B, S] int32
-  length: jax.Array  # [] int32: number of filled slots
+  length: jax.Array  # [B] int32: slots below it may be visible; appends write there
+  tiles: DecodeTiles = dataclasses.field(default=DecodeTiles(), metadata=dict(static=True))
 
   @property
   def max_len(self) -> int:
     return self.k.shape[2]
 
+  @staticmethod
+  def num_bytes(cfg, batch: int, max_len: int, dtype=None) -> int:
+    """Bytes of a cache of `batch` rows x `max_len` slots (K and V plus metadata)."""
+    item = jnp.dtype(dtype or cfg.compute_dtype).itemsize
+    kv = 2 * cfg.num_layers * batch * max_len * cfg.num_kv_heads * cfg.head_dim * item
+    return kv + 3 * batch * max_len * 4 + batch * 4
+
   @classmethod
-  def empty(cls, cfg, batch: int, max_len: int, dtype=None) -> "KVCache":
+  def empty(cls, cfg, batch: int, max_len: int, dtype=None, tiles=None) -> "KVCache":
     dtype = dtype or cfg.compute_dtype
     shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
     z = jnp.zeros((batch, max_len), jnp.int32)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), z, z, z, jnp.zeros((), jnp.int32))
+    return cls(
+      jnp.zeros(shape, dtype),
+      jnp.zeros(shape, dtype),
+      z,
+      z,
+      z,
+      jnp.zeros((batch,), jnp.int32),
+      tiles or DecodeTiles(),
+    )
+
+  def with_length(self, length) -> "KVCache":
+    return dataclasses.replace(self, length=jnp.broadcast_to(length, self.length.shape))
 
   def append(self, k, v, positions, segment_ids, block_ids) -> "KVCache":
-    """Writes `k, v [L,B,T,K,H]` and their metadata `[B,T]` at slots [length, length+T)."""
+    """Writes `k, v [L,B,T,K,H]` and their metadata `[B,T]` at each row's slots
+    [length[b], length[b] + T), and advances `length` by T."""
     at = self.length
-    upd = lambda buf, new, axis: jax.lax.dynamic_update_slice_in_dim(
-      buf, new.astype(buf.dtype), at, axis=axis
-    )
-    return KVCache(
-      k=upd(self.k, k, 2),
-      v=upd(self.v, v, 2),
-      positions=upd(self.positions, positions, 1),
-      segment_ids=upd(self.segment_ids, segment_ids, 1),
-      block_ids=upd(self.block_ids, block_ids, 1),
+    return dataclasses.replace(
+      self,
+      k=_put(self.k, k, at, 1),
+      v=_put(self.v, v, at, 1),
+      positions=_put(self.positions, positions, at, 0),
+      segment_ids=_put(self.segment_ids, segment_ids, at, 0),
+      block_ids=_put(self.block_ids, block_ids, at, 0),
       length=self.length + k.shape[2],
+    )
+
+  def write_rows(self, rows, k, v, offset: int, positions, segment_ids, block_ids, length):
+    """Replaces rows `rows` `[R]` (int32, distinct): K/V `[L,R,T,K,H]` go to slots
+    [offset, offset + T); the rows' metadata become `positions/segment_ids/block_ids [R, S]`
+    (whole rows: stale slots of a previous sequence must get segment 0) and `length [R]`."""
+    t = k.shape[2]
+    sl = slice(offset, offset + t)
+    return dataclasses.replace(
+      self,
+      k=self.k.at[:, rows, sl].set(k.astype(self.k.dtype)),
+      v=self.v.at[:, rows, sl].set(v.astype(self.v.dtype)),
+      positions=self.positions.at[rows].set(positions),
+      segment_ids=self.segment_ids.at[rows].set(segment_ids),
+      block_ids=self.block_ids.at[rows].set(block_ids),
+      length=self.length.at[rows].set(length),
     )

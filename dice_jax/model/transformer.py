@@ -12,7 +12,9 @@ Call contract (DESIGN.md):
   logits = model(tokens[B,T], positions[B,T], attention: AttentionSpec)
   logits, cache = model(tokens, positions, attention, cache=cache, update_cache=True|False)
 With a cache, the new tokens attend to the cache's filled slots and to each other; with
-`update_cache=True` their keys/values are appended at `cache.length`.
+`update_cache=True` their keys/values are appended at each row's `cache.length[b]`.
+`model.prefill_kv(tokens, positions, attention)` gives the stacked keys/values of a cache-free
+forward (the sampler's prefill writes them into cache rows).
 """
 
 from __future__ import annotations
@@ -103,8 +105,33 @@ class Transformer(nnx.Module):
     return_hidden: bool = False,
   ):
     cfg = self.cfg
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype)
     seg, blk = masks_lib.token_segments_and_blocks(attention, positions)
+    x, new_kv = self._layers(tokens, positions, attention, seg, blk, cache)
+    x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+    if return_hidden:
+      out = x
+    else:
+      head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
+      out = jnp.einsum(
+        "btd,dv->btv", x, head.astype(cfg.compute_dtype), preferred_element_type=jnp.float32
+      )
+    if cache is None:
+      return out
+    if update_cache:
+      cache = cache.append(new_kv[0], new_kv[1], positions, seg, blk)
+    return out, cache
+
+  def prefill_kv(self, tokens, positions, attention: masks_lib.AttentionSpec):
+    """Keys and values `[L, B, T, K, H]` of every layer for a cache-free forward (prefill: the
+    self-attention path, flash when `attention_impl='flash'`; no final norm, no LM head)."""
+    seg, blk = masks_lib.token_segments_and_blocks(attention, positions)
+    _, (k, v) = self._layers(tokens, positions, attention, seg, blk, None)
+    return k, v
+
+  def _layers(self, tokens, positions, attention, seg, blk, cache):
+    """Embedding and the decoder-layer scan: (hidden `[B,T,D]`, stacked (k, v) `[L,B,T,K,H]`)."""
+    cfg = self.cfg
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype)
     layer_fn = functools.partial(
       _layer, cfg=cfg, attention=attention, positions=positions, seg=seg, blk=blk, cache=cache
     )
@@ -121,20 +148,7 @@ class Transformer(nnx.Module):
       xs = (self.layers.weights(), None, None, layer_ids)
     else:
       xs = (self.layers.weights(), cache.k, cache.v, layer_ids)
-    x, new_kv = jax.lax.scan(body, x, xs)
-    x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-    if return_hidden:
-      out = x
-    else:
-      head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
-      out = jnp.einsum(
-        "btd,dv->btv", x, head.astype(cfg.compute_dtype), preferred_element_type=jnp.float32
-      )
-    if cache is None:
-      return out
-    if update_cache:
-      cache = cache.append(new_kv[0], new_kv[1], positions, seg, blk)
-    return out, cache
+    return jax.lax.scan(body, x, xs)
 
   def logits_from_hidden(self, hidden):
     cfg = self.cfg
@@ -226,7 +240,7 @@ def cached_attention(
     from dice_jax.model import flash_decode
 
     return flash_decode.cached_attention(q, k, v, layer, spec, positions, seg, blk, cache)
-  filled = jnp.arange(cache.max_len)[None, :] < cache.length  # [1,S]
+  filled = jnp.arange(cache.max_len)[None, :] < cache.length[:, None]  # [B,S]
   if spec.kind == "causal":
     m_cache = masks_lib.causal_mask(positions, cache.positions, seg, cache.segment_ids)
     m_self = masks_lib.causal_mask(positions, positions, seg, seg)

@@ -6,6 +6,8 @@ import ast
 import dataclasses
 from typing import Any
 
+from dice_jax.diffusion.blocks import BlockGrid
+from dice_jax.diffusion.objective import ObjectiveConfig
 from dice_jax.train.optimizer import OptimizerConfig
 
 DATA_SOURCES = ("infill_pairs", "cuke", "pairs")
@@ -36,11 +38,9 @@ class SFTConfig:
   mesh_fsdp: int = -1
   mesh_tensor: int = 1
   shard_tolerance: float = 0.02  # max fraction of unsharded params on a multi-device mesh
-  # optimisation and objective
+  # optimisation and objective (the objective's block grid is also the packing's)
   optim: OptimizerConfig = OptimizerConfig()
-  eps: float = 1e-3
-  per_block_t: bool = False
-  block_alignment: str = "response"
+  objective: ObjectiveConfig = ObjectiveConfig()
   # bookkeeping
   checkpoint_every: int = 100
   checkpoint_keep: int = 3
@@ -76,6 +76,7 @@ class SFTConfig:
       v = getattr(self, name)
       need(isinstance(v, int) and (v >= 1 or v == -1), f"{name} must be >= 1 or -1, got {v!r}")
     need(isinstance(self.optim, OptimizerConfig), "optim must be an OptimizerConfig")
+    need(isinstance(self.objective, ObjectiveConfig), "objective must be an ObjectiveConfig")
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -84,6 +85,15 @@ class SFTConfig:
   def from_json(cls, d: dict) -> "SFTConfig":
     d = dict(d)
     d["optim"] = OptimizerConfig(**d.get("optim", {}))
+    obj = dict(d.get("objective", {}))
+    # Configs saved before the objective section (flat eps / per_block_t / block_alignment).
+    for flat in ("eps", "per_block_t"):
+      if flat in d:
+        obj[flat] = d.pop(flat)
+    if "block_alignment" in d:
+      obj["grid"] = {**dict(obj.get("grid", {})), "alignment": d.pop("block_alignment")}
+    obj["grid"] = BlockGrid(**dict(obj.get("grid", {})))
+    d["objective"] = ObjectiveConfig(**obj)
     return cls(**d)
 
 

@@ -55,12 +55,9 @@ class _StopFlag:
 
 
 def make_loss_fn(cfg: SFTConfig):
-  from dice_jax.diffusion.objective import ObjectiveConfig, block_diffusion_loss
+  from dice_jax.diffusion.objective import block_diffusion_loss
 
-  ocfg = ObjectiveConfig(
-    eps=cfg.eps, per_block_t=cfg.per_block_t, block_alignment=cfg.block_alignment
-  )
-  return lambda model, batch, rng: block_diffusion_loss(model, batch, rng, ocfg)
+  return lambda model, batch, rng: block_diffusion_loss(model, batch, rng, cfg.objective)
 
 
 def build_model(cfg: SFTConfig, mesh, init_hf: str | None, model_overrides: dict):
@@ -91,6 +88,7 @@ def run_sft(
   if cfg.tokenizer == "byte" and not init_hf:
     overrides = {**sft_data.byte_model_overrides(), **overrides}
   model, mcfg = build_model(cfg, mesh, init_hf, overrides)
+  cfg.objective.grid.check_model(mcfg, "SFTConfig.objective.grid")
   if jax.process_index() == 0:
     save_model_config(mcfg, workdir)
   logging.info(
@@ -109,7 +107,7 @@ def run_sft(
   del model
 
   samples = sft_data.load_samples(cfg)
-  it = sft_data.make_iterator(cfg, samples, tok, mcfg.block_size)
+  it = sft_data.make_iterator(cfg, samples, tok)
   ckpt = ckpt_lib.Checkpointer(
     f"{workdir}/checkpoints",
     save_every=cfg.checkpoint_every,

@@ -123,19 +123,19 @@ def load_samples(cfg: SFTConfig) -> list:
   return samples
 
 
-def make_iterator(cfg: SFTConfig, samples, tokenizer, block_size: int):
+def make_iterator(cfg: SFTConfig, samples, tokenizer):
   """The grain iterator of this process's rows (`batch_size / process_count` per step), repeating
-  forever; `get_state()` / `set_state()` checkpoint it."""
+  forever; `get_state()` / `set_state()` checkpoint it. Packed on `cfg.objective.grid`."""
   from dice_jax.data.sft_pipeline import SFTPipelineConfig, make_sft_dataset
 
-  check_some_fit(samples, tokenizer, cfg.seq_len, block_size)
+  grid = cfg.objective.grid
+  check_some_fit(samples, tokenizer, cfg.seq_len, grid)
   nproc = jax.process_count()
   if cfg.batch_size % nproc:
     raise ValueError(f"batch_size {cfg.batch_size} not divisible by {nproc} processes")
   pcfg = SFTPipelineConfig(
     seq_len=cfg.seq_len,
-    block_size=block_size,
-    block_alignment=cfg.block_alignment,
+    grid=grid,
     batch_size=cfg.batch_size // nproc,
     seed=cfg.seed,
     num_epochs=None,
@@ -146,15 +146,16 @@ def make_iterator(cfg: SFTConfig, samples, tokenizer, block_size: int):
   return iter(make_sft_dataset(samples, tokenizer, pcfg))
 
 
-def check_some_fit(samples, tokenizer, seq_len: int, block_size: int, probe: int = 64) -> None:
-  """Fails when none of the first `probe` samples fits `seq_len` (the pipeline drops longer
-  samples, and a repeating pipeline that drops everything would wait forever)."""
-  from dice_jax.data.sft_pipeline import pad_to_block, sft_texts
+def check_some_fit(samples, tokenizer, seq_len: int, grid, probe: int = 64) -> None:
+  """Fails when none of the first `probe` samples fits `seq_len` once padded on `grid` (the
+  pipeline drops longer samples, and a repeating pipeline that drops everything would wait
+  forever)."""
+  from dice_jax.data.sft_pipeline import sft_texts
 
   lengths = []
   for s in samples[:probe]:
     prompt, response = sft_texts(s, tokenizer)
-    n = pad_to_block(len(tokenizer.encode(prompt)) + len(tokenizer.encode(response)), block_size)
+    n = grid.padded_length(len(tokenizer.encode(prompt)), len(tokenizer.encode(response)))
     if n <= seq_len:
       return
     lengths.append(n)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dice_jax.data.prompts import SFTSample
+from dice_jax.diffusion.blocks import BlockGrid
 from dice_jax.data.sft_pipeline import (
   FEATURES,
   PackingStats,
@@ -33,7 +34,9 @@ def _expected(samples, tok, block):
   out = {}
   for s in samples:
     p, r = sft_texts(s, tok)
-    out[s.sample_id] = tokenize_sample(tok.encode(p), tok.encode(r), block, tok.pad_token_id)
+    out[s.sample_id] = tokenize_sample(
+      tok.encode(p), tok.encode(r), BlockGrid(block), tok.pad_token_id
+    )
   return out
 
 
@@ -56,16 +59,24 @@ def _segments(batches):
 
 def test_sample_tokenization_pads_to_block_and_masks_prompt():
   # default: blocks start at the response, so the response is padded to whole blocks
-  out = tokenize_sample([5, 6, 7], [8, 9], block_size=4, pad_id=0)
+  out = tokenize_sample([5, 6, 7], [8, 9], BlockGrid(4), pad_id=0)
   assert out["tokens"].tolist() == [5, 6, 7, 8, 9, 0, 0]
   assert out["loss_mask"].tolist() == [False, False, False, True, True, True, True]
   # SDAR's absolute grid: the whole sample is padded to whole blocks
-  out = tokenize_sample([5, 6, 7], [8, 9], block_size=4, pad_id=0, block_alignment="absolute")
+  out = tokenize_sample([5, 6, 7], [8, 9], BlockGrid(4, "absolute"), pad_id=0)
   assert out["tokens"].tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
   assert out["loss_mask"].tolist() == [False, False, False, True, True, True, True, True]
-  assert tokenize_sample([1, 2, 3], [4, 5, 6, 7], 4, 0)["tokens"].tolist() == [1, 2, 3, 4, 5, 6, 7]
-  with pytest.raises(ValueError, match="block_alignment"):
-    tokenize_sample([1], [2], 4, 0, block_alignment="left")
+  assert tokenize_sample([1, 2, 3], [4, 5, 6, 7], BlockGrid(4), 0)["tokens"].tolist() == [
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+    7,
+  ]
+  with pytest.raises(ValueError, match="alignment"):
+    BlockGrid(4, "left")
 
 
 def test_response_text_follows_chat_template(sdar_tokenizer):
@@ -78,7 +89,7 @@ def test_response_text_follows_chat_template(sdar_tokenizer):
 def test_epoch_packs_every_token_exactly_once(tiny_tokenizer, bins):
   samples = _samples()
   cfg = SFTPipelineConfig(
-    seq_len=48, block_size=4, batch_size=3, num_packing_bins=bins, drop_remainder=False
+    seq_len=48, grid=BlockGrid(4), batch_size=3, num_packing_bins=bins, drop_remainder=False
   )
   stats = PackingStats()
   batches = list(make_sft_dataset(samples, tiny_tokenizer, cfg, stats))
@@ -112,7 +123,7 @@ def test_epoch_packs_every_token_exactly_once(tiny_tokenizer, bins):
 def test_no_attention_across_segments_with_model_masks(tiny_tokenizer):
   from dice_jax.model import masks
 
-  cfg = SFTPipelineConfig(seq_len=48, block_size=4, batch_size=2, num_packing_bins=4)
+  cfg = SFTPipelineConfig(seq_len=48, grid=BlockGrid(4), batch_size=2, num_packing_bins=4)
   b = next(iter(make_sft_dataset(_samples(), tiny_tokenizer, cfg)))
   spec = masks.AttentionSpec.block_diffusion(4, segment_ids=b["segment_ids"])
   pos2 = np.concatenate([b["positions"], b["positions"]], axis=1)  # [x_t ; x_0] share positions
@@ -129,7 +140,7 @@ def test_sharding_over_processes_partitions_the_samples(tiny_tokenizer):
   for p in range(3):
     cfg = SFTPipelineConfig(
       seq_len=128,
-      block_size=4,
+      grid=BlockGrid(4),
       batch_size=1,
       num_packing_bins=2,
       process_index=p,
@@ -150,7 +161,7 @@ def test_sharding_over_processes_partitions_the_samples(tiny_tokenizer):
 
 def test_resume_from_saved_state_gives_identical_batches(tiny_tokenizer):
   cfg = SFTPipelineConfig(
-    seq_len=48, block_size=4, batch_size=2, num_packing_bins=4, num_epochs=None, seed=7
+    seq_len=48, grid=BlockGrid(4), batch_size=2, num_packing_bins=4, num_epochs=None, seed=7
   )
   ds = make_sft_dataset(_samples(), tiny_tokenizer, cfg)
   it = iter(ds)
@@ -172,20 +183,24 @@ def test_repeating_pipeline_where_nothing_fits_fails_instead_of_hanging(tiny_tok
   samples = [
     SFTSample(prompt="p " * 40, response="r " * 40, sample_id=f"long{i}") for i in range(3)
   ]
-  cfg = SFTPipelineConfig(seq_len=16, block_size=4, batch_size=1, num_epochs=None, read_threads=1)
+  cfg = SFTPipelineConfig(
+    seq_len=16, grid=BlockGrid(4), batch_size=1, num_epochs=None, read_threads=1
+  )
   with pytest.raises(ValueError, match="no SFT sample fits seq_len=16"):
     next(iter(make_sft_dataset(samples, tiny_tokenizer, cfg)))
 
 
 def test_config_validation():
-  with pytest.raises(ValueError, match="multiple of block_size"):
-    SFTPipelineConfig(seq_len=50, block_size=4)
+  with pytest.raises(ValueError, match="multiple of the block size"):
+    SFTPipelineConfig(seq_len=50, grid=BlockGrid(4))
   with pytest.raises(ValueError, match="process_index"):
     SFTPipelineConfig(process_index=2, process_count=2)
 
 
 def test_worker_processes_give_the_same_batches_and_resume(tiny_tokenizer):
-  base = dict(seq_len=48, block_size=4, batch_size=2, num_packing_bins=4, num_epochs=None, seed=3)
+  base = dict(
+    seq_len=48, grid=BlockGrid(4), batch_size=2, num_packing_bins=4, num_epochs=None, seed=3
+  )
   inproc = iter(make_sft_dataset(_samples(), tiny_tokenizer, SFTPipelineConfig(**base)))
   want = [next(inproc) for _ in range(6)]
   cfg = SFTPipelineConfig(**base, worker_count=1)
@@ -211,7 +226,7 @@ def test_real_kernel_pairs_pack_without_loss_with_sdar_tokenizer(sdar_tokenizer)
   samples = [
     prompts.sft_sample_from_pair(t.reference_code, t.cuda_code, sample_id=t.task_id) for t in rows
   ]
-  cfg = SFTPipelineConfig(seq_len=6144, block_size=4, batch_size=4, drop_remainder=False)
+  cfg = SFTPipelineConfig(seq_len=6144, grid=BlockGrid(4), batch_size=4, drop_remainder=False)
   stats = PackingStats()
   batches = list(make_sft_dataset(samples, sdar_tokenizer, cfg, stats))
   expected = _expected(samples, sdar_tokenizer, 4)

@@ -12,9 +12,9 @@ from dice_jax.model.kv_cache import KVCache
 
 
 @pytest.mark.parametrize("kind", ["block_causal", "causal"])
-def test_flash_cached_attention_matches_dense(kind, monkeypatch):
+def test_flash_cached_attention_matches_dense(kind):
   b, t, s, n, k, h = 3, 8, 64, 4, 2, 16
-  monkeypatch.setattr(flash_decode, "SPLIT", 16)  # 4 splits; some hold only padding or no slot
+  tiles = flash_decode.DecodeTiles(split=32, block_k=16)  # 2 splits of 2 tiles; rows fill 37/20/64
   r = np.random.RandomState(0)
   f = lambda *shape: jnp.asarray(r.randn(*shape), jnp.float32)
   q, kn, vn = f(b, t, n, h), f(b, t, k, h), f(b, t, k, h)
@@ -29,8 +29,9 @@ def test_flash_cached_attention_matches_dense(kind, monkeypatch):
     positions=jnp.asarray(cpos),
     segment_ids=jnp.asarray(cseg),
     block_ids=jnp.asarray(cpos // 4),
-    length=jnp.asarray(37),
-  )  # slots >= 37 hold garbage and must be ignored
+    length=jnp.asarray([37, 20, 64], jnp.int32),
+    tiles=tiles,
+  )  # slots at or above a row's length hold garbage and must be ignored
   pos = jnp.asarray(np.tile(np.arange(17, 17 + t), (b, 1)), jnp.int32)
   seg = jnp.ones((b, t), jnp.int32)
   blk = pos // 4

@@ -20,14 +20,16 @@ def _task(pid, level=1):
 def test_default_decoding_is_dices_evaluation_decoding():
   cfg = EvalDecoding().sampler_config(stop_ids=(7, 8), pad_id=0)
   assert (cfg.block_size, cfg.steps, cfg.strategy) == (4, 4, "low_confidence_static")
-  assert (cfg.temperature, cfg.top_k, cfg.top_p) == (0.0, 0, 1.0)  # greedy, unfiltered confidence
+  assert (cfg.temperature, cfg.top_k, cfg.top_p) == (0.0, 0, 1.0)  # greedy
+  assert cfg.confidence == "unfiltered"  # as SDAR's evaluation decoder ranks positions
   assert (cfg.max_new_tokens, cfg.block_alignment, cfg.stop_ids) == (4096, "absolute", (7, 8))
 
 
-def test_unfiltered_confidence_with_filtering_is_refused_until_the_sampler_has_it():
-  with pytest.raises(ValueError, match="SamplerConfig.confidence"):
-    EvalDecoding(top_k=1, temperature=1.0)
-  EvalDecoding(top_k=1, temperature=1.0, confidence="filtered")  # DICE's literal settings
+def test_confidence_reaches_the_sampler():
+  assert EvalDecoding().sampler_config((), 0).confidence == "unfiltered"
+  # DICE's literal settings (temperature 1, top-k 1) ranked by the filtered distribution
+  dice = EvalDecoding(temperature=1.0, top_k=1, confidence="filtered").sampler_config((), 0)
+  assert (dice.temperature, dice.top_k, dice.confidence) == (1.0, 1, "filtered")
   with pytest.raises(ValueError, match="confidence must be"):
     EvalDecoding(confidence="raw")
 

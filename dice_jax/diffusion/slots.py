@@ -1,0 +1,299 @@
+"""Block decoding of independent rows ("slots") on one KV cache: admission and one block at a time.
+
+Reference §2.4 (SDAR inference), §1.7 (JetEngine); BD3-LM §4. Both the static sampler
+(`sampler.decode`) and the continuous-batching engine (`engine.ContinuousSampler`) are loops over
+the two functions here:
+
+  `admit`    prefills the prompts of some rows into their cache rows and resets their state;
+  `advance`  decodes one block of every live row: a fused commit + first denoising forward, then
+             up to `steps - 1` more denoising forwards while any live row has a [MASK] left.
+
+Rows are independent: each has its own positions (no left padding), its own cache region (row b of
+the cache, slot = position + block_size), its own step counter and its own PRNG key; rows only
+share the forwards. A row therefore decodes exactly the same tokens and step map whatever the
+other rows are doing (batched, alone, or refilled mid-run).
+
+Exact cheaper commit. SDAR/JetEngine spend one extra forward per block to write the final block's
+K/V. Here block k-1 is committed by block k's first denoising forward, whose input is
+[final block k-1 ; all-mask block k] (2b tokens) under the block-causal mask: block k-1 sees only
+the cache and itself (exactly the commit pass) and block k sees the cache, block k-1 and itself
+(exactly the first denoising pass). The cache keeps block k-1's rows and drops block k's
+provisional ones (the row's `length` stops before them). `steps` forwards per block, not
+`steps + 1`. The first block's "previous block" is the prompt's last b tokens before it (padding,
+segment 0, where the prompt is shorter), so prefill covers positions [0, first_block - b).
+
+Slot layout of a cache row: position p lives in slot p + b (positions -b..-1 are the padding of a
+short prompt's first commit); before a block's fused forward `length = block_pos`, after it
+`length = block_pos + b`. Admission rewrites the whole row's metadata, so a previous sequence's
+slots become invisible (segment 0).
+
+The cache is carried through every loop (never closed over by an inner loop that runs while the
+outer one updates it: XLA would copy it) and updated in place; see `tests/diffusion/test_engine.py`
+for the compiled-memory check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from dice_jax.diffusion import remasking
+from dice_jax.model import masks as masks_lib
+from dice_jax.model.kv_cache import KVCache, _put
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Slots:
+  """Per-row decoding state (arrays `[S, ...]`, row i = slot i)."""
+
+  block: jax.Array  # [S, b] int32 tokens of the active block ([MASK] where undecided)
+  block_steps: jax.Array  # [S, b] int32 step at which each token was unmasked (-1: not yet/prompt)
+  block_logp: jax.Array  # [S, b] f32 log-prob of each unmasked token (0 elsewhere)
+  prev: jax.Array  # [S, b] int32 tokens of the previous block (committed by the next forward)
+  block_pos: jax.Array  # [S] int32 position of the active block's first token
+  prompt_len: jax.Array  # [S] int32 prompt tokens (= position where the response starts)
+  first_pos: jax.Array  # [S] int32 position of the first decoded block (out index 0)
+  max_new: jax.Array  # [S] int32 token budget of the response
+  steps_used: jax.Array  # [S] int32 denoising forwards with masks so far (= the next step id)
+  forwards: jax.Array  # [S] int32 decode forwards the row took part in since admission
+  done: jax.Array  # [S] bool: finished, or an empty slot
+  key: jax.Array  # [S] PRNG keys (typed), one per row
+  out_tokens: jax.Array  # [S, W] int32 finished blocks, index = position - first_pos
+  out_steps: jax.Array  # [S, W] int32 step map of out_tokens (-1: not generated)
+  out_logp: jax.Array  # [S, W] f32 (or [S, 0] when log-probs are off)
+
+
+def out_width(block_size: int, max_new_tokens: int) -> int:
+  """Columns of `Slots.out_*`: the first decoded block may hold up to b - 1 prompt tokens and the
+  last one up to b - 1 tokens past the budget."""
+  b = block_size
+  return -(-(max_new_tokens + 2 * b - 2) // b) * b
+
+
+def cache_slots(block_size: int, max_prompt: int, max_new_tokens: int, multiple: int) -> int:
+  """Cache slots a row needs: b leading slots, the prompt, the response and the provisional
+  block, rounded up to `multiple`."""
+  b = block_size
+  need = b + max_prompt + max_new_tokens + 2 * b
+  return -(-need // multiple) * multiple
+
+
+def empty_slots(rows: int, block_size: int, width: int, want_logp: bool, mask_id: int) -> Slots:
+  z = lambda *shape: jnp.zeros(shape, jnp.int32)
+  return Slots(
+    block=jnp.full((rows, block_size), mask_id, jnp.int32),
+    block_steps=jnp.full((rows, block_size), -1, jnp.int32),
+    block_logp=jnp.zeros((rows, block_size), jnp.float32),
+    prev=z(rows, block_size),
+    block_pos=z(rows),
+    prompt_len=z(rows),
+    first_pos=z(rows),
+    max_new=z(rows),
+    steps_used=z(rows),
+    forwards=z(rows),
+    done=jnp.ones((rows,), bool),
+    key=jax.random.split(jax.random.key(0), rows),
+    out_tokens=z(rows, width),
+    out_steps=jnp.full((rows, width), -1, jnp.int32),
+    out_logp=jnp.zeros((rows, width if want_logp else 0), jnp.float32),
+  )
+
+
+def _set_rows(slots: Slots, rows, **values) -> Slots:
+  return dataclasses.replace(
+    slots, **{k: getattr(slots, k).at[rows].set(v) for k, v in values.items()}
+  )
+
+
+def admit(model, slots: Slots, cache: KVCache, rows, prompts, prompt_len, max_new, keys, cfg):
+  """Starts sequences in slots `rows` `[R]`: prompts `[R, P]` (token ids from column 0, any
+  padding after `prompt_len [R]`), budgets `max_new [R]`, PRNG keys `[R]`. Prefills their cache
+  rows (positions [0, first block - b)) and resets their state. P is static (a width bucket);
+  `b + P` must fit the cache."""
+  grid, b = cfg.grid, cfg.block_size
+  mask_id = model.cfg.mask_token_id
+  r, width = prompts.shape
+  col = jnp.arange(width, dtype=jnp.int32)[None, :]
+  n = prompt_len.astype(jnp.int32)[:, None]
+  first = grid.first_block_start(n)
+  pre = jnp.maximum(first - b, 0)  # prefilled prompt positions
+  seg = (col < pre).astype(jnp.int32)
+  blk = grid.block_of(col, n).astype(jnp.int32)
+  pos = jnp.broadcast_to(col, (r, width))
+  spec = masks_lib.AttentionSpec.block_causal(b, seg, blk)
+  k, v = model.prefill_kv(prompts, pos, spec)
+  slot_pos = jnp.broadcast_to(
+    jnp.arange(cache.max_len, dtype=jnp.int32)[None] - b, (r, cache.max_len)
+  )
+  cache = cache.write_rows(
+    rows,
+    k,
+    v,
+    b,
+    slot_pos,
+    ((slot_pos >= 0) & (slot_pos < pre)).astype(jnp.int32),
+    grid.block_of(slot_pos, n).astype(jnp.int32),
+    first[:, 0],
+  )
+  offs = jnp.arange(b, dtype=jnp.int32)[None, :]
+  take = lambda p: jnp.take_along_axis(prompts, jnp.clip(p, 0, width - 1), axis=1)
+  prev_pos, blk_pos = first - b + offs, first + offs
+  prev = jnp.where(prev_pos >= 0, take(prev_pos), 0)
+  block = jnp.where(blk_pos < n, take(blk_pos), mask_id)
+  zeros = jnp.zeros((r,), jnp.int32)
+  slots = _set_rows(
+    slots,
+    rows,
+    block=block,
+    block_steps=jnp.full((r, b), -1, jnp.int32),
+    block_logp=jnp.zeros((r, b), jnp.float32),
+    prev=prev,
+    block_pos=first[:, 0],
+    prompt_len=n[:, 0],
+    first_pos=first[:, 0],
+    max_new=max_new.astype(jnp.int32),
+    steps_used=zeros,
+    forwards=zeros,
+    done=jnp.zeros((r,), bool),
+    key=keys,
+    out_tokens=jnp.zeros((r, slots.out_tokens.shape[1]), jnp.int32),
+    out_steps=jnp.full((r, slots.out_steps.shape[1]), -1, jnp.int32),
+  )
+  if slots.out_logp.shape[1]:
+    slots = _set_rows(slots, rows, out_logp=jnp.zeros((r, slots.out_logp.shape[1]), jnp.float32))
+  return slots, cache
+
+
+def _denoise(slots: Slots, logits_bnv, s, gen, cfg, mask_id: int, schedule) -> Slots:
+  """One denoising update of every live row's active block from its logits (in-block step s)."""
+  masked = (slots.block == mask_id) & gen & ~slots.done[:, None]
+  keys = jax.vmap(jax.random.fold_in)(slots.key, slots.steps_used)
+  cand = remasking.sample_candidates(
+    keys,
+    logits_bnv,
+    temperature=cfg.temperature,
+    top_k=cfg.top_k,
+    top_p=cfg.top_p,
+    confidence=cfg.confidence,
+    mask_token_id=mask_id,
+    want_entropy=cfg.strategy == "entropy_bounded",
+    want_logprob=cfg.return_logprobs,
+  )
+  rows = masked.shape[0]
+  k = jnp.broadcast_to(schedule[jnp.minimum(s, cfg.steps - 1)], (rows,))
+  sel = remasking.select_transfer(
+    cfg.strategy,
+    masked,
+    cand["confidence"],
+    cand["entropy"],
+    k,
+    threshold=cfg.threshold,
+    eb_threshold=cfg.eb_threshold,
+    flush=s >= cfg.steps - 1,
+  )
+  return dataclasses.replace(
+    slots,
+    block=jnp.where(sel, cand["token"], slots.block),
+    block_steps=jnp.where(sel, slots.steps_used[:, None], slots.block_steps),
+    block_logp=jnp.where(sel, cand["logprob"], slots.block_logp),
+    steps_used=slots.steps_used + jnp.any(masked, axis=-1).astype(jnp.int32),
+  )
+
+
+def advance(model, slots: Slots, cache: KVCache, cfg):
+  """Decodes one block of every live row. Returns (slots, cache, finished `[S]` bool: rows that
+  stopped at this block (stop id or budget), forwards: decode forwards run)."""
+  grid, b = cfg.grid, cfg.block_size
+  mask_id = model.cfg.mask_token_id
+  schedule = jnp.asarray(remasking.transfer_schedule(b, cfg.steps))
+  stop_ids = jnp.asarray(cfg.stop_ids if cfg.stop_ids else (-1,), jnp.int32)
+  live = ~slots.done
+  offs = jnp.arange(b, dtype=jnp.int32)[None, :]
+  pos_blk = slots.block_pos[:, None] + offs
+  pos_prev = pos_blk - b
+  n = slots.prompt_len[:, None]
+  gen = pos_blk >= n
+  seg_blk = jnp.broadcast_to(live[:, None], pos_blk.shape).astype(jnp.int32)
+  seg_prev = (live[:, None] & (pos_prev >= 0)).astype(jnp.int32)
+  blk_blk = grid.block_of(pos_blk, n).astype(jnp.int32)
+
+  def logits_of(hidden):
+    return model.logits_from_hidden(hidden[:, -b:])
+
+  # Forward 1: commit the previous block and denoise the active one.
+  seg2 = jnp.concatenate([seg_prev, seg_blk], axis=1)
+  pos2 = jnp.concatenate([pos_prev, pos_blk], axis=1)
+  blk2 = jnp.concatenate([grid.block_of(pos_prev, n).astype(jnp.int32), blk_blk], axis=1)
+  spec2 = masks_lib.AttentionSpec.block_causal(b, seg2, blk2)
+  tokens2 = jnp.concatenate([slots.prev, slots.block], axis=1)
+  cache = cache.with_length(slots.block_pos)
+  hidden, cache = model(tokens2, pos2, spec2, cache=cache, update_cache=True, return_hidden=True)
+  cache = cache.with_length(slots.block_pos + b)
+  slots = _denoise(slots, logits_of(hidden), 0, gen, cfg, mask_id, schedule)
+
+  # Forwards 2..steps while some live row still has a mask in its block.
+  spec1 = masks_lib.AttentionSpec.block_causal(b, seg_blk, blk_blk)
+
+  def has_mask(sl):
+    return jnp.any((sl.block == mask_id) & gen & live[:, None])
+
+  def cond(c):
+    s, sl, _, _ = c
+    return (s < cfg.steps) & has_mask(sl)
+
+  def body(c):
+    s, sl, cache_, fw = c
+    hidden_, cache_ = model(
+      sl.block, pos_blk, spec1, cache=cache_, update_cache=False, return_hidden=True
+    )
+    sl = _denoise(sl, logits_of(hidden_), s, gen, cfg, mask_id, schedule)
+    return s + 1, sl, cache_, fw + 1
+
+  _, slots, cache, forwards = jax.lax.while_loop(
+    cond, body, (jnp.asarray(1), slots, cache, jnp.asarray(1))
+  )
+
+  # Close the block: record it, stop rows (stop id in the response part, or budget reached).
+  hit_stop = jnp.any(gen & jnp.isin(slots.block, stop_ids), axis=-1)
+  budget = (slots.block_pos + b - slots.prompt_len) >= slots.max_new
+  finished = live & (hit_stop | budget)
+  at = slots.block_pos - slots.first_pos
+  record = lambda out, new: jnp.where(live[:, None], _put(out, new, at, 0), out)
+  steps = jnp.where(gen, slots.block_steps, -1)
+  out_logp = slots.out_logp
+  if out_logp.shape[1]:
+    out_logp = record(out_logp, slots.block_logp)
+  go = live & ~finished
+  return (
+    dataclasses.replace(
+      slots,
+      out_tokens=record(slots.out_tokens, slots.block),
+      out_steps=record(slots.out_steps, steps),
+      out_logp=out_logp,
+      prev=jnp.where(go[:, None], slots.block, slots.prev),
+      block=jnp.where(go[:, None], mask_id, slots.block),
+      block_steps=jnp.where(go[:, None], -1, slots.block_steps),
+      block_logp=jnp.where(go[:, None], 0.0, slots.block_logp),
+      block_pos=slots.block_pos + b * go.astype(jnp.int32),
+      forwards=slots.forwards + forwards * live.astype(jnp.int32),
+      done=slots.done | finished,
+    ),
+    cache,
+    finished,
+    forwards,
+  )
+
+
+def response_lengths(slots: Slots, stop_ids) -> jax.Array:
+  """`[S]` response tokens of each row up to and including its first stop id, within budget."""
+  w = slots.out_tokens.shape[1]
+  idx = jnp.arange(w)[None, :] - (slots.prompt_len - slots.first_pos)[:, None]
+  decoded = (idx >= 0) & (slots.out_steps >= 0)
+  stop_ids = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
+  stop = decoded & jnp.isin(slots.out_tokens, stop_ids)
+  first_stop = jnp.min(jnp.where(stop, idx, w), axis=-1)
+  generated = jnp.sum(decoded, axis=-1)
+  return jnp.minimum(jnp.minimum(first_stop + 1, generated), slots.max_new)
