@@ -203,16 +203,23 @@ def load_model():
   return model, tok, {"source": source, "num_params": int(model.cfg.num_params())}
 
 
-def environment() -> dict:
+def environment(with_model: bool) -> dict:
+  """Hardware and versions for the report (JAX is not touched for known candidates: it would claim
+  GPU memory that the verifier on the same host needs)."""
+  env = {
+    "python": platform.python_version(),
+    "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
+  }
+  if not with_model:
+    return {**env, "learner_devices": "none (known candidates)"}
   import flax
   import jax
 
   return {
+    **env,
     "learner_devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
     "jax": jax.__version__,
     "flax": flax.__version__,
-    "python": platform.python_version(),
-    "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
   }
 
 
@@ -283,7 +290,7 @@ def run() -> str:
   except records.RunError as e:
     raise UserError(str(e)) from None
   with _verifier(opts) as verifier:  # reachable before anything is written
-    records.write_manifest(FLAGS.out, settings, environment())
+    records.write_manifest(FLAGS.out, settings, environment(not FLAGS.candidates))
     log = records.RecordLog(FLAGS.out)
     print(
       f"eval: {len(tasks)} problems x {FLAGS.samples} samples, {len(log)} already done; "

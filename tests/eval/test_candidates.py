@@ -82,3 +82,34 @@ def test_file_candidates_by_task_id_or_level_and_problem_id(tmp_path):
   path.write_text('{"level": 1}\n')
   with pytest.raises(ValueError, match=r"c.jsonl:1: expected"):
     FileCandidates(str(path), [_task(1)])
+
+
+@pytest.mark.slow  # a 10M-parameter model (SDAR's 151,936-token embedding) decoding a real prompt
+def test_kernelbench_prompt_with_the_sdar_tokenizer(shared_data):
+  from flax import nnx
+
+  from dice_jax.data.tasks import load_kernelbench
+  from dice_jax.data.tokenizer import Tokenizer
+  from dice_jax.eval.candidates import ModelCandidates
+  from dice_jax.model import Transformer, get_config
+
+  tok = Tokenizer.from_dir(shared_data / "sdar_chat")
+  task = [
+    t for t in load_kernelbench(str(shared_data / "kernelbench"), [1])[0] if t.name == "19_ReLU"
+  ][0]
+  cfg = get_config(
+    "tiny",
+    vocab_size=151936,
+    mask_token_id=tok.mask_token_id,
+    eos_token_id=151643,
+    pad_token_id=None,
+  )
+  src = ModelCandidates(Transformer(cfg, rngs=nnx.Rngs(0)), tok, EvalDecoding(max_new_tokens=8), 1)
+  message = prompts.e2e_user_message(task.reference_code)
+  # DICE's evaluation: the SDAR chat template around the KernelBench one-shot message
+  rendered = f"<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n"
+  assert tok.apply_chat_template([{"role": "user", "content": message}]) == rendered
+  assert src.prompt_ids(task) == tok.encode(rendered)
+  (gen,) = src.generate([(task, 0)])
+  assert gen.prompt_tokens == len(tok.encode(rendered)) and 1 <= gen.response_tokens <= 8
+  assert "<|MASK|>" not in gen.response
