@@ -113,3 +113,31 @@ def test_kernelbench_prompt_with_the_sdar_tokenizer(shared_data):
   (gen,) = src.generate([(task, 0)])
   assert gen.prompt_tokens == len(tok.encode(rendered)) and 1 <= gen.response_tokens <= 8
   assert "<|MASK|>" not in gen.response
+
+
+def test_known_gpu_candidates_and_their_expected_metrics(shared_data, tmp_path):
+  import ast
+
+  from experiments import eval_known
+
+  out = tmp_path / "known.jsonl"
+  eval_known.write(str(shared_data / "kernelbench"), list(range(19, 33)), str(out))
+  rows = {r["problem_id"]: r["candidate"] for r in map(json.loads, out.read_text().splitlines())}
+  assert sorted(rows) == [19, 20, 21, 22] + list(range(24, 33))  # 23 has no candidate
+  for pid, src in rows.items():
+    assert "class ModelNew(nn.Module)" in src and "class Model(" not in src
+    ast.parse(src)  # the Python side of every candidate is valid (22's error is in the CUDA)
+  assert "tanhf(v)\n" in rows[22] and "acc = fmaf(acc, 0.999f, v);" in rows[21]
+  want = json.loads((tmp_path / "known.expected.json").read_text())
+  assert want["compile_rate"] == 12 / 14 and want["exec_accuracy"] == 11 / 14
+  assert want["fast_p"] == {"0": 11 / 14, "0.5": 10 / 14, "1.5": 0.0, "2": 0.0}
+  assert want["failure_kinds"] == {"OK": 11, "WRONG_OUTPUT": 1, "COMPILE_ERROR": 1, "MISSING": 1}
+  # check() against a run whose metrics say exactly that, then one that differs
+  run = tmp_path / "run"
+  run.mkdir()
+  got = dict(want, fast_p={**want["fast_p"], "0.8": 0.5, "1": 0.3}, geomean_speedup=0.8)
+  (run / "metrics.json").write_text(json.dumps({"eager": {"1": got}}))
+  assert eval_known.check(str(run), str(tmp_path / "known.expected.json"))
+  got["exec_accuracy"] = 10 / 14
+  (run / "metrics.json").write_text(json.dumps({"eager": {"1": got}}))
+  assert not eval_known.check(str(run), str(tmp_path / "known.expected.json"))
