@@ -120,12 +120,16 @@ def _failure_table(per_level: Mapping[int, metrics.LevelMetrics]) -> list[str]:
 def _time_split(records: Sequence[EvalRecord]) -> list[str]:
   gen = math.fsum(r.generation_s for r in records)
   comp = math.fsum(r.compile_s for r in records)
+  longest = max((r.compile_s for r in records), default=0.0)
   run = math.fsum(r.run_s for r in records)
   return [
-    "| generation (wall, all batches) s | compile (sum over candidates, incl. waits for a shared "
-    "build) s | run on the device (sum) s |",
-    "| --- | --- | --- |",
-    f"| {gen:.1f} | {comp:.1f} | {run:.1f} |",
+    "| generation (wall, all batches) s | compile, sum over candidates s | compile, longest s "
+    "| run on the device, sum s |",
+    "| --- | --- | --- | --- |",
+    f"| {gen:.1f} | {comp:.1f} | {longest:.1f} | {run:.1f} |",
+    "",
+    "Builds run in parallel and candidates that share a build wait for it, so the compile sum "
+    "overstates the wall time spent compiling; the longest single one bounds it from below.",
   ]
 
 
