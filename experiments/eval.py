@@ -357,6 +357,11 @@ def main(argv):
   except UserError as e:
     print(f"eval: error: {e}", file=sys.stderr)
     sys.exit(2)
+  except KeyboardInterrupt:
+    print(
+      f"eval: interrupted; the records so far are in {FLAGS.out}, a rerun resumes", file=sys.stderr
+    )
+    sys.exit(130)
   print(f"report: {path}")
 
 
