@@ -34,6 +34,7 @@ class Timing:
   speedup: float = 0.0
   candidate_ms: float = 0.0
   baseline_ms: float = 0.0
+  flagged: bool = False  # speedup above the run's review threshold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +89,7 @@ class EvalRecord:
       )
     timing = self.eager if baseline == "eager" else self.compiled_baseline
     speedup = timing.speedup if timing is not None else 0.0
-    flagged = self.speedup_flagged and review != "accept"
+    flagged = timing is not None and timing.flagged and review != "accept"
     return metrics.Outcome(
       self.compiled, self.correct, speedup, self.deceptive, self.failure_kind, flagged
     )

@@ -56,12 +56,13 @@ def make_record(
   )
   if eager is None:
     return EvalRecord(**base, failure_kind=NO_CODE_BLOCK, reason="no fenced code block")
-  timing = lambda v: Timing(v.speedup, v.candidate_ms, v.baseline_ms)  # noqa: E731
+
+  def timing(v: Verdict) -> Timing:
+    flagged = v.correct and metrics.is_excessive(v.speedup, review_speedup)
+    return Timing(v.speedup, v.candidate_ms, v.baseline_ms, flagged)
+
   comp = timing(compiled) if compiled is not None and compiled.correct else None
-  flagged = eager.correct and (
-    metrics.is_excessive(eager.speedup, review_speedup)
-    or (comp is not None and metrics.is_excessive(comp.speedup, review_speedup))
-  )
+  flagged = timing(eager).flagged or (comp is not None and comp.flagged)
   return EvalRecord(
     **base,
     compiled=eager.compiled,

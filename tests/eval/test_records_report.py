@@ -18,7 +18,7 @@ def _rec(pid, sample=0, *, level=1, correct=True, speedup=1.5, kind=None, flagge
     compiled=kw.pop("compiled", correct),
     correct=correct,
     failure_kind=kind or ("OK" if correct else "WRONG_OUTPUT"),
-    eager=Timing(speedup if correct else 0.0, 1.0, speedup),
+    eager=Timing(speedup if correct else 0.0, 1.0, speedup, flagged),
     speedup_flagged=flagged,
     **kw,
   )
@@ -150,12 +150,16 @@ def test_report_tables_metrics_and_plots(tmp_path):
 def test_report_without_a_published_row_and_with_a_compile_baseline(tmp_path):
   r = _rec(1, speedup=1.2)
   r = EvalRecord(**{**r.to_json(), "eager": r.eager, "compiled_baseline": Timing(0.8, 1.0, 0.8)})
-  path = _run_dir(tmp_path, [r], num_params=106_880, baselines=("eager", "compile"))
+  # flags are per baseline: 40x over eager is flagged, 1.5x over torch.compile is not
+  f = _rec(2, speedup=40.0, flagged=True)
+  f = EvalRecord(**{**f.to_json(), "eager": f.eager, "compiled_baseline": Timing(1.5, 1.0, 1.5)})
+  assert f.outcome("eager").flagged and not f.outcome("compile").flagged
+  path = _run_dir(tmp_path, [r, f], num_params=106_880, baselines=("eager", "compile"))
   md = open(path).read()
   assert "no published row of this size" in md and "torch.compile" in md
   m = json.load(open(tmp_path / report.METRICS))
-  assert m["eager"]["1"]["fast_p"]["1"] == 0.25 and m["compile"]["1"]["fast_p"]["1"] == 0.0
-  assert m["compile"]["1"]["fast_p"]["0.5"] == 0.25
+  assert m["eager"]["1"]["fast_p"]["1"] == 0.25 and m["compile"]["1"]["fast_p"]["1"] == 0.25
+  assert m["compile"]["1"]["fast_p"]["0.5"] == 0.5 and m["compile"]["1"]["flagged"] == 0
 
 
 def test_metrics_of_an_empty_run_report_zero_rates(tmp_path):
