@@ -335,7 +335,10 @@ class _verifier:
       addresses = [self.local.address]
     try:
       self.client = GrpcCandidateVerifier(
-        addresses, self.opts, token=None if not self.local else ""
+        addresses,
+        self.opts,
+        token=None if not self.local else "",
+        ready_timeout_s=FLAGS.verifier_wait_s,
       )
     except ConnectionError as e:
       self.__exit__(None, None, None)

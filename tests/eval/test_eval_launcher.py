@@ -55,7 +55,7 @@ def _eval(*args):
     ),
     (
       [f"--candidates={CANDIDATES}", "--verifier=127.0.0.1:9", "--out=OUT", "--verifier_wait_s=1"],
-      "127.0.0.1:9",
+      "not ready after 1 s: 127.0.0.1:9",
     ),
     (["--report_only", "--out=OUT"], "is not an evaluation run directory"),
   ],
