@@ -23,7 +23,7 @@ PORT=50071
 mkdir -p "$OUT/known" "$OUT/e2e"
 T0=$(date +%s)
 stamp() { echo "$(($(date +%s) - T0)) s: $*" | tee -a "$OUT/times.txt"; }
-left() { echo $((285 - ($(date +%s) - T0))); }
+left() { local l=$((285 - ($(date +%s) - T0))); echo $((l < 30 ? 30 : l)); }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, jax, flax; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'jax', jax.__version__, 'flax', flax.__version__)"
@@ -37,7 +37,7 @@ VPID=$!
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 python3 -m experiments.export_hf --init=random --config=sdar_1p7b \
   --tokenizer_dir=$D/sdar_chat --out=/tmp/dj_sdar_1p7b_random --overwrite > "$OUT/export.log" 2>&1 &
 EPID=$!
-for _ in $(seq 150); do grep -q "listening on" "$OUT/verifier.log" && break; sleep 1; done
+for _ in $(seq 90); do grep -q "listening on" "$OUT/verifier.log" && break; sleep 1; done
 stamp "verifier up"
 
 # A. known candidates
@@ -47,6 +47,8 @@ JAX_PLATFORMS=cpu timeout 150 python3 -m experiments.eval --candidates="$OUT/kno
   --kernelbench=$D/level1.jsonl --levels=1 --problems=19-32 --strictness=off \
   --verifier=127.0.0.1:$PORT --out="$OUT/known/run" --noprogress > "$OUT/known/eval.log" 2>&1
 stamp "A known candidates: exit $?"
+# (re)build the report from the records, also after a timeout
+JAX_PLATFORMS=cpu python3 -m experiments.eval --report_only --out="$OUT/known/run" >> "$OUT/known/eval.log" 2>&1
 python3 -m experiments.eval_known --check="$OUT/known/run" \
   --expected="$OUT/known/known.expected.json" > "$OUT/known/check.txt" 2>&1
 stamp "A check: exit $? ($(tail -1 "$OUT/known/check.txt"))"
@@ -59,8 +61,8 @@ XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout "$(left)" python3 -m experiments.eval
   --verifier=127.0.0.1:$PORT --out="$OUT/e2e" --max_new_tokens=1024 --batch_size=10 \
   --extract=first_block_or_raw --noprogress > "$OUT/e2e/eval.log" 2>&1
 stamp "B e2e: exit $?"
+JAX_PLATFORMS=cpu python3 -m experiments.eval --report_only --out="$OUT/e2e" >> "$OUT/e2e/eval.log" 2>&1
 
 kill $VPID 2>/dev/null
 wait $VPID 2>/dev/null
-cp -f "$OUT/known/run/report.md" "$OUT/known_report.md" 2>/dev/null
 stamp "done"
