@@ -289,7 +289,7 @@ def run() -> str:
     records.check_manifest(FLAGS.out, settings, FLAGS.allow_config_change)
   except records.RunError as e:
     raise UserError(str(e)) from None
-  with _verifier(opts) as verifier:  # reachable before anything is written
+  with _VerifierSession(opts) as verifier:  # reachable before anything is written
     records.write_manifest(FLAGS.out, settings, environment(not FLAGS.candidates))
     log = records.RecordLog(FLAGS.out)
     print(
@@ -309,7 +309,7 @@ def run() -> str:
   return report.write_report(FLAGS.out)
 
 
-class _verifier:
+class _VerifierSession:
   """The verifier of --verifier: remote endpoints, or a local child service for the run."""
 
   def __init__(self, opts: dict):

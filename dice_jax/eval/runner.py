@@ -1,15 +1,14 @@
 """The evaluation loop: (problem, sample) pairs -> candidates -> verifier -> one record each.
 
-Batches of work go to the candidate source (a model or a file) and then to the verifier in a
-background thread, so the next batch is generated while the last one is verified (at most two
-batches in flight). Records are appended in the calling thread as verdicts arrive; pairs already in the
-log are not redone. A progress bar shows the running compile rate, exec accuracy and fast_1 over the
+Batches of work go to the candidate source (a model or a file); each candidate is then verified in a
+worker thread, so the next batch is generated while the last one is verified (at most one batch
+waits). Records are appended in the calling thread as each verdict arrives; pairs already in the log
+are not redone. A progress bar shows the running compile rate, exec accuracy and fast_1 over the
 samples done so far.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import sys
@@ -124,24 +123,16 @@ class Evaluator:
     self.review_speedup = review_speedup
     self.progress = progress
 
-  def _verify(self, work, gens):
-    """(work item, generation, eager verdict, compile verdict) for every generated item."""
-    items = [
-      (i, (t.task_id, t.reference_code, g.candidate))
-      for i, ((t, _), g) in enumerate(zip(work, gens))
-      if g is not None and g.candidate
-    ]
-    eager = dict(zip([i for i, _ in items], self.verifier.verify_batch([x for _, x in items])))
-    comp = {}
-    if self.compile_baseline:
-      again = [(i, x) for i, x in items if eager[i].correct]
-      verdicts = self.verifier.verify_batch([x for _, x in again], compile_baseline=True)
-      comp = dict(zip([i for i, _ in again], verdicts))
-    return [
-      make_record(t, s, g, eager.get(i), comp.get(i), self.review_speedup)
-      for i, ((t, s), g) in enumerate(zip(work, gens))
-      if g is not None
-    ]
+  def _verify(self, task: KernelTask, sample: int, gen: Generation) -> EvalRecord:
+    """Runs in a worker thread: the verdicts on one candidate, as its record."""
+    item = (task.task_id, task.reference_code, gen.candidate)
+    eager = self.verifier.verify(item)
+    comp = (
+      self.verifier.verify(item, compile_baseline=True)
+      if (self.compile_baseline and eager.correct)
+      else None
+    )
+    return make_record(task, sample, gen, eager, comp, self.review_speedup)
 
   def run(self, tasks: Sequence[KernelTask], samples: int = 1) -> RunSummary:
     todo = [
@@ -150,28 +141,40 @@ class Evaluator:
     resumed = len(tasks) * samples - len(todo)
     bs = max(1, self.source.batch_size)
     bar = _Progress(len(todo), self.log, self.progress)
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verify")
-    inflight: collections.deque = collections.deque()
+    pool = concurrent.futures.ThreadPoolExecutor(2 * bs, thread_name_prefix="verify")
+    pending: set[concurrent.futures.Future] = set()
     done = missing = 0
 
-    def collect(future, n_work):
-      nonlocal done, missing
-      recs = future.result()
-      for r in recs:
-        self.log.append(r)
-      done += len(recs)
-      missing += n_work - len(recs)
-      bar.update(recs, skipped=n_work - len(recs))
+    def add(rec: EvalRecord) -> None:
+      nonlocal done
+      self.log.append(rec)
+      done += 1
+      bar.update([rec])
+
+    def drain(block: bool) -> None:
+      nonlocal pending
+      finished, pending = concurrent.futures.wait(
+        pending, timeout=None if block else 0, return_when=concurrent.futures.FIRST_COMPLETED
+      )
+      for f in finished:
+        add(f.result())
 
     try:
       for start in range(0, len(todo), bs):
         work = todo[start : start + bs]
-        gens = self.source.generate(work)
-        inflight.append((pool.submit(self._verify, work, gens), len(work)))
-        while inflight and (len(inflight) > 1 or inflight[0][0].done()):
-          collect(*inflight.popleft())
-      while inflight:
-        collect(*inflight.popleft())
+        for (t, s), g in zip(work, self.source.generate(work)):
+          if g is None:  # the source has no candidate: the problem stays without a result
+            missing += 1
+            bar.update([], skipped=1)
+          elif not g.candidate:  # no code block: nothing to verify
+            add(make_record(t, s, g, None, None, self.review_speedup))
+          else:
+            pending.add(pool.submit(self._verify, t, s, g))
+        drain(block=False)
+        while len(pending) > bs:  # generate the next batch while at most one batch verifies
+          drain(block=True)
+      while pending:
+        drain(block=True)
     finally:
       pool.shutdown(wait=False, cancel_futures=True)
       bar.close()

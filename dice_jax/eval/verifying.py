@@ -47,8 +47,9 @@ Item = tuple[str, str, str]  # (task id, reference source, candidate source)
 
 
 class CandidateVerifier(Protocol):
-  def verify_batch(self, items: Sequence[Item], compile_baseline: bool = False) -> list[Verdict]:
-    """Verdicts in item order; ``compile_baseline`` times ``torch.compile(reference)`` instead."""
+  def verify(self, item: Item, compile_baseline: bool = False) -> Verdict:
+    """The verdict on one candidate (blocking; called from several threads at once);
+    ``compile_baseline`` times ``torch.compile(reference)`` as the baseline instead of eager."""
     ...
 
 
@@ -95,10 +96,8 @@ class GrpcCandidateVerifier:
       self.close()
       raise ConnectionError(str(e)) from None
 
-  def verify_batch(self, items: Sequence[Item], compile_baseline: bool = False) -> list[Verdict]:
-    if not items:
-      return []
-    return [_verdict(o) for o in self._clients[compile_baseline].verify_batch(list(items))]
+  def verify(self, item: Item, compile_baseline: bool = False) -> Verdict:
+    return _verdict(self._clients[compile_baseline].verify(*item))
 
   def close(self) -> None:
     for c in self._clients.values():
