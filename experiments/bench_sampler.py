@@ -1,19 +1,34 @@
-r"""Block-sampler throughput with random weights: generated tokens/s, forwards/s, model-FLOP use.
+r"""Sampler throughput with random weights: every H200 measurement of issue 13 in one process.
 
-  python -m experiments.bench_sampler --config=sdar_4b --batch=128 --prompt_len=1024 \
-      --new_tokens=1024 --strategies=low_confidence_static --steps=4 --block_size=4 \
-      --attention_impl=flash
+  python -m experiments.bench_sampler --out=DIR \
+      --runs=static,breakdown,sweep,best,dynamic,long,mixed,mixed_static
 
-One table row per (attention impl, new_tokens, strategy). Stop ids are off (random weights would
-stop at random), so every row generates exactly `new_tokens`. Times are wall-clock for one call of
-the compiled sampler (prefill included), after an AOT compile; `--breakdown` also times one
-prefill and single decode forwards to show where the time goes.
-MFU counts 2 * (matmul params) FLOPs per token-forward (+ LM head only for the active block) and
-4 * q * k * N * H * L for attention against the filled cache, over `--peak_tflops`.
+Runs (in the order given; each writes rows to DIR/results.jsonl and rewrites DIR/results.md):
+  static        static batch (`sampler.decode`): `--batch` prompts of `--prompt_len` +
+                `--new_tokens`, greedy, low_confidence_static, no stop ids (every row generates
+                every token). If the cache kernel fails to build, retried with its masked loop.
+  breakdown     one decode forward (b tokens, cache filled to prompt + new/2) with and without
+                XLA's dynamic-slice fusion (the layer scan slices every layer's weights), and the
+                prefill of one chunk; picks the faster compile options.
+  sweep         the cache attention (kernel + split merge, all layers) over `DecodeTiles`
+                settings; picks the fastest.
+  best          `static` again with the picked tiles and compile options (skipped if unchanged).
+  dynamic       `static` with low_confidence_dynamic (threshold 0.9) on the model with its LM head
+                scaled by `--lm_head_scale`, so that confidences pass the threshold.
+  long          continuous engine, `--batch` slots, `--batch` requests of `--long_tokens` new
+                tokens each (no stop): the no-stop rate, and the 1024 + 4096 memory.
+  mixed         the same engine on `--mixed_requests` prompts whose budgets are uniform in
+                [`--mixed_min`, `--mixed_max`] (rows stop at random lengths): useful tokens/s,
+                beside `long`'s no-stop rate, and the host time.
+  mixed_static  the first `--batch` requests of `mixed` as one static batch (`sampler.decode`,
+                cache sized for `--mixed_max`): waits for its longest row.
+Times are wall-clock of compiled calls (compile reported apart; prefill included). The roofline of
+a forward is K/V + weight bytes at `--hbm_tbs` plus matmul FLOPs at `--peak_tflops` (a sum).
 """
 
 import dataclasses
 import json
+import os
 import time
 
 import jax
@@ -22,109 +37,414 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from dice_jax.diffusion import sampler
+from dice_jax.diffusion import engine as engine_lib
+from dice_jax.diffusion import memory, sampler
 from dice_jax.model import AttentionSpec, KVCache, Transformer, get_config
+from dice_jax.model import flash_decode
 from dice_jax.train import sharding
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "sdar_4b", "Model preset.")
-flags.DEFINE_integer("batch", 128, "Sequences per batch.")
-flags.DEFINE_integer("prompt_len", 1024, "Prompt tokens per sequence.")
-flags.DEFINE_list("new_tokens", ["1024"], "Generation lengths to run.")
-flags.DEFINE_list("strategies", ["low_confidence_static"], "Remasking strategies to run.")
-flags.DEFINE_list("attention_impl", ["flash"], "Cached-attention implementations (dense|flash).")
-flags.DEFINE_integer("block_size", 4, "Block size.")
+flags.DEFINE_integer("batch", 128, "Rows of a static batch.")
+flags.DEFINE_integer("prompt_len", 1024, "Prompt tokens per row.")
+flags.DEFINE_integer("new_tokens", 1024, "New tokens of the static runs.")
+flags.DEFINE_integer("long_tokens", 4096, "New tokens of the long run.")
 flags.DEFINE_integer("steps", 4, "Denoising steps per block.")
-flags.DEFINE_float("threshold", 0.9, "low_confidence_dynamic threshold.")
-flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = greedy).")
 flags.DEFINE_integer("prefill_chunk", 16, "Rows per prefill chunk.")
-flags.DEFINE_float("peak_tflops", 790.0, "bf16 matmul TFLOP/s used for MFU (measured H200).")
-flags.DEFINE_bool("breakdown", False, "Also time prefill and single decode forwards.")
-flags.DEFINE_string("out", "", "Optional JSONL file for the rows.")
+flags.DEFINE_float("threshold", 0.9, "low_confidence_dynamic threshold.")
+flags.DEFINE_float("lm_head_scale", 40.0, "LM-head scale of the dynamic run.")
+flags.DEFINE_integer("mixed_requests", 512, "Requests of the mixed workload.")
+flags.DEFINE_integer("mixed_slots", 128, "Slots of the continuous engine.")
+flags.DEFINE_integer("mixed_min", 64, "Shortest budget of the mixed workload.")
+flags.DEFINE_integer("mixed_max", 4096, "Longest budget of the mixed workload.")
+flags.DEFINE_float("peak_tflops", 790.0, "bf16 matmul TFLOP/s (measured H200).")
+flags.DEFINE_float("hbm_tbs", 4.3, "HBM TB/s (measured H200 copy bandwidth).")
+flags.DEFINE_string("out", "", "Directory for results.jsonl / results.md.")
 flags.DEFINE_list(
   "runs",
-  [],
-  "Explicit runs impl:new_tokens:strategy (or impl:breakdown[:new]); "
-  "default: every impl x new_tokens x strategy.",
+  ["static", "breakdown", "sweep", "best", "dynamic", "long", "mixed", "mixed_static"],
+  "Measurements, in order.",
 )
+flags.DEFINE_string("attention_impl", "flash", "Model attention implementation.")
+
+DSF = {"xla_gpu_enable_dynamic_slice_fusion": True}
+
+
+class Bench:
+  """The model, the picked settings and the results table."""
+
+  def __init__(self):
+    mesh = sharding.make_mesh()
+    mcfg = get_config(
+      FLAGS.config, dtype="bfloat16", param_dtype="bfloat16", attention_impl=FLAGS.attention_impl
+    )
+    t0 = time.perf_counter()
+    self.model = sharding.create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)), mesh)
+    jax.block_until_ready(nnx.state(self.model))
+    self.build_s = time.perf_counter() - t0
+    self.tiles = flash_decode.DecodeTiles()
+    self.options = {}
+    self.rows = []
+    self.rates = {}
+    self.rs = np.random.RandomState(0)
+
+  # --- bookkeeping --------------------------------------------------------------------------
+
+  def record(self, row: dict) -> None:
+    row = dict(row, device=jax.devices()[0].device_kind, jax=jax.__version__)
+    peak = memory.peak_bytes()
+    if peak is not None:
+      row["device_peak_gib"] = round(peak / memory.GIB, 2)
+    self.rows.append(row)
+    print(json.dumps(row), flush=True)
+    if FLAGS.out:
+      os.makedirs(FLAGS.out, exist_ok=True)
+      with open(os.path.join(FLAGS.out, "results.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+      with open(os.path.join(FLAGS.out, "results.md"), "w") as f:
+        f.write(markdown(self.rows))
+
+  def prompts(self, rows):
+    hi = min(151000, self.model.cfg.mask_token_id)
+    return self.rs.randint(2, hi, (rows, FLAGS.prompt_len)).tolist()
+
+  def scfg(self, new, strategy="low_confidence_static", **kw):
+    return sampler.SamplerConfig(
+      steps=FLAGS.steps,
+      strategy=strategy,
+      threshold=FLAGS.threshold,
+      max_new_tokens=new,
+      prefill_chunk=FLAGS.prefill_chunk,
+      decode_tiles=self.tiles,
+      **kw,
+    )
+
+  # --- static batch -------------------------------------------------------------------------
+
+  def static(self, name, new, strategy="low_confidence_static", budgets=None, prompts=None):
+    model, mcfg = self.model, self.model.cfg
+    scfg = self.scfg(new, strategy)
+    prompts = prompts or self.prompts(FLAGS.batch)
+    layout = sampler.layout_prompts(prompts, scfg, mcfg.mask_token_id, budgets)
+    est = sampler.memory_estimate(model, layout, scfg)
+    memory.check_fits(est, what=name)
+    layout = jax.tree.map(jnp.asarray, layout)
+    graphdef, state = nnx.split(model)
+    keys = sampler.row_keys(jax.random.key(0), len(prompts))
+    fn = jax.jit(
+      sampler._decode,
+      static_argnames=("graphdef", "cfg"),
+      donate_argnames=("canvas",),
+      compiler_options=self.options or None,
+    )
+    t0 = time.perf_counter()
+    compiled = fn.lower(graphdef, state, layout, jnp.array(layout.tokens), keys, cfg=scfg).compile()
+    compile_s = time.perf_counter() - t0
+    ma = compiled.memory_analysis()
+    canvas = jnp.array(layout.tokens)
+    jax.block_until_ready(canvas)
+    t0 = time.perf_counter()
+    out = compiled(state, layout, canvas, keys)
+    jax.block_until_ready(out.tokens)
+    run_s = time.perf_counter() - t0
+    generated = int(np.asarray(out.response_lengths).sum())
+    forwards = int(out.forwards)
+    rows = len(prompts)
+    roof = roofline_fwd_s(mcfg, rows, FLAGS.prompt_len + new / 2, FLAGS.steps)
+    row = dict(
+      run=name,
+      rows=rows,
+      prompt=FLAGS.prompt_len,
+      new=new,
+      strategy=strategy,
+      tiles=dataclasses.asdict(self.tiles),
+      options=self.options,
+      compile_s=round(compile_s, 1),
+      run_s=round(run_s, 2),
+      tok_s=round(generated / run_s),
+      fwd_s=round(forwards / run_s, 1),
+      forwards=forwards,
+      tok_per_row_fwd=round(generated / forwards / rows, 3),
+      roofline_fwd_ms=round(1e3 * roof, 2),
+      mfu=round(
+        sample_flops(mcfg, rows, FLAGS.prompt_len, new, forwards)
+        / run_s
+        / 1e12
+        / FLAGS.peak_tflops,
+        3,
+      ),
+      est_gib=round(est["total"] / memory.GIB, 1),
+      kv_cache_gib=round(est["kv_cache"] / memory.GIB, 1),
+      compiled_temp_gib=round(ma.temp_size_in_bytes / memory.GIB, 2),
+      compiled_args_gib=round(ma.argument_size_in_bytes / memory.GIB, 2),
+      generated=generated,
+    )
+    del out, compiled
+    self.rates[name] = row["tok_s"]
+    self.record(row)
+    return row
+
+  # --- breakdown and tile sweep ---------------------------------------------------------------
+
+  def filled_cache(self, rows, fill, cap):
+    mcfg, b = self.model.cfg, 4
+    shape = (mcfg.num_layers, rows, cap, mcfg.num_kv_heads, mcfg.head_dim)
+    slot = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32) - b, (rows, cap))
+    return KVCache(
+      k=jnp.full(shape, 0.01, mcfg.compute_dtype),
+      v=jnp.full(shape, 0.02, mcfg.compute_dtype),
+      positions=slot,
+      segment_ids=(slot >= 0).astype(jnp.int32),
+      block_ids=slot // b,
+      length=jnp.full((rows,), fill + b, jnp.int32),
+      tiles=self.tiles,
+    )
+
+  def breakdown(self):
+    model, mcfg = self.model, self.model.cfg
+    rows, b = FLAGS.batch, 4
+    fill = FLAGS.prompt_len + FLAGS.new_tokens // 2
+    cap = -(-(FLAGS.prompt_len + FLAGS.new_tokens + 3 * b) // 256) * 256
+    graphdef, state = nnx.split(model)
+    cache = self.filled_cache(rows, fill, cap)
+    tok = jnp.full((rows, b), 5, jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(fill, fill + b, dtype=jnp.int32), (rows, b))
+    spec = AttentionSpec.block_causal(b, jnp.ones_like(pos), pos // b)
+
+    def fwd(state, cache):
+      m = nnx.merge(graphdef, state)
+      h, _ = m(tok, pos, spec, cache=cache, update_cache=False, return_hidden=True)
+      return m.logits_from_hidden(h)
+
+    res = dict(run="breakdown", rows=rows, fill=fill, cap=cap)
+    for label, opts in (("fwd_ms", None), ("fwd_dsf_ms", DSF)):
+      try:
+        f = jax.jit(fwd, compiler_options=opts)
+        res[label] = round(1e3 * time_fn(f, state, cache), 2)
+      except Exception as e:  # report and go on
+        res[label] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+    res["kv_read_gb"] = round(kv_bytes(mcfg, rows, fill) / 1e9, 1)
+    del cache
+    # Prefill of one chunk: the cache-free (flash) forward that returns every layer's K/V.
+    chunk = FLAGS.prefill_chunk
+    ptok = jnp.asarray(self.prompts(chunk), jnp.int32)
+    ppos = jnp.broadcast_to(jnp.arange(FLAGS.prompt_len, dtype=jnp.int32), ptok.shape)
+    pspec = AttentionSpec.block_causal(b, jnp.ones_like(ppos), (ppos - FLAGS.prompt_len) // b)
+    prefill = jax.jit(lambda st: nnx.merge(graphdef, st).prefill_kv(ptok, ppos, pspec))
+    res["prefill_chunk_ms"] = round(1e3 * time_fn(prefill, state, iters=3), 1)
+    res["prefill_batch_s_est"] = round(res["prefill_chunk_ms"] * rows / chunk / 1e3, 2)
+    res["roofline_fwd_ms"] = round(1e3 * roofline_fwd_s(mcfg, rows, fill, FLAGS.steps), 2)
+    a, d = res.get("fwd_ms"), res.get("fwd_dsf_ms")
+    if isinstance(a, float) and isinstance(d, float) and d < 0.97 * a:
+      self.options = dict(DSF)
+    res["picked_options"] = self.options
+    self.record(res)
+
+  def kernel_time(self, cache, tiles):
+    """Seconds of the cache attention (kernel + split merge) over all layers, 4 new tokens."""
+    mcfg = self.model.cfg
+    rows, kh, b = cache.k.shape[1], mcfg.num_kv_heads, 4
+    g = mcfg.num_heads // kh
+    q = jnp.ones((rows, kh, b * g, mcfg.head_dim), jnp.bfloat16)
+    qseg = jnp.ones((rows, b * g), jnp.int32)
+    qrank = jnp.full((rows, b * g), 10**6, jnp.int32)
+
+    @jax.jit
+    def all_layers(q, k, v, seg, rank, fill):
+      def one(l, acc):
+        o, _ = flash_decode.cache_part(q, k, v, l, qseg, qrank, seg, rank, fill, tiles=tiles)
+        return acc + o[:, :, :1, :1].astype(jnp.float32)
+
+      return jax.lax.fori_loop(0, mcfg.num_layers, one, jnp.zeros((rows, kh, 1, 1), jnp.float32))
+
+    filled = jnp.arange(cache.max_len)[None, :] < cache.length[:, None]
+    seg = jnp.where(filled, cache.segment_ids, 0)
+    return time_fn(all_layers, q, cache.k, cache.v, seg, cache.block_ids, cache.length)
+
+  def sweep(self):
+    mcfg = self.model.cfg
+    rows, b = FLAGS.batch, 4
+    fill = FLAGS.prompt_len + FLAGS.new_tokens // 2
+    cap = -(-(FLAGS.prompt_len + FLAGS.new_tokens + 3 * b) // 256) * 256
+    cache = self.filled_cache(rows, fill, cap)
+    gb = kv_bytes(mcfg, rows, fill) / 1e9
+    d = flash_decode.DecodeTiles()
+    settings = [
+      d,
+      dataclasses.replace(d, split=1024),
+      dataclasses.replace(d, split=2048),
+      dataclasses.replace(d, split=1024, block_k=64),
+      dataclasses.replace(d, split=1024, num_warps=8),
+      dataclasses.replace(d, split=1024, num_stages=3),
+      dataclasses.replace(d, split=2048, block_k=64, num_stages=3),
+      dataclasses.replace(d, dynamic_loop=False),
+    ]
+    best = None
+    for tiles in settings:
+      res = dict(
+        run="sweep", tiles=dataclasses.asdict(tiles), fill=fill, rows=rows, kv_gb=round(gb, 1)
+      )
+      try:
+        t = self.kernel_time(cache, tiles)
+        res.update(ms=round(1e3 * t, 2), tb_s=round(gb / 1e3 / t, 2))
+        if best is None or t < best[0]:
+          best = (t, tiles)
+      except Exception as e:  # a setting that does not compile or run
+        res["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
+      self.record(res)
+    del cache
+    if best is not None:
+      self.tiles = best[1]
+
+  # --- continuous batching ------------------------------------------------------------------
+
+  def mixed_requests(self):
+    rs = np.random.RandomState(1)
+    lengths = rs.randint(FLAGS.mixed_min, FLAGS.mixed_max + 1, FLAGS.mixed_requests)
+    hi = min(151000, self.model.cfg.mask_token_id)
+    prompts = rs.randint(2, hi, (FLAGS.mixed_requests, FLAGS.prompt_len))
+    return [
+      engine_lib.Request(i, prompts[i].tolist(), jax.random.key(i), int(lengths[i]))
+      for i in range(FLAGS.mixed_requests)
+    ]
+
+  def engine(self):
+    """One engine (compiled once) for `long` and `mixed`: slots = `--batch`, budgets up to
+    max(`--long_tokens`, `--mixed_max`)."""
+    if getattr(self, "_engine", None) is None:
+      scfg = self.scfg(max(FLAGS.long_tokens, FLAGS.mixed_max))
+      eng = engine_lib.ContinuousSampler(
+        self.model,
+        scfg,
+        slots=FLAGS.mixed_slots,
+        max_prompt_len=FLAGS.prompt_len,
+        prefill_rows=FLAGS.prefill_chunk,
+        compiler_options=self.options or None,
+      )
+      t0 = time.perf_counter()
+      warm = [
+        engine_lib.Request(f"w{i}", [7] * FLAGS.prompt_len, None, 4)
+        for i in range(FLAGS.prefill_chunk + 1)
+      ]
+      for _ in eng.run(warm):
+        pass
+      self._engine, self._engine_warm_s = eng, time.perf_counter() - t0
+    return self._engine
+
+  def engine_run(self, name, reqs):
+    eng = self.engine()
+    t0 = time.perf_counter()
+    useful = decoded = 0
+    finish = []
+    for c in eng.run(reqs):
+      useful += c.response_length
+      decoded += len(c.response_ids)
+      finish.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    st = eng.stats
+    rows = FLAGS.mixed_slots
+    fill = FLAGS.prompt_len + float(np.mean([r.max_new_tokens for r in reqs])) / 2
+    row = dict(
+      run=name,
+      requests=len(reqs),
+      slots=rows,
+      prompt=FLAGS.prompt_len,
+      budgets=f"{min(r.max_new_tokens for r in reqs)}..{max(r.max_new_tokens for r in reqs)}",
+      tiles=dataclasses.asdict(self.tiles),
+      options=self.options,
+      warmup_compile_s=round(self._engine_warm_s, 1),
+      wall_s=round(wall, 2),
+      useful_tokens=useful,
+      decoded_tokens=decoded,
+      tok_s=round(useful / wall),
+      blocks=st["blocks"],
+      forwards=st["forwards"],
+      fwd_s=round(st["forwards"] / wall, 1),
+      tok_per_row_fwd=round(decoded / st["forwards"] / rows, 3),
+      prefill_calls=st["prefill_calls"],
+      host_s=round(st["host_s"], 2),
+      host_frac=round(st["host_s"] / wall, 4),
+      wait_s=round(st["wait_s"], 2),
+      first_done_s=round(finish[0], 2),
+      roofline_fwd_ms_nominal=round(
+        1e3 * roofline_fwd_s(self.model.cfg, rows, fill, FLAGS.steps), 2
+      ),
+      est_gib=round(eng.estimate["total"] / memory.GIB, 1),
+      kv_cache_gib=round(eng.estimate["kv_cache"] / memory.GIB, 1),
+    )
+    self.rates[name] = row["tok_s"]
+    return row
+
+  def long(self):
+    hi = min(151000, self.model.cfg.mask_token_id)
+    prompts = self.rs.randint(2, hi, (FLAGS.batch, FLAGS.prompt_len))
+    reqs = [
+      engine_lib.Request(i, prompts[i].tolist(), jax.random.key(i), FLAGS.long_tokens)
+      for i in range(FLAGS.batch)
+    ]
+    self.record(self.engine_run("long", reqs))
+
+  def mixed(self):
+    row = self.engine_run("mixed", self.mixed_requests())
+    if "long" in self.rates:
+      row["vs_no_stop_long"] = round(row["tok_s"] / self.rates["long"], 3)
+    self.record(row)
+
+  def mixed_static(self):
+    reqs = self.mixed_requests()[: FLAGS.batch]
+    row = self.static(
+      "mixed_static",
+      FLAGS.mixed_max,
+      budgets=[r.max_new_tokens for r in reqs],
+      prompts=[list(r.prompt_ids) for r in reqs],
+    )
+    if "mixed" in self.rates:
+      self.record(
+        dict(
+          run="mixed_vs_static",
+          continuous_useful_tok_s=self.rates["mixed"],
+          static_useful_tok_s=row["tok_s"],
+          continuous_over_static=round(self.rates["mixed"] / row["tok_s"], 2),
+        )
+      )
+
+  def dynamic(self):
+    head = self.model.lm_head[...]
+    self.model.lm_head[...] = head * FLAGS.lm_head_scale
+    try:
+      self.static("dynamic", FLAGS.new_tokens, strategy="low_confidence_dynamic")
+    finally:
+      self.model.lm_head[...] = head
+
+
+def kv_bytes(mcfg, rows, fill):
+  return 2 * mcfg.num_layers * rows * fill * mcfg.num_kv_heads * mcfg.head_dim * 2
 
 
 def matmul_params(cfg):
   return cfg.num_params() - 2 * cfg.vocab_size * cfg.hidden_size  # embedding gather, LM head
 
 
-def sample_flops(cfg, batch, prompt, new, block, forwards):
-  """Model FLOPs of one sampler call: prefill + fused (2b) and plain (b) decode forwards."""
+def roofline_fwd_s(cfg, rows, fill, steps, block=4):
+  """One decode forward at mean fill: K/V + weights at HBM bandwidth, plus matmul FLOPs (mean
+  tokens per forward: one fused forward of 2b tokens per `steps`)."""
+  tokens = rows * block * (steps + 1) / steps
+  weights = 2 * (matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size)
+  flops = 2 * matmul_params(cfg) * tokens + 2 * cfg.hidden_size * cfg.vocab_size * rows * block
+  return (kv_bytes(cfg, rows, fill) + weights) / (FLAGS.hbm_tbs * 1e12) + flops / (
+    FLAGS.peak_tflops * 1e12
+  )
+
+
+def sample_flops(cfg, rows, prompt, new, forwards, block=4):
+  """Model FLOPs of one sampler call: prefill + decode forwards (fused 2b and plain b)."""
   n_blocks = -(-new // block)
   p = matmul_params(cfg)
   head = 2 * cfg.hidden_size * cfg.vocab_size
   attn = lambda q, k: 4 * q * k * cfg.num_heads * cfg.head_dim * cfg.num_layers
-  flops = batch * (2 * p * prompt + attn(prompt, prompt / 2))
-  mean_fill = prompt + new / 2
-  fused, plain = n_blocks, max(forwards - n_blocks, 0)
-  tok = batch * (fused * 2 * block + plain * block)
-  flops += 2 * p * tok + head * batch * block * forwards + attn(tok, mean_fill)
-  return flops
-
-
-def build_model(impl, mesh):
-  cfg = get_config(FLAGS.config, dtype="bfloat16", param_dtype="bfloat16", attention_impl=impl)
-  return sharding.create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-
-
-def run_one(model, impl, new, strategy, rng):
-  cfg = model.cfg
-  scfg = sampler.SamplerConfig(
-    block_size=FLAGS.block_size,
-    steps=FLAGS.steps,
-    strategy=strategy,
-    threshold=FLAGS.threshold,
-    temperature=FLAGS.temperature,
-    max_new_tokens=new,
-    stop_ids=(),
-    prefill_chunk=FLAGS.prefill_chunk,
-  )
-  prompts = rng.randint(2, cfg.vocab_size - 2, (FLAGS.batch, FLAGS.prompt_len)).tolist()
-  layout = sampler.layout_prompts(prompts, scfg, cfg.mask_token_id)
-  layout = jax.tree.map(jnp.asarray, layout)
-  graphdef, state = nnx.split(model)
-  key = jax.random.key(0)
-  t0 = time.perf_counter()
-  compiled = sampler._decode_jit.lower(
-    graphdef, state, layout, jnp.array(layout.tokens), key, cfg=scfg
-  ).compile()
-  compile_s = time.perf_counter() - t0
-  canvas = jnp.array(layout.tokens)
-  jax.block_until_ready(canvas)
-  t0 = time.perf_counter()
-  out = compiled(state, layout, canvas, key)
-  jax.block_until_ready(out.tokens)
-  run_s = time.perf_counter() - t0
-  generated = int(np.asarray(out.response_lengths).sum())
-  forwards = int(out.forwards)
-  flops = sample_flops(cfg, FLAGS.batch, FLAGS.prompt_len, new, FLAGS.block_size, forwards)
-  row = dict(
-    impl=impl,
-    config=FLAGS.config,
-    batch=FLAGS.batch,
-    prompt=FLAGS.prompt_len,
-    new=new,
-    strategy=strategy,
-    steps=FLAGS.steps,
-    block=FLAGS.block_size,
-    compile_s=round(compile_s, 1),
-    run_s=round(run_s, 3),
-    tok_s=generated / run_s,
-    forwards=forwards,
-    fwd_s=forwards / run_s,
-    tok_per_fwd=generated / forwards,
-    mfu=flops / run_s / (FLAGS.peak_tflops * 1e12),
-    mean_steps_per_row=float(np.asarray(out.steps_used).mean()),
-    device=jax.devices()[0].device_kind,
-    jax=jax.__version__,
-  )
-  del out
-  return row
+  flops = rows * (2 * p * prompt + attn(prompt, prompt / 2))
+  tok = rows * (n_blocks * 2 * block + max(forwards - n_blocks, 0) * block)
+  return flops + 2 * p * tok + head * rows * block * forwards + attn(tok, prompt + new / 2)
 
 
 def time_fn(fn, *args, iters=5):
@@ -137,134 +457,45 @@ def time_fn(fn, *args, iters=5):
   return (time.perf_counter() - t0) / iters
 
 
-def breakdown(model, impl, new):
-  """Times of one decode forward (b and 2b tokens) at a half-filled cache, prefill, and sampling."""
-  cfg = model.cfg
-  b, rows, prompt = FLAGS.block_size, FLAGS.batch, FLAGS.prompt_len
-  total = -(-(prompt + new + b) // 512) * 512
-  fill = prompt + new // 2
-  graphdef, state = nnx.split(model)
-  cache = KVCache.empty(cfg, rows, total)
-  ids = jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (rows, total))
-  cache = dataclasses.replace(
-    cache,
-    k=cache.k + 0.01,
-    v=cache.v + 0.01,
-    positions=ids,
-    segment_ids=jnp.ones_like(ids),
-    block_ids=ids // b,
-    length=jnp.asarray(fill, jnp.int32),
-  )
-  res = {}
-  for width, update in ((b, False), (2 * b, True)):
-    tok = jnp.full((rows, width), 5, jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(fill, fill + width, dtype=jnp.int32), (rows, width))
-    spec = AttentionSpec.block_causal(b, jnp.ones_like(pos), pos // b)
-
-    @jax.jit
-    def fwd(state, cache, tok=tok, pos=pos, spec=spec, update=update):
-      m = nnx.merge(graphdef, state)
-      h, c = m(tok, pos, spec, cache=cache, update_cache=update, return_hidden=True)
-      return m.logits_from_hidden(h[:, -b:]), c.length
-
-    res[f"fwd_{width}tok_ms"] = 1e3 * time_fn(fwd, state, cache)
-  if impl == "flash":  # the Pallas kernel alone on one layer's cache, times the layer count
-    from dice_jax.model import flash_decode
-
-    g = cfg.num_heads // cfg.num_kv_heads
-    q = jnp.ones((rows, cfg.num_kv_heads, b * g, cfg.head_dim), jnp.bfloat16)
-    one = jax.jit(
-      lambda q, k, v, s, r: flash_decode.cache_part(
-        q,
-        k,
-        v,
-        0,
-        jnp.ones((rows, b * g), jnp.int32),
-        jnp.full((rows, b * g), 10**6, jnp.int32),
-        s,
-        r,
-      )[0]
-    )
-    kseg = (ids < fill).astype(jnp.int32)
-    res["kernel_all_layers_ms"] = (
-      1e3 * cfg.num_layers * time_fn(one, q, cache.k, cache.v, kseg, ids)
-    )
-  logits = jax.random.normal(jax.random.key(0), (rows, b, cfg.vocab_size), jnp.float32)
-  from dice_jax.diffusion import remasking
-
-  cand = jax.jit(lambda l: remasking.sample_candidates(None, l)["token"])
-  res["candidates_ms"] = 1e3 * time_fn(cand, logits)
-  del cache
-  # Prefill of the prompt (all rows, in chunks).
-  scfg = sampler.SamplerConfig(block_size=b, max_new_tokens=b, prefill_chunk=FLAGS.prefill_chunk)
-  prompts = np.full((rows, prompt), 7).tolist()
-  layout = jax.tree.map(jnp.asarray, sampler.layout_prompts(prompts, scfg, cfg.mask_token_id))
-  c0 = layout.first_block_column
-
-  @jax.jit
-  def prefill(state, layout):
-    m = nnx.merge(graphdef, state)
-    cache = sampler._prefill(m, layout, c0 - b, FLAGS.prefill_chunk, c0 + b * 32, b)
-    return cache.k, cache.v  # returned so that nothing is dead code
-
-  res["prefill_ms"] = 1e3 * time_fn(prefill, state, layout, iters=2)
-  kv_bytes = 2 * cfg.num_layers * rows * fill * cfg.num_kv_heads * cfg.head_dim * 2
-  res["kv_read_gb_per_fwd"] = kv_bytes / 1e9
-  return res
+def markdown(rows) -> str:
+  keys = []
+  for r in rows:
+    keys += [k for k in r if k not in keys and k not in ("device", "jax")]
+  head = "| " + " | ".join(keys) + " |\n| " + " | ".join("---" for _ in keys) + " |\n"
+  fmt = lambda v: json.dumps(v) if isinstance(v, (dict, list)) else ("" if v is None else str(v))
+  body = "".join("| " + " | ".join(fmt(r.get(k)) for k in keys) + " |\n" for r in rows)
+  dev = f"{rows[0].get('device')}, jax {rows[0].get('jax')}\n\n" if rows else ""
+  return dev + head + body
 
 
 def main(argv):
   del argv
-  mesh = sharding.make_mesh()
+  bench = Bench()
   print(
     f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}; "
-    f"{FLAGS.config} bf16 random weights, batch {FLAGS.batch}, prompt {FLAGS.prompt_len}, "
-    f"block {FLAGS.block_size}, steps {FLAGS.steps}",
+    f"{FLAGS.config} bf16 random weights built in {bench.build_s:.1f} s; runs {FLAGS.runs}",
     flush=True,
   )
-  rng = np.random.RandomState(0)
-  rows = []
-  header = (
-    f"{'impl':<6}{'new':>6} {'strategy':<24}{'compile s':>10}{'run s':>8}{'tok/s':>9}"
-    f"{'fwd/s':>8}{'tok/fwd':>8}{'MFU':>7}"
-  )
-  fmt = lambda r: (
-    f"{r['impl']:<6}{r['new']:>6} {r['strategy']:<24}{r['compile_s']:>10.1f}"
-    f"{r['run_s']:>8.2f}{r['tok_s']:>9,.0f}{r['fwd_s']:>8.1f}"
-    f"{r['tok_per_fwd']:>8.1f}{r['mfu']:>7.1%}"
-  )
-  runs = FLAGS.runs or [
-    f"{i}:{n}:{s}" for i in FLAGS.attention_impl for n in FLAGS.new_tokens for s in FLAGS.strategies
-  ]
-  model = build_model("dense", mesh)
-  for run in runs:
-    impl, new, strategy = (run.split(":") + ["", ""])[:3]
+  for run in FLAGS.runs:
     t0 = time.perf_counter()
     try:
-      model.cfg = model.cfg.replace(attention_impl=impl)  # static attribute: new graph, same params
-      if new == "breakdown":
-        res = breakdown(model, impl, int(strategy or FLAGS.new_tokens[0]))
-        print(
-          f"breakdown ({impl}): " + json.dumps({k: round(v, 3) for k, v in res.items()}), flush=True
-        )
-        continue
-      r = run_one(model, impl, int(new), strategy, rng)
+      if run == "static":
+        try:
+          bench.static("static", FLAGS.new_tokens)
+        except Exception as e:  # e.g. the kernel's dynamic loop does not lower: masked loop
+          bench.record(dict(run="static", failed=f"{type(e).__name__}: {str(e)[:800]}"))
+          bench.tiles = dataclasses.replace(bench.tiles, dynamic_loop=False)
+          bench.static("static_masked_loop", FLAGS.new_tokens)
+      elif run == "best":
+        if bench.tiles != flash_decode.DecodeTiles() or bench.options:
+          bench.static("best", FLAGS.new_tokens)
+      elif run in ("breakdown", "sweep", "dynamic", "long", "mixed", "mixed_static"):
+        getattr(bench, run)()
+      else:
+        raise ValueError(f"unknown run {run!r}")
     except Exception as e:  # report and go on
-      print(
-        f"{run} failed after {time.perf_counter() - t0:.0f} s: {type(e).__name__}: {str(e)[:600]}",
-        flush=True,
-      )
-      continue
-    rows.append(r)
-    print(header + "\n" if len(rows) == 1 else "", end="")
-    print(fmt(r), flush=True)
-    if FLAGS.out:
-      with open(FLAGS.out, "a") as f:
-        f.write(json.dumps(r) + "\n")
-  if rows:
-    print("\n" + header)
-    for r in rows:
-      print(fmt(r))
+      bench.record(dict(run=run, failed=f"{type(e).__name__}: {str(e)[:800]}"))
+    print(f"[{run}: {time.perf_counter() - t0:.0f} s]", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,13 @@ for a few CPU-backend problems, then BiC-RL against a local CPU verifier over gR
   python -m experiments.rl_signal --workdir=/tmp/rl_signal [--steps=data,check,sft,rl,plot]
 
 Steps (each prints what it did; later steps reuse earlier outputs in the workdir):
-  data   4 element-wise problems (KernelBench format, CPU sizes) with one correct and two wrong
-         C++ candidates each (a wrong formula: wrong_output; a missing ';': compile_error);
+  data   element-wise problems (`--ops`, KernelBench format, CPU sizes) with one correct and two
+         wrong C++ candidates each (a wrong formula: wrong_output; a missing ';': compile_error);
          tasks.jsonl for RL and sft.jsonl ({prompt, response}) for SFT. The prompt is the last
-         `--prompt_tail_chars` characters of the KernelBench end-to-end user message (the part that
-         names the architecture), as the RL config renders it (`prompt_tail_chars`).
+         characters of the KernelBench end-to-end user message (`--prompt_tail_chars`; by default
+         64 for one problem, 390 for several, enough to name the operation), rendered as the RL
+         config does (`prompt_tail_chars`). One problem by default: sequences stay ~450 bytes,
+         which a loaded 2-core machine can train on in minutes per step.
   check  every candidate through the CPU verifier (also fills the build cache the RL run reuses).
   sft    `experiments.sft` on sft.jsonl until the model samples all variants.
   rl     `experiments.rl --config=rl_tiny --verifier=local` from the SFT checkpoint.
@@ -23,31 +25,38 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 from absl import app, flags
 
 FLAGS = flags.FLAGS
+OPS_NAMES = ("relu", "square", "triple")
 flags.DEFINE_string("workdir", "/tmp/rl_signal", "where everything is written")
-flags.DEFINE_list("steps", ["data", "check", "sft", "rl", "plot"], "steps to run, in order")
-flags.DEFINE_integer("prompt_tail_chars", 560, "characters of the user message kept")
+flags.DEFINE_list(
+  "steps",
+  ["data", "check", "sft", "eval_before", "rl", "eval_after", "plot"],
+  "steps to run, in order",
+)
+flags.DEFINE_list("ops", ["relu"], f"problems (of {sorted(OPS_NAMES)})")
+flags.DEFINE_integer(
+  "prompt_tail_chars", 0, "characters of the user message kept (0: 64 for one problem, else 390)"
+)
 flags.DEFINE_integer("sft_steps", 400, "SFT optimizer steps")
 flags.DEFINE_integer("rl_steps", 12, "BiC-RL steps")
+flags.DEFINE_integer("rl_group_size", 16, "samples per task in an RL step")
+flags.DEFINE_integer("rl_tasks_per_step", 1, "groups per RL step (CPU time: 1 x 16 samples)")
+flags.DEFINE_float("rl_learning_rate", 1e-3, "BiC-RL learning rate (a small model)")
 flags.DEFINE_multi_string("rl_set", [], "extra --set overrides for the RL launcher")
 flags.DEFINE_string("png", "", "where the plot goes (default: WORKDIR/rl_signal.png)")
 
-OPS = {  # name: (torch expression, correct C++ expression of v, wrong C++ expression of v)
-  "relu": ("torch.relu(x)", "v > 0.f ? v : 0.f", "v < 0.f ? v : 0.f"),
-  "square": ("x * x", "v * v", "v + v"),
-  "triple": ("x * 3.0", "v * 3.f", "v * 2.f"),
-  "halve": ("x * 0.5", "v * 0.5f", "v * 5.f"),
+OPS = {  # name: (torch expression, correct C++ expression of a[i], wrong C++ expression of a[i])
+  "relu": ("torch.relu(x)", "a[i] > 0 ? a[i] : 0", "a[i] < 0 ? a[i] : 0"),
+  "square": ("x * x", "a[i] * a[i]", "a[i] + a[i]"),
+  "triple": ("x * 3.0", "a[i] * 3", "a[i] * 2"),
 }
 
+# KernelBench format with the forward last, so that a short prompt tail still names the operation.
 REFERENCE = """import torch
 import torch.nn as nn
-
-
-class Model(nn.Module):
-    def forward(self, x):
-        return {expr}
 
 
 def get_inputs():
@@ -56,32 +65,34 @@ def get_inputs():
 
 def get_init_inputs():
     return []
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return {expr}
 """
 
 CANDIDATE = '''import torch.nn as nn
 from torch.utils.cpp_extension import load_inline
 
-src = r"""
+e = load_inline(name="{name}", cpp_sources=r"""
 #include <torch/extension.h>
 torch::Tensor f(torch::Tensor x) {{
-    auto y = torch::empty_like(x);
-    float* a = x.data_ptr<float>();
-    float* b = y.data_ptr<float>();
-    for (int64_t i = 0; i < x.numel(); ++i) {{ float v = a[i]; b[i] = {expr}{semi} }}
-    return y;
-}}
-"""
-ext = load_inline(name="{name}_ext", cpp_sources=src, functions=["f"])
+  auto y = torch::empty_like(x);
+  float *a = x.data_ptr<float>(), *b = y.data_ptr<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) b[i] = {expr};
+  return y{semi}
+}}""", functions=["f"])
 
 
 class ModelNew(nn.Module):
     def forward(self, x):
-        return ext.f(x.contiguous())
+        return e.f(x.contiguous())
 '''
 
 
 def candidates(name: str) -> dict[str, str]:
-  """variant -> candidate file: 'correct', 'wrong_output', 'compile_error'."""
+  """variant -> candidate file: 'correct', 'wrong_output', 'compile_error' (a missing ';')."""
   _, good, bad = OPS[name]
   return {
     "correct": CANDIDATE.format(name=name, expr=good, semi=";"),
@@ -100,16 +111,21 @@ def paths(workdir: str) -> dict[str, str]:
   }
 
 
+def tail_chars() -> int:
+  """The prompt: the user message's last characters (its fixed closing instruction is ~330)."""
+  return FLAGS.prompt_tail_chars or (64 if len(FLAGS.ops) == 1 else 390)
+
+
 def step_data(workdir: str) -> dict:
   from dice_jax.data import prompts
 
   p = paths(workdir)
   os.makedirs(os.path.dirname(p["tasks"]), exist_ok=True)
   tasks, sft = [], []
-  for name, (expr, _, _) in OPS.items():
-    ref = REFERENCE.format(expr=expr)
+  for name in FLAGS.ops:
+    ref = REFERENCE.format(expr=OPS[name][0])
     tasks.append({"id": name, "level": 1, "pytorch_code": ref})
-    message = prompts.e2e_user_message(ref)[-FLAGS.prompt_tail_chars :]
+    message = prompts.e2e_user_message(ref)[-tail_chars() :]
     for variant, code in candidates(name).items():
       sft.append(
         {"id": f"{name}/{variant}", "prompt": message, "response": prompts.code_response(code)}
@@ -129,7 +145,7 @@ def step_check(workdir: str) -> dict:
 
   items = [
     (name, REFERENCE.format(expr=OPS[name][0]), code, variant)
-    for name in OPS
+    for name in FLAGS.ops
     for variant, code in candidates(name).items()
   ]
   out = {}
@@ -148,8 +164,15 @@ def step_check(workdir: str) -> dict:
 
 
 def _run(cmd: list[str]) -> None:
+  """Runs a launcher. On CPU, XLA's constant folding of the sampler's prefill (an empty-cache
+  attention over the whole prompt) takes minutes per compile, so the children skip that pass."""
+  env = dict(os.environ)
+  if "constant_folding" not in env.get("XLA_FLAGS", ""):
+    env["XLA_FLAGS"] = (
+      env.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=constant_folding"
+    ).strip()
   print("  $", " ".join(cmd), flush=True)
-  subprocess.run(cmd, check=True)
+  subprocess.run(cmd, check=True, env=env)
 
 
 def step_sft(workdir: str) -> dict:
@@ -165,8 +188,8 @@ def step_sft(workdir: str) -> dict:
       f"--set=data_path={p['sft']}",
       "--set=max_prompt_chars=None",
       "--set=max_response_chars=None",
-      "--set=seq_len=1280",
-      "--set=batch_size=9",
+      "--set=seq_len=768",
+      f"--set=batch_size={3 * len(FLAGS.ops)}",
       f"--set=num_steps={FLAGS.sft_steps}",
       "--set=optim.learning_rate=2e-3",
       "--set=checkpoint_every=100",
@@ -174,6 +197,7 @@ def step_sft(workdir: str) -> dict:
       "--set=model_overrides.hidden_size=128",
       "--set=model_overrides.intermediate_size=384",
       "--set=model_overrides.num_layers=4",
+      "--set=model_overrides.remat=True",
     ]
   )
   with open(os.path.join(p["sft_dir"], "metrics.jsonl")) as f:
@@ -195,12 +219,80 @@ def step_rl(workdir: str) -> dict:
       f"--workdir={p['rl_dir']}",
       f"--init_checkpoint={p['sft_dir']}",
       f"--set=e2e_tasks={p['tasks']}",
-      f"--set=prompt_tail_chars={FLAGS.prompt_tail_chars}",
+      f"--set=prompt_tail_chars={tail_chars()}",
       f"--set=stream.num_steps={FLAGS.rl_steps}",
+      f"--set=stream.group_size={FLAGS.rl_group_size}",
+      f"--set=stream.tasks_per_step={FLAGS.rl_tasks_per_step}",
+      f"--set=rows_per_update={FLAGS.rl_group_size * FLAGS.rl_tasks_per_step}",
+      "--set=accum_steps=4",
+      f"--set=optim.learning_rate={FLAGS.rl_learning_rate}",
       *[f"--set={s}" for s in FLAGS.rl_set],
     ]
   )
   return step_plot(workdir, quiet=True)
+
+
+def evaluate(run_dir: str, workdir: str, label: str) -> dict:
+  """The correct fraction over 64 samples (4 groups x 16 of the problems, fixed keys) of a run's
+  latest checkpoint, judged by the CPU verifier; written to WORKDIR/eval_{label}.json."""
+  import dataclasses
+
+  from dice_jax.data import prompts
+  from dice_jax.data.tokenizer import Tokenizer
+  from dice_jax.rl import rewards, rollout
+  from dice_jax.rl.loop import restore_run_params
+  from dice_jax.train import sharding
+  from dice_jax.verifier_client import VerifierClient
+  from experiments.configs import rl_tiny
+  from verifier.local import LocalVerifier
+
+  model, mcfg, tok_dir = restore_run_params(run_dir, sharding.make_mesh())
+  tok = Tokenizer.from_dir(tok_dir)
+  groups = []
+  for g in range(4):
+    name = FLAGS.ops[g % len(FLAGS.ops)]
+    ref = REFERENCE.format(expr=OPS[name][0])
+    text = prompts.render_user_turn(prompts.e2e_user_message(ref)[-tail_chars() :], tok)
+    groups.append(rollout.GroupTask(g, name, np.asarray(tok.encode(text), np.int32), ref, 16))
+  scfg = dataclasses.replace(
+    rl_tiny.get_config().sampler, stop_ids=tuple(tok.stop_token_ids), pad_id=mcfg.pad_token_id
+  )
+  with LocalVerifier(os.path.join(paths(workdir)["rl_dir"], "verifier"), device="cpu") as v:
+    with VerifierClient(v.address, options={"num_correct_trials": 1}, token="") as client:
+      client.wait_ready(120)
+      ro = rollout.collect(
+        model,
+        groups,
+        backend=rollout.StaticBatches(scfg, groups_per_batch=4, seed=20261130),
+        judge=client,
+        tokenizer=tok,
+        reward_fn=rewards.make_reward("binary"),
+        rl_step=0,
+        extraction="dice",
+      )
+  kinds: dict[str, int] = {}
+  for o in ro.outcomes:
+    kinds[o.failure_kind] = kinds.get(o.failure_kind, 0) + 1
+  res = {
+    "run": run_dir,
+    "samples": len(ro.outcomes),
+    "correct": int(ro.rewards.sum()),
+    "correct_rate": float(ro.rewards.mean()),
+    "failure_kinds": kinds,
+    "unique_candidates": ro.judge_requests,
+  }
+  with open(os.path.join(workdir, f"eval_{label}.json"), "w") as f:
+    json.dump(res, f, indent=2)
+  print(f"  {label}: {res['correct']}/{res['samples']} correct; outcomes {kinds}")
+  return res
+
+
+def step_eval_before(workdir: str) -> dict:
+  return evaluate(paths(workdir)["sft_dir"], workdir, "before")
+
+
+def step_eval_after(workdir: str) -> dict:
+  return evaluate(paths(workdir)["rl_dir"], workdir, "after")
 
 
 def step_plot(workdir: str, quiet: bool = False) -> dict:
@@ -221,7 +313,8 @@ def step_plot(workdir: str, quiet: bool = False) -> dict:
     ("failure/compile_error", "compile error"),
   ):
     ax.plot(steps, [recs[s].get(key, 0.0) for s in steps], marker=".", alpha=0.7, label=label)
-  ax.set_xlabel("RL step (64 samples each: 4 tasks x 16, sampled before that step's update)")
+  n = int(recs[steps[0]]["samples"])
+  ax.set_xlabel(f"RL step ({n} samples each, drawn before that step's update)")
   ax.set_ylabel("fraction of samples")
   ax.set_ylim(-0.02, 1.02)
   ax.set_title("BiC-RL on CPU against the real verifier (tiny model after SFT)")
@@ -241,13 +334,20 @@ STEPS = {
   "data": step_data,
   "check": step_check,
   "sft": step_sft,
+  "eval_before": step_eval_before,
   "rl": step_rl,
+  "eval_after": step_eval_after,
   "plot": step_plot,
 }
 
 
 def main(argv):
   del argv
+  # This driver samples on CPU in process too (eval steps): skip XLA's constant folding of the
+  # sampler's prefill, as its children do (set before JAX is first imported, in a step).
+  if "constant_folding" not in os.environ.get("XLA_FLAGS", ""):
+    flags_now = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags_now} --xla_disable_hlo_passes=constant_folding".strip()
   os.makedirs(FLAGS.workdir, exist_ok=True)
   summary = {}
   for i, name in enumerate(FLAGS.steps, 1):

@@ -55,7 +55,7 @@ import numpy as np
 from flax import nnx
 
 from dice_jax.diffusion import blocks as blocks_lib
-from dice_jax.diffusion import remasking
+from dice_jax.diffusion import memory, remasking
 from dice_jax.diffusion import slots as slots_lib
 from dice_jax.model.flash_decode import DecodeTiles
 from dice_jax.model.kv_cache import KVCache
@@ -247,6 +247,24 @@ def _cache_len(model, cfg: SamplerConfig, total: int, prefill: int) -> int:
   return slots_lib.cache_slots(b, max(total, prefill), 0, multiple)
 
 
+def _prefill_rows(cfg: SamplerConfig, rows: int) -> int:
+  return cfg.prefill_chunk if cfg.prefill_chunk and rows % cfg.prefill_chunk == 0 else rows
+
+
+def memory_estimate(model, layout: Layout, cfg: SamplerConfig) -> dict:
+  """`memory.estimate` of `decode(model, layout, cfg)` (bytes by part)."""
+  rows, total = layout.tokens.shape
+  prefill = _prefill_width(model, layout, cfg)
+  return memory.estimate(
+    model.cfg,
+    rows=rows,
+    cache_len=_cache_len(model, cfg, total, prefill),
+    block_size=cfg.block_size,
+    prefill_rows=_prefill_rows(cfg, rows),
+    prefill_width=prefill,
+  )
+
+
 def _decode(graphdef, state, layout: Layout, canvas, keys, *, cfg: SamplerConfig):
   model = nnx.merge(graphdef, state)
   b = cfg.block_size
@@ -258,7 +276,7 @@ def _decode(graphdef, state, layout: Layout, canvas, keys, *, cfg: SamplerConfig
   )
   sl = slots_lib.empty_slots(rows, b, width, cfg.return_logprobs, model.cfg.mask_token_id)
   prompts, n = _prompt_rows(layout, prefill)
-  chunk = cfg.prefill_chunk if cfg.prefill_chunk and rows % cfg.prefill_chunk == 0 else rows
+  chunk = _prefill_rows(cfg, rows)
 
   def admit_chunk(i, carry):
     sl_, cache_ = carry
@@ -316,12 +334,21 @@ def row_keys(rng, rows: int):
   return jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(rows))
 
 
-def decode(model, layout: Layout, cfg: SamplerConfig, rng=None, keys=None) -> SampleOutput:
+def decode(
+  model, layout: Layout, cfg: SamplerConfig, rng=None, keys=None, device_bytes=None
+) -> SampleOutput:
   """Runs the compiled sampler on a prepared `Layout` (see `layout_prompts`).
 
-  `keys`: one PRNG key per row (typed `[B]`); default `row_keys(rng, B)`.
+  `keys`: one PRNG key per row (typed `[B]`); default `row_keys(rng, B)`. Before compiling, the
+  setting's memory (`memory_estimate`) is checked against `device_bytes` (default: the device's
+  limit), with a clear error when it cannot fit.
   """
   cfg.check_model(model.cfg)
+  memory.check_fits(
+    memory_estimate(model, layout, cfg),
+    device_bytes,
+    what=f"sampler.decode (batch {layout.tokens.shape[0]}, {layout.tokens.shape[1]} columns)",
+  )
   graphdef, state = nnx.split(model)
   rows = layout.tokens.shape[0]
   keys = row_keys(rng, rows) if keys is None else keys
@@ -340,8 +367,9 @@ def generate(
   max_new_tokens: Optional[Sequence[int]] = None,
   prompt_width: int = 0,
   keys=None,
+  device_bytes=None,
 ) -> SampleOutput:
   """Samples continuations of token-id `prompts` (list of lists, any lengths)."""
   cfg.check_model(model.cfg)
   layout = layout_prompts(prompts, cfg, model.cfg.mask_token_id, max_new_tokens, prompt_width)
-  return decode(model, layout, cfg, rng, keys)
+  return decode(model, layout, cfg, rng, keys, device_bytes)

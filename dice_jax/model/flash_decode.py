@@ -45,11 +45,12 @@ class DecodeTiles:
   block_k: int = 128
   num_warps: int = 4
   num_stages: int = 2
+  dynamic_loop: bool = True  # loop over the live tiles only; False: over all, skipping dead ones
 
   def __post_init__(self):
     for name in ("split", "block_k", "num_warps", "num_stages"):
       v = getattr(self, name)
-      if not isinstance(v, int) or v < 1:
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"DecodeTiles.{name} must be a positive int, got {v!r}")
     if self.block_k < 16 or self.block_k & (self.block_k - 1) or self.split % self.block_k:
       raise ValueError(
@@ -84,6 +85,7 @@ def _kernel(
   scale,
   split,
   block_k,
+  dynamic_loop,
 ):
   """One (row, K/V head, query tile, cache split): online softmax over the split's live tiles
   (`ntiles_ref`: how many of its `block_k` tiles lie below the row's fill; 0 = none)."""
@@ -119,7 +121,12 @@ def _kernel(
     jnp.full((rows,), MASK_VALUE, jnp.float32),
     jnp.zeros((rows,), jnp.float32),
   )
-  o, m, l = lax.fori_loop(0, ntiles_ref[0], tile, init)  # a dynamic-bound scf.for on Triton
+  n_live = ntiles_ref[0]
+  if dynamic_loop:  # a dynamic-bound scf.for on Triton
+    o, m, l = lax.fori_loop(0, n_live, tile, init)
+  else:
+    skip = lambda j, carry: lax.cond(j < n_live, tile, lambda _, c: c, j, carry)
+    o, m, l = lax.fori_loop(0, split // block_k, skip, init)
   empty = l == 0.0
   o_ref[...] = jnp.where(empty[:, None], 0.0, o / jnp.where(empty, 1.0, l)[:, None])
   lse_ref[...] = jnp.where(empty, EMPTY_LSE, (m + jnp.log2(jnp.where(empty, 1.0, l))) * math.log(2))
@@ -155,7 +162,13 @@ def _pallas_cache_part(
   out_o = pl.BlockSpec((None, None, None, block_q, h), lambda i, j, t, c: (i, j, c, t, 0))
   out_l = pl.BlockSpec((None, None, None, block_q), lambda i, j, t, c: (i, j, c, t))
   return pl.pallas_call(
-    functools.partial(_kernel, scale=h**-0.5, split=tiles.split, block_k=tiles.block_k),
+    functools.partial(
+      _kernel,
+      scale=h**-0.5,
+      split=tiles.split,
+      block_k=tiles.block_k,
+      dynamic_loop=tiles.dynamic_loop,
+    ),
     grid=(b, kh, rp // block_q, n_split),
     in_specs=[
       pl.BlockSpec((1,), lambda i, j, t, c: (0,)),

@@ -22,9 +22,13 @@ from dice_jax.model.flash_decode import DecodeTiles
 
 def _put(buf, new, at, row_axis: int):
   """Writes `new` into every row b of `buf` (rows on `row_axis`) at offset `at[b]` along the axis
-  right after the rows (slots)."""
-  fn = lambda b, n, a: jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype), a, axis=row_axis)
-  return jax.vmap(fn, in_axes=(row_axis, row_axis, 0), out_axes=row_axis)(buf, new, at)
+  right after the rows (slots). One scatter in `buf`'s own layout (a vmapped dynamic-update-slice
+  would transpose the rows, and XLA then copies the whole buffer back to its layout)."""
+  rows, t = new.shape[row_axis], new.shape[row_axis + 1]
+  r = jnp.arange(rows, dtype=jnp.int32)[:, None]
+  c = at.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  idx = (slice(None),) * row_axis + (jnp.broadcast_to(r, (rows, t)), c)
+  return buf.at[idx].set(new.astype(buf.dtype), mode="promise_in_bounds")
 
 
 @jax.tree_util.register_dataclass
@@ -53,13 +57,13 @@ class KVCache:
   def empty(cls, cfg, batch: int, max_len: int, dtype=None, tiles=None) -> "KVCache":
     dtype = dtype or cfg.compute_dtype
     shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    z = jnp.zeros((batch, max_len), jnp.int32)
+    z = lambda: jnp.zeros((batch, max_len), jnp.int32)  # distinct buffers (donation)
     return cls(
       jnp.zeros(shape, dtype),
       jnp.zeros(shape, dtype),
-      z,
-      z,
-      z,
+      z(),
+      z(),
+      z(),
       jnp.zeros((batch,), jnp.int32),
       tiles or DecodeTiles(),
     )

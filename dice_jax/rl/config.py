@@ -16,6 +16,7 @@ from typing import Any
 
 from dice_jax.data.rl_stream import RLStreamConfig
 from dice_jax.diffusion.sampler import SamplerConfig
+from dice_jax.model.flash_decode import DecodeTiles
 from dice_jax.rl import advantages as advantages_lib
 from dice_jax.rl import rewards as rewards_lib
 from dice_jax.rl.rollout import EXTRACTIONS
@@ -24,6 +25,7 @@ from dice_jax.train.optimizer import OptimizerConfig
 from dice_jax.verifier_client import RetryPolicy
 
 PHASES = ("infill", "e2e")
+BACKENDS = ("static", "continuous")
 SCHEDULES = ("sequential", "sequential_by_stage")
 
 DICE_SAMPLER = SamplerConfig(
@@ -87,7 +89,9 @@ class RLConfig:
   prompt_tail_chars: int = 0  # tiny CPU runs: keep the user message's last N characters
   # rollout and reward
   sampler: SamplerConfig = DICE_SAMPLER
-  groups_per_batch: int = 8  # groups per sampler call (x group_size rows)
+  sampler_backend: str = "static"  # "static" (groups per generate call) | "continuous" (engine)
+  groups_per_batch: int = 8  # static: groups per sampler call (x group_size rows)
+  slots: int = 128  # continuous: rows decoding at once
   code_extraction: str = "dice"  # rollout.EXTRACTIONS
   judge: str = "verifier"  # or "python:package.module:function" (tests, toy rewards)
   reward: str = "binary"
@@ -120,6 +124,10 @@ class RLConfig:
     need(self.phase in PHASES, f"phase must be one of {PHASES}, got {self.phase!r}")
     need(self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
     need(
+      self.sampler_backend in BACKENDS,
+      f"sampler_backend must be one of {BACKENDS}, got {self.sampler_backend!r}",
+    )
+    need(
       self.code_extraction in EXTRACTIONS,
       f"code_extraction must be one of {EXTRACTIONS}, got {self.code_extraction!r}",
     )
@@ -147,6 +155,7 @@ class RLConfig:
       need(isinstance(getattr(self, name), kind), f"{name} must be a {kind.__name__}")
     for name in (
       "groups_per_batch",
+      "slots",
       "rows_per_update",
       "accum_steps",
       "length_multiple",
@@ -197,6 +206,8 @@ class RLConfig:
     d["stream"] = RLStreamConfig(**d["stream"])
     sampler = dict(d["sampler"])
     sampler["stop_ids"] = tuple(sampler.get("stop_ids", ()))
+    if isinstance(sampler.get("decode_tiles"), dict):
+      sampler["decode_tiles"] = DecodeTiles(**sampler["decode_tiles"])
     d["sampler"] = SamplerConfig(**sampler)
     d["tracerl"] = TraceRLConfig(**d["tracerl"])
     d["optim"] = OptimizerConfig(**d["optim"])

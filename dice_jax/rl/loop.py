@@ -24,9 +24,9 @@ import os
 import signal
 import time
 import zlib
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import nnx
@@ -182,13 +182,6 @@ def load_tasks(cfg: RLConfig) -> list[tasks_lib.KernelTask]:
   return tasks
 
 
-def sampling_params(params, dtype):
-  """Matrices cast to the compute dtype for the sampler (decoding is bound by weight reads);
-  vectors (norm scales) stay as they are."""
-  cast = lambda x: x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
-  return jax.tree.map(cast, params)
-
-
 # ------------------------------------------------------------------ metrics of one step
 def rollout_metrics(ro: rollout_lib.Rollout) -> dict:
   n = max(len(ro.outcomes), 1)
@@ -298,6 +291,159 @@ def make_judge(cfg: RLConfig, endpoints: list[str] | None):
   return client
 
 
+@dataclasses.dataclass
+class _Trainer:
+  """Everything one run holds between RL steps (built by `_prepare`)."""
+
+  cfg: RLConfig
+  mesh: Any
+  mcfg: ModelConfig
+  tokenizer: Any
+  graphdef: Any
+  state: dict
+  step_fn: Any
+  old_logp_fn: Any
+  backend: rollout_lib.SamplerBackend
+  reward_fn: Any
+  stream: Any  # the RL-stream iterator
+  start: int  # RL steps already done
+
+
+def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Trainer:
+  """Model (fresh, imported, or restored with the stream position), optimizer, jitted steps."""
+  mesh = sharding_lib.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
+  resuming = ckpt.latest_step() is not None
+  if resuming:
+    mcfg = _read_model_config(workdir)
+    tok, _ = load_tokenizer(cfg, workdir, _existing_dir(os.path.join(workdir, "tokenizer")))
+    _warn_config_changes(ckpt.restore_config(), cfg.to_json())
+  else:
+    model, mcfg, inherited = build_model(cfg, mesh, workdir, init_hf, init_checkpoint)
+    tok, _ = load_tokenizer(cfg, workdir, inherited)
+    if jax.process_index() == 0:
+      _write_model_config(mcfg, workdir)
+  if cfg.sampler.block_size != mcfg.block_size:
+    raise ValueError(
+      f"RLConfig.sampler.block_size {cfg.sampler.block_size} != the model's {mcfg.block_size}"
+    )
+  logging.info(
+    "model %.2fM params (block %d, %s), mesh %s",
+    mcfg.num_params() / 1e6,
+    mcfg.block_size,
+    mcfg.dtype,
+    dict(mesh.shape),
+  )
+  total_updates = cfg.num_steps * -(-cfg.stream.elements_per_step // cfg.rows_per_update)
+  tx = optim_lib.make_optimizer(cfg.optim, total_updates)
+  if resuming:
+    graphdef, target, shardings = abstract_train_state(mcfg, tx, mesh)
+  else:
+    graphdef, state, shardings = ts.init_train_state(model, tx, mesh, tolerance=cfg.shard_tolerance)
+    del model
+  tasks = load_tasks(cfg)
+  sched = SequentialSchedule(sort_by_stage=cfg.schedule == "sequential_by_stage")
+  stream = iter(rl_stream.make_rl_stream(tasks, tok, cfg.stream, sched))
+  start = 0
+  if resuming:
+    state, data, _ = ckpt.restore(target)
+    stream.set_state(data["iterator"])
+    start = int(data["rl_step"])
+  logging.info(
+    "BiC-RL phase %s: %d tasks from %s, %d x %d samples per RL step",
+    cfg.phase,
+    len(tasks),
+    cfg.tasks_path,
+    cfg.stream.local_tasks_per_step,
+    cfg.stream.group_size,
+  )
+  loss_fn = lambda model, batch, rng: tracerl.tracerl_loss(model, batch, rng, cfg.tracerl)
+  step_fn = ts.jit_train_step(
+    ts.make_train_step(
+      graphdef,
+      tx,
+      loss_fn,
+      accum_steps=cfg.accum_steps,
+      schedule=optim_lib.make_schedule(cfg.optim, total_updates),
+      means=tracerl.METRIC_MEANS,
+    ),
+    shardings,
+    mesh,
+    cfg.accum_steps,
+  )
+  old_logp_fn = tracerl.jit_token_logprobs(
+    graphdef, shardings["params"], mesh, cfg.accum_steps, chunk=cfg.tracerl.logit_chunk
+  )
+  scfg = dataclasses.replace(
+    cfg.sampler,
+    stop_ids=cfg.sampler.stop_ids or tuple(tok.stop_token_ids),
+    pad_id=mcfg.pad_token_id if mcfg.pad_token_id is not None else tok.pad_token_id,
+  )
+  return _Trainer(
+    cfg=cfg,
+    mesh=mesh,
+    mcfg=mcfg,
+    tokenizer=tok,
+    graphdef=graphdef,
+    state=state,
+    step_fn=step_fn,
+    old_logp_fn=old_logp_fn,
+    backend=make_backend(cfg, scfg),
+    reward_fn=rewards_lib.make_reward(cfg.reward, **cfg.reward_options),
+    stream=stream,
+    start=start,
+  )
+
+
+def make_backend(cfg: RLConfig, scfg) -> rollout_lib.SamplerBackend:
+  if cfg.sampler_backend == "continuous":
+    return rollout_lib.ContinuousBatches(scfg, cfg.slots, cfg.max_prompt_len, cfg.seed)
+  return rollout_lib.StaticBatches(scfg, cfg.groups_per_batch, cfg.seed)
+
+
+def _warn_config_changes(saved: dict, now: dict) -> None:
+  changed = sorted(k for k in now if saved.get(k) != now[k])
+  if changed:
+    logging.warning("resuming with config fields changed since the checkpoint: %s", changed)
+
+
+def run_one_step(t: _Trainer, judge, step: int):
+  """One RL step (0-based `step`): (metrics, stream state after its tasks, rollout)."""
+  cfg = t.cfg
+  t0 = time.perf_counter()
+  elements = rl_stream.next_step(t.stream, cfg.stream)
+  data_state = t.stream.get_state()
+  groups = rollout_lib.groups_from_stream(
+    elements, tokenizer=t.tokenizer, prompt_tail_chars=cfg.prompt_tail_chars
+  )
+  params = rollout_lib.sampling_params(t.state["params"], t.mcfg.compute_dtype)
+  with jax.set_mesh(t.mesh):
+    ro = rollout_lib.collect(
+      nnx.merge(t.graphdef, params),
+      groups,
+      backend=t.backend,
+      judge=judge,
+      tokenizer=t.tokenizer,
+      reward_fn=t.reward_fn,
+      rl_step=step,
+      extraction=cfg.code_extraction,
+      max_prompt_len=cfg.max_prompt_len,
+    )
+  del params
+  m = rollout_metrics(ro)
+  t.state, update_m = _learn(t, ro, step)
+  m.update(update_m)
+  m["data_fingerprint"] = _fingerprint(
+    [g.task_id.encode() for g in groups] + [g.prompt_ids for g in groups]
+  )
+  m["sample_fingerprint"] = _fingerprint([tr.response_ids for tr in ro.trajectories])
+  m["optimizer_step"] = float(jax.device_get(t.state["step"]))
+  m["time/step_s"] = time.perf_counter() - t0
+  for k, v in m.items():
+    if not np.isfinite(v):
+      raise FloatingPointError(f"RL step {step + 1}: metric {k} is {v}")
+  return m, data_state, ro
+
+
 def run_rl(
   cfg: RLConfig,
   workdir: str,
@@ -309,137 +455,31 @@ def run_rl(
 ) -> dict:
   """Runs RL steps up to `cfg.num_steps` (or `max_steps` more), resuming from `workdir`."""
   os.makedirs(workdir, exist_ok=True)
-  mesh = sharding_lib.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
   ckpt = ckpt_lib.Checkpointer(
     os.path.join(workdir, "checkpoints"),
     save_every=cfg.checkpoint_every,
     keep=cfg.checkpoint_keep,
     async_save=cfg.async_checkpoint,
   )
-  resuming = ckpt.latest_step() is not None
-  if resuming:
-    mcfg = _read_model_config(workdir)
-    tok, _ = load_tokenizer(cfg, workdir, _existing_dir(os.path.join(workdir, "tokenizer")))
-  else:
-    model, mcfg, inherited = build_model(cfg, mesh, workdir, init_hf, init_checkpoint)
-    tok, _ = load_tokenizer(cfg, workdir, inherited)
-    if jax.process_index() == 0:
-      _write_model_config(mcfg, workdir)
-  if cfg.sampler.block_size != mcfg.block_size:
-    raise ValueError(
-      f"RLConfig.sampler.block_size {cfg.sampler.block_size} != the model's {mcfg.block_size}"
-    )
-  scfg = dataclasses.replace(
-    cfg.sampler,
-    stop_ids=cfg.sampler.stop_ids or tuple(tok.stop_token_ids),
-    pad_id=mcfg.pad_token_id if mcfg.pad_token_id is not None else tok.pad_token_id,
-  )
-  logging.info(
-    "model %.2fM params (block %d, %s), mesh %s",
-    mcfg.num_params() / 1e6,
-    mcfg.block_size,
-    mcfg.dtype,
-    dict(mesh.shape),
-  )
-
-  updates_per_step = -(-cfg.stream.elements_per_step // cfg.rows_per_update)
-  schedule = optim_lib.make_schedule(cfg.optim, cfg.num_steps * updates_per_step)
-  tx = optim_lib.make_optimizer(cfg.optim, cfg.num_steps * updates_per_step)
-  if resuming:
-    graphdef, target, shardings = abstract_train_state(mcfg, tx, mesh)
-  else:
-    graphdef, state, shardings = ts.init_train_state(model, tx, mesh, tolerance=cfg.shard_tolerance)
-    del model
-
-  tasks = load_tasks(cfg)
-  sched = SequentialSchedule(sort_by_stage=cfg.schedule == "sequential_by_stage")
-  it = iter(rl_stream.make_rl_stream(tasks, tok, cfg.stream, sched))
-  start = 0
-  if resuming:
-    state, data, _ = ckpt.restore(target)
-    it.set_state(data["iterator"])
-    start = int(data["rl_step"])
-  end = cfg.num_steps if max_steps is None else min(cfg.num_steps, start + max_steps)
-  logging.info(
-    "BiC-RL phase %s: %d tasks from %s, RL steps %d -> %d (of %d), %d x %d samples per step",
-    cfg.phase,
-    len(tasks),
-    cfg.tasks_path,
-    start,
-    end,
-    cfg.num_steps,
-    cfg.stream.local_tasks_per_step,
-    cfg.stream.group_size,
-  )
-
-  loss_fn = lambda model, batch, rng: tracerl.tracerl_loss(model, batch, rng, cfg.tracerl)
-  step_fn = ts.jit_train_step(
-    ts.make_train_step(
-      graphdef,
-      tx,
-      loss_fn,
-      accum_steps=cfg.accum_steps,
-      schedule=schedule,
-      means=tracerl.METRIC_MEANS,
-    ),
-    shardings,
-    mesh,
-    cfg.accum_steps,
-  )
-  old_logp_fn = tracerl.jit_token_logprobs(
-    graphdef, shardings["params"], mesh, cfg.accum_steps, chunk=cfg.tracerl.logit_chunk
-  )
-  backend = rollout_lib.StaticBatches(scfg, cfg.groups_per_batch, cfg.seed)
-  reward_fn = rewards_lib.make_reward(cfg.reward, **cfg.reward_options)
+  t = _prepare(cfg, workdir, ckpt, init_hf, init_checkpoint)
+  end = cfg.num_steps if max_steps is None else min(cfg.num_steps, t.start + max_steps)
+  logging.info("RL steps %d -> %d (of %d)", t.start, end, cfg.num_steps)
   judge = make_judge(cfg, endpoints)
   writer = metrics_lib.MetricWriter(workdir)
-  samples_path = os.path.join(workdir, "samples.jsonl")
   config_json = cfg.to_json()
-  rng = jax.random.key(cfg.seed)
-  last, preempted, done = {}, False, start
+  last, preempted, done = {}, False, t.start
   try:
     with _Preemption() as stop:
-      for rl_step in range(start, end):
-        t_step = time.perf_counter()
-        elements = rl_stream.next_step(it, cfg.stream)
-        data_state = it.get_state()
-        groups = rollout_lib.groups_from_stream(
-          elements, tokenizer=tok, prompt_tail_chars=cfg.prompt_tail_chars
-        )
-        sample_model = nnx.merge(graphdef, sampling_params(state["params"], mcfg.compute_dtype))
-        with jax.set_mesh(mesh):
-          ro = rollout_lib.collect(
-            sample_model,
-            groups,
-            backend=backend,
-            judge=judge,
-            tokenizer=tok,
-            reward_fn=reward_fn,
-            rl_step=rl_step,
-            extraction=cfg.code_extraction,
-            max_prompt_len=cfg.max_prompt_len,
-          )
-        del sample_model
-        m = rollout_metrics(ro)
-        state, update_m = _learn(cfg, mcfg, ro, state, step_fn, old_logp_fn, mesh, rng, rl_step)
-        m.update(update_m)
-        m["data_fingerprint"] = _fingerprint(
-          [g.task_id.encode() for g in groups] + [g.prompt_ids for g in groups]
-        )
-        m["sample_fingerprint"] = _fingerprint([t.response_ids for t in ro.trajectories])
-        m["optimizer_step"] = float(jax.device_get(state["step"]))
-        m["time/step_s"] = time.perf_counter() - t_step
-        for k, v in m.items():
-          if not np.isfinite(v):
-            raise FloatingPointError(f"RL step {rl_step + 1}: metric {k} is {v}")
-        done = rl_step + 1
+      for step in range(t.start, end):
+        m, data_state, ro = run_one_step(t, judge, step)
+        done = step + 1
         writer.write(done, m)
-        _write_samples(samples_path, done, ro, cfg.samples_per_step)
+        _write_samples(os.path.join(workdir, "samples.jsonl"), done, ro, cfg.samples_per_step)
         logging.info(progress_line(done, cfg.num_steps, m))
         preempted = stop.set or ckpt.reached_preemption(done)
         ckpt.save(
           done,
-          state,
+          t.state,
           {"iterator": data_state, "rl_step": done, "seed": cfg.seed},
           config_json,
           force=preempted or done == end,
@@ -463,11 +503,12 @@ def _existing_dir(path: str) -> str | None:
   return path if os.path.isdir(path) else None
 
 
-def _learn(cfg: RLConfig, mcfg, ro, state, step_fn, old_logp_fn, mesh, rng, rl_step):
+def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
   """Advantages -> TraceRL mini-batches -> old log-probs for all -> one update per mini-batch."""
+  cfg, mcfg, mesh, state = t.cfg, t.mcfg, t.mesh, t.state
   t0 = time.perf_counter()
   adv = advantages_lib.compute(
-    cfg.advantage, ro.rewards, np.asarray([t.group for t in ro.trajectories], np.int64)
+    cfg.advantage, ro.rewards, np.asarray([tr.group for tr in ro.trajectories], np.int64)
   )
   kept = []
   for traj, a, keep in zip(ro.trajectories, adv.values, adv.keep):
@@ -484,18 +525,20 @@ def _learn(cfg: RLConfig, mcfg, ro, state, step_fn, old_logp_fn, mesh, rng, rl_s
     length_multiple=cfg.length_multiple,
     rng=np.random.default_rng([cfg.seed, rl_step]),
   )
+  t_build = time.perf_counter()
   sharded = [ts.shard_batch(b, mesh, cfg.accum_steps) for b in batches]
   gap_sum, gap_n = 0.0, 0.0
   for host, b in zip(batches, sharded):  # old log-probs with the rollout parameters, for all first
-    b["old_logp"] = old_logp_fn(state["params"], b)
+    b["old_logp"] = t.old_logp_fn(state["params"], b)
     old = np.asarray(jax.device_get(b["old_logp"])).reshape(host["p_mask"].shape)
     mask = host["p_mask"]
     gap_sum += float(np.abs(old - host["sampler_logp"])[mask].sum())
     gap_n += float(mask.sum())
-  t_old = time.perf_counter() - t0
+  t_old = time.perf_counter() - t_build
   stats = _UpdateStats()
+  rng = jax.random.key(cfg.seed)  # the TraceRL loss draws nothing; the step folds in its count
   for b in sharded:
-    state, m = step_fn(state, b, rng)
+    state, m = t.step_fn(state, b, rng)
     stats.add({k: float(v) for k, v in jax.device_get(m).items()})
   out = stats.metrics()
   out.update(
@@ -504,6 +547,7 @@ def _learn(cfg: RLConfig, mcfg, ro, state, step_fn, old_logp_fn, mesh, rng, rl_s
       "groups_dropped": float(adv.dropped_groups),
       "rows": float(sum(int((b["traj_index"] >= 0).sum()) for b in batches)),
       "sampler_logp_gap": gap_sum / max(gap_n, 1.0),
+      "time/build_rows_s": t_build - t0,
       "time/old_logp_s": t_old,
       "time/update_s": time.perf_counter() - t0,
     }

@@ -8,11 +8,16 @@ service, or a local function for tests) as soon as it is sampled, so verificatio
 sampling of the next groups. Outcomes are joined back to responses by request id (a content hash:
 equal candidates of a task are judged once).
 
+The data stack (`dice_jax.data`: tokenizers, grain) is imported only by the functions that need
+it, so a GPU host can sample and judge without it (`experiments/bench_rl.py`).
+
 Two seams:
-* `SamplerBackend` -- how groups are sampled. `StaticBatches` (today) runs `groups_per_batch`
-  groups per `sampler.generate` call with one key per call, derived from (seed, RL step, first
-  group of the call): resumed runs sample the same tokens. A continuous-batching engine with
-  per-request keys drops in behind the same `sample` method.
+* `SamplerBackend` -- how groups are sampled. Every sample has its own key, derived from
+  (seed, RL step, group, member) (`sample_key`), so a sample's tokens depend neither on how
+  samples are batched nor on restarts. `StaticBatches` runs `groups_per_batch` groups per
+  `sampler.generate` call; `ContinuousBatches` keeps `slots` rows decoding in the
+  continuous-batching engine (`diffusion.engine`) and hands a group on when its last member
+  stops. Both give the same tokens for the same keys.
 * `Judge` -- `submit(task_id, reference, candidate) -> Future[VerifyOutcome]`:
   `dice_jax.verifier_client.VerifierClient` or `FunctionJudge`.
 """
@@ -28,10 +33,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from dice_jax.data import prompts as prompts_lib
 from dice_jax.diffusion import sampler as sampler_lib
 from dice_jax.rl.trajectory import Trajectory, from_sample_output
 from dice_jax.verifier_client import VerifyOutcome, request_id
@@ -64,6 +69,8 @@ def extract_candidate(response: str, rule: str) -> str | None:
   if rule == "dice":
     return extract_first_code_dice(response)
   if rule == "first_block":
+    from dice_jax.data import prompts as prompts_lib  # the data stack only where it is used
+
     return prompts_lib.extract_code(response)
   if rule == "whole_response":
     return response
@@ -84,6 +91,8 @@ class GroupTask:
 
 def user_message(element: dict) -> str:
   """The un-templated user message of an RL stream element (end-to-end or infilling)."""
+  from dice_jax.data import prompts as prompts_lib
+
   if element["kind"] == "infill":
     return prompts_lib.infilling_user_message(
       element["reference_code"], element["prefix"], element["suffix"]
@@ -110,10 +119,22 @@ def groups_from_stream(
       raise ValueError(f"group {g} ({first['task_id']}) is missing members")
     ids = np.asarray(first["prompt_ids"], np.int32)
     if prompt_tail_chars:
+      from dice_jax.data import prompts as prompts_lib
+
       text = prompts_lib.render_user_turn(user_message(first)[-prompt_tail_chars:], tokenizer)
       ids = np.asarray(tokenizer.encode(text), np.int32)
     out.append(GroupTask(g, first["task_id"], ids, first["reference_code"], len(members)))
   return out
+
+
+def sampling_params(params, dtype):
+  """Parameters for the sampler: matrices cast to the compute dtype (decoding is bound by weight
+  reads, and the fp32 masters would double them); vectors (norm scales) stay as they are."""
+
+  def cast(x):
+    return x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
+
+  return jax.tree.map(cast, params)
 
 
 def rollout_key(seed: int, rl_step: int, group: int) -> jax.Array:
@@ -121,20 +142,37 @@ def rollout_key(seed: int, rl_step: int, group: int) -> jax.Array:
   return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), rl_step), group)
 
 
+def sample_key(seed: int, rl_step: int, group: int, member: int) -> jax.Array:
+  """The key of one sample: member `member` of group `group` at RL step `rl_step`."""
+  return jax.random.fold_in(rollout_key(seed, rl_step, group), member)
+
+
+def group_keys(seed: int, rl_step: int, groups: Sequence["GroupTask"]) -> jax.Array:
+  """`[sum of sizes]` typed keys, members of each group in order."""
+  return jnp.stack([sample_key(seed, rl_step, g.group, m) for g in groups for m in range(g.size)])
+
+
 # ------------------------------------------------------------------ sampler backends
 @dataclasses.dataclass
 class SampledGroup:
   task: GroupTask
-  trajectories: list[Trajectory]
-  call: int  # which sampler call of the step sampled it (groups of one call share the next two)
-  call_forwards: int  # decode forwards of that call
+  trajectories: list[Trajectory]  # in member order
   steps_used: int  # this group's rows' denoising forwards, summed
 
 
 class SamplerBackend(Protocol):
+  forwards: int  # decode forwards of the last `sample` call (set when it is exhausted)
+
   def sample(self, model, groups: Sequence[GroupTask], rl_step: int) -> Iterator[SampledGroup]:
     """Yields each group as soon as all its members are sampled."""
     ...
+
+
+def _check_sampler(cfg: sampler_lib.SamplerConfig) -> None:
+  if not cfg.return_logprobs:
+    raise ValueError("the rollout needs SamplerConfig.return_logprobs=True")
+  if cfg.block_alignment != "response":
+    raise ValueError("TraceRL trains on the 'response' block grid; the sampler must use it too")
 
 
 class StaticBatches:
@@ -144,35 +182,94 @@ class StaticBatches:
   def __init__(self, cfg: sampler_lib.SamplerConfig, groups_per_batch: int, seed: int):
     if groups_per_batch < 1:
       raise ValueError(f"groups_per_batch must be >= 1, got {groups_per_batch}")
-    if not cfg.return_logprobs:
-      raise ValueError("the rollout needs SamplerConfig.return_logprobs=True")
-    if cfg.block_alignment != "response":
-      raise ValueError("TraceRL trains on the 'response' block grid; the sampler must use it too")
+    _check_sampler(cfg)
     self.cfg, self.k, self.seed = cfg, groups_per_batch, seed
+    self.forwards = 0
 
   def sample(self, model, groups: Sequence[GroupTask], rl_step: int) -> Iterator[SampledGroup]:
+    self.forwards = 0
     if not groups:
       return
     width = max(len(g.prompt_ids) for g in groups)
-    for call, start in enumerate(range(0, len(groups), self.k)):
+    for start in range(0, len(groups), self.k):
       chunk = list(groups[start : start + self.k])
       padded = chunk + [chunk[-1]] * (self.k - len(chunk))
       prompts = [g.prompt_ids.tolist() for g in padded for _ in range(g.size)]
-      key = rollout_key(self.seed, rl_step, chunk[0].group)
-      out = jax.device_get(sampler_lib.generate(model, prompts, self.cfg, key, prompt_width=width))
+      keys = group_keys(self.seed, rl_step, padded)
+      out = jax.device_get(
+        sampler_lib.generate(model, prompts, self.cfg, keys=keys, prompt_width=width)
+      )
+      self.forwards += int(out.forwards)
       n_real = sum(g.size for g in chunk)
       trajs = from_sample_output(out, prompts[:n_real], block_size=self.cfg.block_size)
       steps = np.asarray(out.steps_used)
       row = 0
       for g in chunk:
-        yield SampledGroup(
-          g,
-          trajs[row : row + g.size],
-          call,
-          int(out.forwards),
-          int(steps[row : row + g.size].sum()),
-        )
+        yield SampledGroup(g, trajs[row : row + g.size], int(steps[row : row + g.size].sum()))
         row += g.size
+
+
+class ContinuousBatches:
+  """`slots` rows decoding at once in `diffusion.engine.ContinuousSampler`; a row that stops is
+  refilled from the queue of samples at once, and a group is handed on as soon as its last member
+  has stopped. Prompts up to `max_prompt_len` tokens (0: the longest prompt of each call).
+
+  The engine compiles against the model it is built with, so one is built per `sample` call (per
+  RL step: the parameters change); its compile is part of the sampling time."""
+
+  def __init__(
+    self,
+    cfg: sampler_lib.SamplerConfig,
+    slots: int,
+    max_prompt_len: int,
+    seed: int,
+    prefill_rows: int = 16,
+  ):
+    _check_sampler(cfg)
+    self.cfg, self.slots, self.max_prompt_len, self.seed = cfg, slots, max_prompt_len, seed
+    self.prefill_rows = prefill_rows
+    self.forwards = 0
+
+  def sample(self, model, groups: Sequence[GroupTask], rl_step: int) -> Iterator[SampledGroup]:
+    from dice_jax.diffusion import engine as engine_lib
+
+    self.forwards = 0
+    if not groups:
+      return
+    engine = engine_lib.ContinuousSampler(
+      model,
+      self.cfg,
+      slots=self.slots,
+      max_prompt_len=self.max_prompt_len or max(len(g.prompt_ids) for g in groups),
+      prefill_rows=self.prefill_rows,
+    )
+    by_group = {g.group: g for g in groups}
+    requests = [
+      engine_lib.Request((g.group, m), g.prompt_ids, sample_key(self.seed, rl_step, g.group, m))
+      for g in groups
+      for m in range(g.size)
+    ]
+    done: dict[int, dict[int, Trajectory]] = {}
+    steps: dict[int, int] = {}
+    for c in engine.run(requests):
+      group, member = c.id
+      n = c.response_ids.size
+      logp = np.zeros(n, np.float32) if c.logprobs is None else c.logprobs
+      traj = Trajectory(
+        prompt_ids=c.prompt_ids,
+        response_ids=c.response_ids,
+        step_map=c.step_map,
+        loss_mask=np.arange(n) < c.response_length,
+        sampler_logp=logp,
+      )
+      traj.check_grid(self.cfg.block_size)
+      done.setdefault(group, {})[member] = traj
+      steps[group] = steps.get(group, 0) + c.steps_used
+      task = by_group[group]
+      if len(done[group]) == task.size:
+        members = done.pop(group)
+        yield SampledGroup(task, [members[m] for m in range(task.size)], steps.pop(group))
+    self.forwards = int(engine.stats.get("forwards", 0))
 
 
 # ------------------------------------------------------------------ judges
@@ -281,7 +378,6 @@ def collect(
   rids: list[str] = []
   pending: dict[str, concurrent.futures.Future] = {}
   local: dict[str, VerifyOutcome] = {}
-  call_forwards: dict[int, int] = {}
   steps_used = 0
   t_start = last_log = time.perf_counter()
   for n_done, sg in enumerate(backend.sample(model, keep, rl_step), 1):
@@ -290,11 +386,12 @@ def collect(
       traj.task_id, traj.group, traj.member = task.task_id, task.group, member
       text = response_text(traj, tokenizer)
       cand = extract_candidate(text, extraction)
-      if cand is None:
+      if cand is None or not cand.strip():  # nothing to judge (the service refuses empty code)
         rid = request_id(task.task_id, task.reference, "", {"no_code": True})
         local[rid] = VerifyOutcome(
-          rid, task.task_id, False, False, False, 0.0, NO_CODE, "no fenced code block"
+          rid, task.task_id, False, False, False, 0.0, NO_CODE, "no code in the response"
         )
+        cand = None
       else:
         rid = request_id(task.task_id, task.reference, cand)
         if rid not in pending:
@@ -303,7 +400,6 @@ def collect(
       texts.append(text)
       cands.append(cand)
       rids.append(rid)
-    call_forwards[sg.call] = sg.call_forwards
     steps_used += sg.steps_used
     now = time.perf_counter()
     if now - last_log > progress_every_s or n_done == len(keep):
@@ -336,7 +432,7 @@ def collect(
     sample_s=sample_s,
     verify_wait_s=verify_wait_s,
     judge_requests=len(pending),
-    forwards=sum(call_forwards.values()),
+    forwards=backend.forwards,
     steps_used=steps_used,
     generated_tokens=int(sum(t.response_ids.size for t in trajs)),
     groups_skipped=len(groups) - len(keep),

@@ -7,9 +7,9 @@ prompt and the final earlier blocks. Two layouts give the same loss and gradient
 
   per_round  DICE's rows: one row per (response, round), `[prompt | x0 | xt]`; xt covers the whole
              response (a block with no k-th group keeps its clean tokens there, as in dLLM-RL).
-  packed     one row per response: `[prompt | x0 | noisy blocks of round 1 | of round 2 | ...]`,
-             holding only the (round, block) pairs that train a token, so the prompt and the
-             clean copy are not repeated per round.
+  packed     one row per response: `[prompt | x0 | noisy copies]`, holding only the (round,
+             block) pairs that train a token, block-major (block 0 round 1, block 0 round 2, ...,
+             block 1 round 1, ...), so the prompt and the clean copy are not repeated per round.
 The `trace` attention kind (model/masks.py) makes every noisy block see the prompt, the clean
 earlier blocks and itself, and nothing else. Rounds and (round, block) pairs that train no token
 (only tokens after the first stop id, outside `loss_mask`) are left out of both layouts.
@@ -125,19 +125,20 @@ def _clean_part(t: Trajectory, block_size: int) -> dict:
   )
 
 
-def _noisy_part(t: Trajectory, rounds, r: int, cols, block_size: int, mask_token_id: int) -> dict:
-  """Noisy tokens of round r at response columns `cols` (whole blocks)."""
-  p = t.prompt_ids.size
-  trained = (rounds[cols] == r) & t.loss_mask[cols]
+def _noisy_part(t: Trajectory, rounds, round_k, cols_kb, block_size: int, mask_token_id: int):
+  """Noisy copies of K whole blocks: block k at response columns `cols_kb[k]`, round `round_k[k]`."""
+  r = np.asarray(round_k, np.int32)[:, None]
+  trained = (rounds[cols_kb] == r) & t.loss_mask[cols_kb]
+  flat = lambda x: np.ascontiguousarray(x).reshape(-1)
   return dict(
-    tokens=trace.noisy_copy(t.response_ids[cols], rounds[cols], r, mask_token_id),
-    positions=(p + cols).astype(np.int32),
-    block_ids=(cols // block_size).astype(np.int32),
-    round_ids=np.full(cols.size, r, np.int32),
-    targets=t.response_ids[cols],
-    p_mask=trained,
-    advantages=np.where(trained, np.float32(t.advantage), 0.0).astype(np.float32),
-    sampler_logp=np.where(trained, t.sampler_logp[cols], 0.0).astype(np.float32),
+    tokens=flat(trace.noisy_copy(t.response_ids[cols_kb], rounds[cols_kb], r, mask_token_id)),
+    positions=flat(t.prompt_ids.size + cols_kb).astype(np.int32),
+    block_ids=flat(cols_kb // block_size).astype(np.int32),
+    round_ids=flat(np.broadcast_to(r, cols_kb.shape)),
+    targets=flat(t.response_ids[cols_kb]),
+    p_mask=flat(trained),
+    advantages=flat(np.where(trained, np.float32(t.advantage), 0.0)).astype(np.float32),
+    sampler_logp=flat(np.where(trained, t.sampler_logp[cols_kb], 0.0)).astype(np.float32),
   )
 
 
@@ -154,23 +155,30 @@ def trajectory_rows(
   """
   t.check_grid(block_size)
   rounds = trace.token_rounds(t.step_map, block_size, cfg.shrink)
-  live = np.unique(rounds[t.loss_mask])
+  n_blocks = t.response_ids.size // block_size
+  # trains[r, b]: round r of block b trains at least one token
+  trains = np.zeros((int(rounds.max(initial=0)) + 1, n_blocks), bool)
+  trains[rounds[t.loss_mask], np.nonzero(t.loss_mask)[0] // block_size] = True
+  live = np.nonzero(trains.any(axis=1))[0]
   if not live.size:
     return []
   clean = _clean_part(t, block_size)
-  blocks = np.arange(t.response_ids.size).reshape(-1, block_size)
+  blocks = np.arange(n_blocks * block_size).reshape(n_blocks, block_size)
   if cfg.layout == "per_round":
-    all_cols = blocks.reshape(-1)
     return [
-      (_concat([clean, _noisy_part(t, rounds, int(r), all_cols, block_size, mask_token_id)]), 1)
+      (
+        _concat(
+          [clean, _noisy_part(t, rounds, np.full(n_blocks, r), blocks, block_size, mask_token_id)]
+        ),
+        1,
+      )
       for r in live
     ]
-  parts = [clean]
-  for r in live:
-    for cols in blocks:
-      if np.any((rounds[cols] == r) & t.loss_mask[cols]):
-        parts.append(_noisy_part(t, rounds, int(r), cols, block_size, mask_token_id))
-  return [(_concat(parts), int(live.size))]
+  # Block-major (block 0's rounds, then block 1's, ...): a tile of noisy queries then spans few
+  # blocks, so the flash kernel's rank bounds skip the noisy keys of other blocks.
+  pair_block, pair_round = np.nonzero(trains.T)
+  noisy = _noisy_part(t, rounds, pair_round, blocks[pair_block], block_size, mask_token_id)
+  return [(_concat([clean, noisy]), int(live.size))]
 
 
 def bucket_length(n: int, multiple: int) -> int:
@@ -265,18 +273,22 @@ def trace_spec(batch, block_size: int) -> masks_lib.AttentionSpec:
   )
 
 
-def _target_logprobs(logits_btv, targets_bt, p_mask_bt):
-  """(log p(target), entropy) at p_mask positions, 0 elsewhere; float32."""
+def _target_logprobs(logits_btv, targets_bt, p_mask_bt, want_entropy=True):
+  """(log p(target), entropy or zeros) at p_mask positions, 0 elsewhere; float32."""
   logits = logits_btv.astype(jnp.float32)
   lse = jax.nn.logsumexp(logits, axis=-1)
   picked = jnp.take_along_axis(logits, targets_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
   logp = jnp.where(p_mask_bt, picked - lse, 0.0)
+  if not want_entropy:
+    return logp, jnp.zeros_like(logp)
   probs = jax.nn.softmax(jax.lax.stop_gradient(logits), axis=-1)
   ent = jax.lax.stop_gradient(lse) - jnp.sum(probs * jax.lax.stop_gradient(logits), axis=-1)
   return logp, jnp.where(p_mask_bt, ent, 0.0)
 
 
-def chunked_target_logprobs(model, hidden_btd, targets_bt, p_mask_bt, chunk: int):
+def chunked_target_logprobs(
+  model, hidden_btd, targets_bt, p_mask_bt, chunk: int, want_entropy: bool = True
+):
   """`_target_logprobs(model.logits_from_hidden(h), ...)` one chunk of the sequence at a time.
 
   Each chunk's logits are recomputed in the backward pass (jax.checkpoint), so the peak is one
@@ -284,7 +296,8 @@ def chunked_target_logprobs(model, hidden_btd, targets_bt, p_mask_bt, chunk: int
   """
   b, t, _ = hidden_btd.shape
   if t <= chunk:
-    return _target_logprobs(model.logits_from_hidden(hidden_btd), targets_bt, p_mask_bt)
+    logits = model.logits_from_hidden(hidden_btd)
+    return _target_logprobs(logits, targets_bt, p_mask_bt, want_entropy)
   n = -(-t // chunk)
   pad = n * chunk - t
 
@@ -294,7 +307,7 @@ def chunked_target_logprobs(model, hidden_btd, targets_bt, p_mask_bt, chunk: int
 
   @jax.checkpoint
   def one(h_c, y_c, m_c):
-    live = lambda: _target_logprobs(model.logits_from_hidden(h_c), y_c, m_c)
+    live = lambda: _target_logprobs(model.logits_from_hidden(h_c), y_c, m_c, want_entropy)
     none = lambda: (jnp.zeros(m_c.shape, jnp.float32), jnp.zeros(m_c.shape, jnp.float32))
     return jax.lax.cond(jnp.any(m_c), live, none)
 
@@ -305,20 +318,20 @@ def chunked_target_logprobs(model, hidden_btd, targets_bt, p_mask_bt, chunk: int
   return merge(logp), merge(ent)
 
 
-def _logprobs_and_entropy(model, batch, chunk: int):
+def _logprobs_and_entropy(model, batch, chunk: int, want_entropy: bool = True):
   tokens = jnp.asarray(batch["tokens"]).astype(jnp.int32)
   positions = jnp.asarray(batch["positions"]).astype(jnp.int32)
   p_mask = jnp.asarray(batch["p_mask"]).astype(bool) & (jnp.asarray(batch["segment_ids"]) > 0)
   spec = trace_spec(batch, model.cfg.block_size)
   hidden = model(tokens, positions, spec, return_hidden=True)
   targets = jnp.asarray(batch["targets"]).astype(jnp.int32)
-  logp, ent = chunked_target_logprobs(model, hidden, targets, p_mask, chunk)
+  logp, ent = chunked_target_logprobs(model, hidden, targets, p_mask, chunk, want_entropy)
   return logp, ent, p_mask
 
 
 def token_logprobs(model, batch, *, chunk: int = 2048) -> jax.Array:
   """`[B, T]` log p(target) at trained positions (p_mask), 0 elsewhere; float32."""
-  return _logprobs_and_entropy(model, batch, chunk)[0]
+  return _logprobs_and_entropy(model, batch, chunk, want_entropy=False)[0]
 
 
 def policy_terms(logp_new, logp_old, advantages, p_mask, *, clip_eps: float, ratio_clamp: float):

@@ -1,10 +1,10 @@
 """BiC-RL on CPU: the tiny model (byte tokenizer) against a local CPU verifier.
 
-Sized for the 2-core dev machine: 4 tasks x 16 samples per RL step (64), up to 640 new tokens,
-the last 560 characters of the end-to-end user message as the prompt (the part naming the
-architecture; SFT rows are built the same way by `experiments.rl_signal`), 32 packed TraceRL
-rows per optimizer step, a learning rate for a small model trained from scratch rather than
-DICE's 1e-6 fine-tuning rate. Tasks default to the embedded demo pairs (GPU references);
+Sized for the 2-core dev machine: 4 tasks x 16 samples per RL step (64), up to 512 new tokens,
+the last 64 characters of the end-to-end user message as the prompt (`experiments.rl_signal`
+builds its SFT rows the same way; with several problems it uses 390, enough to name the
+operation), 32 packed TraceRL rows per optimizer step, a learning rate for a small model trained
+from scratch rather than DICE's 1e-6 fine-tuning rate. Tasks default to the embedded demo pairs (GPU references);
 `experiments.rl_signal` points `e2e_tasks` at CPU-sized problems.
 """
 
@@ -28,8 +28,8 @@ def get_config() -> RLConfig:
     e2e_tasks=os.path.normpath(_PAIRS),
     stream=RLStreamConfig(group_size=16, tasks_per_step=4, num_steps=12, prompt_style="chat"),
     max_prompt_len=1024,
-    prompt_tail_chars=560,
-    sampler=dataclasses.replace(DICE_SAMPLER, max_new_tokens=640),
+    prompt_tail_chars=64,
+    sampler=dataclasses.replace(DICE_SAMPLER, max_new_tokens=512),
     groups_per_batch=4,
     verifier=VerifierConfig(local_device="cpu"),
     tracerl=TraceRLConfig(layout="packed"),

@@ -11,10 +11,11 @@ from dice_jax.model.config import get_config
 from dice_jax.model.kv_cache import KVCache
 
 
-@pytest.mark.parametrize("kind", ["block_causal", "causal"])
-def test_flash_cached_attention_matches_dense(kind):
+@pytest.mark.parametrize("kind,dynamic_loop", [("block_causal", True), ("causal", False)])
+def test_flash_cached_attention_matches_dense(kind, dynamic_loop):
   b, t, s, n, k, h = 3, 8, 64, 4, 2, 16
-  tiles = flash_decode.DecodeTiles(split=32, block_k=16)  # 2 splits of 2 tiles; rows fill 37/20/64
+  # 2 splits of 2 tiles; rows fill 37/20/64 slots
+  tiles = flash_decode.DecodeTiles(split=32, block_k=16, dynamic_loop=dynamic_loop)
   r = np.random.RandomState(0)
   f = lambda *shape: jnp.asarray(r.randn(*shape), jnp.float32)
   q, kn, vn = f(b, t, n, h), f(b, t, k, h), f(b, t, k, h)

@@ -73,7 +73,13 @@ def reference_generate(model, prompt, cfg: sampler.SamplerConfig):
       blk = block_of(pos).astype(np.int32)
       logits = fwd(state, tok, pos, seg, blk)[:, start : start + b]
       cand = remasking.sample_candidates(
-        None, logits, temperature=0.0, want_entropy=cfg.strategy == "entropy_bounded"
+        None,
+        logits,
+        temperature=0.0,
+        top_k=cfg.top_k,
+        confidence=cfg.confidence,
+        mask_token_id=MASK,
+        want_entropy=cfg.strategy == "entropy_bounded",
       )
       sel = remasking.select_transfer(
         cfg.strategy,
@@ -104,11 +110,24 @@ STRATEGY_CFGS = [
   sampler.SamplerConfig(strategy="low_confidence_dynamic", steps=4, threshold=0.5),
   sampler.SamplerConfig(strategy="entropy_bounded", steps=4, eb_threshold=0.5),
   sampler.SamplerConfig(strategy="low_confidence_static", steps=4, block_alignment="absolute"),
+  # SDAR's evaluation decoder as DICE runs it: greedy top-k 1, confidence from the raw softmax.
+  sampler.SamplerConfig(
+    strategy="low_confidence_static",
+    steps=4,
+    block_alignment="absolute",
+    top_k=1,
+    confidence="unfiltered",
+  ),
+  sampler.SamplerConfig(
+    strategy="low_confidence_dynamic", steps=4, threshold=0.5, top_k=3, confidence="unfiltered"
+  ),
 ]
 
 
 @pytest.fixture(
-  scope="module", params=STRATEGY_CFGS, ids=lambda c: f"{c.strategy}-{c.steps}-{c.block_alignment}"
+  scope="module",
+  params=STRATEGY_CFGS,
+  ids=lambda c: f"{c.strategy}-{c.steps}-{c.block_alignment}-{c.confidence}-k{c.top_k}",
 )
 def sampled(request, model):
   cfg = dataclasses.replace(request.param, max_new_tokens=14, stop_ids=(EOS,), pad_id=0)
@@ -220,3 +239,67 @@ def test_top_k_top_p_and_temperature_filtering():
   np.testing.assert_allclose(float(greedy["logprob"][0, 0]), np.log(0.5), rtol=1e-5)
   p = np.array([0.5, 0.3, 0.15, 0.05])
   np.testing.assert_allclose(float(greedy["entropy"][0, 0]), -(p * np.log(p)).sum(), rtol=1e-5)
+
+
+def test_confidence_definitions_and_mask_exclusion():
+  # Token 3 is the mask id here; it has the highest logit and must never be drawn.
+  logits = jnp.log(jnp.array([[[0.1, 0.3, 0.2, 0.4], [0.6, 0.2, 0.1, 0.1]]]))
+  filt = remasking.sample_candidates(None, logits, top_k=1, mask_token_id=3)
+  raw = remasking.sample_candidates(None, logits, top_k=1, confidence="unfiltered", mask_token_id=3)
+  np.testing.assert_array_equal(np.asarray(filt["token"]), [[1, 0]])
+  np.testing.assert_array_equal(np.asarray(raw["token"]), [[1, 0]])
+  # filtered (JetEngine): probability after top-k = 1 -> always 1, so static is left-to-right
+  np.testing.assert_allclose(np.asarray(filt["confidence"]), [[1.0, 1.0]], rtol=1e-6)
+  # unfiltered (SDAR huggingface_bd3.py): the raw softmax, mask included in the normaliser
+  np.testing.assert_allclose(np.asarray(raw["confidence"]), [[0.3, 0.6]], rtol=1e-5)
+  masked, k = jnp.array([[True, True]]), jnp.array([1])
+  pick = lambda c: np.asarray(
+    remasking.select_transfer("low_confidence_static", masked, c["confidence"], c["entropy"], k)
+  )
+  np.testing.assert_array_equal(pick(filt), [[True, False]])  # leftmost (ties)
+  np.testing.assert_array_equal(pick(raw), [[False, True]])  # the more confident one
+  # with temperature, the unfiltered confidence is softmax(logits / T) before filtering
+  hot = remasking.sample_candidates(
+    jax.random.key(0), logits, temperature=2.0, top_k=1, confidence="unfiltered", mask_token_id=3
+  )
+  p = np.sqrt([0.1, 0.3, 0.2, 0.4])
+  np.testing.assert_allclose(float(hot["confidence"][0, 0]), p[1] / p.sum(), rtol=1e-5)
+  # sampling with the mask as the most likely token never draws it
+  keys = jax.random.split(jax.random.key(1), 2000)
+  draws = jax.vmap(
+    lambda key: remasking.sample_candidates(key, logits, temperature=1.0, mask_token_id=3)["token"]
+  )(keys)
+  assert not (np.asarray(draws) == 3).any()
+
+
+def test_per_row_keys_make_each_row_independent_of_the_batch():
+  logits = jax.random.normal(jax.random.key(0), (3, 4, 50))
+  keys = jax.random.split(jax.random.key(7), 3)
+  both = remasking.sample_candidates(keys, logits, temperature=1.0)["token"]
+  for i in range(3):
+    alone = remasking.sample_candidates(keys[i : i + 1], logits[i : i + 1], temperature=1.0)
+    np.testing.assert_array_equal(np.asarray(alone["token"])[0], np.asarray(both)[i])
+
+
+def test_mask_token_is_never_emitted_even_when_it_is_the_argmax(model):
+  m = nnx.clone(model)
+  m.lm_head[...] = m.lm_head[...].at[:, MASK].add(1e3)  # [MASK] is everyone's best guess
+  for temperature in (0.0, 1.0):
+    cfg = sampler.SamplerConfig(
+      strategy="low_confidence_dynamic", steps=4, max_new_tokens=8, temperature=temperature
+    )
+    out = sampler.generate(m, PROMPTS, cfg, rng=jax.random.key(3))
+    gen = np.asarray(out.step_map) >= 0
+    assert gen.sum(axis=1).min() == 8
+    assert not (np.asarray(out.tokens)[gen] == MASK).any()
+
+
+def test_sampler_refuses_another_block_size_and_a_setting_that_cannot_fit(model):
+  with pytest.raises(ValueError, match="block size 8 differs from the model's block_size 4"):
+    sampler.generate(model, PROMPTS, sampler.SamplerConfig(block_size=8))
+  cfg = sampler.SamplerConfig(max_new_tokens=4096)
+  layout = sampler.layout_prompts(PROMPTS, cfg, MASK)
+  est = sampler.memory_estimate(model, layout, cfg)
+  assert est["kv_cache"] > 4 * 2 * 2 * (4096 + 8) * 2 * 16 * 4  # rows x K/V x layers x slots...
+  with pytest.raises(ValueError, match=r"does not fit in device memory: needs ~.* K/V cache"):
+    sampler.generate(model, PROMPTS, cfg, device_bytes=est["total"] - 1)

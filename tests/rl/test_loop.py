@@ -121,6 +121,20 @@ def test_run_writes_metrics_samples_and_checkpoints(tmp_path):
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
   again = run_rl(small_config(), str(tmp_path))  # finished: resumes at the end, does nothing
   assert again["rl_step"] == 2
+  # the run directory initialises a next phase (--init_checkpoint): its params and tokenizer
+  import jax
+  from flax import nnx
+
+  from dice_jax.model import Transformer
+  from dice_jax.rl.loop import restore_run_params
+  from dice_jax.train import sharding
+
+  model, mcfg, tok_dir = restore_run_params(str(tmp_path), sharding.make_mesh())
+  assert tok_dir == str(tmp_path / "tokenizer") and mcfg.vocab_size == 264
+  fresh = nnx.state(Transformer(mcfg, rngs=nnx.Rngs(1)), nnx.Param).to_pure_dict()
+  trained = nnx.state(model, nnx.Param).to_pure_dict()
+  diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(abs(a - b).max()), trained, fresh))
+  assert max(diffs) > 0  # updated by RL, not a re-initialisation with the run's seed
 
 
 @pytest.mark.slow
@@ -157,8 +171,13 @@ def test_loop_against_the_real_cpu_verifier(tmp_path):
   with LocalVerifier(str(tmp_path / "verifier"), device="cpu", start_timeout_s=120) as v:
     out = run_rl(cfg, str(tmp_path / "run"), endpoints=[v.address])
   (rec,) = read_metrics(str(tmp_path / "run" / "metrics.jsonl")).values()
-  assert rec["judge_requests"] == 8 and rec["correct_rate"] == 0 and out["rl_step"] == 1
-  assert rec["failure/syntax_error"] == 1.0  # random bytes are not Python: the service said so
+  assert rec["correct_rate"] == 0 and out["rl_step"] == 1
+  # random bytes are not a ModelNew file: the service's static check said so (an empty response
+  # is judged locally, as no code, and not sent)
+  kinds = ("failure/syntax_error", "failure/missing_model_new", "failure/no_code")
+  assert sum(rec.get(k, 0) for k in kinds) == 1.0 and rec["failure/syntax_error"] > 0.5
+  assert rec["judge_requests"] == 8 * (1 - rec.get("failure/no_code", 0))
   assert rec["groups_dropped"] == 2 and rec["updates"] == 0
   samples = [json.loads(line) for line in open(tmp_path / "run" / "samples.jsonl")]
-  assert {s["failure_kind"] for s in samples} == {"syntax_error"}
+  assert {s["failure_kind"] for s in samples} <= {"syntax_error", "missing_model_new", "no_code"}
+  assert any(s["reason"].startswith("candidate is not valid Python") for s in samples)

@@ -97,11 +97,35 @@ def test_groups_from_stream_and_prompt_tail(tok):
     rollout.groups_from_stream(bad)
 
 
+def test_infill_prompt_tail_renders_the_infilling_message(tok):
+  task = KernelTask(
+    "inf0",
+    1,
+    "class Model: pass\n",
+    kind="infill",
+    prefix="PREFIX\n",
+    middle="M",
+    suffix="SUFFIX\n",
+  )
+  cfg = RLStreamConfig(group_size=2, tasks_per_step=1, num_steps=1, prompt_style="chat")
+  elements = next_step(iter(make_rl_stream([task], tok, cfg)), cfg)
+  (g,) = rollout.groups_from_stream(elements, tokenizer=tok, prompt_tail_chars=500)
+  msg = prompts.infilling_user_message("class Model: pass\n", "PREFIX\n", "SUFFIX\n")
+  assert "SUFFIX" in msg[-500:]
+  assert tok.decode(g.prompt_ids.tolist()) == prompts.render_user_turn(msg[-500:], tok)
+  (full,) = rollout.groups_from_stream(elements)  # no tail: the stream's own (DICE) prompt
+  assert full.prompt_ids.tolist() == elements[0]["prompt_ids"].tolist()
+
+
 class _Recorder:
   """Wraps a backend and a judge function, recording the order of sampler calls and verdicts."""
 
   def __init__(self, backend):
     self.backend, self.events, self.lock = backend, [], threading.Lock()
+
+  @property
+  def forwards(self):
+    return self.backend.forwards
 
   def sample(self, model, groups, rl_step):
     for sg in self.backend.sample(model, groups, rl_step):
@@ -141,10 +165,13 @@ def test_collect_judges_each_group_while_the_next_samples_and_joins_by_request_i
   # a verdict for group 0 was asked for before group 2 was sampled: judging overlaps sampling
   first_judged = rec.events.index(("judged", "t0"))
   assert first_judged < rec.events.index(("sampled", 2))
-  expected = [float(sum(c.encode()) % 2 == 0) for c in r.candidates]
+  # an empty response is no code (judged locally, never sent); the rest by the toy verdict
+  expected = [0.0 if c is None else float(sum(c.encode()) % 2 == 0) for c in r.candidates]
   assert r.rewards.tolist() == expected and 0 < sum(expected) < 12
+  assert all((c is None) == (not t) for c, t in zip(r.candidates, r.responses))
   assert [o.task_id for o in r.outcomes] == [t.task_id for t in r.trajectories]
-  assert r.judge_requests == len({(t.task_id, c) for t, c in zip(r.trajectories, r.candidates)})
+  sent = {(t.task_id, c) for t, c in zip(r.trajectories, r.candidates) if c is not None}
+  assert r.judge_requests == len(sent)
   assert r.responses == [rollout.response_text(t, tok) for t in r.trajectories]
   assert r.generated_tokens == sum(t.response_ids.size for t in r.trajectories)
   assert r.forwards > 0 and r.steps_used >= r.generated_tokens // 4
@@ -153,24 +180,28 @@ def test_collect_judges_each_group_while_the_next_samples_and_joins_by_request_i
     assert np.all(t.sampler_logp[t.loss_mask] <= 0) and t.loss_mask.sum() >= 1
 
 
-def test_keys_depend_on_seed_step_and_group_not_on_reruns(tok, model):
+def _tokens(backend, model, groups, step):
+  return [
+    (sg.task.group, [(t.response_ids.tolist(), t.step_map.tolist()) for t in sg.trajectories])
+    for sg in backend.sample(model, groups, step)
+  ]
+
+
+def test_samples_depend_on_seed_step_group_member_not_on_batching_or_backend(tok, model):
   (groups,) = _groups(tok)
-  backend = rollout.StaticBatches(_sampler(tok), groups_per_batch=3, seed=3)
-
-  def tokens(step, seed_backend=backend):
-    return [
-      t.response_ids.tolist()
-      for sg in seed_backend.sample(model, groups, step)
-      for t in sg.trajectories
-    ]
-
-  a, b, c = tokens(5), tokens(5), tokens(6)
-  assert a == b and a != c
-  other_seed = rollout.StaticBatches(_sampler(tok), groups_per_batch=3, seed=4)
-  assert tokens(5, other_seed) != a
-  k = rollout.rollout_key(3, 5, 0)
+  cfg = _sampler(tok)
+  three = rollout.StaticBatches(cfg, groups_per_batch=3, seed=3)
+  a, again, other_step = (_tokens(three, model, groups, s) for s in (5, 5, 6))
+  assert a == again and a != other_step
+  assert _tokens(rollout.StaticBatches(cfg, 1, seed=3), model, groups, 5) == a
+  assert _tokens(rollout.StaticBatches(cfg, 3, seed=4), model, groups, 5) != a
+  engine = rollout.ContinuousBatches(cfg, slots=5, max_prompt_len=0, seed=3)
+  assert sorted(_tokens(engine, model, groups, 5)) == sorted(a)  # groups may finish out of order
+  assert engine.forwards > 0 and three.forwards > 0
+  k = rollout.sample_key(3, 5, 0, 1)
   assert (
-    jax.random.key_data(k).tolist() == jax.random.key_data(rollout.rollout_key(3, 5, 0)).tolist()
+    jax.random.key_data(k).tolist()
+    == jax.random.key_data(jax.random.fold_in(rollout.rollout_key(3, 5, 0), 1)).tolist()
   )
 
 

@@ -4,6 +4,7 @@ The rollouts are real `sampler.generate` outputs of a tiny float32 model (LM hea
 `low_confidence_dynamic` unmasks several tokens in some steps), temperature 1, with a stop id.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -17,6 +18,8 @@ from dice_jax.model.config import get_config
 from dice_jax.model.transformer import Transformer
 from dice_jax.rl import tracerl
 from dice_jax.rl.trajectory import Trajectory, from_sample_output
+from dice_jax.train import optimizer, sharding
+from dice_jax.train import train_step as ts
 
 B = 4
 M = 255  # the tiny preset's mask token id
@@ -113,25 +116,23 @@ def test_packed_row_by_hand():
     t, tracerl.TraceRLConfig(), block_size=B, mask_token_id=M
   )
   assert rounds == 3
-  # [prompt | x0 | r1 b0 | r1 b1 | r2 b0 | r2 b1 | r3 b0]; round 3 of block 1 trains nothing.
+  # [prompt | x0 | b0 r1 | b0 r2 | b0 r3 | b1 r1 | b1 r2]; round 3 of block 1 trains nothing.
   want_tokens = [11, 12, 13, 21, 22, 23, 24, 25, 26, 27, 28]
-  want_tokens += [M, M, M, M] + [M, M, M, M] + [M, 22, M, M] + [M, 26, 27, M] + [21, 22, 23, M]
+  want_tokens += [M, M, M, M] + [M, 22, M, M] + [21, 22, 23, M] + [M, M, M, M] + [M, 26, 27, M]
   np.testing.assert_array_equal(row["tokens"], want_tokens)
   np.testing.assert_array_equal(
-    row["positions"], list(range(11)) + [3, 4, 5, 6, 7, 8, 9, 10] * 2 + [3, 4, 5, 6]
+    row["positions"], list(range(11)) + [3, 4, 5, 6] * 3 + [7, 8, 9, 10] * 2
   )
+  np.testing.assert_array_equal(row["block_ids"], [-1] * 3 + [0] * 4 + [1] * 4 + [0] * 12 + [1] * 8)
   np.testing.assert_array_equal(
-    row["block_ids"], [-1] * 3 + [0] * 4 + [1] * 4 + [0, 0, 0, 0, 1, 1, 1, 1] * 2 + [0] * 4
+    row["round_ids"], [0] * 11 + [1] * 4 + [2] * 4 + [3] * 4 + [1] * 4 + [2] * 4
   )
-  np.testing.assert_array_equal(row["round_ids"], [0] * 11 + [1] * 8 + [2] * 8 + [3] * 4)
-  p_mask = [0] * 11 + [0, 1, 0, 0, 0, 1, 1, 0] + [1, 0, 1, 0, 1, 0, 0, 0] + [0, 0, 0, 1]
+  p_mask = [0] * 11 + [0, 1, 0, 0] + [1, 0, 1, 0] + [0, 0, 0, 1] + [0, 1, 1, 0] + [1, 0, 0, 0]
   np.testing.assert_array_equal(row["p_mask"], np.array(p_mask, bool))
-  np.testing.assert_array_equal(
-    row["targets"][11:], [21, 22, 23, 24, 25, 26, 27, 28] * 2 + [21, 22, 23, 24]
-  )
+  np.testing.assert_array_equal(row["targets"][11:], [21, 22, 23, 24] * 3 + [25, 26, 27, 28] * 2)
   np.testing.assert_array_equal(row["advantages"], np.where(row["p_mask"], 1.5, 0.0))
   np.testing.assert_allclose(
-    row["sampler_logp"][row["p_mask"]], [-0.2, -0.6, -0.7, -0.1, -0.3, -0.5, -0.4]
+    row["sampler_logp"][row["p_mask"]], [-0.2, -0.1, -0.3, -0.4, -0.6, -0.7, -0.5]
   )
 
 
@@ -157,8 +158,8 @@ def test_shrink_2_trains_merged_steps_from_the_earliest_state():
     t, tracerl.TraceRLConfig(shrink=2), block_size=B, mask_token_id=M
   )
   assert rounds == 2  # block 1's round 2 holds only the untrained 28
-  np.testing.assert_array_equal(row["tokens"][11:], [M] * 8 + [21, 22, 23, M])
-  np.testing.assert_array_equal(np.nonzero(row["p_mask"])[0], [11, 12, 13, 15, 16, 17, 22])
+  np.testing.assert_array_equal(row["tokens"][11:], [M] * 4 + [21, 22, 23, M] + [M] * 4)
+  np.testing.assert_array_equal(np.nonzero(row["p_mask"])[0], [11, 12, 13, 18, 19, 20, 21])
 
 
 def test_batches_are_bucketed_padded_and_carry_the_normalisers():
@@ -277,3 +278,36 @@ def test_trainer_logprobs_equal_the_samplers_at_decode_time(rollout, model, layo
   assert p_mask.sum() == sum(t.trained_tokens for t in trajs)  # every trained token once
   np.testing.assert_allclose(got[p_mask], batch["sampler_logp"][p_mask], atol=1e-5, rtol=0)
   assert (got[~p_mask] == 0).all()
+
+
+def test_one_update_moves_the_sampled_tokens_log_probs_with_the_advantages_sign(rollout, model):
+  """DICE's optimizer (AdamW, constant lr, clip 1) on the generic step: A > 0 raises the
+  log-probs of the sampled tokens, A < 0 lowers them."""
+  _, _, trajs = rollout
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  ocfg = optimizer.OptimizerConfig(learning_rate=1e-4, schedule="constant")
+  tx = optimizer.make_optimizer(ocfg, 1)
+  cfg = tracerl.TraceRLConfig()
+  step = None
+  for sign in (1.0, -1.0):
+    signed = [dataclasses.replace(t, advantage=sign) for t in trajs]
+    batch, _ = _batch(signed, "packed")
+    old = np.asarray(_logprobs(model, batch))
+    batch["old_logp"] = old
+    fresh = sharding.create_sharded(lambda: nnx.clone(model), mesh)  # new buffers: donated
+    graphdef, state, shardings = ts.init_train_state(fresh, tx, mesh)
+    if step is None:
+      loss_fn = lambda m, b, r: tracerl.tracerl_loss(m, b, r, cfg)
+      step = ts.jit_train_step(
+        ts.make_train_step(graphdef, tx, loss_fn, means=tracerl.METRIC_MEANS), shardings, mesh
+      )
+    state, metrics = step(state, ts.shard_batch(batch, mesh), jax.random.key(0))
+    new = np.asarray(_logprobs(nnx.merge(graphdef, state["params"]), batch))
+    p_mask = batch["p_mask"]
+    change = float((new - old)[p_mask].sum())
+    assert sign * change > 0, (sign, change)
+    # before the update the policy is the rollout policy: ratio 1, no KL, no clipping
+    assert float(metrics["ratio_max"]) == pytest.approx(1.0, abs=1e-5)  # same params, other compile
+    assert float(metrics["kl"]) == pytest.approx(0.0, abs=1e-7)
+    assert float(metrics["clip_fraction"]) == 0.0
+    assert float(metrics["loss"]) == pytest.approx(-sign * p_mask.sum() / metrics["denominator"])

@@ -1,0 +1,323 @@
+r"""One BiC-RL step at scale with random weights, timed: rollout -> verifier -> TraceRL update.
+
+  python -m experiments.bench_rl --config=sdar_1p7b --tasks=64 --group_size=16 --prompt_len=896 \
+      --new_tokens=512 --verifier=local --out=DIR
+
+What it runs is the RL loop's own code (`rl.rollout.collect` with `StaticBatches` and the verifier
+client, `rl.tracerl.build_batches`, `jit_token_logprobs`, the generic train step with DICE's
+optimizer), on synthetic prompts (random token ids, one per task; the data stack and grain are
+not needed) and a model with random weights:
+  * no stop ids, so every row decodes exactly `--new_tokens` (as `bench_sampler` does);
+  * every response is sent to the verifier as the candidate (`whole_response`: random text fails
+    its static check at once, so the verifier's share is the gRPC round trip, not compilation);
+  * random weights earn reward 0 everywhere, so every group would be dropped: the update is timed
+    on the same rollouts with SYNTHETIC advantages (standard normal per response).
+The update is DICE's: 256 packed TraceRL rows per optimizer step, old log-probs of a mini-batch
+before its update; only `--update_steps` optimizer steps are run (the first includes compiling),
+and the time of all of them is extrapolated from the steady ones; the host-side row building
+(`build_batches`) runs on those mini-batches' responses only and is extrapolated by count.
+Results go to DIR/bench_rl.json as each phase finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", "sdar_1p7b", "model preset (random weights)")
+flags.DEFINE_integer("tasks", 64, "tasks (groups) in the RL step")
+flags.DEFINE_integer("group_size", 16, "samples per task")
+flags.DEFINE_integer("prompt_len", 896, "prompt tokens per task (DICE e2e median: 883)")
+flags.DEFINE_integer("new_tokens", 512, "tokens decoded per sample")
+flags.DEFINE_integer("groups_per_batch", 8, "groups per sampler call")
+flags.DEFINE_integer("prefill_chunk", 16, "rows per prefill chunk (as bench_sampler)")
+flags.DEFINE_string("attention_impl", "flash", "dense | flash")
+flags.DEFINE_string("verifier", "local", "'local' (a child service), HOST:PORT, or 'none'")
+flags.DEFINE_string("verifier_device", "", "local verifier device ('' = cuda when a GPU is seen)")
+flags.DEFINE_list(
+  "verifier_args", ["--run-prewarm=4"], "extra `verifier serve` arguments for the local service"
+)
+flags.DEFINE_integer("rows_per_update", 256, "TraceRL rows per optimizer step (DICE)")
+flags.DEFINE_integer("micro_rows", 2, "rows per micro-batch (accumulation)")
+flags.DEFINE_integer("update_steps", 2, "optimizer steps actually run (the rest extrapolated)")
+flags.DEFINE_integer("seed", 0, "seed")
+flags.DEFINE_string("out", "", "directory for bench_rl.json")
+
+REFERENCE = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+
+def get_inputs():
+    return [torch.randn(4096, 1024)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+class IdText:
+  """Stands in for a tokenizer: a response's text is its token ids (no vocabulary needed)."""
+
+  def decode(self, ids, skip_special_tokens=True):
+    return " ".join(map(str, ids))
+
+
+class Report:
+  def __init__(self, out_dir: str):
+    self.path = os.path.join(out_dir, "bench_rl.json") if out_dir else ""
+    self.data = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "jax": jax.__version__}
+
+  def update(self, **kw):
+    self.data.update(kw)
+    print("bench_rl: " + json.dumps(kw), flush=True)
+    if self.path:
+      os.makedirs(os.path.dirname(self.path), exist_ok=True)
+      with open(self.path + ".tmp", "w") as f:
+        json.dump(self.data, f, indent=2)
+      os.replace(self.path + ".tmp", self.path)
+
+
+def start_verifier(report: Report):
+  """A local verifier started in a thread (it overlaps model set-up); returns (thread, holder)."""
+  holder = {}
+
+  def run():
+    from verifier.local import LocalVerifier
+
+    device = FLAGS.verifier_device or ("cuda" if jax.default_backend() == "gpu" else "cpu")
+    t0 = time.perf_counter()
+    v = LocalVerifier(
+      os.path.join(FLAGS.out or "/tmp", "bench_rl_verifier"),
+      device=device,
+      extra_args=tuple(FLAGS.verifier_args),
+    )
+    holder["server"] = v.__enter__()
+    holder["start_s"] = time.perf_counter() - t0
+    holder["device"] = device
+
+  t = threading.Thread(target=run, daemon=True)
+  t.start()
+  return t, holder
+
+
+def main(argv):
+  del argv
+  from dice_jax.diffusion.sampler import SamplerConfig
+  from dice_jax.model import Transformer, get_config
+  from dice_jax.rl import rollout, tracerl
+  from dice_jax.rl.rewards import make_reward
+  from dice_jax.train import optimizer, sharding
+  from dice_jax.train import train_step as ts
+
+  report = Report(FLAGS.out)
+  t_all = time.perf_counter()
+  server_thread = holder = None
+  if FLAGS.verifier == "local":
+    server_thread, holder = start_verifier(report)
+
+  mesh = sharding.make_mesh()
+  mcfg = get_config(
+    FLAGS.config, dtype="bfloat16", param_dtype="float32", attention_impl=FLAGS.attention_impl
+  )
+  t0 = time.perf_counter()
+  model = sharding.create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(FLAGS.seed)), mesh)
+  ocfg = optimizer.OptimizerConfig(
+    learning_rate=1e-6, schedule="constant", warmup_ratio=0.0, weight_decay=0.0
+  )
+  tx = optimizer.make_optimizer(ocfg, 100)
+  graphdef, state, shardings = ts.init_train_state(model, tx, mesh)
+  del model
+  jax.block_until_ready(state)
+  report.update(
+    config=FLAGS.config,
+    params_b=round(mcfg.num_params() / 1e9, 3),
+    device=jax.devices()[0].device_kind,
+    devices=jax.device_count(),
+    init_s=round(time.perf_counter() - t0, 1),
+  )
+
+  rng = np.random.default_rng(FLAGS.seed)
+  groups = [
+    rollout.GroupTask(
+      g,
+      f"synthetic/{g}",
+      rng.integers(2, min(mcfg.vocab_size - 2, 151_643), FLAGS.prompt_len).astype(np.int32),
+      REFERENCE,
+      FLAGS.group_size,
+    )
+    for g in range(FLAGS.tasks)
+  ]
+  scfg = SamplerConfig(
+    block_size=mcfg.block_size,
+    steps=4,
+    strategy="low_confidence_dynamic",
+    threshold=0.9,
+    temperature=1.0,
+    max_new_tokens=FLAGS.new_tokens,
+    stop_ids=(),
+    return_logprobs=True,
+    pad_id=mcfg.pad_token_id or 0,
+    prefill_chunk=FLAGS.prefill_chunk,
+  )
+  backend = rollout.StaticBatches(scfg, FLAGS.groups_per_batch, FLAGS.seed)
+  sample_model = nnx.merge(graphdef, rollout.sampling_params(state["params"], jnp.bfloat16))
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh):  # compile (and run once) on one call's worth of groups
+    for _ in backend.sample(sample_model, groups[: FLAGS.groups_per_batch], 1_000_000):
+      pass
+  report.update(sampler_compile_and_first_call_s=round(time.perf_counter() - t0, 1))
+
+  if FLAGS.verifier == "local":
+    server_thread.join()
+    address = holder["server"].address
+    report.update(verifier_start_s=round(holder["start_s"], 1), verifier_device=holder["device"])
+  else:
+    address = None if FLAGS.verifier == "none" else FLAGS.verifier
+  if address:
+    from dice_jax.verifier_client import VerifierClient
+
+    judge = VerifierClient(address, options={"num_correct_trials": 1}, token="")
+    judge.wait_ready(300)
+  else:
+    judge = rollout.FunctionJudge(lambda *a: False)
+
+  with jax.set_mesh(mesh):
+    ro = rollout.collect(
+      sample_model,
+      groups,
+      backend=backend,
+      judge=judge,
+      tokenizer=IdText(),
+      reward_fn=make_reward("binary"),
+      rl_step=0,
+      extraction="whole_response",
+      progress_every_s=10.0,
+    )
+  del sample_model
+  kinds = {}
+  for o in ro.outcomes:
+    kinds[o.failure_kind] = kinds.get(o.failure_kind, 0) + 1
+  calls = -(-FLAGS.tasks // FLAGS.groups_per_batch)
+  report.update(
+    rows=len(ro.trajectories),
+    sampler_calls=calls,
+    rows_per_call=FLAGS.groups_per_batch * FLAGS.group_size,
+    new_tokens=FLAGS.new_tokens,
+    prompt_len=FLAGS.prompt_len,
+    generated_tokens=ro.generated_tokens,
+    forwards=ro.forwards,
+    tokens_per_forward=round(ro.generated_tokens / max(ro.steps_used, 1), 3),
+    sample_s=round(ro.sample_s, 2),
+    sample_s_per_call=round(ro.sample_s / calls, 3),
+    generated_tok_per_s=round(ro.generated_tokens / ro.sample_s, 1),
+    verify_wait_s=round(ro.verify_wait_s, 2),
+    judge_requests=ro.judge_requests,
+    failure_kinds=kinds,
+    reward_sum=float(ro.rewards.sum()),
+  )
+  if hasattr(judge, "close"):
+    judge.close()
+  if holder and "server" in holder:
+    holder["server"].__exit__(None, None, None)
+
+  # Update on the same rollouts with synthetic advantages (all groups would be dropped).
+  for t in ro.trajectories:
+    t.advantage = float(rng.standard_normal())
+  tcfg = tracerl.TraceRLConfig(layout="packed")
+  n_batches = -(-len(ro.trajectories) // FLAGS.rows_per_update)  # packed: one row per response
+  run_trajs = ro.trajectories[: max(1, FLAGS.update_steps) * FLAGS.rows_per_update]
+  t0 = time.perf_counter()
+  batches = tracerl.build_batches(
+    run_trajs,
+    tcfg,
+    block_size=mcfg.block_size,
+    mask_token_id=mcfg.mask_token_id,
+    rows_per_batch=FLAGS.rows_per_update,
+    pad_id=mcfg.pad_token_id or 0,
+    length_multiple=128,
+    rng=np.random.default_rng(FLAGS.seed),
+  )
+  accum = FLAGS.rows_per_update // FLAGS.micro_rows
+  build_s = time.perf_counter() - t0
+  report.update(
+    build_batches_s=round(build_s, 2),
+    build_batches_s_extrapolated=round(build_s * len(ro.trajectories) / len(run_trajs), 1),
+    optimizer_steps=n_batches,
+    row_len=int(batches[0]["tokens"].shape[1]),
+    trained_tokens_run=int(sum(b["p_mask"].sum() for b in batches)),
+    input_tokens_run=int(sum(b["tokens"].size for b in batches)),
+    accum_steps=accum,
+    micro_rows=FLAGS.micro_rows,
+  )
+  loss_fn = lambda m, b, r: tracerl.tracerl_loss(m, b, r, tcfg)  # noqa: E731
+  step_fn = ts.jit_train_step(
+    ts.make_train_step(graphdef, tx, loss_fn, accum_steps=accum, means=tracerl.METRIC_MEANS),
+    shardings,
+    mesh,
+    accum,
+  )
+  old_fn = tracerl.jit_token_logprobs(graphdef, shardings["params"], mesh, accum)
+  key = jax.random.key(FLAGS.seed)
+  run = batches
+  old_s, step_s, losses = [], [], []
+  sharded = []
+  for b in run:  # old log-probs of every mini-batch first, as the loop does
+    sb = ts.shard_batch(b, mesh, accum)
+    t0 = time.perf_counter()
+    sb["old_logp"] = jax.block_until_ready(old_fn(state["params"], sb))
+    old_s.append(time.perf_counter() - t0)
+    sharded.append(sb)
+  for sb in sharded:
+    t0 = time.perf_counter()
+    state, m = step_fn(state, sb, key)
+    m = jax.device_get(m)
+    step_s.append(time.perf_counter() - t0)
+    losses.append(float(m["loss"]))
+  steady = lambda xs: float(np.mean(xs[1:])) if len(xs) > 1 else float(xs[0])  # noqa: E731
+  n = n_batches
+  report.update(
+    old_logp_s=[round(x, 2) for x in old_s],
+    optimizer_step_s=[round(x, 2) for x in step_s],
+    loss=losses,
+    old_logp_steady_s=round(steady(old_s), 2),
+    optimizer_step_steady_s=round(steady(step_s), 2),
+    update_s_extrapolated=round(n * (steady(old_s) + steady(step_s)), 1),
+    update_incl_rows_s_extrapolated=round(
+      build_s * len(ro.trajectories) / len(run_trajs) + n * (steady(old_s) + steady(step_s)), 1
+    ),
+    update_input_tok_per_s=round(run[0]["tokens"].size / steady(step_s), 1),
+    peak_mem_gib=round(
+      (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30, 1
+    ),
+  )
+  build_all = build_s * len(ro.trajectories) / len(run_trajs)
+  update_all = build_all + n * (steady(old_s) + steady(step_s))
+  total = ro.sample_s + ro.verify_wait_s + update_all
+  report.update(
+    rl_step_s_extrapolated=round(total, 1),
+    time_split={
+      "sampling": round(ro.sample_s / total, 3),
+      "verifier_wait": round(ro.verify_wait_s / total, 3),
+      "update": round(update_all / total, 3),
+    },
+    wall_s=round(time.perf_counter() - t_all, 1),
+  )
+
+
+if __name__ == "__main__":
+  app.run(main)
