@@ -29,15 +29,29 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_float("threshold", 0.9, "Confidence threshold (low_confidence_dynamic).")
 flags.DEFINE_float("eb_threshold", 0.35, "Entropy bound (entropy_bounded).")
-flags.DEFINE_integer("block_size", 0, "Block size (0: the checkpoint's).")
+flags.DEFINE_integer("block_size", 0, "Block size (0: the checkpoint's; another is refused).")
 flags.DEFINE_integer("steps", 4, "Max denoising steps per block.")
 flags.DEFINE_integer("max_new_tokens", 512, "Max generated tokens.")
 flags.DEFINE_float("temperature", 0.0, "Temperature (0 = greedy).")
 flags.DEFINE_integer("top_k", 0, "Top-k (0 = off).")
 flags.DEFINE_float("top_p", 1.0, "Top-p (1 = off).")
+flags.DEFINE_enum(
+  "confidence",
+  "filtered",
+  list(remasking.CONFIDENCES),
+  "Confidence of a candidate: 'filtered' (its probability after top-k/top-p/temperature, "
+  "JetEngine) or 'unfiltered' (softmax(logits / T), SDAR's evaluation decoder; with --top_k=1 "
+  "--temperature=1 --strategy=low_confidence_static --block_alignment=absolute it is DICE's eval).",
+)
 flags.DEFINE_integer("num_samples", 1, "Samples of the prompt, decoded as one batch.")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
-flags.DEFINE_enum("block_alignment", "response", ["response", "absolute"], "Block grid.")
+flags.DEFINE_enum(
+  "block_alignment",
+  "response",
+  ["response", "absolute"],
+  "Block grid: 'response' (blocks start at the response, the training convention) or "
+  "'absolute' (block = position // b: SDAR's and DICE's published decoding).",
+)
 flags.DEFINE_string("attention_impl", "dense", "Model attention: dense | flash (GPU) | ...")
 flags.DEFINE_string("param_dtype", "bfloat16", "Parameter dtype.")
 flags.DEFINE_bool("warm_timing", False, "Generate twice and time the second (compiled) call.")
@@ -90,6 +104,7 @@ def main(argv):
     temperature=FLAGS.temperature,
     top_k=FLAGS.top_k,
     top_p=FLAGS.top_p,
+    confidence=FLAGS.confidence,
     max_new_tokens=FLAGS.max_new_tokens,
     stop_ids=tuple(stop),
     block_alignment=FLAGS.block_alignment,

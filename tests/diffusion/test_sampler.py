@@ -121,6 +121,16 @@ STRATEGY_CFGS = [
   sampler.SamplerConfig(
     strategy="low_confidence_dynamic", steps=4, threshold=0.5, top_k=3, confidence="unfiltered"
   ),
+  # The other strategies with the unfiltered confidence (they rank by position / entropy).
+  sampler.SamplerConfig(strategy="sequential", steps=2, top_k=2, confidence="unfiltered"),
+  sampler.SamplerConfig(
+    strategy="entropy_bounded",
+    steps=4,
+    eb_threshold=0.5,
+    top_k=3,
+    confidence="unfiltered",
+    block_alignment="absolute",
+  ),
 ]
 
 
