@@ -4,7 +4,7 @@
 # Data (no ../shared on the GPU host), copied on the dev machine into the git-ignored .gpu_data/:
 #   mkdir -p .gpu_data/eval && cp ../shared/data/kernelbench/level1.jsonl .gpu_data/eval/ \
 #     && cp -r ../shared/data/sdar_chat .gpu_data/eval/sdar_chat
-# Run from the repository root:  OUT=/some/dir bash experiments/eval_h200.sh
+# Run from the repository root:  OUT=/some/dir bash experiments/gpu/eval_h200.sh
 #
 # A. Known candidates on level-1 problems 19-32 (references renamed ModelNew under the `off` preset,
 #    plus hand-written CUDA kernels: correct, wrong, slow, compile error, missing); their metrics are
@@ -16,7 +16,7 @@
 set -u
 : "${OUT:?set OUT}"
 OUT=$(realpath -m "$OUT")
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 VERIFIER_TOKEN=
 D=.gpu_data/eval
 PORT=50071
