@@ -76,6 +76,8 @@ class VerifyOutcome:
   run_s: float = 0.0
   build_cached: bool = False
   endpoint: str = ""  # the address that answered ("" for local judges)
+  strict_correct: bool = False  # also correct at fp32 atol = rtol = 1e-4
+  device_name: str = ""  # the GPU (or "cpu") that ran it; "" when it did not run
 
   @property
   def timed(self) -> bool:
@@ -138,6 +140,8 @@ def outcome_from_proto(msg, endpoint: str = "") -> VerifyOutcome:
     run_s=float(msg.run_s),
     build_cached=bool(msg.build_cached),
     endpoint=endpoint,
+    strict_correct=bool(msg.strict_correct),
+    device_name=msg.device_name,
   )
 
 

@@ -51,10 +51,10 @@ def main(argv):
     logging.info("connecting to the verifier at %s ...", _VERIFIER.value)
     try:
       client.wait_ready(timeout_s=_CONNECT.value)
-    except VerifierUnavailable as e:
+    except VerifierUnavailable:
       raise UserError(
-        f"--verifier {_VERIFIER.value}: {e} (is `python -m verifier serve` running there, "
-        "and is the port right?)"
+        f"--verifier {_VERIFIER.value}: no verifier answered within {_CONNECT.value:g} s "
+        "(is `python -m verifier serve` running there, and is the port right?)"
       ) from None
     s = build_cuke(
       _PAIRS.value,

@@ -11,8 +11,9 @@ import pathlib
 import signal
 import sys
 
-from verifier.contract import VerifyOptions, VerifyRequest
-from verifier.service import ServiceConfig, VerifierService, default_mem_mb
+from verifier import batch
+from verifier.contract import VerifyOptions
+from verifier.service import ServiceConfig, default_mem_mb
 
 
 def _detect_arch() -> str:
@@ -29,13 +30,21 @@ def _detect_arch() -> str:
 
 def _service_args(p: argparse.ArgumentParser) -> None:
   p.add_argument(
+    "--flagfile", metavar="PATH", help="read more flags from PATH (one per line, # comments)"
+  )
+  p.add_argument(
     "--device", choices=("cuda", "cpu"), default=None, help="default: cuda if a GPU is visible"
   )
   p.add_argument("--gpus", default="0", help="comma-separated GPU indices, e.g. 0,1")
   p.add_argument(
     "--slots-per-gpu", type=int, default=4, help="concurrent reward-mode candidates per GPU"
   )
-  p.add_argument("--compile-workers", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+  p.add_argument(
+    "--compile-workers",
+    type=int,
+    default=max(1, (os.cpu_count() or 2) // 2),
+    help="concurrent candidate builds (default: half the CPUs)",
+  )
   p.add_argument(
     "--fork-server",
     action="store_true",
@@ -61,16 +70,29 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     default=ServiceConfig.cache_max_gb,
     help="evict least-recently-used builds above this size (0: never)",
   )
-  p.add_argument("--scratch-root", default=ServiceConfig.scratch_root)
+  p.add_argument(
+    "--scratch-root",
+    default=ServiceConfig.scratch_root,
+    help="parent of the per-candidate scratch dirs",
+  )
   p.add_argument(
     "--mem-mb",
     type=int,
     default=None,
-    help="host memory per worker's process tree (default: half of this host's, at most 32768)",
+    help="host memory per worker's process tree, in MiB (default: half of this host's, at most 32768)",
   )
-  p.add_argument("--gpu-memory-fraction", type=float, default=0.0)
+  p.add_argument(
+    "--gpu-memory-fraction",
+    type=float,
+    default=0.0,
+    help="cap of each run worker's CUDA caching allocator, as a fraction of the GPU (0: none)",
+  )
   p.add_argument("--arch", default=None, help="TORCH_CUDA_ARCH_LIST for builds (default: detected)")
-  p.add_argument("--no-network-isolation", action="store_true")
+  p.add_argument(
+    "--no-network-isolation",
+    action="store_true",
+    help="let candidates reach the network (default: each worker in its own network namespace)",
+  )
   p.add_argument(
     "--split-build",
     action=argparse.BooleanOptionalAction,
@@ -136,62 +158,140 @@ async def _serve(a) -> int:
   return 0
 
 
-async def _check(a) -> int:
-  ref = pathlib.Path(a.reference).read_text()
-  cand = pathlib.Path(a.candidate).read_text()
-  cfg = _config(a)
-  opts = VerifyOptions(
-    device=cfg.device,
+def _check_options(a, device: str) -> VerifyOptions:
+  return VerifyOptions(
+    device=device,
     num_correct_trials=a.trials,
     atol=a.atol,
     rtol=a.rtol,
     measure_performance=not a.no_timing,
     num_perf_trials=a.timing_trials,
+    num_warmup=a.warmup,
     strictness=a.strictness,
     timeout_s=a.timeout,
     min_speedup=a.min_speedup,
+    compile_baseline=a.compile_baseline,
   )
-  cfg.prewarm = False
-  cfg.pch_background = (
-    False  # a one-shot run would kill it before it is done; it uses one that exists
+
+
+def _print_one(r) -> None:
+  """The detailed verdict of a single candidate."""
+  print(
+    f"kind={r.failure_kind.value} reward={r.reward:g} compiled={r.compiled} correct={r.correct} "
+    f"strict_correct={r.strict_correct} deceptive={r.deceptive}"
   )
-  cfg.compile_workers = 1
-  service = VerifierService(cfg)
-  await service.start()
-  try:
-    r = await service.verify(VerifyRequest("cli", pathlib.Path(a.reference).stem, ref, cand, opts))
-  finally:
-    await service.close()
-  if a.json:
-    print(json.dumps(r.to_dict(), indent=2))
-  else:
+  if r.speedup:
     print(
-      f"kind={r.failure_kind.value} reward={r.reward:g} compiled={r.compiled} correct={r.correct} "
-      f"strict_correct={r.strict_correct} deceptive={r.deceptive}"
+      f"speedup={r.speedup:.3f} candidate={r.candidate.mean_ms:.4f} ms (median {r.candidate.median_ms:.4f}) "
+      f"baseline={r.baseline.mean_ms:.4f} ms (median {r.baseline.median_ms:.4f})"
     )
-    if r.speedup:
-      print(
-        f"speedup={r.speedup:.3f} candidate={r.candidate.mean_ms:.4f} ms (median {r.candidate.median_ms:.4f}) "
-        f"baseline={r.baseline.mean_ms:.4f} ms (median {r.baseline.median_ms:.4f})"
-      )
-    print(f"compile {r.compile_s:.1f} s, run {r.run_s:.1f} s, device {r.device_name}")
-    if r.reason:
-      print("reason:", r.reason)
-    if r.logs and r.failure_kind.value != "OK":
-      print("logs:\n" + r.logs)
-  return 0 if r.reward > 0 else 1
+  print(f"compile {r.compile_s:.1f} s, run {r.run_s:.1f} s, device {r.device_name}")
+  if r.reason:
+    print("reason:", r.reason)
+  if r.logs and r.failure_kind.value != "OK":
+    print("logs:\n" + r.logs)
+
+
+async def _check(a) -> int:
+  """Verifies one candidate or a batch (verifier/batch.py); 0 when every candidate passed."""
+  try:
+    cands, skipped = batch.load_candidates(a.path, a.reference, a.candidate, a.kernelbench)
+    token = os.environ.get("VERIFIER_TOKEN", "")
+    if a.token_file:
+      token = batch.read_source(a.token_file, "--token-file").strip()
+    cfg = _config(a)
+    opts = _check_options(a, cfg.device)
+  except (batch.InputError, ValueError) as e:
+    print(f"check: error: {e}", file=sys.stderr)
+    return 2
+  addresses = [x for x in (a.verifier or "").split(",") if x]
+  if not addresses:
+    cfg.pch_background = False  # a one-shot run would kill it before it is done
+    cfg.prewarm = len(cands) > 1
+    cfg.compile_workers = min(cfg.compile_workers, len(cands))
+  note = f" ({skipped} without a candidate skipped)" if skipped else ""
+  where = ", ".join(addresses) or f"a {cfg.device} verifier started here"
+  print(
+    f"check: {len(cands)} candidate(s){note} on {where}; a cold C++/CUDA build takes 10-150 s",
+    file=sys.stderr,
+    flush=True,
+  )
+  progress = batch.Progress(len(cands))
+  try:
+    results = await batch.verify_batch(
+      cands, opts, service_config=cfg, addresses=addresses, token=token, progress=progress
+    )
+  finally:
+    progress.close()
+  if a.json:
+    out = [dict(r.to_dict(), name=c.name) for c, r in zip(cands, results)]
+    print(json.dumps(out[0] if a.candidate else out, indent=2))
+  elif len(results) == 1 and a.candidate:
+    _print_one(results[0])
+  else:
+    print(batch.summary(cands, results))
+  return 0 if all(r.reward > 0 for r in results) else 1
+
+
+def expand_flagfiles(argv: list[str]) -> list[str]:
+  """Replaces ``--flagfile=PATH`` / ``--flagfile PATH`` by the flags in PATH (one per line, ``#``
+  comments; absl's format, which the experiments/ launchers read too)."""
+  out: list[str] = []
+  i = 0
+  while i < len(argv):
+    arg = argv[i]
+    if arg == "--flagfile" or arg.startswith("--flagfile="):
+      if arg == "--flagfile":
+        if i + 1 == len(argv):
+          raise batch.InputError("--flagfile needs a path")
+        path, i = argv[i + 1], i + 2
+      else:
+        path, i = arg.split("=", 1)[1], i + 1
+      text = batch.read_source(path, "--flagfile")
+      lines = [ln.strip() for ln in text.splitlines()]
+      out += expand_flagfiles([ln for ln in lines if ln and not ln.startswith("#")])
+      continue
+    out.append(arg)
+    i += 1
+  return out
+
+
+def _default_kernelbench() -> str:
+  path = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "..",
+    "shared",
+    "data",
+    "kernelbench",
+  )
+  return os.path.normpath(path) if os.path.isdir(path) else ""
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m verifier")
+  try:
+    argv = expand_flagfiles(list(sys.argv[1:] if argv is None else argv))
+  except batch.InputError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  p = argparse.ArgumentParser(
+    prog="python -m verifier",
+    epilog="Any subcommand also reads flags from --flagfile=PATH (one flag per line).",
+  )
   sub = p.add_subparsers(dest="cmd", required=True)
   s = sub.add_parser("serve", help="run the gRPC verifier service")
-  s.add_argument("--host", default="127.0.0.1")
-  s.add_argument("--port", type=int, default=50051)
+  s.add_argument(
+    "--host", default="127.0.0.1", help="address to listen on (non-loopback needs a token)"
+  )
+  s.add_argument("--port", type=int, default=50051, help="port to listen on (0: any free port)")
   s.add_argument(
     "--token-file", default="", help="file holding the bearer token (or set VERIFIER_TOKEN)"
   )
-  s.add_argument("--stream-window", type=int, default=256)
+  s.add_argument(
+    "--stream-window",
+    type=int,
+    default=256,
+    help="requests of one VerifyStream call in flight at once",
+  )
   s.add_argument("--tls-cert", default="", help="PEM certificate chain: serve TLS (with --tls-key)")
   s.add_argument("--tls-key", default="", help="PEM private key for --tls-cert")
   s.add_argument(
@@ -200,18 +300,76 @@ def main(argv=None) -> int:
     help="compile host: serve Build only, into --cache-dir shared with GPU hosts",
   )
   _service_args(s)
-  c = sub.add_parser("check", help="verify one candidate against one reference, standalone")
-  c.add_argument("--reference", required=True)
-  c.add_argument("--candidate", required=True)
-  c.add_argument("--json", action="store_true")
-  c.add_argument("--trials", type=int, default=5)
-  c.add_argument("--atol", type=float, default=1e-2)
-  c.add_argument("--rtol", type=float, default=1e-2)
-  c.add_argument("--timing-trials", type=int, default=100)
-  c.add_argument("--no-timing", action="store_true")
-  c.add_argument("--strictness", default="strict", choices=("strict", "kernelbench", "off"))
-  c.add_argument("--timeout", type=float, default=180.0)
-  c.add_argument("--min-speedup", type=float, default=0.0)
+  c = sub.add_parser(
+    "check",
+    help="verify candidates against references: one pair, or a batch from a directory or JSONL",
+    description=batch.__doc__.split("\n\n")[1].replace("``", "") if batch.__doc__ else None,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  c.add_argument(
+    "path",
+    nargs="?",
+    default=None,
+    help="a directory or a .jsonl of candidates (see above); or use --reference and --candidate",
+  )
+  c.add_argument("--reference", help="the PyTorch reference file (class Model, get_inputs, ...)")
+  c.add_argument("--candidate", help="the candidate file (class ModelNew)")
+  c.add_argument(
+    "--kernelbench",
+    default=_default_kernelbench(),
+    help="KernelBench problems for candidates named by problem id: level*.jsonl or a checkout "
+    "(default: ../shared/data/kernelbench when present)",
+  )
+  c.add_argument(
+    "--verifier",
+    default="",
+    help="HOST:PORT[,HOST:PORT...] of running services (default: start one in this process)",
+  )
+  c.add_argument(
+    "--token-file", default="", help="file holding the bearer token (or set VERIFIER_TOKEN)"
+  )
+  c.add_argument("--json", action="store_true", help="print the full results as JSON")
+  c.add_argument(
+    "--trials", type=int, default=5, help="correctness trials, each with new random inputs"
+  )
+  c.add_argument(
+    "--atol",
+    type=float,
+    default=1e-2,
+    help="absolute tolerance of the output comparison (torch.allclose; DICE and KernelBench v0: 1e-2)",
+  )
+  c.add_argument(
+    "--rtol", type=float, default=1e-2, help="relative tolerance of the output comparison"
+  )
+  c.add_argument(
+    "--timing-trials", type=int, default=100, help="timed calls of the candidate and the baseline"
+  )
+  c.add_argument("--warmup", type=int, default=3, help="untimed warm-up calls before timing")
+  c.add_argument("--no-timing", action="store_true", help="check correctness only (no speedup)")
+  c.add_argument(
+    "--compile-baseline",
+    action="store_true",
+    help="time torch.compile(reference) as the baseline instead of eager PyTorch",
+  )
+  c.add_argument(
+    "--strictness",
+    default="strict",
+    choices=("strict", "kernelbench", "off"),
+    help="anti-cheating rules: strict (default), kernelbench (its static checks), off (correctness only)",
+  )
+  c.add_argument(
+    "--timeout",
+    type=float,
+    default=180.0,
+    metavar="SECONDS",
+    help="wall-clock limit of the run stage per candidate, in seconds (the build has its own)",
+  )
+  c.add_argument(
+    "--min-speedup",
+    type=float,
+    default=0.0,
+    help="a correct candidate passes only at this speedup or above (0: any)",
+  )
   _service_args(c)
   b = sub.add_parser("bench", help="compile/run throughput on this host (see verifier/bench.py)")
   b.add_argument("--out", default="", help="write the JSON report here")
@@ -239,7 +397,8 @@ def main(argv=None) -> int:
   b.add_argument("--offset", type=int, default=0, help="first DICE candidate to use")
   _service_args(b)
   a = p.parse_args(argv)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+  level = logging.WARNING if a.cmd == "check" else logging.INFO  # check shows its own progress
+  logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
   if a.cmd == "serve":
     return asyncio.run(_serve(a))
   if a.cmd == "check":

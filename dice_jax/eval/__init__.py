@@ -1,0 +1,1 @@
+"""KernelBench evaluation: metrics, run records, the evaluation loop and its report."""
