@@ -45,8 +45,8 @@ def test_bookkeeping_changes_pass_and_allow_change_returns_every_change():
 
 def test_a_field_the_saved_config_lacks_shows_as_absent():
   saved = _json()
-  saved.pop("per_block_t")
-  with pytest.raises(ConfigChangedError, match=r"per_block_t \(absent\) -> False"):
+  saved["objective"].pop("per_block_t")
+  with pytest.raises(ConfigChangedError, match=r"objective\.per_block_t \(absent\) -> False"):
     check_resume(saved, _json(), workdir="w", step=3)
 
 
