@@ -26,6 +26,9 @@ import sys
 
 from absl import app, flags
 
+from dice_jax.errors import UserError
+from experiments import _cli
+
 FLAGS = flags.FLAGS
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DEFAULT_KB = os.path.join(os.path.dirname(_REPO), "shared", "data", "kernelbench")
@@ -87,10 +90,6 @@ flags.DEFINE_enum(
 flags.DEFINE_string("device", None, "Verifier device for the requests (default: the server's).")
 flags.DEFINE_bool("compile_baseline", False, "Also time correct kernels against torch.compile.")
 flags.DEFINE_float("review_speedup", 10.0, "Flag speedups above this for review (KernelBench: 10).")
-
-
-class UserError(Exception):
-  """A bad flag or input: reported as one line, exit status 2."""
 
 
 def _problem_ids(spec: str) -> set[int] | None:
@@ -357,9 +356,6 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
     path = run()
-  except UserError as e:
-    print(f"eval: error: {e}", file=sys.stderr)
-    sys.exit(2)
   except KeyboardInterrupt:
     print(
       f"eval: interrupted; the records so far are in {FLAGS.out}, a rerun resumes", file=sys.stderr
@@ -369,4 +365,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _cli.run(main)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from dice_jax.data.tokenizer import check_compatible
 from dice_jax.data import prompts
 from dice_jax.data.tasks import KernelTask
 
@@ -111,16 +112,7 @@ class ModelCandidates:
     seed: int = 0,
     prompt_bucket: int = 256,
   ):
-    if tokenizer.mask_token_id != model.cfg.mask_token_id:
-      raise ValueError(
-        f"tokenizer mask id {tokenizer.mask_token_id} != model mask_token_id "
-        f"{model.cfg.mask_token_id}: this tokenizer does not belong to this model"
-      )
-    if tokenizer.vocab_size > model.cfg.vocab_size:
-      raise ValueError(
-        f"tokenizer has {tokenizer.vocab_size} tokens but the model embeds only "
-        f"{model.cfg.vocab_size}: this tokenizer does not belong to this model"
-      )
+    check_compatible(tokenizer, model.cfg, where="eval")
     self.model, self.tokenizer, self.decoding = model, tokenizer, decoding
     self.batch_size, self.seed, self.prompt_bucket = batch_size, seed, prompt_bucket
     pad = model.cfg.pad_token_id

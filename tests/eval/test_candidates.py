@@ -49,7 +49,7 @@ def test_model_prompt_is_the_one_shot_prompt_in_the_chat_template(tmp_path):
   from dice_jax.data.tokenizer import Tokenizer
   from dice_jax.eval.candidates import ModelCandidates
   from dice_jax.model import Transformer, get_config
-  from dice_jax.train.sft_data import byte_model_overrides, write_byte_tokenizer
+  from dice_jax.data.byte_tokenizer import byte_model_overrides, write_byte_tokenizer
 
   tok = Tokenizer.from_dir(write_byte_tokenizer(str(tmp_path / "tok")))
   model = Transformer(get_config("tiny", **byte_model_overrides()), rngs=nnx.Rngs(0))
@@ -62,7 +62,7 @@ def test_model_prompt_is_the_one_shot_prompt_in_the_chat_template(tmp_path):
   assert gens[0].prompt_tokens == len(tok.encode(chat)) and gens[0].seconds > 0
   assert "<|MASK|>" not in gens[0].response
   wrong = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))  # 256 tokens, mask id 255
-  with pytest.raises(ValueError, match="does not belong to this model"):
+  with pytest.raises(ValueError, match="eval: .* does not match the model: .*mask id"):
     ModelCandidates(wrong, tok, EvalDecoding())
 
 

@@ -108,7 +108,7 @@ def test_model_generations_reach_the_service(cpu_verifier, tmp_path):
   from dice_jax.eval.runner import Evaluator
   from dice_jax.eval.verifying import EVAL_OPTIONS, GrpcCandidateVerifier
   from dice_jax.model import Transformer, get_config
-  from dice_jax.train.sft_data import byte_model_overrides, write_byte_tokenizer
+  from dice_jax.data.byte_tokenizer import byte_model_overrides, write_byte_tokenizer
 
   tasks = load_kernelbench(PROBLEMS)[0][:2]
   tok = Tokenizer.from_dir(write_byte_tokenizer(str(tmp_path / "tok")))
