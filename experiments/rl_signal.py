@@ -44,7 +44,7 @@ flags.DEFINE_integer("sft_steps", 400, "SFT optimizer steps")
 flags.DEFINE_integer("rl_steps", 12, "BiC-RL steps")
 flags.DEFINE_integer("rl_group_size", 16, "samples per task in an RL step")
 flags.DEFINE_integer("rl_tasks_per_step", 1, "groups per RL step (CPU time: 1 x 16 samples)")
-flags.DEFINE_float("rl_learning_rate", 1e-3, "BiC-RL learning rate (a small model)")
+flags.DEFINE_float("rl_learning_rate", 1e-4, "BiC-RL learning rate (1e-3 collapsed the policy)")
 flags.DEFINE_multi_string("rl_set", [], "extra --set overrides for the RL launcher")
 flags.DEFINE_string("png", "", "where the plot goes (default: WORKDIR/rl_signal.png)")
 
@@ -223,8 +223,9 @@ def step_rl(workdir: str) -> dict:
       f"--set=stream.num_steps={FLAGS.rl_steps}",
       f"--set=stream.group_size={FLAGS.rl_group_size}",
       f"--set=stream.tasks_per_step={FLAGS.rl_tasks_per_step}",
-      f"--set=rows_per_update={FLAGS.rl_group_size * FLAGS.rl_tasks_per_step}",
-      "--set=accum_steps=4",
+      # two optimizer steps per RL step, two micro-batches each
+      f"--set=rows_per_update={FLAGS.rl_group_size * FLAGS.rl_tasks_per_step // 2}",
+      "--set=accum_steps=2",
       f"--set=optim.learning_rate={FLAGS.rl_learning_rate}",
       *[f"--set={s}" for s in FLAGS.rl_set],
     ]
