@@ -350,7 +350,7 @@ def step_plot(workdir: str, quiet: bool = False) -> dict:
   plt.close(fig)
   os.replace(png + ".tmp.png", png)
   if not quiet:
-    print(f"  correct fraction per step: {[round(c, 3) for c in correct]} -> {png}")
+    print(f"  correct fraction per step: {[round(float(c), 3) for c in correct]} -> {png}")
   return {"correct_rate": correct.tolist(), "png": png}
 
 
