@@ -264,6 +264,7 @@ def main(argv):
     input_tokens_run=int(sum(b["tokens"].size for b in batches)),
     accum_steps=accum,
     micro_rows=FLAGS.micro_rows,
+    rows_per_update=FLAGS.rows_per_update,
   )
   loss_fn = lambda m, b, r: tracerl.tracerl_loss(m, b, r, tcfg)  # noqa: E731
   step_fn = ts.jit_train_step(

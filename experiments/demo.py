@@ -144,7 +144,7 @@ def step_export(workdir, ctx):
   from dice_jax.hf.checkpoint import export_hf
   from dice_jax.hf.parity import check_parity
   from dice_jax.rl.loop import restore_run_params
-  from dice_jax.train import sharding
+  from dice_jax import sharding
 
   run = _final_run(workdir, ctx)
   model, _, tok_dir = restore_run_params(run, sharding.make_mesh())

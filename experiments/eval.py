@@ -183,7 +183,7 @@ def load_model():
     source, tok_dir = os.path.abspath(FLAGS.hf_dir), FLAGS.hf_dir
   else:
     from dice_jax.rl.loop import restore_run_params
-    from dice_jax.train import sharding
+    from dice_jax import sharding
 
     if not os.path.isdir(FLAGS.checkpoint):
       raise UserError(f"--checkpoint {FLAGS.checkpoint}: no such directory")

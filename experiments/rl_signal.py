@@ -44,7 +44,7 @@ flags.DEFINE_integer("sft_steps", 400, "SFT optimizer steps")
 flags.DEFINE_integer("rl_steps", 12, "BiC-RL steps")
 flags.DEFINE_integer("rl_group_size", 16, "samples per task in an RL step")
 flags.DEFINE_integer("rl_tasks_per_step", 1, "groups per RL step (CPU time: 1 x 16 samples)")
-flags.DEFINE_float("rl_learning_rate", 1e-3, "BiC-RL learning rate (a small model)")
+flags.DEFINE_float("rl_learning_rate", 1e-4, "BiC-RL learning rate (1e-3 collapsed the policy)")
 flags.DEFINE_multi_string("rl_set", [], "extra --set overrides for the RL launcher")
 flags.DEFINE_string("png", "", "where the plot goes (default: WORKDIR/rl_signal.png)")
 
@@ -223,8 +223,9 @@ def step_rl(workdir: str) -> dict:
       f"--set=stream.num_steps={FLAGS.rl_steps}",
       f"--set=stream.group_size={FLAGS.rl_group_size}",
       f"--set=stream.tasks_per_step={FLAGS.rl_tasks_per_step}",
-      f"--set=rows_per_update={FLAGS.rl_group_size * FLAGS.rl_tasks_per_step}",
-      "--set=accum_steps=4",
+      # two optimizer steps per RL step, two micro-batches each
+      f"--set=rows_per_update={FLAGS.rl_group_size * FLAGS.rl_tasks_per_step // 2}",
+      "--set=accum_steps=2",
       f"--set=optim.learning_rate={FLAGS.rl_learning_rate}",
       *[f"--set={s}" for s in FLAGS.rl_set],
     ]
@@ -304,30 +305,53 @@ def step_plot(workdir: str, quiet: bool = False) -> dict:
   from dice_jax.train.metrics import read_metrics
 
   recs = read_metrics(os.path.join(paths(workdir)["rl_dir"], "metrics.jsonl"))
-  steps = list(recs)
-  correct = [recs[s]["correct_rate"] for s in steps]
-  fig, ax = plt.subplots(figsize=(6.5, 3.8))
-  ax.plot(steps, correct, marker="o", label="correct (compiled, right output)")
+  steps = np.array(list(recs))
+  correct = np.array([recs[s]["correct_rate"] for s in steps])
+  fig, ax = plt.subplots(figsize=(7.5, 4.2))
+  ax.plot(steps, correct, marker="o", alpha=0.45, label="correct, this step's rollout")
+  k = min(5, len(steps))
+  ax.plot(
+    steps[k - 1 :],
+    np.convolve(correct, np.ones(k) / k, "valid"),
+    color="tab:blue",
+    lw=2,
+    label=f"correct, {k}-step mean",
+  )
   for key, label in (
+    ("failure/syntax_error", "syntax error"),
+    ("failure/no_code", "no code block"),
     ("failure/wrong_output", "wrong output"),
     ("failure/compile_error", "compile error"),
   ):
-    ax.plot(steps, [recs[s].get(key, 0.0) for s in steps], marker=".", alpha=0.7, label=label)
+    ax.plot(steps, [recs[s].get(key, 0.0) for s in steps], lw=1, alpha=0.7, label=label)
+  for label, x, marker in (("before", 0, "s"), ("after", int(steps[-1]), "D")):
+    path = os.path.join(workdir, f"eval_{label}.json")
+    if os.path.exists(path):
+      ev = json.load(open(path))
+      ax.scatter(
+        [x],
+        [ev["correct_rate"]],
+        marker=marker,
+        s=70,
+        color="black",
+        zorder=5,
+        label=f"correct over 64 fixed-key samples, {label} RL: {ev['correct']}/64",
+      )
   n = int(recs[steps[0]]["samples"])
-  ax.set_xlabel(f"RL step ({n} samples each, drawn before that step's update)")
+  ax.set_xlabel(f"RL step ({n} samples per rollout, drawn before that step's update)")
   ax.set_ylabel("fraction of samples")
   ax.set_ylim(-0.02, 1.02)
-  ax.set_title("BiC-RL on CPU against the real verifier (tiny model after SFT)")
+  ax.set_title("BiC-RL on CPU against the real verifier (small model after SFT)")
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=7, loc="upper left")
   fig.tight_layout()
   png = FLAGS.png or os.path.join(workdir, "rl_signal.png")
   fig.savefig(png + ".tmp.png", dpi=110)
   plt.close(fig)
   os.replace(png + ".tmp.png", png)
   if not quiet:
-    print(f"  correct fraction per step: {[round(c, 3) for c in correct]} -> {png}")
-  return {"correct_rate": correct, "png": png}
+    print(f"  correct fraction per step: {[round(float(c), 3) for c in correct]} -> {png}")
+  return {"correct_rate": correct.tolist(), "png": png}
 
 
 STEPS = {

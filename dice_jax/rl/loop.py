@@ -401,6 +401,7 @@ def make_backend(cfg: RLConfig, scfg) -> rollout_lib.SamplerBackend:
 
 
 def _warn_config_changes(saved: dict, now: dict) -> None:
+  now = json.loads(json.dumps(now))  # as saved (tuples become lists)
   changed = sorted(k for k in now if saved.get(k) != now[k])
   if changed:
     logging.warning("resuming with config fields changed since the checkpoint: %s", changed)

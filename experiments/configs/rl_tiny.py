@@ -33,7 +33,7 @@ def get_config() -> RLConfig:
     groups_per_batch=4,
     verifier=VerifierConfig(local_device="cpu"),
     tracerl=TraceRLConfig(layout="packed"),
-    optim=OptimizerConfig(learning_rate=5e-4, schedule="constant", warmup_ratio=0.0),
+    optim=OptimizerConfig(learning_rate=1e-4, schedule="constant", warmup_ratio=0.0),
     rows_per_update=32,
     length_multiple=64,
     seed=0,

@@ -17,7 +17,7 @@ PROMPT=${PROMPT:-896} # DICE e2e prompts: median 883 tokens
 #    advantages: random weights earn reward 0 and every group would be dropped). 2 of the 4
 #    optimizer steps run (the first compiles); the 4-step time is extrapolated from the second.
 #    JAX gets 80% of the GPU so the verifier's workers can create their CUDA contexts.
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.80 timeout 230 python3 -m experiments.bench_rl --config=sdar_1p7b \
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.80 timeout 225 python3 -m experiments.bench_rl --config=sdar_1p7b \
   --tasks=64 --group_size=16 --prompt_len=$PROMPT --new_tokens=$NEW --groups_per_batch=8 \
   --verifier=local --rows_per_update=256 --micro_rows=2 --update_steps=2 --out="$OUT" \
   > "$OUT/bench_rl.log" 2>&1; echo "bench_rl exit $?" >> "$OUT/status.txt"
@@ -54,10 +54,10 @@ if s and "sample_s" in rl:
 if t and "optimizer_step_steady_s" in rl:
     micro_s = t["step_s"] * (t["input_len"] * t["rows"]) / (rl["row_len"] * rl["micro_rows"])
     expect = micro_s * rl["accum_steps"]
-    print(f"optimizer step (256 rows): {rl['optimizer_step_steady_s']:.1f} s vs bench_train "
+    print(f"optimizer step ({rl['rows_per_update']} rows): {rl['optimizer_step_steady_s']:.1f} s vs bench_train "
           f"{t['step_s']:.3f} s per {t['rows']} x {t['input_len']} tokens x {rl['accum_steps']} = "
           f"{expect:.1f} s -> ratio {rl['optimizer_step_steady_s'] / expect:.2f}")
-    print(f"old log-probs (forward only, 256 rows): {rl['old_logp_steady_s']:.1f} s "
+    print(f"old log-probs (forward only, {rl['rows_per_update']} rows): {rl['old_logp_steady_s']:.1f} s "
           f"({rl['old_logp_steady_s'] / expect:.2f} of the bench_train step time; a forward is ~1/3)")
 PY
 cat "$OUT/status.txt" "$OUT/summary.txt"
