@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging as std_logging
 import os
 import sys
 
-from absl import app
+from absl import app, logging
 
 from dice_jax.errors import UserError
 
@@ -89,3 +90,15 @@ def user_errors_from(*types: type[BaseException]):
     yield
   except types as e:
     raise UserError(message(e)) from e
+
+
+class _QuietOrbax(std_logging.Filter):
+  """Drops orbax's per-save INFO chatter (warnings and errors still pass)."""
+
+  def filter(self, record):
+    return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
+
+
+def quiet_orbax() -> None:
+  """Keeps orbax's INFO lines off the console of a training launcher."""
+  logging.get_absl_handler().addFilter(_QuietOrbax())

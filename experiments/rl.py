@@ -14,14 +14,13 @@ A bad flag, config value or input file is one line on stderr and exit status 2.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
-import logging as std_logging
 import os
-import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
+
+from dice_jax.errors import UserError
+from experiments import _cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "rl_tiny", "config module under experiments/configs, or a .py path")
@@ -34,27 +33,10 @@ flags.DEFINE_multi_string("set", [], "config override key=value (dotted keys), r
 flags.DEFINE_integer("max_steps", None, "stop after this many RL steps (the run can resume)")
 
 
-class UsageError(ValueError):
-  pass
-
-
 def load_config(name: str):
-  if name.endswith(".py"):
-    if not os.path.exists(name):
-      raise UsageError(f"--config: no such file {name}")
-    spec = importlib.util.spec_from_file_location("rl_config", name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-  else:
-    try:
-      module = importlib.import_module(f"experiments.configs.{name}")
-    except ModuleNotFoundError:
-      here = os.path.join(os.path.dirname(__file__), "configs")
-      known = sorted(f[:-3] for f in os.listdir(here) if f.startswith("rl_") and f.endswith(".py"))
-      raise UsageError(f"--config: unknown config {name!r}; known: {known}") from None
-  if not hasattr(module, "get_config"):
-    raise UsageError(f"--config {name}: module defines no get_config()")
-  return module.get_config()
+  from experiments import configs
+
+  return configs.load(name, "rl_")
 
 
 def resolve_config():
@@ -65,24 +47,24 @@ def resolve_config():
 
   cfg = load_config(FLAGS.config)
   if not isinstance(cfg, RLConfig):
-    raise UsageError(f"--config {FLAGS.config}: get_config() returned a {type(cfg).__name__}")
+    raise UserError(f"--config {FLAGS.config}: get_config() returned a {type(cfg).__name__}")
   cfg = apply_overrides(cfg, FLAGS.set)
   if FLAGS.phase:
     cfg = dataclasses.replace(cfg, phase=FLAGS.phase)
   if FLAGS.init_hf and FLAGS.init_checkpoint:
-    raise UsageError("pass at most one of --init_hf and --init_checkpoint")
+    raise UserError("pass at most one of --init_hf and --init_checkpoint")
   for flag in ("init_hf", "init_checkpoint"):
     path = getattr(FLAGS, flag)
     if path and not os.path.isdir(path):
-      raise UsageError(f"--{flag}: no such directory {path}")
+      raise UserError(f"--{flag}: no such directory {path}")
   key = "infill_tasks" if cfg.phase == "infill" else "e2e_tasks"
   if cfg.tasks_path and not os.path.exists(cfg.tasks_path):
-    raise UsageError(f"task file of phase {cfg.phase!r} not found: {cfg.tasks_path} (set {key})")
+    raise UserError(f"task file of phase {cfg.phase!r} not found: {cfg.tasks_path} (set {key})")
   from dice_jax.rl.loop import load_tasks
 
   load_tasks(cfg)  # a malformed file fails here, before anything is written
   if cfg.judge == "verifier" and not FLAGS.verifier:
-    raise UsageError("--verifier is required (HOST:PORT[,HOST:PORT] or local)")
+    raise UserError("--verifier is required (HOST:PORT[,HOST:PORT] or local)")
   return cfg
 
 
@@ -92,11 +74,6 @@ def _local_device(cfg) -> str:
   import shutil
 
   return "cuda" if shutil.which("nvidia-smi") else "cpu"
-
-
-class _QuietOrbax(std_logging.Filter):
-  def filter(self, record):
-    return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
 
 
 def run(cfg) -> dict:
@@ -127,31 +104,19 @@ def run(cfg) -> dict:
 
 def main(argv):
   del argv
-  logging.get_absl_handler().addFilter(_QuietOrbax())
-  from dice_jax.data.tasks import DataError
+  _cli.quiet_orbax()
   from dice_jax.verifier_client import VerifierUnavailable
+  from verifier.local import VerifierStartError
 
-  try:
-    cfg = resolve_config()  # bad flags, config values and task files
-  except (ValueError, FileNotFoundError, DataError) as e:
-    _fail(e)
+  with _cli.user_errors_from(ValueError):  # bad flags, config values and task files
+    cfg = resolve_config()
   logging.info("config: %s", json.dumps(cfg.to_json(), default=str))
-  try:
+  # endpoints that never answer; a local verifier that did not start
+  with _cli.user_errors_from(VerifierUnavailable, VerifierStartError):
     summary = run(cfg)
-  except VerifierUnavailable as e:  # endpoints that never answer
-    _fail(e)
-  except Exception as e:
-    if type(e).__name__ == "VerifierStartError":  # the local verifier did not start
-      _fail(e)
-    raise
   logging.info("done: %s", summary)
-
-
-def _fail(e: Exception):
-  print(f"experiments.rl: error: {str(e).splitlines()[0]}", file=sys.stderr)
-  sys.exit(2)
 
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("workdir")
-  app.run(main)
+  _cli.run(main)

@@ -21,11 +21,7 @@ after `--heartbeat_timeout_s`; rerun all of them to resume. On one machine:
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
-import logging as std_logging
-import os
 
 from absl import flags, logging
 
@@ -54,37 +50,14 @@ flags.mark_flag_as_required("workdir")
 
 
 def load_config(name: str):
-  if name.endswith(".py"):
-    spec = importlib.util.spec_from_file_location("sft_config", name)
-    if spec is None or not os.path.exists(name):
-      raise UserError(f"--config: no such file {name}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-  else:
-    try:
-      module = importlib.import_module(f"experiments.configs.{name}")
-    except ModuleNotFoundError as e:
-      known = sorted(
-        f[:-3]
-        for f in os.listdir(os.path.dirname(__file__) + "/configs")
-        if f.endswith(".py") and not f.startswith("_")
-      )
-      raise UserError(f"--config: unknown config {name!r}; known: {known}") from e
-  if not hasattr(module, "get_config"):
-    raise UserError(f"--config {name}: module defines no get_config()")
-  return module.get_config()
+  from experiments import configs
 
-
-class _QuietOrbax(std_logging.Filter):
-  """Drops orbax's per-save INFO chatter from the console (warnings and errors still pass)."""
-
-  def filter(self, record):
-    return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
+  return configs.load(name)
 
 
 def main(argv):
   del argv
-  logging.get_absl_handler().addFilter(_QuietOrbax())
+  _cli.quiet_orbax()
   if FLAGS.distributed or FLAGS.coordinator_address is not None:
     from dice_jax import distributed
 

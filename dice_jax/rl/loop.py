@@ -31,6 +31,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from dice_jax.data.tokenizer import check_compatible
 from dice_jax.data import rl_stream
 from dice_jax.data import tasks as tasks_lib
 from dice_jax.data.curriculum import SequentialSchedule
@@ -326,6 +327,7 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
     raise ValueError(
       f"RLConfig.sampler.block_size {cfg.sampler.block_size} != the model's {mcfg.block_size}"
     )
+  check_compatible(tok, mcfg, where="rl")
   logging.info(
     "model %.2fM params (block %d, %s), mesh %s",
     mcfg.num_params() / 1e6,

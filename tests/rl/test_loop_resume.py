@@ -113,7 +113,7 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path):
     )
     assert p.returncode == 2, p.stderr[-2000:]
     last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("experiments.rl: error:") and needle in last, last
+    assert last.startswith("rl: error:") and needle in last, last
     assert "Traceback" not in p.stderr
   assert not os.path.exists(tmp_path / "w")  # nothing written
   p = subprocess.run(
