@@ -339,16 +339,24 @@ class Check:
     args = tuple(exchange.send_value(a, self.buffers, used) for a in inputs0)
     if self.device.type == "cuda":
       torch.cuda.synchronize()
-    self._send(TimeRequest(args, opts.num_warmup, opts.num_perf_trials, self.task.seeds[0]), used)
-    t0 = time.monotonic()
-    done = self._recv(TimeDone)
-    wall = time.monotonic() - t0
-    calls = timing.TimedCalls(done.warmup_ms, done.trial_ms)
     overhead = self.task.harness_overhead_ms(inputs0)
-    p = timing.plausible(calls, wall, overhead, opts.num_perf_trials, opts.num_warmup)
-    if not p.ok:
-      raise Verdict(FailureKind.TIMING_MISMATCH, p.reason)
-    self.calls += opts.num_warmup + opts.num_perf_trials
+    # A claim the outside wall time cannot explain is measured once more before it is rejected:
+    # other processes on a loaded host can stretch one wall-clock window (a false TIMING_MISMATCH
+    # was seen on a 2-core CI box), while a forged claim fails both times.
+    for attempt in (1, 2):
+      request = TimeRequest(args, opts.num_warmup, opts.num_perf_trials, self.task.seeds[0])
+      self._send(request, used)
+      t0 = time.monotonic()
+      done = self._recv(TimeDone)
+      wall = time.monotonic() - t0
+      self.calls += opts.num_warmup + opts.num_perf_trials  # the candidate stepped either way
+      calls = timing.TimedCalls(done.warmup_ms, done.trial_ms)
+      p = timing.plausible(calls, wall, overhead, opts.num_perf_trials, opts.num_warmup)
+      if p.ok:
+        break
+      if attempt == 2:
+        raise Verdict(FailureKind.TIMING_MISMATCH, f"{p.reason} (measured twice)")
+      self.report["warnings"].append(f"timing re-measured: {p.reason}")
     candidate = calls.runtime
     self.report["candidate"] = candidate
     baseline = self.job.baseline
