@@ -48,7 +48,6 @@ from dice_jax.train import optimizer as optim_lib
 from dice_jax import sharding as sharding_lib
 from dice_jax.train import train_step as ts
 
-MODEL_CONFIG = "model_config.json"  # the same file the SFT loop writes: run dirs are alike
 
 
 class _Preemption:
@@ -74,47 +73,10 @@ class _Preemption:
 
 
 # ------------------------------------------------------------------ model, tokenizer, tasks
-def _write_model_config(mcfg: ModelConfig, workdir: str) -> None:
-  os.makedirs(workdir, exist_ok=True)
-  tmp = os.path.join(workdir, MODEL_CONFIG + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump(dataclasses.asdict(mcfg), f, indent=2)
-  os.replace(tmp, os.path.join(workdir, MODEL_CONFIG))
-
-
-def _read_model_config(run_dir: str) -> ModelConfig:
-  path = os.path.join(run_dir, MODEL_CONFIG)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} not found: {run_dir} is not an SFT or RL run directory")
-  with open(path) as f:
-    raw = json.load(f)
-  if isinstance(raw.get("eos_token_id"), list):
-    raw["eos_token_id"] = tuple(raw["eos_token_id"])
-  return ModelConfig(**raw)
-
-
-def abstract_train_state(mcfg: ModelConfig, tx, mesh):
-  """(graphdef, train-state target of ShapeDtypeStructs with shardings, shardings), allocating
-  nothing: what an orbax restore fills."""
-  graphdef, abs_params = nnx.split(
-    nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))), nnx.Param
-  )
-  p_sh = ts.param_shardings(abs_params, mesh)
-  shapes = {
-    "params": jax.tree.map(
-      lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), abs_params.to_pure_dict()
-    )
-  }
-  shardings = ts.state_shardings(tx, shapes["params"], p_sh, mesh)
-  shapes["opt_state"] = jax.eval_shape(tx.init, shapes["params"])
-  shapes["step"] = jax.ShapeDtypeStruct((), np.int32)
-  return graphdef, ts.abstract_state(shapes, shardings), shardings
-
-
 def restore_run_params(run_dir: str, mesh, step: int | None = None):
   """(model, model config, tokenizer dir or None) from an SFT or RL run's checkpoint (default: its
   latest): `--init_checkpoint` (phase 2 starts from phase 1; phase 1 from SFT)."""
-  mcfg = _read_model_config(run_dir)
+  mcfg = ckpt_lib.read_model_config(run_dir)
   ckpt = ckpt_lib.Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=1, async_save=False)
   try:
     step = ckpt.latest_step() if step is None else step
@@ -122,7 +84,7 @@ def restore_run_params(run_dir: str, mesh, step: int | None = None):
       raise FileNotFoundError(f"no checkpoint under {run_dir}/checkpoints")
     saved = ckpt.restore_config(step)
     tx = optim_lib.make_optimizer(optim_lib.OptimizerConfig(**saved["optim"]), 1)
-    graphdef, target, _ = abstract_train_state(mcfg, tx, mesh)
+    graphdef, target, _ = ckpt_lib.abstract_train_state(mcfg, tx, mesh)
     state, _, _ = ckpt.restore(target, step)
   finally:
     ckpt.close()
@@ -315,14 +277,14 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
   mesh = sharding_lib.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
   resuming = ckpt.latest_step() is not None
   if resuming:
-    mcfg = _read_model_config(workdir)
+    mcfg = ckpt_lib.read_model_config(workdir)
     tok, _ = load_tokenizer(cfg, workdir, _existing_dir(os.path.join(workdir, "tokenizer")))
     _warn_config_changes(ckpt.restore_config(), cfg.to_json())
   else:
     model, mcfg, inherited = build_model(cfg, mesh, workdir, init_hf, init_checkpoint)
     tok, _ = load_tokenizer(cfg, workdir, inherited)
     if jax.process_index() == 0:
-      _write_model_config(mcfg, workdir)
+      ckpt_lib.save_model_config(mcfg, workdir)
   if cfg.sampler.block_size != mcfg.block_size:
     raise ValueError(
       f"RLConfig.sampler.block_size {cfg.sampler.block_size} != the model's {mcfg.block_size}"
@@ -338,7 +300,7 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
   total_updates = cfg.num_steps * -(-cfg.stream.elements_per_step // cfg.rows_per_update)
   tx = optim_lib.make_optimizer(cfg.optim, total_updates)
   if resuming:
-    graphdef, target, shardings = abstract_train_state(mcfg, tx, mesh)
+    graphdef, target, shardings = ckpt_lib.abstract_train_state(mcfg, tx, mesh)
   else:
     graphdef, state, shardings = ts.init_train_state(model, tx, mesh, tolerance=cfg.shard_tolerance)
     del model

@@ -126,18 +126,43 @@ def save_model_config(mcfg: ModelConfig, workdir: str) -> None:
   atomic.write_json(os.path.join(workdir, MODEL_CONFIG), dataclasses.asdict(mcfg), indent=2)
 
 
+def read_model_config(run_dir: str) -> ModelConfig:
+  """The model config an SFT or RL run saved (`save_model_config`)."""
+  path = os.path.join(run_dir, MODEL_CONFIG)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} not found: {run_dir} is not an SFT or RL run directory")
+  with open(path) as f:
+    raw = json.load(f)
+  if isinstance(raw.get("eos_token_id"), list):
+    raw["eos_token_id"] = tuple(raw["eos_token_id"])
+  return ModelConfig(**raw)
+
+
+def abstract_train_state(mcfg: ModelConfig, tx, mesh):
+  """(graphdef, train-state target of ShapeDtypeStructs with shardings, shardings), allocating
+  nothing: what an orbax restore fills."""
+  graphdef, abs_params = nnx.split(
+    nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))), nnx.Param
+  )
+  p_sh = ts.param_shardings(abs_params, mesh)
+  shapes = {
+    "params": jax.tree.map(
+      lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), abs_params.to_pure_dict()
+    )
+  }
+  shardings = ts.state_shardings(tx, shapes["params"], p_sh, mesh)
+  shapes["opt_state"] = jax.eval_shape(tx.init, shapes["params"])
+  shapes["step"] = jax.ShapeDtypeStruct((), np.int32)
+  return graphdef, ts.abstract_state(shapes, shardings), shardings
+
+
 def restore_model(workdir: str, mesh=None, step: int | None = None):
   """(model, tokenizer_dir, step): the parameters of a run's checkpoint (default: latest).
 
   The train state is restored against an abstract target (no random init, no optimizer
   allocation before the restore), onto `mesh` (default: every device on the fsdp axis).
   """
-  path = os.path.join(workdir, MODEL_CONFIG)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} not found: {workdir} is not an SFT run directory")
-  with open(path) as f:
-    raw = json.load(f)
-  mcfg = ModelConfig(**raw)
+  mcfg = read_model_config(workdir)
   ckpt = Checkpointer(f"{workdir}/checkpoints", save_every=1, async_save=False)
   try:
     step = ckpt.latest_step() if step is None else step
@@ -145,20 +170,9 @@ def restore_model(workdir: str, mesh=None, step: int | None = None):
       raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
     cfg = SFTConfig.from_json(ckpt.restore_config(step))
     mesh = mesh or sharding_lib.make_mesh()
-    graphdef, abs_params = nnx.split(
-      nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))), nnx.Param
-    )
-    p_sh = ts.param_shardings(abs_params, mesh)
-    shapes = {
-      "params": jax.tree.map(
-        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), abs_params.to_pure_dict()
-      )
-    }
     tx = optim_lib.make_optimizer(cfg.optim, cfg.num_steps)
-    shardings = ts.state_shardings(tx, shapes["params"], p_sh, mesh)
-    shapes["opt_state"] = jax.eval_shape(tx.init, shapes["params"])
-    shapes["step"] = jax.ShapeDtypeStruct((), np.int32)
-    state, _, _ = ckpt.restore(ts.abstract_state(shapes, shardings), step)
+    graphdef, target, _ = abstract_train_state(mcfg, tx, mesh)
+    state, _, _ = ckpt.restore(target, step)
   finally:
     ckpt.close()
   return nnx.merge(graphdef, state["params"]), sft_data.tokenizer_dir(cfg, workdir), step
