@@ -49,7 +49,6 @@ from dice_jax import sharding as sharding_lib
 from dice_jax.train import train_step as ts
 
 
-
 class _Preemption:
   """Set by SIGTERM (finish the step, save, stop); restores the previous handler on exit."""
 
