@@ -105,14 +105,25 @@ def gather_json(obj: Any) -> list:
   return [json.loads(rows[i, : sizes[i]].tobytes()) for i in range(len(rows))]
 
 
+def _on_this_host(x) -> bool:
+  return getattr(x, "is_fully_addressable", True) or x.is_fully_replicated
+
+
 def to_host(x: jax.Array) -> np.ndarray:
   """The whole value of a global array as numpy on this host. When other processes hold parts
   of it, this is an all-gather (a collective: every process must call it)."""
-  if getattr(x, "is_fully_addressable", True) or x.is_fully_replicated:
+  if _on_this_host(x):
     return np.asarray(jax.device_get(x))
   from jax.experimental import multihost_utils
 
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def tree_to_host(tree):
+  """`to_host` of every leaf of a pytree (one batched transfer when no leaf needs a gather)."""
+  if all(_on_this_host(x) for x in jax.tree.leaves(tree)):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+  return jax.tree.map(to_host, tree)
 
 
 def barrier(name: str) -> None:

@@ -12,6 +12,9 @@ OSErrors that name a path (missing file, existing output, file where a directory
 places that handle it prints `<launcher>: interrupted` and exits 130. Any other exception is a
 bug and keeps its traceback. `user_errors_from(ValueError)` marks a block whose errors of those
 types are the user's (e.g. building a config from `--set` overrides).
+
+A launcher that runs as several JAX processes calls `define_multiprocess_flags()` where it
+defines its flags and `join_processes()` first thing in `main`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import logging as std_logging
 import os
 import sys
 
-from absl import app, logging
+from absl import app, flags, logging
 
 from dice_jax.errors import UserError
 
@@ -102,3 +105,35 @@ class _QuietOrbax(std_logging.Filter):
 def quiet_orbax() -> None:
   """Keeps orbax's INFO lines off the console of a training launcher."""
   logging.get_absl_handler().addFilter(_QuietOrbax())
+
+
+def define_multiprocess_flags() -> None:
+  """`--distributed`, `--coordinator_address`, `--num_processes`, `--process_id`,
+  `--heartbeat_timeout_s` (read by `join_processes`)."""
+  flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() (multi-host)")
+  flags.DEFINE_string("coordinator_address", None, "multi-host coordinator host:port")
+  flags.DEFINE_integer("num_processes", None, "multi-host: number of processes")
+  flags.DEFINE_integer("process_id", None, "multi-host: this process's id")
+  flags.DEFINE_integer(
+    "heartbeat_timeout_s",
+    100,
+    "multi-host: a process that sent no heartbeat for this long is dead, and the others exit",
+  )
+
+
+def join_processes() -> None:
+  """Joins the JAX cluster the multi-process flags name (before any other JAX call); processes
+  other than 0 then log warnings and errors only. Without those flags: nothing."""
+  f = flags.FLAGS
+  if f.distributed or f.coordinator_address is not None:
+    from dice_jax import distributed
+
+    distributed.initialize(
+      f.coordinator_address,
+      f.num_processes,
+      f.process_id,
+      heartbeat_timeout_s=f.heartbeat_timeout_s,
+    )
+    distributed.primary_logs_only()
+  elif f.num_processes is not None or f.process_id is not None:
+    raise UserError("--num_processes/--process_id need --coordinator_address (or --distributed)")

@@ -10,6 +10,15 @@ as a child (CPU backend on a machine without a GPU) with its build cache in RUN/
 Re-running with the same workdir resumes from its last checkpoint (exact: same tasks, samples and
 losses). Outputs: RUN/metrics.jsonl, RUN/tb/, RUN/samples.jsonl, RUN/rl.png, RUN/checkpoints/.
 A bad flag, config value or input file is one line on stderr and exit status 2.
+
+Several processes (hosts, or processes on one machine): start the same command once per process
+with `--distributed` (the cluster from the environment, e.g. SLURM) or with
+`--coordinator_address=HOST:PORT --num_processes=N --process_id=I`, as for `experiments.sft`. One
+mesh spans every process's devices; every process samples the whole step, judges every N-th
+request and trains on its devices' rows; checkpoints are written by all, metrics, samples and
+logs by process 0. `--verifier=local` starts one service per process (RUN/verifier/process_I).
+On one machine:
+`python -m experiments.local_cluster --num_processes=2 -- python -m experiments.rl ...`.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ flags.DEFINE_string("init_hf", None, "initialise from this HF checkpoint directo
 flags.DEFINE_string("init_checkpoint", None, "initialise from an SFT or RL run directory")
 flags.DEFINE_multi_string("set", [], "config override key=value (dotted keys), repeatable")
 flags.DEFINE_integer("max_steps", None, "stop after this many RL steps (the run can resume)")
+_cli.define_multiprocess_flags()
 
 
 def load_config(name: str):
@@ -86,18 +96,19 @@ def run(cfg) -> dict:
   if cfg.judge != "verifier" or FLAGS.verifier != "local":
     endpoints = parse_endpoints(FLAGS.verifier) if cfg.judge == "verifier" else None
     return run_rl(cfg, FLAGS.workdir, endpoints=endpoints, **kwargs)
+  import jax
+
   from verifier.local import LocalVerifier
 
+  directory = os.path.join(FLAGS.workdir, "verifier")
+  if jax.process_count() > 1:  # one service per process: its share of the requests
+    directory = os.path.join(directory, f"process_{jax.process_index()}")
   args = ()
   if cfg.verifier.local_compile_workers:
     args = ("--compile-workers", str(cfg.verifier.local_compile_workers))
   device = _local_device(cfg)
-  logging.info(
-    "starting a local %s verifier (log: %s/verifier/verifier.log)", device, FLAGS.workdir
-  )
-  with LocalVerifier(
-    os.path.join(FLAGS.workdir, "verifier"), device=device, extra_args=args
-  ) as server:
+  logging.info("starting a local %s verifier (log: %s/verifier.log)", device, directory)
+  with LocalVerifier(directory, device=device, extra_args=args) as server:
     logging.info("local verifier at %s", server.address)
     return run_rl(cfg, FLAGS.workdir, endpoints=[server.address], **kwargs)
 
@@ -105,6 +116,7 @@ def run(cfg) -> dict:
 def main(argv):
   del argv
   _cli.quiet_orbax()
+  _cli.join_processes()
   from dice_jax.verifier_client import VerifierUnavailable
   from verifier.local import VerifierStartError
 

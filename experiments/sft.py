@@ -25,7 +25,6 @@ import json
 
 from absl import flags, logging
 
-from dice_jax.errors import UserError
 from experiments import _cli
 
 FLAGS = flags.FLAGS
@@ -37,15 +36,7 @@ flags.DEFINE_string("export_hf", None, "write the final model as an HF directory
 flags.DEFINE_bool(
   "allow_config_change", False, "resume a run whose saved config differs from this one"
 )
-flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() (multi-host)")
-flags.DEFINE_string("coordinator_address", None, "multi-host coordinator host:port")
-flags.DEFINE_integer("num_processes", None, "multi-host: number of processes")
-flags.DEFINE_integer("process_id", None, "multi-host: this process's id")
-flags.DEFINE_integer(
-  "heartbeat_timeout_s",
-  100,
-  "multi-host: a process that sent no heartbeat for this long is dead, and the others exit",
-)
+_cli.define_multiprocess_flags()
 flags.mark_flag_as_required("workdir")
 
 
@@ -58,18 +49,7 @@ def load_config(name: str):
 def main(argv):
   del argv
   _cli.quiet_orbax()
-  if FLAGS.distributed or FLAGS.coordinator_address is not None:
-    from dice_jax import distributed
-
-    distributed.initialize(
-      FLAGS.coordinator_address,
-      FLAGS.num_processes,
-      FLAGS.process_id,
-      heartbeat_timeout_s=FLAGS.heartbeat_timeout_s,
-    )
-    distributed.primary_logs_only()
-  elif FLAGS.num_processes is not None or FLAGS.process_id is not None:
-    raise UserError("--num_processes/--process_id need --coordinator_address (or --distributed)")
+  _cli.join_processes()
   from dice_jax.train.config import apply_overrides
   from dice_jax.train.loop import run_sft
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dice_jax import distributed
 from dice_jax.diffusion import memory
 from dice_jax.diffusion import slots as slots_lib
 from dice_jax.diffusion.sampler import SamplerConfig
@@ -260,12 +261,12 @@ class ContinuousSampler:
     gathers to compile)."""
     sl, finished, fw, lengths = pending
     t0 = time.perf_counter()
-    flags = np.asarray(finished)
+    flags = distributed.to_host(finished)
     waited = time.perf_counter() - t0
     stats["forwards"] += int(fw)
     rows = [int(i) for i in np.nonzero(flags)[0] if int(i) in owner]
     if rows:
-      host = jax.device_get(
+      host = distributed.tree_to_host(
         dict(
           out_tokens=sl.out_tokens,
           out_steps=sl.out_steps,

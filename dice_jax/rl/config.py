@@ -183,6 +183,11 @@ class RLConfig:
       f"{s.block_alignment!r}",
     )
     need(self.stream.group_size >= 2, "stream.group_size must be >= 2 (advantages are per group)")
+    need(
+      (self.stream.process_index, self.stream.process_count) == (0, 1),
+      "stream.process_index/process_count must stay 0/1: every JAX process draws the whole RL "
+      "step (the sampler runs on all processes' devices at once)",
+    )
     if self.reward in rewards_lib.NEEDS_TIMING:
       need(
         bool(self.verifier.options.get("measure_performance")),

@@ -8,11 +8,19 @@ Per RL step s:
      the rollout parameters, before any update; one optimizer step per mini-batch (one epoch);
   5. metrics, samples, and an orbax checkpoint at the step boundary.
 
+Several JAX processes (one mesh over all their devices) run the same steps: each draws the whole
+RL stream and samples every group (the sampler is one computation over the global mesh, so the
+processes must make the same calls anyway), judges every n-th distinct request and receives the
+others' verdicts, so rewards, advantages and TraceRL batches are equal everywhere; each then feeds
+its devices' rows of every mini-batch. Process 0 writes metrics, samples, the plot, the tokenizer
+and the model config; all write the orbax checkpoints together. The stream state is the same on
+every process, so a checkpoint resumes on any process count.
+
 Resume is exact: the checkpoint holds params, optimizer state, the optimizer-step counter, the
 RL-stream iterator state taken after the step's tasks were drawn and the RL step; sampling keys
 are (seed, RL step, group) and mini-batch shuffles are seeded by (seed, RL step), so a restarted
 run draws the same tasks, samples the same tokens (same judge verdicts) and gets the same losses.
-SIGTERM finishes the current step, saves and stops.
+SIGTERM (to any process) finishes the current step, saves and stops.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from dice_jax import distributed
 from dice_jax.data.tokenizer import check_compatible
 from dice_jax.data import rl_stream
 from dice_jax.data import tasks as tasks_lib
@@ -94,18 +103,29 @@ def restore_run_params(run_dir: str, mesh, step: int | None = None):
   return nnx.merge(graphdef, state["params"]), mcfg, tok_dir
 
 
-def load_tokenizer(cfg: RLConfig, workdir: str, inherited: str | None):
-  """(tokenizer, dir): the init run's tokenizer when it has one, else `cfg.tokenizer` ('byte'
-  writes the byte tokenizer into the workdir, as SFT does)."""
+def load_tokenizer(cfg: RLConfig, inherited: str | None):
+  """The run's tokenizer, read without writing: the init run's when it has one, else
+  `cfg.tokenizer` ('byte' or a directory)."""
   from dice_jax.data.tokenizer import Tokenizer
   from dice_jax.data import byte_tokenizer
 
   path = inherited or cfg.tokenizer
   if path == "byte":
-    path = byte_tokenizer.write_byte_tokenizer(os.path.join(workdir, "tokenizer"))
-  elif inherited and os.path.abspath(path) != os.path.abspath(os.path.join(workdir, "tokenizer")):
-    Tokenizer.from_dir(path).save(os.path.join(workdir, "tokenizer"))
-  return Tokenizer.from_dir(path), path
+    return byte_tokenizer.load_byte_tokenizer()
+  return Tokenizer.from_dir(path)
+
+
+def save_tokenizer(cfg: RLConfig, workdir: str, inherited: str | None) -> None:
+  """Writes the tokenizer into `workdir/tokenizer` when it is the byte tokenizer or an init
+  run's (as SFT does); a `cfg.tokenizer` directory stays where it is."""
+  from dice_jax.data.tokenizer import Tokenizer
+  from dice_jax.data import byte_tokenizer
+
+  dest = os.path.join(workdir, "tokenizer")
+  if inherited and os.path.abspath(inherited) != os.path.abspath(dest):
+    Tokenizer.from_dir(inherited).save(dest)
+  elif not inherited and cfg.tokenizer == "byte":
+    byte_tokenizer.write_byte_tokenizer(dest)
 
 
 def build_model(
@@ -277,12 +297,14 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
   resuming = ckpt.latest_step() is not None
   if resuming:
     mcfg = ckpt_lib.read_model_config(workdir)
-    tok, _ = load_tokenizer(cfg, workdir, _existing_dir(os.path.join(workdir, "tokenizer")))
+    inherited = _existing_dir(os.path.join(workdir, "tokenizer"))
     _warn_config_changes(ckpt.restore_config(), cfg.to_json())
   else:
     model, mcfg, inherited = build_model(cfg, mesh, workdir, init_hf, init_checkpoint)
-    tok, _ = load_tokenizer(cfg, workdir, inherited)
-    if jax.process_index() == 0:
+  tok = load_tokenizer(cfg, inherited)
+  if distributed.is_primary():
+    save_tokenizer(cfg, workdir, inherited)
+    if not resuming:
       ckpt_lib.save_model_config(mcfg, workdir)
   if cfg.sampler.block_size != mcfg.block_size:
     raise ValueError(
@@ -400,7 +422,7 @@ def run_one_step(t: _Trainer, judge, step: int):
     [g.task_id.encode() for g in groups] + [g.prompt_ids for g in groups]
   )
   m["sample_fingerprint"] = _fingerprint([tr.response_ids for tr in ro.trajectories])
-  m["optimizer_step"] = float(jax.device_get(t.state["step"]))
+  m["optimizer_step"] = float(distributed.to_host(t.state["step"]))
   m["time/step_s"] = time.perf_counter() - t0
   for k, v in m.items():
     if not np.isfinite(v):
@@ -440,7 +462,7 @@ def run_rl(
         writer.write(done, m)
         _write_samples(os.path.join(workdir, "samples.jsonl"), done, ro, cfg.samples_per_step)
         logging.info(progress_line(done, cfg.num_steps, m))
-        preempted = stop.set or ckpt.reached_preemption(done)
+        preempted = distributed.any_process(stop.set) or ckpt.reached_preemption(done)
         ckpt.save(
           done,
           t.state,
@@ -458,7 +480,7 @@ def run_rl(
     writer.close()
     if hasattr(judge, "close"):
       judge.close()
-  if jax.process_index() == 0 and last:
+  if distributed.is_primary() and last:
     plot_rl(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "rl.png"), cfg.phase)
   return {"rl_step": done, "preempted": preempted, **last}
 
@@ -490,11 +512,14 @@ def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
     rng=np.random.default_rng([cfg.seed, rl_step]),
   )
   t_build = time.perf_counter()
-  sharded = [ts.shard_batch(b, mesh, cfg.accum_steps) for b in batches]
+  rows = ts.local_rows(mesh, cfg.rows_per_update, cfg.accum_steps)  # this process's rows
+  sharded = [
+    ts.shard_batch({k: v[rows] for k, v in b.items()}, mesh, cfg.accum_steps) for b in batches
+  ]
   gap_sum, gap_n = 0.0, 0.0
   for host, b in zip(batches, sharded):  # old log-probs with the rollout parameters, for all first
     b["old_logp"] = t.old_logp_fn(state["params"], b)
-    old = np.asarray(jax.device_get(b["old_logp"])).reshape(host["p_mask"].shape)
+    old = distributed.to_host(b["old_logp"]).reshape(host["p_mask"].shape)
     mask = host["p_mask"]
     gap_sum += float(np.abs(old - host["sampler_logp"])[mask].sum())
     gap_n += float(mask.sum())
@@ -503,7 +528,7 @@ def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
   rng = jax.random.key(cfg.seed)  # the TraceRL loss draws nothing; the step folds in its count
   for b in sharded:
     state, m = t.step_fn(state, b, rng)
-    stats.add({k: float(v) for k, v in jax.device_get(m).items()})
+    stats.add({k: float(v) for k, v in distributed.tree_to_host(m).items()})
   out = stats.metrics()
   out.update(
     {
@@ -520,7 +545,7 @@ def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
 
 
 def _write_samples(path: str, step: int, ro, n: int) -> None:
-  if not n or jax.process_index() != 0:
+  if not n or not distributed.is_primary():
     return
   with open(path, "a") as f:
     for i in range(min(n, len(ro.trajectories))):

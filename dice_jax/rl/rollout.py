@@ -20,6 +20,11 @@ Two seams:
   stops. Both give the same tokens for the same keys.
 * `Judge` -- `submit(task_id, reference, candidate) -> Future[VerifyOutcome]`:
   `dice_jax.verifier_client.VerifierClient` or `FunctionJudge`.
+
+Several JAX processes: the sampler is one computation over the global mesh, so every process
+samples every group (same keys, same tokens); verification is split: the i-th distinct request
+of the step goes to the judge of process i mod n, and the verdicts are merged across processes
+(`exchange_verdicts`), so every process ends with the same outcomes and rewards.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from dice_jax import distributed
 from dice_jax.diffusion import sampler as sampler_lib
 from dice_jax.rl.trajectory import Trajectory, from_sample_output
 from dice_jax.verifier_client import VerifyOutcome, request_id
@@ -196,7 +202,7 @@ class StaticBatches:
       padded = chunk + [chunk[-1]] * (self.k - len(chunk))
       prompts = [g.prompt_ids.tolist() for g in padded for _ in range(g.size)]
       keys = group_keys(self.seed, rl_step, padded)
-      out = jax.device_get(
+      out = distributed.tree_to_host(
         sampler_lib.generate(model, prompts, self.cfg, keys=keys, prompt_width=width)
       )
       self.forwards += int(out.forwards)
@@ -341,6 +347,21 @@ class Rollout:
   groups_skipped: int  # groups whose prompt exceeded max_prompt_len
 
 
+def exchange_verdicts(mine: dict[str, VerifyOutcome]) -> dict[str, VerifyOutcome]:
+  """Every process's verdicts (request id -> outcome), merged, on every process; a collective.
+  Each request must have been judged by exactly one process."""
+  if jax.process_count() == 1:
+    return dict(mine)
+  merged: dict[str, VerifyOutcome] = {}
+  parts = distributed.gather_json({rid: dataclasses.asdict(o) for rid, o in mine.items()})
+  for part in parts:
+    for rid, fields in part.items():
+      if rid in merged:
+        raise RuntimeError(f"request {rid} ({fields['task_id']}) was judged by two processes")
+      merged[rid] = VerifyOutcome(**fields)
+  return merged
+
+
 def response_text(traj: Trajectory, tokenizer) -> str:
   """The decoded response up to (without) its first stop id, special tokens dropped."""
   ids = traj.response_ids[traj.loss_mask]
@@ -360,7 +381,11 @@ def collect(
   max_prompt_len: int = 0,
   progress_every_s: float = 30.0,
 ) -> Rollout:
-  """Samples every group, judges each group as soon as it is sampled, joins verdicts by request id."""
+  """Samples every group, judges each group as soon as it is sampled, joins verdicts by request id.
+
+  With several JAX processes every process calls this with the same groups; each judges its
+  share of the distinct requests and all get every verdict (see the module docstring)."""
+  process, processes = jax.process_index(), jax.process_count()
   if extraction not in EXTRACTIONS:
     raise ValueError(f"code extraction must be one of {EXTRACTIONS}, got {extraction!r}")
   keep = [g for g in groups if not max_prompt_len or len(g.prompt_ids) <= max_prompt_len]
@@ -376,7 +401,8 @@ def collect(
   texts: list[str] = []
   cands: list[str | None] = []
   rids: list[str] = []
-  pending: dict[str, concurrent.futures.Future] = {}
+  first_seen: dict[str, int] = {}  # distinct request -> its rank in this step
+  pending: dict[str, concurrent.futures.Future] = {}  # the requests this process judges
   local: dict[str, VerifyOutcome] = {}
   steps_used = 0
   t_start = last_log = time.perf_counter()
@@ -394,8 +420,10 @@ def collect(
         cand = None
       else:
         rid = request_id(task.task_id, task.reference, cand)
-        if rid not in pending:
-          pending[rid] = judge.submit(task.task_id, task.reference, cand)
+        if rid not in first_seen:
+          first_seen[rid] = len(first_seen)
+          if first_seen[rid] % processes == process:
+            pending[rid] = judge.submit(task.task_id, task.reference, cand)
       trajs.append(traj)
       texts.append(text)
       cands.append(cand)
@@ -416,7 +444,7 @@ def collect(
       last_log = now
   sample_s = time.perf_counter() - t_start
   t_wait = time.perf_counter()
-  verdicts = {rid: fut.result() for rid, fut in pending.items()}
+  verdicts = exchange_verdicts({rid: fut.result() for rid, fut in pending.items()})
   verify_wait_s = time.perf_counter() - t_wait
   verdicts.update(local)
   outcomes = [verdicts[r] for r in rids]
@@ -431,7 +459,7 @@ def collect(
     rewards=np.asarray([reward_fn(o) for o in outcomes], np.float32),
     sample_s=sample_s,
     verify_wait_s=verify_wait_s,
-    judge_requests=len(pending),
+    judge_requests=len(first_seen),
     forwards=backend.forwards,
     steps_used=steps_used,
     generated_tokens=int(sum(t.response_ids.size for t in trajs)),
