@@ -10,32 +10,15 @@ import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .launch import REPO, rl_cmd
+
 NUM_STEPS = 4
 SAME = ("loss", "loss_first", "loss_last", "reward_mean", "optimizer_step", "kl", "grad_norm")
 SAME += ("data_fingerprint", "sample_fingerprint", "groups_dropped", "updates")
 
 
 def _cmd(workdir, *extra):
-  return [
-    sys.executable,
-    "-m",
-    "experiments.rl",
-    "--config=rl_tiny",
-    f"--workdir={workdir}",
-    "--set=judge=python:tests.rl.toy_judges:byte_parity",
-    "--set=code_extraction=whole_response",
-    f"--set=stream.num_steps={NUM_STEPS}",
-    "--set=stream.group_size=4",
-    "--set=stream.tasks_per_step=2",
-    "--set=sampler.max_new_tokens=16",
-    "--set=prompt_tail_chars=48",
-    "--set=max_prompt_len=256",
-    "--set=rows_per_update=4",
-    "--set=length_multiple=32",
-    "--set=optim.learning_rate=1e-3",
-    *extra,
-  ]
+  return rl_cmd(workdir, NUM_STEPS, *extra)
 
 
 def _env():

@@ -6,14 +6,14 @@ written once (process 0), and the checkpoint the two processes wrote is resumed 
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from experiments import local_cluster
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .launch import REPO, rl_cmd
+
 NUM_STEPS = 3
 EXACT = ("data_fingerprint", "sample_fingerprint", "reward_mean", "judge_requests", "updates")
 EXACT += ("groups_dropped", "optimizer_step", "trained_tokens", "rows")
@@ -21,25 +21,7 @@ CLOSE = ("loss", "loss_first", "loss_last", "kl", "grad_norm", "ratio_mean", "en
 
 
 def _cmd(workdir, *extra):
-  return [
-    sys.executable,
-    "-m",
-    "experiments.rl",
-    "--config=rl_tiny",
-    f"--workdir={workdir}",
-    "--set=judge=python:tests.rl.toy_judges:byte_parity",
-    "--set=code_extraction=whole_response",
-    f"--set=stream.num_steps={NUM_STEPS}",
-    "--set=stream.group_size=4",
-    "--set=stream.tasks_per_step=2",
-    "--set=sampler.max_new_tokens=16",
-    "--set=prompt_tail_chars=48",
-    "--set=max_prompt_len=256",
-    "--set=rows_per_update=4",
-    "--set=length_multiple=32",
-    "--set=optim.learning_rate=1e-3",
-    *extra,
-  ]
+  return rl_cmd(workdir, NUM_STEPS, *extra)
 
 
 def _env():
