@@ -114,8 +114,12 @@ class ExtensionProxy:
 
 
 class CachedLoadInline:
-  """``publish``: a build lands in ``build_root`` (build workers); otherwise (run workers, which see the
-  cache read-only) a cache miss builds under ``scratch`` and is used once."""
+  """Three modes. ``publish`` (compile workers, which run no candidate code): a build lands in
+  ``build_root``; with ``build_only`` nothing is imported into the process (a hit is only touched, a build's
+  module is not loaded: its static initialisers must not run where the cache is writable). ``remote`` (build
+  workers, which run the candidate with the cache read-only): a miss is sent to ``remote(params) -> event``,
+  the service's trusted compile, and the published result imported. Otherwise (run workers, cache read-only)
+  a miss builds under ``scratch`` and is used once."""
 
   def __init__(
     self,
@@ -126,9 +130,13 @@ class CachedLoadInline:
     use_pch: bool = True,
     publish: bool = True,
     scratch: str = "",
+    remote=None,
+    build_only: bool = False,
   ):
     self.real = real
     self.publish = publish
+    self.remote = remote
+    self.build_only = build_only
     self.work_root = build_root if publish else (scratch or build_root)
     self.fast = fast
     self.split = split
@@ -149,39 +157,52 @@ class CachedLoadInline:
     event = {"name": name, "key": key, "cached": False, "seconds": 0.0, "error": ""}
     self.events.append(event)
     t0 = time.monotonic()
-    if os.path.exists(so_path) and params.get("is_python_module", True):
+    python_module = params.get("is_python_module", True)
+    if os.path.exists(so_path) and (python_module or self.build_only):
       event["cached"] = True
-      module = _import_so(name, so_path)
       touch(final)
+      if self.build_only:
+        return None
+      module = _import_so(name, so_path)
+    elif self.remote is not None:
+      event.update(self.remote(params), name=name, key=key)
+      if event["error"]:
+        raise RuntimeError(event["error"])
+      if not python_module:
+        import torch
+
+        torch.ops.load_library(so_path)
+        return so_path
+      module = _import_so(name, so_path)
     else:
       tmp = os.path.join(self.work_root, f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
       os.makedirs(tmp)
       params.update(
         build_directory=tmp, verbose=False
       )  # verbose=False keeps compiler output in the error
-      module = None
+      module, built = None, False
       if self.split:
         from verifier.split_build import split_variant
 
         split = split_variant(params)
         if split is not None:
           try:
-            module = self._build(split, event)
+            module, built = self._build(split, event), True
             event["split"] = True
           except Exception as e:  # noqa: BLE001 - fall back to the fast/stock builds
             event["split_error"] = str(e)[:2000]
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-      fast = fast_variant(params) if self.fast and module is None else None
+      fast = fast_variant(params) if self.fast and not built else None
       if fast is not None:
         try:
-          module = self._build(fast, event)
+          module, built = self._build(fast, event), True
           event["fast"] = True
         except Exception as e:  # noqa: BLE001 - fall back to the stock build below
           event["fast_error"] = str(e)[:2000]
           shutil.rmtree(tmp, ignore_errors=True)
           os.makedirs(tmp)
-      if module is None:
+      if not built:
         try:
           module = self._build(params, event)
         except BaseException as e:
@@ -196,11 +217,24 @@ class CachedLoadInline:
         except OSError:  # another process published the same key first
           shutil.rmtree(tmp, ignore_errors=True)
     event["seconds"] = time.monotonic() - t0
-    if not params.get("is_python_module", True):
+    if self.build_only or not python_module:
       return module
     return ExtensionProxy(module, self.calls)
 
   def _build(self, params: dict, event: dict):
+    """One real load_inline call (its module not imported when ``build_only``)."""
+    if not self.build_only:
+      return self._build_pch(params, event)
+    import torch.utils.cpp_extension as cpp_extension
+
+    real_import = cpp_extension._import_module_from_library
+    cpp_extension._import_module_from_library = lambda name, path, is_python_module: None
+    try:
+      return self._build_pch(params, event)
+    finally:
+      cpp_extension._import_module_from_library = real_import
+
+  def _build_pch(self, params: dict, event: dict):
     """One real load_inline call, with main.cpp on the cache's precompiled torch header (pch.py)."""
     if not (self.use_pch and _main_cpp_starts_with_torch(params)):
       return self.real(**params)
@@ -309,6 +343,8 @@ def install(
   use_pch: bool = True,
   publish: bool = True,
   scratch: str = "",
+  remote=None,
+  build_only: bool = False,
 ) -> CachedLoadInline:
   """Replace load_inline in torch.utils.cpp_extension (what ``from ... import load_inline`` reads)."""
   import torch.utils.cpp_extension as cpp_extension
@@ -316,7 +352,15 @@ def install(
   if publish:
     os.makedirs(build_root, exist_ok=True)
   cached = CachedLoadInline(
-    cpp_extension.load_inline, build_root, fast, split, use_pch, publish, scratch
+    cpp_extension.load_inline,
+    build_root,
+    fast,
+    split,
+    use_pch,
+    publish,
+    scratch,
+    remote,
+    build_only,
   )
   cpp_extension.load_inline = cached
   return cached

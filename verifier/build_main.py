@@ -1,19 +1,24 @@
-"""The build role of a worker: execute the candidate module on CPU with the cached ``load_inline``
-(``build_cache``) so its extensions land in the shared build cache, then instantiate ``ModelNew`` once to
-trigger builds done lazily in ``__init__``.
+"""The build roles of a worker.
 
-It runs candidate code, so it is sandboxed like a run worker (its cache directory is writable); what it
-reports only decides an early COMPILE_ERROR and build metrics, never a reward. After the module imported
-it says so (``BuildProgress``): the service then frees the compile slot and gives instantiation the
-request's own timeout, so a candidate spinning in ``__init__`` cannot hold a compile worker.
+``build`` (runs candidate code, sees the build cache read-only): execute the candidate module on CPU with
+a ``load_inline`` whose cache misses go to the service (``CompileNeeded``), then instantiate ``ModelNew``
+once to trigger builds done lazily in ``__init__``. What it reports only decides an early COMPILE_ERROR and
+build metrics, never a reward. After the module imported it says so (``BuildProgress``): the service then
+frees the compile slot and gives instantiation the request's own timeout, so a candidate spinning in
+``__init__`` cannot hold a compile worker.
+
+``compile`` (runs no candidate code, the cache writable): build one ``load_inline`` call whose arguments
+passed ``build_request.check`` and publish it, without importing it (its static initialisers are candidate
+code), or build a precompiled torch header. So every cache entry is what its key's sources compile to: a
+candidate cannot write into the cache, only ask for honest builds.
 """
 
 from __future__ import annotations
 
-from verifier import build_cache
+from verifier import build_cache, build_request
 from verifier.channel import Channel
 from verifier.contract import FailureKind
-from verifier.records import BuildJob, BuildProgress, BuildReport
+from verifier.records import BuildJob, BuildProgress, BuildReport, CompileNeeded, CompileResult
 
 
 def _exec(source: str, name: str) -> dict:
@@ -32,9 +37,13 @@ def build(job: BuildJob, chan: Channel) -> BuildReport:
     from verifier import pch
 
     return BuildReport(FailureKind.OK, pch=pch.build(job.pch_request))
+  if job.compile_request is not None:
+    return compile_one(job)
   import torch
 
-  cache = build_cache.install(job.build_root, split=job.split_build, use_pch=job.use_pch)
+  cache = build_cache.install(
+    job.build_root, split=job.split_build, use_pch=job.use_pch, publish=False, remote=_remote(chan)
+  )
   kind, reason = FailureKind.OK, ""
   try:
     ns = _exec(job.candidate_source, "candidate")
@@ -56,6 +65,41 @@ def build(job: BuildJob, chan: Channel) -> BuildReport:
   return BuildReport(
     kind, reason, events, cached=bool(events) and all(ev["cached"] for ev in events)
   )
+
+
+def _remote(chan: Channel):
+  """A cache miss of the candidate's load_inline, built by the service's compile worker."""
+
+  def compile_remotely(params: dict) -> dict:
+    try:
+      checked = build_request.check(params)
+    except build_request.BuildRefused as e:
+      return {"error": str(e), "cached": False}
+    chan.send(CompileNeeded(checked))
+    result, _ = chan.recv(CompileResult)
+    return dict(result.event)
+
+  return compile_remotely
+
+
+def compile_one(job: BuildJob) -> BuildReport:
+  """The compile role: one checked load_inline call built into the cache, nothing imported."""
+  name = str(job.compile_request.get("name", "?"))
+  try:
+    params = build_request.check(job.compile_request)
+  except build_request.BuildRefused as e:
+    event = {"name": name, "key": "", "cached": False, "seconds": 0.0, "error": str(e)}
+    return BuildReport(FailureKind.COMPILE_ERROR, str(e), (event,))
+  cache = build_cache.install(
+    job.build_root, split=job.split_build, use_pch=job.use_pch, build_only=True
+  )
+  kind, reason = FailureKind.OK, ""
+  try:
+    cache(**params)
+  except Exception as e:  # noqa: BLE001 - a compiler error: the event holds its text
+    kind, reason = FailureKind.COMPILE_ERROR, f"building extension {name!r} failed: {_short(e)}"
+  event = cache.events[-1]
+  return BuildReport(kind, reason, (event,), cached=event["cached"])
 
 
 def run(chan: Channel) -> None:

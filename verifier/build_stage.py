@@ -1,8 +1,12 @@
-"""The build stage: candidates' extensions compiled on CPU in sandboxed one-shot build workers.
+"""The build stage: candidates' extensions compiled on CPU, candidate code and compilers in separate workers.
 
-A build holds one compile slot while the candidate module imports (its ``load_inline`` calls compile,
-under ``build_timeout_s``); once the worker says the module imported (``BuildProgress``) the slot goes to
-the next build and instantiating ``ModelNew`` (which may build lazily too) runs under the request's own
+A build worker executes the candidate (module import, then ``ModelNew.__init__``) with the build cache
+read-only; each ``load_inline`` call the cache misses comes here as ``CompileNeeded`` and is built and
+published by a one-shot compile worker that runs no candidate code (``build_main``), whose event goes back
+to the build worker and into this stage's outcome (what a build worker reports about its own builds is
+not trusted). A build holds one compile slot while the candidate module imports (under
+``build_timeout_s``); once the worker says the module imported (``BuildProgress``) the slot goes to the next
+build and instantiating ``ModelNew`` (which may build lazily too) runs under the request's own
 ``timeout_s``. Identical candidates share one build (``SingleFlight``); compile errors are kept, timeouts
 and crashes are not (a retry builds again).
 """
@@ -17,7 +21,7 @@ import time
 from verifier.channel import ChannelClosed, ProtocolError
 from verifier.contract import FailureKind, VerifyRequest
 from verifier.pool import Slots, WorkerPool
-from verifier.records import BuildJob, BuildProgress, BuildReport
+from verifier.records import BuildJob, BuildProgress, BuildReport, CompileNeeded, CompileResult
 from verifier.sandbox import WorkerStartError, describe_exit
 from verifier.single_flight import SingleFlight
 
@@ -41,10 +45,15 @@ def build_key(candidate_source: str, arch_list: str, device: str) -> str:
   return h.hexdigest()
 
 
+class _CompileWorkerLost(Exception):
+  pass
+
+
 class BuildStage:
   def __init__(
     self,
     pool: WorkerPool,
+    compile_pool: WorkerPool,
     slots: int,
     build_root: str,
     *,
@@ -56,7 +65,7 @@ class BuildStage:
     mem_mb: int,
     max_entries: int = 20000,
   ):
-    self.pool, self.slots = pool, Slots(slots)
+    self.pool, self.compile_pool, self.slots = pool, compile_pool, Slots(slots)
     self.build_root, self.arch_list, self.device = build_root, arch_list, device
     self.build_timeout_s, self.split_build, self.use_pch, self.mem_mb = (
       build_timeout_s,
@@ -115,11 +124,18 @@ class BuildStage:
       deadline = loop.time() + self.build_timeout_s
       phase = "compiling the module"
       report = None
+      trusted: list[dict] = []  # the compile workers' events
       while report is None:
         try:
           msg = await asyncio.wait_for(
-            worker.chan.recv(BuildProgress, BuildReport), max(0.0, deadline - loop.time())
+            worker.chan.recv(BuildProgress, BuildReport, CompileNeeded),
+            max(0.0, deadline - loop.time()),
           )
+          if isinstance(msg, CompileNeeded):
+            event = await self._compile(msg.params, max(0.0, deadline - loop.time()))
+            trusted.append(event)
+            await worker.chan.send(CompileResult(event))
+            continue
         except asyncio.TimeoutError:
           worker.kill("timeout")
           limit = self.build_timeout_s if phase == "compiling the module" else timeout_s
@@ -128,6 +144,10 @@ class BuildStage:
             f"build stage: {phase} took longer than {limit:.0f} s; the worker was killed",
             logs=worker.read_log(),
             seconds=time.monotonic() - t0,
+          )
+        except _CompileWorkerLost as e:
+          return BuildOutcome(
+            FailureKind.INTERNAL_ERROR, f"build stage: {e}", seconds=time.monotonic() - t0
           )
         except (ChannelClosed, ProtocolError) as e:
           rc = await worker.ended(grace_s=2.0)
@@ -146,11 +166,18 @@ class BuildStage:
           deadline = loop.time() + timeout_s
         else:
           report = msg
+      # cache hits as the build worker saw them (harmless: name, key), the builds as compiled
+      hits = [
+        {k: v for k, v in ev.items() if k != "pch_request"}
+        for ev in report.build_events
+        if ev.get("cached") and not any(t.get("key") == ev.get("key") for t in trusted)
+      ]
+      events = tuple(trusted) + tuple(hits)
       return BuildOutcome(
         report.kind,
         report.reason,
-        tuple(report.build_events),
-        report.cached,
+        events,
+        bool(events) and all(ev.get("cached") for ev in events),
         logs=worker.read_log() if report.kind is not FailureKind.OK else "",
         seconds=time.monotonic() - t0,
       )
@@ -160,9 +187,38 @@ class BuildStage:
       if worker is not None:
         worker.discard()
 
+  async def _compile(self, params: dict, timeout_s: float) -> dict:
+    """One load_inline call built and published by a compile worker; its event (``error`` set when the
+    compiler failed or the arguments were refused)."""
+    try:
+      worker = await self.compile_pool.take()
+    except WorkerStartError as e:
+      raise _CompileWorkerLost(f"no compile worker: {e}") from e
+    try:
+      await worker.wait_ready(120)
+      job = BuildJob("", "", self.build_root, 0, self.split_build, self.use_pch)
+      await worker.chan.send(dataclasses.replace(job, compile_request=params))
+      report = await asyncio.wait_for(worker.chan.recv(BuildReport), timeout_s)
+    except asyncio.TimeoutError:
+      worker.kill("timeout")
+      raise
+    except (ChannelClosed, ProtocolError, WorkerStartError) as e:
+      rc = await worker.ended(grace_s=2.0)
+      raise _CompileWorkerLost(f"the compile worker ended ({describe_exit(rc)})") from e
+    finally:
+      worker.discard()
+    event = dict(report.build_events[0]) if report.build_events else {}
+    event.setdefault("cached", False)
+    event.setdefault("seconds", 0.0)
+    if report.kind is not FailureKind.OK and not event.get("error"):
+      event["error"] = report.reason or report.kind.value
+    event.setdefault("error", "")
+    return event
+
   async def run_pch(self, request: dict) -> BuildReport | None:
-    """A precompiled-header build outside the slots (it must not queue behind a burst of candidates)."""
-    worker = await self.pool.take()
+    """A precompiled-header build outside the slots (it must not queue behind a burst of candidates), by a
+    compile worker (it writes into the cache)."""
+    worker = await self.compile_pool.take()
     try:
       await worker.wait_ready(120)
       await worker.chan.send(

@@ -1,4 +1,4 @@
-"""Pools: pre-forked one-shot workers (candidates or builds) and long-lived checkers, per device.
+"""Pools: pre-forked one-shot workers (candidates, builds or compiles) and long-lived checkers, per device.
 
 Every worker runs one job and exits, so a worker is always replaced after a CUDA error or a crash (and
 after a clean run too: no candidate can leave anything behind for the next one). Start-up (the fork, the
@@ -18,7 +18,9 @@ from verifier.sandbox import CheckerClient, ForkServerClient, Worker, WorkerStar
 
 @dataclasses.dataclass
 class PoolConfig:
-  role: str  # "candidate" | "build"
+  role: (
+    str  # "candidate" | "build" (both run candidate code) | "compile" (runs none; writes the cache)
+  )
   device: str  # "cuda" | "cpu"
   gpu_index: str = ""  # CUDA_VISIBLE_DEVICES value for candidates and checkers
   scratch_root: str = "/tmp/dice_verifier"
@@ -28,7 +30,9 @@ class PoolConfig:
   max_jobs: int = 2  # MAX_JOBS (ninja) for builds
   slots: int = 1
   prewarm: int = 1
-  build_root: str = ""  # the build cache: writable for builds, readable for candidates
+  build_root: str = (
+    ""  # the build cache: writable for compile workers only, readable for the others
+  )
   warm_profiler: bool = True  # candidates start CUPTI before their job (the runtime check needs it)
   checker_cache_mb: int = 2048
   checker_max_jobs: int = 500  # a checker is replaced after this many jobs (0: never)
@@ -118,9 +122,9 @@ class WorkerPool:
 
   async def fork(self) -> Worker:
     c = self.cfg
-    if c.role == "build":
+    if c.role == "compile":
       writable, readable = (c.build_root,), ()
-    else:
+    else:  # candidate code never runs where the cache is writable (build_main)
       writable, readable = (), (c.build_root,)
     return await self.server.fork(
       c.role,

@@ -356,6 +356,23 @@ class BuildJob:
   split_build: bool = True
   use_pch: bool = True
   pch_request: dict[str, Any] | None = None  # build a precompiled torch header instead (pch.py)
+  # compile workers: build this one load_inline call (no candidate code runs; build_request.check)
+  compile_request: dict[str, Any] | None = None
+
+
+@record
+class CompileNeeded:
+  """Build worker -> service: the candidate called load_inline with these arguments and the cache has no
+  build of them; the service has a compile worker build and publish them."""
+
+  params: dict[str, Any]
+
+
+@record
+class CompileResult:
+  """Service -> build worker: the trusted compile's event (key, cached, seconds, error, ...)."""
+
+  event: dict[str, Any]
 
 
 @record
@@ -379,7 +396,7 @@ class BuildReport:
 class ForkRequest:
   """Fork one worker; its end of a fresh channel socket travels with this message."""
 
-  role: str  # "candidate" | "build"
+  role: str  # "candidate" | "build" (runs the candidate, cache read-only) | "compile" (runs none)
   scratch: str
   env: dict[str, str]
   writable: tuple[str, ...]

@@ -173,8 +173,12 @@ class VerifierService:
     c = self.cfg
     os.makedirs(c.cache_dir, exist_ok=True)
     builds = WorkerPool(self._pool_config("build", "cpu", "", c.compile_workers, c.compile_workers))
+    compiles = WorkerPool(
+      self._pool_config("compile", "cpu", "", c.compile_workers, c.compile_workers)
+    )
     self.build_stage = BuildStage(
       builds,
+      compiles,
       c.compile_workers,
       c.cache_dir,
       arch_list=c.arch_list,
@@ -186,7 +190,7 @@ class VerifierService:
       max_entries=c.result_cache_size,
     )
     if c.build_only:
-      await builds.warm()
+      await asyncio.gather(builds.warm(), compiles.warm())
       return
     self.run_pools["cpu"] = [
       DevicePool(self._pool_config("candidate", "cpu", "", c.cpu_slots, c.cpu_slots + 1))
@@ -198,7 +202,9 @@ class VerifierService:
         for g in c.gpus
       ]
     started = [p for ps in self.run_pools.values() for p in ps if p.cfg.device == c.device]
-    await asyncio.gather(builds.warm(), *(p.start(c.warm_timeout_s) for p in started))
+    await asyncio.gather(
+      builds.warm(), compiles.warm(), *(p.start(c.warm_timeout_s) for p in started)
+    )
 
   async def close(self) -> None:
     for t in self.pch_builds.values():
@@ -208,7 +214,7 @@ class VerifierService:
     )
     closing = [p.close() for ps in self.run_pools.values() for p in ps]
     if self.build_stage is not None:
-      closing.append(self.build_stage.pool.close())
+      closing += [self.build_stage.pool.close(), self.build_stage.compile_pool.close()]
     await asyncio.gather(*closing, return_exceptions=True)
 
   # ---- entry points ----------------------------------------------------------------------------

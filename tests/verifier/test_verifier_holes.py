@@ -211,6 +211,34 @@ def test_init_that_never_returns_times_out_under_the_request_limit_and_frees_the
   assert good.failure_kind is FailureKind.OK, good.reason + good.logs
 
 
+def _cache_files(root) -> dict[str, bytes]:
+  out = {}
+  for dirpath, _, files in os.walk(root):
+    for f in files:
+      path = os.path.join(dirpath, f)
+      with open(path, "rb") as fh:
+        out[os.path.relpath(path, root)] = fh.read()
+  return out
+
+
+def test_candidate_code_cannot_write_the_build_cache(service):
+  _, _, root = service
+  _verify(service, _req("good-before-poison", holes.GOOD))  # the shared extension is cached
+  before = _cache_files(root / "builds")
+  assert any(p.endswith("vt_holes.so") for p in before)
+  (r,) = _verify(service, _req("poison", holes.POISON_CACHE))
+  assert r.failure_kind is FailureKind.OK, (r.reason[:600], r.logs[-2000:])  # correct, contained
+  assert _cache_files(root / "builds") == before, "candidate code changed the build cache"
+  (good,) = _verify(service, _req("good-after-poison", holes.GOOD + "\n# after the poisoner\n"))
+  assert good.failure_kind is FailureKind.OK and good.build_cached, good.reason + good.logs
+
+
+def test_a_compiler_flag_that_loads_code_is_refused_before_any_compiler_runs(service):
+  (r,) = _verify(service, _req("plugin-flag", holes.PLUGIN_FLAG))
+  assert r.failure_kind is FailureKind.COMPILE_ERROR and r.reward == 0.0, (r.reason, r.logs[-2000:])
+  assert "-fplugin=/tmp/vt_plugin.so" in r.reason and "not allowed" in r.reason, r.reason
+
+
 def test_request_id_reused_for_another_candidate_is_refused(service):
   (first,) = _verify(service, _req("reused-id", holes.GOOD))
   (second,) = _verify(service, _req("reused-id", holes.PATCHED_SUM))

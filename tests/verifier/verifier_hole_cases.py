@@ -193,3 +193,37 @@ def get_init_inputs():
     return []
 """
 NONDETERMINISTIC_IDENTITY = NONDETERMINISTIC_REFERENCE.replace("class Model(", "class ModelNew(")
+
+
+# Module scope (which runs in the build worker) writes into the build cache: it appends to every cached
+# build of the shared extension and plants a fake entry. Correct otherwise. The cache must not change:
+# candidate code only ever sees the cache read-only, builds are made by compile workers.
+POISON_CACHE = candidate(
+  "        return good(a, b, self.scale)",
+  module="""
+import os
+import torch.utils.cpp_extension as _ce
+_root = getattr(_ce.load_inline, "build_root", "")
+_keys = [e["key"] for e in getattr(_ce.load_inline, "events", [])]
+try:
+    _keys += os.listdir(_root)
+except OSError:
+    pass
+for _key in _keys:
+    try:
+        with open(os.path.join(_root, _key, "vt_holes.so"), "ab") as _f:
+            _f.write(b"poisoned")
+    except OSError:
+        pass
+try:
+    os.makedirs(os.path.join(_root, "0" * 32))
+    open(os.path.join(_root, "0" * 32, "vt_holes.so"), "wb").close()
+except OSError:
+    pass
+""",
+)
+
+# A compiler flag that loads code into the compiler (-fplugin): it must never reach a compiler.
+PLUGIN_FLAG = candidate("        return good(a, b, self.scale)").replace(
+  'extra_cflags=["-O2"]', 'extra_cflags=["-O2", "-fplugin=/tmp/vt_plugin.so"]'
+)

@@ -1,0 +1,74 @@
+"""The compile worker's allow-list for load_inline arguments (verifier.build_request): the flags real
+kernels use pass, flags that run code or move the tools are refused with their name."""
+
+import pytest
+
+from verifier.build_request import BuildRefused, check
+
+ALLOWED = [
+  ["-O3", "--use_fast_math"],
+  ["-O2", "-std=c++17", "-DNDEBUG", "-DBLOCK=256", "-UFOO", "-Wno-unused-variable", "-w"],
+  ["-arch=sm_90a", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xptxas=-v,-O3"],
+  ["-Xptxas", "-v", "--maxrregcount=64", "--expt-relaxed-constexpr", "-Xcompiler", "-fopenmp"],
+  ["-Xcompiler=-O3,-fopenmp", "-ffast-math", "-march=native", "-g", "--threads=4"],
+]
+REFUSED = [
+  "-fplugin=/tmp/x.so",
+  "-wrapper",
+  "-B/tmp/evil",
+  "-specs=/tmp/evil.specs",
+  "-ccbin=/tmp/sh",
+  "--compiler-bindir=/tmp",
+  "-Wl,-plugin=/tmp/x.so",
+  "-Xcompiler=-O3,-fplugin=/tmp/x.so",
+  "-L/tmp",
+  "-lfoo",
+  "@/tmp/response-file",
+  "-o/tmp/elsewhere.so",
+  "-include/etc/passwd",
+]
+
+
+@pytest.mark.parametrize("flags", ALLOWED, ids=lambda f: f[0])
+def test_flags_real_kernels_use_pass_unchanged(flags):
+  params = dict(name="ext", cpp_sources="int f();", cuda_sources=["__global__ void k(){}"])
+  params.update(extra_cflags=flags, extra_cuda_cflags=flags, extra_ldflags=["-lcublas"])
+  out = check(params)
+  assert out["extra_cflags"] == flags and out["extra_cuda_cflags"] == flags
+  assert out["cpp_sources"] == "int f();" and out["cuda_sources"] == ["__global__ void k(){}"]
+
+
+@pytest.mark.parametrize("flag", REFUSED)
+@pytest.mark.parametrize("arg", ["extra_cflags", "extra_cuda_cflags", "extra_ldflags"])
+def test_flags_that_run_code_or_move_tools_are_refused_by_name(flag, arg):
+  with pytest.raises(BuildRefused, match="not allowed") as e:
+    check({"name": "ext", "cpp_sources": "", arg: ["-O3", flag]})
+  assert arg in str(e.value)
+
+
+@pytest.mark.parametrize(
+  "params,match",
+  [
+    (dict(name="../../etc/x", cpp_sources=""), "identifier"),
+    (dict(name="ext", cpp_sources=[1, 2]), "cpp_sources must be a string"),
+    (dict(name="ext", cpp_sources="", extra_cflags="-O3; rm -rf /"), "not allowed"),
+    (dict(name="ext", cpp_sources="", extra_include_paths=["-I/x"]), "plain path"),
+    (dict(name="ext", cpp_sources="", with_cuda="yes"), "with_cuda"),
+    (dict(name="ext", cpp_sources="", evil=1), "unknown arguments"),
+    (dict(name="ext", cpp_sources="", sycl_sources="x"), "SYCL"),
+    (dict(name="ext", cpp_sources="x" * 2_000_001), "limit"),
+  ],
+)
+def test_malformed_arguments_are_refused_with_a_reason(params, match):
+  with pytest.raises(BuildRefused, match=match):
+    check(params)
+
+
+def test_torch_defaults_of_a_bound_call_pass():
+  import inspect
+
+  cpp_extension = pytest.importorskip("torch.utils.cpp_extension")
+  bound = inspect.signature(cpp_extension.load_inline).bind("ext", "int f();")
+  bound.apply_defaults()
+  out = check(dict(bound.arguments))
+  assert out["name"] == "ext" and out["cpp_sources"] == "int f();"
