@@ -269,6 +269,11 @@ _ENTRY = re.compile(r"^[0-9a-f]{32}$")
 _INTERMEDIATE = re.compile(r"\.(?:o|ninja_deps|ninja_log)$")
 
 
+def is_entry_name(name: str) -> bool:
+  """A cache entry's directory name (a build key), nothing a path could escape with."""
+  return bool(_ENTRY.match(name))
+
+
 def strip_intermediates(build_dir: str) -> None:
   """Drop object files and ninja state from a finished build: the cache serves the ``.so`` (sources and
   build.ninja stay for debugging). About 60% of a CPU entry."""

@@ -16,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import os
 import time
 
+from verifier import build_cache
 from verifier.channel import ChannelClosed, ProtocolError
 from verifier.contract import FailureKind, VerifyRequest
 from verifier.pool import Slots, WorkerPool
@@ -172,6 +174,11 @@ class BuildStage:
         for ev in report.build_events
         if ev.get("cached") and not any(t.get("key") == ev.get("key") for t in trusted)
       ]
+      for (
+        ev
+      ) in hits:  # the build worker cannot mark its hits as used (the cache is read-only to it)
+        if build_cache.is_entry_name(str(ev.get("key", ""))):
+          build_cache.touch(os.path.join(self.build_root, ev["key"]))
       events = tuple(trusted) + tuple(hits)
       return BuildOutcome(
         report.kind,
