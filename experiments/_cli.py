@@ -104,7 +104,9 @@ class _QuietOrbax(std_logging.Filter):
 
 def quiet_orbax() -> None:
   """Keeps orbax's INFO lines off the console of a training launcher."""
-  logging.get_absl_handler().addFilter(_QuietOrbax())
+  quiet = _QuietOrbax()
+  logging.get_absl_handler().addFilter(quiet)
+  std_logging.getLogger("absl").addFilter(quiet)  # also when another handler prints absl records
 
 
 def define_multiprocess_flags() -> None:

@@ -163,7 +163,10 @@ STEPS = {"sft": step_sft, "rl": step_rl, "eval": step_eval, "export": step_expor
 
 def main(argv):
   del argv
+  from experiments import _cli
   from verifier.local import LocalVerifier
+
+  _cli.quiet_orbax()
 
   unknown = [n for n in FLAGS.steps if n not in STEPS]
   if unknown:
