@@ -22,6 +22,9 @@ Runs (in the order given; each writes rows to DIR/results.jsonl and rewrites DIR
                 beside `long`'s no-stop rate, and the host time.
   mixed_static  the first `--batch` requests of `mixed` as one static batch (`sampler.decode`,
                 cache sized for `--mixed_max`): waits for its longest row.
+  mixed_longest_first  `mixed` with the queue ordered longest budget first (the budgets are the
+                lengths here). Mixed rows carry `schedule_bound`: the slot occupancy the order allows
+                (`diffusion.schedule.occupancy`), beside the measured `tok_per_row_fwd`.
 Times are wall-clock of compiled calls (compile reported apart; prefill included). The roofline of
 a forward is K/V + weight bytes at `--hbm_tbs` plus matmul FLOPs at `--peak_tflops` (a sum).
 """
@@ -39,7 +42,7 @@ from flax import nnx
 
 from dice_jax import sharding
 from dice_jax.diffusion import engine as engine_lib
-from dice_jax.diffusion import memory, sampler
+from dice_jax.diffusion import memory, sampler, schedule
 from dice_jax.model import AttentionSpec, KVCache, Transformer, get_config
 from dice_jax.model import flash_decode
 
@@ -62,7 +65,17 @@ flags.DEFINE_float("hbm_tbs", 4.3, "HBM TB/s (measured H200 copy bandwidth).")
 flags.DEFINE_string("out", "", "Directory for results.jsonl / results.md.")
 flags.DEFINE_list(
   "runs",
-  ["static", "breakdown", "sweep", "best", "dynamic", "long", "mixed", "mixed_static"],
+  [
+    "static",
+    "breakdown",
+    "sweep",
+    "best",
+    "dynamic",
+    "long",
+    "mixed",
+    "mixed_static",
+    "mixed_longest_first",
+  ],
   "Measurements, in order.",
 )
 flags.DEFINE_string("attention_impl", "flash", "Model attention implementation.")
@@ -389,11 +402,21 @@ class Bench:
     ]
     self.record(self.engine_run("long", reqs))
 
-  def mixed(self):
-    row = self.engine_run("mixed", self.mixed_requests())
+  def mixed(self, name="mixed", order=None):
+    reqs = self.mixed_requests()
+    if order is not None:
+      reqs = order(reqs)
+    row = self.engine_run(name, reqs)
+    b = self.scfg(FLAGS.mixed_max).block_size
+    row["schedule_bound"] = round(
+      schedule.occupancy([-(-r.max_new_tokens // b) for r in reqs], FLAGS.mixed_slots), 3
+    )
     if "long" in self.rates:
       row["vs_no_stop_long"] = round(row["tok_s"] / self.rates["long"], 3)
     self.record(row)
+
+  def mixed_longest_first(self):
+    self.mixed("mixed_longest_first", schedule.longest_first)
 
   def mixed_static(self):
     reqs = self.mixed_requests()[: FLAGS.batch]
@@ -494,7 +517,15 @@ def main(argv):
       elif run == "best":
         if bench.tiles != flash_decode.DecodeTiles() or bench.options:
           bench.static("best", FLAGS.new_tokens)
-      elif run in ("breakdown", "sweep", "dynamic", "long", "mixed", "mixed_static"):
+      elif run in (
+        "breakdown",
+        "sweep",
+        "dynamic",
+        "long",
+        "mixed",
+        "mixed_static",
+        "mixed_longest_first",
+      ):
         getattr(bench, run)()
       else:
         raise ValueError(f"unknown run {run!r}")

@@ -18,7 +18,7 @@ export TF_CPP_MIN_LOG_LEVEL=1
   python3 -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__, jax.devices())'
 } >"$OUT/env.txt" 2>&1
 timeout 465 python3 -m experiments.bench_sampler --out="$OUT" \
-  --runs=static,breakdown,sweep,best,dynamic,long,mixed,mixed_static 2>&1 |
+  --runs=static,breakdown,sweep,best,dynamic,long,mixed,mixed_longest_first,mixed_static 2>&1 |
   grep -v "^W.*pxla\|^I[0-9]" >"$OUT/log.txt"
 echo "exit ${PIPESTATUS[0]}" >>"$OUT/log.txt"
 tail -c 4000 "$OUT/results.md" 2>/dev/null
