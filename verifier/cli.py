@@ -51,6 +51,12 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     help="accepted for old scripts: every worker is now forked from a fork server",
   )
   p.add_argument(
+    "--block-sockets-cuda",
+    action="store_true",
+    help="CUDA candidates may not create sockets either (seccomp, applied after their CUDA context "
+    "exists; build, compile and CPU workers always are)",
+  )
+  p.add_argument(
     "--no-warm-profiler",
     action="store_true",
     help="candidates skip starting the profiler before their job (cheaper when no job is strict)",
@@ -126,6 +132,7 @@ def _config(a) -> ServiceConfig:
     use_pch=a.pch,
     run_prewarm=a.run_prewarm,
     warm_profiler=not a.no_warm_profiler,
+    block_sockets_cuda=a.block_sockets_cuda,
   )
 
 

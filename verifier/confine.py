@@ -15,7 +15,10 @@ enforced where):
 5. Landlock: reads only beneath the toolchain (Python, torch, CUDA, compilers, this package, the build
    cache), writes only beneath the writable directories, TCP bind/connect denied, no signals and no
    abstract Unix sockets outside the sandbox;
-6. no capabilities and ``no_new_privs``; every inherited descriptor other than stdio and the channel closed.
+6. no capabilities and ``no_new_privs``; every inherited descriptor other than stdio and the channel closed;
+7. no new sockets (``block_sockets``, seccomp): ``socket``, ``socketpair`` and ``connect`` fail with EPERM,
+   so a worker cannot reach a path-based Unix socket (Landlock up to ABI 7 does not cover ``connect``); the
+   worker's channel, created before, keeps working.
 """
 
 from __future__ import annotations
@@ -328,6 +331,70 @@ def drop_capabilities() -> list[str]:
   return []
 
 
+# seccomp (include/uapi/linux/seccomp.h, filter.h, audit.h)
+_BPF_LD_W_ABS, _BPF_JEQ_K, _BPF_JGE_K, _BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+_SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+_SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC = 1, 1
+_X32_SYSCALL_BIT = 0x40000000
+# arch -> (AUDIT_ARCH value, SYS_seccomp, (socket, connect, socketpair))
+_SOCKET_SYSCALLS = {
+  "x86_64": (0xC000003E, 317, (41, 42, 53)),
+  "aarch64": (0xC00000B7, 277, (198, 203, 199)),
+}
+
+
+class _SockFilter(ctypes.Structure):
+  _fields_ = [
+    ("code", ctypes.c_ushort),
+    ("jt", ctypes.c_ubyte),
+    ("jf", ctypes.c_ubyte),
+    ("k", ctypes.c_uint),
+  ]
+
+
+class _SockFprog(ctypes.Structure):
+  _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def socket_filter_program(
+  audit_arch: int, numbers: tuple[int, ...]
+) -> list[tuple[int, int, int, int]]:
+  """A classic-BPF seccomp program: on `audit_arch`, the syscalls `numbers` and any x32 syscall return
+  EPERM and everything else is allowed; every syscall of another architecture (e.g. i386 through
+  ``int 0x80``, which has its own socket numbers) returns EPERM."""
+  deny = _SECCOMP_RET_ERRNO | 1  # EPERM
+  n = len(numbers)
+  prog = [(_BPF_LD_W_ABS, 0, 0, 4)]  # seccomp_data.arch
+  prog.append((_BPF_JEQ_K, 0, n + 3, audit_arch))  # another arch: jump to deny
+  prog.append((_BPF_LD_W_ABS, 0, 0, 0))  # seccomp_data.nr
+  prog.append((_BPF_JGE_K, n + 1, 0, _X32_SYSCALL_BIT))  # x32 ABI: deny
+  for i, nr in enumerate(numbers):
+    prog.append((_BPF_JEQ_K, n - i, 0, nr))  # jump to deny
+  prog.append((_BPF_RET_K, 0, 0, _SECCOMP_RET_ALLOW))
+  prog.append((_BPF_RET_K, 0, 0, deny))
+  return prog
+
+
+def block_sockets() -> list[str]:
+  """Layer 7 for every thread of this process (needs ``no_new_privs``, set by ``drop_capabilities``)."""
+  import platform
+
+  arch = platform.machine()
+  if arch not in _SOCKET_SYSCALLS:
+    return [f"new sockets not blocked: no seccomp filter for {arch}"]
+  audit_arch, sys_seccomp, numbers = _SOCKET_SYSCALLS[arch]
+  prog = socket_filter_program(audit_arch, numbers)
+  filters = (_SockFilter * len(prog))(*[_SockFilter(*ins) for ins in prog])
+  fprog = _SockFprog(len(prog), filters)
+  _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+  rc = _libc.syscall(
+    sys_seccomp, _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC, ctypes.byref(fprog)
+  )
+  if rc != 0:
+    return ["new sockets not blocked (" + _errno_text("seccomp") + ")"]
+  return []
+
+
 def close_inherited_fds(keep: tuple[int, ...]) -> None:
   """Close every descriptor but stdio and ``keep`` (no channel of the service leaks into a worker)."""
   fds = sorted(int(f) for f in os.listdir("/proc/self/fd") if f.isdigit())
@@ -373,4 +440,5 @@ __all__ = [
   "close_inherited_fds",
   "set_undumpable",
   "landlock_abi",
+  "block_sockets",
 ]

@@ -34,6 +34,7 @@ class PoolConfig:
     ""  # the build cache: writable for compile workers only, readable for the others
   )
   warm_profiler: bool = True  # candidates start CUPTI before their job (the runtime check needs it)
+  block_sockets_cuda: bool = False  # seccomp socket filter for CUDA candidates too (others: always)
   checker_cache_mb: int = 2048
   checker_max_jobs: int = 500  # a checker is replaced after this many jobs (0: never)
 
@@ -134,6 +135,7 @@ class WorkerPool:
       warm_profiler=c.warm_profiler,
       mount_namespace=CONFINEMENT_LEVELS[self.level][1],
       landlock=CONFINEMENT_LEVELS[self.level][2],
+      block_sockets=not (c.role == "candidate" and c.device == "cuda") or c.block_sockets_cuda,
     )
 
   def _refill(self) -> None:

@@ -405,6 +405,9 @@ class ForkRequest:
   warm_profiler: bool = True
   mount_namespace: bool = True  # the pool turns these off (with a warning) if workers cannot start
   landlock: bool = True
+  block_sockets: bool = (
+    True  # seccomp: no socket/socketpair/connect once started (confine.block_sockets)
+  )
 
 
 @record

@@ -330,6 +330,7 @@ class ForkServerClient:
     warm_profiler=True,
     mount_namespace=True,
     landlock=True,
+    block_sockets=True,
   ) -> Worker:
     """A new worker (its start-up still running; see ``Worker.wait_ready``)."""
     os.makedirs(self.scratch_root, exist_ok=True)
@@ -344,6 +345,7 @@ class ForkServerClient:
       warm_profiler=warm_profiler,
       mount_namespace=mount_namespace,
       landlock=landlock,
+      block_sockets=block_sockets,
     )
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -92,6 +92,8 @@ def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str
     chan = Channel(socket.socket(fileno=chan_fd))
     if req.role == "candidate":
       warm_device(device, req.warm_profiler, mark)
+    if req.block_sockets:  # after the CUDA context: the driver may open sockets while it starts
+      notes += confine.block_sockets()
     chan.send(WorkerReady(os.getpid(), dict(mark.phases), tuple(notes), time.monotonic()))
     if req.role == "candidate":
       from verifier import candidate_main

@@ -239,6 +239,42 @@ def test_a_compiler_flag_that_loads_code_is_refused_before_any_compiler_runs(ser
   assert "-fplugin=/tmp/vt_plugin.so" in r.reason and "not allowed" in r.reason, r.reason
 
 
+def test_candidate_cannot_reach_a_unix_socket_daemon(service):
+  import socket
+  import tempfile
+  import threading
+
+  directory = tempfile.mkdtemp(prefix="vt-daemon-")  # short: a socket path has ~100 bytes
+  path = os.path.join(directory, "daemon.sock")
+  server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  server.bind(path)
+  server.listen(8)
+  server.settimeout(0.2)
+  reached, stop = [], threading.Event()
+
+  def accept():
+    while not stop.is_set():
+      try:
+        conn, _ = server.accept()
+      except OSError:
+        continue
+      reached.append(conn.recv(16))
+      conn.close()
+
+  thread = threading.Thread(target=accept, daemon=True)
+  thread.start()
+  try:
+    (r,) = _verify(service, _req("unix-socket", holes.unix_socket_probe(path)))
+  finally:
+    stop.set()
+    thread.join(5)
+    server.close()
+    os.unlink(path)
+    os.rmdir(directory)
+  assert r.failure_kind is FailureKind.OK and r.reward == 1.0, (r.reason[:600], r.logs[-2000:])
+  assert reached == [], f"a worker reached the daemon's socket {len(reached)} times"
+
+
 def test_request_id_reused_for_another_candidate_is_refused(service):
   (first,) = _verify(service, _req("reused-id", holes.GOOD))
   (second,) = _verify(service, _req("reused-id", holes.PATCHED_SUM))

@@ -208,6 +208,66 @@ def test_confinement_layers_on_this_kernel(tmp_path):
   assert confine.landlock_abi() >= 1
 
 
+NO_SOCKETS = """
+import socket, subprocess, sys, threading
+from verifier import confine
+a, b = socket.socketpair()
+started, results = threading.Event(), []
+def other():
+    started.wait()
+    try:
+        socket.socket(socket.AF_UNIX)
+        results.append("thread:socket")
+    except PermissionError:
+        results.append("thread:refused")
+t = threading.Thread(target=other)
+t.start()  # exists before the filter: TSYNC must cover it
+print("notes", confine.block_sockets())
+started.set()
+t.join()
+for make in (lambda: socket.socket(socket.AF_UNIX), lambda: socket.socket(socket.AF_INET),
+             socket.socketpair):
+    try:
+        make()
+        results.append("made")
+    except PermissionError:
+        results.append("refused")
+a.sendall(b"ok")
+results.append(b.recv(2).decode())
+child = subprocess.run([sys.executable, "-c", "import socket; socket.socket()"], capture_output=True)
+results.append(f"child:{child.returncode}")
+print(" ".join(results))
+"""
+
+
+def test_no_new_sockets_in_any_thread_or_child_while_the_channel_keeps_working():
+  p = subprocess.run(
+    [sys.executable, "-c", NO_SOCKETS],
+    capture_output=True,
+    text=True,
+    timeout=60,
+    env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+  )
+  assert p.returncode == 0, p.stderr
+  notes, results = p.stdout.strip().splitlines()
+  if notes != "notes []":
+    pytest.skip(f"this kernel or architecture refuses seccomp: {notes}")
+  assert results.split() == ["thread:refused", "refused", "refused", "refused", "ok", "child:1"]
+
+
+def test_socket_filter_program_jumps_land_on_allow_and_deny():
+  prog = confine.socket_filter_program(0xC000003E, (41, 42, 53))
+  allow, deny = len(prog) - 2, len(prog) - 1
+  assert prog[allow][3] == 0x7FFF0000 and prog[deny][3] == 0x00050001
+  for i, (code, jt, jf, _) in enumerate(prog):
+    if code in (0x15, 0x35):  # conditional jumps: targets inside the program
+      assert i + 1 + jt <= deny and i + 1 + jf <= deny
+  assert 1 + 1 + prog[1][2] == deny  # another architecture (i386 int 0x80): denied
+  assert 3 + 1 + prog[3][1] == deny  # x32 syscalls: denied
+  for i in range(4, 7):
+    assert i + 1 + prog[i][1] == deny  # socket, connect, socketpair
+
+
 def test_pool_steps_down_confinement_when_workers_cannot_start_and_says_so(tmp_path):
   from verifier.pool import CONFINEMENT_LEVELS, PoolConfig, WorkerPool
   from verifier.sandbox import WorkerStartError

@@ -227,3 +227,24 @@ except OSError:
 PLUGIN_FLAG = candidate("        return good(a, b, self.scale)").replace(
   'extra_cflags=["-O2"]', 'extra_cflags=["-O2", "-fplugin=/tmp/vt_plugin.so"]'
 )
+
+
+def unix_socket_probe(path: str) -> str:
+  """Correct, and it tries to reach a same-user daemon through the path-based Unix socket `path`
+  (Landlock does not cover connect) from module scope (the build worker) and from its forward."""
+  probe = f"""
+def _reach():
+    import socket
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect({path!r})
+        s.sendall(b"reached")
+        s.close()
+        return 1
+    except OSError:
+        return 0
+_reached_at_import = _reach()
+"""
+  return candidate(
+    "        return good(a, b, self.scale) + 1000.0 * (_reach() + _reached_at_import)", module=probe
+  )
