@@ -26,9 +26,10 @@ T0=$(date +%s)
 stamp() { echo "$(($(date +%s) - T0)) s: $*" | tee -a "$OUT/status.txt"; }
 git rev-parse HEAD > "$OUT/commit.txt"
 
-# 1. verifier: GPU tests (~110 s), then the rates and the identity candidates
-timeout 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/verifier/test_verifier_gpu.py \
-  > "$OUT/verifier/gpu_tests.log" 2>&1
+# 1. verifier: GPU tests (~110 s) with the socket filter on CUDA candidates too (if they pass, make
+#    ServiceConfig.block_sockets_cuda the default), then the rates and the identity candidates
+VERIFIER_BLOCK_SOCKETS_CUDA=1 timeout 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+  tests/verifier/test_verifier_gpu.py > "$OUT/verifier/gpu_tests.log" 2>&1
 stamp "verifier GPU tests: exit $? ($(tail -1 "$OUT/verifier/gpu_tests.log"))"
 timeout 200 python3 -m verifier bench --device cuda --phases single,dice_e2e,gpu_level1 --candidates 99 \
   --level1 24 --level1-samples 4 --timed 8 --budget-s 180 --out "$OUT/verifier/rates.json" \
