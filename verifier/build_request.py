@@ -6,8 +6,8 @@ sends each ``load_inline`` call's arguments to the service, and a compile worker
 builds them and publishes the result (``build_main``). The arguments are still the candidate's, and compiler
 flags can run code (``-fplugin=``, ``-wrapper``, ``-B``, ``-specs=``, ``-ccbin``, ``-Wl,-plugin``, ...), so
 only flags from an allow-list pass: optimisation, debug info, warnings, language standard, macros, target
-architecture, ptxas options and the CUDA/BLAS/OpenMP libraries. Anything else is refused with its name
-(reference doc section 2: a hack catalogue item is "make the grader run your code").
+architecture, ptxas options and the CUDA/BLAS/OpenMP libraries. Anything else is refused with its name.
+(Builds shared across candidates: reference doc section 4.2.)
 """
 
 from __future__ import annotations
