@@ -354,6 +354,7 @@ class _VerifierSession:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  _cli.quiet_orbax()
   try:
     path = run()
   except KeyboardInterrupt:
