@@ -109,6 +109,20 @@ def pass_through(reference: str) -> str:
   return re.sub(r"\bModel\b", "ModelNew", reference)
 
 
+def under_kernelbench_rules(reqs: list[VerifyRequest], results) -> list[VerifyRequest]:
+  """The requests that were not OK, again under the `kernelbench` preset (ids suffixed "-kb"): which
+  rejections are this verifier's own rules."""
+  return [
+    dataclasses.replace(
+      q,
+      request_id=q.request_id + "-kb",
+      options=dataclasses.replace(q.options, strictness="kernelbench"),
+    )
+    for q, r in zip(reqs, results)
+    if r.failure_kind is not FailureKind.OK
+  ]
+
+
 class Bench:
   def __init__(self, a, cfg: ServiceConfig):
     self.a, self.cfg = a, cfg
@@ -227,15 +241,7 @@ class Bench:
     res = await asyncio.gather(*(svc.verify(r) for r in reqs))
     wall = time.monotonic() - t0
     phases_mean = svc.metrics.snapshot()["run_phase_mean_s"]
-    redo = [
-      dataclasses.replace(
-        q,
-        request_id=q.request_id + "-kb",
-        options=dataclasses.replace(opts, strictness="kernelbench"),
-      )
-      for q, r in zip(reqs, res)
-      if r.failure_kind is not FailureKind.OK
-    ]
+    redo = under_kernelbench_rules(reqs, res)
     kb = {r.request_id[:-3]: r for r in await asyncio.gather(*(svc.verify(q) for q in redo))}
     rows = [
       {
@@ -355,15 +361,7 @@ class Bench:
     }
     self.save("dice_e2e", out)
     if self.left() > 60:
-      redo = [
-        dataclasses.replace(
-          q,
-          request_id=q.request_id + "-kb",
-          options=dataclasses.replace(opts, strictness="kernelbench"),
-        )
-        for q, r in zip(reqs, res)
-        if r.failure_kind is not FailureKind.OK
-      ]
+      redo = under_kernelbench_rules(reqs, res)
       kb = await asyncio.gather(*(svc.verify(q) for q in redo))
       out["kernelbench_for_non_ok"] = dict(collections.Counter(r.failure_kind.value for r in kb))
       out["kernelbench_failures"] = [

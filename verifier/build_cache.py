@@ -341,31 +341,13 @@ def _import_so(name: str, path: str):
   return module
 
 
-def install(
-  build_root: str,
-  fast: bool = True,
-  split: bool = False,
-  use_pch: bool = True,
-  publish: bool = True,
-  scratch: str = "",
-  remote=None,
-  build_only: bool = False,
-) -> CachedLoadInline:
-  """Replace load_inline in torch.utils.cpp_extension (what ``from ... import load_inline`` reads)."""
+def install(build_root: str, **options) -> CachedLoadInline:
+  """Replace load_inline in torch.utils.cpp_extension (what ``from ... import load_inline`` reads) by a
+  ``CachedLoadInline`` with these options."""
   import torch.utils.cpp_extension as cpp_extension
 
-  if publish:
+  cached = CachedLoadInline(cpp_extension.load_inline, build_root, **options)
+  if cached.publish:
     os.makedirs(build_root, exist_ok=True)
-  cached = CachedLoadInline(
-    cpp_extension.load_inline,
-    build_root,
-    fast,
-    split,
-    use_pch,
-    publish,
-    scratch,
-    remote,
-    build_only,
-  )
   cpp_extension.load_inline = cached
   return cached

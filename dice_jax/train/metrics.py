@@ -156,11 +156,12 @@ def log_progress(step, total, m, eta):
 
 
 def read_metrics(path: str) -> dict[int, dict]:
-  """{step: record} from a metrics.jsonl (the last record of a step wins: resumed runs re-log)."""
+  """{step: record} from a metrics.jsonl (the last record of a step wins: resumed runs re-log). A last
+  line without its newline is a record still being written and is left out."""
   out = {}
   with open(path) as f:
     for line in f:
-      if line.strip():
+      if line.strip() and line.endswith("\n"):
         rec = json.loads(line)
         out[int(rec["step"])] = rec
   return dict(sorted(out.items()))

@@ -1,7 +1,6 @@
 """The RL launcher end to end (subprocesses): kill -9 mid-run and restart gives the same tasks,
 samples and losses as an uninterrupted run; bad input is one line and exit status 2."""
 
-import json
 import os
 import signal
 import subprocess
@@ -9,6 +8,8 @@ import sys
 import time
 
 import pytest
+
+from dice_jax.train.metrics import read_metrics
 
 from .launch import REPO, rl_cmd
 
@@ -32,14 +33,9 @@ def _env():
 
 
 def _metrics(workdir):
-  out = {}
+  """{step: record} so far (none before the run wrote any)."""
   path = os.path.join(workdir, "metrics.jsonl")
-  if os.path.exists(path):
-    for line in open(path):
-      if line.endswith("\n"):
-        rec = json.loads(line)
-        out[rec["step"]] = rec
-  return out
+  return read_metrics(path) if os.path.exists(path) else {}
 
 
 def _run(cmd):

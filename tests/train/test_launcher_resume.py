@@ -2,7 +2,6 @@
 save the current step and stop cleanly, also during the first compile; a changed config is
 refused on resume unless allowed."""
 
-import json
 import os
 import signal
 import subprocess
@@ -10,6 +9,8 @@ import sys
 import time
 
 import pytest
+
+from dice_jax.train.metrics import read_metrics
 
 from ._helpers import write_cuke_file
 
@@ -43,15 +44,9 @@ def _env():
 
 
 def _metrics(workdir):
-  """{step: record}, the last record of each step (a resumed run re-logs steps)."""
-  out = {}
+  """{step: record} so far (none before the run wrote any)."""
   path = os.path.join(workdir, "metrics.jsonl")
-  if os.path.exists(path):
-    for line in open(path):
-      if line.endswith("\n"):
-        rec = json.loads(line)
-        out[rec["step"]] = rec
-  return out
+  return read_metrics(path) if os.path.exists(path) else {}
 
 
 def _start(workdir, data):
