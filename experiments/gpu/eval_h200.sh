@@ -33,8 +33,9 @@ left() { local l=$((285 - ($(date +%s) - T0))); echo $((l < 30 ? 30 : l)); }
 python3 -m verifier serve --device cuda --host 127.0.0.1 --port $PORT --cache-dir /tmp/dj_vcache \
   --compile-workers 8 --run-prewarm 6 > "$OUT/verifier.log" 2>&1 &
 VPID=$!
-# The random model is exported meanwhile (JAX gets 30% of the GPU; 4 GB of weights go to /tmp).
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 python3 -m experiments.export_hf --init=random --config=sdar_1p7b \
+# The random model is exported meanwhile, on the CPU (4 GB of weights go to /tmp): JAX on the GPU would
+# take memory from the verifier's runs of level-1's 6.4 GB inputs.
+JAX_PLATFORMS=cpu python3 -m experiments.export_hf --init=random --config=sdar_1p7b \
   --tokenizer_dir=$D/sdar_chat --out=/tmp/dj_sdar_1p7b_random --overwrite > "$OUT/export.log" 2>&1 &
 EPID=$!
 for _ in $(seq 90); do grep -q "listening on" "$OUT/verifier.log" && break; sleep 1; done

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU measurement the open issues still need, on one H200 host, in one call (<= 10 min), most
-# important first; each part writes under $OUT/<part>/ as it goes, so a cut run returns what it had.
+# important first; each part's results are packed into $OUT/results.tgz as it ends, so a cut run
+# returns what it had.
 #
 #   1. verifier (issue 14): the GPU tests, then `verifier bench` with the compile-worker build flow
 #      (session 4): DICE's 99 end to end (>= 60/min), level-1 reward (>= 100/min), timed cached (>= 60/min),
 #      then the identity candidates of all 250 level 1-3 problems (250/250 OK).
-#   2. eval part B (issue 11): a random sdar_1p7b end to end on 10 level-1 problems (eval_h200.sh).
+#   2. eval (issue 11, eval_h200.sh, beside the GPU tests): known candidates, then a random sdar_1p7b end
+#      to end on 10 level-1 problems.
 #   3. sampler (issue 13): sampler_h200.sh (static, breakdown, tile sweep, long, mixed), if time is left.
 #
 # Data (no ../shared on the GPU host), in the git-ignored .gpu_data/ (carry it):
@@ -15,39 +17,55 @@
 #     && cp -r ../shared/data/sdar_chat .gpu_data/eval/sdar_chat
 #   (the bench's `single` phase also reads KernelBench's one-shot example pair, copied there as
 #   one_shot_model_ex_add.py.txt and one_shot_model_new_ex_add.py.txt)
-# grain is not needed by any part. Run from the repository root: OUT=/some/dir bash experiments/gpu/remaining_h200.sh
+# grain is not needed by any part. Run from the repository root:
+#   OUT=/some/dir PARTS=verifier,eval bash experiments/gpu/remaining_h200.sh
+# PARTS picks what runs (default verifier,eval,sampler; the sampler takes what is left of 590 s).
+# The device tool returns at most 8 files from $OUT, so the parts write under a work folder and
+# $OUT gets results.tgz (rewritten after every part) and status.txt.
 set -u
 : "${OUT:?set OUT}"
 OUT=$(realpath -m "$OUT")
+PARTS=${PARTS:-verifier,eval,sampler}
+W=${WORK:-/tmp/remaining_h200}
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-mkdir -p "$OUT/verifier" "$OUT/eval" "$OUT/sampler"
+rm -rf "$W" && mkdir -p "$W/verifier" "$W/eval" "$W/sampler" "$OUT"
 T0=$(date +%s)
-stamp() { echo "$(($(date +%s) - T0)) s: $*" | tee -a "$OUT/status.txt"; }
-git rev-parse HEAD > "$OUT/commit.txt"
+pack() { tar czf "$OUT/results.tgz.part" -C "$W" . && mv "$OUT/results.tgz.part" "$OUT/results.tgz"; }
+stamp() { echo "$(($(date +%s) - T0)) s: $*" | tee -a "$W/status.txt"; cp "$W/status.txt" "$OUT/"; pack; }
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+git rev-parse HEAD > "$W/commit.txt"
 
-# 1. verifier: GPU tests (~110 s) with the socket filter on CUDA candidates too (if they pass, make
-#    ServiceConfig.block_sockets_cuda the default), then the rates and the identity candidates
-VERIFIER_BLOCK_SOCKETS_CUDA=1 timeout 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
-  tests/verifier/test_verifier_gpu.py > "$OUT/verifier/gpu_tests.log" 2>&1
-stamp "verifier GPU tests: exit $? ($(tail -1 "$OUT/verifier/gpu_tests.log"))"
-timeout 200 python3 -m verifier bench --device cuda --phases single,dice_e2e,gpu_level1 --candidates 99 \
-  --level1 24 --level1-samples 4 --timed 8 --budget-s 180 --out "$OUT/verifier/rates.json" \
-  > "$OUT/verifier/rates.log" 2>&1
-stamp "verifier rates: exit $?"
-timeout 170 python3 -m verifier bench --device cuda --phases identity --budget-s 160 \
-  --out "$OUT/verifier/identity.json" > "$OUT/verifier/identity.log" 2>&1
-stamp "verifier identity: exit $?"
+# 1. verifier: GPU tests with the socket filter on CUDA candidates too (if they pass, make
+#    ServiceConfig.block_sockets_cuda the default) beside eval (2., its own service), then the rates
+#    and the identity candidates alone on the GPU
+if has eval; then
+  OUT="$W/eval" timeout 230 bash experiments/gpu/eval_h200.sh > "$W/eval/script.log" 2>&1 &
+  EVAL=$!
+fi
+if has verifier; then
+  VERIFIER_BLOCK_SOCKETS_CUDA=1 timeout 220 python3 -m pytest -m gpu -v -rs -p no:cacheprovider \
+    --durations=0 tests/verifier/test_verifier_gpu.py > "$W/verifier/gpu_tests.log" 2>&1
+  stamp "verifier GPU tests: exit $? ($(tail -1 "$W/verifier/gpu_tests.log"))"
+fi
+if has eval; then
+  wait $EVAL
+  stamp "eval: exit $? ($(tr '\n' ';' < "$W/eval/times.txt"))"
+fi
+if has verifier; then
+  timeout 170 python3 -m verifier bench --device cuda --phases single,dice_e2e,gpu_level1 --candidates 99 \
+    --level1 24 --level1-samples 4 --timed 8 --budget-s 150 --out "$W/verifier/rates.json" \
+    > "$W/verifier/rates.log" 2>&1
+  stamp "verifier rates: exit $?"
+  LEFT=$((575 - ($(date +%s) - T0)))
+  timeout "$LEFT" python3 -m verifier bench --device cuda --phases identity --budget-s $((LEFT - 25)) \
+    --out "$W/verifier/identity.json" > "$W/verifier/identity.log" 2>&1
+  stamp "verifier identity: exit $?"
+fi
 
-# 2. eval part B (the script's part A is quick and runs first; it has its own 285 s budget)
-OUT="$OUT/eval" timeout 300 bash experiments/gpu/eval_h200.sh > "$OUT/eval/script.log" 2>&1
-stamp "eval: exit $?"
-
-# 3. sampler, with what is left of the call's 600 s
-LEFT=$((590 - ($(date +%s) - T0)))
-if [ "$LEFT" -gt 60 ]; then
-  OUT="$OUT/sampler" timeout "$LEFT" bash experiments/gpu/sampler_h200.sh > "$OUT/sampler/script.log" 2>&1
+# 3. sampler, with what is left of the call's 590 s
+if has sampler; then
+  LEFT=$((590 - ($(date +%s) - T0)))
+  OUT="$W/sampler" SAMPLER_S=$((LEFT - 10)) timeout "$LEFT" bash experiments/gpu/sampler_h200.sh > "$W/sampler/script.log" 2>&1
   stamp "sampler: exit $?"
-else
-  stamp "sampler: skipped ($LEFT s left); run experiments/gpu/sampler_h200.sh in its own call"
 fi
