@@ -65,15 +65,23 @@ def _strings(value: Any, arg: str) -> list[str]:
 
 
 def _check_flag(flag: str, arg: str) -> None:
+  """Each word of ``flag`` against the allow-list: torch joins the flags with spaces into a ninja line
+  that ``/bin/sh`` splits again, so ``"-Xptxas -v"`` is two flags and ``""`` (KernelBench's one-shot
+  example, and the prompts built from it, pass ``extra_cflags=[""]``) is none."""
   prefix = "-Xcompiler="
-  parts = flag[len(prefix) :].split(",") if flag.startswith(prefix) else [flag]
-  for part in parts:
-    if not _FLAG.fullmatch(part.strip()):
-      raise BuildRefused(
-        f"build flag {part!r} in load_inline {arg} is not allowed (flags that load code or change "
-        "the tools or their search paths are refused; allowed: -O, -g, -W..., -std=, -D/-U, "
-        "--use_fast_math, -arch/-gencode, -Xptxas, --maxrregcount, -l of the CUDA/BLAS/OpenMP libraries)"
-      )
+  for word in flag.split():
+    parts = word[len(prefix) :].split(",") if word.startswith(prefix) else [word]
+    for part in parts:
+      _check_word(part, arg)
+
+
+def _check_word(part: str, arg: str) -> None:
+  if not _FLAG.fullmatch(part):
+    raise BuildRefused(
+      f"build flag {part!r} in load_inline {arg} is not allowed (flags that load code or change "
+      "the tools or their search paths are refused; allowed: -O, -g, -W..., -std=, -D/-U, "
+      "--use_fast_math, -arch/-gencode, -Xptxas, --maxrregcount, -l of the CUDA/BLAS/OpenMP libraries)"
+    )
 
 
 def check(params: dict[str, Any]) -> dict[str, Any]:

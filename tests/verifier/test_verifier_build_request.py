@@ -1,9 +1,16 @@
 """The compile worker's allow-list for load_inline arguments (verifier.build_request): the flags real
 kernels use pass, flags that run code or move the tools are refused with their name."""
 
+import ast
+import pathlib
+
 import pytest
 
 from verifier.build_request import BuildRefused, check
+
+PROMPT_EXAMPLE = (
+  pathlib.Path(__file__).parents[2] / "dice_jax" / "data" / "templates" / "model_new_ex_add.py.txt"
+)
 
 ALLOWED = [
   ["-O3", "--use_fast_math"],
@@ -11,6 +18,7 @@ ALLOWED = [
   ["-arch=sm_90a", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xptxas=-v,-O3"],
   ["-Xptxas", "-v", "--maxrregcount=64", "--expt-relaxed-constexpr", "-Xcompiler", "-fopenmp"],
   ["-Xcompiler=-O3,-fopenmp", "-ffast-math", "-march=native", "-g", "--threads=4"],
+  ["", " ", "-Xptxas -v", "-gencode arch=compute_90a,code=sm_90a", "-O3 --use_fast_math"],
 ]
 REFUSED = [
   "-fplugin=/tmp/x.so",
@@ -26,6 +34,8 @@ REFUSED = [
   "@/tmp/response-file",
   "-o/tmp/elsewhere.so",
   "-include/etc/passwd",
+  "-O3 -fplugin=/tmp/x.so",  # torch joins flags with spaces and the shell splits them again
+  "-O3\n-fplugin=/tmp/x.so",
 ]
 
 
@@ -36,6 +46,25 @@ def test_flags_real_kernels_use_pass_unchanged(flags):
   out = check(params)
   assert out["extra_cflags"] == flags and out["extra_cuda_cflags"] == flags
   assert out["cpp_sources"] == "int f();" and out["cuda_sources"] == ["__global__ void k(){}"]
+
+
+def test_the_load_inline_call_of_the_prompts_example_passes():
+  """KernelBench's one-shot example, shown in every prompt, passes ``extra_cflags=[""]`` and
+  ``extra_ldflags=[""]``: a model that copies it must not be refused (seen on the H200, 2026-12-01)."""
+  tree = ast.parse(PROMPT_EXAMPLE.read_text())
+  (call,) = [
+    n
+    for n in ast.walk(tree)
+    if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "load_inline"
+  ]
+  params = {
+    k.arg: ast.literal_eval(k.value)
+    for k in call.keywords
+    if isinstance(k.value, ast.Constant | ast.List)
+  }
+  assert params["extra_cflags"] == [""] and params["extra_ldflags"] == [""]
+  out = check(params)
+  assert out["extra_cflags"] == [""] and out["name"] == "elementwise_add"
 
 
 @pytest.mark.parametrize("flag", REFUSED)

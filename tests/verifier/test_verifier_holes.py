@@ -239,6 +239,11 @@ def test_a_compiler_flag_that_loads_code_is_refused_before_any_compiler_runs(ser
   assert "-fplugin=/tmp/vt_plugin.so" in r.reason and "not allowed" in r.reason, r.reason
 
 
+def test_the_flags_of_the_prompts_example_build_and_pass(service):
+  (r,) = _verify(service, _req("prompt-example-flags", holes.PROMPT_EXAMPLE_FLAGS))
+  assert r.failure_kind is FailureKind.OK and r.reward == 1.0, (r.reason, r.logs[-2000:])
+
+
 def test_candidate_cannot_reach_a_unix_socket_daemon(service):
   import socket
   import tempfile

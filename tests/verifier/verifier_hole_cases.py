@@ -223,6 +223,13 @@ except OSError:
 """,
 )
 
+# The flags of KernelBench's one-shot example, which every prompt shows (extra_cflags=[""],
+# extra_ldflags=[""]): a correct candidate copying them is correct.
+PROMPT_EXAMPLE_FLAGS = GOOD.replace(
+  'extra_cflags=["-O2"]', 'extra_cflags=[""], extra_ldflags=[""]'
+).replace('name="vt_holes"', 'name="vt_prompt_flags"')
+assert PROMPT_EXAMPLE_FLAGS != GOOD
+
 # A compiler flag that loads code into the compiler (-fplugin): it must never reach a compiler.
 PLUGIN_FLAG = candidate("        return good(a, b, self.scale)").replace(
   'extra_cflags=["-O2"]', 'extra_cflags=["-O2", "-fplugin=/tmp/vt_plugin.so"]'
