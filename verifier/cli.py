@@ -52,9 +52,10 @@ def _service_args(p: argparse.ArgumentParser) -> None:
   )
   p.add_argument(
     "--block-sockets-cuda",
-    action="store_true",
-    help="CUDA candidates may not create sockets either (seccomp, applied after their CUDA context "
-    "exists; build, compile and CPU workers always are)",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="CUDA candidates may not create sockets (seccomp, applied after their CUDA context exists; "
+    "build, compile and CPU workers always are); --no-block-sockets-cuda lifts it for CUDA candidates",
   )
   p.add_argument(
     "--no-warm-profiler",

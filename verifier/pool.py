@@ -34,7 +34,7 @@ class PoolConfig:
     ""  # the build cache: writable for compile workers only, readable for the others
   )
   warm_profiler: bool = True  # candidates start CUPTI before their job (the runtime check needs it)
-  block_sockets_cuda: bool = False  # seccomp socket filter for CUDA candidates too (others: always)
+  block_sockets_cuda: bool = True  # seccomp socket filter for CUDA candidates too (others: always)
   checker_cache_mb: int = 2048
   checker_max_jobs: int = 500  # a checker is replaced after this many jobs (0: never)
 

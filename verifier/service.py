@@ -74,9 +74,9 @@ class ServiceConfig:
     True  # candidates start CUPTI before their job (needed by the strict preset)
   )
   checker_cache_mb: int = 4096  # tasks (inputs + golden outputs) a checker keeps in memory
-  # CUDA candidates get the no-new-sockets filter too (after their CUDA context exists); off until
-  # validated on every GPU host kind (build, compile and CPU workers always have it)
-  block_sockets_cuda: bool = False
+  # CUDA candidates get the no-new-sockets filter too (after their CUDA context exists); the H200 GPU
+  # tests pass with it (2026-12-01). Build, compile and CPU workers always have it.
+  block_sockets_cuda: bool = True
   build_only: bool = False  # a compile host: no run pools; serves build() only
   split_build: bool = True  # kernels compiled apart from the torch headers (split_build.py)
   use_pch: bool = True  # main.cpp on a precompiled torch header kept in cache_dir (pch.py)

@@ -1,6 +1,7 @@
 """`python -m verifier check`: inputs, one-line errors, flag files, progress, and a batch through the
 real service (CPU backend)."""
 
+import argparse
 import io
 import json
 import os
@@ -183,3 +184,11 @@ def test_batch_through_the_service_prints_progress_and_a_summary(tmp_path):
   cand.write_text(rows[0]["candidate"])
   one = _check("--reference", str(ref), "--candidate", str(cand), *common)
   assert one.returncode == 0 and "kind=OK reward=1" in one.stdout
+
+
+@pytest.mark.parametrize("flag,blocked", [((), True), (("--no-block-sockets-cuda",), False)])
+def test_cuda_candidates_get_the_socket_filter_unless_lifted(flag, blocked):
+  p = argparse.ArgumentParser()
+  cli._service_args(p)
+  cfg = cli._config(p.parse_args(["--device", "cpu", *flag]))
+  assert cfg.block_sockets_cuda is blocked

@@ -48,8 +48,9 @@ def gpu_service(tmp_path_factory):
     arch_list=f"{major}.{minor}",
     isolate_network=os.environ.get("VERIFIER_NO_NETNS") != "1",
     split_build=os.environ.get("VERIFIER_NO_SPLIT_BUILD") != "1",
-    # VERIFIER_BLOCK_SOCKETS_CUDA=1 runs the suite with the seccomp socket filter on CUDA candidates
-    block_sockets_cuda=os.environ.get("VERIFIER_BLOCK_SOCKETS_CUDA") == "1",
+    # the seccomp socket filter is on for CUDA candidates (the default); VERIFIER_BLOCK_SOCKETS_CUDA=0
+    # runs the suite without it
+    block_sockets_cuda=os.environ.get("VERIFIER_BLOCK_SOCKETS_CUDA") != "0",
   )
   loop = BackgroundLoop()
   svc = VerifierService(cfg)
