@@ -68,8 +68,11 @@ def _check_flag(flag: str, arg: str) -> None:
   """Each word of ``flag`` against the allow-list: torch joins the flags with spaces into a ninja line
   that ``/bin/sh`` splits again, so ``"-Xptxas -v"`` is two flags and ``""`` (KernelBench's one-shot
   example, and the prompts built from it, pass ``extra_cflags=[""]``) is none."""
+  # a newline would start a new line of build.ninja
+  if any(ord(c) < 32 and c != "\t" for c in flag):
+    raise BuildRefused(f"build flag {flag!r} in load_inline {arg} holds a control character")
   prefix = "-Xcompiler="
-  for word in flag.split():
+  for word in filter(None, flag.replace("\t", " ").split(" ")):  # the shell's blanks only
     parts = word[len(prefix) :].split(",") if word.startswith(prefix) else [word]
     for part in parts:
       _check_word(part, arg)

@@ -35,7 +35,7 @@ REFUSED = [
   "-o/tmp/elsewhere.so",
   "-include/etc/passwd",
   "-O3 -fplugin=/tmp/x.so",  # torch joins flags with spaces and the shell splits them again
-  "-O3\n-fplugin=/tmp/x.so",
+  "-O3\u2003-fplugin=/tmp/x.so",  # not a separator for the shell: one word, refused as a whole
 ]
 
 
@@ -81,6 +81,11 @@ def test_flags_that_run_code_or_move_tools_are_refused_by_name(flag, arg):
     (dict(name="../../etc/x", cpp_sources=""), "identifier"),
     (dict(name="ext", cpp_sources=[1, 2]), "cpp_sources must be a string"),
     (dict(name="ext", cpp_sources="", extra_cflags="-O3; rm -rf /"), "not allowed"),
+    (
+      dict(name="ext", cpp_sources="", extra_cflags=["-O3\n-fplugin=/tmp/x.so"]),
+      "control character",
+    ),
+    (dict(name="ext", cpp_sources="", extra_ldflags=["-O2\r"]), "control character"),
     (dict(name="ext", cpp_sources="", extra_include_paths=["-I/x"]), "plain path"),
     (dict(name="ext", cpp_sources="", with_cuda="yes"), "with_cuda"),
     (dict(name="ext", cpp_sources="", evil=1), "unknown arguments"),
