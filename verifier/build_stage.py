@@ -134,7 +134,7 @@ class BuildStage:
             max(0.0, deadline - loop.time()),
           )
           if isinstance(msg, CompileNeeded):
-            event = await self._compile(msg.params, max(0.0, deadline - loop.time()))
+            event = await self.compile(msg.params, max(0.0, deadline - loop.time()))
             trusted.append(event)
             await worker.chan.send(CompileResult(event))
             continue
@@ -194,7 +194,7 @@ class BuildStage:
       if worker is not None:
         worker.discard()
 
-  async def _compile(self, params: dict, timeout_s: float) -> dict:
+  async def compile(self, params: dict, timeout_s: float) -> dict:
     """One load_inline call built and published by a compile worker; its event (``error`` set when the
     compiler failed or the arguments were refused)."""
     try:

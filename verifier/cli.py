@@ -112,6 +112,13 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     default=True,
     help="compile main.cpp on a precompiled torch header kept in --cache-dir (pch.py)",
   )
+  p.add_argument(
+    "--warm-pch",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help="serve: build the precompiled header of flag-less builds at start, beside serving (default: "
+    "on with --device cuda, off on CPU hosts, where it would take cores from the first requests)",
+  )
 
 
 def _config(a) -> ServiceConfig:
@@ -157,11 +164,15 @@ async def _serve(a) -> int:
     await server.stop(0) if "server" in locals() else None
     return 2
   print(f"verifier listening on {a.host}:{port}", flush=True)
+  warm = a.warm_pch if a.warm_pch is not None else cfg.device == "cuda"
+  warming = asyncio.ensure_future(server.service.warm_pch()) if warm else None
   stop = asyncio.Event()
   loop = asyncio.get_running_loop()
   for s in (signal.SIGINT, signal.SIGTERM):
     loop.add_signal_handler(s, stop.set)
   await stop.wait()
+  if warming is not None:
+    warming.cancel()
   await server.stop()
   return 0
 

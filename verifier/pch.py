@@ -32,6 +32,38 @@ import uuid
 HEADER = "dice_torch.h"
 PCH_VERSION = 1
 
+# A tiny extension with no extra flags: building it reports the PCH request of flag-less builds, the flag set
+# of DICE's solutions and of KernelBench's one-shot example (its ``extra_cflags=[""]`` adds nothing), so the
+# service can build that PCH before the first burst of candidates (``VerifierService.warm_pch``).
+_SEED_CUDA = r"""
+#include <torch/extension.h>
+__global__ void dj_pch_seed_kernel(float* x, int64_t n) {
+  int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (i < n) x[i] += 1.0f;
+}
+torch::Tensor dj_pch_seed(torch::Tensor x) {
+  auto y = x.clone();
+  dj_pch_seed_kernel<<<(y.numel() + 255) / 256, 256>>>(y.data_ptr<float>(), y.numel());
+  return y;
+}
+"""
+
+
+def seed_params(with_cuda: bool) -> dict:
+  """``load_inline`` arguments of the seed extension (a CUDA kernel when ``with_cuda``)."""
+  if with_cuda:
+    return {
+      "name": "dj_pch_seed_cuda",
+      "cpp_sources": "torch::Tensor dj_pch_seed(torch::Tensor x);",
+      "cuda_sources": _SEED_CUDA,
+      "functions": ["dj_pch_seed"],
+    }
+  return {
+    "name": "dj_pch_seed_cpu",
+    "cpp_sources": "torch::Tensor dj_pch_seed(torch::Tensor x) { return x + 1; }",
+    "functions": ["dj_pch_seed"],
+  }
+
 
 def pch_dir(
   build_root: str, extra_cflags: list[str], extra_include_paths, with_cuda: bool, toolchain: dict

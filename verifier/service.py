@@ -474,9 +474,40 @@ class VerifierService:
 
     self.evicting = asyncio.ensure_future(run())
 
-  def _schedule_pch(self, request: dict) -> None:
+  async def warm_pch(self) -> bool:
+    """Builds the precompiled torch header of flag-less builds now rather than after the first of them
+    (pch.seed_params): a compile worker builds the seed extension, then the PCH its build asks for. False
+    when the PCH is off or the seed or the PCH failed to build (logged); True otherwise, also when the seed
+    was already cached (its PCH was asked for then)."""
+    if not self.cfg.use_pch or self.build_stage is None:
+      return False
+    from verifier import pch
+
+    t0 = time.monotonic()
+    try:
+      event = await self.build_stage.compile(
+        pch.seed_params(self.cfg.device == "cuda"), self.cfg.build_timeout_s
+      )
+    except Exception as e:  # noqa: BLE001 - a warm-up that failed is logged, never fatal
+      log.warning("PCH warm-up: the seed build failed: %s", e)
+      return False
+    if event.get("error"):
+      log.warning("PCH warm-up: the seed build failed: %s", event["error"][:500])
+      return False
+    request = event.get("pch_request")
+    if request is None:  # a cached seed, or one built on its ready PCH
+      return True
+    self._schedule_pch(request, background_only=False)
+    await asyncio.shield(self.pch_builds[request["dir"]])
+    ok = pch.ready(request["dir"])
+    log.info("PCH warm-up: %s in %.1f s", "ready" if ok else "not built", time.monotonic() - t0)
+    return ok
+
+  def _schedule_pch(self, request: dict, background_only: bool = True) -> None:
     """Build a precompiled torch header in the background (once per flag set; pch.py)."""
-    if not self.cfg.pch_background or request["dir"] in self.pch_builds or self.build_stage is None:
+    if background_only and not self.cfg.pch_background:
+      return
+    if request["dir"] in self.pch_builds or self.build_stage is None:
       return
 
     async def run():

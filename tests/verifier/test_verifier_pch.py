@@ -108,3 +108,51 @@ def test_pch_build_refuses_flags_gcc_cannot_use(tmp_path):
   out = pch.build(req, timeout_s=120)
   assert not out["ok"] and "torch/extension.h" in out["error"]
   assert not pch.ready(str(d)) and not list(d.glob("*.tmp-*"))
+
+
+def test_the_service_warms_the_pch_of_flagless_builds_before_any_request(tmp_path):
+  """`VerifierService.warm_pch` builds the seed extension and its PCH; a candidate copying KernelBench's
+  one-shot flags (`extra_cflags=[""]`, the flag-less PCH) then builds on it at once."""
+  import asyncio
+  import sys
+
+  sys.path.insert(0, str(pathlib.Path(__file__).parent))
+  import verifier_cases as cases
+
+  from verifier.build_cache import toolchain_signature
+  from verifier.contract import FailureKind, VerifyOptions, VerifyRequest
+  from verifier.service import ServiceConfig, VerifierService
+
+  cfg = ServiceConfig(
+    device="cpu",
+    cpu_slots=1,
+    compile_workers=1,
+    cache_dir=str(tmp_path / "builds"),
+    scratch_root=str(tmp_path / "scratch"),
+    mem_mb=3072,
+    build_timeout_s=300,
+    pch_background=False,  # only the warm-up builds a PCH here
+  )
+  flagless = pch.pch_dir(cfg.cache_dir, [], None, False, toolchain_signature())
+  candidate = cases.candidate("scaled_add", name="vt_warm_pch").replace(
+    'extra_cflags=["-O2"]', 'extra_cflags=[""]'
+  )
+  opts = VerifyOptions(device="cpu", timeout_s=120, num_correct_trials=1, strictness="off")
+
+  async def run():
+    svc = VerifierService(cfg)
+    await svc.start()
+    try:
+      assert not pch.ready(flagless)
+      assert await svc.warm_pch()
+      assert pch.ready(flagless)
+      assert await svc.warm_pch()  # the seed is cached now: nothing to build
+      r = await svc.verify(VerifyRequest("warm-pch", "t", cases.REFERENCE, candidate, opts))
+      return r, svc.metrics.build_s[-1], [b["dir"] for b in svc.metrics.pch_builds]
+    finally:
+      await svc.close()
+
+  r, build, pch_builds = asyncio.run(run())
+  assert r.failure_kind is FailureKind.OK, r.reason
+  assert build["pch"] is True, build
+  assert pch_builds == [flagless]
