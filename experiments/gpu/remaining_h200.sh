@@ -18,6 +18,7 @@
 #   one_shot_model_ex_add.py.txt and one_shot_model_new_ex_add.py.txt)
 # grain is not needed by any part. Run from the repository root:
 #   OUT=/some/dir PARTS=tests,rates bash experiments/gpu/remaining_h200.sh
+# (TESTS_S and RATES_S set the time limits of those parts.)
 # PARTS picks what runs, of tests,rates,identity,eval,sampler (default tests,rates,sampler: what is still
 # open after session 5); the sampler takes what is left of the call's 590 s.
 # The device tool returns at most 8 files from $OUT, so the parts write under a work folder and
@@ -47,8 +48,10 @@ if has tests; then
   stamp "verifier GPU tests: exit $? ($(tail -1 "$W/verifier/gpu_tests.log"))"
 fi
 if has rates; then
-  timeout 200 python3 -m verifier bench --device cuda --phases single,dice_e2e,gpu_level1 --candidates 99 \
-    --level1 24 --level1-samples 4 --timed 8 --budget-s 180 --out "$W/verifier/rates.json" \
+  RATES_S=${RATES_S:-200}  # all three rates need about 450 s (session 3: budget 400 s)
+  timeout "$RATES_S" python3 -m verifier bench --device cuda --phases single,dice_e2e,gpu_level1 \
+    --candidates 99 --level1 24 --level1-samples 4 --timed 8 --budget-s $((RATES_S - 20)) \
+    --out "$W/verifier/rates.json" \
     > "$W/verifier/rates.log" 2>&1
   stamp "verifier rates: exit $?"
 fi
