@@ -39,10 +39,7 @@ def _candidates(device: str, n: int) -> tuple[str, list[str]]:
   import verifier_cases as cases
 
   return cases.REFERENCE, [
-    cases.candidate("scaled_add", name=f"pch_bench_{i}").replace(
-      'extra_cflags=["-O2"]', 'extra_cflags=[""]'
-    )
-    for i in range(n)
+    cases.candidate("scaled_add", name=f"pch_bench_{i}", cflags='[""]') for i in range(n)
   ]
 
 

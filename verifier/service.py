@@ -18,6 +18,7 @@ import logging
 import os
 import time
 
+from verifier import pch
 from verifier import reward as rewards
 from verifier.admission import MemoryAdmission, admission_units
 from verifier.build_stage import BuildOutcome, BuildStage
@@ -481,8 +482,6 @@ class VerifierService:
     was already cached (its PCH was asked for then)."""
     if not self.cfg.use_pch or self.build_stage is None:
       return False
-    from verifier import pch
-
     t0 = time.monotonic()
     try:
       event = await self.build_stage.compile(

@@ -1,6 +1,7 @@
 """The precompiled torch header for main.cpp (verifier/pch.py): built from a real build's flags, checked by
 g++ itself, then used by later builds that still give a working extension."""
 
+import asyncio
 import os
 import pathlib
 
@@ -8,8 +9,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import verifier_cases as cases  # noqa: E402
+
 from verifier import pch  # noqa: E402
-from verifier.build_cache import CachedLoadInline  # noqa: E402
+from verifier.build_cache import CachedLoadInline, toolchain_signature  # noqa: E402
+from verifier.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
+from verifier.service import ServiceConfig, VerifierService  # noqa: E402
 
 SOURCE = r"""
 torch::Tensor twice_{tag}(torch::Tensor x) {{
@@ -113,16 +118,6 @@ def test_pch_build_refuses_flags_gcc_cannot_use(tmp_path):
 def test_the_service_warms_the_pch_of_flagless_builds_before_any_request(tmp_path):
   """`VerifierService.warm_pch` builds the seed extension and its PCH; a candidate copying KernelBench's
   one-shot flags (`extra_cflags=[""]`, the flag-less PCH) then builds on it at once."""
-  import asyncio
-  import sys
-
-  sys.path.insert(0, str(pathlib.Path(__file__).parent))
-  import verifier_cases as cases
-
-  from verifier.build_cache import toolchain_signature
-  from verifier.contract import FailureKind, VerifyOptions, VerifyRequest
-  from verifier.service import ServiceConfig, VerifierService
-
   cfg = ServiceConfig(
     device="cpu",
     cpu_slots=1,
@@ -134,9 +129,7 @@ def test_the_service_warms_the_pch_of_flagless_builds_before_any_request(tmp_pat
     pch_background=False,  # only the warm-up builds a PCH here
   )
   flagless = pch.pch_dir(cfg.cache_dir, [], None, False, toolchain_signature())
-  candidate = cases.candidate("scaled_add", name="vt_warm_pch").replace(
-    'extra_cflags=["-O2"]', 'extra_cflags=[""]'
-  )
+  candidate = cases.candidate("scaled_add", name="vt_warm_pch", cflags='[""]')
   opts = VerifyOptions(device="cpu", timeout_s=120, num_correct_trials=1, strictness="off")
 
   async def run():

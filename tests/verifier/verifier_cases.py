@@ -83,14 +83,16 @@ FUNCTIONS = [
 ]
 
 
-def candidate(function: str, extension: str = EXTENSION, name: str = "vt_ops") -> str:
+def candidate(
+  function: str, extension: str = EXTENSION, name: str = "vt_ops", cflags: str = '["-O2"]'
+) -> str:
   return f'''
 import torch
 import torch.nn as nn
 from torch.utils.cpp_extension import load_inline
 
 source = r"""{extension}"""
-ops = load_inline(name="{name}", cpp_sources=source, functions={FUNCTIONS!r}, extra_cflags=["-O2"])
+ops = load_inline(name="{name}", cpp_sources=source, functions={FUNCTIONS!r}, extra_cflags={cflags})
 
 
 class ModelNew(nn.Module):
