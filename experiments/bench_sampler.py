@@ -7,9 +7,13 @@ Runs (in the order given; each writes rows to DIR/results.jsonl and rewrites DIR
   static        static batch (`sampler.decode`): `--batch` prompts of `--prompt_len` +
                 `--new_tokens`, greedy, low_confidence_static, no stop ids (every row generates
                 every token). If the cache kernel fails to build, retried with its masked loop.
+  profile       device time by kernel (profiler trace) of one decode forward and of a short
+                static call, with the settings picked so far; DIR/profile.md.
   breakdown     one decode forward (b tokens, cache filled to prompt + new/2) with and without
-                XLA's dynamic-slice fusion (the layer scan slices every layer's weights), and the
-                prefill of one chunk; picks the faster compile options.
+                XLA's dynamic-slice fusion (the layer scan slices every layer's weights), with the
+                layers unrolled (`scan_layers=False`), with weights split per layer before the
+                call (no slicing at all), and the prefill of one chunk; picks the fastest of
+                scan / scan + fusion / unrolled.
   sweep         the cache attention (kernel + split merge, all layers) over `DecodeTiles`
                 settings; picks the fastest.
   best          `static` again with the picked tiles and compile options (skipped if unchanged).
@@ -30,6 +34,8 @@ a forward is K/V + weight bytes at `--hbm_tbs` plus matmul FLOPs at `--peak_tflo
 """
 
 import dataclasses
+import functools
+import glob
 import json
 import os
 import time
@@ -45,6 +51,9 @@ from dice_jax.diffusion import engine as engine_lib
 from dice_jax.diffusion import memory, sampler, schedule
 from dice_jax.model import AttentionSpec, KVCache, Transformer, get_config
 from dice_jax.model import flash_decode
+from dice_jax.model import masks as masks_lib
+from dice_jax.model import transformer as transformer_lib
+from experiments import trace_summary
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "sdar_4b", "Model preset.")
@@ -60,6 +69,7 @@ flags.DEFINE_integer("mixed_requests", 512, "Requests of the mixed workload.")
 flags.DEFINE_integer("mixed_slots", 128, "Slots of the continuous engine.")
 flags.DEFINE_integer("mixed_min", 64, "Shortest budget of the mixed workload.")
 flags.DEFINE_integer("mixed_max", 4096, "Longest budget of the mixed workload.")
+flags.DEFINE_integer("profile_tokens", 64, "New tokens of the profiled static call.")
 flags.DEFINE_float("peak_tflops", 790.0, "bf16 matmul TFLOP/s (measured H200).")
 flags.DEFINE_float("hbm_tbs", 4.3, "HBM TB/s (measured H200 copy bandwidth).")
 flags.DEFINE_string("out", "", "Directory for results.jsonl / results.md.")
@@ -97,6 +107,7 @@ class Bench:
     self.build_s = time.perf_counter() - t0
     self.tiles = flash_decode.DecodeTiles()
     self.options = {}
+    self.unrolled = False  # scan_layers=False (picked by `breakdown`)
     self.rows = []
     self.rates = {}
     self.rs = np.random.RandomState(0)
@@ -134,8 +145,19 @@ class Bench:
 
   # --- static batch -------------------------------------------------------------------------
 
+  def decode_model(self):
+    """The model the sampler runs: `self.model`, or the same arrays with unrolled layers."""
+    if not self.unrolled:
+      return self.model
+    graphdef, state = nnx.split(self.model)
+    cfg = self.model.cfg.replace(scan_layers=False)
+    return nnx.merge(
+      nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))), state
+    )
+
   def static(self, name, new, strategy="low_confidence_static", budgets=None, prompts=None):
-    model, mcfg = self.model, self.model.cfg
+    model = self.decode_model()
+    mcfg = model.cfg
     scfg = self.scfg(new, strategy)
     prompts = prompts or self.prompts(FLAGS.batch)
     layout = sampler.layout_prompts(prompts, scfg, mcfg.mask_token_id, budgets)
@@ -172,6 +194,7 @@ class Bench:
       strategy=strategy,
       tiles=dataclasses.asdict(self.tiles),
       options=self.options,
+      unrolled=self.unrolled,
       compile_s=round(compile_s, 1),
       run_s=round(run_s, 2),
       tok_s=round(generated / run_s),
@@ -229,13 +252,56 @@ class Bench:
       h, _ = m(tok, pos, spec, cache=cache, update_cache=False, return_hidden=True)
       return m.logits_from_hidden(h)
 
+    unrolled_def = nnx.graphdef(
+      nnx.eval_shape(lambda: Transformer(mcfg.replace(scan_layers=False), rngs=nnx.Rngs(0)))
+    )
+
+    def fwd_unrolled(state, cache):
+      m = nnx.merge(unrolled_def, state)
+      h, _ = m(tok, pos, spec, cache=cache, update_cache=False, return_hidden=True)
+      return m.logits_from_hidden(h)
+
+    # Weights split into per-layer arrays before the call: what no slicing inside the call costs.
+    per_layer = [
+      jax.tree.map(lambda a, i=i: a[i], model.layers.weights()) for i in range(mcfg.num_layers)
+    ]
+    seg, blk = masks_lib.token_segments_and_blocks(spec, pos)
+
+    def fwd_presplit(weights, rest, cache):
+      x = jnp.take(rest["embed"], tok, axis=0).astype(mcfg.compute_dtype)
+      for i, w in enumerate(weights):
+        x, _ = transformer_lib._layer(
+          x,
+          w,
+          None,
+          None,
+          i,
+          cfg=mcfg,
+          attention=spec,
+          positions=pos,
+          seg=seg,
+          blk=blk,
+          cache=cache,
+        )
+      x = transformer_lib.rms_norm(x, rest["final_norm"], mcfg.rms_norm_eps)
+      return jnp.einsum("btd,dv->btv", x, rest["lm_head"], preferred_element_type=jnp.float32)
+
+    head = model.embed[...].T if mcfg.tie_word_embeddings else model.lm_head[...]
+    rest = dict(embed=model.embed[...], final_norm=model.final_norm[...], lm_head=head)
     res = dict(run="breakdown", rows=rows, fill=fill, cap=cap)
-    for label, opts in (("fwd_ms", None), ("fwd_dsf_ms", DSF)):
+    variants = (
+      ("fwd_ms", fwd, None, (state, cache)),
+      ("fwd_dsf_ms", fwd, DSF, (state, cache)),
+      ("fwd_unrolled_ms", fwd_unrolled, None, (state, cache)),
+      ("fwd_presplit_ms", fwd_presplit, None, (per_layer, rest, cache)),
+    )
+    for label, fn, opts, args in variants:
       try:
-        f = jax.jit(fwd, compiler_options=opts)
-        res[label] = round(1e3 * time_fn(f, state, cache), 2)
+        f = jax.jit(fn, compiler_options=opts)
+        res[label] = round(1e3 * time_fn(f, *args), 2)
       except Exception as e:  # report and go on
         res[label] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+    del per_layer
     res["kv_read_gb"] = round(kv_bytes(mcfg, rows, fill) / 1e9, 1)
     del cache
     # Prefill of one chunk: the cache-free (flash) forward that returns every layer's K/V.
@@ -247,11 +313,87 @@ class Bench:
     res["prefill_chunk_ms"] = round(1e3 * time_fn(prefill, state, iters=3), 1)
     res["prefill_batch_s_est"] = round(res["prefill_chunk_ms"] * rows / chunk / 1e3, 2)
     res["roofline_fwd_ms"] = round(1e3 * roofline_fwd_s(mcfg, rows, fill, FLAGS.steps), 2)
-    a, d = res.get("fwd_ms"), res.get("fwd_dsf_ms")
+    a, d, u = res.get("fwd_ms"), res.get("fwd_dsf_ms"), res.get("fwd_unrolled_ms")
     if isinstance(a, float) and isinstance(d, float) and d < 0.97 * a:
       self.options = dict(DSF)
+    if isinstance(a, float) and isinstance(u, float) and u < 0.97 * min(a, d or a):
+      self.unrolled = True
+      self.options = {}
     res["picked_options"] = self.options
+    res["picked_unrolled"] = self.unrolled
     self.record(res)
+
+  def profile(self):
+    """Device time of one decode forward (b tokens, the picked settings) and of a short static
+    call (`--profile_tokens`), by kernel, from a profiler trace (experiments/trace_summary.py)."""
+    model = self.decode_model()
+    mcfg, rows, b = model.cfg, FLAGS.batch, 4
+    fill = FLAGS.prompt_len + FLAGS.new_tokens // 2
+    cap = -(-(FLAGS.prompt_len + FLAGS.new_tokens + 3 * b) // 256) * 256
+    graphdef, state = nnx.split(model)
+    cache = self.filled_cache(rows, fill, cap)
+    tok = jnp.full((rows, b), 5, jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(fill, fill + b, dtype=jnp.int32), (rows, b))
+    spec = AttentionSpec.block_causal(b, jnp.ones_like(pos), pos // b)
+
+    @functools.partial(jax.jit, compiler_options=self.options or None)
+    def fwd(state, cache):
+      m = nnx.merge(graphdef, state)
+      h, _ = m(tok, pos, spec, cache=cache, update_cache=False, return_hidden=True)
+      return m.logits_from_hidden(h)
+
+    out_dir = FLAGS.out or "/tmp/bench_sampler"
+    calls = 3
+    jax.block_until_ready(fwd(state, cache))
+    with jax.profiler.trace(os.path.join(out_dir, "trace_fwd"), create_perfetto_trace=True):
+      for _ in range(calls):
+        jax.block_until_ready(fwd(state, cache))
+    fwd_sum = trace_summary.summarize(os.path.join(out_dir, "trace_fwd"), calls)
+    del cache
+    self.record(
+      dict(
+        run="profile_fwd",
+        rows=rows,
+        fill=fill,
+        unrolled=self.unrolled,
+        options=self.options,
+        device_ms=fwd_sum["device_ms_per_call"],
+        by_kind=fwd_sum["by_kind"],
+      )
+    )
+    # A short static call: the sampler's own work (denoising, cache writes, loops) beside forwards.
+    scfg = self.scfg(FLAGS.profile_tokens)
+    layout = sampler.layout_prompts(self.prompts(rows), scfg, mcfg.mask_token_id)
+    layout = jax.tree.map(jnp.asarray, layout)
+    keys = sampler.row_keys(jax.random.key(0), rows)
+    dec = jax.jit(
+      sampler._decode,
+      static_argnames=("graphdef", "cfg"),
+      compiler_options=self.options or None,
+    )
+    run = lambda: dec(graphdef, state, layout, jnp.array(layout.tokens), keys, cfg=scfg)
+    jax.block_until_ready(run().tokens)
+    with jax.profiler.trace(os.path.join(out_dir, "trace_static"), create_perfetto_trace=True):
+      out = run()
+      jax.block_until_ready(out.tokens)
+    st_sum = trace_summary.summarize(os.path.join(out_dir, "trace_static"), 1)
+    forwards = int(out.forwards)
+    self.record(
+      dict(
+        run="profile_static",
+        rows=rows,
+        new=FLAGS.profile_tokens,
+        forwards=forwards,
+        device_ms=st_sum["device_ms_per_call"],
+        by_kind={k: round(v / forwards, 3) for k, v in st_sum["by_kind"].items()},
+        note="by_kind: ms per decode forward, prefill included",
+      )
+    )
+    with open(os.path.join(out_dir, "profile.md"), "w") as f:
+      f.write("## One decode forward\n\n" + trace_summary.markdown(fwd_sum))
+      f.write("\n## Static call (whole, prefill included)\n\n" + trace_summary.markdown(st_sum))
+    for p in glob.glob(os.path.join(out_dir, "trace_static", "**", "*.pb"), recursive=True):
+      os.remove(p)  # keep the results small: the summary and the perfetto JSON stay
 
   def kernel_time(self, cache, tiles):
     """Seconds of the cache attention (kernel + split merge) over all layers, 4 new tokens."""
@@ -332,7 +474,7 @@ class Bench:
     if getattr(self, "_engine", None) is None:
       scfg = self.scfg(max(FLAGS.long_tokens, FLAGS.mixed_max))
       eng = engine_lib.ContinuousSampler(
-        self.model,
+        self.decode_model(),
         scfg,
         slots=FLAGS.mixed_slots,
         max_prompt_len=FLAGS.prompt_len,
@@ -370,6 +512,7 @@ class Bench:
       budgets=f"{min(r.max_new_tokens for r in reqs)}..{max(r.max_new_tokens for r in reqs)}",
       tiles=dataclasses.asdict(self.tiles),
       options=self.options,
+      unrolled=self.unrolled,
       warmup_compile_s=round(self._engine_warm_s, 1),
       wall_s=round(wall, 2),
       useful_tokens=useful,
@@ -515,10 +658,11 @@ def main(argv):
           bench.tiles = dataclasses.replace(bench.tiles, dynamic_loop=False)
           bench.static("static_masked_loop", FLAGS.new_tokens)
       elif run == "best":
-        if bench.tiles != flash_decode.DecodeTiles() or bench.options:
+        if bench.tiles != flash_decode.DecodeTiles() or bench.options or bench.unrolled:
           bench.static("best", FLAGS.new_tokens)
       elif run in (
         "breakdown",
+        "profile",
         "sweep",
         "dynamic",
         "long",

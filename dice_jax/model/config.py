@@ -41,6 +41,8 @@ class ModelConfig:
   param_dtype: str = "float32"  # master parameter dtype
   attention_impl: str = "dense"  # dense reference | xla | cudnn (jax.nn.dot_product_attention) | flash (model/flash_bd.py)
   remat: bool = False  # rematerialise each layer in the backward pass
+  scan_layers: bool = True  # lax.scan over the stacked layers; False: an unrolled loop (static
+  # per-layer slices instead of a dynamic slice per scan step; longer compile)
   flash_tiles: tuple[int, int, int] = (
     128,
     64,

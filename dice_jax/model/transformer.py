@@ -5,7 +5,8 @@ per-head q/k RMSNorm and half-split RoPE, a SwiGLU MLP, no biases; an untied (or
 The logits at position i predict the token *at* position i (SDAR: no shift).
 
 Layers are stored stacked (a leading `layers` axis on every per-layer parameter) and applied with
-`jax.lax.scan`, so compile time does not grow with depth. Every parameter carries its logical axis
+`jax.lax.scan`, so compile time does not grow with depth (`scan_layers=False` unrolls the loop:
+static weight slices, a longer compile). Every parameter carries its logical axis
 names in the `logical_axes` metadata; `dice_jax.sharding` maps them onto a mesh.
 
 Call contract (DESIGN.md):
@@ -148,7 +149,13 @@ class Transformer(nnx.Module):
       xs = (self.layers.weights(), None, None, layer_ids)
     else:
       xs = (self.layers.weights(), cache.k, cache.v, layer_ids)
-    return jax.lax.scan(body, x, xs)
+    if cfg.scan_layers:
+      return jax.lax.scan(body, x, xs)
+    kvs = []  # unrolled: layer l's weights are static slices of the stacked parameters
+    for layer in range(cfg.num_layers):
+      x, kv = body(x, jax.tree.map(lambda a, i=layer: None if a is None else a[i], xs))
+      kvs.append(kv)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *kvs)
 
   def logits_from_hidden(self, hidden):
     cfg = self.cfg

@@ -8,6 +8,7 @@ from flax import nnx
 
 from dice_jax import sharding
 from dice_jax.model import AttentionSpec, KVCache, Transformer, get_config
+from dice_jax.model.flash_decode import DecodeTiles
 
 CFG = get_config("tiny", dtype="float32")
 B, T = 2, 12
@@ -123,3 +124,28 @@ def test_unsharded_guard_fires_when_rules_shard_nothing():
   state = nnx.state(nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0))))
   with pytest.raises(ValueError, match="unsharded"):
     sharding.assert_sufficiently_sharded(state, mesh, rules={})
+
+
+@pytest.mark.parametrize("impl", ["dense", "flash"])
+def test_unrolled_layers_equal_the_scan_with_and_without_a_cache(impl):
+  """`scan_layers=False` (static per-layer weight slices, for decoding) computes what the scan does:
+  the same logits, the same cache writes, the same prefill K/V."""
+  cfg = CFG.replace(attention_impl=impl)
+  scan = Transformer(cfg, rngs=nnx.Rngs(0))
+  unrolled = Transformer(cfg.replace(scan_layers=False), rngs=nnx.Rngs(0))
+  tok, pos = _inputs()
+  spec = AttentionSpec.block_causal(4)
+  k0, v0 = scan.prefill_kv(tok, pos, spec)
+  k1, v1 = unrolled.prefill_kv(tok, pos, spec)
+  np.testing.assert_allclose(k1, k0, atol=1e-6)
+  np.testing.assert_allclose(v1, v0, atol=1e-6)
+  outs = []
+  tiles = DecodeTiles(split=16, block_k=16)
+  for m in (scan, unrolled):
+    cache = KVCache.empty(m.cfg, B, 16, tiles=tiles)
+    _, cache = m(tok[:, :8], pos[:, :8], spec, cache=cache, update_cache=True)
+    logits, _ = m(tok[:, 8:], pos[:, 8:], spec, cache=cache)
+    outs.append((logits, cache.k))
+  np.testing.assert_allclose(outs[1][0], outs[0][0], atol=1e-5)
+  np.testing.assert_allclose(outs[1][1], outs[0][1], atol=1e-6)
+  assert np.abs(np.asarray(outs[0][0])).max() > 0
