@@ -20,7 +20,7 @@
 #   OUT=/some/dir PARTS=tests,rates bash experiments/gpu/remaining_h200.sh
 # (TESTS_S and RATES_S set the time limits of those parts.)
 # PARTS picks what runs, of tests,rates,identity,eval,sampler (default tests,rates,sampler: what is still
-# open after session 5); the sampler takes what is left of the call's 590 s.
+# open after session 5); the sampler takes what is left of the call's CALL_S seconds (default 590).
 # The device tool returns at most 8 files from $OUT, so the parts write under a work folder and
 # $OUT gets results.tgz (rewritten after every part) and status.txt.
 set -u
@@ -65,9 +65,9 @@ if has eval; then
   stamp "eval: exit $? ($(tr '\n' ';' < "$W/eval/times.txt"))"
 fi
 
-# 3. sampler, with what is left of the call's 590 s
+# 3. sampler, with what is left of the call's CALL_S (default 590 s)
 if has sampler; then
-  LEFT=$((590 - ($(date +%s) - T0)))
+  LEFT=$((${CALL_S:-590} - ($(date +%s) - T0)))
   OUT="$W/sampler" SAMPLER_S=$((LEFT - 10)) timeout "$LEFT" bash experiments/gpu/sampler_h200.sh > "$W/sampler/script.log" 2>&1
   stamp "sampler: exit $?"
 fi

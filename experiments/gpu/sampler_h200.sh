@@ -6,7 +6,7 @@
 # RUNS (bench_sampler --runs), SAMPLER_FLAGS (more bench_sampler flags) and SAMPLER_S (time limit)
 # override the defaults below.
 # Order (experiments/bench_sampler.py): static 1024+1024 (default tiles) -> forward breakdown
-# (XLA dynamic-slice fusion on/off, prefill chunk) -> cache-kernel tile sweep -> static with the
+# (scan, dynamic-slice fusion, unrolled, prefill chunk) -> profile (device time by kernel) -> tile sweep -> static with the
 # picked settings -> dynamic decoding on a sharpened LM head -> engine 1024+4096 x 128 (no stop)
 # -> mixed-length continuous batching (512 prompts, 128 slots) -> the same workload static.
 set -u
@@ -19,7 +19,7 @@ export TF_CPP_MIN_LOG_LEVEL=1
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   python3 -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__, jax.devices())'
 } >"$OUT/env.txt" 2>&1
-RUNS=${RUNS:-static,breakdown,sweep,best,dynamic,long,mixed,mixed_longest_first,mixed_static}
+RUNS=${RUNS:-static,breakdown,profile,sweep,best,dynamic,long,mixed,mixed_longest_first,mixed_static}
 # shellcheck disable=SC2086  # SAMPLER_FLAGS: extra bench_sampler flags, split on spaces
 timeout "${SAMPLER_S:-465}" python3 -m experiments.bench_sampler --out="$OUT" --runs="$RUNS" \
   ${SAMPLER_FLAGS:-} 2>&1 |
