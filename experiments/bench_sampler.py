@@ -7,18 +7,20 @@ Runs (in the order given; each writes rows to DIR/results.jsonl and rewrites DIR
   static        static batch (`sampler.decode`): `--batch` prompts of `--prompt_len` +
                 `--new_tokens`, greedy, low_confidence_static, no stop ids (every row generates
                 every token). If the cache kernel fails to build, retried with its masked loop.
-  profile       device time by kernel (profiler trace) of one decode forward and of a short
-                static call, with the settings picked so far; DIR/profile.md.
+  profile       device time by kernel (profiler trace) of one decode forward (on the split
+                weights, as the sampler decodes) and of a short static call; DIR/profile.md.
   breakdown     one decode forward (b tokens, cache filled to prompt + new/2) with and without
                 XLA's dynamic-slice fusion (the layer scan slices every layer's weights), with the
-                layers unrolled (`scan_layers=False`), with weights split per layer before the
-                call (no slicing at all), and the prefill of one chunk; picks the fastest of
-                scan / scan + fusion / unrolled.
+                layers unrolled (`scan_layers=False`), on `decode_weights()` split before the
+                call (what the sampler does: no slicing at all), and the prefill of one chunk;
+                picks dynamic-slice fusion for the compile options if it is faster.
   sweep         the cache attention (kernel + split merge, all layers) over `DecodeTiles`
                 settings; picks the fastest.
   best          `static` again with the picked tiles and compile options (skipped if unchanged).
   dynamic       `static` with low_confidence_dynamic (threshold 0.9) on the model with its LM head
-                scaled by `--lm_head_scale`, so that confidences pass the threshold.
+                scaled by `--lm_head_scale`, so that confidences pass the threshold; ragged rows
+                (each moves to its next block as soon as its own is decided).
+  dynamic_lockstep  the same with lockstep blocks (every row waits for the batch's slowest block).
   long          continuous engine, `--batch` slots, `--batch` requests of `--long_tokens` new
                 tokens each (no stop): the no-stop rate, and the 1024 + 4096 memory.
   mixed         the same engine on `--mixed_requests` prompts whose budgets are uniform in
@@ -51,8 +53,6 @@ from dice_jax.diffusion import engine as engine_lib
 from dice_jax.diffusion import memory, sampler, schedule
 from dice_jax.model import AttentionSpec, KVCache, Transformer, get_config
 from dice_jax.model import flash_decode
-from dice_jax.model import masks as masks_lib
-from dice_jax.model import transformer as transformer_lib
 from experiments import trace_summary
 
 FLAGS = flags.FLAGS
@@ -107,10 +107,8 @@ class Bench:
     self.build_s = time.perf_counter() - t0
     self.tiles = flash_decode.DecodeTiles()
     self.options = {}
-    self.unrolled = False  # scan_layers=False (picked by `breakdown`)
     self.rows = []
     self.rates = {}
-    self.rs = np.random.RandomState(0)
 
   # --- bookkeeping --------------------------------------------------------------------------
 
@@ -130,7 +128,8 @@ class Bench:
 
   def prompts(self, rows):
     hi = min(151000, self.model.cfg.mask_token_id)
-    return self.rs.randint(2, hi, (rows, FLAGS.prompt_len)).tolist()
+    rs = np.random.RandomState(0)  # the same prompts in every run: runs compare like with like
+    return rs.randint(2, hi, (rows, FLAGS.prompt_len)).tolist()
 
   def scfg(self, new, strategy="low_confidence_static", **kw):
     return sampler.SamplerConfig(
@@ -145,26 +144,19 @@ class Bench:
 
   # --- static batch -------------------------------------------------------------------------
 
-  def decode_model(self):
-    """The model the sampler runs: `self.model`, or the same arrays with unrolled layers."""
-    if not self.unrolled:
-      return self.model
-    graphdef, state = nnx.split(self.model)
-    cfg = self.model.cfg.replace(scan_layers=False)
-    return nnx.merge(
-      nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))), state
-    )
-
-  def static(self, name, new, strategy="low_confidence_static", budgets=None, prompts=None):
-    model = self.decode_model()
+  def static(
+    self, name, new, strategy="low_confidence_static", budgets=None, prompts=None, ragged=None
+  ):
+    model = self.model
     mcfg = model.cfg
-    scfg = self.scfg(new, strategy)
+    scfg = self.scfg(new, strategy, ragged=ragged)
     prompts = prompts or self.prompts(FLAGS.batch)
     layout = sampler.layout_prompts(prompts, scfg, mcfg.mask_token_id, budgets)
     est = sampler.memory_estimate(model, layout, scfg)
     memory.check_fits(est, what=name)
     layout = jax.tree.map(jnp.asarray, layout)
     graphdef, state = nnx.split(model)
+    weights = sampler.split_weights(graphdef, state) if scfg.presplit_weights else None
     keys = sampler.row_keys(jax.random.key(0), len(prompts))
     fn = jax.jit(
       sampler._decode,
@@ -173,13 +165,15 @@ class Bench:
       compiler_options=self.options or None,
     )
     t0 = time.perf_counter()
-    compiled = fn.lower(graphdef, state, layout, jnp.array(layout.tokens), keys, cfg=scfg).compile()
+    compiled = fn.lower(
+      graphdef, state, weights, layout, jnp.array(layout.tokens), keys, cfg=scfg
+    ).compile()
     compile_s = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     canvas = jnp.array(layout.tokens)
     jax.block_until_ready(canvas)
     t0 = time.perf_counter()
-    out = compiled(state, layout, canvas, keys)
+    out = compiled(state, weights, layout, canvas, keys)
     jax.block_until_ready(out.tokens)
     run_s = time.perf_counter() - t0
     generated = int(np.asarray(out.response_lengths).sum())
@@ -194,7 +188,7 @@ class Bench:
       strategy=strategy,
       tiles=dataclasses.asdict(self.tiles),
       options=self.options,
-      unrolled=self.unrolled,
+      ragged=scfg.ragged,
       compile_s=round(compile_s, 1),
       run_s=round(run_s, 2),
       tok_s=round(generated / run_s),
@@ -215,7 +209,9 @@ class Bench:
       compiled_args_gib=round(ma.argument_size_in_bytes / memory.GIB, 2),
       generated=generated,
     )
-    del out, compiled
+    del out, compiled, weights
+    if name != "static" and "static" in self.rates:
+      row["vs_static"] = round(row["tok_s"] / self.rates["static"], 3)
     self.rates[name] = row["tok_s"]
     self.record(row)
     return row
@@ -261,39 +257,20 @@ class Bench:
       h, _ = m(tok, pos, spec, cache=cache, update_cache=False, return_hidden=True)
       return m.logits_from_hidden(h)
 
-    # Weights split into per-layer arrays before the call: what no slicing inside the call costs.
-    per_layer = [
-      jax.tree.map(lambda a, i=i: a[i], model.layers.weights()) for i in range(mcfg.num_layers)
-    ]
-    seg, blk = masks_lib.token_segments_and_blocks(spec, pos)
+    # The sampler's way (SamplerConfig.presplit_weights): weights split per layer before the call.
+    weights = sampler.split_weights(graphdef, state)
 
-    def fwd_presplit(weights, rest, cache):
-      x = jnp.take(rest["embed"], tok, axis=0).astype(mcfg.compute_dtype)
-      for i, w in enumerate(weights):
-        x, _ = transformer_lib._layer(
-          x,
-          w,
-          None,
-          None,
-          i,
-          cfg=mcfg,
-          attention=spec,
-          positions=pos,
-          seg=seg,
-          blk=blk,
-          cache=cache,
-        )
-      x = transformer_lib.rms_norm(x, rest["final_norm"], mcfg.rms_norm_eps)
-      return jnp.einsum("btd,dv->btv", x, rest["lm_head"], preferred_element_type=jnp.float32)
+    def fwd_presplit(state, weights, cache):
+      m = sampler.decoding_model(graphdef, state, weights)
+      h, _ = m(tok, pos, spec, cache=cache, update_cache=False, return_hidden=True)
+      return m.logits_from_hidden(h)
 
-    head = model.embed[...].T if mcfg.tie_word_embeddings else model.lm_head[...]
-    rest = dict(embed=model.embed[...], final_norm=model.final_norm[...], lm_head=head)
     res = dict(run="breakdown", rows=rows, fill=fill, cap=cap)
     variants = (
       ("fwd_ms", fwd, None, (state, cache)),
       ("fwd_dsf_ms", fwd, DSF, (state, cache)),
       ("fwd_unrolled_ms", fwd_unrolled, None, (state, cache)),
-      ("fwd_presplit_ms", fwd_presplit, None, (per_layer, rest, cache)),
+      ("fwd_presplit_ms", fwd_presplit, None, (state, weights, cache)),
     )
     for label, fn, opts, args in variants:
       try:
@@ -301,7 +278,7 @@ class Bench:
         res[label] = round(1e3 * time_fn(f, *args), 2)
       except Exception as e:  # report and go on
         res[label] = f"failed: {type(e).__name__}: {str(e)[:200]}"
-    del per_layer
+    del weights
     res["kv_read_gb"] = round(kv_bytes(mcfg, rows, fill) / 1e9, 1)
     del cache
     # Prefill of one chunk: the cache-free (flash) forward that returns every layer's K/V.
@@ -313,20 +290,16 @@ class Bench:
     res["prefill_chunk_ms"] = round(1e3 * time_fn(prefill, state, iters=3), 1)
     res["prefill_batch_s_est"] = round(res["prefill_chunk_ms"] * rows / chunk / 1e3, 2)
     res["roofline_fwd_ms"] = round(1e3 * roofline_fwd_s(mcfg, rows, fill, FLAGS.steps), 2)
-    a, d, u = res.get("fwd_ms"), res.get("fwd_dsf_ms"), res.get("fwd_unrolled_ms")
+    a, d = res.get("fwd_ms"), res.get("fwd_dsf_ms")
     if isinstance(a, float) and isinstance(d, float) and d < 0.97 * a:
       self.options = dict(DSF)
-    if isinstance(a, float) and isinstance(u, float) and u < 0.97 * min(a, d or a):
-      self.unrolled = True
-      self.options = {}
     res["picked_options"] = self.options
-    res["picked_unrolled"] = self.unrolled
     self.record(res)
 
   def profile(self):
     """Device time of one decode forward (b tokens, the picked settings) and of a short static
     call (`--profile_tokens`), by kernel, from a profiler trace (experiments/trace_summary.py)."""
-    model = self.decode_model()
+    model = self.model
     mcfg, rows, b = model.cfg, FLAGS.batch, 4
     fill = FLAGS.prompt_len + FLAGS.new_tokens // 2
     cap = -(-(FLAGS.prompt_len + FLAGS.new_tokens + 3 * b) // 256) * 256
@@ -336,18 +309,20 @@ class Bench:
     pos = jnp.broadcast_to(jnp.arange(fill, fill + b, dtype=jnp.int32), (rows, b))
     spec = AttentionSpec.block_causal(b, jnp.ones_like(pos), pos // b)
 
+    weights = sampler.split_weights(graphdef, state)  # what the sampler decodes on
+
     @functools.partial(jax.jit, compiler_options=self.options or None)
-    def fwd(state, cache):
-      m = nnx.merge(graphdef, state)
+    def fwd(state, weights, cache):
+      m = sampler.decoding_model(graphdef, state, weights)
       h, _ = m(tok, pos, spec, cache=cache, update_cache=False, return_hidden=True)
       return m.logits_from_hidden(h)
 
     out_dir = FLAGS.out or "/tmp/bench_sampler"
     calls = 3
-    jax.block_until_ready(fwd(state, cache))
+    jax.block_until_ready(fwd(state, weights, cache))
     with jax.profiler.trace(os.path.join(out_dir, "trace_fwd"), create_perfetto_trace=True):
       for _ in range(calls):
-        jax.block_until_ready(fwd(state, cache))
+        jax.block_until_ready(fwd(state, weights, cache))
     fwd_sum = trace_summary.summarize(os.path.join(out_dir, "trace_fwd"), calls)
     del cache
     self.record(
@@ -355,7 +330,6 @@ class Bench:
         run="profile_fwd",
         rows=rows,
         fill=fill,
-        unrolled=self.unrolled,
         options=self.options,
         device_ms=fwd_sum["device_ms_per_call"],
         by_kind=fwd_sum["by_kind"],
@@ -371,7 +345,7 @@ class Bench:
       static_argnames=("graphdef", "cfg"),
       compiler_options=self.options or None,
     )
-    run = lambda: dec(graphdef, state, layout, jnp.array(layout.tokens), keys, cfg=scfg)
+    run = lambda: dec(graphdef, state, weights, layout, jnp.array(layout.tokens), keys, cfg=scfg)
     jax.block_until_ready(run().tokens)
     with jax.profiler.trace(os.path.join(out_dir, "trace_static"), create_perfetto_trace=True):
       out = run()
@@ -426,12 +400,12 @@ class Bench:
     d = self.tiles  # the default, or its masked-loop fallback when the dynamic loop failed
     settings = [
       d,
-      dataclasses.replace(d, split=1024),
+      dataclasses.replace(d, split=512, block_k=128),
+      dataclasses.replace(d, split=512),
       dataclasses.replace(d, split=2048),
-      dataclasses.replace(d, split=1024, block_k=64),
-      dataclasses.replace(d, split=1024, num_warps=8),
-      dataclasses.replace(d, split=1024, num_stages=3),
-      dataclasses.replace(d, split=2048, block_k=64, num_stages=3),
+      dataclasses.replace(d, block_k=32),
+      dataclasses.replace(d, num_warps=8),
+      dataclasses.replace(d, num_stages=3),
       dataclasses.replace(d, dynamic_loop=not d.dynamic_loop),
     ]
     best = None
@@ -474,7 +448,7 @@ class Bench:
     if getattr(self, "_engine", None) is None:
       scfg = self.scfg(max(FLAGS.long_tokens, FLAGS.mixed_max))
       eng = engine_lib.ContinuousSampler(
-        self.decode_model(),
+        self.model,
         scfg,
         slots=FLAGS.mixed_slots,
         max_prompt_len=FLAGS.prompt_len,
@@ -512,7 +486,6 @@ class Bench:
       budgets=f"{min(r.max_new_tokens for r in reqs)}..{max(r.max_new_tokens for r in reqs)}",
       tiles=dataclasses.asdict(self.tiles),
       options=self.options,
-      unrolled=self.unrolled,
       warmup_compile_s=round(self._engine_warm_s, 1),
       wall_s=round(wall, 2),
       useful_tokens=useful,
@@ -538,7 +511,7 @@ class Bench:
 
   def long(self):
     hi = min(151000, self.model.cfg.mask_token_id)
-    prompts = self.rs.randint(2, hi, (FLAGS.batch, FLAGS.prompt_len))
+    prompts = np.random.RandomState(0).randint(2, hi, (FLAGS.batch, FLAGS.prompt_len))
     reqs = [
       engine_lib.Request(i, prompts[i].tolist(), jax.random.key(i), FLAGS.long_tokens)
       for i in range(FLAGS.batch)
@@ -579,13 +552,17 @@ class Bench:
         )
       )
 
-  def dynamic(self):
+  def dynamic(self, ragged=True):
     head = self.model.lm_head[...]
     self.model.lm_head[...] = head * FLAGS.lm_head_scale
     try:
-      self.static("dynamic", FLAGS.new_tokens, strategy="low_confidence_dynamic")
+      name = "dynamic" if ragged else "dynamic_lockstep"
+      self.static(name, FLAGS.new_tokens, strategy="low_confidence_dynamic", ragged=ragged)
     finally:
       self.model.lm_head[...] = head
+
+  def dynamic_lockstep(self):
+    self.dynamic(ragged=False)
 
 
 def kv_bytes(mcfg, rows, fill):
@@ -658,13 +635,14 @@ def main(argv):
           bench.tiles = dataclasses.replace(bench.tiles, dynamic_loop=False)
           bench.static("static_masked_loop", FLAGS.new_tokens)
       elif run == "best":
-        if bench.tiles != flash_decode.DecodeTiles() or bench.options or bench.unrolled:
+        if bench.tiles != flash_decode.DecodeTiles() or bench.options:
           bench.static("best", FLAGS.new_tokens)
       elif run in (
         "breakdown",
         "profile",
         "sweep",
         "dynamic",
+        "dynamic_lockstep",
         "long",
         "mixed",
         "mixed_static",

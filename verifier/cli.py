@@ -13,7 +13,7 @@ import sys
 
 from verifier import batch
 from verifier.contract import VerifyOptions
-from verifier.service import ServiceConfig, default_mem_mb
+from verifier.service import ServiceConfig, default_compile_workers, default_mem_mb
 
 
 def _detect_arch() -> str:
@@ -42,8 +42,8 @@ def _service_args(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     "--compile-workers",
     type=int,
-    default=max(1, (os.cpu_count() or 2) // 2),
-    help="concurrent candidate builds (default: half the CPUs)",
+    default=default_compile_workers(),
+    help="concurrent candidate builds (default: all CPUs but two)",
   )
   p.add_argument(
     "--fork-server",

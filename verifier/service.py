@@ -51,13 +51,21 @@ def default_mem_mb() -> int:
   return min(32768, max(1024, host_memory_mb() // 2))
 
 
+def default_compile_workers() -> int:
+  """Concurrent candidate builds: all CPUs but two (at least one). A split build on the precompiled
+  header keeps about one core busy (main.cpp on the PCH, the kernels' .cu beside it), so half the
+  CPUs left cores idle: on an H200 host (16 cores) 8 workers were build-bound at 50 DICE candidates
+  a minute (BUILD_NOTES, Verifier, session 6)."""
+  return max(1, (os.cpu_count() or 2) - 2)
+
+
 @dataclasses.dataclass
 class ServiceConfig:
   device: str = "cuda"  # device used when a request does not name one
   gpus: tuple[str, ...] = ("0",)  # CUDA_VISIBLE_DEVICES index per run pool
   slots_per_gpu: int = 4  # concurrent reward-mode runs per GPU (timed runs take all)
   cpu_slots: int = 1  # concurrent runs of the CPU backend
-  compile_workers: int = max(1, (os.cpu_count() or 2) // 2)
+  compile_workers: int = dataclasses.field(default_factory=default_compile_workers)
   cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "dice_verifier", "builds")
   cache_max_gb: float = 100.0  # LRU eviction of build entries above this size (0: never)
   scratch_root: str = "/tmp/dice_verifier"

@@ -4,7 +4,8 @@
     for done in engine.run(requests):          # Request(id, prompt_ids, key, max_new_tokens)
       send_to_verifier(done)                   # Completion, as soon as its row stops
 
-A fixed number of slots decode in lockstep, one block per jitted `slots.advance` call; the KV cache
+A fixed number of slots decode together, at least one block per jitted `slots.advance` call (in
+lockstep, or ragged: each row moves on as soon as its block is decided, `SamplerConfig.ragged`); the KV cache
 (one region per slot) stays on device and is donated to every call. When a row stops (a stop id, or
 its token budget) its slot takes the next request of the queue: `slots.admit` prefills the prompt
 into the slot's cache region, whose old contents become invisible. Each row is independent (own
@@ -19,6 +20,7 @@ so the device never waits for the host (a finished row idles for one block befor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Hashable, Iterable, Iterator, Optional, Sequence
 
@@ -30,6 +32,7 @@ from flax import nnx
 from dice_jax import distributed
 from dice_jax.diffusion import memory
 from dice_jax.diffusion import slots as slots_lib
+from dice_jax.diffusion import sampler as sampler_lib
 from dice_jax.diffusion.sampler import SamplerConfig
 from dice_jax.model.kv_cache import KVCache
 
@@ -81,6 +84,28 @@ def _replicated_on_model_mesh(state):
     if isinstance(sh, jax.sharding.NamedSharding):
       return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
   return None
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_steps(graphdef, cfg: SamplerConfig, options: tuple):
+  """The engine's two jitted steps for one (model graph, config, XLA options): shared by every
+  engine built on them, so a new engine per RL step (new weights, same graph) reuses the
+  compiled programs instead of compiling again."""
+
+  def advance(st, weights, sl, cache):
+    model = sampler_lib.decoding_model(graphdef, st, weights)
+    sl, cache, finished, fw = slots_lib.advance(model, sl, cache, cfg)
+    return sl, cache, finished, fw, slots_lib.response_lengths(sl, cfg.stop_ids)
+
+  def admit(st, weights, sl, cache, rows, prompts, n, new, keys):
+    model = sampler_lib.decoding_model(graphdef, st, weights)
+    return slots_lib.admit(model, sl, cache, rows, prompts, n, new, keys, cfg)
+
+  opts = dict(options) or None
+  return (
+    jax.jit(advance, donate_argnums=(3,), compiler_options=opts),
+    jax.jit(admit, donate_argnums=(3,), compiler_options=opts),
+  )
 
 
 def _bucket(n: int, multiple: int) -> int:
@@ -135,25 +160,15 @@ class ContinuousSampler:
       block_size=b,
       prefill_rows=self.prefill_rows,
       prefill_width=_bucket(max_prompt_len, self.prompt_bucket),
+      decode_weights=cfg.presplit_weights,
     )
     memory.check_fits(self.estimate, device_bytes, what=f"ContinuousSampler(slots={slots})")
     graphdef, self._state = nnx.split(model)
-
-    def advance(st, sl, cache):
-      sl, cache, finished, fw = slots_lib.advance(nnx.merge(graphdef, st), sl, cache, cfg)
-      return sl, cache, finished, fw, slots_lib.response_lengths(sl, cfg.stop_ids)
-
-    self._advance = jax.jit(
-      advance,
-      donate_argnums=(2,),
-      compiler_options=compiler_options,
+    self._weights = (
+      sampler_lib.split_weights(graphdef, self._state) if cfg.presplit_weights else None
     )
-
-    def admit(st, sl, cache, rows, prompts, n, new, keys):
-      model_ = nnx.merge(graphdef, st)
-      return slots_lib.admit(model_, sl, cache, rows, prompts, n, new, keys, cfg)
-
-    self._admit = jax.jit(admit, donate_argnums=(2,), compiler_options=compiler_options)
+    options = tuple(sorted((compiler_options or {}).items()))
+    self._advance, self._admit = _compiled_steps(graphdef, cfg, options)
     # The initial state is made with the sharding the steps' outputs have (replicated on the
     # model's mesh), so that the steps see one kind of input and compile once per shape.
     mask_id = model.cfg.mask_token_id
@@ -235,7 +250,15 @@ class ContinuousSampler:
         rows = [free.pop(0) for _ in group]
         prompts, lens, new, keys = self._request_arrays(group)
         sl, cache = self._admit(
-          self._state, sl, cache, jnp.asarray(rows, jnp.int32), prompts, lens, new, keys
+          self._state,
+          self._weights,
+          sl,
+          cache,
+          jnp.asarray(rows, jnp.int32),
+          prompts,
+          lens,
+          new,
+          keys,
         )
         owner.update(zip(rows, group))
         stats["prefill_calls"] += 1
@@ -244,7 +267,7 @@ class ContinuousSampler:
         host_s += time.perf_counter() - t0
         break
       # Dispatch the next block, then harvest the rows that finished at the previous one.
-      sl, cache, finished, fw, lengths = self._advance(self._state, sl, cache)
+      sl, cache, finished, fw, lengths = self._advance(self._state, self._weights, sl, cache)
       stats["blocks"] += 1
       host_s += time.perf_counter() - t0
       if pending is not None:

@@ -6,7 +6,9 @@ the two functions here:
 
   `admit`    prefills the prompts of some rows into their cache rows and resets their state;
   `advance`  decodes one block of every live row: a fused commit + first denoising forward, then
-             up to `steps - 1` more denoising forwards while any live row has a [MASK] left.
+             up to `steps - 1` more denoising forwards while any live row has a [MASK] left
+             (lockstep); or, with `cfg.ragged`, `steps` forwards in which each row commits and
+             moves on as soon as its own block is decided (`advance_ragged`).
 
 Rows are independent: each has its own positions (no left padding), its own cache region (row b of
 the cache, slot = position + block_size), its own step counter and its own PRNG key; rows only
@@ -60,6 +62,8 @@ class Slots:
   steps_used: jax.Array  # [S] int32 denoising forwards with masks so far (= the next step id)
   forwards: jax.Array  # [S] int32 decode forwards the row took part in since admission
   done: jax.Array  # [S] bool: finished, or an empty slot
+  fresh: jax.Array  # [S] bool: the active block's first forward (which commits `prev`) is next
+  block_step: jax.Array  # [S] int32 forwards run on the active block (its in-block step)
   key: jax.Array  # [S] PRNG keys (typed), one per row
   out_tokens: jax.Array  # [S, W] int32 finished blocks, index = position - first_pos
   out_steps: jax.Array  # [S, W] int32 step map of out_tokens (-1: not generated)
@@ -75,10 +79,16 @@ def out_width(block_size: int, max_new_tokens: int) -> int:
 
 def cache_slots(block_size: int, max_prompt: int, max_new_tokens: int, multiple: int) -> int:
   """Cache slots a row needs: b leading slots, the prompt, the response and the provisional
-  block, rounded up to `multiple`."""
+  block, then 2b scratch slots (the ragged step's parked writes), rounded up to `multiple`.
+  The scratch region is the last 2b slots of the row (`scratch_start`), above any row's length."""
   b = block_size
-  need = b + max_prompt + max_new_tokens + 2 * b
+  need = b + max_prompt + max_new_tokens + 2 * b + 2 * b
   return -(-need // multiple) * multiple
+
+
+def scratch_start(cache: KVCache, block_size: int) -> int:
+  """First slot of every row's scratch region (never below a row's length: `cache_slots`)."""
+  return cache.max_len - 2 * block_size
 
 
 def empty_slots(rows: int, block_size: int, width: int, want_logp: bool, mask_id: int) -> Slots:
@@ -95,6 +105,8 @@ def empty_slots(rows: int, block_size: int, width: int, want_logp: bool, mask_id
     steps_used=z(rows),
     forwards=z(rows),
     done=jnp.ones((rows,), bool),
+    fresh=jnp.zeros((rows,), bool),
+    block_step=z(rows),
     key=jax.random.split(jax.random.key(0), rows),
     out_tokens=z(rows, width),
     out_steps=jnp.full((rows, width), -1, jnp.int32),
@@ -158,6 +170,8 @@ def admit(model, slots: Slots, cache: KVCache, rows, prompts, prompt_len, max_ne
     steps_used=zeros,
     forwards=zeros,
     done=jnp.zeros((r,), bool),
+    fresh=jnp.ones((r,), bool),
+    block_step=zeros,
     key=keys,
     out_tokens=jnp.zeros((r, slots.out_tokens.shape[1]), jnp.int32),
     out_steps=jnp.full((r, slots.out_steps.shape[1]), -1, jnp.int32),
@@ -168,7 +182,8 @@ def admit(model, slots: Slots, cache: KVCache, rows, prompts, prompt_len, max_ne
 
 
 def _denoise(slots: Slots, logits_bnv, s, gen, cfg, mask_id: int, schedule) -> Slots:
-  """One denoising update of every live row's active block from its logits (in-block step s)."""
+  """One denoising update of every live row's active block from its logits (in-block step s: a
+  scalar, or one per row `[S]`)."""
   masked = (slots.block == mask_id) & gen & ~slots.done[:, None]
   keys = jax.vmap(jax.random.fold_in)(slots.key, slots.steps_used)
   cand = remasking.sample_candidates(
@@ -182,17 +197,16 @@ def _denoise(slots: Slots, logits_bnv, s, gen, cfg, mask_id: int, schedule) -> S
     want_entropy=cfg.strategy == "entropy_bounded",
     want_logprob=cfg.return_logprobs,
   )
-  rows = masked.shape[0]
-  k = jnp.broadcast_to(schedule[jnp.minimum(s, cfg.steps - 1)], (rows,))
+  s = jnp.broadcast_to(s, masked.shape[:1])
   sel = remasking.select_transfer(
     cfg.strategy,
     masked,
     cand["confidence"],
     cand["entropy"],
-    k,
+    schedule[jnp.minimum(s, cfg.steps - 1)],
     threshold=cfg.threshold,
     eb_threshold=cfg.eb_threshold,
-    flush=s >= cfg.steps - 1,
+    flush=(s >= cfg.steps - 1)[:, None],
   )
   return dataclasses.replace(
     slots,
@@ -204,8 +218,14 @@ def _denoise(slots: Slots, logits_bnv, s, gen, cfg, mask_id: int, schedule) -> S
 
 
 def advance(model, slots: Slots, cache: KVCache, cfg):
-  """Decodes one block of every live row. Returns (slots, cache, finished `[S]` bool: rows that
-  stopped at this block (stop id or budget), forwards: decode forwards run)."""
+  """Decodes at least one block of every live row. Returns (slots, cache, finished `[S]` bool:
+  rows that stopped in this call (stop id or budget), forwards: decode forwards run).
+
+  Lockstep (`cfg.ragged` off): one block of every row, a fused 2b-token forward then b-token
+  forwards while any live row has a mask. Ragged: `cfg.steps` forwards of 2b tokens in which each
+  row moves to its next block as soon as its own is decided (`advance_ragged`)."""
+  if cfg.ragged:
+    return advance_ragged(model, slots, cache, cfg)
   grid, b = cfg.grid, cfg.block_size
   mask_id = model.cfg.mask_token_id
   schedule = jnp.asarray(remasking.transfer_schedule(b, cfg.steps))
@@ -256,35 +276,119 @@ def advance(model, slots: Slots, cache: KVCache, cfg):
     cond, body, (jnp.asarray(1), slots, cache, jnp.asarray(1))
   )
 
-  # Close the block: record it, stop rows (stop id in the response part, or budget reached).
+  slots = dataclasses.replace(slots, forwards=slots.forwards + forwards * live.astype(jnp.int32))
+  slots, finished = _close_blocks(slots, live, gen, stop_ids, mask_id, b)
+  return slots, cache, finished, forwards
+
+
+def _close_blocks(slots: Slots, closing, gen, stop_ids, mask_id: int, b: int):
+  """Closes the active block of rows `closing` `[S]`: records it, stops rows (a stop id in the
+  response part, or the budget reached) and starts the next block of the others. Returns
+  (slots, finished `[S]`)."""
   hit_stop = jnp.any(gen & jnp.isin(slots.block, stop_ids), axis=-1)
   budget = (slots.block_pos + b - slots.prompt_len) >= slots.max_new
-  finished = live & (hit_stop | budget)
+  finished = closing & (hit_stop | budget)
   at = slots.block_pos - slots.first_pos
-  record = lambda out, new: jnp.where(live[:, None], put_rows(out, new, at, 0), out)
+  record = lambda out, new: jnp.where(closing[:, None], put_rows(out, new, at, 0), out)
   steps = jnp.where(gen, slots.block_steps, -1)
   out_logp = slots.out_logp
   if out_logp.shape[1]:
     out_logp = record(out_logp, slots.block_logp)
-  go = live & ~finished
-  return (
-    dataclasses.replace(
-      slots,
-      out_tokens=record(slots.out_tokens, slots.block),
-      out_steps=record(slots.out_steps, steps),
-      out_logp=out_logp,
-      prev=jnp.where(go[:, None], slots.block, slots.prev),
-      block=jnp.where(go[:, None], mask_id, slots.block),
-      block_steps=jnp.where(go[:, None], -1, slots.block_steps),
-      block_logp=jnp.where(go[:, None], 0.0, slots.block_logp),
-      block_pos=slots.block_pos + b * go.astype(jnp.int32),
-      forwards=slots.forwards + forwards * live.astype(jnp.int32),
-      done=slots.done | finished,
-    ),
-    cache,
-    finished,
-    forwards,
+  go = closing & ~finished
+  slots = dataclasses.replace(
+    slots,
+    out_tokens=record(slots.out_tokens, slots.block),
+    out_steps=record(slots.out_steps, steps),
+    out_logp=out_logp,
+    prev=jnp.where(go[:, None], slots.block, slots.prev),
+    block=jnp.where(go[:, None], mask_id, slots.block),
+    block_steps=jnp.where(go[:, None], -1, slots.block_steps),
+    block_logp=jnp.where(go[:, None], 0.0, slots.block_logp),
+    block_pos=slots.block_pos + b * go.astype(jnp.int32),
+    fresh=slots.fresh | go,
+    block_step=jnp.where(go, 0, slots.block_step),
+    done=slots.done | finished,
   )
+  return slots, finished
+
+
+def _ragged_forward(model, slots: Slots, cache: KVCache, cfg, schedule, stop_ids):
+  """One forward of 2b tokens per row, each row at its own point (`advance_ragged`)."""
+  grid, b = cfg.grid, cfg.block_size
+  mask_id = model.cfg.mask_token_id
+  live = ~slots.done
+  fresh = slots.fresh & live
+  offs = jnp.arange(b, dtype=jnp.int32)[None, :]
+  pos_blk = slots.block_pos[:, None] + offs
+  pos_prev = pos_blk - b
+  n = slots.prompt_len[:, None]
+  gen = pos_blk >= n
+  seg_blk = jnp.broadcast_to(live[:, None], pos_blk.shape).astype(jnp.int32)
+  seg_prev = (fresh[:, None] & (pos_prev >= 0)).astype(jnp.int32)  # mid-block: prev invisible
+  seg2 = jnp.concatenate([seg_prev, seg_blk], axis=1)
+  pos2 = jnp.concatenate([pos_prev, pos_blk], axis=1)
+  blk2 = jnp.concatenate(
+    [grid.block_of(pos_prev, n).astype(jnp.int32), grid.block_of(pos_blk, n).astype(jnp.int32)],
+    axis=1,
+  )
+  spec2 = masks_lib.AttentionSpec.block_causal(b, seg2, blk2)
+  tokens2 = jnp.concatenate([slots.prev, slots.block], axis=1)
+  # A fresh row sees the cache below its previous block and writes [prev; block] from there (the
+  # commit); a mid-block row sees its committed previous block and writes to its scratch slots.
+  cache = cache.with_length(slots.block_pos + b * (~fresh).astype(jnp.int32))
+  at = jnp.where(fresh, slots.block_pos, scratch_start(cache, b))
+  hidden, cache = model(
+    tokens2, pos2, spec2, cache=cache, update_cache=True, return_hidden=True, append_at=at
+  )
+  cache = cache.with_length(slots.block_pos + b)
+  slots = _denoise(
+    slots,
+    model.logits_from_hidden(hidden[:, -b:]),
+    slots.block_step,
+    gen,
+    cfg,
+    mask_id,
+    schedule,
+  )
+  step = live.astype(jnp.int32)
+  slots = dataclasses.replace(
+    slots,
+    fresh=slots.fresh & ~live,
+    block_step=slots.block_step + step,
+    forwards=slots.forwards + step,
+  )
+  decided = live & ~jnp.any((slots.block == mask_id) & gen, axis=-1)
+  slots, finished = _close_blocks(slots, decided, gen, stop_ids, mask_id, b)
+  return slots, cache, finished
+
+
+def advance_ragged(model, slots: Slots, cache: KVCache, cfg):
+  """`cfg.steps` forwards (fewer when every row is done) in which every live row takes one step
+  of its own: a row whose block was decided at the previous forward commits it and starts the
+  next (its forward is the fused commit + first denoising pass), the others denoise their block
+  further. So no row waits for the batch's slowest block: with a strategy that unmasks several
+  tokens per forward (low_confidence_dynamic, entropy_bounded) every forward does useful work
+  for every row. Every forward is 2b tokens wide (a mid-block row's first b are invisible and
+  written to its scratch slots); a row's tokens, step map and log-probs are exactly those of the
+  lockstep `advance`. Each call closes at least one block of every live row (a block takes at
+  most `steps` forwards). Returns as `advance`."""
+  schedule = jnp.asarray(remasking.transfer_schedule(cfg.block_size, cfg.steps))
+  stop_ids = jnp.asarray(cfg.stop_ids if cfg.stop_ids else (-1,), jnp.int32)
+
+  def cond(c):
+    s, sl, _, _ = c
+    return (s < cfg.steps) & ~jnp.all(sl.done)
+
+  def body(c):
+    s, sl, cache_, fin = c
+    sl, cache_, f = _ragged_forward(model, sl, cache_, cfg, schedule, stop_ids)
+    return s + 1, sl, cache_, fin | f
+
+  fin0 = jnp.zeros(slots.done.shape, bool)
+  forwards, slots, cache, finished = jax.lax.while_loop(
+    cond, body, (jnp.asarray(0), slots, cache, fin0)
+  )
+  return slots, cache, finished, forwards
 
 
 def response_lengths(slots: Slots, stop_ids) -> jax.Array:

@@ -71,10 +71,10 @@ class KVCache:
   def with_length(self, length) -> "KVCache":
     return dataclasses.replace(self, length=jnp.broadcast_to(length, self.length.shape))
 
-  def append(self, k, v, positions, segment_ids, block_ids) -> "KVCache":
+  def append(self, k, v, positions, segment_ids, block_ids, at=None) -> "KVCache":
     """Writes `k, v [L,B,T,K,H]` and their metadata `[B,T]` at each row's slots
-    [length[b], length[b] + T), and advances `length` by T."""
-    at = self.length
+    [at[b], at[b] + T) (default `at = length`), and sets `length` to `at + T`."""
+    at = self.length if at is None else at
     return dataclasses.replace(
       self,
       k=put_rows(self.k, k, at, 1),
@@ -82,7 +82,7 @@ class KVCache:
       positions=put_rows(self.positions, positions, at, 0),
       segment_ids=put_rows(self.segment_ids, segment_ids, at, 0),
       block_ids=put_rows(self.block_ids, block_ids, at, 0),
-      length=self.length + k.shape[2],
+      length=at + k.shape[2],
     )
 
   def write_rows(self, rows, k, v, offset: int, positions, segment_ids, block_ids, length):

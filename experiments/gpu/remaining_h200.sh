@@ -18,7 +18,7 @@
 #   one_shot_model_ex_add.py.txt and one_shot_model_new_ex_add.py.txt)
 # grain is not needed by any part. Run from the repository root:
 #   OUT=/some/dir PARTS=tests,rates bash experiments/gpu/remaining_h200.sh
-# (TESTS_S and RATES_S set the time limits of those parts.)
+# (TESTS_S and RATES_S set the time limits of those parts; RATE_PHASES the bench phases of rates.)
 # PARTS picks what runs, of tests,rates,identity,eval,sampler (default tests,rates,sampler: what is still
 # open after session 5); the sampler takes what is left of the call's CALL_S seconds (default 590).
 # The device tool returns at most 8 files from $OUT, so the parts write under a work folder and
@@ -49,7 +49,7 @@ if has tests; then
 fi
 if has rates; then
   RATES_S=${RATES_S:-200}  # all three rates need about 450 s (session 3: budget 400 s)
-  timeout "$RATES_S" python3 -m verifier bench --device cuda --phases single,dice_e2e,gpu_level1 \
+  timeout "$RATES_S" python3 -m verifier bench --device cuda --phases "${RATE_PHASES:-single,dice_e2e,gpu_level1}" \
     --candidates 99 --level1 24 --level1-samples 4 --timed 8 --budget-s $((RATES_S - 20)) \
     --out "$W/verifier/rates.json" \
     > "$W/verifier/rates.log" 2>&1

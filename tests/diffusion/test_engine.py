@@ -36,8 +36,10 @@ def _requests(n=7, seed=0):
 
 
 @pytest.mark.slow  # compiles the engine's two steps and two static decodes (~1 min on 2 cores)
-@pytest.mark.parametrize("alignment", ["response", "absolute"])
-def test_continuous_batching_gives_each_request_what_it_gets_alone(model, alignment):
+@pytest.mark.parametrize(
+  "alignment, ragged", [("response", True), ("absolute", False)], ids=["ragged", "lockstep"]
+)
+def test_continuous_batching_gives_each_request_what_it_gets_alone(model, alignment, ragged):
   cfg = sampler.SamplerConfig(
     strategy="low_confidence_dynamic",
     threshold=0.5,
@@ -46,6 +48,7 @@ def test_continuous_batching_gives_each_request_what_it_gets_alone(model, alignm
     temperature=1.0,
     block_alignment=alignment,
     return_logprobs=True,
+    ragged=ragged,
   )
   reqs = _requests()
   pulled = []
@@ -109,19 +112,28 @@ def _small_model(attention_impl="dense"):
   return Transformer(cfg, rngs=nnx.Rngs(0))
 
 
-def test_no_copy_of_the_kv_cache_in_compiled_samplers():
+@pytest.mark.parametrize("ragged", [False, True], ids=["lockstep", "ragged"])
+def test_no_copy_of_the_kv_cache_in_compiled_samplers(ragged):
   """The compiled static sampler holds one K/V cache (XLA temp = cache + activations, among them the
   dense path's per-layer K/V slices: 1/8 of a K buffer each here), and the engine's block step
   updates the donated cache in place (no cache-sized temp). A copy of K or V would fail both."""
   m = _small_model()
   mc = m.cfg
-  cfg = sampler.SamplerConfig(max_new_tokens=2048, prefill_chunk=4)
+  cfg = sampler.SamplerConfig(max_new_tokens=2048, prefill_chunk=4, ragged=ragged)
   layout = sampler.layout_prompts([[5] * 60] * 8, cfg, mc.mask_token_id)
   layout = jax.tree.map(jnp.asarray, layout)
   graphdef, state = nnx.split(m)
   keys = sampler.row_keys(None, 8)
   stats = (
-    sampler._decode_jit.lower(graphdef, state, layout, jnp.array(layout.tokens), keys, cfg=cfg)
+    sampler._decode_jit.lower(
+      graphdef,
+      state,
+      sampler.split_weights(graphdef, state),
+      layout,
+      jnp.array(layout.tokens),
+      keys,
+      cfg=cfg,
+    )
     .compile()
     .memory_analysis()
   )
@@ -133,9 +145,23 @@ def test_no_copy_of_the_kv_cache_in_compiled_samplers():
   eng = engine.ContinuousSampler(m, cfg, slots=8, max_prompt_len=64)
   sl = slots.empty_slots(8, 4, eng.out_width, False, mc.mask_token_id)
   cache = KVCache.empty(mc, 8, eng.cache_len)
-  step = eng._advance.lower(eng._state, sl, cache).compile().memory_analysis()
+  step = eng._advance.lower(eng._state, eng._weights, sl, cache).compile().memory_analysis()
   assert step.temp_size_in_bytes < one_kv // 2, step
   assert step.alias_size_in_bytes >= KVCache.num_bytes(mc, 8, eng.cache_len) - 8 * 4
+
+
+def test_engines_on_one_model_graph_share_their_compiled_steps(model):
+  """A new engine per RL step (new weights, the same graph and config) reuses the compiled steps."""
+  cfg = sampler.SamplerConfig(max_new_tokens=8)
+  a = engine.ContinuousSampler(model, cfg, slots=2, max_prompt_len=4)
+  b = engine.ContinuousSampler(
+    Transformer(model.cfg, rngs=nnx.Rngs(5)), cfg, slots=2, max_prompt_len=4
+  )
+  assert a._advance is b._advance and a._admit is b._admit
+  other = engine.ContinuousSampler(
+    model, sampler.SamplerConfig(max_new_tokens=16), slots=2, max_prompt_len=4
+  )
+  assert other._advance is not a._advance
 
 
 def test_engine_refuses_a_setting_that_cannot_fit_and_a_wrong_block_size(model):

@@ -171,6 +171,71 @@ def test_cached_sampler_matches_cache_free_reference(sampled):
     )
 
 
+@pytest.mark.parametrize(
+  "cfg",
+  [
+    sampler.SamplerConfig(strategy="low_confidence_dynamic", steps=4, threshold=0.5),
+    sampler.SamplerConfig(
+      strategy="entropy_bounded", steps=4, eb_threshold=0.5, block_alignment="absolute"
+    ),
+    sampler.SamplerConfig(
+      strategy="low_confidence_static", steps=2, temperature=1.0, top_k=3, confidence="unfiltered"
+    ),
+  ],
+  ids=lambda c: f"{c.strategy}-{c.block_alignment}",
+)
+def test_ragged_rows_decode_exactly_what_lockstep_blocks_decode(model, cfg):
+  """`ragged` (each row moves on as soon as its block is decided) changes when rows commit, never
+  what they decode: the same tokens, step map, log-probs and lengths; and with a strategy whose
+  forwards per block vary it needs fewer forwards than lockstep blocks, which wait for the batch's
+  slowest block."""
+  cfg = dataclasses.replace(
+    cfg, max_new_tokens=14, stop_ids=(EOS,), return_logprobs=True, temperature=cfg.temperature
+  )
+  budgets = [14, 6, 11, 14]
+  key = jax.random.key(7)
+  lock = sampler.generate(model, PROMPTS, dataclasses.replace(cfg, ragged=False), key, budgets)
+  rag = sampler.generate(model, PROMPTS, dataclasses.replace(cfg, ragged=True), key, budgets)
+  np.testing.assert_array_equal(rag.tokens, lock.tokens)
+  np.testing.assert_array_equal(rag.step_map, lock.step_map)
+  np.testing.assert_allclose(rag.logprobs, lock.logprobs, atol=1e-5)
+  np.testing.assert_array_equal(rag.response_lengths, lock.response_lengths)
+  np.testing.assert_array_equal(rag.steps_used, lock.steps_used)
+  assert (np.asarray(rag.step_map) >= 0).sum() > 20
+  if cfg.strategy == "low_confidence_static":  # a fixed number of forwards per block
+    assert int(rag.forwards) == int(lock.forwards)
+  else:  # the batch's forwards: lockstep waits for the slowest row at every block
+    assert int(rag.forwards) < int(lock.forwards)
+    assert int(rag.forwards) == int(np.asarray(rag.steps_used).max())
+
+
+def test_split_weights_decode_what_the_stacked_parameters_decode(model):
+  """`presplit_weights` (the default: per-layer weights made once per call) changes where the
+  weights are read from, not the decoding; the memory estimate counts their copy."""
+  cfg = sampler.SamplerConfig(
+    strategy="low_confidence_dynamic", threshold=0.5, max_new_tokens=12, return_logprobs=True
+  )
+  split = sampler.generate(model, PROMPTS, cfg, jax.random.key(1))
+  stacked = sampler.generate(
+    model, PROMPTS, dataclasses.replace(cfg, presplit_weights=False), jax.random.key(1)
+  )
+  np.testing.assert_array_equal(split.tokens, stacked.tokens)
+  np.testing.assert_array_equal(split.step_map, stacked.step_map)
+  np.testing.assert_allclose(split.logprobs, stacked.logprobs, atol=1e-5)
+  layout = sampler.layout_prompts(PROMPTS, cfg, MASK)
+  est = sampler.memory_estimate(model, layout, cfg)
+  base = sampler.memory_estimate(model, layout, dataclasses.replace(cfg, presplit_weights=False))
+  mc = model.cfg
+  copy = (mc.num_params() - mc.vocab_size * mc.hidden_size - mc.hidden_size) * 4  # fp32 tiny
+  assert est["weights"] - base["weights"] == copy > 0
+
+
+def test_ragged_is_on_by_default_where_forwards_per_block_vary():
+  on = [s for s in remasking.STRATEGIES if sampler.SamplerConfig(strategy=s).ragged]
+  assert on == ["low_confidence_dynamic", "entropy_bounded"]
+  assert not sampler.SamplerConfig(strategy="low_confidence_dynamic", ragged=False).ragged
+
+
 def test_replay_by_step_map_reproduces_sampler_inputs(sampled):
   cfg, out, refs = sampled
   tokens, step_map = jnp.asarray(out.tokens), jnp.asarray(out.step_map)

@@ -9,6 +9,7 @@ from flax import nnx
 from dice_jax import sharding
 from dice_jax.model import AttentionSpec, KVCache, Transformer, get_config
 from dice_jax.model.flash_decode import DecodeTiles
+from dice_jax.model.transformer import DecodeView
 
 CFG = get_config("tiny", dtype="float32")
 B, T = 2, 12
@@ -149,3 +150,29 @@ def test_unrolled_layers_equal_the_scan_with_and_without_a_cache(impl):
   np.testing.assert_allclose(outs[1][0], outs[0][0], atol=1e-5)
   np.testing.assert_allclose(outs[1][1], outs[0][1], atol=1e-6)
   assert np.abs(np.asarray(outs[0][0])).max() > 0
+
+
+def test_decode_weights_are_per_layer_in_the_compute_dtype_and_give_the_same_forward():
+  """`decode_weights()` (what the sampler decodes on): one dict per layer and the LM head, cast
+  to the compute dtype once; a forward on them equals the forward on the stacked parameters."""
+  cfg = CFG.replace(dtype="bfloat16", param_dtype="float32", tie_word_embeddings=True)
+  m = Transformer(cfg, rngs=nnx.Rngs(0))
+  w = m.decode_weights()
+  assert len(w.layers) == cfg.num_layers
+  assert all(a.dtype == jnp.bfloat16 for layer in w.layers for a in layer.values())
+  assert w.layers[1]["q_proj"].shape == m.layers.q_proj[...].shape[1:]
+  np.testing.assert_array_equal(w.layers[1]["q_proj"], m.layers.q_proj[...][1].astype(jnp.bfloat16))
+  np.testing.assert_array_equal(w.head, m.embed[...].T.astype(jnp.bfloat16))  # tied
+  tok, pos = _inputs()
+  spec = AttentionSpec.block_causal(4)
+  for m in (m, Transformer(CFG.replace(tie_word_embeddings=True), rngs=nnx.Rngs(0))):
+    tol = 2e-2 if m.cfg.dtype == "bfloat16" else 1e-5  # bf16: XLA fuses the two paths apart
+    cache = KVCache.empty(m.cfg, B, 16)
+    ref, ref_cache = m(tok[:, :8], pos[:, :8], spec, cache=cache, update_cache=True)
+    view = DecodeView(m, m.decode_weights())
+    got, got_cache = view(tok[:, :8], pos[:, :8], spec, cache=cache, update_cache=True)
+    f32 = lambda a: np.asarray(a, np.float32)
+    np.testing.assert_allclose(f32(got), f32(ref), atol=tol, rtol=tol)
+    np.testing.assert_allclose(f32(got_cache.k), f32(ref_cache.k), atol=tol, rtol=tol)
+    k_ref, _ = m.prefill_kv(tok, pos, spec)
+    np.testing.assert_allclose(f32(view.prefill_kv(tok, pos, spec)[0]), f32(k_ref), atol=tol)

@@ -21,7 +21,7 @@ import verifier_gpu_cases as g  # noqa: E402
 from verifier_loop import BackgroundLoop  # noqa: E402
 
 from verifier.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
-from verifier.service import ServiceConfig, VerifierService  # noqa: E402
+from verifier.service import ServiceConfig, VerifierService, default_compile_workers  # noqa: E402
 
 pytestmark = [
   pytest.mark.gpu,
@@ -42,7 +42,7 @@ def gpu_service(tmp_path_factory):
     device="cuda",
     gpus=("0",),
     slots_per_gpu=4,
-    compile_workers=max(1, (os.cpu_count() or 2) // 2),
+    compile_workers=default_compile_workers(),
     cache_dir=os.environ.get("VERIFIER_CACHE_DIR", str(root / "builds")),
     scratch_root=str(root / "scratch"),
     arch_list=f"{major}.{minor}",
