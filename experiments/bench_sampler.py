@@ -156,7 +156,7 @@ class Bench:
     memory.check_fits(est, what=name)
     layout = jax.tree.map(jnp.asarray, layout)
     graphdef, state = nnx.split(model)
-    weights = sampler.split_weights(graphdef, state) if scfg.presplit_weights else None
+    weights = sampler.split_weights(graphdef, state) if scfg.splits_weights(mcfg) else None
     keys = sampler.row_keys(jax.random.key(0), len(prompts))
     fn = jax.jit(
       sampler._decode,

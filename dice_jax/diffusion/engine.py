@@ -160,13 +160,12 @@ class ContinuousSampler:
       block_size=b,
       prefill_rows=self.prefill_rows,
       prefill_width=_bucket(max_prompt_len, self.prompt_bucket),
-      decode_weights=cfg.presplit_weights,
+      decode_weights=cfg.splits_weights(model.cfg),
     )
     memory.check_fits(self.estimate, device_bytes, what=f"ContinuousSampler(slots={slots})")
     graphdef, self._state = nnx.split(model)
-    self._weights = (
-      sampler_lib.split_weights(graphdef, self._state) if cfg.presplit_weights else None
-    )
+    split = cfg.splits_weights(model.cfg)
+    self._weights = sampler_lib.split_weights(graphdef, self._state) if split else None
     options = tuple(sorted((compiler_options or {}).items()))
     self._advance, self._admit = _compiled_steps(graphdef, cfg, options)
     # The initial state is made with the sharding the steps' outputs have (replicated on the

@@ -88,11 +88,16 @@ class SamplerConfig:
   # strategies whose forwards per block vary (low_confidence_dynamic, entropy_bounded). Exact
   # either way: the same tokens, step map and log-probs.
   ragged: Optional[bool] = None
-  # Decode on `Transformer.decode_weights()` (per-layer, compute dtype, made once per call) rather
-  # than the stacked parameters: no per-forward copy of each layer's weights (H200, sdar_4b: a
-  # forward 20.2 ms against 23.4 ms); costs one copy of the weights in memory, and the layers are
-  # unrolled in the compiled program (a longer compile).
+  # With flash attention, decode on `Transformer.decode_weights()` (per layer, compute dtype, made
+  # once per call) rather than the stacked parameters: no per-forward copy of each layer's weights
+  # (H200, sdar_4b: a forward 20.2 ms against 23.4 ms); costs one copy of the weights in memory,
+  # and the layers are unrolled in the compiled program (a longer compile). Not on the dense path
+  # (CPU reference), whose per-layer cache slices an unrolled program would keep alive together.
   presplit_weights: bool = True
+
+  def splits_weights(self, model_cfg) -> bool:
+    """Whether decoding `model_cfg` runs on split weights (`presplit_weights`, flash only)."""
+    return self.presplit_weights and model_cfg.attention_impl == "flash"
 
   def __post_init__(self):
     blocks_lib.check_alignment(self.block_alignment)
@@ -277,7 +282,7 @@ def memory_estimate(model, layout: Layout, cfg: SamplerConfig) -> dict:
     block_size=cfg.block_size,
     prefill_rows=_prefill_rows(cfg, rows),
     prefill_width=prefill,
-    decode_weights=cfg.presplit_weights,
+    decode_weights=cfg.splits_weights(model.cfg),
   )
 
 
@@ -384,7 +389,7 @@ def decode(
     raise ValueError(f"decode: keys must be {rows} typed PRNG keys, got shape {keys.shape}")
   layout = jax.tree.map(jnp.asarray, layout)
   canvas = jnp.array(layout.tokens)  # a fresh buffer, donated to the output tokens
-  weights = split_weights(graphdef, state) if cfg.presplit_weights else None
+  weights = split_weights(graphdef, state) if cfg.splits_weights(model.cfg) else None
   return _decode_jit(graphdef, state, weights, layout, canvas, keys, cfg=cfg)
 
 

@@ -209,9 +209,12 @@ def test_ragged_rows_decode_exactly_what_lockstep_blocks_decode(model, cfg):
     assert int(rag.forwards) == int(np.asarray(rag.steps_used).max())
 
 
-def test_split_weights_decode_what_the_stacked_parameters_decode(model):
-  """`presplit_weights` (the default: per-layer weights made once per call) changes where the
-  weights are read from, not the decoding; the memory estimate counts their copy."""
+def test_split_weights_decode_what_the_stacked_parameters_decode():
+  """`presplit_weights` (the default with flash attention: per-layer weights made once per call)
+  changes where the weights are read from, not the decoding; the memory estimate counts their
+  copy. The dense path keeps the stacked weights."""
+  model = Transformer(get_config("tiny", dtype="float32", attention_impl="flash"), rngs=nnx.Rngs(0))
+  model.lm_head[...] = model.lm_head[...] * 60.0
   cfg = sampler.SamplerConfig(
     strategy="low_confidence_dynamic", threshold=0.5, max_new_tokens=12, return_logprobs=True
   )
@@ -228,6 +231,8 @@ def test_split_weights_decode_what_the_stacked_parameters_decode(model):
   mc = model.cfg
   copy = (mc.num_params() - mc.vocab_size * mc.hidden_size - mc.hidden_size) * 4  # fp32 tiny
   assert est["weights"] - base["weights"] == copy > 0
+  assert cfg.splits_weights(model.cfg)
+  assert not cfg.splits_weights(model.cfg.replace(attention_impl="dense"))
 
 
 def test_ragged_is_on_by_default_where_forwards_per_block_vary():
