@@ -232,16 +232,22 @@ class Bench:
       tiles=self.tiles,
     )
 
-  def breakdown(self):
-    model, mcfg = self.model, self.model.cfg
+  def forward_inputs(self):
+    """One decode forward's inputs: b new tokens per row over a cache filled to prompt + new/2
+    (rows, fill, cap, cache, tokens, positions, attention spec)."""
     rows, b = FLAGS.batch, 4
     fill = FLAGS.prompt_len + FLAGS.new_tokens // 2
     cap = -(-(FLAGS.prompt_len + FLAGS.new_tokens + 3 * b) // 256) * 256
-    graphdef, state = nnx.split(model)
     cache = self.filled_cache(rows, fill, cap)
     tok = jnp.full((rows, b), 5, jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(fill, fill + b, dtype=jnp.int32), (rows, b))
     spec = AttentionSpec.block_causal(b, jnp.ones_like(pos), pos // b)
+    return rows, fill, cap, cache, tok, pos, spec
+
+  def breakdown(self):
+    model, mcfg, b = self.model, self.model.cfg, 4
+    graphdef, state = nnx.split(model)
+    rows, fill, cap, cache, tok, pos, spec = self.forward_inputs()
 
     def fwd(state, cache):
       m = nnx.merge(graphdef, state)
@@ -300,14 +306,9 @@ class Bench:
     """Device time of one decode forward (b tokens, the picked settings) and of a short static
     call (`--profile_tokens`), by kernel, from a profiler trace (experiments/trace_summary.py)."""
     model = self.model
-    mcfg, rows, b = model.cfg, FLAGS.batch, 4
-    fill = FLAGS.prompt_len + FLAGS.new_tokens // 2
-    cap = -(-(FLAGS.prompt_len + FLAGS.new_tokens + 3 * b) // 256) * 256
+    mcfg = model.cfg
     graphdef, state = nnx.split(model)
-    cache = self.filled_cache(rows, fill, cap)
-    tok = jnp.full((rows, b), 5, jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(fill, fill + b, dtype=jnp.int32), (rows, b))
-    spec = AttentionSpec.block_causal(b, jnp.ones_like(pos), pos // b)
+    rows, fill, _, cache, tok, pos, spec = self.forward_inputs()
 
     weights = sampler.split_weights(graphdef, state)  # what the sampler decodes on
 
@@ -392,10 +393,7 @@ class Bench:
 
   def sweep(self):
     mcfg = self.model.cfg
-    rows, b = FLAGS.batch, 4
-    fill = FLAGS.prompt_len + FLAGS.new_tokens // 2
-    cap = -(-(FLAGS.prompt_len + FLAGS.new_tokens + 3 * b) // 256) * 256
-    cache = self.filled_cache(rows, fill, cap)
+    rows, fill, _, cache, *_ = self.forward_inputs()
     gb = kv_bytes(mcfg, rows, fill) / 1e9
     d = self.tiles  # the default, or its masked-loop fallback when the dynamic loop failed
     settings = [

@@ -37,6 +37,7 @@ for the compiled-memory check.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -181,6 +182,38 @@ def admit(model, slots: Slots, cache: KVCache, rows, prompts, prompt_len, max_ne
   return slots, cache
 
 
+class _BlockInputs(NamedTuple):
+  tokens2: jax.Array  # [S, 2b] [previous block ; active block]
+  pos2: jax.Array  # [S, 2b] their positions
+  spec2: masks_lib.AttentionSpec  # the fused forward's mask
+  pos_blk: jax.Array  # [S, b] the active block's positions
+  spec1: masks_lib.AttentionSpec  # a denoising forward's mask (the active block alone)
+  gen: jax.Array  # [S, b] bool: active-block positions the row generates (not prompt)
+
+
+def _block_inputs(slots: Slots, cfg, commit) -> _BlockInputs:
+  """Inputs of the forwards on every row's active block. The fused forward's previous block is
+  visible (and committed) only in rows `commit` `[S]`; the active block in every live row."""
+  grid, b = cfg.grid, cfg.block_size
+  live = ~slots.done
+  pos_blk = slots.block_pos[:, None] + jnp.arange(b, dtype=jnp.int32)[None, :]
+  pos_prev = pos_blk - b
+  n = slots.prompt_len[:, None]
+  seg_blk = jnp.broadcast_to(live[:, None], pos_blk.shape).astype(jnp.int32)
+  seg_prev = (commit[:, None] & (pos_prev >= 0)).astype(jnp.int32)
+  blk_blk = grid.block_of(pos_blk, n).astype(jnp.int32)
+  blk2 = jnp.concatenate([grid.block_of(pos_prev, n).astype(jnp.int32), blk_blk], axis=1)
+  seg2 = jnp.concatenate([seg_prev, seg_blk], axis=1)
+  return _BlockInputs(
+    tokens2=jnp.concatenate([slots.prev, slots.block], axis=1),
+    pos2=jnp.concatenate([pos_prev, pos_blk], axis=1),
+    spec2=masks_lib.AttentionSpec.block_causal(b, seg2, blk2),
+    pos_blk=pos_blk,
+    spec1=masks_lib.AttentionSpec.block_causal(b, seg_blk, blk_blk),
+    gen=pos_blk >= n,
+  )
+
+
 def _denoise(slots: Slots, logits_bnv, s, gen, cfg, mask_id: int, schedule) -> Slots:
   """One denoising update of every live row's active block from its logits (in-block step s: a
   scalar, or one per row `[S]`)."""
@@ -226,36 +259,27 @@ def advance(model, slots: Slots, cache: KVCache, cfg):
   row moves to its next block as soon as its own is decided (`advance_ragged`)."""
   if cfg.ragged:
     return advance_ragged(model, slots, cache, cfg)
-  grid, b = cfg.grid, cfg.block_size
+  b = cfg.block_size
   mask_id = model.cfg.mask_token_id
   schedule = jnp.asarray(remasking.transfer_schedule(b, cfg.steps))
   stop_ids = jnp.asarray(cfg.stop_ids if cfg.stop_ids else (-1,), jnp.int32)
   live = ~slots.done
-  offs = jnp.arange(b, dtype=jnp.int32)[None, :]
-  pos_blk = slots.block_pos[:, None] + offs
-  pos_prev = pos_blk - b
-  n = slots.prompt_len[:, None]
-  gen = pos_blk >= n
-  seg_blk = jnp.broadcast_to(live[:, None], pos_blk.shape).astype(jnp.int32)
-  seg_prev = (live[:, None] & (pos_prev >= 0)).astype(jnp.int32)
-  blk_blk = grid.block_of(pos_blk, n).astype(jnp.int32)
+  x = _block_inputs(slots, cfg, commit=live)
+  gen = x.gen
 
   def logits_of(hidden):
     return model.logits_from_hidden(hidden[:, -b:])
 
   # Forward 1: commit the previous block and denoise the active one.
-  seg2 = jnp.concatenate([seg_prev, seg_blk], axis=1)
-  pos2 = jnp.concatenate([pos_prev, pos_blk], axis=1)
-  blk2 = jnp.concatenate([grid.block_of(pos_prev, n).astype(jnp.int32), blk_blk], axis=1)
-  spec2 = masks_lib.AttentionSpec.block_causal(b, seg2, blk2)
-  tokens2 = jnp.concatenate([slots.prev, slots.block], axis=1)
   cache = cache.with_length(slots.block_pos)
-  hidden, cache = model(tokens2, pos2, spec2, cache=cache, update_cache=True, return_hidden=True)
+  hidden, cache = model(
+    x.tokens2, x.pos2, x.spec2, cache=cache, update_cache=True, return_hidden=True
+  )
   cache = cache.with_length(slots.block_pos + b)
   slots = _denoise(slots, logits_of(hidden), 0, gen, cfg, mask_id, schedule)
 
   # Forwards 2..steps while some live row still has a mask in its block.
-  spec1 = masks_lib.AttentionSpec.block_causal(b, seg_blk, blk_blk)
+  pos_blk, spec1 = x.pos_blk, x.spec1
 
   def has_mask(sl):
     return jnp.any((sl.block == mask_id) & gen & live[:, None])
@@ -314,31 +338,18 @@ def _close_blocks(slots: Slots, closing, gen, stop_ids, mask_id: int, b: int):
 
 def _ragged_forward(model, slots: Slots, cache: KVCache, cfg, schedule, stop_ids):
   """One forward of 2b tokens per row, each row at its own point (`advance_ragged`)."""
-  grid, b = cfg.grid, cfg.block_size
+  b = cfg.block_size
   mask_id = model.cfg.mask_token_id
   live = ~slots.done
   fresh = slots.fresh & live
-  offs = jnp.arange(b, dtype=jnp.int32)[None, :]
-  pos_blk = slots.block_pos[:, None] + offs
-  pos_prev = pos_blk - b
-  n = slots.prompt_len[:, None]
-  gen = pos_blk >= n
-  seg_blk = jnp.broadcast_to(live[:, None], pos_blk.shape).astype(jnp.int32)
-  seg_prev = (fresh[:, None] & (pos_prev >= 0)).astype(jnp.int32)  # mid-block: prev invisible
-  seg2 = jnp.concatenate([seg_prev, seg_blk], axis=1)
-  pos2 = jnp.concatenate([pos_prev, pos_blk], axis=1)
-  blk2 = jnp.concatenate(
-    [grid.block_of(pos_prev, n).astype(jnp.int32), grid.block_of(pos_blk, n).astype(jnp.int32)],
-    axis=1,
-  )
-  spec2 = masks_lib.AttentionSpec.block_causal(b, seg2, blk2)
-  tokens2 = jnp.concatenate([slots.prev, slots.block], axis=1)
+  x = _block_inputs(slots, cfg, commit=fresh)  # a mid-block row's previous block is invisible
+  gen = x.gen
   # A fresh row sees the cache below its previous block and writes [prev; block] from there (the
   # commit); a mid-block row sees its committed previous block and writes to its scratch slots.
   cache = cache.with_length(slots.block_pos + b * (~fresh).astype(jnp.int32))
   at = jnp.where(fresh, slots.block_pos, scratch_start(cache, b))
   hidden, cache = model(
-    tokens2, pos2, spec2, cache=cache, update_cache=True, return_hidden=True, append_at=at
+    x.tokens2, x.pos2, x.spec2, cache=cache, update_cache=True, return_hidden=True, append_at=at
   )
   cache = cache.with_length(slots.block_pos + b)
   slots = _denoise(
