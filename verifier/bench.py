@@ -37,6 +37,7 @@ import tempfile
 import time
 
 from verifier.contract import FailureKind, VerifyOptions, VerifyRequest
+from verifier.records import CANDIDATE_EXCHANGE_PARTS
 from verifier.service import ServiceConfig, VerifierService
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -326,6 +327,10 @@ class Bench:
       "slot_s_per_candidate": slot_s,
       "share_of_rate": extra / slot_s if slot_s == slot_s and slot_s > 0 else None,
       "parts_s": {k: mean.get(k, 0.0) for k in SEPARATION_PHASES},
+      "stage_alloc_s": mean.get("exchange_stage_alloc", 0.0),
+      "round_trip_parts_s": {
+        k: mean.get(f"exchange_rt_{k}", 0.0) for k in CANDIDATE_EXCHANGE_PARTS
+      },
       "candidate_forward_s": mean.get("candidate_forward", 0.0),
       "compare_s": mean.get("compare", 0.0),
     }

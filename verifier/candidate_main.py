@@ -3,8 +3,9 @@ for. It holds nothing of the verdict: no reference, no golden outputs, no compar
 only link to the world is the channel to the checker, where every message it sends is untrusted input.
 
 Per request (``records``): ``ProbeRequest`` (can device buffers be mapped here?), ``CandidateJob`` (load),
-``ForwardRequest`` (one forward on the given buffers; outputs copied into the checker's buffers; inputs
-copied back so the checker sees any mutation), ``TimeRequest`` (time the forward), ``Shutdown``.
+``ForwardRequest`` (one forward on the given buffers; outputs copied into the checker's buffers; inputs are
+the buffers themselves where they live on this process's device, so the checker sees any mutation, else
+staged copies written back), ``TimeRequest`` (time the forward), ``Shutdown``.
 """
 
 from __future__ import annotations
@@ -174,6 +175,7 @@ class CandidateRuntime:
     return _Failed(classify_exception(e, default), f"{what}: {short(e)}")
 
   def _to_device(self, value):
+    """A private copy on the device (constructor arguments: the model may keep them)."""
     if isinstance(value, torch.Tensor):
       return value.to(self.device, copy=True)
     if isinstance(value, (list, tuple)):
@@ -181,19 +183,35 @@ class CandidateRuntime:
     return value
 
   def _args(self, values) -> tuple[list, list]:
-    """(the checker's buffer views, the candidate's own copies of them on its device)."""
+    """(the checker's buffer views, the arguments the forward gets): the views themselves where they are on
+    this process's device (no copy; a mutation lands in the checker's buffer), else copies on the device."""
     views = [exchange.receive_value(v, self.buffers) for v in values]
-    return views, [self._to_device(v) for v in views]
+    return views, [self._on_device(v) for v in views]
+
+  def _on_device(self, value):
+    if isinstance(value, torch.Tensor):
+      return value if value.device == self.device else value.to(self.device, copy=True)
+    if isinstance(value, (list, tuple)):
+      return type(value)(self._on_device(v) for v in value)
+    return value
+
+  def _sync(self) -> float:
+    if self.device.type == "cuda":
+      torch.cuda.synchronize()
+    return time.monotonic()
 
   def forward(self, req: ForwardRequest, fds) -> ForwardDone:
+    """One forward; ``wall_s`` is the forward alone, ``parts_s`` the exchange work around it here (mapping
+    new buffers, staging inputs, publishing outputs and staged inputs back)."""
     if self.model is None:
       raise _Failed(FailureKind.RUNTIME_ERROR, "forward requested before the model was loaded")
-    t0 = time.monotonic()
     evidence = None
     try:  # copying the inputs in can fail too (a full GPU): classified like the forward's own errors
+      t_map = time.monotonic()
       self._map(req.new_buffers, fds)
+      t_stage = time.monotonic()
       views, args = self._args(req.args)
-      t0 = time.monotonic()
+      t0 = self._sync()
       set_seed(req.seed)
       if req.profile:
         evidence, out = runtime_check.collect_evidence(
@@ -201,19 +219,18 @@ class CandidateRuntime:
         )
       else:
         out = self._call(args)
-      if self.device.type == "cuda":
-        torch.cuda.synchronize()
+      t1 = self._sync()
       specs = self._publish(out, req.outputs)
       _copy_back(views, args)
-      if self.device.type == "cuda":
-        torch.cuda.synchronize()
+      t2 = self._sync()
     except _Failed:
       raise
     except BaseException as e:  # noqa: BLE001
       raise _Failed(
         classify_exception(e, FailureKind.RUNTIME_ERROR), f"forward raised: {short(e)}"
       ) from None
-    return ForwardDone(req.call, specs, evidence, time.monotonic() - t0)
+    parts = {"map": t_stage - t_map, "stage_in": t0 - t_stage, "publish": t2 - t1}
+    return ForwardDone(req.call, specs, evidence, t1 - t0, parts)
 
   def _call(self, args):
     with torch.no_grad():
@@ -267,10 +284,11 @@ class CandidateRuntime:
 
 
 def _copy_back(views: list, args: list) -> None:
-  """Write the candidate's (maybe mutated) copies of the inputs back to the checker's buffers."""
+  """Write staged (maybe mutated) copies of the inputs back to the checker's buffers."""
   for view, arg in zip(views, args):
-    if isinstance(view, torch.Tensor) and isinstance(arg, torch.Tensor) and view.shape == arg.shape:
-      view.copy_(arg)
+    if isinstance(view, torch.Tensor) and isinstance(arg, torch.Tensor):
+      if arg is not view and view.shape == arg.shape:
+        view.copy_(arg)
     elif isinstance(view, (list, tuple)) and isinstance(arg, (list, tuple)):
       _copy_back(list(view), list(arg))
 

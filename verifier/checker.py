@@ -24,6 +24,7 @@ from verifier.candidate_main import SELF_REPORTED_KINDS
 from verifier.channel import Channel, ChannelClosed, ChannelTimeout, ProtocolError
 from verifier.contract import FailureKind
 from verifier.records import (
+  CANDIDATE_EXCHANGE_PARTS,
   CandidateFailure,
   CandidateJob,
   CheckReport,
@@ -225,6 +226,7 @@ class Check:
   def _forward(self, call_args: list, golden, seed: int, profile: bool, keep: set[int]):
     """One forward in the candidate: returns (ForwardDone, output views, (private, view) input pairs)."""
     t0 = time.monotonic()
+    alloc0 = self.buffers.alloc_s
     self.buffers.release_all(keep)
     used: list[int] = []
     pairs: list = []
@@ -243,12 +245,17 @@ class Check:
     if done.call != call:
       raise Verdict(FailureKind.CRASH, f"the candidate answered call {done.call}, expected {call}")
     # What the separation costs: staging buffers here, and everything around the candidate's forward
-    # in its process (copies in and out, messages) beyond the forward itself.
+    # in its process (mapping, staging, publishing outputs, messages) beyond the forward itself. The
+    # candidate's own split of that (``parts_s``) is only a diagnostic: clamped, known names only.
     t2 = time.monotonic()
-    forward = min(max(done.wall_s, 0.0), t2 - t1)
+    round_trip = t2 - t1
+    forward = min(max(done.wall_s, 0.0), round_trip)
     self._acc("exchange_stage", t1 - t0)
-    self._acc("exchange_round_trip", t2 - t1 - forward)
+    self._acc("exchange_stage_alloc", self.buffers.alloc_s - alloc0)
+    self._acc("exchange_round_trip", round_trip - forward)
     self._acc("candidate_forward", forward)
+    for part in CANDIDATE_EXCHANGE_PARTS:
+      self._acc(f"exchange_rt_{part}", min(max(done.parts_s.get(part, 0.0), 0.0), round_trip))
     return done, outs, pairs
 
   def _acc(self, name: str, seconds: float) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 
 import torch
 
@@ -208,6 +209,7 @@ class BufferSet:
     self.free: list[SharedBuffer] = []
     self.sent: set[int] = set()
     self.next_id = 1
+    self.alloc_s = 0.0  # time spent creating buffers (a diagnostic of the staging cost)
 
   @property
   def transport(self) -> str:
@@ -219,7 +221,9 @@ class BufferSet:
         self.free.remove(b)
         return b
     cls = DeviceBuffer if self.use_device_memory else HostBuffer
+    t0 = time.monotonic()
     b = cls(self.next_id, nbytes)
+    self.alloc_s += time.monotonic() - t0
     self.next_id += 1
     self.buffers[b.id] = b
     return b

@@ -277,12 +277,19 @@ class ProfileEvidence:
   profiler_error: str = ""
 
 
+# The candidate's split of its exchange work (``ForwardDone.parts_s``), reported as exchange_rt_<part>.
+CANDIDATE_EXCHANGE_PARTS = ("map", "stage_in", "publish")
+
+
 @record
 class ForwardDone:
   call: int
   outputs: tuple[OutputSpec, ...]
   evidence: ProfileEvidence | None = None
-  wall_s: float = 0.0
+  wall_s: float = 0.0  # the forward alone (call + synchronize), on the candidate's clock
+  parts_s: dict[str, float] = dataclasses.field(
+    default_factory=dict
+  )  # exchange work around it there
 
 
 @record
