@@ -10,7 +10,10 @@ staged copies written back), ``TimeRequest`` (time the forward), ``Shutdown``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import os
+import threading
 import time
 import traceback
 
@@ -118,6 +121,8 @@ class CandidateRuntime:
 
   def _map(self, refs, fds) -> None:
     if len(refs) != len(fds):
+      for fd in fds:
+        os.close(fd)
       raise _Failed(FailureKind.RUNTIME_ERROR, "buffer descriptors do not match their announcement")
     for ref, fd in zip(refs, fds):
       self.buffers[ref.buffer] = exchange.open_buffer(ref, fd)
@@ -132,7 +137,21 @@ class CandidateRuntime:
       return ProbeReply(0.0, "", short(e, 600))
 
   def load(self, job: CandidateJob, fds) -> Loaded:
-    self._map(job.buffers, fds)
+    """Import the candidate and build ``ModelNew``, while a thread maps the first forward's buffers (a
+    driver call per buffer whose cost grows with its size: hidden behind the load where it can be)."""
+    n = len(job.buffers)
+    if len(fds) != n + len(job.prefetch):
+      self._map(job.buffers + job.prefetch, fds)  # refuses the mismatch, closing the descriptors
+    self._map(job.buffers, fds[:n])
+    prefetch = _Prefetch(self, job.prefetch, fds[n:])
+    try:
+      loaded = self._load(job)
+    except BaseException:
+      prefetch.join(quiet=True)  # the candidate's own failure is the verdict
+      raise
+    return dataclasses.replace(loaded, map_wait_s=prefetch.join())
+
+  def _load(self, job: CandidateJob) -> Loaded:
     if self.device.type == "cuda" and job.gpu_memory_fraction:
       torch.cuda.set_per_process_memory_fraction(job.gpu_memory_fraction)
     self.cache = build_cache.install(
@@ -283,6 +302,38 @@ class CandidateRuntime:
     return TimeDone(calls.warmup_ms, calls.trial_ms)
 
 
+class _Prefetch:
+  """Maps buffers on a thread; ``join`` waits for it (returning the seconds waited) and raises its error."""
+
+  def __init__(self, runtime: CandidateRuntime, refs, fds):
+    self.error: BaseException | None = None
+    self.thread = None
+    if refs:
+      self.thread = threading.Thread(target=self._run, args=(runtime, refs, fds), daemon=True)
+      self.thread.start()
+
+  def _run(self, runtime, refs, fds) -> None:
+    try:
+      runtime._map(refs, fds)
+    except BaseException as e:  # noqa: BLE001 - raised again by join
+      self.error = e
+
+  def join(self, quiet: bool = False) -> float:
+    if self.thread is None:
+      return 0.0
+    t0 = time.monotonic()
+    self.thread.join()
+    waited = time.monotonic() - t0
+    if self.error is not None and not quiet:
+      if isinstance(self.error, _Failed):
+        raise self.error
+      raise _Failed(
+        classify_exception(self.error, FailureKind.RUNTIME_ERROR),
+        f"mapping the first forward's buffers failed: {short(self.error)}",
+      )
+    return waited
+
+
 def _copy_back(views: list, args: list) -> None:
   """Write staged (maybe mutated) copies of the inputs back to the checker's buffers."""
   for view, arg in zip(views, args):
@@ -294,7 +345,7 @@ def _copy_back(views: list, args: list) -> None:
 
 
 def exchange_limit() -> int:
-  return 32
+  return exchange.FDS_PER_MESSAGE
 
 
 def run(chan: Channel, device: str, scratch: str) -> None:

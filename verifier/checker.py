@@ -46,6 +46,23 @@ GRACE_S = (
 )
 
 
+@dataclasses.dataclass
+class _Staged:
+  """One forward's filled buffers: argument and output descriptions, (private, view) input pairs for the
+  mutation check, the buffer ids and the expected outputs."""
+
+  args: tuple
+  outs: tuple
+  pairs: list
+  used: list[int]
+  golden: object
+
+
+def _fits(*id_lists) -> bool:
+  """Whether these buffers' descriptors fit in one message to the candidate."""
+  return len({i for ids in id_lists for i in ids}) <= exchange.FDS_PER_MESSAGE
+
+
 class Verdict(Exception):
   """The check ends here with this kind (raised from deep inside the protocol)."""
 
@@ -99,12 +116,14 @@ class Check:
     self.stage_name, self.t_last = name, now
     self.stage_cb(name)
 
-  def _send(self, rec, ids=()) -> None:
+  def _send(self, rec, ids=(), prefetch=()) -> None:
     refs, fds = self.buffers.new_refs(ids)
     if isinstance(rec, ForwardRequest):
       rec = dataclasses.replace(rec, new_buffers=tuple(refs))
     elif isinstance(rec, CandidateJob):
-      rec = dataclasses.replace(rec, buffers=tuple(refs))
+      more, more_fds = self.buffers.new_refs(prefetch)
+      rec = dataclasses.replace(rec, buffers=tuple(refs), prefetch=tuple(more))
+      fds = fds + more_fds
     elif isinstance(rec, ProbeRequest):
       rec = dataclasses.replace(rec, probe=refs[0])
     try:
@@ -163,6 +182,10 @@ class Check:
     self.report["transport"] = self.buffers.transport
     used: list[int] = []
     init = tuple(exchange.send_value(a, self.buffers, used) for a in self.task.init_args)
+    # The first trial is staged before the job goes out, so the candidate maps its buffers while it
+    # loads (the reference also runs before any candidate code then).
+    trials = self.opts.num_correct_trials
+    first = self._stage(*self.trials.trial(0), keep=set(used)) if trials else None
     self._send(
       CandidateJob(
         candidate_source=self.job.candidate_source,
@@ -177,21 +200,23 @@ class Check:
         gpu_memory_fraction=self.job.gpu_memory_fraction,
       ),
       used,
+      prefetch=first.used if first and _fits(used, first.used) else (),
     )
     loaded = self._recv(Loaded)
     self.report.update(compiled=True, build_cached=loaded.build_cached)
     self.report["phases"]["candidate_build_load"] = loaded.load_s
+    self._acc("exchange_load_map_wait", min(max(loaded.map_wait_s, 0.0), loaded.load_s + 600))
 
     self.stage("trials")
     strictness = self.opts.strict
     max_abs, strict_ok = 0.0, True
-    trials = self.opts.num_correct_trials
     runtime = None
     for i in range(trials):
       profile = strictness.runtime_check and i == trials - 1
-      inputs, golden = self.trials.trial(i)
-      c, runtime = self._trial(i, inputs, golden, profile, strictness)
-      del inputs, golden
+      staged = first if i == 0 else self._stage(*self.trials.trial(i))
+      c, runtime = self._trial(i, staged, profile, strictness)
+      del staged
+      first = None
       max_abs, strict_ok = max(max_abs, c.max_abs_diff), strict_ok and c.strict_ok
     self.report.update(correct=True, strict_correct=strict_ok, max_abs_diff=max_abs)
     if runtime is not None and runtime.kind is not FailureKind.OK:
@@ -223,8 +248,9 @@ class Check:
     self.buffers = exchange.BufferSet(self.device, False)
     self.report["warnings"].append(why + "; tensors staged through host shared memory")
 
-  def _forward(self, call_args: list, golden, seed: int, profile: bool, keep: set[int]):
-    """One forward in the candidate: returns (ForwardDone, output views, (private, view) input pairs)."""
+  def _stage(self, call_args: list, golden, keep: set[int] = frozenset()) -> "_Staged":
+    """Fill buffers for one forward: the inputs (copied from the checker's private tensors) and poisoned
+    output buffers shaped like ``golden``'s tensors."""
     t0 = time.monotonic()
     alloc0 = self.buffers.alloc_s
     self.buffers.release_all(keep)
@@ -237,41 +263,45 @@ class Check:
     )
     if self.device.type == "cuda":
       torch.cuda.synchronize()
+    self._acc("exchange_stage", time.monotonic() - t0)
+    self._acc("exchange_stage_alloc", self.buffers.alloc_s - alloc0)
+    return _Staged(args, outs, pairs, used, golden)
+
+  def _forward(self, staged: "_Staged", seed: int, profile: bool) -> ForwardDone:
+    """One forward in the candidate on staged buffers."""
     call = self.calls
     self.calls += 1
     t1 = time.monotonic()
-    self._send(ForwardRequest(call, seed, args, outs, profile=profile), used)
+    self._send(ForwardRequest(call, seed, staged.args, staged.outs, profile=profile), staged.used)
     done = self._recv(ForwardDone)
     if done.call != call:
       raise Verdict(FailureKind.CRASH, f"the candidate answered call {done.call}, expected {call}")
-    # What the separation costs: staging buffers here, and everything around the candidate's forward
-    # in its process (mapping, staging, publishing outputs, messages) beyond the forward itself. The
-    # candidate's own split of that (``parts_s``) is only a diagnostic: clamped, known names only.
-    t2 = time.monotonic()
-    round_trip = t2 - t1
+    # What the separation costs: staging buffers (``_stage``), and everything around the candidate's
+    # forward in its process (mapping, staging, publishing outputs, messages) beyond the forward itself.
+    # The candidate's own split of that (``parts_s``) is only a diagnostic: clamped, known names only.
+    round_trip = time.monotonic() - t1
     forward = min(max(done.wall_s, 0.0), round_trip)
-    self._acc("exchange_stage", t1 - t0)
-    self._acc("exchange_stage_alloc", self.buffers.alloc_s - alloc0)
     self._acc("exchange_round_trip", round_trip - forward)
     self._acc("candidate_forward", forward)
     for part in CANDIDATE_EXCHANGE_PARTS:
       self._acc(f"exchange_rt_{part}", min(max(done.parts_s.get(part, 0.0), 0.0), round_trip))
-    return done, outs, pairs
+    return done
 
   def _acc(self, name: str, seconds: float) -> None:
     cost = self.report.setdefault("costs", {})
     cost[name] = cost.get(name, 0.0) + seconds
 
   def _trial(
-    self, i: int, inputs: list, golden, profile: bool, strictness
+    self, i: int, staged: "_Staged", profile: bool, strictness
   ) -> tuple[correctness.Comparison, runtime_check.RuntimeVerdict | None]:
-    done, outs, pairs = self._forward(inputs, golden, self.task.seeds[i], profile, set())
+    done = self._forward(staged, self.task.seeds[i], profile)
     where = f"trial {i}"
     t0 = time.monotonic()
+    pairs = staged.pairs
     which = correctness.mutated([p for p, _ in pairs], [self._local(v) for _, v in pairs])
     if which:
       raise Verdict(FailureKind.INPUT_MUTATION, f"{where}: the candidate modified {which}")
-    c = self._compare(golden, done, outs, where)
+    c = self._compare(staged.golden, done, staged.outs, where)
     self._acc("compare", time.monotonic() - t0)
     if c.kind is not FailureKind.OK:
       self.report["max_abs_diff"] = c.max_abs_diff
@@ -381,8 +411,9 @@ class Check:
     # Re-check trial 0 after the timing loop (state- or cache-based cheats), in lock-step.
     self.stage("recheck")
     expected = self.trials.expected_after(self.calls - self.opts.num_correct_trials)
-    done, outs, pairs = self._forward(inputs0, expected, self.task.seeds[0], False, set())
-    c = self._compare(expected, done, outs, "trial 0 re-checked after timing")
+    staged = self._stage(inputs0, expected)
+    done = self._forward(staged, self.task.seeds[0], False)
+    c = self._compare(expected, done, staged.outs, "trial 0 re-checked after timing")
     if c.kind is not FailureKind.OK:
       self.report["correct"] = False
       raise Verdict(c.kind, c.reason)

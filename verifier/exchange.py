@@ -42,6 +42,7 @@ DTYPES = {
   )
 }
 PROBE_VALUE = 1234.5
+FDS_PER_MESSAGE = 32  # buffer descriptors a candidate accepts with one message
 
 
 class ExchangeError(ValueError):

@@ -204,6 +204,8 @@ class CandidateJob:
   init_args: tuple[Value, ...]
   buffers: tuple[BufferRef, ...]  # buffers for tensor init args (fds attached)
   kernel_names: tuple[str, ...] = ()
+  # the first forward's buffers (fds attached after ``buffers``'), mapped while the candidate loads
+  prefetch: tuple[BufferRef, ...] = ()
   split_build: bool = True
   use_pch: bool = True
   gpu_memory_fraction: float = 0.0
@@ -227,7 +229,6 @@ class ForwardRequest:
   outputs: tuple[TensorRef | None, ...]  # one per expected output leaf (None: not a tensor)
   new_buffers: tuple[BufferRef, ...] = ()  # fds attached, in this order
   profile: bool = False  # collect runtime-check evidence during this forward
-  stage_inputs_back: bool = False  # host transport: copy (maybe mutated) device inputs back
 
 
 @record
@@ -265,6 +266,9 @@ class Loaded:
   load_s: float
   build_cached: bool
   device_name: str = ""
+  map_wait_s: float = (
+    0.0  # how long the load waited for the prefetched buffers' mapping after it ended
+  )
 
 
 @record

@@ -16,9 +16,15 @@ from verifier.channel import Channel, ChannelClosed, ProtocolError  # noqa: E402
 from verifier.contract import FailureKind, VerifyOptions, VerifyRequest, VerifyResult  # noqa: E402
 from verifier.records import (  # noqa: E402
   BufferRef,
+  CandidateFailure,
+  CandidateJob,
   CheckReport,
+  ForwardDone,
+  ForwardRequest,
+  Loaded,
   RecordError,
   RunJob,
+  Shutdown,
   TensorRef,
   Value,
   from_wire,
@@ -106,6 +112,66 @@ def test_host_buffers_cross_with_layout_and_stay_in_bounds():
   assert exchange.receive_value(Value(data=None), {}) is None
   with pytest.raises(exchange.ExchangeError):
     exchange.open_buffer(BufferRef(9, 64, "gpu_magic"), os.open(os.devnull, os.O_RDONLY))
+  buffers.close()
+
+
+PASS_THROUGH_MUTATING = """
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        x.mul_(2)  # in place: lands in the checker's buffer itself
+        return x + 1
+"""
+
+
+def test_candidate_maps_the_first_forwards_buffers_while_it_loads_and_runs_on_them(tmp_path):
+  """The checker's side by hand: the first forward's buffers go with the job (prefetched), the forward
+  runs on the checker's buffers themselves, and the reply splits the exchange work from the forward."""
+  from verifier import candidate_main
+
+  checker, cand = _pair(max_bytes=1 << 20)
+  child = os.fork()
+  if child == 0:  # the candidate's process (no CUDA here: the fork is safe)
+    code = 0
+    try:
+      candidate_main.run(cand, "cpu", str(tmp_path))
+    except BaseException:  # noqa: BLE001
+      code = 1
+    os._exit(code)
+  try:
+    buffers = exchange.BufferSet(torch.device("cpu"), use_device_memory=False)
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    used, pairs = [], []
+    args = (exchange.send_value(x, buffers, used, pairs),)
+    outs = (exchange.output_buffer(x, buffers, used),)
+    refs, fds = buffers.new_refs(used)
+    job = CandidateJob(
+      PASS_THROUGH_MUTATING, str(tmp_path / "builds"), "cpu", 0, (), (), prefetch=tuple(refs)
+    )
+    checker.send(job, fds)
+    for fd in fds:
+      os.close(fd)
+    loaded, _ = checker.recv(Loaded, CandidateFailure, timeout=60)
+    assert isinstance(loaded, Loaded) and loaded.map_wait_s >= 0.0
+    checker.send(ForwardRequest(0, 0, args, outs))  # no descriptors: already mapped
+    done, _ = checker.recv(ForwardDone, CandidateFailure, timeout=60)
+    assert isinstance(done, ForwardDone) and done.outputs[0].copied
+    assert torch.equal(pairs[0][1], x * 2)  # the mutation is in the checker's buffer
+    assert torch.equal(buffers.buffers[outs[0].buffer].view(outs[0]), x * 2 + 1)
+    assert set(done.parts_s) == {"map", "stage_in", "publish"} and done.parts_s["map"] < 1.0
+    checker.send(Shutdown())
+  finally:
+    _, status = os.waitpid(child, 0)
+  assert os.waitstatus_to_exitcode(status) == 0
+  # Where a buffer is on the candidate's device, the forward's argument is that buffer, not a copy.
+  rt = candidate_main.CandidateRuntime(_pair()[1], "cpu", str(tmp_path))
+  refs, fds = buffers.new_refs(used)  # (already sent: nothing new)
+  assert refs == [] and fds == []
+  rt.buffers = {b.id: b for b in buffers.buffers.values()}
+  views, got = rt._args(args)
+  assert got[0].data_ptr() == views[0].data_ptr() == pairs[0][1].data_ptr()
   buffers.close()
 
 
