@@ -15,9 +15,10 @@ runs out):
                strictness off): GPU-stage rate in reward mode, then with timing on (cold and cached baseline)
   identity     every KernelBench level 1-3 problem's reference renamed ModelNew, strictness off: must all pass
 
-Separation cost (per phase): the checker's staging of buffers and the round trips around the candidate's
-forward (``exchange_stage`` + ``exchange_round_trip``, per candidate) as a share of the slot time each
-candidate had at the measured rate.
+Separation cost (per phase): the checker's staging of buffers, the round trips around the candidate's
+forward (mapping, staging, publishing outputs, messages) and the part of the first forward's buffer mapping
+its load did not hide (``exchange_stage`` + ``exchange_round_trip`` + ``exchange_load_map_wait``, per
+candidate) as a share of the slot time each candidate had at the measured rate.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from verifier.records import CANDIDATE_EXCHANGE_PARTS
 from verifier.service import ServiceConfig, VerifierService
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-SEPARATION_PHASES = ("exchange_stage", "exchange_round_trip")
+SEPARATION_PHASES = ("exchange_stage", "exchange_round_trip", "exchange_load_map_wait")
 DATA_DIRS = [
   REPO / ".gpu_data" / "verifier",
   REPO.parent / "shared" / "data" / "dice_rl",
