@@ -18,7 +18,7 @@
 #   one_shot_model_ex_add.py.txt and one_shot_model_new_ex_add.py.txt)
 # grain is not needed by any part. Run from the repository root:
 #   OUT=/some/dir PARTS=tests,rates bash experiments/gpu/remaining_h200.sh
-# (TESTS_S and RATES_S set the time limits of those parts; RATE_PHASES the bench phases of rates.)
+# (TESTS_S, RATES_S and IDENTITY_S set the time limits of those parts; RATE_PHASES the bench phases of rates.)
 # PARTS picks what runs, of tests,rates,identity,eval,sampler (default tests,rates,sampler: what is still
 # open after session 5); the sampler takes what is left of the call's CALL_S seconds (default 590).
 # The device tool returns at most 8 files from $OUT, so the parts write under a work folder and
@@ -56,7 +56,8 @@ if has rates; then
   stamp "verifier rates: exit $?"
 fi
 if has identity; then
-  timeout 240 python3 -m verifier bench --device cuda --phases identity --budget-s 210 \
+  IDENTITY_S=${IDENTITY_S:-240}
+  timeout "$IDENTITY_S" python3 -m verifier bench --device cuda --phases identity --budget-s $((IDENTITY_S - 30)) \
     --out "$W/verifier/identity.json" > "$W/verifier/identity.log" 2>&1
   stamp "verifier identity: exit $?"
 fi
