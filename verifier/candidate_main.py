@@ -292,6 +292,7 @@ class CandidateRuntime:
     if self.model is None:
       raise _Failed(FailureKind.RUNTIME_ERROR, "timing requested before the model was loaded")
     try:
+      self._map(req.new_buffers, fds)
       _, args = self._args(req.args)
       set_seed(req.seed)
       calls = timing.time_calls(self.model, args, self.device, req.trials, req.warmup)

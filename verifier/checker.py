@@ -118,7 +118,7 @@ class Check:
 
   def _send(self, rec, ids=(), prefetch=()) -> None:
     refs, fds = self.buffers.new_refs(ids)
-    if isinstance(rec, ForwardRequest):
+    if isinstance(rec, (ForwardRequest, TimeRequest)):
       rec = dataclasses.replace(rec, new_buffers=tuple(refs))
     elif isinstance(rec, CandidateJob):
       more, more_fds = self.buffers.new_refs(prefetch)

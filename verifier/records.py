@@ -237,6 +237,7 @@ class TimeRequest:
   warmup: int
   trials: int
   seed: int
+  new_buffers: tuple[BufferRef, ...] = ()  # fds attached, in this order
 
 
 @record

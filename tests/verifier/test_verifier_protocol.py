@@ -25,6 +25,8 @@ from verifier.records import (  # noqa: E402
   RecordError,
   RunJob,
   Shutdown,
+  TimeDone,
+  TimeRequest,
   TensorRef,
   Value,
   from_wire,
@@ -136,10 +138,12 @@ def test_candidate_maps_the_first_forwards_buffers_while_it_loads_and_runs_on_th
   if child == 0:  # the candidate's process (no CUDA here: the fork is safe)
     code = 0
     try:
+      checker.close()
       candidate_main.run(cand, "cpu", str(tmp_path))
     except BaseException:  # noqa: BLE001
       code = 1
     os._exit(code)
+  cand.close()
   try:
     buffers = exchange.BufferSet(torch.device("cpu"), use_device_memory=False)
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
@@ -161,8 +165,19 @@ def test_candidate_maps_the_first_forwards_buffers_while_it_loads_and_runs_on_th
     assert torch.equal(pairs[0][1], x * 2)  # the mutation is in the checker's buffer
     assert torch.equal(buffers.buffers[outs[0].buffer].view(outs[0]), x * 2 + 1)
     assert set(done.parts_s) == {"map", "stage_in", "publish"} and done.parts_s["map"] < 1.0
+    # A timing request may bring a buffer the candidate has not mapped yet.
+    more: list[int] = []
+    y = (exchange.send_value(torch.ones(3, 5), buffers, more),)
+    refs, fds = buffers.new_refs(more)
+    assert len(refs) == 1
+    checker.send(TimeRequest(y, 1, 2, 0, new_buffers=tuple(refs)), fds)
+    for fd in fds:
+      os.close(fd)
+    timed, _ = checker.recv(TimeDone, CandidateFailure, timeout=60)
+    assert isinstance(timed, TimeDone) and len(timed.trial_ms) == 2, timed
     checker.send(Shutdown())
   finally:
+    checker.close()  # the candidate's process ends when its channel does, whatever happened here
     _, status = os.waitpid(child, 0)
   assert os.waitstatus_to_exitcode(status) == 0
   # Where a buffer is on the candidate's device, the forward's argument is that buffer, not a copy.
