@@ -7,6 +7,8 @@ Runs (in the order given; each writes rows to DIR/results.jsonl and rewrites DIR
   static        static batch (`sampler.decode`): `--batch` prompts of `--prompt_len` +
                 `--new_tokens`, greedy, low_confidence_static, no stop ids (every row generates
                 every token). If the cache kernel fails to build, retried with its masked loop.
+  static_fp8    `static` on a float8_e4m3fn K/V cache (`SamplerConfig.kv_cache_dtype`: half the
+                cache bytes each forward reads; approximate decoding), with `vs_static`.
   profile       device time by kernel (profiler trace) of one decode forward (on the split
                 weights, as the sampler decodes) and of a short static call; DIR/profile.md.
   breakdown     one decode forward (b tokens, cache filled to prompt + new/2) with and without
@@ -145,11 +147,18 @@ class Bench:
   # --- static batch -------------------------------------------------------------------------
 
   def static(
-    self, name, new, strategy="low_confidence_static", budgets=None, prompts=None, ragged=None
+    self,
+    name,
+    new,
+    strategy="low_confidence_static",
+    budgets=None,
+    prompts=None,
+    ragged=None,
+    kv_cache_dtype=None,
   ):
     model = self.model
     mcfg = model.cfg
-    scfg = self.scfg(new, strategy, ragged=ragged)
+    scfg = self.scfg(new, strategy, ragged=ragged, kv_cache_dtype=kv_cache_dtype)
     prompts = prompts or self.prompts(FLAGS.batch)
     layout = sampler.layout_prompts(prompts, scfg, mcfg.mask_token_id, budgets)
     est = sampler.memory_estimate(model, layout, scfg)
@@ -189,6 +198,7 @@ class Bench:
       tiles=dataclasses.asdict(self.tiles),
       options=self.options,
       ragged=scfg.ragged,
+      kv_cache_dtype=str(scfg.cache_dtype(mcfg)),
       compile_s=round(compile_s, 1),
       run_s=round(run_s, 2),
       tok_s=round(generated / run_s),
@@ -632,6 +642,8 @@ def main(argv):
           bench.record(dict(run="static", failed=f"{type(e).__name__}: {str(e)[:800]}"))
           bench.tiles = dataclasses.replace(bench.tiles, dynamic_loop=False)
           bench.static("static_masked_loop", FLAGS.new_tokens)
+      elif run == "static_fp8":  # the static run on a float8 K/V cache (half the cache reads)
+        bench.static("static_fp8", FLAGS.new_tokens, kv_cache_dtype="float8_e4m3fn")
       elif run == "best":
         if bench.tiles != flash_decode.DecodeTiles() or bench.options:
           bench.static("best", FLAGS.new_tokens)

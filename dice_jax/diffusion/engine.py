@@ -161,6 +161,7 @@ class ContinuousSampler:
       prefill_rows=self.prefill_rows,
       prefill_width=_bucket(max_prompt_len, self.prompt_bucket),
       decode_weights=cfg.splits_weights(model.cfg),
+      cache_dtype=cfg.cache_dtype(model.cfg),
     )
     memory.check_fits(self.estimate, device_bytes, what=f"ContinuousSampler(slots={slots})")
     graphdef, self._state = nnx.split(model)
@@ -175,7 +176,9 @@ class ContinuousSampler:
     def init():
       return (
         slots_lib.empty_slots(slots, b, self.out_width, cfg.return_logprobs, mask_id),
-        KVCache.empty(model.cfg, slots, self.cache_len, tiles=cfg.decode_tiles),
+        KVCache.empty(
+          model.cfg, slots, self.cache_len, dtype=cfg.cache_dtype(model.cfg), tiles=cfg.decode_tiles
+        ),
       )
 
     self._init = jax.jit(init, out_shardings=_replicated_on_model_mesh(self._state))

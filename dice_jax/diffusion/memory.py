@@ -29,16 +29,18 @@ def estimate(
   prefill_rows: int,
   prefill_width: int,
   decode_weights: bool = False,
+  cache_dtype=None,
 ) -> dict:
   """Bytes by part: `weights` (the parameters, plus their per-layer compute-dtype copy when
-  `decode_weights`: `transformer.DecodeWeights`), `kv_cache`, `activations`, and their `total`."""
+  `decode_weights`: `transformer.DecodeWeights`), `kv_cache` (of `cache_dtype`, default the compute
+  dtype), `activations`, and their `total`."""
   c = model_cfg
   act = jnp.dtype(c.compute_dtype).itemsize
   weights = c.num_params() * jnp.dtype(c.weight_dtype).itemsize
   if decode_weights:  # every layer and the LM head; not the embedding (gathered in place)
     embed = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
     weights += (c.num_params() - embed - c.hidden_size) * act
-  cache = KVCache.num_bytes(c, rows, cache_len)
+  cache = KVCache.num_bytes(c, rows, cache_len, cache_dtype)
   per_token = act * (4 * c.hidden_size + 3 * c.intermediate_size + 2 * c.num_heads * c.head_dim)
   decode_tokens = rows * 2 * block_size
   decode = decode_tokens * per_token + 4 * 4 * rows * block_size * c.vocab_size

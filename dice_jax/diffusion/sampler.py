@@ -63,6 +63,9 @@ from dice_jax.model.kv_cache import KVCache
 from dice_jax.model.transformer import DecodeView, DecodeWeights
 
 
+KV_CACHE_DTYPES = (None, "float8_e4m3fn")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
   """Decoding settings (static under jit)."""
@@ -94,6 +97,11 @@ class SamplerConfig:
   # and the layers are unrolled in the compiled program (a longer compile). Not on the dense path
   # (CPU reference), whose per-layer cache slices an unrolled program would keep alive together.
   presplit_weights: bool = True
+  # Element type of the K/V cache: None = the model's compute dtype (exact); "float8_e4m3fn" halves
+  # the cache and what each decode forward reads of it (flash attention only: the kernel widens each
+  # tile as it reads it; values saturate at +-448). Committed blocks are then seen at fp8 precision,
+  # so decoding is no longer exactly the uncached model's (vLLM's `kv_cache_dtype="fp8"`, scale 1).
+  kv_cache_dtype: Optional[str] = None
 
   def splits_weights(self, model_cfg) -> bool:
     """Whether decoding `model_cfg` runs on split weights (`presplit_weights`, flash only)."""
@@ -119,6 +127,10 @@ class SamplerConfig:
       )
     if not isinstance(self.stop_ids, tuple):
       object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
+    if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+      raise ValueError(
+        f"SamplerConfig.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+      )
     if self.ragged is None:
       varies = self.strategy in ("low_confidence_dynamic", "entropy_bounded")
       object.__setattr__(self, "ragged", varies)
@@ -134,8 +146,18 @@ class SamplerConfig:
     return cls(block_size=grid.size, block_alignment=grid.alignment, **kw)
 
   def check_model(self, model_cfg) -> None:
-    """Raises unless the model decodes blocks of this size (its `block_size`)."""
+    """Raises unless the model decodes blocks of this size (its `block_size`) and can read this
+    cache dtype."""
     self.grid.check_model(model_cfg, "SamplerConfig")
+    if self.kv_cache_dtype == "float8_e4m3fn" and model_cfg.attention_impl != "flash":
+      raise ValueError(
+        "SamplerConfig.kv_cache_dtype='float8_e4m3fn' needs attention_impl='flash' "
+        f"(the model has {model_cfg.attention_impl!r})"
+      )
+
+  def cache_dtype(self, model_cfg):
+    """The K/V cache's element type for `model_cfg`."""
+    return jnp.dtype(self.kv_cache_dtype or model_cfg.compute_dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -283,6 +305,7 @@ def memory_estimate(model, layout: Layout, cfg: SamplerConfig) -> dict:
     prefill_rows=_prefill_rows(cfg, rows),
     prefill_width=prefill,
     decode_weights=cfg.splits_weights(model.cfg),
+    cache_dtype=cfg.cache_dtype(model.cfg),
   )
 
 
@@ -305,7 +328,11 @@ def _decode(graphdef, state, weights, layout: Layout, canvas, keys, *, cfg: Samp
   width = slots_lib.out_width(b, total)
   prefill = _prefill_width(model, layout, cfg)
   cache = KVCache.empty(
-    model.cfg, rows, _cache_len(model, cfg, total, prefill), tiles=cfg.decode_tiles
+    model.cfg,
+    rows,
+    _cache_len(model, cfg, total, prefill),
+    dtype=cfg.cache_dtype(model.cfg),
+    tiles=cfg.decode_tiles,
   )
   sl = slots_lib.empty_slots(rows, b, width, cfg.return_logprobs, model.cfg.mask_token_id)
   prompts, n = _prompt_rows(layout, prefill)

@@ -12,7 +12,9 @@ slots, new tokens) of `transformer.cached_attention`.
 
 Only block-causal / full / causal masks of the cache part are needed: visibility is
 `seg_q == seg_k > 0 and rank_k <= rank_q`, with rank = block id (block_causal), position (causal)
-or 0 (full). Triton on GPU, the Pallas interpreter elsewhere. Tile sizes are a `DecodeTiles`
+or 0 (full). The cache is in the queries' dtype or float8_e4m3fn (`SamplerConfig.kv_cache_dtype`: each
+tile is widened as it is read, so the kernel reads half the bytes). Triton on GPU, the Pallas
+interpreter elsewhere. Tile sizes are a `DecodeTiles`
 value carried by the cache (`KVCache.tiles`), so a benchmark can sweep them without globals.
 """
 
@@ -102,7 +104,7 @@ def _kernel(
     o_prev, m_prev, l_prev = carry
     sl = pl.ds(pl.multiple_of(base + j * block_k, block_k), block_k)
     k_seg, k_rank = kseg_ref[sl], krank_ref[sl]
-    k = k_ref[layer, sl, :]
+    k = k_ref[layer, sl, :].astype(q.dtype)  # a float8 cache is widened tile by tile
     qk = _dot(q, k.T) * qk_scale
     vis = (
       (q_seg[:, None] == k_seg[None, :])
@@ -114,7 +116,7 @@ def _kernel(
     corr = jnp.exp2(m_prev - m_next)
     p = jnp.where(vis, jnp.exp2(qk - m_next[:, None]), 0.0)
     l_next = corr * l_prev + p.sum(axis=-1)
-    v = v_ref[layer, sl, :]
+    v = v_ref[layer, sl, :].astype(q.dtype)
     o_next = corr[:, None] * o_prev + _dot(p.astype(v.dtype), v)
     return o_next, m_next, l_next
 
@@ -317,8 +319,10 @@ def cached_attention(q, k, v, layer, spec, positions, seg, blk, cache, *, interp
   qg = q.reshape(b, t, kh, g, h)
   q_rows = qg.transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
   rep = lambda x: jnp.repeat(x, g, axis=1)
-  if cache.k.dtype != q.dtype:  # a cast would copy the whole cache
-    raise ValueError(f"flash_decode: cache dtype {cache.k.dtype} differs from queries' {q.dtype}")
+  if cache.k.dtype not in (q.dtype, jnp.float8_e4m3fn):  # a cast would copy the whole cache
+    raise ValueError(
+      f"flash_decode: cache dtype {cache.k.dtype} is neither the queries' {q.dtype} nor float8_e4m3fn"
+    )
   o_c, lse_c = cache_part(
     q_rows,
     cache.k,

@@ -20,6 +20,17 @@ import jax.numpy as jnp
 from dice_jax.model.flash_decode import DecodeTiles
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def to_cache_dtype(x, dtype):
+  """`x` stored as `dtype`; a float8 cache saturates at its largest finite value (a plain cast
+  of anything beyond it gives NaN: e4m3fn has no infinity)."""
+  if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+    x = jnp.clip(x, -FP8_MAX, FP8_MAX)
+  return x.astype(dtype)
+
+
 def put_rows(buf, new, at, row_axis: int):
   """Writes `new` into every row b of `buf` (rows on `row_axis`) at offset `at[b]` along the axis
   right after the rows (slots). One scatter in `buf`'s own layout (a vmapped dynamic-update-slice
@@ -28,13 +39,13 @@ def put_rows(buf, new, at, row_axis: int):
   r = jnp.arange(rows, dtype=jnp.int32)[:, None]
   c = at.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   idx = (slice(None),) * row_axis + (jnp.broadcast_to(r, (rows, t)), c)
-  return buf.at[idx].set(new.astype(buf.dtype), mode="promise_in_bounds")
+  return buf.at[idx].set(to_cache_dtype(new, buf.dtype), mode="promise_in_bounds")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-  k: jax.Array  # [L, B, S, K, H]
+  k: jax.Array  # [L, B, S, K, H], compute dtype or float8_e4m3fn (flash attention only)
   v: jax.Array  # [L, B, S, K, H]
   positions: jax.Array  # [B, S] int32
   segment_ids: jax.Array  # [B, S] int32, 0 = empty
@@ -93,8 +104,8 @@ class KVCache:
     sl = slice(offset, offset + t)
     return dataclasses.replace(
       self,
-      k=self.k.at[:, rows, sl].set(k.astype(self.k.dtype)),
-      v=self.v.at[:, rows, sl].set(v.astype(self.v.dtype)),
+      k=self.k.at[:, rows, sl].set(to_cache_dtype(k, self.k.dtype)),
+      v=self.v.at[:, rows, sl].set(to_cache_dtype(v, self.v.dtype)),
       positions=self.positions.at[rows].set(positions),
       segment_ids=self.segment_ids.at[rows].set(segment_ids),
       block_ids=self.block_ids.at[rows].set(block_ids),

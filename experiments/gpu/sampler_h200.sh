@@ -19,7 +19,7 @@ export TF_CPP_MIN_LOG_LEVEL=1
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   python3 -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__, jax.devices())'
 } >"$OUT/env.txt" 2>&1
-RUNS=${RUNS:-static,breakdown,profile,sweep,best,dynamic,long,mixed,mixed_longest_first,mixed_static}
+RUNS=${RUNS:-static,static_fp8,breakdown,profile,sweep,best,dynamic,long,mixed,mixed_longest_first,mixed_static}
 # shellcheck disable=SC2086  # SAMPLER_FLAGS: extra bench_sampler flags, split on spaces
 timeout "${SAMPLER_S:-465}" python3 -m experiments.bench_sampler --out="$OUT" --runs="$RUNS" \
   ${SAMPLER_FLAGS:-} 2>&1 |
