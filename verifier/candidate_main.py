@@ -239,7 +239,7 @@ class CandidateRuntime:
       else:
         out = self._call(args)
       t1 = self._sync()
-      specs = self._publish(out, req.outputs)
+      specs = self._publish(out, req.outputs, args)
       _copy_back(views, args)
       t2 = self._sync()
     except _Failed:
@@ -255,8 +255,10 @@ class CandidateRuntime:
     with torch.no_grad():
       return self.model(*args)
 
-  def _publish(self, out, targets) -> tuple[OutputSpec, ...]:
-    """Describe each output leaf and copy the ones that match an expected tensor into its buffer."""
+  def _publish(self, out, targets, args) -> tuple[OutputSpec, ...]:
+    """Describe each output leaf and copy the ones that match an expected tensor into its buffer; then
+    poison the outputs, except those that are the model's state or the forward's own inputs (an input is
+    the checker's buffer: poisoning it would be read as the candidate's mutation)."""
     specs = []
     for leaf, target in itertools.zip_longest(correctness.flatten(out), targets):
       if isinstance(leaf, torch.Tensor):
@@ -285,7 +287,10 @@ class CandidateRuntime:
         specs.append(OutputSpec(kind="data", type_name=type(leaf).__name__, data=leaf))
       else:
         specs.append(OutputSpec(kind="other", type_name=type(leaf).__name__))
-    correctness.poison(out, correctness.storages_of(self.model))
+    inputs = {
+      t.untyped_storage().data_ptr() for t in correctness.flatten(args) if torch.is_tensor(t)
+    }
+    correctness.poison(out, correctness.storages_of(self.model) | inputs)
     return tuple(specs)
 
   def time(self, req: TimeRequest, fds) -> TimeDone:

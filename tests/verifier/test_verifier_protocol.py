@@ -2,6 +2,7 @@
 the request table, single-flight builds, timing plausibility and the confinement layers."""
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -128,14 +129,15 @@ class ModelNew(torch.nn.Module):
 """
 
 
-def test_candidate_maps_the_first_forwards_buffers_while_it_loads_and_runs_on_them(tmp_path):
-  """The checker's side by hand: the first forward's buffers go with the job (prefetched), the forward
-  runs on the checker's buffers themselves, and the reply splits the exchange work from the forward."""
+@contextlib.contextmanager
+def _candidate_process(tmp_path):
+  """A candidate's process (``candidate_main.run``, forked: no CUDA here) and the checker's end of its
+  channel; the process must end cleanly once the channel closes."""
   from verifier import candidate_main
 
   checker, cand = _pair(max_bytes=1 << 20)
   child = os.fork()
-  if child == 0:  # the candidate's process (no CUDA here: the fork is safe)
+  if child == 0:
     code = 0
     try:
       checker.close()
@@ -145,23 +147,44 @@ def test_candidate_maps_the_first_forwards_buffers_while_it_loads_and_runs_on_th
     os._exit(code)
   cand.close()
   try:
-    buffers = exchange.BufferSet(torch.device("cpu"), use_device_memory=False)
-    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    used, pairs = [], []
-    args = (exchange.send_value(x, buffers, used, pairs),)
-    outs = (exchange.output_buffer(x, buffers, used),)
-    refs, fds = buffers.new_refs(used)
-    job = CandidateJob(
-      PASS_THROUGH_MUTATING, str(tmp_path / "builds"), "cpu", 0, (), (), prefetch=tuple(refs)
+    yield checker
+  finally:
+    checker.close()  # the candidate's process ends when its channel does, whatever happened here
+    _, status = os.waitpid(child, 0)
+  assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _load_and_forward(checker, tmp_path, source, x):
+  """Send a job whose first forward's buffers are prefetched, then that forward: (Loaded, ForwardDone,
+  buffers, args, outs, pairs)."""
+  buffers = exchange.BufferSet(torch.device("cpu"), use_device_memory=False)
+  used, pairs = [], []
+  args = (exchange.send_value(x, buffers, used, pairs),)
+  outs = (exchange.output_buffer(x, buffers, used),)
+  refs, fds = buffers.new_refs(used)
+  job = CandidateJob(source, str(tmp_path / "builds"), "cpu", 0, (), (), prefetch=tuple(refs))
+  checker.send(job, fds)
+  for fd in fds:
+    os.close(fd)
+  loaded, _ = checker.recv(Loaded, CandidateFailure, timeout=60)
+  assert isinstance(loaded, Loaded), loaded
+  checker.send(ForwardRequest(0, 0, args, outs))  # no descriptors: already mapped
+  done, _ = checker.recv(ForwardDone, CandidateFailure, timeout=60)
+  assert isinstance(done, ForwardDone), done
+  return loaded, done, buffers, args, outs, pairs
+
+
+def test_candidate_maps_the_first_forwards_buffers_while_it_loads_and_runs_on_them(tmp_path):
+  """The checker's side by hand: the first forward's buffers go with the job (prefetched), the forward
+  runs on the checker's buffers themselves, and the reply splits the exchange work from the forward."""
+  from verifier import candidate_main
+
+  x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+  with _candidate_process(tmp_path) as checker:
+    loaded, done, buffers, args, outs, pairs = _load_and_forward(
+      checker, tmp_path, PASS_THROUGH_MUTATING, x
     )
-    checker.send(job, fds)
-    for fd in fds:
-      os.close(fd)
-    loaded, _ = checker.recv(Loaded, CandidateFailure, timeout=60)
-    assert isinstance(loaded, Loaded) and loaded.map_wait_s >= 0.0
-    checker.send(ForwardRequest(0, 0, args, outs))  # no descriptors: already mapped
-    done, _ = checker.recv(ForwardDone, CandidateFailure, timeout=60)
-    assert isinstance(done, ForwardDone) and done.outputs[0].copied
+    assert loaded.map_wait_s >= 0.0 and done.outputs[0].copied
     assert torch.equal(pairs[0][1], x * 2)  # the mutation is in the checker's buffer
     assert torch.equal(buffers.buffers[outs[0].buffer].view(outs[0]), x * 2 + 1)
     assert set(done.parts_s) == {"map", "stage_in", "publish"} and done.parts_s["map"] < 1.0
@@ -176,17 +199,35 @@ def test_candidate_maps_the_first_forwards_buffers_while_it_loads_and_runs_on_th
     timed, _ = checker.recv(TimeDone, CandidateFailure, timeout=60)
     assert isinstance(timed, TimeDone) and len(timed.trial_ms) == 2, timed
     checker.send(Shutdown())
-  finally:
-    checker.close()  # the candidate's process ends when its channel does, whatever happened here
-    _, status = os.waitpid(child, 0)
-  assert os.waitstatus_to_exitcode(status) == 0
   # Where a buffer is on the candidate's device, the forward's argument is that buffer, not a copy.
   rt = candidate_main.CandidateRuntime(_pair()[1], "cpu", str(tmp_path))
-  refs, fds = buffers.new_refs(used)  # (already sent: nothing new)
-  assert refs == [] and fds == []
   rt.buffers = {b.id: b for b in buffers.buffers.values()}
   views, got = rt._args(args)
   assert got[0].data_ptr() == views[0].data_ptr() == pairs[0][1].data_ptr()
+  buffers.close()
+
+
+RETURNS_ITS_INPUT = """
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        return x  # an output that is the input itself (a no-op op, or a view of it)
+"""
+
+
+def test_an_output_that_is_its_input_is_not_poisoned_into_a_mutation(tmp_path):
+  """Published outputs are poisoned so that freed memory cannot pass for a later result, but an output
+  that is an input (here the checker's own buffer) must keep its values: else a pass-through candidate
+  would be rejected for modifying its input."""
+  x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+  with _candidate_process(tmp_path) as checker:
+    _, done, buffers, _, outs, pairs = _load_and_forward(checker, tmp_path, RETURNS_ITS_INPUT, x)
+    assert done.outputs[0].copied
+    assert torch.equal(pairs[0][1], x)  # the input buffer is untouched
+    assert torch.equal(buffers.buffers[outs[0].buffer].view(outs[0]), x)
+    checker.send(Shutdown())
   buffers.close()
 
 
