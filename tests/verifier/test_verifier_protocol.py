@@ -129,29 +129,37 @@ class ModelNew(torch.nn.Module):
 """
 
 
+_CANDIDATE_MAIN = """
+import socket, sys
+from verifier import candidate_main
+from verifier.channel import Channel
+candidate_main.run(Channel(socket.socket(fileno=int(sys.argv[1]))), "cpu", sys.argv[2])
+"""
+
+
 @contextlib.contextmanager
 def _candidate_process(tmp_path):
-  """A candidate's process (``candidate_main.run``, forked: no CUDA here) and the checker's end of its
-  channel; the process must end cleanly once the channel closes."""
-  from verifier import candidate_main
-
-  checker, cand = _pair(max_bytes=1 << 20)
-  child = os.fork()
-  if child == 0:
-    code = 0
-    try:
-      checker.close()
-      candidate_main.run(cand, "cpu", str(tmp_path))
-    except BaseException:  # noqa: BLE001
-      code = 1
-    os._exit(code)
-  cand.close()
+  """A candidate's process (``candidate_main.run`` in a fresh interpreter: a fork of this threaded
+  test process could deadlock) and the checker's end of its channel; the process must end cleanly
+  once the channel closes."""
+  a, b = socket.socketpair()
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+  proc = subprocess.Popen(
+    [sys.executable, "-c", _CANDIDATE_MAIN, str(b.fileno()), str(tmp_path)],
+    pass_fds=[b.fileno()],
+    env=env,
+  )
+  b.close()
+  checker = Channel(a, max_bytes=1 << 20)
   try:
     yield checker
   finally:
     checker.close()  # the candidate's process ends when its channel does, whatever happened here
-    _, status = os.waitpid(child, 0)
-  assert os.waitstatus_to_exitcode(status) == 0
+    try:
+      rc = proc.wait(timeout=60)
+    finally:
+      proc.kill()
+  assert rc == 0
 
 
 def _load_and_forward(checker, tmp_path, source, x):
