@@ -120,10 +120,7 @@ class CandidateRuntime:
       self.chan.send(reply)
 
   def _map(self, refs, fds) -> None:
-    if len(refs) != len(fds):
-      for fd in fds:
-        os.close(fd)
-      raise _Failed(FailureKind.RUNTIME_ERROR, "buffer descriptors do not match their announcement")
+    _check_announced(refs, fds)
     for ref, fd in zip(refs, fds):
       self.buffers[ref.buffer] = exchange.open_buffer(ref, fd)
 
@@ -139,9 +136,8 @@ class CandidateRuntime:
   def load(self, job: CandidateJob, fds) -> Loaded:
     """Import the candidate and build ``ModelNew``, while a thread maps the first forward's buffers (a
     driver call per buffer whose cost grows with its size: hidden behind the load where it can be)."""
+    _check_announced(job.buffers + job.prefetch, fds)
     n = len(job.buffers)
-    if len(fds) != n + len(job.prefetch):
-      self._map(job.buffers + job.prefetch, fds)  # refuses the mismatch, closing the descriptors
     self._map(job.buffers, fds[:n])
     prefetch = _Prefetch(self, job.prefetch, fds[n:])
     try:
@@ -170,7 +166,8 @@ class CandidateRuntime:
     if "ModelNew" not in namespace:
       raise _Failed(FailureKind.MISSING_MODEL_NEW, "candidate module defines no ModelNew")
     try:
-      init = [self._to_device(exchange.receive_value(v, self.buffers)) for v in job.init_args]
+      # Private copies: the model may keep its constructor's tensors.
+      init = [self._on_device(exchange.receive_value(v, self.buffers), True) for v in job.init_args]
       set_seed(job.seed)
       with torch.no_grad():
         self.model = namespace["ModelNew"](*init).to(self.device)
@@ -193,25 +190,21 @@ class CandidateRuntime:
       )
     return _Failed(classify_exception(e, default), f"{what}: {short(e)}")
 
-  def _to_device(self, value):
-    """A private copy on the device (constructor arguments: the model may keep them)."""
-    if isinstance(value, torch.Tensor):
-      return value.to(self.device, copy=True)
-    if isinstance(value, (list, tuple)):
-      return type(value)(self._to_device(v) for v in value)
-    return value
-
   def _args(self, values) -> tuple[list, list]:
     """(the checker's buffer views, the arguments the forward gets): the views themselves where they are on
     this process's device (no copy; a mutation lands in the checker's buffer), else copies on the device."""
     views = [exchange.receive_value(v, self.buffers) for v in values]
     return views, [self._on_device(v) for v in views]
 
-  def _on_device(self, value):
+  def _on_device(self, value, copy: bool = False):
+    """``value`` with its tensors on this process's device: copies where they are elsewhere (or
+    ``copy``), else the tensors themselves."""
     if isinstance(value, torch.Tensor):
-      return value if value.device == self.device else value.to(self.device, copy=True)
+      if copy or value.device != self.device:
+        return value.to(self.device, copy=True)
+      return value
     if isinstance(value, (list, tuple)):
-      return type(value)(self._on_device(v) for v in value)
+      return type(value)(self._on_device(v, copy) for v in value)
     return value
 
   def _sync(self) -> float:
@@ -308,6 +301,14 @@ class CandidateRuntime:
     return TimeDone(calls.warmup_ms, calls.trial_ms)
 
 
+def _check_announced(refs, fds) -> None:
+  """Refuses descriptors that do not match the buffers announced with them (closing them)."""
+  if len(refs) != len(fds):
+    for fd in fds:
+      os.close(fd)
+    raise _Failed(FailureKind.RUNTIME_ERROR, "buffer descriptors do not match their announcement")
+
+
 class _Prefetch:
   """Maps buffers on a thread; ``join`` waits for it (returning the seconds waited) and raises its error."""
 
@@ -331,8 +332,6 @@ class _Prefetch:
     self.thread.join()
     waited = time.monotonic() - t0
     if self.error is not None and not quiet:
-      if isinstance(self.error, _Failed):
-        raise self.error
       raise _Failed(
         classify_exception(self.error, FailureKind.RUNTIME_ERROR),
         f"mapping the first forward's buffers failed: {short(self.error)}",

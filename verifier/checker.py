@@ -58,6 +58,11 @@ class _Staged:
   golden: object
 
 
+def _reported(seconds: float, at_most: float) -> float:
+  """A duration the candidate reported, clamped to what it can have been."""
+  return min(max(seconds, 0.0), at_most)
+
+
 def _fits(*id_lists) -> bool:
   """Whether these buffers' descriptors fit in one message to the candidate."""
   return len({i for ids in id_lists for i in ids}) <= exchange.FDS_PER_MESSAGE
@@ -205,7 +210,7 @@ class Check:
     loaded = self._recv(Loaded)
     self.report.update(compiled=True, build_cached=loaded.build_cached)
     self.report["phases"]["candidate_build_load"] = loaded.load_s
-    self._acc("exchange_load_map_wait", min(max(loaded.map_wait_s, 0.0), loaded.load_s + 600))
+    self._acc("exchange_load_map_wait", _reported(loaded.map_wait_s, self.opts.timeout_s))
 
     self.stage("trials")
     strictness = self.opts.strict
@@ -280,11 +285,11 @@ class Check:
     # forward in its process (mapping, staging, publishing outputs, messages) beyond the forward itself.
     # The candidate's own split of that (``parts_s``) is only a diagnostic: clamped, known names only.
     round_trip = time.monotonic() - t1
-    forward = min(max(done.wall_s, 0.0), round_trip)
+    forward = _reported(done.wall_s, round_trip)
     self._acc("exchange_round_trip", round_trip - forward)
     self._acc("candidate_forward", forward)
     for part in CANDIDATE_EXCHANGE_PARTS:
-      self._acc(f"exchange_rt_{part}", min(max(done.parts_s.get(part, 0.0), 0.0), round_trip))
+      self._acc(f"exchange_rt_{part}", _reported(done.parts_s.get(part, 0.0), round_trip))
     return done
 
   def _acc(self, name: str, seconds: float) -> None:

@@ -267,9 +267,8 @@ class Loaded:
   load_s: float
   build_cached: bool
   device_name: str = ""
-  map_wait_s: float = (
-    0.0  # how long the load waited for the prefetched buffers' mapping after it ended
-  )
+  # how long the load waited for the prefetched buffers' mapping after it ended
+  map_wait_s: float = 0.0
 
 
 @record
@@ -292,9 +291,8 @@ class ForwardDone:
   outputs: tuple[OutputSpec, ...]
   evidence: ProfileEvidence | None = None
   wall_s: float = 0.0  # the forward alone (call + synchronize), on the candidate's clock
-  parts_s: dict[str, float] = dataclasses.field(
-    default_factory=dict
-  )  # exchange work around it there
+  # the exchange work around it there, by CANDIDATE_EXCHANGE_PARTS
+  parts_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @record

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from dice_jax.model.flash_decode import DecodeTiles
 
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 
 
 def to_cache_dtype(x, dtype):
