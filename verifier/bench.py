@@ -344,10 +344,12 @@ class Bench:
       for t in tasks
     ]
     self.reset_phases(svc)
+    first_build = len(svc.metrics.build_s)
     t0 = time.monotonic()
     res = await asyncio.gather(*(svc.verify(r) for r in reqs))
     wall = time.monotonic() - t0
     rate = 60 * len(reqs) / wall
+    builds = svc.metrics.build_s[first_build:]
     out = {
       "candidates": len(reqs),
       "wall_s": wall,
@@ -355,6 +357,11 @@ class Bench:
       "strict": dict(collections.Counter(r.failure_kind.value for r in res)),
       "strict_fp32_1e-4": sum(r.strict_correct for r in res),
       "build_cached": sum(r.build_cached for r in res),
+      "builds": {
+        "count": len(builds),
+        "median_s": statistics.median(e["seconds"] for e in builds) if builds else None,
+        **{k: sum(1 for e in builds if e.get(k)) for k in ("split", "lean", "pch", "lean_error")},
+      },
       "run_phase_mean_s": svc.metrics.snapshot()["run_phase_mean_s"],
       "separation": self.separation(svc, rate, self.cfg.slots_per_gpu),
       "transports": dict(svc.metrics.transports),

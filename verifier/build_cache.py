@@ -23,6 +23,8 @@ import sys
 import time
 import uuid
 
+from verifier import pch
+
 # Arguments that change what is built. verbose/build_directory/keep_intermediates do not.
 _KEY_ARGS = (
   "name",
@@ -182,17 +184,7 @@ class CachedLoadInline:
       )  # verbose=False keeps compiler output in the error
       module, built = None, False
       if self.split:
-        from verifier.split_build import split_variant
-
-        split = split_variant(params)
-        if split is not None:
-          try:
-            module, built = self._build(split, event), True
-            event["split"] = True
-          except Exception as e:  # noqa: BLE001 - fall back to the fast/stock builds
-            event["split_error"] = str(e)[:2000]
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
+        module, built = self._build_split(params, event, tmp)
       fast = fast_variant(params) if self.fast and not built else None
       if fast is not None:
         try:
@@ -221,6 +213,28 @@ class CachedLoadInline:
       return module
     return ExtensionProxy(module, self.calls)
 
+  def _build_split(self, params: dict, event: dict, tmp: str):
+    """The split build (split_build.py), on the lean torch headers first; torch/extension.h again only when
+    g++ failed in main.cpp. Returns (module, built); a failure leaves ``tmp`` empty for the next build."""
+    from verifier.split_build import lean_may_have_failed, split_variant
+
+    for lean in (True, False):
+      split = split_variant(params, lean=lean)
+      if split is None:
+        break
+      try:
+        module = self._build(split, event)
+        event.update(split=True, lean=lean)
+        return module, True
+      except Exception as e:  # noqa: BLE001 - fall back to the next build
+        event["lean_error" if lean else "split_error"] = str(e)[:2000]
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        if not (lean and lean_may_have_failed(str(e))):
+          event.setdefault("split_error", str(e)[:2000])
+          break
+    return None, False
+
   def _build(self, params: dict, event: dict):
     """One real load_inline call (its module not imported when ``build_only``)."""
     if not self.build_only:
@@ -236,10 +250,9 @@ class CachedLoadInline:
 
   def _build_pch(self, params: dict, event: dict):
     """One real load_inline call, with main.cpp on the cache's precompiled torch header (pch.py)."""
-    if not (self.use_pch and _main_cpp_starts_with_torch(params)):
+    includes = _leading_torch_includes(params) if self.use_pch else None
+    if includes is None:
       return self.real(**params)
-    from verifier import pch
-
     flags = list(params.get("extra_cflags") or [])
     directory = pch.pch_dir(
       self.build_root,
@@ -247,22 +260,29 @@ class CachedLoadInline:
       params.get("extra_include_paths"),
       bool(params.get("cuda_sources")),
       toolchain_signature(),
+      includes,
     )
     event["pch"] = pch.ready(directory)
-    module = self.real(**dict(params, extra_cflags=flags + pch.include_flags(directory)))
+    module = self.real(**dict(params, extra_cflags=flags + pch.include_flags(directory, includes)))
     if self.publish and not event["pch"] and not pch.ready(directory):
       event["pch_request"] = pch.request_from_build(params["build_directory"], directory)
     return module
 
 
-def _main_cpp_starts_with_torch(params: dict) -> bool:
-  """load_inline's main.cpp begins with torch/extension.h unless ``no_implicit_headers`` (then only when the
-  sources begin with it, as the split build's do). Only then may the PCH be force-included."""
+def _leading_torch_includes(params: dict) -> str | None:
+  """The torch includes main.cpp begins with, or None: torch/extension.h unless ``no_implicit_headers``, else
+  what the sources begin with (the split build's full or lean set). Only those may be force-included from a
+  PCH."""
+  from verifier.split_build import LEAN_TORCH_INCLUDES
+
   if not params.get("no_implicit_headers"):
-    return True
+    return pch.FULL_INCLUDES
   cpp = params.get("cpp_sources") or ""
-  text = cpp if isinstance(cpp, str) else "\n".join(cpp)
-  return text.lstrip().startswith("#include <torch/extension.h>")
+  text = (cpp if isinstance(cpp, str) else "\n".join(cpp)).lstrip()
+  for includes in (LEAN_TORCH_INCLUDES, pch.FULL_INCLUDES):
+    if text.startswith(includes + "\n"):
+      return includes
+  return None
 
 
 _ENTRY = re.compile(r"^[0-9a-f]{32}$")

@@ -4,9 +4,10 @@ Every ``load_inline`` build compiles a ``main.cpp`` that starts with ``#include 
 H200 host that parse is most of its 16-19 s (issue 4: 15.6 s at -O0, 6.7 s with a g++ precompiled header and
 -O0). torch's own ``load_inline(use_pch=True)`` keeps one ``extension.h.gch`` inside the torch install and any
 build without ``use_pch`` deletes it, so it cannot serve concurrent builds. Here a PCH lives in the build cache,
-one per flag set (:func:`pch_dir`):
+one per flag set and set of torch headers (:func:`pch_dir`; the split build's main.cpp may start with the
+lean set, ``split_build.LEAN_TORCH_INCLUDES``):
 
-    <build_root>/pch/<key>/dice_torch.h       #include <torch/extension.h>
+    <build_root>/pch/<key>/dice_torch.h       #include <torch/extension.h>  (or the lean set)
     <build_root>/pch/<key>/dice_torch.h.gch   built with the exact cflags ninja used for such a main.cpp
 
 Every main.cpp of that flag set is compiled with ``-include <dir>/dice_torch.h``. g++ loads the ``.gch``
@@ -31,6 +32,7 @@ import uuid
 
 HEADER = "dice_torch.h"
 PCH_VERSION = 1
+FULL_INCLUDES = "#include <torch/extension.h>"  # what a stock load_inline main.cpp starts with
 
 # A tiny extension with no extra flags: building it reports the PCH request of flag-less builds, the flag set
 # of DICE's solutions and of KernelBench's one-shot example (its ``extra_cflags=[""]`` adds nothing), so the
@@ -66,13 +68,19 @@ def seed_params(with_cuda: bool) -> dict:
 
 
 def pch_dir(
-  build_root: str, extra_cflags: list[str], extra_include_paths, with_cuda: bool, toolchain: dict
+  build_root: str,
+  extra_cflags: list[str],
+  extra_include_paths,
+  with_cuda: bool,
+  toolchain: dict,
+  includes: str = FULL_INCLUDES,
 ) -> str:
-  """Directory of the PCH for main.cpp files compiled with these flags (the ninja cflags depend only on them,
-  the toolchain and the extension name, which the PCH does not use)."""
+  """Directory of the PCH of ``includes`` for main.cpp files compiled with these flags (the ninja cflags
+  depend only on them, the toolchain and the extension name, which the PCH does not use)."""
   payload = json.dumps(
     {
       "v": PCH_VERSION,
+      "includes": includes,
       "cflags": [str(f) for f in extra_cflags if str(f).strip()],  # "" adds nothing to the command
       "inc": list(extra_include_paths or []),
       "cuda": bool(with_cuda),
@@ -84,14 +92,15 @@ def pch_dir(
   return os.path.join(build_root, "pch", hashlib.sha256(payload.encode()).hexdigest()[:24])
 
 
-def include_flags(directory: str) -> list[str]:
-  """``extra_cflags`` that make g++ use the PCH (or the plain header while there is none yet)."""
+def include_flags(directory: str, includes: str = FULL_INCLUDES) -> list[str]:
+  """``extra_cflags`` that make g++ use the PCH of ``includes`` (or the plain headers while there is none
+  yet); ``directory`` comes from :func:`pch_dir` with the same ``includes``."""
   os.makedirs(directory, exist_ok=True)
   header = os.path.join(directory, HEADER)
   if not os.path.exists(header):
     tmp = f"{header}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     with open(tmp, "w") as f:
-      f.write("#pragma once\n#include <torch/extension.h>\n")
+      f.write(f"#pragma once\n{includes}\n")
     os.replace(tmp, header)
   return ["-include", header]
 

@@ -544,7 +544,9 @@ class VerifierService:
               "seconds": ev.get("seconds", 0.0),
               "fast": bool(ev.get("fast")),
               "split": bool(ev.get("split")),
+              "lean": bool(ev.get("lean")),
               "pch": bool(ev.get("pch")),
+              "lean_error": ev.get("lean_error", "")[:300],
               "split_error": ev.get("split_error", "")[:300],
               "fast_error": ev.get("fast_error", "")[:300],
             }

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import re
 
+from verifier.pch import FULL_INCLUDES
+
 _UNSUPPORTED = re.compile(
   r"\btemplate\b|\bnamespace\b|^\s*#\s*(?:if|ifdef|ifndef|elif|else|endif)\b|__constant__|"
   r"\bAT_DISPATCH|extern\s+\"C\"|cudaLaunchKernel|\bauto\s+\w+\s*=\s*\[|__managed__",
@@ -41,6 +43,17 @@ _DEVICE_ONLY_INCLUDES = re.compile(
   r"curand_kernel|cooperative_groups|mma\.h|cub/|cuda/|cuda_pipeline|cute/|cutlass/"
 )
 _TORCH_INCLUDE = re.compile(r"#\s*include\s*[<\"](?:torch|ATen|c10|pybind11)/")
+_EXTENSION_INCLUDE = re.compile(r"#[ \t]*include[ \t]*[<\"]torch/extension\.h[>\"]")
+
+# What a split main.cpp needs when its host code only uses tensors, ATen ops and torch:: factories: ATen and the
+# torch:: factories (torch/types.h), pybind11 with torch's tensor casters (utils/pybind.h) and
+# ``torch::wrap_pybind_function`` (Exceptions.h), which load_inline's bindings call. torch/extension.h adds the
+# whole C++ frontend (nn, optim, data, jit, serialize), whose header-level instantiations every translation
+# unit pays for again even on a PCH: about 30 % of the compile (BUILD_NOTES, "lean header").
+LEAN_TORCH_INCLUDES = "\n".join(
+  f"#include <{h}>"
+  for h in ("torch/types.h", "torch/csrc/utils/pybind.h", "torch/csrc/Exceptions.h")
+)
 
 LAUNCH_HELPER = r"""
 #include <cuda_runtime.h>
@@ -206,8 +219,11 @@ def _matching_paren(text: str, start: int) -> int:
   return -1
 
 
-def split_sources(cpp_sources: str, cuda_sources: str) -> tuple[str, str] | None:
-  """Returns (host code for cpp_sources, torch-free cuda_sources), or None outside the supported subset."""
+def split_sources(
+  cpp_sources: str, cuda_sources: str, lean: bool = False
+) -> tuple[str, str] | None:
+  """Returns (host code for cpp_sources, torch-free cuda_sources), or None outside the supported subset.
+  ``lean``: the host code includes :data:`LEAN_TORCH_INCLUDES` wherever it included torch/extension.h."""
   cuda = _strip_comments(cuda_sources)
   if _UNSUPPORTED.search(cuda):
     return None
@@ -251,7 +267,7 @@ def split_sources(cpp_sources: str, cuda_sources: str) -> tuple[str, str] | None
   decls = [f"void {name}({params});" for name, params in kernels.items()]
   new_cpp = "\n".join(
     [
-      "#include <torch/extension.h>",
+      FULL_INCLUDES,
       LAUNCH_HELPER,
       *host_pre,
       cpp_sources,
@@ -260,18 +276,20 @@ def split_sources(cpp_sources: str, cuda_sources: str) -> tuple[str, str] | None
       rewritten,
     ]
   )
+  if lean:
+    new_cpp = _EXTENSION_INCLUDE.sub(LEAN_TORCH_INCLUDES, new_cpp)
   new_cuda = "\n".join(["#include <cuda_runtime.h>", *dev_pre, *shared, *device])
   return new_cpp, new_cuda
 
 
-def split_variant(params: dict) -> dict | None:
-  """load_inline parameters for the split build, or None."""
+def split_variant(params: dict, lean: bool = False) -> dict | None:
+  """load_inline parameters for the split build, or None (``lean``: see :func:`split_sources`)."""
   cuda, cpp = params.get("cuda_sources"), params.get("cpp_sources") or ""
   if not cuda:
     return None
   cuda_text = cuda if isinstance(cuda, str) else "\n".join(cuda)
   cpp_text = cpp if isinstance(cpp, str) else "\n".join(cpp)
-  res = split_sources(cpp_text, cuda_text)
+  res = split_sources(cpp_text, cuda_text, lean)
   if res is None:
     return None
   out = dict(params)
@@ -281,6 +299,15 @@ def split_variant(params: dict) -> dict | None:
     host_opt_level(params.get("extra_cuda_cflags"))
   ]
   return out
+
+
+_MAIN_CPP_ERROR = re.compile(r"main\.cpp:\d+:\d+: (?:fatal )?error:")
+
+
+def lean_may_have_failed(error: str) -> bool:
+  """Whether a failed lean split build may build with torch/extension.h: g++ reported an error in main.cpp
+  (something of the C++ frontend the lean headers leave out). Errors only in the kernels' file would repeat."""
+  return bool(_MAIN_CPP_ERROR.search(error))
 
 
 def host_opt_level(extra_cuda_cflags) -> str:

@@ -233,3 +233,56 @@ def test_dice_known_good_solutions(gpu_service, tmp_path):
   print("strict:", dict(strict), "kernelbench:", dict(kb))
   assert strict["INTERNAL_ERROR"] == 0 and kb["INTERNAL_ERROR"] == 0
   assert kb["OK"] >= 60, dict(kb)
+
+
+_TWICE_KERNEL = r"""
+#include <torch/extension.h>
+__global__ void twice_kernel(const float* x, float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = 2.f * x[i];
+}
+"""
+_TWICE_HOST = {
+  # tensors and torch:: factories only: main.cpp builds on the lean torch headers
+  True: """
+torch::Tensor twice(torch::Tensor x) {
+    auto y = torch::empty_like(x);
+    int n = x.numel();
+    twice_kernel<<<(n + 255) / 256, 256>>>(x.data_ptr<float>(), y.data_ptr<float>(), n);
+    return y;
+}
+""",
+  # the C++ frontend (torch::nn) is not in the lean headers: g++ fails in main.cpp, extension.h builds it
+  False: """
+torch::Tensor twice(torch::Tensor x) {
+    auto r = torch::nn::functional::relu(x);
+    auto y = torch::empty_like(r);
+    int n = r.numel();
+    twice_kernel<<<(n + 255) / 256, 256>>>(r.data_ptr<float>(), y.data_ptr<float>(), n);
+    return y;
+}
+""",
+}
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean_headers", "extension_h_fallback"])
+def test_split_build_on_lean_torch_headers_falls_back_to_extension_h(tmp_path, lean):
+  from torch.utils.cpp_extension import load_inline
+
+  from verifier.build_cache import CachedLoadInline
+
+  cache = CachedLoadInline(load_inline, str(tmp_path), split=True, use_pch=False)
+  module = cache(
+    name=f"twice_{'lean' if lean else 'full'}",
+    cpp_sources="torch::Tensor twice(torch::Tensor x);",
+    cuda_sources=_TWICE_KERNEL + _TWICE_HOST[lean],
+    functions=["twice"],
+  )
+  event = cache.events[-1]
+  assert event["split"] and event["lean"] is lean and not event["error"], event
+  if lean:
+    assert "lean_error" not in event
+  else:
+    assert "main.cpp" in event["lean_error"] and "nn" in event["lean_error"], event["lean_error"]
+  x = torch.randn(4099, device="cuda")
+  torch.testing.assert_close(module.twice(x), 2 * (x if lean else x.relu()))

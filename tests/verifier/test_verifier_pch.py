@@ -149,3 +149,25 @@ def test_the_service_warms_the_pch_of_flagless_builds_before_any_request(tmp_pat
   assert r.failure_kind is FailureKind.OK, r.reason
   assert build["pch"] is True, build
   assert pch_builds == [flagless]
+
+
+def test_the_lean_and_the_full_torch_headers_get_their_own_pch(tmp_path):
+  from verifier.build_cache import _leading_torch_includes
+  from verifier.split_build import LEAN_TORCH_INCLUDES, split_variant
+
+  cuda = "#include <torch/extension.h>\n__global__ void k(float* p) { p[0] = 1; }\n" + (
+    "torch::Tensor f(torch::Tensor x) { k<<<1, 1>>>(x.data_ptr<float>()); return x; }\n"
+  )
+  params = {"name": "e", "cpp_sources": "torch::Tensor f(torch::Tensor x);", "cuda_sources": cuda}
+  assert _leading_torch_includes(params) == pch.FULL_INCLUDES  # stock: load_inline adds extension.h
+  assert _leading_torch_includes(split_variant(params)) == pch.FULL_INCLUDES
+  assert _leading_torch_includes(split_variant(params, lean=True)) == LEAN_TORCH_INCLUDES
+  assert _leading_torch_includes(dict(params, no_implicit_headers=True)) is None
+  dirs = {
+    inc: pch.pch_dir(str(tmp_path), [], None, True, {"t": 1}, inc)
+    for inc in (pch.FULL_INCLUDES, LEAN_TORCH_INCLUDES)
+  }
+  assert len(set(dirs.values())) == 2
+  for inc, d in dirs.items():
+    (flag, header) = pch.include_flags(d, inc)
+    assert flag == "-include" and open(header).read() == f"#pragma once\n{inc}\n"

@@ -126,3 +126,38 @@ def test_split_host_code_keeps_the_optimisation_level_nvcc_would_give_it():
   }
   out = split_variant(params)
   assert out["extra_cflags"] == ["-O3"] and out["extra_cuda_cflags"] == ["-O3", "--use_fast_math"]
+
+
+def test_lean_split_includes_the_lean_torch_headers_wherever_extension_h_was():
+  from verifier.split_build import LEAN_TORCH_INCLUDES
+
+  cpp = "#include <torch/extension.h>\n" + CPP
+  full_host, full_device = split_sources(cpp, CUDA)
+  lean_host, lean_device = split_sources(cpp, CUDA, lean=True)
+  assert (
+    full_host.count("#include <torch/extension.h>") == 3
+  )  # main.cpp's, the candidate's, the .cu's
+  assert "torch/extension.h" not in lean_host
+  assert (
+    lean_host.startswith(LEAN_TORCH_INCLUDES + "\n") and lean_host.count(LEAN_TORCH_INCLUDES) == 3
+  )
+  assert lean_device == full_device  # only the host half changes
+  assert lean_host.replace(LEAN_TORCH_INCLUDES, "#include <torch/extension.h>") == full_host
+  v = split_variant({"name": "x", "cpp_sources": CPP, "cuda_sources": CUDA}, lean=True)
+  assert v["cpp_sources"] == split_sources(CPP, CUDA, lean=True)[0]
+
+
+def test_a_failed_lean_build_is_retried_with_extension_h_only_when_main_cpp_failed():
+  from verifier.split_build import lean_may_have_failed
+
+  ninja = "FAILED: main.o\nc++ -MMD ... -c /tmp/b/main.cpp -o main.o\n"
+  assert lean_may_have_failed(
+    ninja + "/tmp/b/main.cpp:40:12: error: 'torch::nn' has not been declared\n"
+  )
+  assert lean_may_have_failed(
+    ninja + "/tmp/b/main.cpp:3:10: fatal error: torch/nn.h: No such file or directory\n"
+  )
+  assert not lean_may_have_failed(
+    'FAILED: cuda.cuda.o\n/tmp/b/cuda.cu(12): error: identifier "y" is undefined\n'
+  )
+  assert not lean_may_have_failed("/tmp/b/main.cpp:40:12: warning: unused variable 'n'\n")
