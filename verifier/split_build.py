@@ -76,6 +76,46 @@ static inline cudaError_t dice_launch(void (*k)(P...), dim3 g, dim3 b, size_t s,
 """
 
 
+def _cuda_host_min_max() -> str:
+  """The host ``min``/``max`` overloads nvcc gives host code (CUDA's ``crt/math_functions.hpp``: integers
+  compared after conversion to the result type, floating point through fmin/fmax), which g++ lacks: a
+  ``min(256, n)`` in a launch wrapper then compiles in main.cpp as it did in the .cu. Non-templates, so they
+  win over ``std::min`` under ``using namespace std`` exactly as CUDA's do."""
+  u, ul, ll, ull = "unsigned int", "unsigned long int", "long long int", "unsigned long long int"
+  integer = [
+    ("int", "int", "int"),
+    (u, u, u),
+    (u, "int", u),
+    (u, u, "int"),
+    ("long int", "long int", "long int"),
+    (ul, ul, ul),
+    (ul, "long int", ul),
+    (ul, ul, "long int"),
+    (ll, ll, ll),
+    (ull, ull, ull),
+    (ull, ll, ull),
+    (ull, ull, ll),
+  ]
+  floating = [("float", "float", "float"), ("double", "double", "double")]
+  floating += [("double", "float", "double"), ("double", "double", "float")]
+  lines = ["#include <cmath>"]
+  for name, less in (("min", "y < x"), ("max", "x < y")):
+    for r, a, b in integer:
+      lines.append(
+        f"static inline {r} {name}(const {a} a, const {b} b) "
+        f"{{ {r} x = static_cast<{r}>(a), y = static_cast<{r}>(b); return {less} ? y : x; }}"
+      )
+    for r, a, b in floating:
+      lines.append(
+        f"static inline {r} {name}(const {a} a, const {b} b) "
+        f"{{ return std::f{name}(static_cast<{r}>(a), static_cast<{r}>(b)); }}"
+      )
+  return "\n".join(lines) + "\n"
+
+
+CUDA_HOST_MIN_MAX = _cuda_host_min_max()
+
+
 def _string_end(text: str, start: int) -> int:
   """Index just past the string or char literal that opens at ``start`` (escapes skipped)."""
   quote, j = text[start], start + 1
@@ -269,6 +309,7 @@ def split_sources(
     [
       FULL_INCLUDES,
       LAUNCH_HELPER,
+      CUDA_HOST_MIN_MAX,
       *host_pre,
       cpp_sources,
       *shared,

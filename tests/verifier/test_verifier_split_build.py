@@ -161,3 +161,38 @@ def test_a_failed_lean_build_is_retried_with_extension_h_only_when_main_cpp_fail
     'FAILED: cuda.cuda.o\n/tmp/b/cuda.cu(12): error: identifier "y" is undefined\n'
   )
   assert not lean_may_have_failed("/tmp/b/main.cpp:40:12: warning: unused variable 'n'\n")
+
+
+@pytest.mark.skipif(
+  shutil.which("g++") is None, reason="needs g++ (the CPU verifier builds with it)"
+)
+def test_host_code_gets_cuda_min_max_with_nvcc_semantics(tmp_path):
+  """A launch wrapper's ``min(256, n)`` compiled under nvcc before the split; g++ has no such overloads, so
+  the host half carries CUDA's (crt/math_functions.hpp), which beat std::min as CUDA's do."""
+  from verifier.split_build import CUDA_HOST_MIN_MAX
+
+  host, _ = split_sources(CPP, CUDA)
+  assert CUDA_HOST_MIN_MAX in host
+  program = (
+    CUDA_HOST_MIN_MAX
+    + r"""
+#include <algorithm>
+#include <cstdio>
+#include <limits>
+using namespace std;
+int main() {
+  int n = 100;
+  float nan = std::numeric_limits<float>::quiet_NaN();
+  printf("%d %d %u %ld %.1f %.1f %.1f %lld\n", min(256, n), max(256, n), min(-1, 2u), max(3L, 7L),
+         min(nan, 1.f), max(1.0f, 2.5), min(2.5, 1.0f), max(-5LL, -9LL));
+  return 0;
+}
+"""
+  )
+  (tmp_path / "m.cpp").write_text(program)
+  exe = tmp_path / "m"
+  p = subprocess.run(["g++", "-O0", str(tmp_path / "m.cpp"), "-o", str(exe)], capture_output=True)
+  assert p.returncode == 0, p.stderr.decode()[-2000:]
+  out = subprocess.run([str(exe)], capture_output=True, text=True).stdout.split()
+  # int, int, CUDA's umin(-1 -> 4294967295, 2), long, fminf ignores NaN, double, double, long long
+  assert out == ["100", "256", "2", "7", "1.0", "2.5", "1.0", "-5"]
