@@ -227,11 +227,12 @@ class CachedLoadInline:
         event.update(split=True, lean=lean)
         return module, True
       except Exception as e:  # noqa: BLE001 - fall back to the next build
-        event["lean_error" if lean else "split_error"] = str(e)[:2000]
+        # the compiler's message ends the error; its head is ninja's command lines
+        event["lean_error" if lean else "split_error"] = str(e)[-2000:]
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         if not (lean and lean_may_have_failed(str(e))):
-          event.setdefault("split_error", str(e)[:2000])
+          event.setdefault("split_error", str(e)[-2000:])
           break
     return None, False
 

@@ -546,8 +546,8 @@ class VerifierService:
               "split": bool(ev.get("split")),
               "lean": bool(ev.get("lean")),
               "pch": bool(ev.get("pch")),
-              "lean_error": ev.get("lean_error", "")[:300],
-              "split_error": ev.get("split_error", "")[:300],
+              "lean_error": ev.get("lean_error", "")[-300:],
+              "split_error": ev.get("split_error", "")[-300:],
               "fast_error": ev.get("fast_error", "")[:300],
             }
           )
