@@ -392,6 +392,15 @@ class VerifierService:
       self.admission.learned(ref_key, peak, total, pool.cfg.slots)
     if units < pool.cfg.slots and _oom(outcome):
       self.metrics.oom_retries += 1
+      log.info(
+        "request %s: out of GPU memory on %d of %d slots (%s; reference peak %.1f GiB); "
+        "again on the whole device",
+        job.job_id,
+        units,
+        pool.cfg.slots,
+        "first run of its reference" if owner else "estimate known",
+        peak / 2**30,
+      )
       outcome = await run_once(pool, job, pool.cfg.slots, ref_key)
     return outcome
 
