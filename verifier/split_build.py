@@ -9,7 +9,9 @@ rewrite moves everything that touches torch out of the ``.cu`` into ``main.cpp``
   constants, non-torch includes and macros, which go to both files);
 - host code goes to ``cpp_sources`` with a plain declaration of each kernel (the nvcc host stub has the same
   mangled name) and every ``k<<<g, b[, smem[, stream]]>>>(args)`` rewritten to a ``cudaLaunchKernel`` call;
-- ``no_implicit_headers=True`` keeps torch out of ``cuda.cu``; ``main.cpp`` includes ``torch/extension.h`` itself.
+- ``no_implicit_headers=True`` keeps torch out of ``cuda.cu``; ``main.cpp`` includes the torch headers itself: first
+  the lean set (:data:`LEAN_TORCH_INCLUDES`), ``torch/extension.h`` when that fails in ``main.cpp``; it also gets
+  the host ``min``/``max`` that nvcc gave the wrappers (:data:`CUDA_HOST_MIN_MAX`).
 
 Anything outside a conservative subset (templates, namespaces, conditional compilation, ``__constant__`` or
 ``__device__`` variables, AT_DISPATCH, ``extern "C"``) returns None and the caller builds normally. A failed
