@@ -48,7 +48,8 @@ if has tests; then
   stamp "verifier GPU tests: exit $? ($(tail -1 "$W/verifier/gpu_tests.log"))"
 fi
 if has rates; then
-  RATES_S=${RATES_S:-200}  # all three rates need about 450 s (session 3: budget 400 s)
+  RATES_S=${RATES_S:-440}  # all three rates: ~200 s of phases + the service start and the single build's PCH; the
+  # kernelbench re-run of DICE's non-OK candidates (~80 s) comes last, only if budget is left (session 8)
   timeout "$RATES_S" python3 -m verifier bench --device cuda --phases "${RATE_PHASES:-single,dice_e2e,gpu_level1}" \
     --candidates 99 --level1 24 --level1-samples 4 --timed 8 --budget-s $((RATES_S - 20)) \
     --out "$W/verifier/rates.json" \
