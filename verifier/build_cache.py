@@ -24,6 +24,7 @@ import time
 import uuid
 
 from verifier import pch
+from verifier.split_build import LEAN_TORCH_INCLUDES, lean_may_have_failed, split_variant
 
 # Arguments that change what is built. verbose/build_directory/keep_intermediates do not.
 _KEY_ARGS = (
@@ -43,7 +44,6 @@ _KEY_ARGS = (
 
 
 FAST_BUILD_VERSION = 1
-_TORCH_EXTENSION_INCLUDE = re.compile(r"#\s*include\s*[<\"]torch/extension\.h[>\"]")
 
 
 def fast_variant(params: dict) -> dict | None:
@@ -64,10 +64,10 @@ def fast_variant(params: dict) -> dict | None:
   cpp_text = cpp if isinstance(cpp, str) else "\n".join(cpp)
   out = dict(params)
   changed = False
-  if _TORCH_EXTENSION_INCLUDE.search(cuda_text) and not re.search(
+  if pch.EXTENSION_INCLUDE.search(cuda_text) and not re.search(
     r"\bpy::|pybind11|PYBIND11", cuda_text
   ):
-    out["cuda_sources"] = _TORCH_EXTENSION_INCLUDE.sub("#include <torch/types.h>", cuda_text)
+    out["cuda_sources"] = pch.EXTENSION_INCLUDE.sub("#include <torch/types.h>", cuda_text)
     changed = True
   if "{" not in cpp_text:
     out["extra_cflags"] = list(params.get("extra_cflags") or []) + ["-O0"]
@@ -216,8 +216,6 @@ class CachedLoadInline:
   def _build_split(self, params: dict, event: dict, tmp: str):
     """The split build (split_build.py), on the lean torch headers first; torch/extension.h again only when
     g++ failed in main.cpp. Returns (module, built); a failure leaves ``tmp`` empty for the next build."""
-    from verifier.split_build import lean_may_have_failed, split_variant
-
     for lean in (True, False):
       split = split_variant(params, lean=lean)
       if split is None:
@@ -274,8 +272,6 @@ def _leading_torch_includes(params: dict) -> str | None:
   """The torch includes main.cpp begins with, or None: torch/extension.h unless ``no_implicit_headers``, else
   what the sources begin with (the split build's full or lean set). Only those may be force-included from a
   PCH."""
-  from verifier.split_build import LEAN_TORCH_INCLUDES
-
   if not params.get("no_implicit_headers"):
     return pch.FULL_INCLUDES
   cpp = params.get("cpp_sources") or ""

@@ -33,6 +33,9 @@ import uuid
 HEADER = "dice_torch.h"
 PCH_VERSION = 1
 FULL_INCLUDES = "#include <torch/extension.h>"  # what a stock load_inline main.cpp starts with
+EXTENSION_INCLUDE = re.compile(
+  r"#\s*include\s*[<\"]torch/extension\.h[>\"]"
+)  # that include, however spaced
 
 # A tiny extension with no extra flags: building it reports the PCH request of flag-less builds, the flag set
 # of DICE's solutions and of KernelBench's one-shot example (its ``extra_cflags=[""]`` adds nothing), so the

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 
-from verifier.pch import FULL_INCLUDES
+from verifier.pch import EXTENSION_INCLUDE, FULL_INCLUDES
 
 _UNSUPPORTED = re.compile(
   r"\btemplate\b|\bnamespace\b|^\s*#\s*(?:if|ifdef|ifndef|elif|else|endif)\b|__constant__|"
@@ -45,7 +45,6 @@ _DEVICE_ONLY_INCLUDES = re.compile(
   r"curand_kernel|cooperative_groups|mma\.h|cub/|cuda/|cuda_pipeline|cute/|cutlass/"
 )
 _TORCH_INCLUDE = re.compile(r"#\s*include\s*[<\"](?:torch|ATen|c10|pybind11)/")
-_EXTENSION_INCLUDE = re.compile(r"#[ \t]*include[ \t]*[<\"]torch/extension\.h[>\"]")
 
 # What a split main.cpp needs when its host code only uses tensors, ATen ops and torch:: factories: ATen and the
 # torch:: factories (torch/types.h), pybind11 with torch's tensor casters (utils/pybind.h) and
@@ -320,7 +319,7 @@ def split_sources(
     ]
   )
   if lean:
-    new_cpp = _EXTENSION_INCLUDE.sub(LEAN_TORCH_INCLUDES, new_cpp)
+    new_cpp = EXTENSION_INCLUDE.sub(LEAN_TORCH_INCLUDES, new_cpp)
   new_cuda = "\n".join(["#include <cuda_runtime.h>", *dev_pre, *shared, *device])
   return new_cpp, new_cuda
 
