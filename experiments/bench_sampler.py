@@ -55,6 +55,7 @@ from dice_jax.diffusion import engine as engine_lib
 from dice_jax.diffusion import memory, sampler, schedule
 from dice_jax.model import AttentionSpec, KVCache, Transformer, get_config
 from dice_jax.model import flash_decode
+from dice_jax.model.transformer import DecodeWeights
 from experiments import trace_summary
 
 FLAGS = flags.FLAGS
@@ -281,11 +282,23 @@ class Bench:
       h, _ = m(tok, pos, spec, cache=cache, update_cache=False, return_hidden=True)
       return m.logits_from_hidden(h)
 
+    # The same split weights with q/k/v and gate/up kept apart (before session 9): XLA's dot merger
+    # then concatenates them on every forward.
+    @jax.jit
+    def split_unfused(state):
+      m, dt = nnx.merge(graphdef, state), mcfg.compute_dtype
+      stacked = m.layers.weights()
+      layers = tuple(
+        {n: a[i].astype(dt) for n, a in stacked.items()} for i in range(mcfg.num_layers)
+      )
+      return DecodeWeights(layers=layers, head=m.decode_weights().head)
+
     res = dict(run="breakdown", rows=rows, fill=fill, cap=cap)
     variants = (
       ("fwd_ms", fwd, None, (state, cache)),
       ("fwd_dsf_ms", fwd, DSF, (state, cache)),
       ("fwd_unrolled_ms", fwd_unrolled, None, (state, cache)),
+      ("fwd_presplit_unfused_ms", fwd_presplit, None, (state, split_unfused(state), cache)),
       ("fwd_presplit_ms", fwd_presplit, None, (state, weights, cache)),
     )
     for label, fn, opts, args in variants:
