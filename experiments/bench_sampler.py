@@ -19,6 +19,8 @@ Runs (in the order given; each writes rows to DIR/results.jsonl and rewrites DIR
   sweep         the cache attention (kernel + split merge, all layers) over `DecodeTiles`
                 settings; picks the fastest.
   best          `static` again with the picked tiles and compile options (skipped if unchanged).
+  options       `static` once per named set of XLA compile options in `--option_sets` (JSON), each
+                with `vs_static`: e.g. command buffers (CUDA graphs) for the decode loops.
   dynamic       `static` with low_confidence_dynamic (threshold 0.9) on the model with its LM head
                 scaled by `--lm_head_scale`, so that confidences pass the threshold; ragged rows
                 (each moves to its next block as soon as its own is decided).
@@ -92,6 +94,18 @@ flags.DEFINE_list(
   "Measurements, in order.",
 )
 flags.DEFINE_string("attention_impl", "flash", "Model attention implementation.")
+flags.DEFINE_string(
+  "option_sets",
+  json.dumps(
+    {
+      "cmdbuf_off": {"xla_gpu_enable_command_buffer": ""},
+      "cmdbuf_while": {
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+      },
+    }
+  ),
+  "JSON {name: {XLA option: value}}: the compile options the `options` run tries.",
+)
 
 DSF = {"xla_gpu_enable_dynamic_slice_fusion": True}
 
@@ -428,6 +442,12 @@ class Bench:
       dataclasses.replace(d, num_warps=8),
       dataclasses.replace(d, num_stages=3),
       dataclasses.replace(d, dynamic_loop=not d.dynamic_loop),
+      dataclasses.replace(d, split=768),
+      dataclasses.replace(d, split=256),
+      dataclasses.replace(d, split=512, block_k=32),
+      dataclasses.replace(d, num_warps=2),
+      dataclasses.replace(d, num_stages=4),
+      dataclasses.replace(d, split=768, num_stages=3),
     ]
     best = None
     for tiles in settings:
@@ -657,6 +677,15 @@ def main(argv):
           bench.static("static_masked_loop", FLAGS.new_tokens)
       elif run == "static_fp8":  # the static run on a float8 K/V cache (half the cache reads)
         bench.static("static_fp8", FLAGS.new_tokens, kv_cache_dtype="float8_e4m3fn")
+      elif run == "options":  # static under each named set of compile options
+        picked = bench.options
+        for label, opts in json.loads(FLAGS.option_sets).items():
+          bench.options = dict(picked, **opts)
+          try:
+            bench.static(f"static[{label}]", FLAGS.new_tokens)
+          except Exception as e:  # report and go on
+            bench.record(dict(run=f"static[{label}]", failed=f"{type(e).__name__}: {str(e)[:800]}"))
+        bench.options = picked
       elif run == "best":
         if bench.tiles != flash_decode.DecodeTiles() or bench.options:
           bench.static("best", FLAGS.new_tokens)
