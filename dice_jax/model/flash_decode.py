@@ -294,9 +294,12 @@ def cache_part(
   return o, m + jnp.log(total)
 
 
-def cached_attention(q, k, v, layer, spec, positions, seg, blk, cache, *, interpret=None):
+def cached_attention(
+  q, k, v, layer, spec, positions, seg, blk, cache, *, interpret=None, cache_part_fn=None
+):
   """`transformer.cached_attention` for layer `layer` of `cache` (its stacked `[L,B,S,K,H]` K/V
-  are read in place): q `[B,T,N,H]`, k/v `[B,T,K,H]` (new tokens) -> `[B,T,N,H]`."""
+  are read in place): q `[B,T,N,H]`, k/v `[B,T,K,H]` (new tokens) -> `[B,T,N,H]`.
+  `cache_part_fn`: another kernel with `cache_part`'s contract (`flash_tpu.cache_part` on TPU)."""
   from dice_jax.model import masks as masks_lib  # local: avoids an import cycle
 
   if spec.kind == "block_diffusion":
@@ -323,7 +326,8 @@ def cached_attention(q, k, v, layer, spec, positions, seg, blk, cache, *, interp
     raise ValueError(
       f"flash_decode: cache dtype {cache.k.dtype} is neither the queries' {q.dtype} nor float8_e4m3fn"
     )
-  o_c, lse_c = cache_part(
+  part = cache_part if cache_part_fn is None else cache_part_fn
+  o_c, lse_c = part(
     q_rows,
     cache.k,
     cache.v,

@@ -135,7 +135,9 @@ def _fwd_kernel(
 
   @pl.when(live_ref[_flat(b, i, j, nq, nk)] != 0)
   def _step():
-    s = lax.dot_general(q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32) * scale
+    q = q_ref[...]
+    k = k_ref[...].astype(q.dtype)  # a float8 cache is widened tile by tile
+    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale
     mask = _tile_mask(qseg_ref, qrank_ref, kvec_ref, block_k)
     s = jnp.where(mask, s, MASK_VALUE)
     m_prev, l_prev = m_sc[...], l_sc[...]
@@ -144,7 +146,7 @@ def _fwd_kernel(
     alpha = jnp.exp(m_prev - m_next)
     l_sc[...] = alpha * l_prev + jnp.sum(p, axis=1)[:, None]
     m_sc[...] = m_next
-    v = v_ref[...]
+    v = v_ref[...].astype(q.dtype)
     pv = lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     acc_sc[...] = acc_sc[...] * _lane_tile(alpha, h) + pv
 
@@ -467,23 +469,30 @@ def _fa_bwd(scale, block_q, block_k, interpret, res, do):
 flash_attention.defvjp(_fa_fwd, _fa_bwd)
 
 
-def _tile(size, length, what):
-  t = min(size, length)
-  if length % t or (t % SUBLANES if what == "q" else t % LANES and t != length):
+def _tile(size, length, what, interpret):
+  """The largest tile <= `size` dividing `length`: a multiple of 128 for k tiles on TPU (lanes),
+  of 8 otherwise (sublanes); the whole length when it fits."""
+  if length <= size:
+    return length
+  step = LANES if what == "k" and not interpret else SUBLANES
+  t = size - size % step
+  while t >= step and length % t:
+    t -= step
+  if t < step:
     raise ValueError(
-      f"flash_tpu: {what} length {length} needs a tile dividing it "
-      f"({'a multiple of 8' if what == 'q' else 'a multiple of 128'}); tried {t}"
+      f"flash_tpu: {what} length {length} has no tile <= {size} that is a multiple "
+      f"of {step} dividing it"
     )
   return t
 
 
 def attention(q, k, v, spec, positions, *, block_q=512, block_k=512, interpret=False):
   """Flash attention for an `AttentionSpec` on TPU (`attention_impl='flash'` there): the
-  `flash_bd.attention` contract. Tiles are clipped to the input length, which they must divide."""
+  `flash_bd.attention` contract. Tiles are the largest <= `block_q`/`block_k` dividing the length."""
   from dice_jax.model import flash_bd  # the mask encoding (pure functions, no Triton needed)
 
   s = q.shape[1]
-  bq, bk = _tile(block_q, s, "q"), _tile(block_k, s, "k")
+  bq, bk = _tile(block_q, s, "q", interpret), _tile(block_k, s, "k", interpret)
   seg, rank, klo = flash_bd.mask_vectors(spec, positions)
   fn = functools.partial(
     flash_attention, scale=q.shape[-1] ** -0.5, block_q=bq, block_k=bk, interpret=interpret

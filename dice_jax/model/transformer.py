@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dice_jax.model import masks as masks_lib
+from dice_jax.model import platform as platform_lib
 from dice_jax.model.config import ModelConfig
 from dice_jax.model.kv_cache import KVCache
 
@@ -319,6 +320,13 @@ def dense_attention(q, k, v, mask):
 
 
 def self_attention(q, k, v, spec, positions, *, impl="dense", flash_tiles=None):
+  """Attention of a cache-free forward by `impl` (`platform.check` refuses one the target
+  platform has no kernel for). `flash` on TPU is `flash_tpu` (its own tiles), else `flash_bd`."""
+  tgt = platform_lib.check(impl, q.shape[1], k.shape[1])
+  if impl == "flash" and tgt.platform == "tpu":
+    from dice_jax.model import flash_tpu
+
+    return flash_tpu.attention(q, k, v, spec, positions, interpret=tgt.interpret)
   if impl == "flash":  # mask-aware Pallas kernel: skips masked tiles, no [T, T] mask in memory
     from dice_jax.model import flash_bd
 
@@ -348,9 +356,26 @@ def cached_attention(
   """
   if spec.kind in ("block_diffusion", "trace"):
     raise ValueError(f"{spec.kind} attention is a training layout; it takes no KV cache")
+  tgt = platform_lib.check(impl, q.shape[1], cache.max_len + k.shape[1])
   if impl == "flash":
     from dice_jax.model import flash_decode
 
+    if tgt.platform == "tpu":
+      from dice_jax.model import flash_tpu
+
+      return flash_decode.cached_attention(
+        q,
+        k,
+        v,
+        layer,
+        spec,
+        positions,
+        seg,
+        blk,
+        cache,
+        interpret=tgt.interpret,
+        cache_part_fn=flash_tpu.cache_part,
+      )
     return flash_decode.cached_attention(q, k, v, layer, spec, positions, seg, blk, cache)
   filled = jnp.arange(cache.max_len)[None, :] < cache.length[:, None]  # [B,S]
   if spec.kind == "causal":

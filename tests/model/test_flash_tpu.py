@@ -1,0 +1,149 @@
+"""The Pallas TPU attention kernels (interpret mode on CPU) against the dense reference on the
+masks' brute-force cases: values and gradients in fp32, padding, packed segments, prompts that end
+inside a block, TraceRL rounds; the cache kernel of the sampler; platform selection and refusal."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_masks import (
+  _masked_attention_np,
+  _trace_layout,
+  brute_block_diffusion,
+  brute,
+  brute_trace,
+)
+
+from dice_jax.model import flash_bd, flash_tpu, masks, platform, transformer
+from dice_jax.model.kv_cache import KVCache
+
+H = 128  # the TPU lane width: the kernel's head width
+
+
+def _packed(t, block=4):
+  """Two rows: three segments whose responses start at 3, 5, 2 (prompts end inside a block),
+  then padding; and one segment filling the row with its response at 6."""
+  seg, pos, start = (np.zeros((2, t), np.int32) for _ in range(3))
+  for r, lens in enumerate([(t // 2 - 3, t // 4, t // 8), (t,)]):
+    at = 0
+    for i, n in enumerate(lens):
+      sl = slice(at, at + n)
+      seg[r, sl], pos[r, sl], start[r, sl] = i + 1, np.arange(n), (3, 5, 2)[i] if r == 0 else 6
+      at += n
+  blk = np.floor_divide(pos - start, block)
+  return seg, pos, blk
+
+
+def _qkv(b, s, n, k, seed=0):
+  rng = np.random.default_rng(seed)
+  return tuple(jnp.asarray(rng.normal(size=(b, s, m, H)), jnp.float32) for m in (n, k, k))
+
+
+def _check_values_and_grads(q, k, v, mask, valid, fn, seed=1):
+  """fn vs the dense path on `mask`: live outputs, then the gradients of q, k, v (fp32)."""
+  want = _masked_attention_np(*(np.asarray(x, np.float64) for x in (q, k, v)), np.asarray(mask))
+  got = np.asarray(fn(q, k, v))
+  assert np.all(np.isfinite(got))
+  np.testing.assert_allclose(got[valid], want[valid], atol=2e-5)
+  ct = jnp.asarray(np.random.default_rng(seed).normal(size=q.shape) * valid[..., None, None])
+  ct = ct.astype(jnp.float32)
+  ref = lambda *a: (transformer.dense_attention(*a, jnp.asarray(mask)) * ct).sum()
+  imp = lambda *a: (fn(*a) * ct).sum()
+  for g_ref, g_imp in zip(jax.grad(ref, (0, 1, 2))(q, k, v), jax.grad(imp, (0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(np.asarray(g_imp), np.asarray(g_ref), atol=3e-5)
+
+
+@pytest.mark.parametrize("kind", ["block_diffusion", "block_causal"])
+def test_tpu_kernel_matches_dense_on_the_brute_force_masks(kind):
+  t = 64
+  seg, pos, blk = _packed(t)
+  if kind == "block_diffusion":
+    spec = masks.AttentionSpec.block_diffusion(4, jnp.asarray(seg), jnp.asarray(blk))
+    positions = jnp.asarray(np.concatenate([pos, pos], 1))
+    mask, valid = brute_block_diffusion(seg, blk), np.concatenate([seg, seg], 1) > 0
+  else:
+    spec = masks.AttentionSpec.block_causal(4, jnp.asarray(seg), jnp.asarray(blk))
+    positions, mask, valid = jnp.asarray(pos), brute(kind, pos, seg, blk), seg > 0
+  q, k, v = _qkv(2, positions.shape[1], 2, 1)
+  fn = lambda q, k, v: flash_tpu.attention(
+    q, k, v, spec, positions, block_q=32, block_k=32, interpret=True
+  )
+  _check_values_and_grads(q, k, v, mask, valid, fn)
+
+
+def test_tpu_kernel_matches_dense_on_the_trace_mask():
+  rows, seg, blk, rnd, pos = _trace_layout(np.random.default_rng(7), packed=True, length=64)
+  spec = masks.AttentionSpec.trace(4, *map(jnp.asarray, (seg, blk, rnd)))
+  q, k, v = _qkv(2, 64, 2, 1, seed=3)
+  fn = lambda q, k, v: flash_tpu.attention(
+    q, k, v, spec, jnp.asarray(pos), block_q=16, block_k=32, interpret=True
+  )
+  _check_values_and_grads(q, k, v, brute_trace(rows), seg > 0, fn)
+
+
+def test_tile_plan_covers_every_visible_pair_and_skips_the_dead_tiles():
+  """live = 1 wherever a tile holds a visible pair (so skipping is exact); on the 2L SFT mask of
+  512 tokens in 32-token tiles, most of the x_0 -> x_t quadrant and the padding are skipped."""
+  t, bt = 256, 32
+  seg, pos, blk = _packed(t)
+  spec = masks.AttentionSpec.block_diffusion(4, jnp.asarray(seg), jnp.asarray(blk))
+  vec = flash_bd.mask_vectors(spec, jnp.asarray(np.concatenate([pos, pos], 1)))
+  live, kidx, qidx = (np.asarray(a) for a in flash_tpu.tile_plan(*vec[:2], *vec, bt, bt))
+  mask = brute_block_diffusion(seg, blk)
+  n = 2 * t // bt
+  visible = mask.reshape(2, n, bt, n, bt).any(axis=(2, 4))
+  assert np.all(live[visible] == 1)
+  assert live.mean() < 0.5 and (visible.mean() > 0.3)  # a third of the tiles live, under half run
+  # Dead tiles fetch the last live block: the fetched index never moves on a dead step.
+  j = np.arange(n)
+  assert np.all(kidx[live == 1] == np.broadcast_to(j, live.shape)[live == 1])
+  assert np.all(np.diff(kidx, axis=-1)[live[..., 1:] == 0] == 0)
+  assert np.all(np.diff(qidx, axis=-1)[live.transpose(0, 2, 1)[..., 1:] == 0] == 0)
+
+
+@pytest.mark.parametrize("kind", ["block_causal", "causal"])
+def test_tpu_cache_kernel_matches_dense_cached_attention(kind):
+  """New tokens over a KV cache (layer 1 of 2, read in place): partly filled rows, left padding,
+  a row with no live query; the TPU kernel through `attention_impl='flash'` equals dense."""
+  b, t, s, n, k = 3, 4, 256, 4, 2
+  r = np.random.RandomState(0)
+  f = lambda *shape: jnp.asarray(r.randn(*shape), jnp.float32)
+  q, kn, vn = f(b, t, n, H), f(b, t, k, H), f(b, t, k, H)
+  ck, cv = f(2, b, s, k, H), f(2, b, s, k, H)
+  cseg = np.ones((b, s), np.int32)
+  cseg[0, :5], cseg[1, :20] = 0, 0
+  cpos = np.tile(np.arange(s) - 20, (b, 1)).astype(np.int32)
+  cache = KVCache(
+    ck, cv, *map(jnp.asarray, (cpos, cseg, cpos // 4)), jnp.asarray([137, 20, 256], jnp.int32)
+  )
+  pos = jnp.asarray(np.tile(np.arange(117, 117 + t), (b, 1)), jnp.int32)
+  seg = jnp.asarray([[1] * t, [1] * t, [0] * t], jnp.int32)  # row 2: a finished slot
+  blk = pos // 4
+  spec = masks.AttentionSpec(kind, 4, seg, blk)
+  args = (q, kn, vn, ck[1], cv[1], spec, pos, seg, blk, cache)
+  want = np.asarray(transformer.cached_attention(*args, impl="dense"))
+  with platform.lowering_for("tpu", interpret=True):
+    got = np.asarray(transformer.cached_attention(*args, impl="flash", layer=1))
+  np.testing.assert_allclose(got[:2], want[:2], rtol=1e-5, atol=1e-5)
+  assert np.all(np.isfinite(got))
+
+
+def test_attention_impl_picks_the_platform_kernel_and_refuses_the_rest():
+  q = k = v = jnp.zeros((1, 4096, 2, H), jnp.bfloat16)
+  pos = jnp.broadcast_to(jnp.arange(4096), (1, 4096))
+  spec = masks.AttentionSpec.block_causal(4)
+
+  def kernels(impl):
+    fn = lambda q, k, v: transformer.self_attention(q, k, v, spec, pos, impl=impl)
+    return str(jax.make_jaxpr(fn)(q, k, v))
+
+  with platform.lowering_for("tpu"):
+    assert "bd_flash_tpu_fwd" in kernels("flash")
+    with pytest.raises(ValueError, match="'cudnn' is an NVIDIA GPU kernel; there is none on 'tpu'"):
+      kernels("cudnn")
+    with pytest.raises(ValueError, match=r"'dense' on TPU would materialise \[B, N, 4096, 4096\]"):
+      kernels("dense")
+    assert platform.check("dense", 8, 1024).platform == "tpu"  # decode-sized dense is fine
+  assert "bd_flash_fwd" in kernels("flash")  # CPU: the GPU kernel, interpreted
+  with pytest.raises(ValueError, match="there is none on 'cpu'"):
+    kernels("cudnn")
