@@ -1,0 +1,163 @@
+"""The learner's compiled programs lowered for a TPU pod from any host (`jax.export`).
+
+The SFT train step, the TraceRL update and the sampler's prefill (`slots.admit`) and decode step
+(`slots.advance`) are traced on abstract shapes (`nnx.eval_shape`, `jax.ShapeDtypeStruct` with the
+project's shardings: no weights are materialised) under `platform.lowering_for('tpu')`, so that
+`attention_impl='flash'` lowers to the Pallas TPU kernels (`flash_tpu`), and exported with
+`platforms=['tpu']` on the given mesh. A CPU host with fake devices proves the whole program
+(partitioning included) lowers for a pod: the Mosaic kernels appear as `tpu_custom_call`s.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dice_jax.diffusion import objective as objective_lib
+from dice_jax.diffusion import sampler as sampler_lib
+from dice_jax.diffusion import slots as slots_lib
+from dice_jax.model import platform
+from dice_jax.model.kv_cache import KVCache
+from dice_jax.model.transformer import Transformer
+from dice_jax.rl import tracerl
+from dice_jax.train import optimizer as optim_lib
+from dice_jax.train import train_step as ts
+
+
+def _sds(x, sharding):
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def abstract_model(mcfg, mesh):
+  """(graphdef, abstract params (pure dict of ShapeDtypeStructs), their shardings by the rules)."""
+  graphdef, state = nnx.split(
+    nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))), nnx.Param
+  )
+  params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state.to_pure_dict())
+  return graphdef, params, ts.param_shardings(state, mesh)
+
+
+def _export(fn, *args) -> jax.export.Exported:
+  return jax.export.export(fn, platforms=["tpu"])(*args)
+
+
+def _train_step_export(mcfg, mesh, loss_fn, means, batch: dict):
+  graphdef, params, p_sh = abstract_model(mcfg, mesh)
+  tx = optim_lib.make_optimizer(optim_lib.OptimizerConfig(), 1000)
+  shardings = ts.state_shardings(tx, params, p_sh, mesh)
+  shapes = {
+    "params": params,
+    "opt_state": jax.eval_shape(tx.init, params),
+    "step": jax.ShapeDtypeStruct((), np.int32),
+  }
+  state = ts.abstract_state(shapes, shardings)
+  step = ts.jit_train_step(ts.make_train_step(graphdef, tx, loss_fn, means=means), shardings, mesh)
+  rows = ts.batch_shardings(mesh)
+  batch = {k: _sds(v, rows) for k, v in batch.items()}
+  rng = _sds(jax.eval_shape(lambda: jax.random.key(0)), NamedSharding(mesh, P()))
+  with jax.set_mesh(mesh), platform.lowering_for("tpu"):
+    return _export(step.jitted, state, batch, rng)
+
+
+def export_sft_step(mcfg, mesh, *, batch: int, seq_len: int) -> jax.export.Exported:
+  """The block-diffusion SFT train step on `[batch, seq_len]` rows (a `2 * seq_len` 2L input)."""
+  ocfg = objective_lib.ObjectiveConfig()
+  loss = lambda model, b, rng: objective_lib.block_diffusion_loss(model, b, rng, ocfg)
+  i32 = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+  fields = {k: i32 for k in ("tokens", "positions", "segment_ids")}
+  fields["loss_mask"] = jax.ShapeDtypeStruct((batch, seq_len), jnp.bool_)
+  return _train_step_export(mcfg, mesh, loss, objective_lib.METRIC_MEANS, fields)
+
+
+def export_rl_step(mcfg, mesh, *, batch: int, row_len: int) -> jax.export.Exported:
+  """The TraceRL update on `[batch, row_len]` `[prompt | x_0 | x_t rounds]` rows."""
+  cfg = tracerl.TraceRLConfig()
+  loss = lambda model, b, rng: tracerl.tracerl_loss(model, b, rng, cfg)
+  tok = lambda dt: jax.ShapeDtypeStruct((batch, row_len), dt)
+  fields = {k: tok(jnp.int32) for k in tracerl.TOKEN_FIELDS}
+  fields["p_mask"] = tok(jnp.bool_)
+  for k in ("advantages", "sampler_logp", "old_logp"):
+    fields[k] = tok(jnp.float32)
+  for k in tracerl.ROW_FIELDS:
+    fields[k] = jax.ShapeDtypeStruct((batch, 1), jnp.int32 if k == "traj_index" else jnp.float32)
+  return _train_step_export(mcfg, mesh, loss, tracerl.METRIC_MEANS, fields)
+
+
+def export_sampler_steps(
+  mcfg, mesh, scfg, *, slots: int, prompt_width: int, prefill_rows: int
+) -> dict[str, jax.export.Exported]:
+  """{'prefill': admit `prefill_rows` prompts of `prompt_width` tokens, 'decode': one block of
+  every slot} of the continuous-batching engine, weights sharded by the rules, the state and
+  cache on the model's mesh (as `engine.ContinuousSampler` holds them)."""
+  graphdef, params, p_sh = abstract_model(mcfg, mesh)
+  st = jax.tree.map(_sds, params, p_sh)
+  repl = NamedSharding(mesh, P())
+  weights = None
+  if scfg.splits_weights(mcfg):
+    weights = jax.eval_shape(lambda s: nnx.merge(graphdef, s).decode_weights(), st)
+    weights = jax.tree.map(lambda x: _sds(x, repl), weights)
+  b = scfg.block_size
+  cache_len = -(-(prompt_width + b + scfg.max_new_tokens + b) // 512) * 512
+  width = slots_lib.out_width(b, scfg.max_new_tokens)
+  sl, cache = jax.eval_shape(
+    lambda: (
+      slots_lib.empty_slots(slots, b, width, scfg.return_logprobs, mcfg.mask_token_id),
+      KVCache.empty(mcfg, slots, cache_len, dtype=scfg.cache_dtype(mcfg), tiles=scfg.decode_tiles),
+    )
+  )
+  sl, cache = jax.tree.map(lambda x: _sds(x, repl), (sl, cache))
+  vec = lambda dt, *s: jax.ShapeDtypeStruct(s, dt, sharding=repl)
+  keys = _sds(jax.eval_shape(lambda: jax.random.split(jax.random.key(0), prefill_rows)), repl)
+
+  def advance(st, weights, sl, cache):
+    model = sampler_lib.decoding_model(graphdef, st, weights)
+    return slots_lib.advance(model, sl, cache, scfg)
+
+  def admit(st, weights, sl, cache, rows, prompts, n, new, keys):
+    model = sampler_lib.decoding_model(graphdef, st, weights)
+    return slots_lib.admit(model, sl, cache, rows, prompts, n, new, keys, scfg)
+
+  with jax.set_mesh(mesh), platform.lowering_for("tpu"):
+    r = prefill_rows
+    prefill = _export(
+      jax.jit(admit, donate_argnums=(3,)),
+      st,
+      weights,
+      sl,
+      cache,
+      vec(jnp.int32, r),
+      vec(jnp.int32, r, prompt_width),
+      vec(jnp.int32, r),
+      vec(jnp.int32, r),
+      keys,
+    )
+    decode = _export(jax.jit(advance, donate_argnums=(3,)), st, weights, sl, cache)
+  return {"prefill": prefill, "decode": decode}
+
+
+def summary(exported: jax.export.Exported) -> dict:
+  """Size of the serialized module and the custom calls it contains (name -> count)."""
+  text = exported.mlir_module()
+  calls = re.findall(r"stablehlo\.custom_call @([\w.]+)", text)
+  kernels = re.findall(r'kernel_name = "([^"]+)"', text)
+  count = lambda xs: {x: xs.count(x) for x in sorted(set(xs))}
+  return {
+    "serialized_bytes": len(exported.mlir_module_serialized),
+    "custom_calls": count(calls),
+    "mosaic_kernels": count(kernels),
+    "platforms": exported.platforms,
+    "devices": exported.nr_devices,
+  }
+
+
+EXPORTS: dict[str, Callable] = {
+  "sft": export_sft_step,
+  "rl": export_rl_step,
+  "sampler": export_sampler_steps,
+}

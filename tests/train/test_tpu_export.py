@@ -1,0 +1,45 @@
+"""The SFT train step, the TraceRL update and the sampler's prefill and decode step of a small
+model (head width 128, the TPU lane width) export for TPU from this CPU host, on a mesh of 8 fake
+devices with fsdp and tensor axes and abstract shapes, with the Pallas TPU kernels inside."""
+
+from dice_jax import sharding
+from dice_jax.diffusion.sampler import SamplerConfig
+from dice_jax.model.config import get_config
+from dice_jax.train import tpu_lowering
+
+
+def _mesh_and_config():
+  mesh = sharding.make_mesh(data=1, fsdp=4, tensor=2)
+  return mesh, get_config("tiny", head_dim=128, attention_impl="flash", remat=True)
+
+
+def test_sft_and_rl_steps_export_for_tpu_with_the_mosaic_kernels():
+  mesh, mcfg = _mesh_and_config()
+  sft = tpu_lowering.export_sft_step(mcfg, mesh, batch=4, seq_len=256)
+  rl = tpu_lowering.export_rl_step(mcfg, mesh, batch=4, row_len=512)
+  for exported in (sft, rl):
+    s = tpu_lowering.summary(exported)
+    assert s["platforms"] == ("tpu",) and s["devices"] == 8
+    # forward, its rematerialised copy, and the two backward kernels; no GPU kernel anywhere
+    assert s["custom_calls"] == {"tpu_custom_call": 4}
+    assert s["mosaic_kernels"] == {
+      "bd_flash_tpu_dkv": 1,
+      "bd_flash_tpu_dq": 1,
+      "bd_flash_tpu_fwd": 2,
+    }
+    text = exported.mlir_module()
+    assert "fsdp" in text and "tensor" in text  # partitioned over the pod mesh
+  assert [a.shape for a in sft.in_avals[-5:-1]] == [(4, 256)] * 4  # the batch, abstract
+
+
+def test_sampler_prefill_and_decode_export_for_tpu_with_the_cache_kernel():
+  mesh, mcfg = _mesh_and_config()
+  scfg = SamplerConfig(max_new_tokens=64)
+  out = tpu_lowering.export_sampler_steps(
+    mcfg, mesh, scfg, slots=8, prompt_width=128, prefill_rows=4
+  )
+  prefill, decode = (tpu_lowering.summary(out[k]) for k in ("prefill", "decode"))
+  assert set(prefill["custom_calls"]) == {"tpu_custom_call"}
+  assert set(prefill["mosaic_kernels"]) == {"bd_flash_tpu_fwd"}
+  # each decode forward reads each layer's cache through the kernel (2 layers x 2 forwards)
+  assert decode["mosaic_kernels"] == {"bd_flash_tpu_fwd": 4}
