@@ -111,16 +111,24 @@ def _state_bytes(mcfg):
 
 def _train_activations(mcfg, rows, tokens):
   """Remat checkpoints (every layer's bf16 input) + one layer's working set (memory.estimate's
-  per-token term) + the attention statistics (lse/delta, f32, 128 lanes) of one layer."""
+  per-token term) + the attention statistics (lse/delta, f32, 128 lanes) of one layer + one
+  2,048-token chunk of f32 logits and their gradient (the chunked CE of SFT and TraceRL)."""
   act = 2
   per_token = act * (4 * mcfg.hidden_size + 3 * mcfg.intermediate_size + 2 * mcfg.num_heads * 128)
   ckpt = mcfg.num_layers * rows * tokens * mcfg.hidden_size * act
   stats = 2 * rows * mcfg.num_heads * tokens * 128 * 4
-  return ckpt + rows * tokens * per_token + stats
+  logits = 2 * rows * min(2048, tokens) * mcfg.vocab_size * 4
+  return ckpt + rows * tokens * per_token + stats + logits
 
 
 def _memory_table():
   gib = 2**30
+  print(
+    f"GiB per chip ('!' = over 90% of HBM); SFT: 1 row of {FLAGS.sft_seq_len} (2L "
+    f"{2 * FLAGS.sft_seq_len}) per chip; RL: 1 row of {FLAGS.rl_row_len} per chip; sampler: "
+    f"{FLAGS.slots} slots, prompts {FLAGS.prompt_width}, {FLAGS.max_new_tokens} new, per chip of a "
+    "tensor-parallel replica"
+  )
   print(f"{'config':<10} {'slice':<9} {'chips':>5} {'HBM':>5}  {'SFT':>7} {'RL':>7} {'sampler':>8}")
   for name in FLAGS.configs:
     mcfg = _model(name)
@@ -128,10 +136,9 @@ def _memory_table():
     b = 4
     cache_len = -(-(FLAGS.prompt_width + 2 * b + FLAGS.max_new_tokens) // 512) * 512
     for gen, chips in (("v5e", 16), ("v5e", 64), ("v5p", 8), ("v5p", 32), ("v6e", 8), ("v6e", 32)):
-      sft_rows = max(1, FLAGS.sft_batch // chips)
-      rl_rows = max(1, FLAGS.rl_batch // chips)
-      sft = state / chips + _train_activations(mcfg, sft_rows, 2 * FLAGS.sft_seq_len)
-      rl = state / chips + _train_activations(mcfg, rl_rows, FLAGS.rl_row_len)
+      # One row per chip (global batch = chips), state fully sharded (fsdp x tensor).
+      sft = state / chips + _train_activations(mcfg, 1, 2 * FLAGS.sft_seq_len)
+      rl = state / chips + _train_activations(mcfg, 1, FLAGS.rl_row_len)
       # Sampler: one replica per `tensor` chips (weights + cache split by heads over tensor = 8
       # chips or the slice), the engine's estimate for its slots.
       tp = min(8, chips, mcfg.num_kv_heads)
