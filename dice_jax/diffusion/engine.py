@@ -34,6 +34,7 @@ from dice_jax.diffusion import memory
 from dice_jax.diffusion import slots as slots_lib
 from dice_jax.diffusion import sampler as sampler_lib
 from dice_jax.diffusion.sampler import SamplerConfig
+from dice_jax.model import platform
 from dice_jax.model.kv_cache import KVCache
 
 
@@ -144,7 +145,7 @@ class ContinuousSampler:
     self.prompt_bucket = _bucket(prompt_bucket, 128) if flash else max(prompt_bucket, 1)
     self.max_prompt_len = max_prompt_len
     b = cfg.block_size
-    multiple = cfg.decode_tiles.block_k if flash else 16
+    multiple = platform.cache_multiple(cfg.decode_tiles.block_k) if flash else 16
     self.cache_len = _bucket(
       max(
         slots_lib.cache_slots(b, max_prompt_len, cfg.max_new_tokens, multiple),

@@ -59,6 +59,7 @@ from dice_jax.diffusion import blocks as blocks_lib
 from dice_jax.diffusion import memory, remasking
 from dice_jax.diffusion import slots as slots_lib
 from dice_jax.model.flash_decode import DecodeTiles
+from dice_jax.model import platform
 from dice_jax.model.kv_cache import KVCache
 from dice_jax.model.transformer import DecodeView, DecodeWeights
 
@@ -285,7 +286,8 @@ def _prefill_width(model, layout: Layout, cfg: SamplerConfig) -> int:
 
 def _cache_len(model, cfg: SamplerConfig, total: int, prefill: int) -> int:
   b = cfg.block_size
-  multiple = cfg.decode_tiles.block_k if model.cfg.attention_impl == "flash" else 16
+  flash = model.cfg.attention_impl == "flash"
+  multiple = platform.cache_multiple(cfg.decode_tiles.block_k) if flash else 16
   return slots_lib.cache_slots(b, max(total, prefill), 0, multiple)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 
 import jax
@@ -79,3 +80,9 @@ def check(impl: str, q_len: int, k_len: int) -> Target:
       f"(over the {TPU_DENSE_LIMIT:,}-entry limit); use attention_impl='flash' (Pallas TPU kernel)"
     )
   return tgt
+
+
+def cache_multiple(block_k: int) -> int:
+  """What a flash KV cache's length must be a multiple of: the GPU kernel's `block_k`, and on TPU
+  also the 128-lane width of the TPU kernel's key tiles."""
+  return math.lcm(block_k, 128) if target().platform == "tpu" else block_k
