@@ -157,8 +157,8 @@ def test_sampler_on_the_tpu_kernels_matches_the_dense_sampler():
   from dice_jax.diffusion import sampler
   from dice_jax.model.config import get_config
 
-  prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20, 21] * 5]
-  cfg = sampler.SamplerConfig(strategy="low_confidence_static", max_new_tokens=8)
+  prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14]]  # ragged: left padding, prompt blocks
+  cfg = sampler.SamplerConfig(strategy="low_confidence_static", max_new_tokens=4)
 
   def model(impl):
     m = transformer.Transformer(
@@ -172,4 +172,4 @@ def test_sampler_on_the_tpu_kernels_matches_the_dense_sampler():
     got = sampler.generate(model("flash"), prompts, cfg)
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
   np.testing.assert_array_equal(np.asarray(got.step_map), np.asarray(want.step_map))
-  assert int(np.asarray(got.response_lengths).min()) == 8
+  assert np.asarray(got.response_lengths).tolist() == [4, 4]
