@@ -333,7 +333,7 @@ def self_attention(q, k, v, spec, positions, *, impl="dense", flash_tiles=None):
     tiles = (
       {} if flash_tiles is None else dict(zip(("block_q", "block_k", "block_bwd"), flash_tiles))
     )
-    return flash_bd.attention(q, k, v, spec, positions, **tiles)
+    return flash_bd.attention(q, k, v, spec, positions, interpret=tgt.interpret, **tiles)
   mask = masks_lib.dense_mask(spec, positions)
   if impl == "dense":
     return dense_attention(q, k, v, mask)
@@ -346,8 +346,8 @@ def cached_attention(
   """Attention of new tokens over (cache slots, new tokens) with one joint softmax.
 
   `impl='flash'` streams layer `layer` of the stacked cache in place with a Pallas kernel
-  (model/flash_decode.py; `cache_k/v` unused): same result, no `[B, K, G, T, S]` score tensor
-  and no per-layer copy of the cache.
+  (model/flash_decode.py, its cache part `flash_tpu.cache_part` on TPU; `cache_k/v` unused): same
+  result, no `[B, K, G, T, S]` score tensor and no per-layer copy of the cache.
 
   Cache keys are visible when their slot is filled, their segment matches and the kind's rule
   holds (pos_k <= pos_q for causal, block_k <= block_q for block-causal). The new tokens see each
@@ -358,25 +358,12 @@ def cached_attention(
     raise ValueError(f"{spec.kind} attention is a training layout; it takes no KV cache")
   tgt = platform_lib.check(impl, q.shape[1], cache.max_len + k.shape[1])
   if impl == "flash":
-    from dice_jax.model import flash_decode
+    from dice_jax.model import flash_decode, flash_tpu
 
-    if tgt.platform == "tpu":
-      from dice_jax.model import flash_tpu
-
-      return flash_decode.cached_attention(
-        q,
-        k,
-        v,
-        layer,
-        spec,
-        positions,
-        seg,
-        blk,
-        cache,
-        interpret=tgt.interpret,
-        cache_part_fn=flash_tpu.cache_part,
-      )
-    return flash_decode.cached_attention(q, k, v, layer, spec, positions, seg, blk, cache)
+    part = flash_tpu.cache_part if tgt.platform == "tpu" else None  # None: the Triton kernel
+    return flash_decode.cached_attention(
+      q, k, v, layer, spec, positions, seg, blk, cache, interpret=tgt.interpret, cache_part_fn=part
+    )
   filled = jnp.arange(cache.max_len)[None, :] < cache.length[:, None]  # [B,S]
   if spec.kind == "causal":
     m_cache = masks_lib.causal_mask(positions, cache.positions, seg, cache.segment_ids)
