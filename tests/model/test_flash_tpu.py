@@ -173,3 +173,24 @@ def test_sampler_on_the_tpu_kernels_matches_the_dense_sampler():
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
   np.testing.assert_array_equal(np.asarray(got.step_map), np.asarray(want.step_map))
   assert np.asarray(got.response_lengths).tolist() == [4, 4]
+
+
+def test_tpu_kernel_under_a_mesh_equals_one_device():
+  """On 8 devices (rows over fsdp, heads over tensor, via shard_map) the kernel gives the
+  one-device values and gradients."""
+  from dice_jax import sharding
+
+  t = 32
+  seg, pos, blk = _packed(t)
+  seg, pos, blk = (np.concatenate([a, a[::-1]]) for a in (seg, pos, blk))  # 4 rows
+  spec = masks.AttentionSpec.block_diffusion(4, jnp.asarray(seg), jnp.asarray(blk))
+  positions = jnp.asarray(np.concatenate([pos, pos], 1))
+  q, k, v = _qkv(4, 2 * t, 4, 2, seed=5)
+  ct = jnp.asarray(np.random.default_rng(6).normal(size=q.shape), jnp.float32)
+  f = lambda q, k, v: (flash_tpu.attention(q, k, v, spec, positions, interpret=True) * ct).sum()
+  want = jax.value_and_grad(f, (0, 1, 2))(q, k, v)
+  with jax.set_mesh(sharding.make_mesh(data=1, fsdp=4, tensor=2)):
+    assert "shard_map" in str(jax.make_jaxpr(f)(q, k, v))
+    got = jax.jit(jax.value_and_grad(f, (0, 1, 2)))(q, k, v)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
