@@ -39,7 +39,9 @@ class ModelConfig:
   # Numerics and implementation (not part of the HF config).
   dtype: str = "bfloat16"  # activation / compute dtype
   param_dtype: str = "float32"  # master parameter dtype
-  attention_impl: str = "dense"  # dense reference | xla | cudnn (jax.nn.dot_product_attention) | flash (model/flash_bd.py)
+  # dense reference | xla | cudnn (jax.nn.dot_product_attention, GPU) | flash (the mask-aware Pallas
+  # kernel of the platform: flash_bd/flash_decode on GPU, flash_tpu on TPU; model/platform.py)
+  attention_impl: str = "dense"
   remat: bool = False  # rematerialise each layer in the backward pass
   scan_layers: bool = True  # lax.scan over the stacked layers; False: an unrolled loop (static
   # per-layer slices instead of a dynamic slice per scan step; longer compile)
