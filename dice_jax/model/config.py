@@ -50,13 +50,16 @@ class ModelConfig:
     64,
     64,
   )  # flash kernel tiles: block_q, block_k, block_bwd
+  # TPU flash kernel tiles (flash_tpu): block_q (a multiple of 8), block_k (of 128); each the
+  # largest such size <= it dividing the length. Forward and backward share them.
+  flash_tpu_tiles: tuple[int, int] = (512, 512)
 
   def __post_init__(self):
     def need(cond, msg):
       if not cond:
         raise ValueError(f"ModelConfig: {msg}")
 
-    for name in ("eos_token_id", "flash_tiles"):  # JSON gives lists; the config must hash
+    for name in ("eos_token_id", "flash_tiles", "flash_tpu_tiles"):  # JSON lists; must hash
       if isinstance(getattr(self, name), list):
         object.__setattr__(self, name, tuple(getattr(self, name)))
 
@@ -95,6 +98,17 @@ class ModelConfig:
       len(self.flash_tiles) == 3 and all(isinstance(t, int) and t > 0 for t in self.flash_tiles),
       f"flash_tiles must be three positive ints (block_q, block_k, block_bwd), "
       f"got {self.flash_tiles!r}",
+    )
+    tq, tk = (tuple(self.flash_tpu_tiles) + (0, 0))[:2]
+    need(
+      len(self.flash_tpu_tiles) == 2
+      and all(isinstance(t, int) for t in (tq, tk))
+      and tq >= 8
+      and tq % 8 == 0
+      and tk >= 128
+      and tk % 128 == 0,
+      f"flash_tpu_tiles must be (block_q, block_k): multiples of 8 and of 128, "
+      f"got {self.flash_tpu_tiles!r}",
     )
 
   @property

@@ -278,7 +278,14 @@ def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk
   k = rope(rms_norm(k, w["k_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
   if cache is None:
     o = self_attention(
-      q, k, v, attention, positions, impl=cfg.attention_impl, flash_tiles=cfg.flash_tiles
+      q,
+      k,
+      v,
+      attention,
+      positions,
+      impl=cfg.attention_impl,
+      flash_tiles=cfg.flash_tiles,
+      flash_tpu_tiles=cfg.flash_tpu_tiles,
     )
   else:
     o = cached_attention(
@@ -319,14 +326,20 @@ def dense_attention(q, k, v, mask):
   return jnp.einsum("bkgts,bskh->btkgh", p, v).reshape(q.shape)
 
 
-def self_attention(q, k, v, spec, positions, *, impl="dense", flash_tiles=None):
+def self_attention(
+  q, k, v, spec, positions, *, impl="dense", flash_tiles=None, flash_tpu_tiles=(512, 512)
+):
   """Attention of a cache-free forward by `impl` (`platform.check` refuses one the target
-  platform has no kernel for). `flash` on TPU is `flash_tpu` (its own tiles), else `flash_bd`."""
+  platform has no kernel for). `flash` on TPU is `flash_tpu` (`flash_tpu_tiles`), else `flash_bd`
+  (`flash_tiles`)."""
   tgt = platform_lib.check(impl, q.shape[1], k.shape[1])
   if impl == "flash" and tgt.platform == "tpu":
     from dice_jax.model import flash_tpu
 
-    return flash_tpu.attention(q, k, v, spec, positions, interpret=tgt.interpret)
+    bq, bk = flash_tpu_tiles
+    return flash_tpu.attention(
+      q, k, v, spec, positions, block_q=bq, block_k=bk, interpret=tgt.interpret
+    )
   if impl == "flash":  # mask-aware Pallas kernel: skips masked tiles, no [T, T] mask in memory
     from dice_jax.model import flash_bd
 

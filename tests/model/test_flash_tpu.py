@@ -2,6 +2,8 @@
 masks' brute-force cases: values and gradients in fp32, padding, packed segments, prompts that end
 inside a block, TraceRL rounds; the cache kernel of the sampler; platform selection and refusal."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -194,3 +196,22 @@ def test_tpu_kernel_under_a_mesh_equals_one_device():
     got = jax.jit(jax.value_and_grad(f, (0, 1, 2)))(q, k, v)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_model_config_tpu_tiles_reach_the_kernel_and_are_validated():
+  from dice_jax.model.config import get_config
+
+  q = k = v = jnp.zeros((1, 512, 2, H), jnp.bfloat16)
+  pos = jnp.broadcast_to(jnp.arange(512), (1, 512))
+  spec = masks.AttentionSpec.block_causal(4)
+  grids = {}
+  for tiles in [(512, 512), (128, 256)]:
+    cfg = get_config("tiny", head_dim=H, attention_impl="flash", flash_tpu_tiles=list(tiles))
+    fn = lambda q, k, v: transformer.self_attention(
+      q, k, v, spec, pos, impl="flash", flash_tpu_tiles=cfg.flash_tpu_tiles
+    )
+    with platform.lowering_for("tpu"):
+      grids[tiles] = re.findall(r"grid=\(([^)]*)\)", str(jax.make_jaxpr(fn)(q, k, v)))
+  assert grids == {(512, 512): ["1, 2, 1, 1"], (128, 256): ["1, 2, 4, 2"]}  # (B, N, nq, nk)
+  with pytest.raises(ValueError, match="flash_tpu_tiles must be .* multiples of 8 and of 128"):
+    get_config("tiny", flash_tpu_tiles=(512, 64))
