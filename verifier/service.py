@@ -423,7 +423,8 @@ class VerifierService:
       report = outcome.report
       if report is not None and report.baseline_measured:
         self.metrics.baselines_measured += 1
-        if owner and report.kind is FailureKind.OK and report.baseline is not None:
+        # Measured before any code of this candidate existed: kept whatever its verdict.
+        if owner and report.baseline is not None:
           self.baselines[base_key] = report.baseline
       return outcome
     finally:
