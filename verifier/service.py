@@ -18,7 +18,7 @@ import logging
 import os
 import time
 
-from verifier import pch
+from verifier import artefact_check, pch
 from verifier import reward as rewards
 from verifier.admission import MemoryAdmission, admission_units
 from verifier.build_stage import BuildOutcome, BuildStage
@@ -338,6 +338,14 @@ class VerifierService:
         compile_s=build.seconds,
         warnings=verdict.warnings,
         compiled=False,
+      )
+
+    found = await asyncio.to_thread(
+      artefact_check.check_build, self.cfg.cache_dir, build.events, opts.strict
+    )
+    if found is not None:
+      return self._result(
+        req, found.kind, found.reason, compile_s=build.seconds, warnings=verdict.warnings
       )
 
     pool = max(self.run_pools[opts.device], key=lambda p: p.free_slots)
