@@ -49,6 +49,9 @@ RECORD_FUNCTION_NAMES = frozenset(
   }
 )
 THREAD_C_PREFIXES = ("omp_", "GOMP_", "__kmpc_", "kmp_", "pthread_create", "thrd_create")
+# Python reached from C++ by name (``py::module_::import("torch").attr("relu")``): not the static check's
+# to see, so not the extension's to do.
+PYTHON_BY_NAME_PREFIXES = ("PyImport_", "PyRun_", "PyEval_EvalCode", "Py_CompileString")
 THREAD_ATEN_NAMES = frozenset(
   {"invoke_parallel", "lazy_init_num_threads", "set_num_threads", "launch", "intraop_launch"}
 )
@@ -138,6 +141,10 @@ def judge_symbol(symbol: str) -> Finding | None:
   """Why an extension importing ``symbol`` is refused (None: allowed)."""
   if symbol.startswith(THREAD_C_PREFIXES):
     return Finding(FailureKind.THREAD_OR_STREAM, f"imports {symbol} (threads or OpenMP)")
+  if symbol.startswith(PYTHON_BY_NAME_PREFIXES):
+    return Finding(
+      FailureKind.FORBIDDEN_IMPORT, f"imports {symbol} (Python modules reached from C++)"
+    )
   parts = nested_name(symbol)
   if len(parts) < 2:
     return None
@@ -184,6 +191,8 @@ def enforced(kind: FailureKind, strictness) -> bool:
     return strictness.forbid_threads_streams
   if kind is FailureKind.DIRECT_ATEN_CALL:
     return strictness.forbid_torch_compute
+  if kind is FailureKind.FORBIDDEN_IMPORT:
+    return strictness.forbid_imports
   return True
 
 
