@@ -436,7 +436,7 @@ class Check:
     for j in range(n):
       seed = rng.randrange(2**31 - 1)
       times.append(self._timed_call(j, seed, j in checked, lockstep, template))
-    candidate = timing.summarize(times[opts.num_warmup :])
+    candidate = timing.candidate_runtime(times[opts.num_warmup :], self.exchange_s)
     self.report["candidate"] = candidate
     self.report["phases"]["timed_calls_checked"] = float(len(checked))
     # Re-check trial 0 after the timing loop (state- or cache-based cheats), in lock-step.
@@ -451,7 +451,7 @@ class Check:
     self.report["speedup"] = speedup if math.isfinite(speedup) else 0.0
 
   def _timed_call(self, j: int, seed: int, check: bool, lockstep, template) -> float:
-    """Timed call ``j`` on fresh inputs drawn under ``seed``: its duration in ms on this clock (compared
+    """Timed call ``j`` on fresh inputs drawn under ``seed``: its round trip in seconds (compared
     with the reference when ``check``; the reference steps on every call when it keeps state)."""
     inputs = self.task.inputs_for(seed)
     golden = template
@@ -460,10 +460,9 @@ class Check:
     staged = self._stage(inputs, golden)
     self.flush(j)
     done = self._forward(staged, seed, False)
-    ms = timing.call_ms(self.round_trip_s, self.exchange_s)
     if check:
       self._judge(staged, done, f"timed call {j}")
-    return ms
+    return self.round_trip_s
 
   def _judge(self, staged: "_Staged", done: ForwardDone, where: str) -> None:
     """Compare one forward's outputs (and its inputs, for mutation) like a correctness trial."""

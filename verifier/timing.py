@@ -73,10 +73,17 @@ def time_forward(model, inputs: list, device: torch.device, trials: int, warmup:
   return time_calls(model, inputs, device, trials, warmup).runtime
 
 
-def call_ms(round_trip_s: float, exchange_s: float) -> float:
-  """One candidate call's duration: the checker's round trip less the exchange's own cost (never below
-  ``MIN_CALL_MS``)."""
-  return max((round_trip_s - exchange_s) * 1e3, MIN_CALL_MS)
+def candidate_runtime(round_trips_s, exchange_s: float) -> Runtime:
+  """A candidate's runtime from the checker's round trips of its timed calls: their mean and median less
+  the exchange's own cost (subtracted from the summary, not per call, so round-trip jitter averages out
+  instead of being clipped; never below ``MIN_CALL_MS``)."""
+  ms = [t * 1e3 for t in round_trips_s]
+  cost = exchange_s * 1e3
+  return Runtime(
+    median_ms=max(float(statistics.median(ms)) - cost, MIN_CALL_MS),
+    mean_ms=max(float(statistics.fmean(ms)) - cost, MIN_CALL_MS),
+    num_trials=len(ms),
+  )
 
 
 def exchange_cost_s(round_trips_s) -> float:
