@@ -154,7 +154,8 @@ def test_helpers_spinning_from_init_do_not_slow_the_baseline(service):
   honest = _verify(service, "big-honest", holes.GOOD, BIG_REFERENCE, num_perf_trials=6)
   _ok(honest)
   spun = _verify(service, "big-spinners", SPINNERS, BIG_REFERENCE)
-  assert spun.baseline is not None and spun.baseline.mean_ms < 3 * honest.baseline.mean_ms, (
+  _ok(spun)  # an honest kernel: its helpers only slow its own timed calls
+  assert 0 < spun.baseline.mean_ms < 3 * honest.baseline.mean_ms, (
     spun.baseline,
     honest.baseline,
   )
