@@ -46,6 +46,9 @@ RECORD_FUNCTION_NAMES = frozenset(
     "clearCallbacks",
     "clearThreadLocalCallbacks",
     "clearGlobalCallbacks",
+    "hasCallbacks",
+    "hasThreadLocalCallbacks",
+    "hasGlobalCallbacks",
   }
 )
 THREAD_C_PREFIXES = ("omp_", "GOMP_", "__kmpc_", "kmp_", "pthread_create", "thrd_create")

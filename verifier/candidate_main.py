@@ -97,6 +97,8 @@ class CandidateRuntime:
     self.buffers: dict[int, exchange.SharedBuffer] = {}
     self.model = None
     self.cache: build_cache.CachedLoadInline | None = None
+    # Bound before any candidate code runs: replacing the module attribute later changes nothing here.
+    self.collect_evidence = runtime_check.collect_evidence
 
   # ---- messages ---------------------------------------------------------------------------------
   def serve(self) -> None:
@@ -227,7 +229,7 @@ class CandidateRuntime:
       if req.calibrate:
         out = _null_outputs(req.outputs, self.device)
       elif req.profile:
-        evidence, out = runtime_check.collect_evidence(
+        evidence, out = self.collect_evidence(
           lambda: self._call(args), self.device, self.cache.calls
         )
       else:

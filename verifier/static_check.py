@@ -743,6 +743,27 @@ def _sys_modules_rules(tree: ast.AST, bound: dict[str, str]) -> Rejection | None
   return None
 
 
+def _profiler_rules(tree: ast.AST) -> Rejection | None:
+  """The profiler behind the runtime check, named in any way (``torch.autograd._profiler_enabled``,
+  ``from torch import profiler``): a candidate has no business asking whether it is observed."""
+  for node in ast.walk(tree):
+    names = []
+    if isinstance(node, ast.Attribute):
+      names = [node.attr]
+    elif isinstance(node, ast.Name):
+      names = [node.id]
+    elif isinstance(node, (ast.Import, ast.ImportFrom)):
+      names = [p for m in _imported_modules(node) for p in m.split(".")]
+      names += [a.asname or "" for a in node.names]
+    for name in names:
+      if "profiler" in name.lower() or "kineto" in name.lower():
+        return Rejection(
+          FailureKind.FRAME_INTROSPECTION,
+          f"refers to {name!r} (line {_line(node)}): the profiler is not the candidate's to see",
+        )
+  return None
+
+
 def _openmp_rules(source: str) -> Rejection | None:
   """OpenMP (pragmas, runtime calls, the flags that enable it) and ATen's thread pool: threads."""
   m = OPENMP.search(source)
@@ -839,6 +860,7 @@ def check_candidate(source: str, strictness: Strictness, device: str) -> StaticV
       _introspection_rules(tree, bound)
       or _builtin_alias_rules(tree)
       or _sys_modules_rules(tree, bound)
+      or _profiler_rules(tree)
     )
     if strictness.forbid_imports
     else None

@@ -214,6 +214,30 @@ def test_getattr_aliases_cannot_reach_sys_modules():
   assert check_candidate(base, STRICT, "cpu").kind is FailureKind.OK
 
 
+def test_asking_whether_the_profiler_is_on_is_refused():
+  # The helper of 0063b19's row 5 needs to tell the profiled forward apart; any way of naming the
+  # profiler is refused (the C++ ways are undefined symbols: test below).
+  for line in (
+    "on = torch.autograd._profiler_enabled",
+    "from torch.autograd import profiler",
+    "on = torch.autograd.profiler._is_profiler_enabled",
+  ):
+    v = check_candidate(PLAIN + "\n" + line + "\n", STRICT, "cpu")
+    assert v.kind is FailureKind.FRAME_INTROSPECTION and "profiler" in v.reason, (line, v)
+
+
+def test_the_evidence_collector_is_bound_before_candidate_code():
+  from verifier import candidate_main, runtime_check
+
+  rt = candidate_main.CandidateRuntime(None, "cpu", "/nonexistent")
+  real = runtime_check.collect_evidence
+  runtime_check.collect_evidence = lambda *a: (None, None)  # what a candidate reaching it would do
+  try:
+    assert rt.collect_evidence is real
+  finally:
+    runtime_check.collect_evidence = real
+
+
 OMP = PLAIN.replace(
   'cpp_sources="int f(int a) { return a; }"',
   'cpp_sources="int f(int a) {\\n#pragma omp parallel for num_threads(64)\\n'
@@ -246,6 +270,8 @@ extern "C" void GOMP_parallel(void (*)(void*), void*, unsigned, unsigned);
 at::Tensor clamp(const at::Tensor& x, const c10::Scalar& s) { return at::BACKEND_NS::clamp_min(x, s); }
 at::Tensor fresh(const at::Tensor& x) { at::cuda::getCurrentCUDAStream(0); return at::_ops::empty_like::call(x); }
 void quiet() { at::enableRecordFunction(false); }
+namespace at { bool hasCallbacks(); }
+bool observed() { return at::hasCallbacks(); }
 void* torch_module() { return PyImport_ImportModule("torch"); }
 void omp(void (*f)(void*)) { GOMP_parallel(f, nullptr, 64, 0); }
 """
@@ -264,6 +290,7 @@ def test_the_built_extensions_undefined_symbols_decide_whatever_macro_produced_t
     [
       FailureKind.DIRECT_ATEN_CALL,  # at::cpu::clamp_min
       FailureKind.DIRECT_ATEN_CALL,  # at::enableRecordFunction
+      FailureKind.DIRECT_ATEN_CALL,  # at::hasCallbacks (is the profiler on?)
       FailureKind.FORBIDDEN_IMPORT,  # PyImport_ImportModule
       FailureKind.THREAD_OR_STREAM,  # GOMP_parallel
     ],
