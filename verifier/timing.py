@@ -87,10 +87,11 @@ def candidate_runtime(round_trips_s, exchange_s: float) -> Runtime:
 
 
 def exchange_cost_s(round_trips_s) -> float:
-  """The exchange's cost per call from calibration round trips: the least of them. A round trip is never
-  cheaper than the exchange itself, and subtracting less than the typical cost only counts against the
-  candidate (never credits it with time it did not save); on a quiet machine the two agree."""
-  return float(min(round_trips_s))
+  """The exchange's cost per call from calibration round trips: the median of the later half (the first
+  calls warm the candidate's process up and run slower, which would credit the candidate with time it did
+  not save)."""
+  trips = list(round_trips_s)
+  return float(statistics.median(trips[len(trips) // 2 :]))
 
 
 class CacheFlush:
