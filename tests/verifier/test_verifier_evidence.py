@@ -9,6 +9,7 @@ floor no honest measurement can go under (no ratio of two noisy timings on a loa
 
 import asyncio
 import dataclasses
+import pathlib
 import shutil
 import subprocess
 
@@ -322,22 +323,44 @@ def test_the_built_extensions_undefined_symbols_decide_whatever_macro_produced_t
   assert artefact_check.judge_extension(str(bad)).kind is FailureKind.COMPILE_ERROR
 
 
+# Rows 6 and 7 in one extension (one build): at::cpu::clamp_min through a macro, RecordFunction switched
+# off, and torch.relu reached from C++ through pybind11.
 MACRO_ATEN = holes.candidate("        return good(a, b, self.scale)").replace(
   "void zero_raw(",
   "namespace c10 { struct Scalar { double v; }; }\n"
-  "namespace at { struct Tensor { void* p; };\n#define BACKEND_NS cpu\n"
+  "namespace at { struct Tensor { void* p; }; void enableRecordFunction(bool);\n"
+  "#define BACKEND_NS cpu\n"
   "namespace BACKEND_NS { Tensor clamp_min(const Tensor&, const c10::Scalar&); } }\n"
   "at::Tensor clamp(const at::Tensor& x, const c10::Scalar& s) "
   "{ return at::BACKEND_NS::clamp_min(x, s); }\n"
+  "pybind11::object quiet_relu(pybind11::object x) { at::enableRecordFunction(false);\n"
+  '  return pybind11::module_::import("torch").attr("relu")(x); }\n'
   "void zero_raw(",
 )
 
 
-def test_a_kernel_reached_through_a_macro_is_refused_from_the_built_extension(service):
-  # 0063b19: at::cpu::clamp_min through #define BACKEND_NS cpu passed the source rules; reward 1.
+def test_kernels_reached_past_the_source_rules_are_refused_from_the_built_extension(service):
+  # 0063b19: at::cpu::clamp_min through #define BACKEND_NS cpu, and C++ calling torch's relu through
+  # pybind11 with RecordFunction off, passed the source rules; reward 1.
   assert (
     check_candidate(MACRO_ATEN, STRICT, "cpu").kind is FailureKind.OK
   )  # the source rules miss it
   r = _verify(service, "macro-aten", MACRO_ATEN, strictness="strict", measure_performance=False)
-  assert r.failure_kind is FailureKind.DIRECT_ATEN_CALL and r.reward == 0.0, r.reason
-  assert "at::cpu::clamp_min" in r.reason
+  assert r.failure_kind in (FailureKind.DIRECT_ATEN_CALL, FailureKind.FORBIDDEN_IMPORT), r.reason
+  assert r.reward == 0.0
+  _, svc = service
+  (so,) = [p for p in pathlib.Path(svc.cfg.cache_dir).glob("*/vt_holes.so") if _has_clamp(p)]
+  kinds = {}
+  for sym in artefact_check.undefined_symbols(str(so)):
+    found = artefact_check.judge_symbol(sym)
+    if found is not None:
+      kinds[artefact_check.nested_name(sym)[-1:][0] if sym.startswith("_ZN") else sym] = found.kind
+  assert kinds == {
+    "clamp_min": FailureKind.DIRECT_ATEN_CALL,
+    "enableRecordFunction": FailureKind.DIRECT_ATEN_CALL,
+    "PyImport_ImportModule": FailureKind.FORBIDDEN_IMPORT,
+  }, kinds
+
+
+def _has_clamp(path) -> bool:
+  return any("clamp_min" in s for s in artefact_check.undefined_symbols(str(path)))
