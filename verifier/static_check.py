@@ -554,13 +554,11 @@ def _model_new(tree: ast.Module) -> ast.ClassDef | None:
   return None
 
 
-def _compute_scope_calls(tree: ast.Module, cls: ast.ClassDef) -> list[ast.Call]:
-  """Calls in every function of the module (any of them may run in the forward: module-level helpers,
-  other classes' methods, lambdas), except ``ModelNew.__init__``, which builds the model once, and the
-  task's own ``get_inputs``/``get_init_inputs`` when nothing of the candidate names them (the verifier
-  never calls the candidate's)."""
+def _skipped_scopes(tree: ast.Module, cls: ast.ClassDef) -> list[ast.AST]:
+  """``ModelNew.__init__`` (builds the model once) and ``get_inputs``/``get_init_inputs`` when nothing of
+  the candidate names them (the verifier never calls the candidate's)."""
   named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-  skipped = [
+  return [
     item
     for item in cls.body
     if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "__init__"
@@ -569,7 +567,14 @@ def _compute_scope_calls(tree: ast.Module, cls: ast.ClassDef) -> list[ast.Call]:
     for item in tree.body
     if isinstance(item, ast.FunctionDef) and item.name in TASK_FUNCTIONS and item.name not in named
   ]
-  init = {id(n) for item in skipped for n in ast.walk(item)}
+
+
+def _compute_scope_calls(tree: ast.Module, cls: ast.ClassDef) -> list[ast.Call]:
+  """Calls in every function of the module (any of them may run in the forward: module-level helpers,
+  other classes' methods, lambdas), except ``ModelNew.__init__``, which builds the model once, and the
+  task's own ``get_inputs``/``get_init_inputs`` when nothing of the candidate names them (the verifier
+  never calls the candidate's)."""
+  init = {id(n) for item in _skipped_scopes(tree, cls) for n in ast.walk(item)}
   calls: list[ast.Call] = []
   for fn in ast.walk(tree):
     if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and id(fn) not in init:
@@ -708,6 +713,31 @@ def _introspection_rules(tree: ast.AST, bound: dict[str, str]) -> Rejection | No
           FailureKind.FORBIDDEN_IMPORT, f"calls {target}() (line {line}): no file I/O"
         )
   return None
+
+
+def _compute_references(tree: ast.Module, cls: ast.ClassDef, bound: dict[str, str]) -> list[tuple]:
+  """(node, name) for each torch compute function referenced without being called there
+  (``forward = torch.relu`` in a class body, ``map(F.relu, xs)``): a call by another name the call rules
+  cannot see. Outside ``ModelNew.__init__`` and the task's own input functions."""
+  skipped = {id(n) for n in _skipped_scopes(tree, cls) for n in ast.walk(n)}
+  called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+  found = []
+  for node in ast.walk(tree):
+    if id(node) in skipped or id(node) in called:
+      continue
+    if not isinstance(node, (ast.Attribute, ast.Name)) or not isinstance(node.ctx, ast.Load):
+      continue
+    name = _dotted(node)
+    parts = _resolve(name, bound).split(".")
+    if (
+      parts[0] == "torch"
+      and len(parts) >= 2
+      and parts[1] != "cuda"
+      and parts[-1] not in ALLOWED_TORCH_CALLS
+      and aten_ops.is_compute_operator(parts[-1])
+    ):
+      found.append((node, name))
+  return found
 
 
 def _builtin_alias_rules(tree: ast.AST) -> Rejection | None:
@@ -980,6 +1010,11 @@ def check_candidate(source: str, strictness: Strictness, device: str) -> StaticV
     warnings.append(r.reason)
 
   # Torch compute in the forward path (calls into the candidate's own extension modules are fine).
+  for node, name in _compute_references(tree, cls, bound):
+    reason = f"refers to {name} (line {_line(node)}) outside a call: torch compute by another name"
+    if strictness.forbid_torch_compute:
+      return reject(Rejection(FailureKind.TORCH_COMPUTE, reason))
+    warnings.append(reason)
   exported, extensions = set(functions), _extension_names(tree)
   for call in _compute_scope_calls(tree, cls):
     name = _dotted(call.func)

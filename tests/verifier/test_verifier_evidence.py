@@ -214,6 +214,10 @@ def test_torch_compute_in_a_module_level_helper_is_refused():
   assert v.kind is FailureKind.TORCH_COMPUTE and "torch.relu" in v.reason, v
   lam = RELU_HELPER.replace("def helper(x):", "act = lambda x: torch.relu(x)\n\ndef helper_(x):")
   assert check_candidate(lam, STRICT, "cpu").kind is FailureKind.TORCH_COMPUTE
+  # Torch compute named without a call: the forward is torch.relu itself.
+  bare = PLAIN.replace("    def forward(self, x):\n        return x", "    forward = torch.relu")
+  v = check_candidate(bare, STRICT, "cpu")
+  assert v.kind is FailureKind.TORCH_COMPUTE and "torch.relu" in v.reason, v
 
 
 def test_getattr_aliases_cannot_reach_sys_modules():
