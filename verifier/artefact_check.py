@@ -111,6 +111,9 @@ def nested_name(symbol: str) -> list[str]:
   i, parts = 3, []
   while i < len(symbol) and symbol[i] in "rVKRO":
     i += 1
+  if symbol.startswith("St", i):  # ``std::`` is abbreviated
+    parts.append("std")
+    i += 2
   while i < len(symbol) and symbol[i].isdigit():
     j = i
     while j < len(symbol) and symbol[j].isdigit():
