@@ -12,7 +12,9 @@ runs out):
                cost
   gpu_dice     the same N candidates through the GPU stage in reward mode (builds cached): rate and verdicts
   gpu_level1   KernelBench level-1 problems with a pass-through candidate (the reference renamed ModelNew,
-               strictness off): GPU-stage rate in reward mode, then with timing on (cold and cached baseline)
+               strictness off): GPU-stage rate in reward mode, then with timing on (cold and cached
+               baseline), with each timed candidate's mean over its baseline (``timing_methods``: the
+               checker's clock against the previous in-process CUDA-event method on the same code)
   identity     every KernelBench level 1-3 problem's reference renamed ModelNew, strictness off: must all pass
 
 Separation cost (per phase): the checker's staging of buffers, the round trips around the candidate's
@@ -484,7 +486,25 @@ class Bench:
           if r.failure_kind is not FailureKind.OK
         ][:20],
       }
+      if timed:
+        out[tag]["timing_methods"] = timing_methods(res)
       self.save("gpu_level1", out)
+
+
+def timing_methods(results) -> dict:
+  """The checker's clock against the previous method, in one run: a pass-through candidate runs the
+  reference's own code, and the baseline is that code timed by the previous method (CUDA events around
+  each call, in process), so new / old is the candidate's mean over the baseline's."""
+  ratios = {
+    r.task_id: r.candidate.mean_ms / r.baseline.mean_ms
+    for r in results
+    if r.failure_kind is FailureKind.OK and r.candidate and r.baseline and r.baseline.mean_ms > 0
+  }
+  return {
+    "new_over_old": ratios,
+    "within_10pct": sum(0.9 <= v <= 1.1 for v in ratios.values()),
+    "compared": len(ratios),
+  }
 
 
 def _jsonl(name: str, explicit: str = "") -> list[dict]:

@@ -5,7 +5,9 @@ only link to the world is the channel to the checker, where every message it sen
 Per request (``records``): ``ProbeRequest`` (can device buffers be mapped here?), ``CandidateJob`` (load),
 ``ForwardRequest`` (one forward on the given buffers; outputs copied into the checker's buffers; inputs are
 the buffers themselves where they live on this process's device, so the checker sees any mutation, else
-staged copies written back), ``TimeRequest`` (time the forward), ``Shutdown``.
+staged copies written back; ``calibrate`` runs the same exchange with no model, so the checker can
+measure what a round trip costs beside the forward), ``Shutdown``. This process times
+nothing that the verdict uses: the checker times every call on its own clock.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import traceback
 
 import torch
 
-from verifier import build_cache, correctness, exchange, runtime_check, timing
+from verifier import build_cache, correctness, exchange, runtime_check
 from verifier.channel import Channel, ChannelClosed
 from verifier.contract import FailureKind
 from verifier.records import (
@@ -32,8 +34,6 @@ from verifier.records import (
   ProbeReply,
   ProbeRequest,
   Shutdown,
-  TimeDone,
-  TimeRequest,
 )
 
 # Kinds a candidate may report about itself (anything else it sends is a protocol violation).
@@ -97,6 +97,8 @@ class CandidateRuntime:
     self.buffers: dict[int, exchange.SharedBuffer] = {}
     self.model = None
     self.cache: build_cache.CachedLoadInline | None = None
+    # Bound before any candidate code runs: replacing the module attribute later changes nothing here.
+    self.collect_evidence = runtime_check.collect_evidence
 
   # ---- messages ---------------------------------------------------------------------------------
   def serve(self) -> None:
@@ -104,7 +106,6 @@ class CandidateRuntime:
       ProbeRequest: self.probe,
       CandidateJob: self.load,
       ForwardRequest: self.forward,
-      TimeRequest: self.time,
     }
     while True:
       try:
@@ -215,7 +216,7 @@ class CandidateRuntime:
   def forward(self, req: ForwardRequest, fds) -> ForwardDone:
     """One forward; ``wall_s`` is the forward alone, ``parts_s`` the exchange work around it here (mapping
     new buffers, staging inputs, publishing outputs and staged inputs back)."""
-    if self.model is None:
+    if self.model is None and not req.calibrate:
       raise _Failed(FailureKind.RUNTIME_ERROR, "forward requested before the model was loaded")
     evidence = None
     try:  # copying the inputs in can fail too (a full GPU): classified like the forward's own errors
@@ -225,8 +226,10 @@ class CandidateRuntime:
       views, args = self._args(req.args)
       t0 = self._sync()
       set_seed(req.seed)
-      if req.profile:
-        evidence, out = runtime_check.collect_evidence(
+      if req.calibrate:
+        out = _null_outputs(req.outputs, self.device)
+      elif req.profile:
+        evidence, out = self.collect_evidence(
           lambda: self._call(args), self.device, self.cache.calls
         )
       else:
@@ -283,22 +286,9 @@ class CandidateRuntime:
     inputs = {
       t.untyped_storage().data_ptr() for t in correctness.flatten(args) if torch.is_tensor(t)
     }
-    correctness.poison(out, correctness.storages_of(self.model) | inputs)
+    model = () if self.model is None else (self.model,)
+    correctness.poison(out, correctness.storages_of(*model) | inputs)
     return tuple(specs)
-
-  def time(self, req: TimeRequest, fds) -> TimeDone:
-    if self.model is None:
-      raise _Failed(FailureKind.RUNTIME_ERROR, "timing requested before the model was loaded")
-    try:
-      self._map(req.new_buffers, fds)
-      _, args = self._args(req.args)
-      set_seed(req.seed)
-      calls = timing.time_calls(self.model, args, self.device, req.trials, req.warmup)
-    except BaseException as e:  # noqa: BLE001
-      raise _Failed(
-        classify_exception(e, FailureKind.RUNTIME_ERROR), f"forward raised: {short(e)}"
-      ) from None
-    return TimeDone(calls.warmup_ms, calls.trial_ms)
 
 
 def _check_announced(refs, fds) -> None:
@@ -337,6 +327,16 @@ class _Prefetch:
         f"mapping the first forward's buffers failed: {short(self.error)}",
       )
     return waited
+
+
+def _null_outputs(targets, device: torch.device):
+  """What a forward of no model returns: fresh tensors shaped like the expected outputs."""
+  outs = tuple(
+    torch.empty(t.shape, dtype=exchange.dtype_of(t.dtype), device=device)
+    for t in targets
+    if t is not None
+  )
+  return outs[0] if len(outs) == 1 else outs
 
 
 def _copy_back(views: list, args: list) -> None:

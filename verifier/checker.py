@@ -1,13 +1,18 @@
 """One check, run by the checker process: the reference and the verdict on this side, the candidate in its
 own process behind a channel.
 
-Protocol with the candidate (``records``): a probe (can it map device buffers? else host staging), the
-load, then one forward per correctness trial (inputs copied from the checker's private tensors into
-buffers, expected outputs as poisoned buffers; the last trial profiled for the runtime check), then the
-timing (its reported times bounded by the wall time seen here) and a re-check of trial 0 in lock-step
-with the reference. Every message from the candidate is untrusted: outputs are read back into this
-process and compared with the golden outputs here; the candidate's self-reported failures are limited
-to kinds that can only hurt it.
+Protocol with the candidate (``records``): a probe (can it map device buffers? else host staging); when
+timed, the reference's baseline and the exchange's calibration (round trips with no model), both before
+any candidate code exists; the load, then one forward per correctness trial (inputs copied from the
+checker's private tensors into buffers, expected outputs as poisoned buffers; the last trial profiled for
+the runtime check), then the timed calls and a re-check of trial 0 in lock-step with the reference.
+
+Timed calls are forwards like the trials: fresh inputs written into the same kind of buffer for each, the
+duration taken on this process's clock around the round trip less the calibrated exchange cost, and a
+secret random subset of them compared like the trials. Every message from the candidate is untrusted:
+outputs are copied out of the shared buffers into this process before they are compared with the golden
+outputs here; the candidate's self-reported failures are limited to kinds that can only hurt it, and
+no duration it reports counts.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import random
+import statistics
 import time
 
 import torch
@@ -36,14 +43,17 @@ from verifier.records import (
   RunJob,
   Shutdown,
   TensorRef,
-  TimeDone,
-  TimeRequest,
 )
 from verifier.reference import ReferenceTask, TrialStream
 
 GRACE_S = (
   5.0  # the checker waits a little past the request's limit; the service kills the candidate
 )
+CALIBRATION_CALLS = (
+  12  # exchange round trips with no model, before the load (the first two warm up)
+)
+CHECKED_TIMED_FRACTION = 0.1  # of the timed calls, compared like the trials (at least one)
+RECALIBRATE_EVERY = 4  # during the timing, a round trip with no model after every 4th timed call
 
 
 @dataclasses.dataclass
@@ -123,7 +133,7 @@ class Check:
 
   def _send(self, rec, ids=(), prefetch=()) -> None:
     refs, fds = self.buffers.new_refs(ids)
-    if isinstance(rec, (ForwardRequest, TimeRequest)):
+    if isinstance(rec, ForwardRequest):
       rec = dataclasses.replace(rec, new_buffers=tuple(refs))
     elif isinstance(rec, CandidateJob):
       more, more_fds = self.buffers.new_refs(prefetch)
@@ -191,6 +201,10 @@ class Check:
     # loads (the reference also runs before any candidate code then).
     trials = self.opts.num_correct_trials
     first = self._stage(*self.trials.trial(0), keep=set(used)) if trials else None
+    if self.opts.measure_performance:
+      self._baseline()
+      self._calibrate(set(used) | set(first.used if first else ()))
+      self.stage("candidate_load")
     self._send(
       CandidateJob(
         candidate_source=self.job.candidate_source,
@@ -272,13 +286,19 @@ class Check:
     self._acc("exchange_stage_alloc", self.buffers.alloc_s - alloc0)
     return _Staged(args, outs, pairs, used, golden)
 
-  def _forward(self, staged: "_Staged", seed: int, profile: bool) -> ForwardDone:
-    """One forward in the candidate on staged buffers."""
+  def _forward(
+    self, staged: "_Staged", seed: int, profile: bool, calibrate: bool = False
+  ) -> ForwardDone:
+    """One forward in the candidate on staged buffers; ``self.round_trip_s`` is its round trip on this
+    process's clock (the only duration of a candidate call that counts)."""
     call = self.calls
-    self.calls += 1
+    self.calls += 0 if calibrate else 1
+    req = ForwardRequest(call, seed, staged.args, staged.outs, profile=profile, calibrate=calibrate)
     t1 = time.monotonic()
-    self._send(ForwardRequest(call, seed, staged.args, staged.outs, profile=profile), staged.used)
+    p0 = time.perf_counter()
+    self._send(req, staged.used)
     done = self._recv(ForwardDone)
+    self.round_trip_s = time.perf_counter() - p0
     if done.call != call:
       raise Verdict(FailureKind.CRASH, f"the candidate answered call {done.call}, expected {call}")
     # What the separation costs: staging buffers (``_stage``), and everything around the candidate's
@@ -324,8 +344,9 @@ class Check:
     return c, runtime
 
   def _local(self, view: torch.Tensor) -> torch.Tensor:
-    """A buffer view as a tensor on the checker's device (host staging: copied over)."""
-    return view if view.device == self.device else view.to(self.device)
+    """A buffer view copied into this process's memory on its device, out of the candidate's reach (it
+    still maps the buffer and may write it while the checker compares)."""
+    return view.to(self.device, copy=True)
 
   def _compare(self, golden, done: ForwardDone, outs, where: str) -> correctness.Comparison:
     refs = correctness.flatten(golden)
@@ -372,60 +393,112 @@ class Check:
     return correctness.compare_outputs(refs, leaves, self.opts.atol, self.opts.rtol, where)
 
   # ---- timing -----------------------------------------------------------------------------------
+  def _baseline(self) -> None:
+    """The reference timed before any candidate code exists (nothing of the candidate can run now but its
+    idle process, which runs only the verifier's code), unless the service passed one it measured so."""
+    if self.job.baseline is not None:
+      self.report["baseline"] = self.job.baseline
+      return
+    self.stage("baseline")
+    opts = self.opts
+    inputs0, _ = self.trials.trial(0)
+    model = self.task.fresh_model()
+    if opts.compile_baseline:
+      model = torch.compile(model)
+    self.report["baseline"] = timing.time_forward(
+      model, inputs0, self.device, opts.num_perf_trials, opts.num_warmup
+    )
+    self.report["baseline_measured"] = True
+
+  def _calibrate(self, keep: set[int]) -> None:
+    """The exchange's own cost per call: round trips of trial 0's buffers with no model, before the load
+    (only the verifier's code runs in the candidate's process then, so it cannot inflate this)."""
+    self.stage("calibration")
+    self.flush = timing.CacheFlush(self.device)
+    staged = self._stage(*self.trials.trial(0), keep=keep)
+    trips = []
+    for i in range(CALIBRATION_CALLS):
+      self.flush(i)
+      self._forward(staged, self.task.seeds[0], False, calibrate=True)
+      trips.append(self.round_trip_s)
+    self.exchange_s = timing.exchange_cost_s(trips)
+
   def _timing(self) -> None:
+    """Every timed call a forward like the trials, on fresh inputs, timed here; a secret random subset
+    of them compared; then trial 0 re-checked, all in lock-step with the reference."""
     self.stage("timing")
     opts = self.opts
-    self.buffers.release_all()
-    used: list[int] = []
-    inputs0, _ = self.trials.trial(0)
-    args = tuple(exchange.send_value(a, self.buffers, used) for a in inputs0)
-    if self.device.type == "cuda":
-      torch.cuda.synchronize()
-    overhead = self.task.harness_overhead_ms(inputs0)
-    # A claim the outside wall time cannot explain is measured once more before it is rejected:
-    # other processes on a loaded host can stretch one wall-clock window (a false TIMING_MISMATCH
-    # was seen on a 2-core CI box), while a forged claim fails both times.
-    for attempt in (1, 2):
-      request = TimeRequest(args, opts.num_warmup, opts.num_perf_trials, self.task.seeds[0])
-      self._send(request, used)
-      t0 = time.monotonic()
-      done = self._recv(TimeDone)
-      wall = time.monotonic() - t0
-      self.calls += opts.num_warmup + opts.num_perf_trials  # the candidate stepped either way
-      calls = timing.TimedCalls(done.warmup_ms, done.trial_ms)
-      p = timing.plausible(calls, wall, overhead, opts.num_perf_trials, opts.num_warmup)
-      if p.ok:
-        break
-      if attempt == 2:
-        raise Verdict(FailureKind.TIMING_MISMATCH, f"{p.reason} (measured twice)")
-      self.report["warnings"].append(f"timing re-measured: {p.reason}")
-    candidate = calls.runtime
+    n = opts.num_warmup + opts.num_perf_trials
+    rng = random.SystemRandom()
+    checked = set(rng.sample(range(n), max(1, math.ceil(n * CHECKED_TIMED_FRACTION))))
+    lockstep = self.trials.lockstep_model()
+    template = self.trials.trial(0)[1]
+    times, nulls = [], []
+    for j in range(n):
+      seed = rng.randrange(2**31 - 1)
+      times.append(self._timed_call(j, seed, j in checked, lockstep, template))
+      if j % RECALIBRATE_EVERY == RECALIBRATE_EVERY - 1:
+        nulls.append(self._null_round_trip())
+    self._settle_exchange_cost(nulls)
+    candidate = timing.candidate_runtime(times[opts.num_warmup :], self.exchange_s)
     self.report["candidate"] = candidate
-    baseline = self.job.baseline
-    if baseline is None:
-      self.stage("baseline")
-      model = self.task.fresh_model()
-      if opts.compile_baseline:
-        model = torch.compile(model)
-      baseline = timing.time_forward(
-        model, inputs0, self.device, opts.num_perf_trials, opts.num_warmup
-      )
-      del model
-      self.report["baseline_measured"] = True
-    self.report["baseline"] = baseline
+    self.report["phases"]["timed_calls_checked"] = float(len(checked))
     # Re-check trial 0 after the timing loop (state- or cache-based cheats), in lock-step.
     self.stage("recheck")
-    expected = self.trials.expected_after(self.calls - self.opts.num_correct_trials)
+    inputs0, golden0 = self.trials.trial(0)
+    expected = self.task.forward(lockstep, inputs0, 0) if self.task.stateful else golden0
     staged = self._stage(inputs0, expected)
     done = self._forward(staged, self.task.seeds[0], False)
-    c = self._compare(expected, done, staged.outs, "trial 0 re-checked after timing")
+    self._judge(staged, done, "trial 0 re-checked after timing")
+    mean = candidate.mean_ms
+    speedup = self.report["baseline"].mean_ms / mean if mean > 0 else 0.0
+    self.report["speedup"] = speedup if math.isfinite(speedup) else 0.0
+
+  def _null_round_trip(self) -> float:
+    """A round trip with no model on the last timed call's buffers, in the timing's conditions (no cache
+    flush: a warmer, cheaper round trip only lowers what is subtracted)."""
+    self._forward(self.last_staged, self.task.seeds[0], False, calibrate=True)
+    return self.round_trip_s
+
+  def _settle_exchange_cost(self, nulls: list[float]) -> None:
+    """The exchange cost subtracted: the lower of the calibration before the load and the round trips
+    with no model during the timing. The candidate's process answers the latter, so they can only lower
+    what is subtracted (slowing them changes nothing; speeding them up counts against it); they correct
+    a calibration that host noise made too high."""
+    phases = self.report["phases"]
+    phases["exchange_call_before_ms"] = self.exchange_s * 1e3
+    if nulls:
+      during = statistics.median(nulls)
+      phases["exchange_call_during_ms"] = during * 1e3
+      self.exchange_s = min(self.exchange_s, during)
+    phases["exchange_call_ms"] = self.exchange_s * 1e3
+
+  def _timed_call(self, j: int, seed: int, check: bool, lockstep, template) -> float:
+    """Timed call ``j`` on fresh inputs drawn under ``seed``: its round trip in seconds (compared
+    with the reference when ``check``; the reference steps on every call when it keeps state)."""
+    inputs = self.task.inputs_for(seed)
+    golden = template
+    if check or self.task.stateful:
+      golden = self.task.forward_seeded(lockstep, inputs, seed)
+    staged = self.last_staged = self._stage(inputs, golden)
+    self.flush(j)
+    done = self._forward(staged, seed, False)
+    if check:
+      self._judge(staged, done, f"timed call {j}")
+    return self.round_trip_s
+
+  def _judge(self, staged: "_Staged", done: ForwardDone, where: str) -> None:
+    """Compare one forward's outputs (and its inputs, for mutation) like a correctness trial."""
+    which = correctness.mutated(
+      [p for p, _ in staged.pairs], [self._local(v) for _, v in staged.pairs]
+    )
+    if which:
+      self.report["correct"] = False
+      raise Verdict(FailureKind.INPUT_MUTATION, f"{where}: the candidate modified {which}")
+    c = self._compare(staged.golden, done, staged.outs, where)
     if c.kind is not FailureKind.OK:
       self.report["correct"] = False
       raise Verdict(c.kind, c.reason)
-    mean = candidate.mean_ms
-    self.report["speedup"] = baseline.mean_ms / mean if mean > 0 else 0.0
-    if not math.isfinite(self.report["speedup"]):
-      self.report["speedup"] = 0.0
 
 
 def check(

@@ -229,15 +229,9 @@ class ForwardRequest:
   outputs: tuple[TensorRef | None, ...]  # one per expected output leaf (None: not a tensor)
   new_buffers: tuple[BufferRef, ...] = ()  # fds attached, in this order
   profile: bool = False  # collect runtime-check evidence during this forward
-
-
-@record
-class TimeRequest:
-  args: tuple[Value, ...]
-  warmup: int
-  trials: int
-  seed: int
-  new_buffers: tuple[BufferRef, ...] = ()  # fds attached, in this order
+  # before the load only: the exchange without a model (outputs allocated like a forward's), the
+  # checker's measure of what a round trip costs beside the forward itself
+  calibrate: bool = False
 
 
 @record
@@ -293,12 +287,6 @@ class ForwardDone:
   wall_s: float = 0.0  # the forward alone (call + synchronize), on the candidate's clock
   # the exchange work around it there, by CANDIDATE_EXCHANGE_PARTS
   parts_s: dict[str, float] = dataclasses.field(default_factory=dict)
-
-
-@record
-class TimeDone:
-  warmup_ms: tuple[float, ...]
-  trial_ms: tuple[float, ...]
 
 
 # ---- service <-> checker -------------------------------------------------------------------------

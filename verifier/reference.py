@@ -20,7 +20,7 @@ import hashlib
 
 import torch
 
-from verifier import correctness, timing
+from verifier import correctness
 from verifier.contract import FailureKind
 
 
@@ -75,7 +75,6 @@ class ReferenceTask:
   stateful: bool
   kept: list[tuple[list, object]] = dataclasses.field(default_factory=list)
   after_trials: torch.nn.Module | None = None  # the lock-step instance after all trials (stateful)
-  overhead_ms: float | None = None
 
   @classmethod
   def load(
@@ -123,9 +122,12 @@ class ReferenceTask:
     return len(self.seeds)
 
   def make_inputs(self, i: int) -> list:
-    # Drawn on the device (torch.device as a context sets the default device of factories): level-1
-    # inputs reach gigabytes, too slow to draw on one CPU thread.
-    set_seed(self.seeds[i])
+    return self.inputs_for(self.seeds[i])
+
+  def inputs_for(self, seed: int) -> list:
+    """``get_inputs()`` under ``seed``. Drawn on the device (torch.device as a context sets the default
+    device of factories): level-1 inputs reach gigabytes, too slow to draw on one CPU thread."""
+    set_seed(seed)
     get_inputs = self.namespace["get_inputs"]
     if self.device.type == "cuda":
       with torch.device(self.device):
@@ -138,20 +140,18 @@ class ReferenceTask:
       return self.namespace["Model"](*self.init_args).to(self.device)
 
   def forward(self, model, args: list, i: int):
-    set_seed(self.seeds[i])
+    return self.forward_seeded(model, args, self.seeds[i])
+
+  def forward_seeded(self, model, args: list, seed: int):
+    set_seed(seed)
     with torch.no_grad():
       return model(*correctness.clone_args(args))
-
-  def harness_overhead_ms(self, inputs0: list) -> float:
-    if self.overhead_ms is None:
-      self.overhead_ms = timing.harness_overhead_ms(inputs0, self.device)
-    return self.overhead_ms
 
 
 class TrialStream:
   """One job's walk through a task's trials, in lock-step with the candidate: trial ``k``'s golden output
   is the ``k``-th forward of one fresh reference instance. Kept trials are replayed; otherwise they are
-  computed one at a time (only trial 0 stays, for the timing and its re-check), and kept for the next
+  computed one at a time (only trial 0 stays, for the re-check after the timing), and kept for the next
   job when the whole set fits ``keep_bytes``."""
 
   def __init__(self, task: ReferenceTask, keep_bytes: int):
@@ -181,18 +181,12 @@ class TrialStream:
       task.after_trials = self.model if task.stateful else None
     return inputs, golden
 
-  def expected_after(self, extra_calls: int):
-    """What the reference returns on trial 0's inputs after its trials and ``extra_calls`` more on
-    trial 0's inputs (the candidate's timing calls): the re-check after timing, in lock-step."""
-    inputs0, golden0 = self.trial(0)
+  def lockstep_model(self) -> torch.nn.Module:
+    """A reference instance in the state the candidate's model should be in after the trials (a copy:
+    the timing steps it on every timed call), or any instance when the reference keeps no state."""
     if not self.task.stateful:
-      return golden0
-    model = copy.deepcopy(self.task.after_trials if self.task.kept else self.model)
-    with torch.no_grad():
-      set_seed(self.task.seeds[0])
-      for _ in range(extra_calls):
-        model(*correctness.clone_args(inputs0))
-    return self.task.forward(model, inputs0, 0)
+      return self.model if self.model is not None else self.task.fresh_model()
+    return copy.deepcopy(self.task.after_trials if self.task.kept else self.model)
 
   def kept_bytes(self) -> int:
     return sum(_nbytes(i) + _nbytes(g) for i, g in self.task.kept)

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 
-from verifier import pch
+from verifier import artefact_check, pch
 from verifier import reward as rewards
 from verifier.admission import MemoryAdmission, admission_units
 from verifier.build_stage import BuildOutcome, BuildStage
@@ -340,6 +340,14 @@ class VerifierService:
         compiled=False,
       )
 
+    found = await asyncio.to_thread(
+      artefact_check.check_build, self.cfg.cache_dir, build.events, opts.strict
+    )
+    if found is not None:
+      return self._result(
+        req, found.kind, found.reason, compile_s=build.seconds, warnings=verdict.warnings
+      )
+
     pool = max(self.run_pools[opts.device], key=lambda p: p.free_slots)
     job = RunJob(
       job_id=req.request_id,
@@ -423,7 +431,8 @@ class VerifierService:
       report = outcome.report
       if report is not None and report.baseline_measured:
         self.metrics.baselines_measured += 1
-        if owner and report.kind is FailureKind.OK and report.baseline is not None:
+        # Measured before any code of this candidate existed: kept whatever its verdict.
+        if owner and report.baseline is not None:
           self.baselines[base_key] = report.baseline
       return outcome
     finally:

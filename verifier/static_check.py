@@ -333,6 +333,29 @@ FORBIDDEN_CALLS = frozenset(
     "input",
   }
 )
+# Builtins that reach other scopes or run code: refused wherever they are named, not only where called
+# by that name (``g = getattr; g(torch, "sys")``).
+BUILTIN_ALIASES = frozenset(
+  {
+    "exec",
+    "eval",
+    "compile",
+    "__import__",
+    "globals",
+    "locals",
+    "setattr",
+    "delattr",
+    "getattr",
+    "vars",
+    "breakpoint",
+    "__builtins__",
+  }
+)
+# OpenMP by any route: pragmas, its header and runtime calls, the compiler and linker flags that enable it.
+OPENMP = re.compile(
+  r"#\s*pragma\s+omp\b|<omp\.h>|\bomp_\w+\s*\(|-f?openmp\b|-qopenmp\b|-l\s*gomp\b|-l\s*iomp5\b|"
+  r"\bkmp_\w+\s*\(|\bat\s*::\s*(?:parallel_for|parallel_reduce|set_num_threads|launch|intraop_launch)\b"
+)
 CPP_STREAM_OR_THREAD = re.compile(
   r"cudaStreamCreate|cudaStreamCreateWithFlags|cudaStreamCreateWithPriority|getStreamFromPool|"
   r"std::thread|pthread_create|std::async|cudaGraphLaunch|#\s*include\s*<thread>"
@@ -437,6 +460,7 @@ OS_FORBIDDEN = frozenset(
   }
 )
 LOAD_CALLS = frozenset({"load_inline", "load"})
+TASK_FUNCTIONS = frozenset({"get_inputs", "get_init_inputs"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -530,12 +554,34 @@ def _model_new(tree: ast.Module) -> ast.ClassDef | None:
   return None
 
 
-def _forward_path_calls(cls: ast.ClassDef) -> list[ast.Call]:
-  calls = []
-  for item in cls.body:
-    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name != "__init__":
-      calls += [n for n in ast.walk(item) if isinstance(n, ast.Call)]
-  return calls
+def _skipped_scopes(tree: ast.Module, cls: ast.ClassDef) -> list[ast.AST]:
+  """``ModelNew.__init__`` (builds the model once) and ``get_inputs``/``get_init_inputs`` when nothing of
+  the candidate names them (the verifier never calls the candidate's)."""
+  named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+  return [
+    item
+    for item in cls.body
+    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "__init__"
+  ] + [
+    item
+    for item in tree.body
+    if isinstance(item, ast.FunctionDef) and item.name in TASK_FUNCTIONS and item.name not in named
+  ]
+
+
+def _compute_scope_calls(tree: ast.Module, cls: ast.ClassDef) -> list[ast.Call]:
+  """Calls in every function of the module (any of them may run in the forward: module-level helpers,
+  other classes' methods, lambdas), except ``ModelNew.__init__``, which builds the model once, and the
+  task's own ``get_inputs``/``get_init_inputs`` when nothing of the candidate names them (the verifier
+  never calls the candidate's)."""
+  init = {id(n) for item in _skipped_scopes(tree, cls) for n in ast.walk(item)}
+  calls: list[ast.Call] = []
+  for fn in ast.walk(tree):
+    if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and id(fn) not in init:
+      body = fn.body if isinstance(fn.body, list) else [fn.body]
+      for stmt in body:
+        calls += [n for n in ast.walk(stmt) if isinstance(n, ast.Call) and id(n) not in init]
+  return list({id(c): c for c in calls}.values())
 
 
 def _imported_modules(node: ast.AST) -> list[str]:
@@ -669,6 +715,97 @@ def _introspection_rules(tree: ast.AST, bound: dict[str, str]) -> Rejection | No
   return None
 
 
+def _compute_references(tree: ast.Module, cls: ast.ClassDef, bound: dict[str, str]) -> list[tuple]:
+  """(node, name) for each torch compute function referenced without being called there
+  (``forward = torch.relu`` in a class body, ``map(F.relu, xs)``): a call by another name the call rules
+  cannot see. Outside ``ModelNew.__init__`` and the task's own input functions."""
+  skipped = {id(n) for n in _skipped_scopes(tree, cls) for n in ast.walk(n)}
+  called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+  found = []
+  for node in ast.walk(tree):
+    if id(node) in skipped or id(node) in called:
+      continue
+    if not isinstance(node, (ast.Attribute, ast.Name)) or not isinstance(node.ctx, ast.Load):
+      continue
+    name = _dotted(node)
+    parts = _resolve(name, bound).split(".")
+    if (
+      parts[0] == "torch"
+      and len(parts) >= 2
+      and parts[1] != "cuda"
+      and parts[-1] not in ALLOWED_TORCH_CALLS
+      and aten_ops.is_compute_operator(parts[-1])
+    ):
+      found.append((node, name))
+  return found
+
+
+def _builtin_alias_rules(tree: ast.AST) -> Rejection | None:
+  """A refused builtin named anywhere (an alias is as good as a call), unless the name is the
+  candidate's own (an argument or an assigned name)."""
+  own = {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments) for a in _all_args(n)}
+  own |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Name) and node.id in BUILTIN_ALIASES and node.id not in own:
+      return Rejection(
+        FailureKind.FORBIDDEN_IMPORT, f"refers to builtin {node.id} (line {_line(node)})"
+      )
+  return None
+
+
+def _all_args(a: ast.arguments) -> list[ast.arg]:
+  return a.posonlyargs + a.args + a.kwonlyargs + [x for x in (a.vararg, a.kwarg) if x]
+
+
+def _sys_modules_rules(tree: ast.AST, bound: dict[str, str]) -> Rejection | None:
+  """``sys`` reached as an attribute of anything (``torch.sys``, ``f().sys``), or ``sys.modules``."""
+  for node in ast.walk(tree):
+    if not isinstance(node, ast.Attribute):
+      continue
+    base = _dotted(node.value)
+    if node.attr == "sys" and base != "self":
+      return Rejection(
+        FailureKind.FORBIDDEN_IMPORT,
+        f"reaches module 'sys' through {base or 'an expression'} (line {_line(node)})",
+      )
+    if node.attr == "modules" and (base == "sys" or _resolve(base, bound) == "sys"):
+      return Rejection(FailureKind.FORBIDDEN_IMPORT, f"uses sys.modules (line {_line(node)})")
+  return None
+
+
+def _profiler_rules(tree: ast.AST) -> Rejection | None:
+  """The profiler behind the runtime check, named in any way (``torch.autograd._profiler_enabled``,
+  ``from torch import profiler``): a candidate has no business asking whether it is observed."""
+  for node in ast.walk(tree):
+    names = []
+    if isinstance(node, ast.Attribute):
+      names = [node.attr]
+    elif isinstance(node, ast.Name):
+      names = [node.id]
+    elif isinstance(node, (ast.Import, ast.ImportFrom)):
+      names = [p for m in _imported_modules(node) for p in m.split(".")]
+      names += [a.asname or "" for a in node.names]
+    for name in names:
+      if "profiler" in name.lower() or "kineto" in name.lower():
+        return Rejection(
+          FailureKind.FRAME_INTROSPECTION,
+          f"refers to {name!r} (line {_line(node)}): the profiler is not the candidate's to see",
+        )
+  return None
+
+
+def _openmp_rules(source: str) -> Rejection | None:
+  """OpenMP (pragmas, runtime calls, the flags that enable it) and ATen's thread pool: threads."""
+  m = OPENMP.search(source)
+  if m:
+    line = source.count("\n", 0, m.start()) + 1
+    return Rejection(
+      FailureKind.THREAD_OR_STREAM,
+      f"uses {m.group(0).strip()!r} (line {line}): OpenMP and other threads are not allowed",
+    )
+  return None
+
+
 def _patch_rules(tree: ast.AST, bound: dict[str, str]) -> Rejection | None:
   """Assignment to (or deletion of) an attribute of anything imported from torch / timers / os, under any
   alias, or of an expression that is not a plain name (``type(x).sum = ...``)."""
@@ -749,8 +886,16 @@ def check_candidate(source: str, strictness: Strictness, device: str) -> StaticV
 
   # Imports, dangerous builtins, frame walking.
   r = _import_rules(tree, strictness) or (
-    _introspection_rules(tree, bound) if strictness.forbid_imports else None
+    (
+      _introspection_rules(tree, bound)
+      or _builtin_alias_rules(tree)
+      or _sys_modules_rules(tree, bound)
+      or _profiler_rules(tree)
+    )
+    if strictness.forbid_imports
+    else None
   )
+  r = r or (_openmp_rules(source) if strictness.forbid_threads_streams else None)
   if r:
     return reject(r)
 
@@ -865,8 +1010,13 @@ def check_candidate(source: str, strictness: Strictness, device: str) -> StaticV
     warnings.append(r.reason)
 
   # Torch compute in the forward path (calls into the candidate's own extension modules are fine).
+  for node, name in _compute_references(tree, cls, bound):
+    reason = f"refers to {name} (line {_line(node)}) outside a call: torch compute by another name"
+    if strictness.forbid_torch_compute:
+      return reject(Rejection(FailureKind.TORCH_COMPUTE, reason))
+    warnings.append(reason)
   exported, extensions = set(functions), _extension_names(tree)
-  for call in _forward_path_calls(cls):
+  for call in _compute_scope_calls(tree, cls):
     name = _dotted(call.func)
     parts = name.split(".")
     offending = ""

@@ -1,13 +1,14 @@
 """Timing of a model's forward.
 
-GPU: CUDA events around each call, with ``torch.cuda.synchronize()`` (all streams of the device) before
-the end event is recorded, so work hidden on other streams is counted; a 256 MB write flushes L2 before
-every call (KernelBench main's ``clear_l2_cache``); warm-up calls first (timed too, so the checker can
-account for all of the wall time it saw); fresh input clones each call (defeats caches keyed on
+The reference (in the checker, which never runs candidate code): CUDA events around each call, with
+``torch.cuda.synchronize()`` (all streams of the device) before the end event is recorded, so work hidden
+on other streams is counted; a 256 MB write flushes L2 before every call (KernelBench main's
+``clear_l2_cache``); warm-up calls first; fresh input clones each call (defeats caches keyed on
 ``data_ptr``; reference doc section 2.6). CPU: ``perf_counter`` with a 64 MB write to flush caches.
 
-A candidate is timed in its own process; the checker, which never runs candidate code, bounds what it
-reports with the wall time it measures from outside (``plausible``).
+A candidate is never timed by its own process: the checker times each of its calls on the checker's
+clock around the round trip through the exchange and subtracts the exchange's own cost, measured before
+any candidate code ran (``call_ms``).
 """
 
 from __future__ import annotations
@@ -72,55 +73,35 @@ def time_forward(model, inputs: list, device: torch.device, trials: int, warmup:
   return time_calls(model, inputs, device, trials, warmup).runtime
 
 
-def harness_overhead_ms(inputs: list, device: torch.device, calls: int = 5) -> float:
-  """Wall time per call of ``time_calls`` around a forward that does nothing (clones, L2 flush, syncs)."""
-  t0 = time.perf_counter()
-  time_calls(lambda *a: None, inputs, device, calls, 0)
-  return (time.perf_counter() - t0) * 1e3 / calls
+def candidate_runtime(round_trips_s, exchange_s: float) -> Runtime:
+  """A candidate's runtime from the checker's round trips of its timed calls: their mean and median less
+  the exchange's own cost (subtracted from the summary, not per call, so round-trip jitter averages out
+  instead of being clipped; never below ``MIN_CALL_MS``)."""
+  ms = [t * 1e3 for t in round_trips_s]
+  cost = exchange_s * 1e3
+  return Runtime(
+    median_ms=max(float(statistics.median(ms)) - cost, MIN_CALL_MS),
+    mean_ms=max(float(statistics.fmean(ms)) - cost, MIN_CALL_MS),
+    num_trials=len(ms),
+  )
 
 
-@dataclasses.dataclass(frozen=True)
-class Plausibility:
-  ok: bool
-  reason: str = ""
+def exchange_cost_s(round_trips_s) -> float:
+  """The exchange's cost per call from calibration round trips: the median of the later half (the first
+  calls warm the candidate's process up and run slower, which would credit the candidate with time it did
+  not save)."""
+  trips = list(round_trips_s)
+  return float(statistics.median(trips[len(trips) // 2 :]))
 
 
-def plausible(
-  calls: TimedCalls,
-  outside_wall_s: float,
-  overhead_ms: float,
-  expected_trials: int,
-  expected_warmup: int,
-) -> Plausibility:
-  """Whether times a candidate reported agree with the wall time the checker saw around them.
+class CacheFlush:
+  """The write that evicts caches before each timed call (the device's L2, or the host's)."""
 
-  The candidate's process times itself, so native code could report anything. The checker bounds it:
-  the reported calls must be as many as asked, each at least ``MIN_CALL_MS``, their sum at most the wall
-  time, and the wall time not explained by them plus the harness overhead (measured by the checker on the
-  same inputs) must stay below half the claimed time plus 0.2 ms per call and 20 ms of slack. A claim of
-  much faster calls than the wall time allows is TIMING_MISMATCH.
-  """
-  if len(calls.trial_ms) != expected_trials or len(calls.warmup_ms) != expected_warmup:
-    return Plausibility(
-      False, f"reported {len(calls.trial_ms)} timed calls, expected {expected_trials}"
-    )
-  all_ms = calls.warmup_ms + calls.trial_ms
-  if any(not (t == t) or t < MIN_CALL_MS for t in all_ms):
-    return Plausibility(False, f"a reported call time is below {MIN_CALL_MS} ms or not a number")
-  claimed = sum(all_ms)
-  wall_ms = outside_wall_s * 1e3
-  n = len(all_ms)
-  if claimed > wall_ms + 5.0:
-    return Plausibility(
-      False, f"reported {claimed:.1f} ms of calls within {wall_ms:.1f} ms of wall time"
-    )
-  unexplained = wall_ms - claimed - n * overhead_ms
-  allowed = 0.5 * claimed + 0.2 * n + 20.0
-  if unexplained > allowed:
-    return Plausibility(
-      False,
-      f"{n} calls reported {claimed:.2f} ms in all, but took {wall_ms:.1f} ms of wall time seen from "
-      f"outside ({n * overhead_ms:.1f} ms of it harness overhead): {unexplained:.1f} ms unexplained, "
-      f"allowed {allowed:.1f} ms",
-    )
-  return Plausibility(True)
+  def __init__(self, device: torch.device):
+    self.device = device
+    self.buf = torch.empty(L2_FLUSH_BYTES[device.type] // 4, dtype=torch.int32, device=device)
+
+  def __call__(self, i: int) -> None:
+    self.buf.fill_(i)
+    if self.device.type == "cuda":
+      torch.cuda.synchronize()

@@ -85,6 +85,22 @@ def test_good_kernels_pass_with_a_speedup(gpu_service):
   assert add.speedup > 0.5  # an elementwise add is memory-bound: about as fast as aten's
 
 
+def test_the_checkers_clock_agrees_with_in_process_cuda_events(gpu_service):
+  """Issue 25: a pass-through candidate (the reference's own code) timed on the checker's clock around
+  each round trip, less the calibrated exchange cost, within 10% of its baseline: the same code timed by
+  the previous method (CUDA events around each call, in process)."""
+  from verifier.bench import pass_through
+
+  ref = g.MATMUL_REFERENCE.replace("N = 1024", "N = 4096")
+  (r,) = _verify(
+    gpu_service,
+    _req("clock-mm", ref, pass_through(ref), strictness="off", measure_performance=True),
+  )
+  assert r.failure_kind is FailureKind.OK, (r.reason, r.logs[-2000:])
+  ratio = r.candidate.mean_ms / r.baseline.mean_ms
+  assert 0.9 <= ratio <= 1.1, (ratio, r.candidate, r.baseline)
+
+
 ADVERSARIAL = [
   (
     "result_reuse",
