@@ -358,6 +358,6 @@ def run(chan: Channel, device: str, scratch: str) -> None:
     CandidateRuntime(chan, device, scratch).serve()
   except ChannelClosed:
     pass
-  except Exception:  # our own failure, not the candidate's: the log says why; the worker exits with
-    traceback.print_exc()  # INTERNAL_EXIT so that the service retries instead of blaming the candidate
+  except Exception:  # our own failure, or the candidate broke this process (its channel, descriptors):
+    traceback.print_exc()  # INTERNAL_EXIT; the service retries it only if no candidate code had run
     raise

@@ -207,6 +207,7 @@ class Check:
       used,
       prefetch=first.used if first and _fits(used, first.used) else (),
     )
+    self.report["candidate_started"] = True  # from here on the candidate's code may be running
     loaded = self._recv(Loaded)
     self.report.update(compiled=True, build_cached=loaded.build_cached)
     self.report["phases"]["candidate_build_load"] = loaded.load_s

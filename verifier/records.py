@@ -327,7 +327,7 @@ class Stage:
 @record
 class CheckReport:
   """The checker's verdict. ``candidate_gone``: the candidate's channel closed mid-check (the service
-  decides whose fault that was from how the process ended)."""
+  decides whose fault that was from how the process ended and whether ``candidate_started``)."""
 
   job_id: str
   kind: FailureKind
@@ -346,6 +346,7 @@ class CheckReport:
   build_cached: bool = False
   stage: str = ""
   candidate_gone: bool = False
+  candidate_started: bool = False  # the job went to the candidate: its code may have run since
   infrastructure: bool = False  # the checker's own device or process failed (not the candidate)
   device_oom: bool = (
     False  # a device ran out of memory (maybe a shared GPU over-committed: re-run alone)
