@@ -40,7 +40,7 @@ class RunOutcome:
   infrastructure: bool = False  # not the candidate's doing: retry once
   # infrastructure, but the candidate's code had run in the process that died: its own if it comes again
   suspect: bool = False
-  limit: str = ""  # a limit the service enforced on the candidate: "timeout" | "memory" | ""
+  limit: str = ""  # why the service killed the candidate: "timeout" | "memory" | LINGER | ""
   startup_wait_s: float = 0.0
   check_s: float = 0.0  # wall time of the check (the job sent to the checker until its report)
   startup_phases: dict = dataclasses.field(default_factory=dict)

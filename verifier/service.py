@@ -5,9 +5,10 @@ built. The run stage (``run_stage``) joins a fresh, confined candidate process w
 that owns the reference and the verdict. Request ids make retries idempotent (``request_table``);
 reference timings are cached per (reference, device, timing options); GPU memory admission is learned per
 reference (``admission``). Failures that are not the candidate's doing (a worker killed from outside, a
-broken checker) are retried once and then reported as INTERNAL_ERROR; a candidate's process killed from
-outside-looking signals after its code ran on both attempts is the candidate's CRASH (``RunOutcome.suspect``).
-The static check reads the candidate's text in processes of its own under a deadline (``static_worker``).
+broken checker) are retried once and then reported as INTERNAL_ERROR; a candidate process killed by an
+outside-looking signal after its code ran, on both attempts, is the candidate's CRASH
+(``RunOutcome.suspect``). The static check reads candidate text in processes of its own under a deadline
+(``static_worker``), never on the event loop.
 """
 
 from __future__ import annotations
@@ -383,7 +384,8 @@ class VerifierService:
           outcome,
           kind=FailureKind.CRASH,
           infrastructure=False,
-          reason=f"the candidate's process died the same way twice after its code ran: {outcome.reason}",
+          reason="the candidate's process died the same way twice after its code ran: "
+          + outcome.reason,
         )
       elif outcome.infrastructure:
         outcome = dataclasses.replace(
