@@ -10,6 +10,10 @@ down; the service must stay live either way.
 
 import asyncio
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -253,3 +257,28 @@ def test_health_answers_within_a_second_and_a_correct_candidate_passes_while_hos
   assert good_s < GOOD_TIMEOUT_S + MARGIN_S
   assert verdicts.get("alias_stall") is FailureKind.NO_KERNEL
   assert verdicts.get("sleeping_init") is FailureKind.TIMEOUT
+
+
+@pytest.mark.slow
+def test_verifier_check_on_forty_alias_stalls_prints_forty_verdicts(tmp_path):
+  """The table's CLI case: `verifier check` on 40 files of the three-line stall sat at "0/40 verified
+  (starting the verifier)"; each now gets its static verdict."""
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  rows = [
+    {"id": f"stall-{i}", "reference": cases.REFERENCE, "candidate": ALIAS_STALL + f"# {i}\n"}
+    for i in range(40)
+  ]
+  path = tmp_path / "stalls.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  cmd = [sys.executable, "-m", "verifier", "check", str(path), "--device=cpu", "--no-timing"]
+  cmd += [f"--cache-dir={tmp_path / 'cache'}", f"--scratch-root={tmp_path / 'scratch'}"]
+  env = {**os.environ, "PYTHONPATH": repo, "VERIFIER_TOKEN": ""}
+  try:
+    r = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=240, env=env)
+  except subprocess.TimeoutExpired as e:
+    pytest.fail(f"verifier check did not finish in 240 s: {(e.stderr or b'')[-1000:]!r}")
+  assert r.returncode == 1, r.stderr[-2000:]
+  table = r.stdout.strip().splitlines()
+  verdicts = [line.split()[1] for line in table[1:-1]]
+  assert verdicts == ["NO_KERNEL"] * 40, r.stdout[-2000:]
+  assert "check: [40/40] " in r.stderr
