@@ -24,6 +24,7 @@ FRAME = struct.Struct("!Q")
 MAX_REPLY_BYTES = 16 << 20
 DEFAULT_MEM_MB = 1024  # address space of one static-check process
 DEFAULT_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 60.0
 
 
 class StaticWorkerLost(RuntimeError):
@@ -94,6 +95,7 @@ def serve(stdin, stdout, mem_mb: int) -> None:
   from verifier import aten_ops
 
   aten_ops.operator_names()  # read the torch headers' names once, before the first deadline
+  _write_frame(stdout, json.dumps({"ready": True}).encode())
   while (body := _read_frame(stdin)) is not None:
     reply, leaving = _answer(json.loads(body))
     reply["exiting"] = leaving
@@ -131,11 +133,19 @@ class StaticProcess:
       str(mem_mb),
       stdin=asyncio.subprocess.PIPE,
       stdout=asyncio.subprocess.PIPE,
-      stderr=asyncio.subprocess.DEVNULL,
       start_new_session=True,
       env=_environment(),
     )
-    return cls(proc)
+    p = cls(proc)
+    try:  # a process that cannot even start is ours to fix, never a candidate's verdict
+      ready = await asyncio.wait_for(p.receive(), START_TIMEOUT_S)
+    except (StaticWorkerLost, asyncio.TimeoutError) as e:
+      await p.close()
+      raise StaticWorkerLost(f"a static-check process did not start ({type(e).__name__})") from None
+    if ready != {"ready": True}:
+      await p.close()
+      raise StaticWorkerLost(f"a static-check process said {ready!r:.200} instead of ready")
+    return p
 
   async def send(self, request: dict) -> None:
     """Raises StaticWorkerLost when the process was gone before it read anything."""

@@ -20,10 +20,10 @@ import verifier_gpu_cases as g
 
 from verifier.contract import FailureKind, Strictness
 from verifier.static_check import LIMITS, check_candidate
-from verifier.static_worker import StaticCheckPool
+from verifier.static_worker import StaticCheckPool, StaticWorkerLost
 
 STRICT = Strictness.preset("strict")
-PER_INPUT_BOUND_S = 3.0  # per input on the loaded 2-core dev VM; most take milliseconds
+PER_INPUT_BOUND_S = 5.0  # half the service's deadline (10 s); most inputs take milliseconds
 
 MODEL = "\nclass ModelNew(nn.Module):\n  def forward(self, x):\n    return ext.run(x)\n"
 HEADER = (
@@ -129,7 +129,7 @@ def pathological_cuda(chars: int) -> dict[str, str]:
 
 
 def alias_sources(rng: random.Random) -> dict[str, str]:
-  n = 3000
+  n = 2000
   chain = [f"a{i} = a{i - 1}.nn\n" for i in range(1, n)]
   rng.shuffle(chain)
   cycle = [f"c{i} = c{(i + 1) % n}.f\n" for i in range(n)] + ["c0 = torch\n"]
@@ -308,5 +308,19 @@ def test_static_check_processes_answer_and_a_deadline_gives_a_verdict_and_a_fres
     finally:
       await pool.close()
     assert not pool.live
+
+  asyncio.run(go())
+
+
+def test_a_static_check_process_that_cannot_start_is_an_error_not_a_verdict(monkeypatch):
+  monkeypatch.setattr(sys, "executable", "/bin/false")  # exits at once, never says it is ready
+
+  async def go():
+    pool = StaticCheckPool(processes=1)
+    try:
+      with pytest.raises(StaticWorkerLost, match="did not start"):
+        await pool.check(cases.GOOD, "strict", "cpu")
+    finally:
+      await pool.close()
 
   asyncio.run(go())
