@@ -386,6 +386,7 @@ GLOBAL_KERNEL = re.compile(
 CHEVRON_LAUNCH = re.compile(r"\b(\w+)\s*(?:<[^<>;]{0,512}>\s*)?<<<")
 CUDA_LAUNCH_CALL = re.compile(r"cudaLaunch\w*\s*\(")
 IDENTIFIER = re.compile(r"\b\w+\b")
+NOT_NEWLINE = re.compile(r"[^\n]")
 # os functions that write files, change the process tree or signal anything.
 OS_FORBIDDEN = frozenset(
   {
@@ -473,7 +474,7 @@ class Rejection:
 
 def _blank(text: str) -> str:
   """``text`` with everything but its newlines turned into spaces."""
-  return "".join(c if c == "\n" else " " for c in text) if "\n" in text else " " * len(text)
+  return NOT_NEWLINE.sub(" ", text)
 
 
 def _strip_cpp_comments(text: str) -> str:
@@ -614,8 +615,8 @@ def _bindings(tree: ast.AST) -> dict[str, str]:
 
   Terminates by construction: each name is bound once (imports first, then the first alias in walk
   order that resolves) and never rebound, so self-extending and cyclic aliases (``x = x.nn``;
-  ``a = b.f; b = a.nn``) cannot grow a path forever; an alias is looked at again only when a prefix
-  of its value becomes bound, at most ``MAX_ALIAS_PARTS`` times."""
+  ``a = b.f; b = a.nn``) cannot grow a path forever; an alias waits once on each of the at most
+  ``MAX_ALIAS_PARTS`` prefixes of its value and is looked at again only when one becomes bound."""
   bound: dict[str, str] = {}
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
@@ -630,6 +631,7 @@ def _bindings(tree: ast.AST) -> dict[str, str]:
         bound[a.asname or a.name] = f"{node.module}.{a.name}"
   aliases = _aliases(tree)
   waiting: dict[str, list[int]] = collections.defaultdict(list)  # name -> aliases its binding frees
+  registered: set[tuple[str, int]] = set()  # each (name, alias) pair waits once
   queue = collections.deque(range(len(aliases)))
   while queue:
     i = queue.popleft()
@@ -644,7 +646,8 @@ def _bindings(tree: ast.AST) -> dict[str, str]:
     parts = value.split(".")
     for k in range(1, min(len(parts), MAX_ALIAS_PARTS) + 1):
       head = ".".join(parts[:k])
-      if head not in bound:
+      if head not in bound and (head, i) not in registered:
+        registered.add((head, i))
         waiting[head].append(i)
   return bound
 

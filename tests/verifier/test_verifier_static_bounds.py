@@ -136,11 +136,15 @@ def alias_sources(rng: random.Random) -> dict[str, str]:
   rng.shuffle(cycle)
   selfext = [f"s{i} = s{i}.nn\ns{i} = torch\n" for i in range(n // 2)]
   dotted = [f"self.x{i % 50}.y = self.x{(i + 7) % 50}.y.z\n" for i in range(n)]
+  long = [f"h{'.x' * j} = torch{'.a' * 14}\n" for j in range(16)]
+  long += [f"t{i} = h{'.x' * 15}.y\n" for i in range(n // 2)]  # too long until its longest head binds
+  rng.shuffle(long)
   return {
     "alias_chain_shuffled": "a0 = torch\n" + "".join(chain),
     "alias_cycle_shuffled": "".join(cycle),
     "alias_self_extending": "".join(selfext),
     "alias_dotted_cycles": "".join(dotted),
+    "alias_long_paths": "".join(long),
   }
 
 
