@@ -174,7 +174,7 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
         worker.kill()
         await worker.wait_exited()
         rc = await worker.returncode()
-      logs = worker.read_log()
+      logs = await asyncio.to_thread(worker.read_log)  # written by the candidate: not on the loop
       worker.discard()
     if report is None:
       healthy = False
