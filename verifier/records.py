@@ -262,6 +262,12 @@ class CandidateFailure:
 
 
 @record
+class CandidateStarting:
+  """The candidate process's last word before it runs candidate code (everything before is the
+  runtime's own work; a failure after it is the candidate's)."""
+
+
+@record
 class Loaded:
   build_events: tuple[dict[str, Any], ...]
   load_s: float
@@ -346,7 +352,7 @@ class CheckReport:
   build_cached: bool = False
   stage: str = ""
   candidate_gone: bool = False
-  candidate_started: bool = False  # the job went to the candidate: its code may have run since
+  candidate_started: bool = False  # the candidate said it starts its code (CandidateStarting)
   infrastructure: bool = False  # the checker's own device or process failed (not the candidate)
   device_oom: bool = (
     False  # a device ran out of memory (maybe a shared GPU over-committed: re-run alone)
