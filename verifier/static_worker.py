@@ -3,9 +3,10 @@
 ``check_candidate`` is bounded by construction (``static_check.SourceLimits``), but it reads hostile text
 with C code (the parser, regexes) that holds the GIL, so it runs here, never in the service process: a
 small pool of long-lived ``python -m verifier.static_worker`` processes, each with an address-space
-limit, serving one check at a time over its stdin/stdout (a length-prefixed JSON frame each way). A check
-that outlives its deadline has its process killed, and a process that dies while checking a source twice
-over gives the verdict too: SOURCE_TOO_COMPLEX, reward 0. The health check never waits for any of it.
+limit, no capabilities and no new sockets, serving one check at a time over its stdin/stdout (a
+length-prefixed JSON frame each way). A check that outlives its deadline has its process killed, and a
+process that dies while checking a source twice over gives the verdict too: SOURCE_TOO_COMPLEX, reward 0.
+The health check never waits for any of it.
 """
 
 from __future__ import annotations
@@ -92,9 +93,11 @@ def serve(stdin, stdout, mem_mb: int) -> None:
   if mem_mb > 0:
     resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
   resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-  from verifier import aten_ops
+  from verifier import aten_ops, confine
 
   aten_ops.operator_names()  # read the torch headers' names once, before the first deadline
+  confine.drop_capabilities()  # it parses hostile text: no capabilities, no new sockets
+  confine.block_sockets()
   _write_frame(stdout, json.dumps({"ready": True}).encode())
   while (body := _read_frame(stdin)) is not None:
     reply, leaving = _answer(json.loads(body))
