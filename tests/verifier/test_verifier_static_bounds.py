@@ -5,6 +5,7 @@ regression hangs that subprocess, not pytest). The fuzz test feeds generated and
 KernelBench file and every DICE task's code, with a bound per input, and prints p99 and max.
 """
 
+import ast
 import asyncio
 import json
 import random
@@ -19,7 +20,14 @@ import verifier_cases as cases
 import verifier_gpu_cases as g
 
 from verifier.contract import FailureKind, Strictness
-from verifier.static_check import LIMITS, check_candidate
+from verifier.static_check import (
+  LIMITS,
+  MAX_ALIAS_PARTS,
+  MAX_ALIAS_VALUES,
+  MAX_ALIAS_WORK,
+  _bindings,
+  check_candidate,
+)
 from verifier.static_worker import StaticCheckPool, StaticWorkerLost
 
 STRICT = Strictness.preset("strict")
@@ -76,6 +84,113 @@ def test_aliases_still_resolve_in_any_order_and_through_attributes():
   chained = "".join(f"a{i} = a{i - 1}\n" for i in range(1, 400)) + "a0 = torch\na399.add = 1\n"
   v = check_candidate("import torch\n" + chained + MODEL, STRICT, "cuda")
   assert v.kind is FailureKind.MONKEY_PATCH and "a399.add" in v.reason, v.reason
+
+
+# Each pair: a rebinding (or a chain of aliases) and the direct use it stands for; both are refused
+# with the same kind. Binding each name once (first binding wins) let the rebound ones through.
+REBOUND = {
+  "torch_then_os": (
+    "import os, torch\nx = torch\nx = os\nx.system('true')\n",
+    "import os\nos.system('true')\n",
+  ),
+  "os_then_torch": (
+    "import os, torch\nx = os\nx = torch\nx.system('true')\n",
+    "import os\nos.system('true')\n",
+  ),
+  "module_alias_through_another_alias": (
+    "import torch\nimport os as o\nf = torch.relu\nf = o.system\ng = f\ng('true')\n",
+    "import os as o\no.system('true')\n",
+  ),
+  "from_import_through_another_alias": (
+    "import torch\nfrom os import system as s\nf = torch.relu\nf = s\ng = f\ng('true')\n",
+    "from os import system as s\ns('true')\n",
+  ),
+  "from_import_bound_later": (
+    "import torch\nfrom os import system as s\ng = f\nf = torch.relu\nf = s\ng('true')\n",
+    "from os import system as s\ns('true')\n",
+  ),
+  "patch_through_a_rebinding": (
+    "import collections, time\nx = collections\nx = time\nx.perf_counter = len\n",
+    "import time\ntime.perf_counter = len\n",
+  ),
+  "tensor_subclass_through_a_rebinding": (
+    "import numpy, torch\nT = numpy.ndarray\nT = torch.Tensor\nclass L(T):\n  pass\n",
+    "import torch\nclass L(torch.Tensor):\n  pass\n",
+  ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REBOUND))
+def test_a_name_stands_for_every_value_it_is_bound_to(name):
+  rebound, direct = REBOUND[name]
+  want = check_candidate(direct + MODEL, STRICT, "cuda")
+  assert want.kind in (
+    FailureKind.FORBIDDEN_IMPORT,
+    FailureKind.MONKEY_PATCH,
+    FailureKind.LAZY_OUTPUT,
+  ), want.reason
+  got = check_candidate(rebound + MODEL, STRICT, "cuda")
+  assert got.kind is want.kind, (got.kind, got.reason)
+
+
+def test_rebound_aliases_keep_every_value_in_the_bindings():
+  bound, _ = _bindings(ast.parse(REBOUND["from_import_through_another_alias"][0]))
+  assert bound["f"] == {"torch.relu", "os.system"} and bound["g"] == {"torch.relu", "os.system"}
+  bound, overflow = _bindings(ast.parse("import os, torch\nx = torch\nx = os\n"))
+  assert bound["x"] == {"torch", "os"} and overflow == ""
+
+
+def test_torch_compute_through_a_rebinding_is_refused_like_the_direct_call():
+  forward = "return ops.scaled_add(a, b, self.scale)"
+  direct = cases.GOOD.replace(forward, "return torch.matmul(ops.scaled_add(a, b, self.scale), b)")
+  rebound = cases.GOOD.replace(forward, "return op(ops.scaled_add(a, b, self.scale), b)").replace(
+    "\nclass ModelNew", "\nop = torch.cuda.synchronize\nop = torch.matmul\n\nclass ModelNew"
+  )
+  assert check_candidate(direct, STRICT, "cpu").kind is FailureKind.TORCH_COMPUTE
+  v = check_candidate(rebound, STRICT, "cpu")
+  assert v.kind is FailureKind.TORCH_COMPUTE and "op" in v.reason, v.reason
+
+
+def test_self_extending_aliases_are_widened_not_dropped():
+  assert _bindings(ast.parse(ALIAS_STALLS["three_lines"]))[0]["x"] == {"torch.*"}
+  # torch.* may be torch.save: refused as the direct call would be.
+  v = check_candidate(ALIAS_STALLS["three_lines"] + "x.save(0)\n" + MODEL, STRICT, "cuda")
+  assert v.kind is FailureKind.FORBIDDEN_IMPORT and "torch.*.save" in v.reason, v.reason
+  v = check_candidate("import os\nx = os\nx = x.path\nx = x.sep\nx()\n" + MODEL, STRICT, "cuda")
+  assert v.kind is FailureKind.FORBIDDEN_IMPORT, v.reason  # os.* may be os.system
+
+
+def test_passing_an_alias_cap_gives_source_too_complex():
+  many = "".join(f"x = torch.m{i}\n" for i in range(MAX_ALIAS_VALUES + 1))
+  long = "y = torch" + ".a" * MAX_ALIAS_PARTS + "\n"
+  chain = "a0 = torch\n" + "".join(f"a{i} = a{i - 1}.nn\n" for i in range(1, MAX_ALIAS_PARTS + 1))
+  target = "p" + ".q" * MAX_ALIAS_PARTS + " = torch\n"
+  values = "".join(f"x = torch.m{i}\n" for i in range(MAX_ALIAS_VALUES))
+  work = values + "".join(f"w{j} = x\n" for j in range(MAX_ALIAS_WORK // (4 * MAX_ALIAS_VALUES)))
+  for what, extra, reason in (
+    ("values", many, "module paths"),
+    ("parts", long, "parts"),
+    ("chain", chain, "parts"),
+    ("target", target, "parts"),
+    ("work", work, "steps"),
+  ):
+    v = check_candidate("import torch\n" + extra + MODEL, STRICT, "cuda")
+    assert v.kind is FailureKind.SOURCE_TOO_COMPLEX and reason in v.reason, (what, v.reason)
+  # What the values found before the cap already show still decides: a refusal is not hidden by one.
+  v = check_candidate(
+    "import torch, os\nx = os\n" + many + "x.system('true')\n" + MODEL, STRICT, "cuda"
+  )
+  assert v.kind is FailureKind.FORBIDDEN_IMPORT, v.reason
+  v = check_candidate(
+    "import torch, time\nx = time\n" + many + "x.sleep = 0\n" + MODEL, STRICT, "cuda"
+  )
+  assert v.kind is FailureKind.MONKEY_PATCH, v.reason
+  # Just under the caps: the next rule decides.
+  few = "".join(f"x = torch.m{i}\n" for i in range(MAX_ALIAS_VALUES))
+  short = "y = torch" + ".a" * (MAX_ALIAS_PARTS - 1) + "\n"
+  for extra in (few, short):
+    v = check_candidate("import torch\n" + extra + MODEL, STRICT, "cuda")
+    assert v.kind is FailureKind.NO_KERNEL, v.reason
 
 
 def test_sources_beyond_the_limits_get_source_too_complex():
@@ -137,7 +252,9 @@ def alias_sources(rng: random.Random) -> dict[str, str]:
   selfext = [f"s{i} = s{i}.nn\ns{i} = torch\n" for i in range(n // 2)]
   dotted = [f"self.x{i % 50}.y = self.x{(i + 7) % 50}.y.z\n" for i in range(n)]
   long = [f"h{'.x' * j} = torch{'.a' * 14}\n" for j in range(16)]
-  long += [f"t{i} = h{'.x' * 15}.y\n" for i in range(n // 2)]  # too long until its longest head binds
+  long += [
+    f"t{i} = h{'.x' * 15}.y\n" for i in range(n // 2)
+  ]  # too long until its longest head binds
   rng.shuffle(long)
   return {
     "alias_chain_shuffled": "a0 = torch\n" + "".join(chain),
