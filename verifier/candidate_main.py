@@ -2,7 +2,8 @@
 for. It holds nothing of the verdict: no reference, no golden outputs, no comparison, no result file. Its
 only link to the world is the channel to the checker, where every message it sends is untrusted input.
 
-Per request (``records``): ``ProbeRequest`` (can device buffers be mapped here?), ``CandidateJob`` (load),
+Per request (``records``): ``ProbeRequest`` (can device buffers be mapped here?), ``CandidateJob`` (load;
+``CandidateStarting`` goes out right before the candidate's code first runs),
 ``ForwardRequest`` (one forward on the given buffers; outputs copied into the checker's buffers; inputs are
 the buffers themselves where they live on this process's device, so the checker sees any mutation, else
 staged copies written back; ``calibrate`` runs the same exchange with no model, so the checker can
@@ -27,6 +28,7 @@ from verifier.contract import FailureKind
 from verifier.records import (
   CandidateFailure,
   CandidateJob,
+  CandidateStarting,
   ForwardDone,
   ForwardRequest,
   Loaded,
@@ -159,6 +161,8 @@ class CandidateRuntime:
       scratch=self.scratch,
     )
     t0 = time.monotonic()
+    # From here on, whatever happens to this process is the candidate's doing.
+    self.chan.send(CandidateStarting())
     try:
       namespace = {"__name__": "candidate", "__builtins__": __builtins__}
       exec(compile(job.candidate_source, "candidate", "exec"), namespace)
@@ -358,6 +362,8 @@ def run(chan: Channel, device: str, scratch: str) -> None:
     CandidateRuntime(chan, device, scratch).serve()
   except ChannelClosed:
     pass
-  except Exception:  # our own failure, not the candidate's: the log says why; the worker exits with
-    traceback.print_exc()  # INTERNAL_EXIT so that the service retries instead of blaming the candidate
+  except Exception:
+    # Our own failure, or the candidate broke this process (its channel, its descriptors): the log says
+    # why, the worker exits INTERNAL_EXIT, and the service retries only if no candidate code had run.
+    traceback.print_exc()
     raise

@@ -34,6 +34,7 @@ from verifier.records import (
   CANDIDATE_EXCHANGE_PARTS,
   CandidateFailure,
   CandidateJob,
+  CandidateStarting,
   CheckReport,
   ForwardDone,
   ForwardRequest,
@@ -221,6 +222,8 @@ class Check:
       used,
       prefetch=first.used if first and _fits(used, first.used) else (),
     )
+    self._recv(CandidateStarting)  # the runtime's work is done; the candidate's code runs next
+    self.report["candidate_started"] = True
     loaded = self._recv(Loaded)
     self.report.update(compiled=True, build_cached=loaded.build_cached)
     self.report["phases"]["candidate_build_load"] = loaded.load_s

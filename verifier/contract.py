@@ -17,6 +17,7 @@ class FailureKind(str, enum.Enum):
   OK = "OK"
   INVALID_REQUEST = "INVALID_REQUEST"
   SYNTAX_ERROR = "SYNTAX_ERROR"
+  SOURCE_TOO_COMPLEX = "SOURCE_TOO_COMPLEX"  # beyond the static check's size/node/depth/time bounds
   MISSING_MODEL_NEW = "MISSING_MODEL_NEW"
   NO_KERNEL = "NO_KERNEL"
   KERNEL_NOT_LAUNCHED = "KERNEL_NOT_LAUNCHED"
@@ -82,6 +83,7 @@ NOT_COMPILED_KINDS = frozenset(
   {
     FailureKind.INVALID_REQUEST,
     FailureKind.SYNTAX_ERROR,
+    FailureKind.SOURCE_TOO_COMPLEX,
     FailureKind.MISSING_MODEL_NEW,
     FailureKind.NO_KERNEL,
     FailureKind.FALLBACK,

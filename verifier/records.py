@@ -256,6 +256,12 @@ class CandidateFailure:
 
 
 @record
+class CandidateStarting:
+  """The candidate process's last word before it runs candidate code (everything before is the
+  runtime's own work; a failure after it is the candidate's)."""
+
+
+@record
 class Loaded:
   build_events: tuple[dict[str, Any], ...]
   load_s: float
@@ -315,7 +321,7 @@ class Stage:
 @record
 class CheckReport:
   """The checker's verdict. ``candidate_gone``: the candidate's channel closed mid-check (the service
-  decides whose fault that was from how the process ended)."""
+  decides whose fault that was from how the process ended and whether ``candidate_started``)."""
 
   job_id: str
   kind: FailureKind
@@ -334,6 +340,7 @@ class CheckReport:
   build_cached: bool = False
   stage: str = ""
   candidate_gone: bool = False
+  candidate_started: bool = False  # the candidate said it starts its code (CandidateStarting)
   infrastructure: bool = False  # the checker's own device or process failed (not the candidate)
   device_oom: bool = (
     False  # a device ran out of memory (maybe a shared GPU over-committed: re-run alone)

@@ -5,7 +5,10 @@ candidate process from outside (wall-clock limit, host memory of its whole PID n
 and combines that with the checker's report into one ``RunOutcome``. Whose fault an abnormal end was is
 decided here: a limit the service enforced (TIMEOUT, OUT_OF_MEMORY), a signal the candidate raised on
 itself (CRASH), or a kill from outside / a failed checker (infrastructure: retried once by the service,
-then INTERNAL_ERROR, never the candidate's CRASH).
+then INTERNAL_ERROR). Once the candidate's code has run in the process, the process's own failures are
+the candidate's (issue 24): closing its channel or its exchange descriptors, breaking the runtime so that
+the worker exits with INTERNAL_EXIT, vanishing, or living on after its channel closed all give CRASH; a
+kill that looks external is retried once and is the candidate's if it comes again (``suspect``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from verifier.records import INTERNAL_EXIT, CheckReport, RunJob
 from verifier.sandbox import WorkerStartError
 
 MEMORY_POLL_S = 0.25
+LINGER = "linger"  # the service killed a worker that outlived its channel by LINGER_S
+LINGER_S = 2.0
 # Signals a candidate does not raise by crashing: a kill from outside (an operator, the OOM killer).
 EXTERNAL_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
 
@@ -33,7 +38,9 @@ class RunOutcome:
   report: CheckReport | None
   logs: str = ""
   infrastructure: bool = False  # not the candidate's doing: retry once
-  limit: str = ""  # a limit the service enforced on the candidate: "timeout" | "memory" | ""
+  # infrastructure, but the candidate's code had run in the process that died: its own if it comes again
+  suspect: bool = False
+  limit: str = ""  # why the service killed the candidate: "timeout" | "memory" | LINGER | ""
   startup_wait_s: float = 0.0
   check_s: float = 0.0  # wall time of the check (the job sent to the checker until its report)
   startup_phases: dict = dataclasses.field(default_factory=dict)
@@ -51,8 +58,9 @@ async def _watch_memory(worker, limit_mb: int) -> str:
       )
 
 
-def _fate(worker, rc: int | None, stage: str) -> tuple[FailureKind, str, bool]:
-  """Kind, reason and whether it was infrastructure, for a candidate process that ended mid-check."""
+def _fate(worker, rc: int | None, stage: str, started: bool) -> tuple[FailureKind, str, bool]:
+  """Kind, reason and whether it was infrastructure, for a candidate process that ended mid-check
+  (``started``: after the candidate's code may have run in it)."""
   if worker.killed_by == "timeout":
     return (
       FailureKind.TIMEOUT,
@@ -61,24 +69,52 @@ def _fate(worker, rc: int | None, stage: str) -> tuple[FailureKind, str, bool]:
     )
   if worker.killed_by == "memory":
     return FailureKind.OUT_OF_MEMORY, "host memory limit exceeded; the worker was killed", False
-  if rc is not None and rc < 0:
+  if rc is not None and rc < 0 and worker.killed_by != LINGER:
     sig = signal.Signals(-rc)
     if sig in EXTERNAL_SIGNALS:
+      after = " after the candidate's code ran" if started else ""
       return (
         FailureKind.INTERNAL_ERROR,
-        f"the worker was killed from outside ({sig.name}) during {stage}",
+        f"the worker was killed from outside ({sig.name}) during {stage}{after}",
         True,
       )
     return FailureKind.CRASH, f"worker killed by {sig.name} during {stage}", False
+  if not started:
+    if worker.killed_by == LINGER:
+      return FailureKind.INTERNAL_ERROR, f"the worker hung during {stage} before the job", True
+    if rc is None:
+      return FailureKind.INTERNAL_ERROR, f"the worker vanished during {stage}", True
+    if rc == INTERNAL_EXIT:
+      return FailureKind.INTERNAL_ERROR, f"the worker's own code failed during {stage}", True
+  return FailureKind.CRASH, _broken_worker(worker, rc, stage), False
+
+
+def _broken_worker(worker, rc: int | None, stage: str) -> str:
+  """Why a candidate's process that ended (or lingered) without finishing the check is the candidate's."""
+  if worker.killed_by == LINGER:
+    return (
+      f"the candidate's process closed its channel during {stage} but did not exit within "
+      f"{LINGER_S:.0f} s; the worker was killed"
+    )
   if rc is None:
-    return FailureKind.INTERNAL_ERROR, f"the worker vanished during {stage}", True
+    return f"the candidate's process vanished during {stage} after its code ran"
   if rc == INTERNAL_EXIT:
-    return FailureKind.INTERNAL_ERROR, f"the worker's own code failed during {stage}", True
-  return (
-    FailureKind.CRASH,
-    f"worker exited with status {rc} during {stage} without finishing the check",
-    False,
-  )
+    return (
+      f"the worker's runtime failed during {stage} after the candidate's code ran (exit status "
+      f"{rc}): the candidate broke its own process (channel, exchange buffers or descriptors)"
+    )
+  return f"worker exited with status {rc} during {stage} without finishing the check"
+
+
+async def _ended(worker) -> int | None:
+  """How the worker ended: ``LINGER_S`` to finish on its own (a crash still unwinding), then the
+  service kills it (``killed_by`` LINGER); its exit status (negative: the signal)."""
+  try:
+    await asyncio.wait_for(worker.wait_exited(), LINGER_S)
+  except asyncio.TimeoutError:
+    worker.kill(LINGER)
+    await worker.wait_exited()
+  return await worker.returncode()
 
 
 async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> RunOutcome:
@@ -133,12 +169,12 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
     finally:
       pool.running.pop(job.job_id, None)
       if report is None or report.candidate_gone:
-        rc = await worker.ended(grace_s=2.0)  # it may still be unwinding a crash: let it finish
+        rc = await _ended(worker)  # it may still be unwinding a crash: let it finish
       else:
         worker.kill()
         await worker.wait_exited()
         rc = await worker.returncode()
-      logs = worker.read_log()
+      logs = await asyncio.to_thread(worker.read_log)  # written by the candidate: not on the loop
       worker.discard()
     if report is None:
       healthy = False
@@ -151,7 +187,7 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
       else:
         kind, reason, infra = FailureKind.INTERNAL_ERROR, f"checker failed: {checker_error}", True
     elif report.candidate_gone:
-      kind, reason, infra = _fate(worker, rc, report.stage)
+      kind, reason, infra = _fate(worker, rc, report.stage, report.candidate_started)
     else:
       kind, reason, infra = report.kind, report.reason, report.infrastructure
       healthy = not report.infrastructure
@@ -167,6 +203,7 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
       check_s=time.monotonic() - t_check,
       logs=logs,
       infrastructure=infra,
+      suspect=infra and bool(report and report.candidate_gone and report.candidate_started),
       startup_wait_s=startup_wait,
       startup_phases=dict(ready.startup_phases),
       sandbox_notes=tuple(ready.sandbox_notes) + tuple(pool.candidates.notes),

@@ -5,7 +5,10 @@ built. The run stage (``run_stage``) joins a fresh, confined candidate process w
 that owns the reference and the verdict. Request ids make retries idempotent (``request_table``);
 reference timings are cached per (reference, device, timing options); GPU memory admission is learned per
 reference (``admission``). Failures that are not the candidate's doing (a worker killed from outside, a
-broken checker) are retried once and then reported as INTERNAL_ERROR.
+broken checker) are retried once and then reported as INTERNAL_ERROR; a candidate process killed by an
+outside-looking signal after its code ran, on both attempts, is the candidate's CRASH
+(``RunOutcome.suspect``). The static check reads candidate text in processes of its own under a deadline
+(``static_worker``), never on the event loop.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from verifier.pool import DevicePool, PoolConfig, WorkerPool
 from verifier.records import RunJob
 from verifier.request_table import IdReused, RequestTable
 from verifier.run_stage import RunOutcome, run_once
-from verifier.static_check import check_candidate
+from verifier.static_check import StaticVerdict
+from verifier.static_worker import StaticCheckPool
 
 log = logging.getLogger("verifier.service")
 
@@ -90,6 +94,8 @@ class ServiceConfig:
   split_build: bool = True  # kernels compiled apart from the torch headers (split_build.py)
   use_pch: bool = True  # main.cpp on a precompiled torch header kept in cache_dir (pch.py)
   pch_background: bool = True  # build a missing PCH after the first build (off for one-shot runs)
+  static_workers: int = 2  # static-check processes (static_worker.py): candidate text is read there
+  static_timeout_s: float = 10.0  # deadline of one static check (and at most the request's timeout)
 
 
 @dataclasses.dataclass
@@ -161,6 +167,7 @@ class VerifierService:
     self.new_builds = 0  # since the last cache eviction pass
     self.evicting: asyncio.Task | None = None
     self.pch_builds: dict[str, asyncio.Task] = {}  # precompiled-header builds, one per flag set
+    self.static = StaticCheckPool(cfg.static_workers, cfg.static_timeout_s)
 
   # ---- lifecycle -------------------------------------------------------------------------------
   def _pool_config(self, role: str, device: str, gpu: str, slots: int, prewarm: int) -> PoolConfig:
@@ -185,6 +192,7 @@ class VerifierService:
   async def start(self) -> None:
     c = self.cfg
     os.makedirs(c.cache_dir, exist_ok=True)
+    await self.static.start()
     builds = WorkerPool(self._pool_config("build", "cpu", "", c.compile_workers, c.compile_workers))
     compiles = WorkerPool(
       self._pool_config("compile", "cpu", "", c.compile_workers, c.compile_workers)
@@ -225,7 +233,7 @@ class VerifierService:
     await asyncio.gather(
       *self.pch_builds.values(), *([self.evicting] if self.evicting else []), return_exceptions=True
     )
-    closing = [p.close() for ps in self.run_pools.values() for p in ps]
+    closing = [p.close() for ps in self.run_pools.values() for p in ps] + [self.static.close()]
     if self.build_stage is not None:
       closing += [self.build_stage.pool.close(), self.build_stage.compile_pool.close()]
     await asyncio.gather(*closing, return_exceptions=True)
@@ -279,7 +287,7 @@ class VerifierService:
       req.validate()
     except ValueError as e:
       return self._result(req, FailureKind.INVALID_REQUEST, str(e))
-    verdict = check_candidate(req.candidate_source, req.options.strict, req.options.device)
+    verdict = await self._static_check(req)
     if verdict.kind is not FailureKind.OK:
       return self._result(req, verdict.kind, verdict.reason, warnings=verdict.warnings)
     build = await self._build(req)
@@ -297,6 +305,11 @@ class VerifierService:
     )
 
   # ---- stages ----------------------------------------------------------------------------------
+  async def _static_check(self, req: VerifyRequest) -> StaticVerdict:
+    """The static check, in a static-check process under its deadline (never on this event loop)."""
+    o = req.options
+    return await self.static.check(req.candidate_source, o.strictness, o.device, o.timeout_s)
+
   def _result(self, req: VerifyRequest, kind: FailureKind, reason: str = "", **kw) -> VerifyResult:
     kw.setdefault("compiled", kind.compiled)
     return VerifyResult(
@@ -324,7 +337,7 @@ class VerifierService:
         FailureKind.INVALID_REQUEST,
         f"options.device is {opts.device!r} but this server has no GPUs",
       )
-    verdict = check_candidate(req.candidate_source, opts.strict, opts.device)
+    verdict = await self._static_check(req)
     if verdict.kind is not FailureKind.OK:
       return self._result(req, verdict.kind, verdict.reason, warnings=verdict.warnings)
 
@@ -369,12 +382,20 @@ class VerifierService:
 
   async def _run(self, pool: DevicePool, job: RunJob) -> RunOutcome:
     """The run stage with its retries: once more after a failure that was not the candidate's doing."""
-    outcome = await self._run_scheduled(pool, job)
+    first = outcome = await self._run_scheduled(pool, job)
     if outcome.infrastructure:
       self.metrics.infrastructure_retries += 1
       log.warning("request %s: %s; retrying once", job.job_id, outcome.reason)
       outcome = await self._run_scheduled(pool, job)
-      if outcome.infrastructure:
+      if outcome.infrastructure and first.suspect and outcome.suspect:
+        outcome = dataclasses.replace(
+          outcome,
+          kind=FailureKind.CRASH,
+          infrastructure=False,
+          reason="the candidate's process died the same way twice after its code ran: "
+          + outcome.reason,
+        )
+      elif outcome.infrastructure:
         outcome = dataclasses.replace(
           outcome,
           kind=FailureKind.INTERNAL_ERROR,

@@ -19,6 +19,7 @@ from verifier.records import (  # noqa: E402
   BufferRef,
   CandidateFailure,
   CandidateJob,
+  CandidateStarting,
   CheckReport,
   ForwardDone,
   ForwardRequest,
@@ -172,6 +173,8 @@ def _load_and_forward(checker, tmp_path, source, x):
   checker.send(job, fds)
   for fd in fds:
     os.close(fd)
+  starting, _ = checker.recv(CandidateStarting, CandidateFailure, timeout=60)
+  assert isinstance(starting, CandidateStarting), starting  # before any candidate code runs
   loaded, _ = checker.recv(Loaded, CandidateFailure, timeout=60)
   assert isinstance(loaded, Loaded), loaded
   checker.send(ForwardRequest(0, 0, args, outs))  # no descriptors: already mapped
