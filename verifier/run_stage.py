@@ -19,9 +19,8 @@ from verifier.channel import ChannelClosed, ProtocolError
 from verifier.contract import FailureKind
 from verifier.pool import DevicePool
 from verifier.records import INTERNAL_EXIT, CheckReport, RunJob
-from verifier.sandbox import WorkerStartError
+from verifier.sandbox import WorkerStartError, watch_resources
 
-MEMORY_POLL_S = 0.25
 # Signals a candidate does not raise by crashing: a kill from outside (an operator, the OOM killer).
 EXTERNAL_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
 
@@ -40,15 +39,11 @@ class RunOutcome:
   sandbox_notes: tuple[str, ...] = ()
 
 
-async def _watch_memory(worker, limit_mb: int) -> str:
-  while True:
-    await asyncio.sleep(MEMORY_POLL_S)
-    rss = await asyncio.to_thread(worker.rss_mb)
-    if limit_mb and rss > limit_mb:
-      worker.kill("memory")
-      return (
-        f"host memory {rss:.0f} MiB exceeded the limit of {limit_mb} MiB; the worker was killed"
-      )
+def _limit_fate(worker) -> tuple[FailureKind, str, bool] | None:
+  """The verdict for a worker the service killed on a limit ``_fate`` does not know (processes)."""
+  if worker.killed_by == "processes":
+    return FailureKind.RESOURCE_LIMIT, "process limit exceeded; the worker was killed", False
+  return None
 
 
 def _fate(worker, rc: int | None, stage: str) -> tuple[FailureKind, str, bool]:
@@ -106,7 +101,7 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
     try:
       sock = worker.chan.detach()
       check = asyncio.ensure_future(checker.check(job, sock, lambda name: stage.update(name=name)))
-      watch = asyncio.ensure_future(_watch_memory(worker, pool.cfg.mem_mb))
+      watch = asyncio.ensure_future(watch_resources(worker, pool.candidates.limits))
       done, _ = await asyncio.wait(
         {check, watch}, timeout=opts.timeout_s, return_when=asyncio.FIRST_COMPLETED
       )
@@ -151,7 +146,7 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
       else:
         kind, reason, infra = FailureKind.INTERNAL_ERROR, f"checker failed: {checker_error}", True
     elif report.candidate_gone:
-      kind, reason, infra = _fate(worker, rc, report.stage)
+      kind, reason, infra = _limit_fate(worker) or _fate(worker, rc, report.stage)
     else:
       kind, reason, infra = report.kind, report.reason, report.infrastructure
       healthy = not report.infrastructure
