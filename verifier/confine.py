@@ -89,11 +89,29 @@ def apply_limits(mem_mb: int, limit_address_space: bool) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
 
 
+NAMESPACE_ID = 1000  # this process's uid and gid inside its user namespace (not 0: no root there)
+
+
+def _map_own_ids(uid: int, gid: int) -> list[str]:
+  """Map this process's own uid and gid (the only mapping an unprivileged process may write) to
+  ``NAMESPACE_ID``, so filesystems mounted in the namespace (the scratch tmpfs) can own files."""
+  try:
+    with open("/proc/self/setgroups", "w") as f:
+      f.write("deny")
+    for name, outer in (("uid_map", uid), ("gid_map", gid)):
+      with open(f"/proc/self/{name}", "w") as f:
+        f.write(f"{NAMESPACE_ID} {outer} 1")
+  except OSError as e:
+    return [f"user namespace ids not mapped ({e}): the scratch quota cannot be mounted"]
+  return []
+
+
 def isolate_network() -> list[str]:
   """User + network namespace for this process (and everything it forks). Returns notes on failure."""
+  uid, gid = os.geteuid(), os.getegid()
   if _libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
     return ["network isolation unavailable (" + _errno_text("unshare") + ")"]
-  return []
+  return _map_own_ids(uid, gid)
 
 
 def _wait_status(pid: int) -> int:

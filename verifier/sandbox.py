@@ -214,17 +214,18 @@ async def watch_resources(worker: "Worker", limits: Limits) -> str:
   while True:
     await asyncio.sleep(WATCH_POLL_S)
     usage = await asyncio.to_thread(worker.usage)
-    if limits.mem_mb and usage.memory_mb > limits.mem_mb:
-      worker.kill("memory")
-      return (
-        f"host memory {usage.memory_mb:.0f} MiB (resident and shared memory) exceeded the limit of "
-        f"{limits.mem_mb} MiB; the worker was killed"
-      )
+    # processes first: forked copies of one process each count its shared pages as resident
     if limits.max_processes and usage.processes > limits.max_processes:
       worker.kill("processes")
       return (
         f"{usage.processes} processes exceeded the limit of {limits.max_processes}; "
         "the worker was killed"
+      )
+    if limits.mem_mb and usage.memory_mb > limits.mem_mb:
+      worker.kill("memory")
+      return (
+        f"host memory {usage.memory_mb:.0f} MiB (resident and shared memory) exceeded the limit of "
+        f"{limits.mem_mb} MiB; the worker was killed"
       )
 
 

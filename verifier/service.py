@@ -73,7 +73,9 @@ class ServiceConfig:
   scratch_mb: int = 1024  # scratch quota per worker (a private tmpfs, on top of mem_mb)
   max_processes: int = 256  # processes per worker's PID namespace
   gpu_memory_fraction: float = 0.0  # caching-allocator cap per candidate process (0: none)
-  build_timeout_s: float = 900.0  # cap on a build's deadline (the request's timeout_s, from its slot)
+  build_timeout_s: float = (
+    900.0  # cap on a build's deadline (the request's timeout_s, from its slot)
+  )
   max_pending: int = 4096
   isolate_network: bool = True
   arch_list: str = ""  # TORCH_CUDA_ARCH_LIST for builds, e.g. "9.0"
