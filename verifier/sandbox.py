@@ -147,49 +147,69 @@ def _is_shared_memory(link: str, st: os.stat_result) -> bool:
   )
 
 
-def _shared_objects(pid: int, objects: dict) -> bool:
-  """Add the shared-memory files ``pid`` holds (descriptors) or maps to ``objects`` ((dev, inode) ->
-  allocated bytes). False where its mappings could not be inspected (no access to ``map_files``)."""
-  for kind in ("fd", "map_files"):
-    base = f"/proc/{pid}/{kind}"
-    try:
-      names = os.listdir(base)
-    except OSError:
-      if kind == "map_files":
-        return False
-      continue
-    for name in names:
-      try:
-        link = os.readlink(f"{base}/{name}")
-        if not link.startswith("/"):
-          continue
-        st = os.stat(f"{base}/{name}")
-      except OSError:
-        continue
+def _add_if_shared(path: str, objects: dict) -> None:
+  try:
+    link = os.readlink(path)
+    if link.startswith("/"):
+      st = os.stat(path)
       if _is_shared_memory(link, st):
         objects[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+  except OSError:
+    pass  # closed or unmapped meanwhile
+
+
+def _held_objects(pid: int, objects: dict) -> bool:
+  """Add the shared-memory files ``pid`` holds open to ``objects`` ((dev, inode) -> allocated bytes).
+  False where its descriptors cannot be listed although it exists (it made itself undumpable)."""
+  try:
+    names = os.listdir(f"/proc/{pid}/fd")
+  except FileNotFoundError:
+    return True  # it ended
+  except OSError:
+    return False
+  for name in names:
+    _add_if_shared(f"/proc/{pid}/fd/{name}", objects)
+  return True
+
+
+def _mapped_objects(pid: int, objects: dict) -> bool:
+  """Add the shared-memory files ``pid`` maps shared (a memfd whose descriptor was closed) to
+  ``objects``. False where ``map_files`` is not readable (needs CAP_SYS_ADMIN)."""
+  try:
+    with open(f"/proc/{pid}/maps") as f:
+      ranges = [line.split(None, 1)[0] for line in f if line.split(None, 2)[1:2][0][3:4] == "s"]
+  except (OSError, IndexError):
+    return True
+  for r in ranges:
+    path = f"/proc/{pid}/map_files/{r}"
+    if not os.access(path, os.F_OK, follow_symlinks=False):
+      return False
+    _add_if_shared(path, objects)
   return True
 
 
 @dataclasses.dataclass(frozen=True)
 class TreeUsage:
   """What a worker's process tree holds: memory (private resident pages plus every shared-memory
-  object it holds or maps, counted once, whether mapped or not) and its number of processes."""
+  object it holds or maps, counted once, whether mapped or not), its number of processes, and how
+  many of them hide their descriptors from the service."""
 
   memory_mb: float
   processes: int
+  hidden: int = 0
 
 
 def process_tree_usage(root: int) -> TreeUsage:
   tree = _process_tree(root)
-  private_kb, objects = 0, {}
+  private_kb, objects, hidden = 0, {}, 0
   for pid in tree:
     kb = _status_kb(pid, ("RssAnon", "RssFile", "RssShmem"))
     private_kb += kb.get("RssAnon", 0) + kb.get("RssFile", 0)
-    if not _shared_objects(pid, objects):
+    hidden += not _held_objects(pid, objects)
+    if not _mapped_objects(pid, objects):
       private_kb += kb.get("RssShmem", 0)  # mapped shared memory seen only as resident pages
   total = private_kb * 1024 + sum(objects.values())
-  return TreeUsage(total / (1 << 20), len(tree))
+  return TreeUsage(total / (1 << 20), len(tree), hidden)
 
 
 def process_tree_rss_mb(root: int) -> float:
@@ -214,6 +234,9 @@ async def watch_resources(worker: "Worker", limits: Limits) -> str:
   while True:
     await asyncio.sleep(WATCH_POLL_S)
     usage = await asyncio.to_thread(worker.usage)
+    if usage.hidden:
+      worker.kill("processes")
+      return f"{usage.hidden} of its processes hid their descriptors from the service; killed"
     # processes first: forked copies of one process each count its shared pages as resident
     if limits.max_processes and usage.processes > limits.max_processes:
       worker.kill("processes")

@@ -261,3 +261,40 @@ def test_assembler_cannot_include_a_repository_file(service):
   assert res.failure_kind is FailureKind.COMPILE_ERROR and res.reward == 0.0, res.reason
   assert f"Error: file not found: {REPO_FILE}" in res.reason, res.reason  # Landlock: EACCES
   assert REPO_MARKER not in res.logs + res.reason
+
+
+def _verifier_imports(path: str) -> set[str]:
+  """The ``verifier`` modules a source file imports, at module level or inside functions."""
+  import ast
+
+  out = set()
+  for node in ast.walk(ast.parse(open(path).read())):
+    if isinstance(node, ast.Import):
+      out |= {a.name for a in node.names if a.name.startswith("verifier.")}
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("verifier"):
+      if node.module == "verifier":
+        out |= {f"verifier.{a.name}" for a in node.names}
+      else:
+        out.add(node.module)
+  root = os.path.dirname(os.path.dirname(confine.__file__))
+  return {m for m in out if os.path.exists(os.path.join(root, *m.split(".")) + ".py")}
+
+
+def test_worker_code_is_imported_before_workers_lose_the_repository():
+  """Confined workers cannot read the repository, so every verifier module the worker code imports,
+  even lazily inside a function (exchange -> cuda_driver on a GPU), is imported by the fork server."""
+  code = (
+    "import importlib, sys\nfrom verifier import zygote\n"
+    "for m in zygote.WORKER_MODULES: importlib.import_module(m)\n"
+    "print(' '.join(k for k in sys.modules if k.startswith('verifier.')))"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  loaded = set(out.stdout.split())
+  assert {"verifier.candidate_main", "verifier.build_main", "verifier.cuda_driver"} <= loaded
+  missing = set()
+  for name in loaded:
+    path = (
+      os.path.join(os.path.dirname(os.path.dirname(confine.__file__)), *name.split(".")) + ".py"
+    )
+    missing |= {(name, dep) for dep in _verifier_imports(path) if dep not in loaded}
+  assert not missing, missing
