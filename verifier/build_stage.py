@@ -165,6 +165,8 @@ class BuildStage:
           if isinstance(msg, CompileNeeded):
             event = await self.compile(msg.params, _left(deadline))
             trusted.append(event)
+            if watch.done():  # killed on a limit while its compile ran
+              raise _LimitHit(watch.result())
             await worker.chan.send(CompileResult(event))
             continue
         except asyncio.TimeoutError:
@@ -186,7 +188,7 @@ class BuildStage:
           return BuildOutcome(
             FailureKind.INTERNAL_ERROR, f"build stage: {e}", seconds=time.monotonic() - t0
           )
-        except (ChannelClosed, ProtocolError) as e:
+        except (ChannelClosed, ProtocolError, OSError) as e:
           rc = await worker.ended(grace_s=2.0)
           how = describe_exit(rc)
           return self._failed(
@@ -239,17 +241,19 @@ class BuildStage:
     )
 
   async def compile(self, params: dict, timeout_s: float) -> dict:
-    """One load_inline call built and published by a compile worker; its event (``error`` set when the
-    compiler failed or the arguments were refused)."""
+    """One load_inline call built and published by a compile worker within ``timeout_s`` (its start-up
+    included; the worker is killed then); its event (``error`` set when the compiler failed or the
+    arguments were refused)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
     try:
       worker = await self.compile_pool.take()
     except WorkerStartError as e:
       raise _CompileWorkerLost(f"no compile worker: {e}") from e
     try:
-      await worker.wait_ready(120)
+      await worker.wait_ready(min(120.0, _left(deadline)))
       job = BuildJob("", "", self.build_root, 0, self.split_build, self.use_pch)
       await worker.chan.send(dataclasses.replace(job, compile_request=params))
-      report = await asyncio.wait_for(worker.chan.recv(BuildReport), timeout_s)
+      report = await asyncio.wait_for(worker.chan.recv(BuildReport), _left(deadline))
     except asyncio.TimeoutError:
       worker.kill("timeout")
       raise

@@ -11,10 +11,11 @@ enforced where):
    the namespace, so ``setsid``/double-fork escapes die with the check;
 4. a mount namespace: a fresh ``/proc`` for that PID namespace (other processes' ``/proc/<pid>`` entries,
    environments and memory are not reachable) and every mount read-only except the scratch directory
-   (and the build cache for build workers);
-5. Landlock: reads only beneath the toolchain (Python, torch, CUDA, compilers, this package, the build
-   cache), writes only beneath the writable directories, TCP bind/connect denied, no signals and no
-   abstract Unix sockets outside the sandbox;
+   (and the build cache for build workers); the scratch directory on a private tmpfs of ``scratch_mb``
+   (its quota); a private IPC namespace without SysV shared memory;
+5. Landlock: reads only beneath the toolchain (Python, torch, CUDA, compilers, the build cache; not this
+   repository: the fork server imported the worker code before), writes only beneath the writable
+   directories, TCP bind/connect denied, no signals and no abstract Unix sockets outside the sandbox;
 6. no capabilities and ``no_new_privs``; every inherited descriptor other than stdio and the channel closed;
 7. no new sockets (``block_sockets``, seccomp): ``socket``, ``socketpair`` and ``connect`` fail with EPERM,
    so a worker cannot reach a path-based Unix socket (Landlock up to ABI 7 does not cover ``connect``); the

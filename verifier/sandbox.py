@@ -2,9 +2,10 @@
 
 Workers (one candidate or one build each) are forked by a per-pool fork server (``zygote.py``) and confined
 there (``confine.py``: own PID, mount, user and network namespaces, Landlock, no capabilities). This module
-starts fork servers and checkers, hands channel sockets around, watches workers (exit through a pidfd,
-host memory of the whole PID namespace) and kills a worker by killing PID 1 of its namespace, which takes
-every descendant with it. Environments are rebuilt from an allow-list. What is enforced is listed in
+starts fork servers and checkers, hands channel sockets around, watches workers (exit through a pidfd;
+host memory of the whole PID namespace, shared memory and memfds included, and its number of processes)
+and kills a worker by killing PID 1 of its namespace, which takes every descendant with it. Logs are read
+head and tail, never whole. Environments are rebuilt from an allow-list. What is enforced is listed in
 BUILD_NOTES.md (Verifier).
 """
 
