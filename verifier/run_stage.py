@@ -19,7 +19,7 @@ from verifier.channel import ChannelClosed, ProtocolError
 from verifier.contract import FailureKind
 from verifier.pool import DevicePool
 from verifier.records import INTERNAL_EXIT, CheckReport, RunJob
-from verifier.sandbox import WorkerStartError, watch_resources
+from verifier.sandbox import ACCOUNTING_NOTE, WorkerStartError, watch_resources
 
 # Signals a candidate does not raise by crashing: a kill from outside (an operator, the OOM killer).
 EXTERNAL_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
@@ -147,6 +147,8 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
         kind, reason, infra = FailureKind.INTERNAL_ERROR, f"checker failed: {checker_error}", True
     elif report.candidate_gone:
       kind, reason, infra = _limit_fate(worker) or _fate(worker, rc, report.stage)
+      if worker.killed_by in ("memory", "processes") and watch.done() and not watch.cancelled():
+        reason = watch.result()  # what the watchdog measured
     else:
       kind, reason, infra = report.kind, report.reason, report.infrastructure
       healthy = not report.infrastructure
@@ -164,7 +166,7 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
       infrastructure=infra,
       startup_wait_s=startup_wait,
       startup_phases=dict(ready.startup_phases),
-      sandbox_notes=tuple(ready.sandbox_notes) + tuple(pool.candidates.notes),
+      sandbox_notes=(*ready.sandbox_notes, *pool.candidates.notes, ACCOUNTING_NOTE),
     )
   finally:
     await pool.slots.release(units)

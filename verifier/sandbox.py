@@ -227,6 +227,11 @@ class Limits:
 
 
 WATCH_POLL_S = 0.25
+# How the limits are enforced, on every result (BUILD_NOTES, Verifier: not a cgroup).
+ACCOUNTING_NOTE = (
+  f"memory (shared memory and memfds included) and process count polled every {WATCH_POLL_S} s "
+  "from outside, no cgroup"
+)
 
 
 async def watch_resources(worker: "Worker", limits: Limits) -> str:

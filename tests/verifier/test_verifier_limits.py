@@ -140,6 +140,7 @@ def test_good_candidate_passes_under_the_limits(service):
   ((res, _),) = _timed(service, _req("good", holes.GOOD))
   assert res.failure_kind is FailureKind.OK and res.reward == 1.0, res.reason + res.logs
   assert not [w for w in res.warnings if "scratch" in w or "Landlock" in w], res.warnings
+  assert sandbox.ACCOUNTING_NOTE in res.warnings
 
 
 def test_sleeping_static_initialiser_times_out_and_frees_the_compile_slot(service):
@@ -221,14 +222,16 @@ def test_memfd_hog_is_killed_as_out_of_memory(service):
   """Row 4: two memfds of the memory limit each, never mapped (was reward 1 with 2x the limit held)."""
   ((res, _),) = _timed(service, _req("memfd-hog", MEMFD_HOG))
   assert res.failure_kind is FailureKind.OUT_OF_MEMORY and res.reward == 0.0, res.reason
-  assert "shared memory" in res.reason or "memory limit" in res.reason, res.reason
+  assert f"(resident and shared memory) exceeded the limit of {MEM_MB} MiB" in res.reason, (
+    res.reason
+  )
 
 
 def test_fork_sleepers_hit_the_process_limit(service):
   """Row 5: 200 forked sleepers against a limit of 64 processes (was reward 1, 589 host processes)."""
   ((res, _),) = _timed(service, _req("fork-sleepers", FORK_SLEEPERS))
   assert res.failure_kind is FailureKind.RESOURCE_LIMIT and res.reward == 0.0, res.reason
-  assert "process limit" in res.reason, res.reason
+  assert f"processes exceeded the limit of {MAX_PROCESSES}" in res.reason, res.reason
 
 
 def test_scratch_flood_stops_at_the_quota(service):
