@@ -144,12 +144,13 @@ def test_good_candidate_passes_under_the_limits(service):
 
 
 def test_sleeping_static_initialiser_times_out_and_frees_the_compile_slot(service):
-  """Row 1: the extension's initialiser sleeps for an hour; the request's 10 s bound it (was 900 s),
-  and a correct candidate sent 1 s later (one compile slot) is answered meanwhile."""
+  """Row 1: the extension's initialiser sleeps for an hour; the request's 10 s bound it (was the build
+  limit, 900 s by default), and a correct candidate sent 1 s later, a build of its own behind it on the one
+  compile slot, is answered once the slot is freed at that deadline."""
   (bad, bad_s), (good, good_s) = _timed(
     service,
     _req("static-init", SLEEPING_INITIALISER, timeout_s=10),
-    _req("good-2", holes.GOOD),
+    _req("good-2", holes.GOOD + "\n# another build: it needs the compile slot\n"),
     delay_s=1.0,
   )
   assert bad.failure_kind is FailureKind.TIMEOUT and bad.reward == 0.0, bad.reason
