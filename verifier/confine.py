@@ -39,6 +39,7 @@ CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 0x4000, 1 << 18
+MNT_DETACH = 2
 MOUNT_ATTR_RDONLY = 1
 AT_FDCWD, AT_RECURSIVE = -100, 0x8000
 SYS_MOUNT_SETATTR = 442
@@ -216,6 +217,13 @@ def _scratch_quota(scratch: str, scratch_mb: int) -> list[str]:
   opts = f"size={scratch_mb}m,nr_inodes=65536,mode=0700".encode()
   if _libc.mount(b"tmpfs", scratch.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts) != 0:
     return [f"scratch quota refused ({_errno_text('mount tmpfs')}): scratch not size-limited"]
+  probe = os.path.join(scratch, ".quota-probe")
+  try:  # files need an owner mapped in this user namespace (isolate_network)
+    os.close(os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
+    os.unlink(probe)
+  except OSError as e:
+    _libc.umount2(scratch.encode(), MNT_DETACH)
+    return [f"scratch quota unusable ({e}): scratch not size-limited"]
   return []
 
 
