@@ -147,15 +147,15 @@ class BuildStage:
       await self.slots.acquire(1)
     worker = watch = None
     limit = min(timeout_s, self.build_timeout_s)
+    deadline = asyncio.get_running_loop().time() + limit
     phase = "compiling the module"
     try:
       try:
         worker = await self.pool.take()
-        await worker.wait_ready(120)
+        await worker.wait_ready(min(120.0, _left(deadline)))
       except WorkerStartError as e:
         return BuildOutcome(FailureKind.INTERNAL_ERROR, f"build stage: no build worker: {e}")
       await worker.chan.send(job)
-      deadline = asyncio.get_running_loop().time() + limit
       watch = asyncio.ensure_future(watch_resources(worker, self.pool.limits))
       report = None
       trusted: list[dict] = []  # the compile workers' events
