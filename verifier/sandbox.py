@@ -148,15 +148,19 @@ def _is_shared_memory(link: str, st: os.stat_result) -> bool:
   )
 
 
-def _add_if_shared(path: str, objects: dict) -> None:
+def _add_if_shared(path: str, objects: dict) -> bool:
+  """Add the file behind ``path`` (a /proc link) if it is shared memory; False if not permitted."""
   try:
     link = os.readlink(path)
     if link.startswith("/"):
       st = os.stat(path)
       if _is_shared_memory(link, st):
         objects[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+  except PermissionError:
+    return False
   except OSError:
     pass  # closed or unmapped meanwhile
+  return True
 
 
 def _held_objects(pid: int, objects: dict) -> bool:
@@ -168,9 +172,7 @@ def _held_objects(pid: int, objects: dict) -> bool:
     return True  # it ended
   except OSError:
     return False
-  for name in names:
-    _add_if_shared(f"/proc/{pid}/fd/{name}", objects)
-  return True
+  return all([_add_if_shared(f"/proc/{pid}/fd/{name}", objects) for name in names])
 
 
 def _mapped_objects(pid: int, objects: dict) -> bool:
@@ -181,12 +183,7 @@ def _mapped_objects(pid: int, objects: dict) -> bool:
       ranges = [line.split(None, 1)[0] for line in f if line.split(None, 2)[1:2][0][3:4] == "s"]
   except (OSError, IndexError):
     return True
-  for r in ranges:
-    path = f"/proc/{pid}/map_files/{r}"
-    if not os.access(path, os.F_OK, follow_symlinks=False):
-      return False
-    _add_if_shared(path, objects)
-  return True
+  return all(_add_if_shared(f"/proc/{pid}/map_files/{r}", objects) for r in ranges)
 
 
 @dataclasses.dataclass(frozen=True)
