@@ -130,6 +130,12 @@ SCRATCH_FLOOD = holes.candidate(
                 f.write(b"x" * (1 << 20))
         return good(a, b, self.scale)"""
 )
+STDOUT_FLOOD = holes.candidate(
+  """        import sys
+        for _ in range(256):
+            sys.stdout.write("y" * (1 << 20))
+        return zeros(a)"""
+)
 READS_THE_REPOSITORY = holes.candidate(
   f"""        print(open({REPO_FILE!r}).read())
         return zeros(a)"""
@@ -189,6 +195,20 @@ def test_a_huge_log_is_read_head_and_tail_only(tmp_path):
   assert peak < 2 << 20, peak
   assert text.startswith("HEAD-OF-LOG") and text.endswith("TAIL-OF-LOG")
   assert len(text) <= LOG_LIMIT + 100
+
+
+def test_a_candidate_flooding_its_log_does_not_grow_the_service(service):
+  """Row 3 through the service: 256 MiB printed per forward, wrong output; the service (this process)
+  allocates a few MiB for the result (was: the whole log, 4 GiB in the issue)."""
+  tracemalloc.start()
+  try:
+    ((res, _),) = _timed(service, _req("stdout-flood", STDOUT_FLOOD))
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert res.failure_kind is FailureKind.WRONG_OUTPUT and res.reward == 0.0, res.reason
+  assert res.logs.endswith("y" * 1000) and len(res.logs) <= LOG_LIMIT + 100
+  assert peak < 32 << 20, peak
 
 
 def test_a_log_replaced_by_a_link_to_a_host_file_is_not_read(tmp_path):
