@@ -24,6 +24,7 @@ import time
 import uuid
 
 from verifier import pch
+from verifier.contract import truncate_log
 from verifier.split_build import LEAN_TORCH_INCLUDES, lean_may_have_failed, split_variant
 
 # Arguments that change what is built. verbose/build_directory/keep_intermediates do not.
@@ -198,7 +199,7 @@ class CachedLoadInline:
         try:
           module = self._build(params, event)
         except BaseException as e:
-          event["error"] = str(e)
+          event["error"] = truncate_log(str(e))  # compiler output: head and tail only
           event["seconds"] = time.monotonic() - t0
           shutil.rmtree(tmp, ignore_errors=True)
           raise

@@ -89,6 +89,18 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     help="host memory per worker's process tree, in MiB (default: half of this host's, at most 32768)",
   )
   p.add_argument(
+    "--scratch-mb",
+    type=int,
+    default=ServiceConfig.scratch_mb,
+    help="each worker's scratch quota in MiB (a private tmpfs; host memory on top of --mem-mb)",
+  )
+  p.add_argument(
+    "--max-processes",
+    type=int,
+    default=ServiceConfig.max_processes,
+    help="processes a worker may run at once (its whole PID namespace; 0: no limit)",
+  )
+  p.add_argument(
     "--gpu-memory-fraction",
     type=float,
     default=0.0,
@@ -133,6 +145,8 @@ def _config(a) -> ServiceConfig:
     cache_max_gb=a.cache_max_gb,
     scratch_root=a.scratch_root,
     mem_mb=a.mem_mb if a.mem_mb is not None else default_mem_mb(),
+    scratch_mb=a.scratch_mb,
+    max_processes=a.max_processes,
     gpu_memory_fraction=a.gpu_memory_fraction,
     arch_list=arch,
     isolate_network=not a.no_network_isolation,

@@ -11,10 +11,11 @@ enforced where):
    the namespace, so ``setsid``/double-fork escapes die with the check;
 4. a mount namespace: a fresh ``/proc`` for that PID namespace (other processes' ``/proc/<pid>`` entries,
    environments and memory are not reachable) and every mount read-only except the scratch directory
-   (and the build cache for build workers);
-5. Landlock: reads only beneath the toolchain (Python, torch, CUDA, compilers, this package, the build
-   cache), writes only beneath the writable directories, TCP bind/connect denied, no signals and no
-   abstract Unix sockets outside the sandbox;
+   (and the build cache for build workers); the scratch directory on a private tmpfs of ``scratch_mb``
+   (its quota); a private IPC namespace without SysV shared memory;
+5. Landlock: reads only beneath the toolchain (Python, torch, CUDA, compilers, the build cache; not this
+   repository: the fork server imported the worker code before), writes only beneath the writable
+   directories, TCP bind/connect denied, no signals and no abstract Unix sockets outside the sandbox;
 6. no capabilities and ``no_new_privs``; every inherited descriptor other than stdio and the channel closed;
 7. no new sockets (``block_sockets``, seccomp): ``socket``, ``socketpair`` and ``connect`` fail with EPERM,
    so a worker cannot reach a path-based Unix socket (Landlock up to ABI 7 does not cover ``connect``); the
@@ -32,11 +33,13 @@ import struct
 import sys
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 0x4000, 1 << 18
+MNT_DETACH = 2
 MOUNT_ATTR_RDONLY = 1
 AT_FDCWD, AT_RECURSIVE = -100, 0x8000
 SYS_MOUNT_SETATTR = 442
@@ -76,6 +79,8 @@ class SandboxSpec:
   readable: tuple[str, ...] = ()
   mount_namespace: bool = True
   landlock: bool = True
+  scratch: str = ""  # the worker's scratch directory (one of ``writable``)
+  scratch_mb: int = 0  # its quota: a tmpfs of this size over it (0: none)
 
 
 def apply_limits(mem_mb: int, limit_address_space: bool) -> None:
@@ -86,11 +91,29 @@ def apply_limits(mem_mb: int, limit_address_space: bool) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
 
 
+NAMESPACE_ID = 1000  # this process's uid and gid inside its user namespace (not 0: no root there)
+
+
+def _map_own_ids(uid: int, gid: int) -> list[str]:
+  """Map this process's own uid and gid (the only mapping an unprivileged process may write) to
+  ``NAMESPACE_ID``, so filesystems mounted in the namespace (the scratch tmpfs) can own files."""
+  try:
+    with open("/proc/self/setgroups", "w") as f:
+      f.write("deny")
+    for name, outer in (("uid_map", uid), ("gid_map", gid)):
+      with open(f"/proc/self/{name}", "w") as f:
+        f.write(f"{NAMESPACE_ID} {outer} 1")
+  except OSError as e:
+    return [f"user namespace ids not mapped ({e}): the scratch quota cannot be mounted"]
+  return []
+
+
 def isolate_network() -> list[str]:
   """User + network namespace for this process (and everything it forks). Returns notes on failure."""
+  uid, gid = os.geteuid(), os.getegid()
   if _libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
     return ["network isolation unavailable (" + _errno_text("unshare") + ")"]
-  return []
+  return _map_own_ids(uid, gid)
 
 
 def _wait_status(pid: int) -> int:
@@ -187,16 +210,56 @@ def _mount_setattr(path: str, set_bits: int, clear_bits: int) -> int:
   )
 
 
-def read_only_filesystem(writable: tuple[str, ...]) -> list[str]:
-  """New mount namespace: fresh /proc, everything read-only except ``writable``."""
+def _scratch_quota(scratch: str, scratch_mb: int) -> list[str]:
+  """A private tmpfs of ``scratch_mb`` MiB over the scratch directory: writes beyond it fail with ENOSPC,
+  and what the worker wrote there goes with its mount namespace. The service's view of the directory
+  (the worker's log, opened before) is untouched."""
+  opts = f"size={scratch_mb}m,nr_inodes=65536,mode=0700".encode()
+  if _libc.mount(b"tmpfs", scratch.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts) != 0:
+    return [f"scratch quota refused ({_errno_text('mount tmpfs')}): scratch not size-limited"]
+  probe = os.path.join(scratch, ".quota-probe")
+  try:  # files need an owner mapped in this user namespace (isolate_network)
+    os.close(os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
+    os.unlink(probe)
+  except OSError as e:
+    _libc.umount2(scratch.encode(), MNT_DETACH)
+    return [f"scratch quota unusable ({e}): scratch not size-limited"]
+  return []
+
+
+def _no_sysv_shared_memory() -> list[str]:
+  """A private IPC namespace with no SysV shared memory at all (``shmall`` 0): segments are memory that
+  no process maps and that would outlive the worker in a shared namespace."""
+  if _libc.unshare(CLONE_NEWIPC) != 0:
+    return [
+      "IPC namespace unavailable (" + _errno_text("unshare") + "): SysV shared memory unbounded"
+    ]
+  try:
+    with open("/proc/sys/kernel/shmall", "w") as f:
+      f.write("0")
+  except OSError as e:
+    return [f"SysV shared memory not disabled ({e}); its segments die with the worker"]
+  return []
+
+
+def read_only_filesystem(
+  writable: tuple[str, ...], scratch: str = "", scratch_mb: int = 0
+) -> list[str]:
+  """New mount namespace: fresh /proc, everything read-only except ``writable``; ``scratch`` on a
+  tmpfs of ``scratch_mb`` MiB when asked."""
   if _libc.unshare(CLONE_NEWNS) != 0:
     return ["mount namespace unavailable (" + _errno_text("unshare") + "): filesystem writable"]
-  notes = []
+  notes = _no_sysv_shared_memory()
   if _libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-    return ["mounts not private (" + _errno_text("mount") + "): filesystem writable"]
+    return notes + ["mounts not private (" + _errno_text("mount") + "): filesystem writable"]
   if _libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) != 0:
     notes.append("fresh /proc refused (" + _errno_text("mount proc") + "): host /proc visible")
   for path in writable:
+    if path == scratch and scratch_mb > 0:
+      quota = _scratch_quota(scratch, scratch_mb)
+      if not quota:
+        continue
+      notes += quota
     if _libc.mount(path.encode(), path.encode(), None, MS_BIND | MS_REC, None) != 0:
       return notes + [f"bind of {path} refused (" + _errno_text("mount") + "): filesystem writable"]
   if _mount_setattr("/", MOUNT_ATTR_RDONLY, 0) != 0:
@@ -232,25 +295,50 @@ SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _beneath(path: str, root: str) -> bool:
+  return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _repository() -> str:
+  return os.path.realpath(PACKAGE_ROOT)
+
+
 def toolchain_paths() -> list[str]:
-  """Paths a worker reads: this Python and its packages (``sys.path``), this repository, CUDA and the
-  compilers (system directories, ``PATH``, ``LD_LIBRARY_PATH``, ``CUDA_HOME``) and the loader's
-  configuration. Not /home, /root, /tmp, /var or the rest of /etc."""
+  """Paths a worker reads: this Python and its packages (``sys.path``), CUDA and the compilers (system
+  directories, ``PATH``, ``LD_LIBRARY_PATH``, ``CUDA_HOME``) and the loader's configuration. Not this
+  repository (workers import the verifier's modules before they are confined: ``zygote``), nor a
+  directory that contains it, nor /home, /root, /tmp, /var or the rest of /etc. The interpreter's own
+  installation stays readable even inside the checkout (a virtual environment in ``.venv``)."""
   import sysconfig
 
-  paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, PACKAGE_ROOT]
-  paths.append(os.path.dirname(os.path.realpath(sys.executable)))
-  paths += [sysconfig.get_path(n) or "" for n in ("stdlib", "platstdlib", "purelib", "platlib")]
-  paths += sys.path
+  always = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+  always += list(SYSTEM_DIRS) + list(LOADER_FILES)
+  others = [os.path.dirname(os.path.realpath(sys.executable))]
+  others += [sysconfig.get_path(n) or "" for n in ("stdlib", "platstdlib", "purelib", "platlib")]
+  others += sys.path
   for var in ("PATH", "LD_LIBRARY_PATH"):
-    paths += os.environ.get(var, "").split(os.pathsep)
-  paths += [os.environ.get(v, "") for v in ("CUDA_HOME", "CUDA_PATH", "CUDA_ROOT", "VIRTUAL_ENV")]
-  paths += list(SYSTEM_DIRS) + list(LOADER_FILES)
+    others += os.environ.get(var, "").split(os.pathsep)
+  others += [os.environ.get(v, "") for v in ("CUDA_HOME", "CUDA_PATH", "CUDA_ROOT", "VIRTUAL_ENV")]
+  repo = _repository()
+  kept = [os.path.realpath(p) for p in always if p]
+
+  def allowed(q: str) -> bool:
+    if any(_beneath(q, k) for k in kept):
+      return True
+    return not (_beneath(q, repo) or _beneath(repo, q))
+
   out = []
-  for p in paths:
+  for p in always + others:
     if p and os.path.isabs(p) and os.path.exists(p):
-      out += [p, os.path.realpath(p)]
+      out += [q for q in (os.path.normpath(p), os.path.realpath(p)) if allowed(q)]
   return list(dict.fromkeys(out))
+
+
+def repository_exposed(paths: list[str]) -> list[str]:
+  """A note when the repository lies beneath a directory workers must read (e.g. under /usr)."""
+  repo = _repository()
+  under = [p for p in paths if _beneath(repo, os.path.realpath(p))]
+  return [f"the repository {repo} lies beneath {under[0]}: workers can read it"] if under else []
 
 
 def landlock(spec: SandboxSpec) -> list[str]:
@@ -278,7 +366,9 @@ def landlock(spec: SandboxSpec) -> list[str]:
   device = LL_READ_FILE | LL_WRITE_FILE | LL_READ_DIR | (LL_IOCTL_DEV if abi >= 5 else 0)
   # The build cache is readable file by file (a worker opens the entries its own sources name) but not
   # listable, so a candidate cannot find and load another candidate's extension.
-  rules = [(p, read) for p in toolchain_paths()]
+  toolchain = toolchain_paths()
+  notes += repository_exposed(toolchain)
+  rules = [(p, read) for p in toolchain]
   rules += [(p, LL_EXECUTE | LL_READ_FILE) for p in spec.readable]
   rules += [
     ("/dev", device),
@@ -411,7 +501,9 @@ def confine(spec: SandboxSpec) -> list[str]:
   kernel refused."""
   notes = []
   if spec.mount_namespace:
-    notes += read_only_filesystem(spec.writable)
+    notes += read_only_filesystem(spec.writable, spec.scratch, spec.scratch_mb)
+  elif spec.scratch_mb > 0:
+    notes.append("no mount namespace: scratch not size-limited (file size limit only)")
   if spec.landlock:
     notes += landlock(spec)
   notes += drop_capabilities()

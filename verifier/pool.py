@@ -13,7 +13,7 @@ import asyncio
 import collections
 import dataclasses
 
-from verifier.sandbox import CheckerClient, ForkServerClient, Worker, WorkerStartError
+from verifier.sandbox import CheckerClient, ForkServerClient, Limits, Worker, WorkerStartError
 
 
 @dataclasses.dataclass
@@ -37,6 +37,8 @@ class PoolConfig:
   block_sockets_cuda: bool = True  # seccomp socket filter for CUDA candidates too (others: always)
   checker_cache_mb: int = 2048
   checker_max_jobs: int = 500  # a checker is replaced after this many jobs (0: never)
+  scratch_mb: int = 1024  # each worker's scratch quota (a private tmpfs: counts as host memory)
+  max_processes: int = 256  # processes in a worker's PID namespace (polled; 0: no limit)
 
 
 class Slots:
@@ -136,7 +138,13 @@ class WorkerPool:
       mount_namespace=CONFINEMENT_LEVELS[self.level][1],
       landlock=CONFINEMENT_LEVELS[self.level][2],
       block_sockets=not (c.role == "candidate" and c.device == "cuda") or c.block_sockets_cuda,
+      scratch_mb=c.scratch_mb,
     )
+
+  @property
+  def limits(self) -> Limits:
+    """What the service watches on each worker of this pool from outside."""
+    return Limits(mem_mb=self.cfg.mem_mb, max_processes=self.cfg.max_processes)
 
   def _refill(self) -> None:
     while not self.closed and len(self.idle) + len(self.starting) < self.cfg.prewarm:

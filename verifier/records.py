@@ -413,6 +413,7 @@ class ForkRequest:
   block_sockets: bool = (
     True  # seccomp: no socket/socketpair/connect once started (confine.block_sockets)
   )
+  scratch_mb: int = 0  # the scratch directory's quota (a private tmpfs; 0: none)
 
 
 @record

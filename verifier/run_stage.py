@@ -22,9 +22,8 @@ from verifier.channel import ChannelClosed, ProtocolError
 from verifier.contract import FailureKind
 from verifier.pool import DevicePool
 from verifier.records import INTERNAL_EXIT, CheckReport, RunJob
-from verifier.sandbox import WorkerStartError
+from verifier.sandbox import ACCOUNTING_NOTE, WorkerStartError, watch_resources
 
-MEMORY_POLL_S = 0.25
 LINGER = "linger"  # the service killed a worker that outlived its channel by LINGER_S
 LINGER_S = 2.0
 # Signals a candidate does not raise by crashing: a kill from outside (an operator, the OOM killer).
@@ -47,15 +46,11 @@ class RunOutcome:
   sandbox_notes: tuple[str, ...] = ()
 
 
-async def _watch_memory(worker, limit_mb: int) -> str:
-  while True:
-    await asyncio.sleep(MEMORY_POLL_S)
-    rss = await asyncio.to_thread(worker.rss_mb)
-    if limit_mb and rss > limit_mb:
-      worker.kill("memory")
-      return (
-        f"host memory {rss:.0f} MiB exceeded the limit of {limit_mb} MiB; the worker was killed"
-      )
+def _limit_fate(worker) -> tuple[FailureKind, str, bool] | None:
+  """The verdict for a worker the service killed on a limit ``_fate`` does not know (processes)."""
+  if worker.killed_by == "processes":
+    return FailureKind.RESOURCE_LIMIT, "process limit exceeded; the worker was killed", False
+  return None
 
 
 def _fate(worker, rc: int | None, stage: str, started: bool) -> tuple[FailureKind, str, bool]:
@@ -142,7 +137,7 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
     try:
       sock = worker.chan.detach()
       check = asyncio.ensure_future(checker.check(job, sock, lambda name: stage.update(name=name)))
-      watch = asyncio.ensure_future(_watch_memory(worker, pool.cfg.mem_mb))
+      watch = asyncio.ensure_future(watch_resources(worker, pool.candidates.limits))
       done, _ = await asyncio.wait(
         {check, watch}, timeout=opts.timeout_s, return_when=asyncio.FIRST_COMPLETED
       )
@@ -187,7 +182,11 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
       else:
         kind, reason, infra = FailureKind.INTERNAL_ERROR, f"checker failed: {checker_error}", True
     elif report.candidate_gone:
-      kind, reason, infra = _fate(worker, rc, report.stage, report.candidate_started)
+      kind, reason, infra = _limit_fate(worker) or _fate(
+        worker, rc, report.stage, report.candidate_started
+      )
+      if worker.killed_by in ("memory", "processes") and watch.done() and not watch.cancelled():
+        reason = watch.result()  # what the watchdog measured
     else:
       kind, reason, infra = report.kind, report.reason, report.infrastructure
       healthy = not report.infrastructure
@@ -206,7 +205,7 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
       suspect=infra and bool(report and report.candidate_gone and report.candidate_started),
       startup_wait_s=startup_wait,
       startup_phases=dict(ready.startup_phases),
-      sandbox_notes=tuple(ready.sandbox_notes) + tuple(pool.candidates.notes),
+      sandbox_notes=(*ready.sandbox_notes, *pool.candidates.notes, ACCOUNTING_NOTE),
     )
   finally:
     await pool.slots.release(units)

@@ -2,21 +2,23 @@
 
 Workers (one candidate or one build each) are forked by a per-pool fork server (``zygote.py``) and confined
 there (``confine.py``: own PID, mount, user and network namespaces, Landlock, no capabilities). This module
-starts fork servers and checkers, hands channel sockets around, watches workers (exit through a pidfd,
-host memory of the whole PID namespace) and kills a worker by killing PID 1 of its namespace, which takes
-every descendant with it. Environments are rebuilt from an allow-list. What is enforced is listed in
+starts fork servers and checkers, hands channel sockets around, watches workers (exit through a pidfd;
+host memory of the whole PID namespace, shared memory and memfds included, and its number of processes)
+and kills a worker by killing PID 1 of its namespace, which takes every descendant with it. Logs are read
+head and tail, never whole. Environments are rebuilt from an allow-list. What is enforced is listed in
 BUILD_NOTES.md (Verifier).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import pathlib
-import resource
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -81,29 +83,176 @@ def scrubbed_env(
   return env
 
 
-def process_tree_rss_mb(root: int) -> float:
-  """Resident memory of ``root`` and all its descendants (a worker's PID namespace: orphans there are
-  re-parented to its PID 1, so the tree is the namespace)."""
-  parent, rss = {}, {}
-  page = resource.getpagesize()
+LOG_READ_LIMIT = 64 << 10  # bytes of a worker's log the service reads at most (head + tail)
+
+
+def read_log_capped(path: str, limit: int = LOG_READ_LIMIT) -> str:
+  """Head and tail of a log file, never more than ``limit`` bytes read whatever its size. Only a regular
+  file is read (no symlink, FIFO or device a candidate put in its place)."""
+  try:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+  except OSError:
+    return ""
+  with os.fdopen(fd, "rb") as f:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+      return ""
+    if st.st_size <= limit:
+      return f.read(limit).decode(errors="replace")
+    half = limit // 2
+    head = f.read(half)
+    f.seek(st.st_size - half)
+    tail = f.read(half)
+  cut = f"\n... [{st.st_size - 2 * half} bytes not read] ...\n"
+  return head.decode(errors="replace") + cut + tail.decode(errors="replace")
+
+
+def _process_tree(root: int) -> list[int]:
+  """``root`` and all its descendants (a worker's PID namespace: orphans there are re-parented to its
+  PID 1, so the tree is the namespace)."""
+  children: dict[int, list[int]] = {}
   for d in os.listdir("/proc"):
     if not d.isdigit():
       continue
     try:
       with open(f"/proc/{d}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-      parent[int(d)], rss[int(d)] = int(fields[1]), int(fields[21]) * page
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
       continue
-  children: dict[int, list[int]] = {}
-  for pid, ppid in parent.items():
-    children.setdefault(ppid, []).append(pid)
-  total, stack = 0, [root]
+    children.setdefault(ppid, []).append(int(d))
+  tree, stack = [], [root]
   while stack:
     pid = stack.pop()
-    total += rss.get(pid, 0)
+    tree.append(pid)
     stack += children.get(pid, [])
-  return total / (1 << 20)
+  return tree
+
+
+def _status_kb(pid: int, keys: tuple[str, ...]) -> dict[str, int]:
+  out = {}
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      for line in f:
+        name, _, value = line.partition(":")
+        if name in keys:
+          out[name] = int(value.split()[0])
+  except (OSError, ValueError, IndexError):
+    pass
+  return out
+
+
+def _is_shared_memory(link: str, st: os.stat_result) -> bool:
+  """A file that lives in memory and outlives no process: a memfd, an unlinked file, /dev/shm, SysV."""
+  return stat.S_ISREG(st.st_mode) and (
+    st.st_nlink == 0 or link.startswith(("/dev/shm/", "/SYSV", "/memfd:"))
+  )
+
+
+def _add_if_shared(path: str, objects: dict) -> bool:
+  """Add the file behind ``path`` (a /proc link) if it is shared memory; False if not permitted."""
+  try:
+    link = os.readlink(path)
+    if link.startswith("/"):
+      st = os.stat(path)
+      if _is_shared_memory(link, st):
+        objects[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+  except PermissionError:
+    return False
+  except OSError:
+    pass  # closed or unmapped meanwhile
+  return True
+
+
+def _held_objects(pid: int, objects: dict) -> bool:
+  """Add the shared-memory files ``pid`` holds open to ``objects`` ((dev, inode) -> allocated bytes).
+  False where its descriptors cannot be listed although it exists (it made itself undumpable)."""
+  try:
+    names = os.listdir(f"/proc/{pid}/fd")
+  except FileNotFoundError:
+    return True  # it ended
+  except OSError:
+    return False
+  return all([_add_if_shared(f"/proc/{pid}/fd/{name}", objects) for name in names])
+
+
+def _mapped_objects(pid: int, objects: dict) -> bool:
+  """Add the shared-memory files ``pid`` maps shared (a memfd whose descriptor was closed) to
+  ``objects``. False where ``map_files`` is not readable (needs CAP_SYS_ADMIN)."""
+  try:
+    with open(f"/proc/{pid}/maps") as f:
+      ranges = [line.split(None, 1)[0] for line in f if line.split(None, 2)[1:2][0][3:4] == "s"]
+  except (OSError, IndexError):
+    return True
+  return all(_add_if_shared(f"/proc/{pid}/map_files/{r}", objects) for r in ranges)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeUsage:
+  """What a worker's process tree holds: memory (private resident pages plus every shared-memory
+  object it holds or maps, counted once, whether mapped or not), its number of processes, and how
+  many of them hide their descriptors from the service."""
+
+  memory_mb: float
+  processes: int
+  hidden: int = 0
+
+
+def process_tree_usage(root: int) -> TreeUsage:
+  tree = _process_tree(root)
+  private_kb, objects, hidden = 0, {}, 0
+  for pid in tree:
+    kb = _status_kb(pid, ("RssAnon", "RssFile", "RssShmem"))
+    private_kb += kb.get("RssAnon", 0) + kb.get("RssFile", 0)
+    hidden += not _held_objects(pid, objects)
+    if not _mapped_objects(pid, objects):
+      private_kb += kb.get("RssShmem", 0)  # mapped shared memory seen only as resident pages
+  total = private_kb * 1024 + sum(objects.values())
+  return TreeUsage(total / (1 << 20), len(tree), hidden)
+
+
+def process_tree_rss_mb(root: int) -> float:
+  """Host memory of ``root``'s process tree (``process_tree_usage``)."""
+  return process_tree_usage(root).memory_mb
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What the service enforces on a worker from outside (0: no limit)."""
+
+  mem_mb: int = 0
+  max_processes: int = 0
+
+
+WATCH_POLL_S = 0.25
+# How the limits are enforced, on every result (BUILD_NOTES, Verifier: not a cgroup).
+ACCOUNTING_NOTE = (
+  f"memory (shared memory and memfds included) and process count polled every {WATCH_POLL_S} s "
+  "from outside, no cgroup"
+)
+
+
+async def watch_resources(worker: "Worker", limits: Limits) -> str:
+  """Poll the worker's tree until it breaks a limit; then kill it (``killed_by`` "memory" or
+  "processes") and return why."""
+  while True:
+    await asyncio.sleep(WATCH_POLL_S)
+    usage = await asyncio.to_thread(worker.usage)
+    if usage.hidden:
+      worker.kill("processes")
+      return f"{usage.hidden} of its processes hid their descriptors from the service; killed"
+    # processes first: forked copies of one process each count its shared pages as resident
+    if limits.max_processes and usage.processes > limits.max_processes:
+      worker.kill("processes")
+      return (
+        f"{usage.processes} processes exceeded the limit of {limits.max_processes}; "
+        "the worker was killed"
+      )
+    if limits.mem_mb and usage.memory_mb > limits.mem_mb:
+      worker.kill("memory")
+      return (
+        f"host memory {usage.memory_mb:.0f} MiB (resident and shared memory) exceeded the limit of "
+        f"{limits.mem_mb} MiB; the worker was killed"
+      )
 
 
 def describe_exit(rc: int | None) -> str:
@@ -218,12 +367,11 @@ class Worker:
   def rss_mb(self) -> float:
     return process_tree_rss_mb(self.sandbox_pid)
 
+  def usage(self) -> TreeUsage:
+    return process_tree_usage(self.sandbox_pid)
+
   def read_log(self) -> str:
-    try:
-      with open(os.path.join(self.scratch, LOG_FILE), errors="replace") as f:
-        return truncate_log(f.read())
-    except OSError:
-      return ""
+    return truncate_log(read_log_capped(os.path.join(self.scratch, LOG_FILE)))
 
   def discard(self) -> None:
     self.kill()
@@ -331,6 +479,7 @@ class ForkServerClient:
     mount_namespace=True,
     landlock=True,
     block_sockets=True,
+    scratch_mb=0,
   ) -> Worker:
     """A new worker (its start-up still running; see ``Worker.wait_ready``)."""
     os.makedirs(self.scratch_root, exist_ok=True)
@@ -346,6 +495,7 @@ class ForkServerClient:
       mount_namespace=mount_namespace,
       landlock=landlock,
       block_sockets=block_sockets,
+      scratch_mb=scratch_mb,
     )
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -477,11 +627,7 @@ class CheckerClient:
         return msg
 
   def read_log(self) -> str:
-    try:
-      with open(os.path.join(self.home, LOG_FILE), errors="replace") as f:
-        return truncate_log(f.read())
-    except OSError:
-      return ""
+    return truncate_log(read_log_capped(os.path.join(self.home, LOG_FILE)))
 
   async def close(self) -> None:
     if self.chan is not None:

@@ -74,8 +74,12 @@ class ServiceConfig:
   cache_max_gb: float = 100.0  # LRU eviction of build entries above this size (0: never)
   scratch_root: str = "/tmp/dice_verifier"
   mem_mb: int = dataclasses.field(default_factory=default_mem_mb)  # host memory per worker tree
+  scratch_mb: int = 1024  # scratch quota per worker (a private tmpfs, on top of mem_mb)
+  max_processes: int = 256  # processes per worker's PID namespace
   gpu_memory_fraction: float = 0.0  # caching-allocator cap per candidate process (0: none)
-  build_timeout_s: float = 900.0  # compiling a candidate module; instantiation gets timeout_s
+  build_timeout_s: float = (
+    900.0  # cap on a build's deadline (the request's timeout_s, from its slot)
+  )
   max_pending: int = 4096
   isolate_network: bool = True
   arch_list: str = ""  # TORCH_CUDA_ARCH_LIST for builds, e.g. "9.0"
@@ -145,6 +149,25 @@ def _sha(*parts: str) -> str:
   return h.hexdigest()
 
 
+# Failures that are not the candidate's: their logs (the checker's, the service's paths) stay in the log.
+HOST_SIDE_KINDS = frozenset(
+  {
+    FailureKind.OK,
+    FailureKind.INTERNAL_ERROR,
+    FailureKind.REFERENCE_ERROR,
+    FailureKind.OVERLOADED,
+    FailureKind.INVALID_REQUEST,
+  }
+)
+
+
+def returned_logs(kind: FailureKind, logs: str) -> str:
+  """What of a worker's log goes back to the submitter: only for the candidate's own failures, capped
+  (head and tail). Workers cannot read the host beyond the toolchain (confine), so the log holds only
+  what the candidate and its compiler printed."""
+  return "" if kind in HOST_SIDE_KINDS else truncate_log(logs)
+
+
 def _oom(outcome: RunOutcome) -> bool:
   """An out-of-memory that may be the over-commitment of a shared GPU rather than the candidate's fault
   (the host-memory watchdog's kills are the candidate's own)."""
@@ -187,6 +210,8 @@ class VerifierService:
       warm_profiler=c.warm_profiler,
       block_sockets_cuda=c.block_sockets_cuda,
       checker_cache_mb=c.checker_cache_mb,
+      scratch_mb=c.scratch_mb,
+      max_processes=c.max_processes,
     )
 
   async def start(self) -> None:
@@ -298,7 +323,7 @@ class VerifierService:
       failure_kind=build.kind,
       deceptive=build.kind.deceptive,
       reason=build.reason,
-      logs=build.logs,
+      logs=returned_logs(build.kind, build.logs),
       compile_s=build.seconds,
       build_cached=build.cached,
       warnings=verdict.warnings,
@@ -347,7 +372,7 @@ class VerifierService:
         req,
         build.kind,
         build.reason,
-        logs=build.logs,
+        logs=returned_logs(build.kind, build.logs),
         compile_s=build.seconds,
         warnings=verdict.warnings,
         compiled=False,
@@ -491,7 +516,7 @@ class VerifierService:
       baseline=(report.baseline if report else None) or Runtime(),
       failure_kind=kind,
       reason=why or outcome.reason,
-      logs=truncate_log(outcome.logs) if kind is not FailureKind.OK else "",
+      logs=returned_logs(kind, outcome.logs),
       strict_correct=bool(report and report.strict_correct),
       max_abs_diff=float(report.max_abs_diff) if report else 0.0,
       warnings=warnings,

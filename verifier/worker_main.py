@@ -85,6 +85,8 @@ def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str
       readable=req.readable,
       mount_namespace=req.mount_namespace,
       landlock=req.landlock,
+      scratch=req.scratch,
+      scratch_mb=req.scratch_mb,
     )
     notes += confine.confine(spec)
     os.chdir(req.scratch)  # after the remount: the writable bind, not the read-only original

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import select
 import signal
@@ -26,6 +27,16 @@ import sys
 from verifier import confine
 from verifier.channel import Channel, ChannelClosed
 from verifier.records import Exited, ForkFailed, Forked, ForkRequest
+
+# What a worker imports after it is confined, from a repository it can no longer read (confine).
+WORKER_MODULES = (
+  "verifier.worker_main",
+  "verifier.candidate_main",
+  "verifier.build_main",
+  "verifier.cuda_driver",  # imported lazily by exchange on a GPU
+  "verifier.pch",
+  "verifier.split_build",
+)
 
 
 def thread_names() -> list[str]:
@@ -155,8 +166,9 @@ def main(argv=None) -> int:
   with no_cuda_probe():
     import torch.utils.cpp_extension  # noqa: F401 - slow first import (setuptools)
 
-    import verifier.candidate_main  # noqa: F401 - and with the worker code imported
-    import verifier.build_main  # noqa: F401
+    # And with every module of the worker code imported: confined workers cannot read this repository.
+    for module in WORKER_MODULES:
+      importlib.import_module(module)
 
   if not args.no_preimport:
     # The first profiled forward imports torch._dynamo (about 5 s); import it once here. If that

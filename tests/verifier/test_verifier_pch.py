@@ -130,7 +130,7 @@ def test_the_service_warms_the_pch_of_flagless_builds_before_any_request(tmp_pat
   )
   flagless = pch.pch_dir(cfg.cache_dir, [], None, False, toolchain_signature())
   candidate = cases.candidate("scaled_add", name="vt_warm_pch", cflags='[""]')
-  opts = VerifyOptions(device="cpu", timeout_s=120, num_correct_trials=1, strictness="off")
+  opts = VerifyOptions(device="cpu", timeout_s=300, num_correct_trials=1, strictness="off")
 
   async def run():
     svc = VerifierService(cfg)

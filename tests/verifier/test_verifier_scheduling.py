@@ -29,7 +29,7 @@ def test_admission_units_scale_with_the_reference_peak_and_stay_within_the_devic
 def test_timed_runs_of_one_reference_share_a_single_baseline_measurement(tmp_path):
   """Three timed candidates for one task: the reference is timed once and the others reuse that timing."""
   opts = VerifyOptions(
-    device="cpu", timeout_s=120, num_correct_trials=2, num_perf_trials=5, measure_performance=True
+    device="cpu", timeout_s=300, num_correct_trials=2, num_perf_trials=5, measure_performance=True
   )
   cfg = ServiceConfig(
     device="cpu",

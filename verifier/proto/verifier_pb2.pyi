@@ -36,6 +36,7 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_KIND_CRASH: _ClassVar[FailureKind]
     FAILURE_KIND_TIMEOUT: _ClassVar[FailureKind]
     FAILURE_KIND_OUT_OF_MEMORY: _ClassVar[FailureKind]
+    FAILURE_KIND_RESOURCE_LIMIT: _ClassVar[FailureKind]
     FAILURE_KIND_SHAPE_MISMATCH: _ClassVar[FailureKind]
     FAILURE_KIND_DTYPE_MISMATCH: _ClassVar[FailureKind]
     FAILURE_KIND_WRONG_OUTPUT: _ClassVar[FailureKind]
@@ -71,6 +72,7 @@ FAILURE_KIND_CUDA_ERROR: FailureKind
 FAILURE_KIND_CRASH: FailureKind
 FAILURE_KIND_TIMEOUT: FailureKind
 FAILURE_KIND_OUT_OF_MEMORY: FailureKind
+FAILURE_KIND_RESOURCE_LIMIT: FailureKind
 FAILURE_KIND_SHAPE_MISMATCH: FailureKind
 FAILURE_KIND_DTYPE_MISMATCH: FailureKind
 FAILURE_KIND_WRONG_OUTPUT: FailureKind
