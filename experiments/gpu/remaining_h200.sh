@@ -51,7 +51,7 @@ if has rates; then
   RATES_S=${RATES_S:-440}  # all three rates: ~200 s of phases + the service start and the single build's PCH; the
   # kernelbench re-run of DICE's non-OK candidates (~80 s) comes last, only if budget is left (session 8)
   timeout "$RATES_S" python3 -m verifier bench --device cuda --phases "${RATE_PHASES:-single,dice_e2e,gpu_level1}" \
-    --candidates 99 --level1 24 --level1-samples 4 --timed 8 --budget-s $((RATES_S - 20)) \
+    --candidates 99 --level1 24 --level1-samples 4 --timed "${TIMED:-10}" --budget-s $((RATES_S - 20)) \
     --out "$W/verifier/rates.json" \
     > "$W/verifier/rates.log" 2>&1
   stamp "verifier rates: exit $?"

@@ -266,8 +266,15 @@ def test_scratch_flood_stops_at_the_quota(service):
 def test_repository_is_not_readable_from_a_toolchain_path():
   paths = confine.toolchain_paths()
   repo = os.path.realpath(confine.PACKAGE_ROOT)
-  assert not [p for p in paths if p == repo or p.startswith(repo + os.sep)], paths
-  assert os.path.realpath(sys.prefix) in paths
+  prefix = os.path.realpath(
+    sys.prefix
+  )  # the interpreter's installation may be the checkout's .venv
+  inside = lambda p, d: p == d or p.startswith(d + os.sep)
+  assert not [p for p in paths if inside(p, repo) and not inside(os.path.realpath(p), prefix)], (
+    paths
+  )
+  assert not [p for p in paths if inside(repo, os.path.realpath(p))], paths  # nor a folder above it
+  assert prefix in paths
 
 
 def test_candidate_cannot_print_a_repository_file(service):
