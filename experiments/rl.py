@@ -53,12 +53,12 @@ def resolve_config():
   import dataclasses
 
   from dice_jax.rl.config import RLConfig
-  from dice_jax.train.config import apply_overrides
+  from dice_jax.recipe import recipe_then_overrides
 
   cfg = load_config(FLAGS.config)
   if not isinstance(cfg, RLConfig):
     raise UserError(f"--config {FLAGS.config}: get_config() returned a {type(cfg).__name__}")
-  cfg = apply_overrides(cfg, FLAGS.set)
+  cfg = recipe_then_overrides(cfg, FLAGS.set)
   if FLAGS.phase:
     cfg = dataclasses.replace(cfg, phase=FLAGS.phase)
   if FLAGS.init_hf and FLAGS.init_checkpoint:

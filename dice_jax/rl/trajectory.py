@@ -73,6 +73,16 @@ class Trajectory:
           f"Trajectory {self.task_id!r}: a block was unmasked before the previous block finished"
         )
 
+  def without_stop_token(self, stop_ids) -> "Trajectory":
+    """A copy whose final stop token (the last trained token, when it is one of `stop_ids`) is
+    not trained: DICE never trains the `<|endoftext|>` that ends a response (it is the pad id)."""
+    trained = np.nonzero(self.loss_mask)[0]
+    if not trained.size or int(self.response_ids[trained[-1]]) not in set(stop_ids):
+      return self
+    loss_mask = self.loss_mask.copy()
+    loss_mask[trained[-1]] = False
+    return dataclasses.replace(self, loss_mask=loss_mask)
+
   @property
   def trained_tokens(self) -> int:
     return int(self.loss_mask.sum())

@@ -11,6 +11,7 @@ replaces (8 groups = 128 rows per sampler call on one GPU).
 
 import os
 
+from dice_jax.recipe import apply_recipe
 from dice_jax.rl.config import dice_phase_config
 
 _DATA = os.path.normpath(
@@ -19,7 +20,7 @@ _DATA = os.path.normpath(
 
 
 def get_config():
-  return dice_phase_config(
+  cfg = dice_phase_config(
     "e2e",
     "sdar_1p7b",
     e2e_tasks=os.path.join(_DATA, "end_to_end_kernel_generation_4000.json"),
@@ -28,3 +29,4 @@ def get_config():
       os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "sdar_chat")
     ),
   )
+  return apply_recipe(cfg, "dice")  # docs/dice_recipe.md: DICE's recipe, item by item

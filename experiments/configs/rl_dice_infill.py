@@ -14,16 +14,18 @@ evaluation file the 99 tasks are no longer held out.
 
 import os
 
+from dice_jax.recipe import apply_recipe
 from dice_jax.rl.config import dice_phase_config
 
 _SHARED = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared"))
 
 
 def get_config():
-  return dice_phase_config(
+  cfg = dice_phase_config(
     "infill",
     "sdar_1p7b",
     infill_tasks=os.path.join(_SHARED, "data", "dice_rl", "kernel_infilling_992.json"),
     model_overrides={"dtype": "bfloat16", "param_dtype": "float32", "attention_impl": "flash"},
     tokenizer=os.path.join(_SHARED, "data", "sdar_chat"),
   )
+  return apply_recipe(cfg, "dice")  # docs/dice_recipe.md: DICE's recipe, item by item

@@ -94,7 +94,12 @@ def test_config_json_round_trip_and_dice_presets():
       10086,
       "sequential",
     )
-    assert c.verifier.options == {"num_correct_trials": 1}
+    assert c.verifier.options == {
+      "num_correct_trials": 1,
+      "strictness": "off",
+      "seed": 42,
+      "timeout_s": 300.0,
+    }
   assert (infill.phase, infill.num_steps, infill.max_prompt_len) == ("infill", 20, 2000)
   assert (e2e.phase, e2e.num_steps, e2e.max_prompt_len) == ("e2e", 100, 1500)
   assert rl_tiny.get_config().stream.elements_per_step == 64
