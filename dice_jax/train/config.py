@@ -17,6 +17,8 @@ DATA_SOURCES = ("infill_pairs", "cuke", "pairs")
 class SFTConfig:
   """Everything an SFT run needs besides its workdir (saved with every checkpoint)."""
 
+  recipe: str = "ours"  # a label: the launcher applies it (dice_jax/recipe.py)
+
   # model
   model: str = "tiny"  # preset of dice_jax.model.config (ignored with --init_hf)
   model_overrides: dict = dataclasses.field(default_factory=dict)  # e.g. {'remat': True}
@@ -86,6 +88,15 @@ class SFTConfig:
       need(isinstance(v, int) and (v >= 1 or v == -1), f"{name} must be >= 1 or -1, got {v!r}")
     need(isinstance(self.optim, OptimizerConfig), "optim must be an OptimizerConfig")
     need(isinstance(self.objective, ObjectiveConfig), "objective must be an ObjectiveConfig")
+    from dice_jax.recipe import RECIPES
+
+    need(self.recipe in RECIPES, f"recipe must be one of {RECIPES}, got {self.recipe!r}")
+    micro = self.batch_size // self.accum_steps
+    need(
+      micro % self.objective.device_rows == 0,
+      f"objective.device_rows ({self.objective.device_rows}) must divide the micro-batch "
+      f"(batch_size / accum_steps = {micro} rows)",
+    )
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
