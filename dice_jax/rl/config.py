@@ -127,7 +127,8 @@ class RLConfig:
   checkpoint_every: int = 1  # RL steps
   checkpoint_keep: int = 3
   snapshot_every: int = 0  # RL steps; checkpoints at multiples are never deleted (0: none)
-  eval_every: int = 0  # RL steps; greedy evaluation inside the loop (0: none)
+  eval_every: int = 0  # RL steps; greedy evaluation inside the loop (0: none; rl/evaluation.py)
+  eval_tasks: str = ""  # its tasks: the phase's kind (infill: infilling rows; e2e: {pytorch_code})
   async_checkpoint: bool = True
   samples_per_step: int = 4  # responses written to samples.jsonl per RL step
 

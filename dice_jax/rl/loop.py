@@ -47,6 +47,7 @@ from dice_jax.data.curriculum import SequentialSchedule
 from dice_jax.model.config import ModelConfig, get_config
 from dice_jax.model.transformer import Transformer
 from dice_jax.rl import advantages as advantages_lib
+from dice_jax.rl import evaluation as eval_lib
 from dice_jax.rl import rewards as rewards_lib
 from dice_jax.rl import rollout as rollout_lib
 from dice_jax.rl import tracerl
@@ -290,6 +291,8 @@ class _Trainer:
   reward_fn: Any
   stream: Any  # the RL-stream iterator
   start: int  # RL steps already done
+  eval_backend: Any = None  # in-loop evaluation (eval_every > 0)
+  eval_groups: list = dataclasses.field(default_factory=list)
 
 
 def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Trainer:
@@ -327,6 +330,10 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
     graphdef, state, shardings = ts.init_train_state(model, tx, mesh, tolerance=cfg.shard_tolerance)
     del model
   tasks = load_tasks(cfg)
+  eval_groups = []
+  if cfg.eval_every:
+    check_eval(cfg)
+    eval_groups = eval_lib.eval_groups(eval_lib.load_eval_tasks(cfg), tok, cfg)
   sched = SequentialSchedule(sort_by_stage=cfg.schedule == "sequential_by_stage")
   stream = iter(rl_stream.make_rl_stream(tasks, tok, cfg.stream, sched))
   start = 0
@@ -379,7 +386,35 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
     reward_fn=rewards_lib.make_reward(cfg.reward, **cfg.reward_options),
     stream=stream,
     start=start,
+    eval_backend=make_backend(cfg, eval_lib.eval_sampler(scfg)) if eval_groups else None,
+    eval_groups=eval_groups,
   )
+
+
+def check_eval(cfg: RLConfig) -> None:
+  if cfg.eval_every and not cfg.eval_tasks:
+    raise ValueError(
+      f"eval_every={cfg.eval_every} needs eval_tasks (the infilling evaluation set or "
+      f"KernelBench level 1): pass --set=eval_tasks=FILE, or --set=eval_every=0"
+    )
+
+
+def evaluate(t: _Trainer, judge, step: int) -> dict:
+  """DICE's in-loop evaluation with the current parameters (`rl/evaluation.py`)."""
+  params = rollout_lib.sampling_params(t.state["params"], t.mcfg.compute_dtype)
+  with jax.set_mesh(t.mesh):
+    ro = rollout_lib.collect(
+      nnx.merge(t.graphdef, params),
+      t.eval_groups,
+      backend=t.eval_backend,
+      judge=judge,
+      tokenizer=t.tokenizer,
+      reward_fn=t.reward_fn,
+      rl_step=step,
+      extraction=t.cfg.code_extraction,
+      max_prompt_len=t.cfg.max_prompt_len,
+    )
+  return eval_lib.metrics(ro)
 
 
 def stop_ids(cfg: RLConfig, tok) -> tuple[int, ...]:
@@ -429,6 +464,8 @@ def run_one_step(t: _Trainer, judge, step: int):
   m = rollout_metrics(ro)
   t.state, update_m = _learn(t, ro, step)
   m.update(update_m)
+  if t.eval_groups and eval_lib.due(step + 1, cfg.eval_every):
+    m.update(evaluate(t, judge, step))
   m["data_fingerprint"] = _fingerprint(
     [g.task_id.encode() for g in groups] + [g.prompt_ids for g in groups]
   )

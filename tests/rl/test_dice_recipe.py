@@ -17,7 +17,7 @@ from dice_jax.rl.config import RLConfig
 from dice_jax.rl.trajectory import Trajectory
 from dice_jax.train.optimizer import OptimizerConfig, make_optimizer
 
-from .test_loop import small_config
+from .test_loop import PAIRS, small_config
 
 B = 4  # block size
 
@@ -203,18 +203,27 @@ def test_snapshots_are_kept_every_n_steps(tmp_path):
   ckpt.close()
 
 
-def test_dice_recipe_run_resets_adam_each_rl_step_and_snapshots(tmp_path):
+def test_dice_recipe_run_resets_adam_each_rl_step_evaluates_and_snapshots(tmp_path):
   from dice_jax.rl.loop import run_rl
   from dice_jax.train.metrics import read_metrics
 
   cfg = recipe_lib.apply_recipe(small_config(), "dice")
   cfg = dataclasses.replace(
-    cfg, rows_per_update=8, checkpoint_every=5, checkpoint_keep=1, snapshot_every=2, eval_every=0
+    cfg,
+    rows_per_update=8,
+    checkpoint_every=5,
+    checkpoint_keep=1,
+    snapshot_every=2,
+    eval_every=2,
+    eval_tasks=PAIRS,
   )
   cfg = dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream, num_steps=3))
   run_rl(cfg, str(tmp_path))
   recs = read_metrics(str(tmp_path / "metrics.jsonl"))
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "3"]  # snapshot 2 + the last
+  n_pairs = sum(1 for _ in open(PAIRS))
+  assert [recs[s].get("eval/samples") for s in (1, 2, 3)] == [None, n_pairs, None]  # every 2
+  assert 0 <= recs[2]["eval/correct_rate"] <= 1
   from dice_jax.train import checkpoint as ckpt_lib
 
   ck = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"), save_every=1, async_save=False)
