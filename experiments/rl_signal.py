@@ -46,6 +46,9 @@ flags.DEFINE_integer("rl_group_size", 16, "samples per task in an RL step")
 flags.DEFINE_integer("rl_tasks_per_step", 1, "groups per RL step (CPU time: 1 x 16 samples)")
 flags.DEFINE_float("rl_learning_rate", 1e-4, "BiC-RL learning rate (1e-3 collapsed the policy)")
 flags.DEFINE_multi_string("rl_set", [], "extra --set overrides for the RL launcher")
+flags.DEFINE_string(
+  "rl_name", "rl", "the RL run's directory under the workdir (e.g. one per --rl_set=recipe=...)"
+)
 flags.DEFINE_string("png", "", "where the plot goes (default: WORKDIR/rl_signal.png)")
 
 OPS = {  # name: (torch expression, correct C++ expression of a[i], wrong C++ expression of a[i])
@@ -107,7 +110,7 @@ def paths(workdir: str) -> dict[str, str]:
     "tasks": os.path.join(d, "tasks.jsonl"),
     "sft": os.path.join(d, "sft.jsonl"),
     "sft_dir": os.path.join(workdir, "sft"),
-    "rl_dir": os.path.join(workdir, "rl"),
+    "rl_dir": os.path.join(workdir, FLAGS.rl_name),
   }
 
 
@@ -293,7 +296,11 @@ def step_eval_before(workdir: str) -> dict:
 
 
 def step_eval_after(workdir: str) -> dict:
-  return evaluate(paths(workdir)["rl_dir"], workdir, "after")
+  return evaluate(paths(workdir)["rl_dir"], workdir, _after_label())
+
+
+def _after_label() -> str:
+  return "after" if FLAGS.rl_name == "rl" else f"after_{FLAGS.rl_name}"
 
 
 def step_plot(workdir: str, quiet: bool = False) -> dict:
@@ -324,7 +331,7 @@ def step_plot(workdir: str, quiet: bool = False) -> dict:
     ("failure/compile_error", "compile error"),
   ):
     ax.plot(steps, [recs[s].get(key, 0.0) for s in steps], lw=1, alpha=0.7, label=label)
-  for label, x, marker in (("before", 0, "s"), ("after", int(steps[-1]), "D")):
+  for label, x, marker in (("before", 0, "s"), (_after_label(), int(steps[-1]), "D")):
     path = os.path.join(workdir, f"eval_{label}.json")
     if os.path.exists(path):
       ev = json.load(open(path))

@@ -212,9 +212,9 @@ class RLConfig:
     s = self.sampler
     need(s.return_logprobs, "sampler.return_logprobs must be True (TraceRL checks log-probs)")
     need(
-      s.block_alignment == "response",
-      f"sampler.block_alignment must be 'response' (TraceRL's block grid), got "
-      f"{s.block_alignment!r}",
+      s.block_alignment == "response" or self.sampler_backend == "static",
+      f"sampler.block_alignment {s.block_alignment!r} needs sampler_backend 'static' (the "
+      f"continuous backend is wired for the response grid only)",
     )
     need(self.stream.group_size >= 2, "stream.group_size must be >= 2 (advantages are per group)")
     need(

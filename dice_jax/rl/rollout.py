@@ -177,8 +177,8 @@ class SamplerBackend(Protocol):
 def _check_sampler(cfg: sampler_lib.SamplerConfig) -> None:
   if not cfg.return_logprobs:
     raise ValueError("the rollout needs SamplerConfig.return_logprobs=True")
-  if cfg.block_alignment != "response":
-    raise ValueError("TraceRL trains on the 'response' block grid; the sampler must use it too")
+  if cfg.block_alignment not in ("response", "absolute"):
+    raise ValueError(f"unknown block_alignment {cfg.block_alignment!r}")
 
 
 class StaticBatches:
@@ -207,7 +207,12 @@ class StaticBatches:
       )
       self.forwards += int(out.forwards)
       n_real = sum(g.size for g in chunk)
-      trajs = from_sample_output(out, prompts[:n_real], block_size=self.cfg.block_size)
+      trajs = from_sample_output(
+        out,
+        prompts[:n_real],
+        block_size=self.cfg.block_size,
+        block_alignment=self.cfg.block_alignment,
+      )
       steps = np.asarray(out.steps_used)
       row = 0
       for g in chunk:

@@ -152,9 +152,15 @@ def trajectory_rows(
   """The rows of one response under `cfg.layout`, each with the number of rounds it holds.
 
   Rounds that train no token are left out; a response with no trained token gives no row.
+  On the absolute grid the rows are those of the same rollout seen on the response grid with
+  the prompt's tail at the front of the first block (`Trajectory.on_response_grid`), visible in
+  every round: the states the sampler saw.
   """
   t.check_grid(block_size)
+  fixed = t.fixed_prefix(block_size)
+  t = t.on_response_grid(block_size)
   rounds = trace.token_rounds(t.step_map, block_size, cfg.shrink)
+  rounds[:fixed] = 0  # the prompt's tail: never masked, never trained
   n_blocks = t.response_ids.size // block_size
   # trains[r, b]: round r of block b trains at least one token
   trains = np.zeros((int(rounds.max(initial=0)) + 1, n_blocks), bool)
