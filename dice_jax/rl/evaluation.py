@@ -1,9 +1,9 @@
 """Evaluation inside the BiC-RL loop (DICE's `evaluation:` block, `eval_every: 10`).
 
-Every `eval_every` RL steps (and never at step 0), the current policy decodes one greedy sample
-(`low_confidence_static`, DICE's evaluation decoding) of every task of `eval_tasks` (the infilling
-evaluation set in the infill phase, KernelBench level 1 in the end-to-end phase), each judged by
-the run's judge and reward. Metrics go to the step's record as `eval/*`.
+Every `eval_every` RL steps (after that step's update), the current policy decodes one greedy
+sample (`low_confidence_static`, DICE's evaluation decoding) of every task of `eval_tasks` (the
+infilling evaluation set in the infill phase, KernelBench level 1 in the end-to-end phase), each
+judged by the run's judge and reward. Metrics go to the step's record as `eval/*`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ from dice_jax.rl import rewards as rewards_lib
 from dice_jax.rl import rollout as rollout_lib
 
 GROUP_OFFSET = 1 << 24
-EVAL_DECODING = dict(strategy="low_confidence_static", temperature=0.0, top_k=0, top_p=1.0)
+# DICE's `evaluation:` block (configs/rl_sdar_kernel_*.yaml): temperature 1.0 with top_k 1 (the
+# argmax: greedy), top_p 1, low_confidence_static; block, steps and max tokens as the rollout's
+# (4 / 4 / 4096). With top_k 1 the filtered confidence of every candidate is 1, as in JetEngine.
+EVAL_DECODING = dict(strategy="low_confidence_static", temperature=1.0, top_k=1, top_p=1.0)
 
 
 def due(rl_step: int, eval_every: int) -> bool:
