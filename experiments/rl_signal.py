@@ -49,6 +49,9 @@ flags.DEFINE_multi_string("rl_set", [], "extra --set overrides for the RL launch
 flags.DEFINE_string(
   "rl_name", "rl", "the RL run's directory under the workdir (e.g. one per --rl_set=recipe=...)"
 )
+flags.DEFINE_list(
+  "compare", ["rl_ours", "rl_dice"], "RL run directories (under the workdir) the compare step plots"
+)
 flags.DEFINE_string("png", "", "where the plot goes (default: WORKDIR/rl_signal.png)")
 
 OPS = {  # name: (torch expression, correct C++ expression of a[i], wrong C++ expression of a[i])
@@ -361,6 +364,63 @@ def step_plot(workdir: str, quiet: bool = False) -> dict:
   return {"correct_rate": correct.tolist(), "png": png}
 
 
+def step_compare(workdir: str) -> dict:
+  """The rollouts' correct fraction and KL per RL step of several RL runs (e.g. one per recipe,
+  `--rl_name=rl_ours --rl_set=recipe=ours` ...), side by side -> WORKDIR/rl_signal_compare.png."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from dice_jax.train.metrics import read_metrics
+
+  runs = {n: read_metrics(os.path.join(workdir, n, "metrics.jsonl")) for n in FLAGS.compare}
+  fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 3.8), sharey=True)
+  out = {}
+  for ax, (name, recs) in zip(np.atleast_1d(axes), runs.items()):
+    steps = np.array(list(recs))
+    correct = np.array([recs[s]["correct_rate"] for s in steps])
+    ax.plot(steps, correct, marker="o", label="correct, this step's rollout")
+    ax.plot(steps, [recs[s].get("clip_fraction", np.nan) for s in steps], label="clip fraction")
+    ax.plot(steps, [recs[s].get("updates", 0) / 10 for s in steps], ls=":", label="updates / 10")
+    ev = os.path.join(workdir, f"eval_after_{name}.json")
+    if os.path.exists(ev):
+      e = json.load(open(ev))
+      ax.scatter(
+        [steps[-1]],
+        [e["correct_rate"]],
+        marker="D",
+        color="k",
+        zorder=5,
+        label=f"64 fixed-key samples after: {e['correct']}/64",
+      )
+    before = os.path.join(workdir, "eval_before.json")
+    if os.path.exists(before):
+      e = json.load(open(before))
+      ax.scatter(
+        [0],
+        [e["correct_rate"]],
+        marker="s",
+        color="k",
+        zorder=5,
+        label=f"64 fixed-key samples before: {e['correct']}/64",
+      )
+    ax.set_title(name)
+    ax.set_xlabel("RL step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    out[name] = correct.round(3).tolist()
+  fig.suptitle("BiC-RL on CPU against the real verifier, by recipe")
+  fig.tight_layout()
+  png = FLAGS.png or os.path.join(workdir, "rl_signal_compare.png")
+  fig.savefig(png + ".tmp.png", dpi=100)
+  plt.close(fig)
+  os.replace(png + ".tmp.png", png)
+  print(f"  correct fraction per step: {out} -> {png}")
+  return {"correct_rate": out, "png": png}
+
+
 STEPS = {
   "data": step_data,
   "check": step_check,
@@ -369,6 +429,7 @@ STEPS = {
   "rl": step_rl,
   "eval_after": step_eval_after,
   "plot": step_plot,
+  "compare": step_compare,
 }
 
 
