@@ -174,11 +174,14 @@ class SamplerBackend(Protocol):
     ...
 
 
-def _check_sampler(cfg: sampler_lib.SamplerConfig) -> None:
+def _check_sampler(cfg: sampler_lib.SamplerConfig, grids=("response", "absolute")) -> None:
   if not cfg.return_logprobs:
     raise ValueError("the rollout needs SamplerConfig.return_logprobs=True")
-  if cfg.block_alignment not in ("response", "absolute"):
-    raise ValueError(f"unknown block_alignment {cfg.block_alignment!r}")
+  if cfg.block_alignment not in grids:
+    raise ValueError(
+      f"this rollout backend decodes on the {' or '.join(grids)} block grid, not "
+      f"{cfg.block_alignment!r}"
+    )
 
 
 class StaticBatches:
@@ -236,7 +239,7 @@ class ContinuousBatches:
     seed: int,
     prefill_rows: int = 16,
   ):
-    _check_sampler(cfg)
+    _check_sampler(cfg, grids=("response",))
     self.cfg, self.slots, self.max_prompt_len, self.seed = cfg, slots, max_prompt_len, seed
     self.prefill_rows = prefill_rows
     self.forwards = 0

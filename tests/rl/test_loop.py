@@ -52,7 +52,10 @@ def test_config_errors_name_the_field():
     "judge": dict(judge="module:fn"),
     "rows_per_update": dict(rows_per_update=0),
     "multiple of accum_steps": dict(rows_per_update=6, accum_steps=4),
-    "block_alignment": dict(sampler=dataclasses.replace(DICE_SAMPLER, block_alignment="absolute")),
+    "block_alignment": dict(
+      sampler=dataclasses.replace(DICE_SAMPLER, block_alignment="absolute"),
+      sampler_backend="continuous",
+    ),
     "return_logprobs": dict(sampler=dataclasses.replace(DICE_SAMPLER, return_logprobs=False)),
     "measure_performance": dict(reward="speed"),
     "group_size": dict(stream=RLStreamConfig(group_size=1)),
