@@ -52,6 +52,9 @@ flags.DEFINE_string(
 flags.DEFINE_list(
   "compare", ["rl_ours", "rl_dice"], "RL run directories (under the workdir) the compare step plots"
 )
+flags.DEFINE_string(
+  "compare_title", "BiC-RL on CPU against the real verifier, by recipe", "the compare plot's title"
+)
 flags.DEFINE_string("png", "", "where the plot goes (default: WORKDIR/rl_signal.png)")
 
 OPS = {  # name: (torch expression, correct C++ expression of a[i], wrong C++ expression of a[i])
@@ -411,7 +414,7 @@ def step_compare(workdir: str) -> dict:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
     out[name] = correct.round(3).tolist()
-  fig.suptitle("BiC-RL on CPU against the real verifier, by recipe")
+  fig.suptitle(FLAGS.compare_title)
   fig.tight_layout()
   png = FLAGS.png or os.path.join(workdir, "rl_signal_compare.png")
   fig.savefig(png + ".tmp.png", dpi=100)
