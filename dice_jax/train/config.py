@@ -31,6 +31,7 @@ class SFTConfig:
   max_prompt_chars: int | None = None  # truncate texts (tiny CPU runs only)
   max_response_chars: int | None = None
   seq_len: int = 6144  # DICE cutoff_len; longer samples are dropped
+  max_sample_len: int = 0  # drop samples longer than this (block-padded); 0: seq_len
   batch_size: int = 8  # global rows per optimizer step
   # independent data streams the batch is drawn from (batch_size % data_shards == 0); a process
   # reads only the streams its rows come from: a multiple of the host count splits data loading
@@ -75,6 +76,10 @@ class SFTConfig:
     ):
       v = getattr(self, name)
       need(isinstance(v, int) and v >= 1, f"{name} must be a positive int, got {v!r}")
+    need(
+      isinstance(self.max_sample_len, int) and 0 <= self.max_sample_len <= self.seq_len,
+      f"max_sample_len must be in [0, seq_len], got {self.max_sample_len!r}",
+    )
     need(
       self.batch_size % self.accum_steps == 0,
       f"batch_size ({self.batch_size}) must be a multiple of accum_steps ({self.accum_steps})",

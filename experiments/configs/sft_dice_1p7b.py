@@ -24,5 +24,6 @@ def get_config(device_rows: int = DEVICE_ROWS, model: str = "sdar_1p7b", batch_s
     model=model,
     batch_size=batch_size,
     objective=ObjectiveConfig(device_rows=device_rows),
+    max_sample_len=6143,  # LLaMA-Factory packing: cutoff_len - 1; rows of 6144
   )
   return apply_recipe(cfg, "dice")
