@@ -8,7 +8,6 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from dice_jax import recipe as recipe_lib
@@ -118,30 +117,40 @@ def test_dice_optimizer_steps_count_response_round_rows_in_file_order_and_drop_t
 
 
 def test_gradient_reaching_adam_is_dices_one_over_gas_squared_then_clip_one():
-  """256 rows on 8 processes x GAS 32: each row's loss / GAS by hand and / GAS by DeepSpeed,
-  summed over the accumulation, averaged over processes, clipped at 1.0, then AdamW's first
-  step. Ours gets the mean gradient over the 256 rows (the `dice` normalisation)."""
+  """Two optimizer steps of 256 rows each on 8 processes x GAS 32: each row's loss / GAS by hand
+  and / GAS by DeepSpeed, summed over the accumulation, averaged over processes, clipped at 1.0,
+  then AdamW by hand. Ours receives the mean gradient over the 256 rows (the `dice`
+  normalisation). The first step's mean gradient has norm ~110 (DICE clips it: > 32), the
+  second ~2 (not clipped), so Adam's second step sees their DICE-scaled ratio."""
   rng = np.random.default_rng(0)
-  lr = 1e-3
-  for scale in (0.5, 200.0):  # the true mean gradient's norm far below / above 32
-    rows = rng.normal(size=(256, 6)) * scale
-    acc = rows.reshape(8, 32, 6).sum(axis=1) / 32 / 32  # per process
+  lr, b1, b2, eps = 1e-3, 0.9, 0.999, 1e-8
+  offsets = (np.array([100.0, -50.0, 0, 0, 0, 0]), np.array([0.0, 0, 2.0, 0, 0, 0]))
+  steps = [rng.normal(size=(256, 6)) + mu for mu in offsets]
+  m = v = np.zeros(6)
+  want = []
+  for t, rows in enumerate(steps, 1):
+    acc = rows.reshape(8, 32, 6).sum(axis=1) / 32 / 32  # each process's accumulated gradient
     g = acc.mean(axis=0)  # DeepSpeed's all-reduce mean
     g = g * min(1.0, 1.0 / np.linalg.norm(g))  # gradient_clipping: 1.0
-    want = -lr * g / (np.abs(g) + 1e-8)  # AdamW step 1 (bias-corrected m / sqrt(v)), wd 0
-    cfg = recipe_lib.apply_recipe(RLConfig(optim=OptimizerConfig(learning_rate=lr)), "dice")
-    tx = make_optimizer(dataclasses.replace(cfg.optim, schedule="constant"), 1)
+    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    want.append(-lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps))
+  assert np.linalg.norm(steps[0].mean(0)) > 32 > np.linalg.norm(steps[1].mean(0))
+
+  def ours(recipe):
+    cfg = recipe_lib.apply_recipe(RLConfig(optim=OptimizerConfig(learning_rate=lr)), recipe)
+    tx = make_optimizer(dataclasses.replace(cfg.optim, schedule="constant"), 2)
     params = {"w": jnp.zeros(6)}
-    upd, _ = tx.update({"w": jnp.asarray(rows.mean(axis=0))}, tx.init(params), params)
-    np.testing.assert_allclose(np.asarray(upd["w"]), want, rtol=1e-5)
-  # the clip acts at norm 32 of the mean gradient, not 1
-  tx = make_optimizer(OptimizerConfig(grad_scale=1 / 32, schedule="constant"), 1)
-  clip_only = optax.chain(*[optax.scale(1 / 32), optax.clip_by_global_norm(1.0)])
-  for n in (31.0, 33.0):
-    g = {"w": jnp.asarray([n, 0.0])}
-    out, _ = clip_only.update(g, clip_only.init(g))
-    assert float(out["w"][0]) == pytest.approx(min(n, 32.0) / 32)
-  del tx
+    state, out = tx.init(params), []
+    for rows in steps:
+      upd, state = tx.update({"w": jnp.asarray(rows.mean(axis=0))}, state, params)
+      out.append(np.asarray(upd["w"]))
+    return out
+
+  got = ours("dice")
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-12)
+  # our recipe (clip at 1 on the mean gradient) takes another second step
+  assert np.abs(ours("ours")[1] - want[1]).max() > 1e-2 * np.abs(want[1]).max()
 
 
 def test_trained_tokens_around_im_end_and_endoftext():
