@@ -53,12 +53,12 @@ def resolve_config():
   import dataclasses
 
   from dice_jax.rl.config import RLConfig
-  from dice_jax.train.config import apply_overrides
+  from dice_jax.recipe import recipe_then_overrides
 
   cfg = load_config(FLAGS.config)
   if not isinstance(cfg, RLConfig):
     raise UserError(f"--config {FLAGS.config}: get_config() returned a {type(cfg).__name__}")
-  cfg = apply_overrides(cfg, FLAGS.set)
+  cfg = recipe_then_overrides(cfg, FLAGS.set)
   if FLAGS.phase:
     cfg = dataclasses.replace(cfg, phase=FLAGS.phase)
   if FLAGS.init_hf and FLAGS.init_checkpoint:
@@ -70,9 +70,15 @@ def resolve_config():
   key = "infill_tasks" if cfg.phase == "infill" else "e2e_tasks"
   if cfg.tasks_path and not os.path.exists(cfg.tasks_path):
     raise UserError(f"task file of phase {cfg.phase!r} not found: {cfg.tasks_path} (set {key})")
-  from dice_jax.rl.loop import load_tasks
+  from dice_jax.rl import evaluation
+  from dice_jax.rl.loop import check_eval, load_tasks
 
   load_tasks(cfg)  # a malformed file fails here, before anything is written
+  check_eval(cfg)
+  if cfg.eval_every:
+    if not os.path.exists(cfg.eval_tasks):
+      raise UserError(f"eval_tasks not found: {cfg.eval_tasks} (set eval_tasks or eval_every=0)")
+    evaluation.load_eval_tasks(cfg)
   if cfg.judge == "verifier" and not FLAGS.verifier:
     raise UserError("--verifier is required (HOST:PORT[,HOST:PORT] or local)")
   return cfg

@@ -46,6 +46,15 @@ flags.DEFINE_integer("rl_group_size", 16, "samples per task in an RL step")
 flags.DEFINE_integer("rl_tasks_per_step", 1, "groups per RL step (CPU time: 1 x 16 samples)")
 flags.DEFINE_float("rl_learning_rate", 1e-4, "BiC-RL learning rate (1e-3 collapsed the policy)")
 flags.DEFINE_multi_string("rl_set", [], "extra --set overrides for the RL launcher")
+flags.DEFINE_string(
+  "rl_name", "rl", "the RL run's directory under the workdir (e.g. one per --rl_set=recipe=...)"
+)
+flags.DEFINE_list(
+  "compare", ["rl_ours", "rl_dice"], "RL run directories (under the workdir) the compare step plots"
+)
+flags.DEFINE_string(
+  "compare_title", "BiC-RL on CPU against the real verifier, by recipe", "the compare plot's title"
+)
 flags.DEFINE_string("png", "", "where the plot goes (default: WORKDIR/rl_signal.png)")
 
 OPS = {  # name: (torch expression, correct C++ expression of a[i], wrong C++ expression of a[i])
@@ -107,7 +116,7 @@ def paths(workdir: str) -> dict[str, str]:
     "tasks": os.path.join(d, "tasks.jsonl"),
     "sft": os.path.join(d, "sft.jsonl"),
     "sft_dir": os.path.join(workdir, "sft"),
-    "rl_dir": os.path.join(workdir, "rl"),
+    "rl_dir": os.path.join(workdir, FLAGS.rl_name),
   }
 
 
@@ -293,7 +302,11 @@ def step_eval_before(workdir: str) -> dict:
 
 
 def step_eval_after(workdir: str) -> dict:
-  return evaluate(paths(workdir)["rl_dir"], workdir, "after")
+  return evaluate(paths(workdir)["rl_dir"], workdir, _after_label())
+
+
+def _after_label() -> str:
+  return "after" if FLAGS.rl_name == "rl" else f"after_{FLAGS.rl_name}"
 
 
 def step_plot(workdir: str, quiet: bool = False) -> dict:
@@ -324,7 +337,7 @@ def step_plot(workdir: str, quiet: bool = False) -> dict:
     ("failure/compile_error", "compile error"),
   ):
     ax.plot(steps, [recs[s].get(key, 0.0) for s in steps], lw=1, alpha=0.7, label=label)
-  for label, x, marker in (("before", 0, "s"), ("after", int(steps[-1]), "D")):
+  for label, x, marker in (("before", 0, "s"), (_after_label(), int(steps[-1]), "D")):
     path = os.path.join(workdir, f"eval_{label}.json")
     if os.path.exists(path):
       ev = json.load(open(path))
@@ -354,6 +367,63 @@ def step_plot(workdir: str, quiet: bool = False) -> dict:
   return {"correct_rate": correct.tolist(), "png": png}
 
 
+def step_compare(workdir: str) -> dict:
+  """The rollouts' correct fraction and KL per RL step of several RL runs (e.g. one per recipe,
+  `--rl_name=rl_ours --rl_set=recipe=ours` ...), side by side -> WORKDIR/rl_signal_compare.png."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from dice_jax.train.metrics import read_metrics
+
+  runs = {n: read_metrics(os.path.join(workdir, n, "metrics.jsonl")) for n in FLAGS.compare}
+  fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 3.8), sharey=True)
+  out = {}
+  for ax, (name, recs) in zip(np.atleast_1d(axes), runs.items()):
+    steps = np.array(list(recs))
+    correct = np.array([recs[s]["correct_rate"] for s in steps])
+    ax.plot(steps, correct, marker="o", label="correct, this step's rollout")
+    ax.plot(steps, [recs[s].get("clip_fraction", np.nan) for s in steps], label="clip fraction")
+    ax.plot(steps, [recs[s].get("updates", 0) / 10 for s in steps], ls=":", label="updates / 10")
+    ev = os.path.join(workdir, f"eval_after_{name}.json")
+    if os.path.exists(ev):
+      e = json.load(open(ev))
+      ax.scatter(
+        [steps[-1]],
+        [e["correct_rate"]],
+        marker="D",
+        color="k",
+        zorder=5,
+        label=f"64 fixed-key samples after: {e['correct']}/64",
+      )
+    before = os.path.join(workdir, "eval_before.json")
+    if os.path.exists(before):
+      e = json.load(open(before))
+      ax.scatter(
+        [0],
+        [e["correct_rate"]],
+        marker="s",
+        color="k",
+        zorder=5,
+        label=f"64 fixed-key samples before: {e['correct']}/64",
+      )
+    ax.set_title(name)
+    ax.set_xlabel("RL step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    out[name] = correct.round(3).tolist()
+  fig.suptitle(FLAGS.compare_title)
+  fig.tight_layout()
+  png = FLAGS.png or os.path.join(workdir, "rl_signal_compare.png")
+  fig.savefig(png + ".tmp.png", dpi=100)
+  plt.close(fig)
+  os.replace(png + ".tmp.png", png)
+  print(f"  correct fraction per step: {out} -> {png}")
+  return {"correct_rate": out, "png": png}
+
+
 STEPS = {
   "data": step_data,
   "check": step_check,
@@ -362,6 +432,7 @@ STEPS = {
   "rl": step_rl,
   "eval_after": step_eval_after,
   "plot": step_plot,
+  "compare": step_compare,
 }
 
 

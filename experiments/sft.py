@@ -50,11 +50,11 @@ def main(argv):
   del argv
   _cli.quiet_orbax()
   _cli.join_processes()
-  from dice_jax.train.config import apply_overrides
+  from dice_jax.recipe import recipe_then_overrides
   from dice_jax.train.loop import run_sft
 
   with _cli.user_errors_from(ValueError, TypeError):  # a bad --set key, value or field
-    cfg = apply_overrides(load_config(FLAGS.config), FLAGS.set)
+    cfg = recipe_then_overrides(load_config(FLAGS.config), FLAGS.set)
   logging.info("config: %s", json.dumps(cfg.to_json(), default=str))
   summary = run_sft(
     cfg,

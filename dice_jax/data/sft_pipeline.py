@@ -39,6 +39,9 @@ FEATURES = ("tokens", "positions", "segment_ids", "loss_mask")
 @dataclasses.dataclass(frozen=True)
 class SFTPipelineConfig:
   seq_len: int = 6144
+  # samples longer than this (block-padded) are dropped; 0: seq_len. LLaMA-Factory with packing
+  # cuts at cutoff_len - 1 (DICE: 6143 with rows of 6144)
+  max_sample_len: int = 0
   grid: BlockGrid = BlockGrid()  # "response" pads each response, "absolute" each sample
   batch_size: int = 8  # rows per batch on this process
   seed: int = 0
@@ -58,6 +61,10 @@ class SFTPipelineConfig:
     if self.seq_len < b or self.seq_len % b:
       raise ValueError(
         f"seq_len ({self.seq_len}) must be a positive multiple of the block size ({b})"
+      )
+    if not 0 <= self.max_sample_len <= self.seq_len:
+      raise ValueError(
+        f"max_sample_len must be in [0, seq_len={self.seq_len}], got {self.max_sample_len}"
       )
     if self.worker_count < 0:
       raise ValueError(f"worker_count must be >= 0, got {self.worker_count}")
@@ -177,17 +184,17 @@ def make_sft_dataset(
   per_pass = -(-len(samples) // cfg.process_count)  # samples this process sees per epoch
   in_a_row = [0]  # consecutive drops: a whole pass of them means nothing will ever fit
 
+  limit = cfg.max_sample_len or cfg.seq_len
+
   def fits(x: dict) -> bool:
     n = len(x["tokens"])
-    if n > cfg.seq_len:
-      logging.warning(
-        "dropping SFT sample %s: %d tokens > seq_len %d", x["sample_id"], n, cfg.seq_len
-      )
+    if n > limit:
+      logging.warning("dropping SFT sample %s: %d tokens > %d", x["sample_id"], n, limit)
       stats.drop(x["sample_id"], n)
       in_a_row[0] += 1
       if in_a_row[0] > per_pass:  # a repeating dataset would otherwise wait forever
         raise ValueError(
-          f"no SFT sample fits seq_len={cfg.seq_len}: {in_a_row[0]} samples in a row "
+          f"no SFT sample fits seq_len={limit}: {in_a_row[0]} samples in a row "
           f"were longer, a whole pass; raise seq_len or truncate the texts"
         )
       return False

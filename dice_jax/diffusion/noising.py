@@ -76,6 +76,36 @@ def sample_mask(
   return masked, p
 
 
+def sample_mask_per_row(
+  key, segment_ids_bt, block_ids_bt, loss_mask_bt, *, eps: float = 1e-3, tries: int = 10
+):
+  """SDAR's `forward_add_noise_packed` rule (DICE's SFT): "at least one masked" per *row*.
+
+  Each try draws one t per packed sample and a Bernoulli(p) per token; a row keeps its first try
+  that masks at least one loss token. A row whose `tries` all miss keeps its last try's p and has
+  one loss token, chosen uniformly, forced. A sample of a row may end with no masked token.
+  Returns (masked_bt, p_bt) as `sample_mask`.
+  """
+  seg = segment_ids_bt.astype(jnp.int32)
+  loss = loss_mask_bt.astype(bool) & (seg > 0)
+  cols = jnp.broadcast_to(jnp.arange(seg.shape[1]), seg.shape)
+
+  def one_try(k):
+    k_level, k_token = jax.random.split(jax.random.fold_in(key, k))
+    p = noise_level(k_level, seg, block_ids_bt, eps=eps, per_block_t=False)
+    return loss & (_uniform_keyed(k_token, cols) < p), p
+
+  masked_k, p_k = jax.vmap(one_try)(jnp.arange(tries))  # [tries, B, T]
+  hit_k = jnp.any(masked_k, axis=-1)  # [tries, B]
+  found = jnp.any(hit_k, axis=0)  # [B]
+  first = jnp.where(found, jnp.argmax(hit_k, axis=0), tries - 1)  # [B]
+  pick = lambda x: jnp.take_along_axis(x, first[None, :, None], axis=0)[0]  # noqa: E731
+  masked, p = pick(masked_k), pick(p_k)
+  v = jnp.where(loss, _uniform_keyed(jax.random.fold_in(key, tries), cols), 2.0)
+  forced = loss & (v == jnp.min(v, axis=-1, keepdims=True)) & ~found[:, None]
+  return masked | forced, p
+
+
 def apply_mask(tokens_bt, masked_bt, mask_token_id: int):
   """x_t: x_0 with the masked tokens replaced by [MASK]."""
   return jnp.where(masked_bt, jnp.asarray(mask_token_id, tokens_bt.dtype), tokens_bt)

@@ -31,6 +31,10 @@ from dice_jax.diffusion import noising
 from dice_jax.model import masks as masks_lib
 
 
+AT_LEAST_ONE = ("segment", "row")
+NORMALIZATIONS = ("batch", "device")
+
+
 @dataclasses.dataclass(frozen=True)
 class ObjectiveConfig:
   eps: float = 1e-3  # p = (1-eps) t + eps
@@ -39,6 +43,14 @@ class ObjectiveConfig:
     blocks_lib.BlockGrid()
   )  # block size + alignment (diffusion/blocks.py)
   ce_chunk: int = 2048  # tokens per chunk of the LM-head + CE (bounds the [T, V] logits memory)
+  # "segment": every packed sample has a masked token (the min-u one is forced); "row": SDAR's
+  # rule in DICE's SFT, per row: redraw the row up to `mask_tries` times, then force one token
+  at_least_one: str = "segment"
+  mask_tries: int = 10
+  # "batch": sum / the batch's answer tokens; "device": DICE's per-device loss, each group of
+  # `device_rows` consecutive rows divided by its own answer tokens, then the mean over groups
+  normalization: str = "batch"
+  device_rows: int = 1
 
   def __post_init__(self):
     if isinstance(self.grid, dict):  # from JSON
@@ -47,6 +59,19 @@ class ObjectiveConfig:
       raise ValueError(f"ObjectiveConfig.grid must be a BlockGrid, got {self.grid!r}")
     if not 0.0 < self.eps < 1.0:
       raise ValueError(f"ObjectiveConfig.eps must be in (0, 1), got {self.eps}")
+    if self.at_least_one not in AT_LEAST_ONE:
+      raise ValueError(
+        f"ObjectiveConfig.at_least_one must be one of {AT_LEAST_ONE}, got {self.at_least_one!r}"
+      )
+    if self.normalization not in NORMALIZATIONS:
+      raise ValueError(
+        f"ObjectiveConfig.normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}"
+      )
+    if self.at_least_one == "row" and self.per_block_t:
+      raise ValueError("ObjectiveConfig: at_least_one='row' (SDAR's rule) draws t per sample")
+    for name in ("mask_tries", "device_rows"):
+      if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+        raise ValueError(f"ObjectiveConfig.{name} must be a positive int")
     if self.ce_chunk < 1:
       raise ValueError(f"ObjectiveConfig.ce_chunk must be >= 1, got {self.ce_chunk}")
 
@@ -127,18 +152,35 @@ def block_diffusion_loss(model, batch, rng, cfg: ObjectiveConfig = ObjectiveConf
   mcfg = model.cfg
   cfg.grid.check_model(mcfg, "ObjectiveConfig.grid")
   block_ids = cfg.grid.token_block_ids(positions, segment_ids, loss_mask)
-  masked, p = noising.sample_mask(
-    rng, segment_ids, block_ids, loss_mask, eps=cfg.eps, per_block_t=cfg.per_block_t
-  )
+  if cfg.at_least_one == "row":
+    masked, p = noising.sample_mask_per_row(
+      rng, segment_ids, block_ids, loss_mask, eps=cfg.eps, tries=cfg.mask_tries
+    )
+  else:
+    masked, p = noising.sample_mask(
+      rng, segment_ids, block_ids, loss_mask, eps=cfg.eps, per_block_t=cfg.per_block_t
+    )
   xt = noising.apply_mask(tokens, masked, mcfg.mask_token_id)
   hidden = xt_hidden(model, tokens, xt, positions, segment_ids, block_ids)
   # Two weightings from one pass over the logits: 1/p (the loss) and 1 (plain masked CE, a metric).
-  weights = jnp.stack([jnp.where(masked, 1.0 / p, 0.0), masked.astype(jnp.float32)], axis=-1)
+  inv_p = jnp.where(masked, 1.0 / p, 0.0)
+  answer_tokens = jnp.sum(loss_mask).astype(jnp.float32)
+  denominator = answer_tokens
+  if cfg.normalization == "device":  # each device micro-batch over its own answer tokens
+    rows = tokens.shape[0]
+    if rows % cfg.device_rows:
+      raise ValueError(
+        f"ObjectiveConfig.device_rows ({cfg.device_rows}) must divide the micro-batch's {rows} rows"
+      )
+    per_group = jnp.sum(loss_mask.reshape(-1, cfg.device_rows, loss_mask.shape[1]), axis=(1, 2))
+    n_row = jnp.repeat(per_group.astype(jnp.float32), cfg.device_rows)[:, None]
+    inv_p = inv_p / jnp.maximum(n_row, 1.0)
+    denominator = jnp.asarray(rows // cfg.device_rows, jnp.float32)
+  weights = jnp.stack([inv_p, masked.astype(jnp.float32)], axis=-1)
   sums = chunked_weighted_ce(model, hidden, tokens, weights, cfg.ce_chunk)
   weighted_ce_sum, masked_ce_sum = sums[0], sums[1]
-  answer_tokens = jnp.sum(loss_mask).astype(jnp.float32)
   metrics = dict(
-    denominator=answer_tokens,
+    denominator=denominator,
     weighted_ce_sum=jax.lax.stop_gradient(weighted_ce_sum),
     answer_tokens=answer_tokens,
     masked_tokens=jnp.sum(masked).astype(jnp.float32),

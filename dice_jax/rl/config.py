@@ -27,6 +27,8 @@ from dice_jax.verifier_client import RetryPolicy
 PHASES = ("infill", "e2e")
 BACKENDS = ("static", "continuous")
 SCHEDULES = ("sequential", "sequential_by_stage")
+TAIL_ROWS = ("apply", "drop")
+STOP_TOKENS = ("chat", "eos")
 
 DICE_SAMPLER = SamplerConfig(
   block_size=4,
@@ -72,7 +74,13 @@ class VerifierConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-  """Everything a BiC-RL run needs besides its workdir and verifier endpoints."""
+  """Everything a BiC-RL run needs besides its workdir and verifier endpoints.
+
+  `recipe` names the defaults of the fields where DICE's recipe and ours differ
+  (`dice_jax/recipe.py`, docs/dice_recipe.md); it is a label here: the launchers apply it.
+  """
+
+  recipe: str = "ours"
 
   # model (ignored with --init_hf / --init_checkpoint, which bring their own)
   model: str = "tiny"
@@ -102,6 +110,11 @@ class RLConfig:
   tracerl: TraceRLConfig = TraceRLConfig(layout="packed")
   optim: OptimizerConfig = DICE_OPTIMIZER
   rows_per_update: int = 256  # TraceRL rows (responses when packed) per optimizer step
+  shuffle: bool = True  # shuffle the rows of an RL step before batching (DICE: file order)
+  reset_optimizer: bool = False  # a fresh optimizer state at every RL step (DICE: new AdamW)
+  tail_rows: str = "apply"  # "drop": a last, partial update is not applied (DICE)
+  stop_tokens: str = "chat"  # "chat": the tokenizer's stop ids; "eos": its eos only (DICE)
+  train_stop_token: bool = True  # False: the stop token is not trained (DICE: eos = pad)
   accum_steps: int = 1  # micro-batches per optimizer step
   length_multiple: int = 128  # row lengths are bucketed in these units (few compiles)
   seed: int = 10086
@@ -113,6 +126,9 @@ class RLConfig:
   # bookkeeping
   checkpoint_every: int = 1  # RL steps
   checkpoint_keep: int = 3
+  snapshot_every: int = 0  # RL steps; checkpoints at multiples are never deleted (0: none)
+  eval_every: int = 0  # RL steps; greedy evaluation inside the loop (0: none; rl/evaluation.py)
+  eval_tasks: str = ""  # its tasks: the phase's kind (infill: infilling rows; e2e: {pytorch_code})
   async_checkpoint: bool = True
   samples_per_step: int = 4  # responses written to samples.jsonl per RL step
 
@@ -121,6 +137,18 @@ class RLConfig:
       if not cond:
         raise ValueError(f"RLConfig: {msg}")
 
+    from dice_jax.recipe import RECIPES
+
+    need(self.recipe in RECIPES, f"recipe must be one of {RECIPES}, got {self.recipe!r}")
+    need(
+      self.tail_rows in TAIL_ROWS, f"tail_rows must be one of {TAIL_ROWS}, got {self.tail_rows!r}"
+    )
+    need(
+      self.stop_tokens in STOP_TOKENS,
+      f"stop_tokens must be one of {STOP_TOKENS}, got {self.stop_tokens!r}",
+    )
+    for name in ("shuffle", "reset_optimizer", "train_stop_token"):
+      need(isinstance(getattr(self, name), bool), f"{name} must be True or False")
     need(self.phase in PHASES, f"phase must be one of {PHASES}, got {self.phase!r}")
     need(self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
     need(
@@ -164,7 +192,13 @@ class RLConfig:
     ):
       v = getattr(self, name)
       need(isinstance(v, int) and v >= 1, f"{name} must be a positive int, got {v!r}")
-    for name in ("max_prompt_len", "prompt_tail_chars", "samples_per_step"):
+    for name in (
+      "max_prompt_len",
+      "prompt_tail_chars",
+      "samples_per_step",
+      "snapshot_every",
+      "eval_every",
+    ):
       v = getattr(self, name)
       need(isinstance(v, int) and v >= 0, f"{name} must be an int >= 0, got {v!r}")
     need(
@@ -178,9 +212,9 @@ class RLConfig:
     s = self.sampler
     need(s.return_logprobs, "sampler.return_logprobs must be True (TraceRL checks log-probs)")
     need(
-      s.block_alignment == "response",
-      f"sampler.block_alignment must be 'response' (TraceRL's block grid), got "
-      f"{s.block_alignment!r}",
+      s.block_alignment == "response" or self.sampler_backend == "static",
+      f"sampler.block_alignment {s.block_alignment!r} needs sampler_backend 'static' (the "
+      f"continuous backend is wired for the response grid only)",
     )
     need(self.stream.group_size >= 2, "stream.group_size must be >= 2 (advantages are per group)")
     need(

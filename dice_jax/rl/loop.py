@@ -47,6 +47,7 @@ from dice_jax.data.curriculum import SequentialSchedule
 from dice_jax.model.config import ModelConfig, get_config
 from dice_jax.model.transformer import Transformer
 from dice_jax.rl import advantages as advantages_lib
+from dice_jax.rl import evaluation as eval_lib
 from dice_jax.rl import rewards as rewards_lib
 from dice_jax.rl import rollout as rollout_lib
 from dice_jax.rl import tracerl
@@ -285,10 +286,13 @@ class _Trainer:
   state: dict
   step_fn: Any
   old_logp_fn: Any
+  init_opt: Any  # params -> a fresh optimizer state (reset_optimizer)
   backend: rollout_lib.SamplerBackend
   reward_fn: Any
   stream: Any  # the RL-stream iterator
   start: int  # RL steps already done
+  eval_backend: Any = None  # in-loop evaluation (eval_every > 0)
+  eval_groups: list = dataclasses.field(default_factory=list)
 
 
 def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Trainer:
@@ -326,6 +330,10 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
     graphdef, state, shardings = ts.init_train_state(model, tx, mesh, tolerance=cfg.shard_tolerance)
     del model
   tasks = load_tasks(cfg)
+  eval_groups = []
+  if cfg.eval_every:
+    check_eval(cfg)
+    eval_groups = eval_lib.eval_groups(eval_lib.load_eval_tasks(cfg), tok, cfg)
   sched = SequentialSchedule(sort_by_stage=cfg.schedule == "sequential_by_stage")
   stream = iter(rl_stream.make_rl_stream(tasks, tok, cfg.stream, sched))
   start = 0
@@ -358,9 +366,10 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
   old_logp_fn = tracerl.jit_token_logprobs(
     graphdef, shardings["params"], mesh, cfg.accum_steps, chunk=cfg.tracerl.logit_chunk
   )
+  init_opt = jax.jit(tx.init, out_shardings=shardings["opt_state"])
   scfg = dataclasses.replace(
     cfg.sampler,
-    stop_ids=cfg.sampler.stop_ids or tuple(tok.stop_token_ids),
+    stop_ids=cfg.sampler.stop_ids or stop_ids(cfg, tok),
     pad_id=mcfg.pad_token_id if mcfg.pad_token_id is not None else tok.pad_token_id,
   )
   return _Trainer(
@@ -372,11 +381,48 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
     state=state,
     step_fn=step_fn,
     old_logp_fn=old_logp_fn,
+    init_opt=init_opt,
     backend=make_backend(cfg, scfg),
     reward_fn=rewards_lib.make_reward(cfg.reward, **cfg.reward_options),
     stream=stream,
     start=start,
+    eval_backend=make_backend(cfg, eval_lib.eval_sampler(scfg)) if eval_groups else None,
+    eval_groups=eval_groups,
   )
+
+
+def check_eval(cfg: RLConfig) -> None:
+  if cfg.eval_every and not cfg.eval_tasks:
+    raise ValueError(
+      f"eval_every={cfg.eval_every} needs eval_tasks (the infilling evaluation set or "
+      f"KernelBench level 1): pass --set=eval_tasks=FILE, or --set=eval_every=0"
+    )
+
+
+def evaluate(t: _Trainer, judge, step: int) -> dict:
+  """DICE's in-loop evaluation with the current parameters (`rl/evaluation.py`)."""
+  params = rollout_lib.sampling_params(t.state["params"], t.mcfg.compute_dtype)
+  with jax.set_mesh(t.mesh):
+    ro = rollout_lib.collect(
+      nnx.merge(t.graphdef, params),
+      t.eval_groups,
+      backend=t.eval_backend,
+      judge=judge,
+      tokenizer=t.tokenizer,
+      reward_fn=t.reward_fn,
+      rl_step=step,
+      extraction=t.cfg.code_extraction,
+      max_prompt_len=t.cfg.max_prompt_len,
+    )
+  return eval_lib.metrics(ro)
+
+
+def stop_ids(cfg: RLConfig, tok) -> tuple[int, ...]:
+  """The ids that end a response: the tokenizer's stop ids (`chat`: `<|im_end|>` and
+  `<|endoftext|>` for SDAR) or its eos only (`eos`: DICE's JetEngine stops at `<|endoftext|>`)."""
+  if cfg.stop_tokens == "eos":
+    return (int(tok.eos_token_id),)
+  return tuple(tok.stop_token_ids)
 
 
 def make_backend(cfg: RLConfig, scfg) -> rollout_lib.SamplerBackend:
@@ -418,6 +464,8 @@ def run_one_step(t: _Trainer, judge, step: int):
   m = rollout_metrics(ro)
   t.state, update_m = _learn(t, ro, step)
   m.update(update_m)
+  if t.eval_groups and eval_lib.due(step + 1, cfg.eval_every):
+    m.update(evaluate(t, judge, step))
   m["data_fingerprint"] = _fingerprint(
     [g.task_id.encode() for g in groups] + [g.prompt_ids for g in groups]
   )
@@ -446,6 +494,7 @@ def run_rl(
     save_every=cfg.checkpoint_every,
     keep=cfg.checkpoint_keep,
     async_save=cfg.async_checkpoint,
+    keep_period=cfg.snapshot_every or None,
   )
   t = _prepare(cfg, workdir, ckpt, init_hf, init_checkpoint)
   end = cfg.num_steps if max_steps is None else min(cfg.num_steps, t.start + max_steps)
@@ -463,12 +512,13 @@ def run_rl(
         _write_samples(os.path.join(workdir, "samples.jsonl"), done, ro, cfg.samples_per_step)
         logging.info(progress_line(done, cfg.num_steps, m))
         preempted = distributed.any_process(stop.set) or ckpt.reached_preemption(done)
+        snapshot = bool(cfg.snapshot_every) and done % cfg.snapshot_every == 0
         ckpt.save(
           done,
           t.state,
           {"iterator": data_state, "rl_step": done, "seed": cfg.seed},
           config_json,
-          force=preempted or done == end,
+          force=preempted or done == end or snapshot,
         )
         last = m
         if preempted:
@@ -500,7 +550,9 @@ def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
   for traj, a, keep in zip(ro.trajectories, adv.values, adv.keep):
     traj.advantage = float(a)
     if keep:
-      kept.append(traj)
+      kept.append(traj if cfg.train_stop_token else traj.without_stop_token(t.backend.cfg.stop_ids))
+  if cfg.reset_optimizer:  # DICE: a new AdamW every RL step (one process per step)
+    state = dict(state, opt_state=t.init_opt(state["params"]))
   batches = tracerl.build_batches(
     kept,
     cfg.tracerl,
@@ -509,7 +561,8 @@ def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
     rows_per_batch=cfg.rows_per_update,
     pad_id=mcfg.pad_token_id or 0,
     length_multiple=cfg.length_multiple,
-    rng=np.random.default_rng([cfg.seed, rl_step]),
+    rng=np.random.default_rng([cfg.seed, rl_step]) if cfg.shuffle else None,
+    drop_partial=cfg.tail_rows == "drop",
   )
   t_build = time.perf_counter()
   rows = ts.local_rows(mesh, cfg.rows_per_update, cfg.accum_steps)  # this process's rows

@@ -174,11 +174,14 @@ class SamplerBackend(Protocol):
     ...
 
 
-def _check_sampler(cfg: sampler_lib.SamplerConfig) -> None:
+def _check_sampler(cfg: sampler_lib.SamplerConfig, grids=("response", "absolute")) -> None:
   if not cfg.return_logprobs:
     raise ValueError("the rollout needs SamplerConfig.return_logprobs=True")
-  if cfg.block_alignment != "response":
-    raise ValueError("TraceRL trains on the 'response' block grid; the sampler must use it too")
+  if cfg.block_alignment not in grids:
+    raise ValueError(
+      f"this rollout backend decodes on the {' or '.join(grids)} block grid, not "
+      f"{cfg.block_alignment!r}"
+    )
 
 
 class StaticBatches:
@@ -207,7 +210,12 @@ class StaticBatches:
       )
       self.forwards += int(out.forwards)
       n_real = sum(g.size for g in chunk)
-      trajs = from_sample_output(out, prompts[:n_real], block_size=self.cfg.block_size)
+      trajs = from_sample_output(
+        out,
+        prompts[:n_real],
+        block_size=self.cfg.block_size,
+        block_alignment=self.cfg.block_alignment,
+      )
       steps = np.asarray(out.steps_used)
       row = 0
       for g in chunk:
@@ -231,7 +239,7 @@ class ContinuousBatches:
     seed: int,
     prefill_rows: int = 16,
   ):
-    _check_sampler(cfg)
+    _check_sampler(cfg, grids=("response",))
     self.cfg, self.slots, self.max_prompt_len, self.seed = cfg, slots, max_prompt_len, seed
     self.prefill_rows = prefill_rows
     self.forwards = 0

@@ -152,9 +152,15 @@ def trajectory_rows(
   """The rows of one response under `cfg.layout`, each with the number of rounds it holds.
 
   Rounds that train no token are left out; a response with no trained token gives no row.
+  On the absolute grid the rows are those of the same rollout seen on the response grid with
+  the prompt's tail at the front of the first block (`Trajectory.on_response_grid`), visible in
+  every round: the states the sampler saw.
   """
   t.check_grid(block_size)
+  fixed = t.fixed_prefix(block_size)
+  t = t.on_response_grid(block_size)
   rounds = trace.token_rounds(t.step_map, block_size, cfg.shrink)
+  rounds[:fixed] = 0  # the prompt's tail: never masked, never trained
   n_blocks = t.response_ids.size // block_size
   # trains[r, b]: round r of block b trains at least one token
   trains = np.zeros((int(rounds.max(initial=0)) + 1, n_blocks), bool)
@@ -224,13 +230,15 @@ def build_batches(
   pad_id: int = 0,
   length_multiple: int = 128,
   rng: Optional[np.random.Generator] = None,
+  drop_partial: bool = False,
 ) -> list[dict[str, np.ndarray]]:
   """Host mini-batches of TraceRL rows, one per optimizer step, for `train_step.shard_batch`.
 
   `rows_per_batch`: responses per batch (packed) or (response, round) rows (per_round); the last
   batch is filled with empty rows (segment 0, no rounds). Each batch's length is the longest row
   rounded up by `bucket_length` (few distinct shapes, few compiles). `rng` shuffles the units
-  (responses or rows) before batching; None keeps their order.
+  (responses or rows) before batching; None keeps their order. `drop_partial`: the units after
+  the last full batch are left out (DICE's tail rows: back-propagated, never applied).
 
   Batch fields: `[B, T]` tokens, positions, segment_ids (1 / 0 = padding), block_ids, round_ids
   (0 = prompt / clean, r = noisy copy of round r), targets (the clean token at noisy positions),
@@ -252,6 +260,8 @@ def build_batches(
   if rng is not None:
     units = [units[i] for i in rng.permutation(len(units))]
   norm_length = float(max(t.response_ids.size for t in trajs))
+  if drop_partial:
+    units = units[: len(units) - len(units) % rows_per_batch]
   batches = []
   for at in range(0, len(units), rows_per_batch):
     chunk = units[at : at + rows_per_batch]

@@ -6,8 +6,10 @@ rebuild every state the sampler saw (reference §1.7 "Training sequences per res
   prompt_ids    [P]  the prompt tokens, as the sampler read them (positions 0..P-1).
   response_ids  [L]  every generated token, whole decoded blocks: tokens after the first stop id
                      inside the last decoded block are kept, because the model saw them while it
-                     decoded that block. L is a multiple of the block size; the response starts
-                     on a block boundary (the `response` block grid, `diffusion/blocks.py`).
+                     decoded that block. On the `response` block grid (`diffusion/blocks.py`) L is
+                     a multiple of the block size and the response starts on a block boundary; on
+                     the `absolute` grid (`block_alignment`) the first block also holds the
+                     prompt's last P mod b tokens, fixed, so (P mod b) + L is.
   step_map      [L]  the row's denoising step at which each response token was unmasked (>= 0;
                      counts the row's forwards that had masks, across blocks, so it never
                      decreases from one block to the next).
@@ -22,6 +24,7 @@ rebuild every state the sampler saw (reference §1.7 "Training sequences per res
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Sequence
 
@@ -39,6 +42,7 @@ class Trajectory:
   task_id: str = ""
   group: int = -1  # global group number (the G responses of one task share it)
   member: int = -1  # index inside the group
+  block_alignment: str = "response"  # the rollout's block grid: "response" | "absolute"
 
   def __post_init__(self):
     self.prompt_ids = np.asarray(self.prompt_ids, np.int32)
@@ -58,8 +62,39 @@ class Trajectory:
     if self.step_map.size and self.step_map.min() < 0:
       raise ValueError(f"Trajectory {self.task_id!r}: step_map has negative entries")
 
+  def fixed_prefix(self, block_size: int) -> int:
+    """Prompt tokens in the response's first block: P mod b on the absolute grid, else 0."""
+    return self.prompt_ids.size % block_size if self.block_alignment == "absolute" else 0
+
+  def on_response_grid(self, block_size: int) -> "Trajectory":
+    """The same rollout as a response-grid trajectory: on the absolute grid, the prompt's last
+    P mod b tokens move to the front of the response (never trained; the step of the block's
+    first decoded token, so that the ranks of the decoded tokens are unchanged). Use with
+    `fixed_prefix` of the original, whose tokens are never masked."""
+    k = self.fixed_prefix(block_size)
+    if not k:
+      return self
+    first = self.step_map[: block_size - k]
+    step0 = int(first.min()) if first.size else 0
+    out = copy.copy(self)  # not validated again: the prompt may now be empty (P < b)
+    out.prompt_ids = self.prompt_ids[:-k]
+    out.response_ids = np.concatenate([self.prompt_ids[-k:], self.response_ids])
+    out.step_map = np.concatenate([np.full(k, step0, np.int32), self.step_map])
+    out.loss_mask = np.concatenate([np.zeros(k, bool), self.loss_mask])
+    out.sampler_logp = np.concatenate([np.zeros(k, np.float32), self.sampler_logp])
+    out.block_alignment = "response"
+    return out
+
   def check_grid(self, block_size: int) -> None:
     """Raises unless the response is whole blocks whose step ids never go back across blocks."""
+    if self.block_alignment not in ("response", "absolute"):
+      raise ValueError(
+        f"Trajectory {self.task_id!r}: block_alignment must be 'response' or 'absolute', got "
+        f"{self.block_alignment!r}"
+      )
+    if self.fixed_prefix(block_size):
+      self.on_response_grid(block_size).check_grid(block_size)
+      return
     length = self.response_ids.size
     if length % block_size:
       raise ValueError(
@@ -73,15 +108,25 @@ class Trajectory:
           f"Trajectory {self.task_id!r}: a block was unmasked before the previous block finished"
         )
 
+  def without_stop_token(self, stop_ids) -> "Trajectory":
+    """A copy whose final stop token (the last trained token, when it is one of `stop_ids`) is
+    not trained: DICE never trains the `<|endoftext|>` that ends a response (it is the pad id)."""
+    trained = np.nonzero(self.loss_mask)[0]
+    if not trained.size or int(self.response_ids[trained[-1]]) not in set(stop_ids):
+      return self
+    loss_mask = self.loss_mask.copy()
+    loss_mask[trained[-1]] = False
+    return dataclasses.replace(self, loss_mask=loss_mask)
+
   @property
   def trained_tokens(self) -> int:
     return int(self.loss_mask.sum())
 
 
 def from_sample_output(
-  out, prompts: Sequence[Sequence[int]], *, block_size: int
+  out, prompts: Sequence[Sequence[int]], *, block_size: int, block_alignment: str = "response"
 ) -> list[Trajectory]:
-  """One `Trajectory` per row of a `SampleOutput` decoded on the `response` block grid."""
+  """One `Trajectory` per row of a `SampleOutput` decoded on the `block_alignment` grid."""
   tokens, step_map = np.asarray(out.tokens), np.asarray(out.step_map)
   logp = None if out.logprobs is None else np.asarray(out.logprobs)
   start, lengths = np.asarray(out.response_start), np.asarray(out.response_lengths)
@@ -101,6 +146,7 @@ def from_sample_output(
         step_map=step_map[i, s : s + n],
         loss_mask=np.arange(n) < int(lengths[i]),
         sampler_logp=np.zeros(n, np.float32) if logp is None else logp[i, s : s + n],
+        block_alignment=block_alignment,
       )
     )
     trajs[-1].check_grid(block_size)

@@ -40,13 +40,23 @@ from dice_jax.train.config import SFTConfig
 class Checkpointer:
   """Save/restore `(state, data_state, config)` under `directory`."""
 
-  def __init__(self, directory: str, *, save_every: int, keep: int = 3, async_save: bool = True):
+  def __init__(
+    self,
+    directory: str,
+    *,
+    save_every: int,
+    keep: int = 3,
+    async_save: bool = True,
+    keep_period: int | None = None,
+  ):
+    """`keep_period`: steps that are multiples of it are never deleted (permanent snapshots)."""
     if save_every < 1 or keep < 1:
       raise ValueError(f"checkpoint save_every ({save_every}) and keep ({keep}) must be >= 1")
     self.directory = os.path.abspath(directory)
     self.save_every = save_every
     options = ocp.CheckpointManagerOptions(
       max_to_keep=keep,
+      keep_period=keep_period,
       save_interval_steps=save_every,
       create=True,
       enable_async_checkpointing=async_save,

@@ -17,6 +17,8 @@ DATA_SOURCES = ("infill_pairs", "cuke", "pairs")
 class SFTConfig:
   """Everything an SFT run needs besides its workdir (saved with every checkpoint)."""
 
+  recipe: str = "ours"  # a label: the launcher applies it (dice_jax/recipe.py)
+
   # model
   model: str = "tiny"  # preset of dice_jax.model.config (ignored with --init_hf)
   model_overrides: dict = dataclasses.field(default_factory=dict)  # e.g. {'remat': True}
@@ -29,6 +31,7 @@ class SFTConfig:
   max_prompt_chars: int | None = None  # truncate texts (tiny CPU runs only)
   max_response_chars: int | None = None
   seq_len: int = 6144  # DICE cutoff_len; longer samples are dropped
+  max_sample_len: int = 0  # drop samples longer than this (block-padded); 0: seq_len
   batch_size: int = 8  # global rows per optimizer step
   # independent data streams the batch is drawn from (batch_size % data_shards == 0); a process
   # reads only the streams its rows come from: a multiple of the host count splits data loading
@@ -74,6 +77,10 @@ class SFTConfig:
       v = getattr(self, name)
       need(isinstance(v, int) and v >= 1, f"{name} must be a positive int, got {v!r}")
     need(
+      isinstance(self.max_sample_len, int) and 0 <= self.max_sample_len <= self.seq_len,
+      f"max_sample_len must be in [0, seq_len], got {self.max_sample_len!r}",
+    )
+    need(
       self.batch_size % self.accum_steps == 0,
       f"batch_size ({self.batch_size}) must be a multiple of accum_steps ({self.accum_steps})",
     )
@@ -86,6 +93,15 @@ class SFTConfig:
       need(isinstance(v, int) and (v >= 1 or v == -1), f"{name} must be >= 1 or -1, got {v!r}")
     need(isinstance(self.optim, OptimizerConfig), "optim must be an OptimizerConfig")
     need(isinstance(self.objective, ObjectiveConfig), "objective must be an ObjectiveConfig")
+    from dice_jax.recipe import RECIPES
+
+    need(self.recipe in RECIPES, f"recipe must be one of {RECIPES}, got {self.recipe!r}")
+    micro = self.batch_size // self.accum_steps
+    need(
+      micro % self.objective.device_rows == 0,
+      f"objective.device_rows ({self.objective.device_rows}) must divide the micro-batch "
+      f"(batch_size / accum_steps = {micro} rows)",
+    )
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)

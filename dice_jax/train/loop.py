@@ -151,7 +151,7 @@ def prepare(
     tok, mcfg, where=f"sft (tokenizer={cfg.tokenizer}, model={init_hf or cfg.model})"
   )
   cfg.objective.grid.check_model(mcfg, "SFTConfig.objective.grid")
-  sft_data.check_some_fit(samples, tok, cfg.seq_len, cfg.objective.grid)
+  sft_data.check_some_fit(samples, tok, cfg.max_sample_len or cfg.seq_len, cfg.objective.grid)
   logging.info("%d SFT samples; tokenizer %s", len(samples), cfg.tokenizer)
   return mcfg, tok, samples
 

@@ -26,6 +26,10 @@ class OptimizerConfig:
   eps: float = 1e-8
   weight_decay: float = 0.0
   clip_norm: float | None = 1.0  # None: no clipping
+  # The gradient is multiplied by this before clipping and Adam. DICE's RL (DeepSpeed) divides
+  # the loss by GAS by hand and again in `engine.backward`: 1/GAS = 1/32 of the mean gradient
+  # reaches its clip at 1.0 (docs/dice_recipe.md, item 3).
+  grad_scale: float = 1.0
 
   def __post_init__(self):
     if self.schedule not in SCHEDULES:
@@ -38,6 +42,8 @@ class OptimizerConfig:
       raise ValueError(f"OptimizerConfig.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
     if self.warmup_steps is not None and self.warmup_steps < 0:
       raise ValueError(f"OptimizerConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+    if not self.grad_scale > 0:
+      raise ValueError(f"OptimizerConfig.grad_scale must be > 0, got {self.grad_scale}")
     if self.clip_norm is not None and not self.clip_norm > 0:
       raise ValueError(f"OptimizerConfig.clip_norm must be > 0 or None, got {self.clip_norm}")
 
@@ -79,6 +85,8 @@ def _decay_mask(params):
 def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
   sched = make_schedule(cfg, total_steps)
   parts = []
+  if cfg.grad_scale != 1.0:
+    parts.append(optax.scale(cfg.grad_scale))
   if cfg.clip_norm is not None:
     parts.append(optax.clip_by_global_norm(cfg.clip_norm))
   parts.append(

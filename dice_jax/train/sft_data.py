@@ -98,6 +98,7 @@ def make_iterator(cfg: SFTConfig, samples, tokenizer, rows=None):
   def stream(j: int):
     pcfg = SFTPipelineConfig(
       seq_len=cfg.seq_len,
+      max_sample_len=cfg.max_sample_len,
       grid=cfg.objective.grid,
       batch_size=cfg.batch_size // k,
       seed=cfg.seed,

@@ -9,8 +9,10 @@ engine's concurrency (`max_active` 20 / 20 / 48 for 1.7B / 4B / 8B), which `grou
 replaces (8 groups = 128 rows per sampler call on one GPU).
 """
 
+import dataclasses
 import os
 
+from dice_jax.recipe import apply_recipe
 from dice_jax.rl.config import dice_phase_config
 
 _DATA = os.path.normpath(
@@ -19,7 +21,7 @@ _DATA = os.path.normpath(
 
 
 def get_config():
-  return dice_phase_config(
+  cfg = dice_phase_config(
     "e2e",
     "sdar_1p7b",
     e2e_tasks=os.path.join(_DATA, "end_to_end_kernel_generation_4000.json"),
@@ -28,3 +30,8 @@ def get_config():
       os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "sdar_chat")
     ),
   )
+  # DICE's evaluation set of this phase, every 10 RL steps (eval_every of the dice recipe)
+  cfg = apply_recipe(cfg, "dice")
+  return dataclasses.replace(
+    cfg, eval_tasks=os.path.join(_DATA, "kernelbench_level1.json")
+  )  # docs/dice_recipe.md: DICE's recipe, item by item

@@ -112,3 +112,19 @@ def test_sft_sample_from_pair():
   assert s.response == "Fuse it.\n\n```python\nclass ModelNew: pass\n```"
   assert prompts.extract_code(s.response) == "class ModelNew: pass"
   assert s.to_json()["level"] == 2
+
+
+def test_infilling_prompt_is_byte_identical_to_dice_on_all_99_evaluation_tasks():
+  # `ref.KERNEL_INFILLING` is DICE's KERNEL_INFILLING_SYSTEM_PROMPT literal, copied verbatim from
+  # training/RL/sample/sdar_rl_rollout_kernel.py @1abe887 and rendered as DICE renders it.
+  from jinja2 import Template
+
+  rows = json.loads(shared_path("dice_rl", "kernel_infilling_evaluation.json").read_text())
+  assert len(rows) == 99
+  dice = Template(ref.KERNEL_INFILLING)
+  for r in rows:
+    want = dice.render(pytorch_code=r["pytorch_code"], prefix=r["prefix"], suffix=r["suffix"])
+    got = prompts.infilling_prompt(r["pytorch_code"], r["prefix"], r["suffix"], style="dice")
+    assert got == want, r.get("task_id", r.get("problem_id"))
+  # the five closing fences that ours once followed with an extra blank line
+  assert "``` \n\n\nThe example new arch" not in got and "``` \n\nThe example new arch" in got

@@ -192,6 +192,34 @@ def test_repeating_pipeline_where_nothing_fits_fails_instead_of_hanging(tiny_tok
     next(iter(make_sft_dataset(samples, tiny_tokenizer, cfg)))
 
 
+def test_max_sample_len_drops_what_llama_factory_packing_drops(tiny_tokenizer):
+  """DICE (LLaMA-Factory, packing): a sample whose block-padded length exceeds cutoff_len - 1 is
+  dropped, so rows of 16 take samples of at most 15 (12 once padded to blocks of 4)."""
+
+  samples = _samples(40)
+  grid = BlockGrid(4, "absolute")
+  lengths = []
+  for s in samples:
+    prompt, response = sft_texts(s, tiny_tokenizer)
+    ids = tokenize_sample(tiny_tokenizer.encode(prompt), tiny_tokenizer.encode(response), grid, 0)[
+      "tokens"
+    ]
+    lengths.append(ids.size)
+  seq = max(lengths)
+  assert lengths.count(seq) >= 1 and seq % 4 == 0
+  dropped = {}
+  for limit in (0, seq - 1):
+    stats = PackingStats()
+    cfg = SFTPipelineConfig(
+      seq_len=seq, max_sample_len=limit, grid=grid, batch_size=1, shuffle=False, read_threads=1
+    )
+    list(make_sft_dataset(samples, tiny_tokenizer, cfg, stats))
+    dropped[limit] = stats.samples_dropped
+  assert dropped == {0: 0, seq - 1: lengths.count(seq)}
+  with pytest.raises(ValueError, match="max_sample_len"):
+    SFTPipelineConfig(seq_len=16, max_sample_len=20)
+
+
 def test_config_validation():
   with pytest.raises(ValueError, match="multiple of the block size"):
     SFTPipelineConfig(seq_len=50, grid=BlockGrid(4))

@@ -52,7 +52,10 @@ def test_config_errors_name_the_field():
     "judge": dict(judge="module:fn"),
     "rows_per_update": dict(rows_per_update=0),
     "multiple of accum_steps": dict(rows_per_update=6, accum_steps=4),
-    "block_alignment": dict(sampler=dataclasses.replace(DICE_SAMPLER, block_alignment="absolute")),
+    "block_alignment": dict(
+      sampler=dataclasses.replace(DICE_SAMPLER, block_alignment="absolute"),
+      sampler_backend="continuous",
+    ),
     "return_logprobs": dict(sampler=dataclasses.replace(DICE_SAMPLER, return_logprobs=False)),
     "measure_performance": dict(reward="speed"),
     "group_size": dict(stream=RLStreamConfig(group_size=1)),
@@ -94,7 +97,12 @@ def test_config_json_round_trip_and_dice_presets():
       10086,
       "sequential",
     )
-    assert c.verifier.options == {"num_correct_trials": 1}
+    assert c.verifier.options == {
+      "num_correct_trials": 1,
+      "strictness": "off",
+      "seed": 42,
+      "timeout_s": 300.0,
+    }
   assert (infill.phase, infill.num_steps, infill.max_prompt_len) == ("infill", 20, 2000)
   assert (e2e.phase, e2e.num_steps, e2e.max_prompt_len) == ("e2e", 100, 1500)
   assert rl_tiny.get_config().stream.elements_per_step == 64

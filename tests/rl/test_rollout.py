@@ -248,8 +248,10 @@ def test_static_batches_refuse_settings_traceRL_cannot_train_on(tok):
 
   with pytest.raises(ValueError, match="return_logprobs"):
     rollout.StaticBatches(dataclasses.replace(_sampler(tok), return_logprobs=False), 1, 0)
-  with pytest.raises(ValueError, match="response"):
-    rollout.StaticBatches(dataclasses.replace(_sampler(tok), block_alignment="absolute"), 1, 0)
+  absolute = dataclasses.replace(_sampler(tok), block_alignment="absolute")
+  assert rollout.StaticBatches(absolute, 1, 0).cfg.block_alignment == "absolute"  # replayed exactly
+  with pytest.raises(ValueError, match="response block grid"):
+    rollout.ContinuousBatches(absolute, 4, 0, 0)
   with pytest.raises(ValueError, match="python:package.module:function"):
     rollout.load_function_judge("tests.rl:judge")
   with pytest.raises(ValueError, match="cannot load"):

@@ -312,3 +312,54 @@ def test_one_update_moves_the_sampled_tokens_log_probs_with_the_advantages_sign(
     assert float(metrics["kl"]) == pytest.approx(0.0, abs=1e-7)
     assert float(metrics["clip_fraction"]) == 0.0
     assert float(metrics["loss"]) == pytest.approx(-sign * p_mask.sum() / metrics["denominator"])
+
+
+@pytest.fixture(scope="module")
+def absolute_rollout(model):
+  """A rollout on SDAR's absolute grid (prompts of 3 and 7 tokens: the first block holds their
+  last 3 tokens, fixed). Row 0 is cut as a stop id at its 6th response token would cut it: the
+  rest of that block stays, visible and untrained; later blocks were never decoded."""
+  cfg = sampler.SamplerConfig(
+    max_new_tokens=24,
+    temperature=1.0,
+    strategy="low_confidence_dynamic",
+    steps=4,
+    threshold=0.5,
+    return_logprobs=True,
+    block_alignment="absolute",
+  )
+  out = sampler.generate(model, PROMPTS, cfg, rng=jax.random.key(1))
+  trajs = from_sample_output(out, PROMPTS, block_size=B, block_alignment="absolute")
+  t = trajs[0]
+  stop, end = 5, 9  # response index 5 = block 2's 2nd slot (the first block holds 1 token)
+  assert (len(PROMPTS[0]) + end) % B == 0
+  trajs[0] = dataclasses.replace(
+    t,
+    response_ids=t.response_ids[:end],
+    step_map=t.step_map[:end],
+    loss_mask=np.arange(end) <= stop,
+    sampler_logp=t.sampler_logp[:end],
+  )
+  return trajs
+
+
+@pytest.mark.parametrize("layout", ["packed", "per_round"])
+def test_trainer_logprobs_equal_the_samplers_on_the_absolute_grid(absolute_rollout, model, layout):
+  trajs = absolute_rollout
+  for t, prompt in zip(trajs, PROMPTS):
+    assert (len(prompt) % B + t.response_ids.size) % B == 0 and t.response_ids.size % B != 0
+  batch, _ = _batch(trajs, layout)
+  got = np.asarray(_logprobs(model, batch))
+  p_mask = batch["p_mask"]
+  assert p_mask.sum() == sum(t.trained_tokens for t in trajs)  # the prompt's tail never trained
+  np.testing.assert_allclose(got[p_mask], batch["sampler_logp"][p_mask], atol=1e-5, rtol=0)
+  # the prompt's tail sits in the first noisy block, clean, in every round
+  for row, i in enumerate(batch["traj_index"][:, 0]):
+    if i < 0:
+      continue
+    prompt = PROMPTS[i]
+    tail = len(prompt) % B
+    first = (batch["round_ids"][row] > 0) & (batch["block_ids"][row] == 0)
+    copies = batch["tokens"][row][first].reshape(-1, B)
+    np.testing.assert_array_equal(copies[:, :tail], np.tile(prompt[-tail:], (len(copies), 1)))
+    assert not (batch["p_mask"][row] & (batch["positions"][row] < len(prompt))).any()

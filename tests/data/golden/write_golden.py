@@ -114,7 +114,6 @@ class ModelNew(nn.Module):
     def forward(self, a, b):
         return self.elementwise_add.elementwise_add_cuda(a, b)
 ``` \n
-
 The example new arch with custom CUDA kernels looks like this (combine your generated C++ code with given prefix and suffix): \n
 ```
 import torch
@@ -172,22 +171,18 @@ class ModelNew(nn.Module):
         return self.elementwise_add.elementwise_add_cuda(a, b)
 ``` \n
 
-
 You are given the following architecture: \n
 ```
 {{pytorch_code}}
 ``` \n
-
 The corresponding CUDA kernel prefix: \n
 ```
 {{prefix}}
 ``` \n
-
 The corresponding CUDA kernel suffix: \n
 ```
 {{suffix}}
 ``` \n
-
 Generate the core C++ code of this custom CUDA kernel to make your optimized output architecture complete. Output the whole new architecture in codeblocks. Please generate real code, NOT pseudocode, make sure the code compiles and is fully functional. Just output the new model code, no other text, and NO testing code! <|im_end|>\n<|im_start|>assistant\n
 """
 
