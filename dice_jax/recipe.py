@@ -66,14 +66,3 @@ def apply_recipe(cfg, name: str):
   for key, values in fields_for(cfg).items():
     cfg = _replace(cfg, key.split("."), values[which])
   return dataclasses.replace(cfg, recipe=name)
-
-
-def recipe_then_overrides(cfg, overrides: list[str]):
-  """The launchers' order: the recipe named by `--set=recipe=NAME` (the last one) applied to
-  `cfg` first, then every `--set` (so an explicit field wins over its recipe default)."""
-  from dice_jax.train.config import apply_overrides
-
-  named = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() == "recipe"]
-  if named:
-    cfg = apply_recipe(cfg, named[-1])
-  return apply_overrides(cfg, overrides)

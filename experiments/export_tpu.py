@@ -29,7 +29,7 @@ from dice_jax.diffusion import memory  # noqa: E402
 from dice_jax.diffusion.sampler import SamplerConfig  # noqa: E402
 from dice_jax.model.config import get_config  # noqa: E402
 from dice_jax.model.flash_decode import DecodeTiles  # noqa: E402
-from dice_jax.train import tpu_lowering  # noqa: E402
+from dice_jax import tpu_lowering  # noqa: E402
 from experiments import _cli  # noqa: E402
 
 FLAGS = flags.FLAGS

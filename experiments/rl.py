@@ -53,7 +53,7 @@ def resolve_config():
   import dataclasses
 
   from dice_jax.rl.config import RLConfig
-  from dice_jax.recipe import recipe_then_overrides
+  from dice_jax.train.config import recipe_then_overrides
 
   cfg = load_config(FLAGS.config)
   if not isinstance(cfg, RLConfig):

@@ -50,7 +50,7 @@ def main(argv):
   del argv
   _cli.quiet_orbax()
   _cli.join_processes()
-  from dice_jax.recipe import recipe_then_overrides
+  from dice_jax.train.config import recipe_then_overrides
   from dice_jax.train.loop import run_sft
 
   with _cli.user_errors_from(ValueError, TypeError):  # a bad --set key, value or field

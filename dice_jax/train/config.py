@@ -153,6 +153,17 @@ def apply_overrides(cfg, overrides: list[str]):
   return cfg
 
 
+def recipe_then_overrides(cfg, overrides: list[str]):
+  """The launchers' order: the recipe named by `--set=recipe=NAME` (the last one) applied to
+  `cfg` first, then every `--set` (so an explicit field wins over its recipe default)."""
+  from dice_jax.recipe import apply_recipe
+
+  named = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() == "recipe"]
+  if named:
+    cfg = apply_recipe(cfg, named[-1])
+  return apply_overrides(cfg, overrides)
+
+
 def _set(obj, path, raw, where):
   head, rest = path[0], path[1:]
   if isinstance(obj, dict):

@@ -1,13 +1,14 @@
 """The import graph (parsed with ast, lazy imports inside functions included) has no upward arrow.
 
 Floors of the learner, lowest first; a module may import its own floor and the floors below:
-  0  dice_jax.sharding, dice_jax.distributed, dice_jax.atomic, dice_jax.errors   (helpers every
-     floor uses), and dice_jax.verifier_client (the learner's one gRPC client: the CuKe builder,
+  0  dice_jax.sharding, dice_jax.distributed, dice_jax.atomic, dice_jax.errors, dice_jax.recipe
+     (helpers every floor uses; recipe: DICE's and our field defaults), and dice_jax.verifier_client (the learner's one gRPC client: the CuKe builder,
      RL and eval use it)
   1  dice_jax.model
   2  dice_jax.hf, dice_jax.diffusion, dice_jax.data
   3  dice_jax.train
   4  dice_jax.rl, dice_jax.eval
+  5  dice_jax.tpu_lowering (whole programs of every floor exported for TPU)
 The verifier (a separate deployable service) never imports the learner or JAX.
 """
 
@@ -20,6 +21,7 @@ FLOORS = {
   "distributed": 0,
   "atomic": 0,
   "errors": 0,
+  "recipe": 0,
   "verifier_client": 0,
   "model": 1,
   "hf": 2,
@@ -28,6 +30,7 @@ FLOORS = {
   "train": 3,
   "rl": 4,
   "eval": 4,
+  "tpu_lowering": 5,
 }
 LEARNER_ONLY = ("dice_jax", "jax", "jaxlib", "flax", "optax", "orbax", "grain")
 

@@ -12,7 +12,7 @@ from dice_jax.diffusion import blocks, noising, objective
 from dice_jax.model import masks as masks_lib
 from dice_jax.model.config import get_config
 from dice_jax.model.transformer import Transformer
-from dice_jax.train.config import SFTConfig
+from dice_jax.train.config import SFTConfig, recipe_then_overrides
 
 B_SIZE, MASK, PAD = 4, 255, 1
 
@@ -130,9 +130,7 @@ def test_at_least_one_masked_per_row_redraws_then_forces_one():
 
 
 def test_sft_recipe_fields_and_errors():
-  dice = recipe_lib.recipe_then_overrides(
-    SFTConfig(batch_size=4), ["recipe=dice", "objective.device_rows=2"]
-  )
+  dice = recipe_then_overrides(SFTConfig(batch_size=4), ["recipe=dice", "objective.device_rows=2"])
   assert dice.recipe == "dice" and dice.objective.device_rows == 2
   assert dice.objective.grid.alignment == "absolute"
   ours = recipe_lib.apply_recipe(dice, "ours")

@@ -14,6 +14,7 @@ from dice_jax import recipe as recipe_lib
 from dice_jax.rl import tracerl
 from dice_jax.rl.config import RLConfig
 from dice_jax.rl.trajectory import Trajectory
+from dice_jax.train.config import recipe_then_overrides
 from dice_jax.train.optimizer import OptimizerConfig, make_optimizer
 
 from .test_loop import PAIRS, small_config
@@ -39,13 +40,13 @@ def test_recipes_fill_their_fields_and_an_explicit_set_wins():
   ours = recipe_lib.apply_recipe(dice, "ours")
   assert ours == dataclasses.replace(RLConfig(), recipe="ours")
   # DICE's recipe with our strict reward: the explicit --set wins whatever its place in the list
-  cfg = recipe_lib.recipe_then_overrides(
+  cfg = recipe_then_overrides(
     RLConfig(), ["verifier.options.strictness=strict", "recipe=dice", "shuffle=True"]
   )
   assert cfg.recipe == "dice" and cfg.shuffle and cfg.reset_optimizer
   assert cfg.verifier.options == {**recipe_lib.DICE_VERIFY_OPTIONS, "strictness": "strict"}
   with pytest.raises(ValueError, match="recipe must be one of"):
-    recipe_lib.recipe_then_overrides(RLConfig(), ["recipe=DICE"])
+    recipe_then_overrides(RLConfig(), ["recipe=DICE"])
   for bad, needle in ((dict(tail_rows="keep"), "tail_rows"), (dict(stop_tokens="eot"), "stop")):
     with pytest.raises(ValueError, match=needle):
       RLConfig(**bad)

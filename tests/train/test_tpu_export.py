@@ -5,7 +5,7 @@ devices with fsdp and tensor axes and abstract shapes, with the Pallas TPU kerne
 from dice_jax import sharding
 from dice_jax.diffusion.sampler import SamplerConfig
 from dice_jax.model.config import get_config
-from dice_jax.train import tpu_lowering
+from dice_jax import tpu_lowering
 
 
 def _mesh_and_config():
