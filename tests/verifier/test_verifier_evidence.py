@@ -18,11 +18,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import verifier_hole_cases as holes  # noqa: E402
-from verifier_loop import BackgroundLoop  # noqa: E402
+from verifier_loop import cpu_service  # noqa: E402
 
 from verifier import artefact_check  # noqa: E402
 from verifier.contract import FailureKind, Strictness, VerifyOptions, VerifyRequest  # noqa: E402
-from verifier.service import ServiceConfig, VerifierService  # noqa: E402
 from verifier.static_check import check_candidate  # noqa: E402
 
 STRICT = Strictness.preset("strict")
@@ -39,23 +38,8 @@ TIMED = VerifyOptions(
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-  root = tmp_path_factory.mktemp("evidence")
-  cfg = ServiceConfig(
-    device="cpu",
-    cpu_slots=1,
-    compile_workers=1,
-    cache_dir=str(root / "builds"),
-    scratch_root=str(root / "scratch"),
-    mem_mb=3072,
-    build_timeout_s=300,
-    use_pch=False,
-  )
-  loop = BackgroundLoop()
-  svc = VerifierService(cfg)
-  loop.run(svc.start())
-  yield loop, svc
-  loop.run(svc.close())
-  loop.close()
+  with cpu_service(tmp_path_factory.mktemp("evidence")) as (loop, svc):
+    yield loop, svc
 
 
 def _verify(service, rid, source, reference=holes.REFERENCE, **opts):

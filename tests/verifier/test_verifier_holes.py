@@ -17,10 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import verifier_hole_cases as holes  # noqa: E402
-from verifier_loop import BackgroundLoop  # noqa: E402
+from verifier_loop import cpu_service  # noqa: E402
 
 from verifier.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
-from verifier.service import ServiceConfig, VerifierService  # noqa: E402
 
 OPTS = VerifyOptions(device="cpu", timeout_s=60, num_correct_trials=2, strictness="off")
 
@@ -28,23 +27,8 @@ OPTS = VerifyOptions(device="cpu", timeout_s=60, num_correct_trials=2, strictnes
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
   root = tmp_path_factory.mktemp("holes")
-  cfg = ServiceConfig(
-    device="cpu",
-    cpu_slots=2,
-    compile_workers=1,
-    cache_dir=str(root / "builds"),
-    scratch_root=str(root / "scratch"),
-    mem_mb=3072,
-    build_timeout_s=300,
-    use_pch=False,
-  )
-  loop = BackgroundLoop()
-  svc = VerifierService(cfg)
-  loop.run(svc.start())
-  yield loop, svc, root
-  loop.run(svc.close())
-  loop.close()
-  assert not list((root / "scratch").glob("*")), "scratch directories left behind"
+  with cpu_service(root, cpu_slots=2) as (loop, svc):
+    yield loop, svc, root
 
 
 def _verify(service, *reqs):

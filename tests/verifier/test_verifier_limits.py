@@ -20,11 +20,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import verifier_hole_cases as holes  # noqa: E402
-from verifier_loop import BackgroundLoop  # noqa: E402
+from verifier_loop import cpu_service  # noqa: E402
 
 from verifier import confine, sandbox  # noqa: E402
 from verifier.contract import LOG_LIMIT, FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
-from verifier.service import ServiceConfig, VerifierService  # noqa: E402
 
 OPTS = VerifyOptions(device="cpu", timeout_s=60, num_correct_trials=2, strictness="off")
 MEM_MB, SCRATCH_MB, MAX_PROCESSES = 2048, 64, 64
@@ -37,25 +36,9 @@ REPO_MARKER = "def toolchain_paths() -> list[str]:"
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
   root = tmp_path_factory.mktemp("limits")
-  cfg = ServiceConfig(
-    device="cpu",
-    cpu_slots=1,
-    compile_workers=1,
-    cache_dir=str(root / "builds"),
-    scratch_root=str(root / "scratch"),
-    mem_mb=MEM_MB,
-    scratch_mb=SCRATCH_MB,
-    max_processes=MAX_PROCESSES,
-    build_timeout_s=BUILD_TIMEOUT_S,
-    use_pch=False,
-  )
-  loop = BackgroundLoop()
-  svc = VerifierService(cfg)
-  loop.run(svc.start())
-  yield loop, svc
-  loop.run(svc.close())
-  loop.close()
-  assert not list((root / "scratch").glob("*")), "scratch directories left behind"
+  config = dict(mem_mb=MEM_MB, scratch_mb=SCRATCH_MB, max_processes=MAX_PROCESSES)
+  with cpu_service(root, build_timeout_s=BUILD_TIMEOUT_S, **config) as (loop, svc):
+    yield loop, svc
 
 
 def _req(rid, source, **opts):

@@ -1,6 +1,7 @@
 """An asyncio loop in a background thread, for module-scoped verifier services shared by sync tests."""
 
 import asyncio
+import contextlib
 import threading
 
 
@@ -16,3 +17,31 @@ class BackgroundLoop:
   def close(self):
     self.loop.call_soon_threadsafe(self.loop.stop)
     self.thread.join(10)
+
+
+@contextlib.contextmanager
+def cpu_service(root, **config):
+  """A started CPU verifier service under ``root`` (builds and scratch there; one compile worker, no
+  PCH unless ``config`` says otherwise), as ``(loop, service)``; closed afterwards, and no scratch
+  directory may be left behind."""
+  from verifier.service import ServiceConfig, VerifierService
+
+  defaults = dict(
+    device="cpu",
+    cpu_slots=1,
+    compile_workers=1,
+    cache_dir=str(root / "builds"),
+    scratch_root=str(root / "scratch"),
+    mem_mb=3072,
+    build_timeout_s=300,
+    use_pch=False,
+  )
+  loop = BackgroundLoop()
+  svc = VerifierService(ServiceConfig(**{**defaults, **config}))
+  loop.run(svc.start())
+  try:
+    yield loop, svc
+  finally:
+    loop.run(svc.close())
+    loop.close()
+  assert not list((root / "scratch").glob("*")), "scratch directories left behind"
