@@ -360,22 +360,7 @@ FORBIDDEN_CALLS = frozenset(
 )
 # Builtins that reach other scopes or run code: refused wherever they are named, not only where called
 # by that name (``g = getattr; g(torch, "sys")``).
-BUILTIN_ALIASES = frozenset(
-  {
-    "exec",
-    "eval",
-    "compile",
-    "__import__",
-    "globals",
-    "locals",
-    "setattr",
-    "delattr",
-    "getattr",
-    "vars",
-    "breakpoint",
-    "__builtins__",
-  }
-)
+BUILTIN_ALIASES = (FORBIDDEN_CALLS - {"open", "input"}) | {"__builtins__"}
 # OpenMP by any route: pragmas, its header and runtime calls, the compiler and linker flags that enable it.
 OPENMP = re.compile(
   r"#\s*pragma\s+omp\b|<omp\.h>|\bomp_\w+\s*\(|-f?openmp\b|-qopenmp\b|-l\s*gomp\b|-l\s*iomp5\b|"
