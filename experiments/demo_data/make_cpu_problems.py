@@ -5,7 +5,8 @@ candidate per problem (C++ through ``load_inline``: the verifier's CPU backend) 
 fixed by construction, so an evaluation of them has exactly known metrics:
 
   1 ReLU            correct, deliberately slow (repeats its loop 8 times): speedup << 0.5
-  2 Repeated_axpy   correct; the reference makes 4,000 tiny torch calls, the kernel one: speedup >> 10,
+  2 Repeated_axpy   correct; the reference makes 20,000 tiny torch calls, the kernel one: speedup >> 10
+                    (about 50x on a 2-core VM, so CPU timing noise cannot bring it under 10),
                     flagged for review
   3 Sigmoid         wrong: computes relu                        -> WRONG_OUTPUT
   4 Tanh            computes with torch in forward              -> TORCH_COMPUTE (deceptive)
@@ -48,8 +49,8 @@ PROBLEMS = [  # (name, doc, forward body, input shape)
   ("ReLU", "Applies ReLU element-wise.", "        return torch.relu(x)", "256, 256"),
   (
     "Repeated_axpy",
-    "Adds 0.001 * x to y = x two thousand times (many tiny torch calls).",
-    "        y = x\n        for _ in range(2000):\n            y = y + x * 0.001\n        return y",
+    "Adds 0.001 * x to y = x ten thousand times (many tiny torch calls).",
+    "        y = x\n        for _ in range(10000):\n            y = y + x * 0.001\n        return y",
     "64",
   ),
   ("Sigmoid", "Applies sigmoid element-wise.", "        return torch.sigmoid(x)", "256, 256"),
@@ -82,11 +83,10 @@ torch::Tensor axpy_repeated(torch::Tensor x, int64_t reps, double a) {
     auto out = torch::empty_like(x);
     const float* px = x.data_ptr<float>();
     float* po = out.data_ptr<float>();
-    for (int64_t i = 0; i < x.numel(); ++i) {
-        float y = px[i];
-        for (int64_t r = 0; r < reps; ++r) y = y + px[i] * (float)a;
-        po[i] = y;
-    }
+    const int64_t n = x.numel();
+    for (int64_t i = 0; i < n; ++i) po[i] = px[i];
+    for (int64_t r = 0; r < reps; ++r)  // the same sums as the reference, elements independent
+        for (int64_t i = 0; i < n; ++i) po[i] = po[i] + px[i] * (float)a;
     return out;
 }
 """
@@ -114,7 +114,7 @@ class ModelNew(nn.Module):
 
 CANDIDATES = {  # problem id -> {"candidate": code} | {"response": text}
   1: {"candidate": HEADER + "        return ops.relu_repeated(x.contiguous(), 8)\n"},
-  2: {"candidate": HEADER + "        return ops.axpy_repeated(x.contiguous(), 2000, 0.001)\n"},
+  2: {"candidate": HEADER + "        return ops.axpy_repeated(x.contiguous(), 10000, 0.001)\n"},
   3: {"candidate": HEADER + "        return ops.relu_repeated(x.contiguous(), 1)\n"},
   4: {"candidate": HEADER + "        return torch.tanh(ops.relu_repeated(x, 1) * 0 + x)\n"},
   5: {"candidate": HEADER + "        return ops.relu_repeated(x.contiguous(), 1\n"},
