@@ -1,12 +1,16 @@
 # Two commands do all set-up on a fresh machine:
-#   make demo   -- venv + install + the tiny end-to-end pipeline on CPU
+#   make demo   -- venv + install + the tiny end-to-end pipeline on CPU (~2-5 min on 2 cores)
 #   make test   -- venv + install + the CPU test suite
+# and one shows the learning the demo is too small to show:
+#   make signal -- venv + install + experiments/rl_signal.py in full: SFT then 30 BiC-RL steps
+#                  against the real CPU verifier (about 1-2 h on a 2-core VM; plot in SIGNAL_DIR)
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= /tmp/dice_jax_demo
+SIGNAL_DIR ?= /tmp/dice_jax_signal
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo signal test lint clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,6 +24,11 @@ setup: $(BIN)/.installed
 
 demo: setup
 	$(BIN)/python -m experiments.demo --workdir=$(DEMO_DIR)
+
+# The run behind docs/rl_signal.png (docs/performance.md, "A real learning signal on CPU"):
+# 300 SFT steps, then 30 RL steps; the new plot goes to $(SIGNAL_DIR)/rl_signal.png.
+signal: setup
+	$(BIN)/python -m experiments.rl_signal --workdir=$(SIGNAL_DIR) --sft_steps=300 --rl_steps=30
 
 lint: setup
 	$(BIN)/ruff format --check .

@@ -14,7 +14,8 @@ Steps (each prints what it did; later steps reuse earlier outputs in the workdir
   check  every candidate through the CPU verifier (also fills the build cache the RL run reuses).
   sft    `experiments.sft` on sft.jsonl until the model samples all variants.
   rl     `experiments.rl --config=rl_tiny --verifier=local` from the SFT checkpoint.
-  plot   correct fraction per RL step (64 samples each) -> docs/rl_signal.png (`--png`).
+  plot   correct fraction per RL step (64 samples each) -> WORKDIR/rl_signal.png (`--png`; the
+         committed run is docs/rl_signal.png, `make signal` reruns it: about 1-2 h on 2 cores).
 """
 
 from __future__ import annotations
