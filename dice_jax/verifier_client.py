@@ -1,4 +1,4 @@
-"""The learner's one client of the verifier service (DESIGN.md: RL, eval and the CuKe builder use it).
+"""The learner's one client of the verifier service (docs/architecture.md: RL, eval and the CuKe builder use it).
 
 It talks to the service only through the generated stubs (`verifier/proto`), never through
 `verifier`'s own Python code. What it guarantees:

@@ -1,4 +1,4 @@
-r"""BiC-RL launcher (TraceRL on block diffusion; reference §1.7).
+r"""BiC-RL launcher (TraceRL on block diffusion as in DICE `training/RL/`; docs/running.md).
 
   python -m experiments.rl --config=rl_dice_infill --phase=infill --verifier=HOST:PORT[,HOST:PORT] \
       --workdir=RUN [--init_hf=DIR | --init_checkpoint=SFT_OR_RL_RUN] [--set=key=value ...]

@@ -1,4 +1,4 @@
-"""CuKe builder: verify and time PyTorch->CUDA pairs, keep correct ones at >= min_speedup (dice_sdar_tracerl.md §1.3).
+"""CuKe builder: verify and time PyTorch->CUDA pairs, keep correct ones at >= min_speedup (DICE, arXiv 2602.11715).
 
 DICE keeps a pair only if the CUDA version is at least 2.0x faster than PyTorch. Steps:
   1. load pairs (row errors reported with file and row; skipped or fatal by ``on_error``);

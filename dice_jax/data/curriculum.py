@@ -1,4 +1,4 @@
-"""Data scheduling for BiC-RL: which tasks each RL step uses (dice_sdar_tracerl.md §1.2, §1.7).
+"""Data scheduling for BiC-RL: which tasks each RL step uses (DICE, github.com/deadlykitten4/DICE `training/RL/`).
 
 DICE moves from single operations to fused operations to whole-model structures. Its code does this with
 ``sequential_select``: step s (1-based "epoch") takes items ``[(s-1)·k, s·k)`` modulo N in *file order*, and the

@@ -1,4 +1,4 @@
-"""Split a whole candidate kernel file into DICE infilling parts (dice_sdar_tracerl.md §1.7).
+"""Split a whole candidate kernel file into DICE infilling parts (DICE, github.com/deadlykitten4/DICE `training/RL/`).
 
 In DICE's infilling data ``prefix + middle + suffix == cuda_code``, where ``middle`` is the whole CUDA source
 string assignment (``source = \"\"\" #include ... kernels ... host wrappers ... \"\"\"``), ``prefix`` the imports

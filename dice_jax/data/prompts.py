@@ -2,9 +2,10 @@
 
 * End-to-end (BiC-RL stage 2, evaluation): KernelBench v0's one-shot prompt (problem statement, the
   element-wise-add example pair, the target architecture, "Optimize the architecture named Model with custom CUDA
-  operators! Name your optimized output architecture ModelNew. ..."), kernelbench_verifiers.md §1.4.
+  operators! Name your optimized output architecture ModelNew. ..."), KernelBench (ScalingIntelligence/KernelBench)
+  `src/prompt_constructor.py::prompt_generate_custom_cuda`.
 * Infilling (BiC-RL stage 1): DICE's kernel-infilling prompt (reference + prefix + suffix; the model re-emits the
-  whole file), dice_sdar_tracerl.md §1.7.
+  whole file), DICE `training/RL/sample/sdar_rl_rollout_kernel.py`.
 
 Two renderings of the same user message:
   ``style="chat"``  the tokenizer's chat template (``<|im_start|>user\\n{msg}<|im_end|>\\n<|im_start|>assistant\\n``);
@@ -142,7 +143,7 @@ _LANG_TAGS = frozenset({"python", "py", "cpp", "c++", "cuda", "cu", "c"})
 def extract_code(response: str) -> str | None:
   """The first fenced code block of a response, without its language tag; None when there is none.
 
-  DICE's reward extracts the *first* fenced block (``extract_first_code``, dice_sdar_tracerl.md §1.7)."""
+  DICE's reward extracts the *first* fenced block (``extract_first_code``, DICE `training/RL/`)."""
   m = _FENCE.search(response.strip())
   if m is None:
     return None

@@ -6,7 +6,7 @@ Element contract (consumed by the rollout / BiC-RL code), one dict per rollout:
   2 model), ``kind`` "e2e" | "infill", ``prompt`` str, ``prompt_ids`` int32 array, ``reference_code`` str (the
   PyTorch code), and for infilling ``prefix``, ``suffix``, ``middle`` (ground truth); else those are "".
 
-Step s holds ``tasks_per_step`` groups (DICE: 64 tasks x 16 rollouts, dice_sdar_tracerl.md §1.7). With several
+Step s holds ``tasks_per_step`` groups (DICE: 64 tasks x 16 rollouts, DICE `training/RL/` configs). With several
 processes, process p takes the p-th contiguous slice of each step's tasks (as DICE's per-node
 ``sequential_select``). The element at flat index i is a pure function of i, so the grain iterator's state
 (``get_state``/``set_state``) restores the stream exactly.

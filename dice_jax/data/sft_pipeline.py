@@ -9,7 +9,7 @@ shape ``[batch, seq_len]``:
   ``loss_mask``    bool   True on response tokens *including* the pad tokens appended to reach a block multiple
                           (SDAR trains them); False on prompt tokens and on row padding.
 
-SDAR packing (dice_sdar_tracerl.md §2.3): every sample is padded with ``pad_token_id`` to whole blocks of
+SDAR packing (JetAstra/SDAR training): every sample is padded with ``pad_token_id`` to whole blocks of
 the config's ``grid`` (``dice_jax.diffusion.blocks.BlockGrid``, the grid the objective uses): its response
 with ``response`` alignment (the default), the whole sample with ``absolute`` (SDAR's own grid); prompt
 labels are ignored; positions restart per sample. Samples longer than ``seq_len`` are dropped (DICE: ``cutoff_len: 6144``,

@@ -1,6 +1,6 @@
 """Qwen2 byte-level BPE tokenizer and Qwen chat template, as used by SDAR / DICE.
 
-Facts (reference `dice_sdar_tracerl.md` §2.2):
+Facts (the SDAR tokenizer files of HF JetLM/SDAR-*-Chat; docs/learner-spec.md "Data"):
   * byte-level BPE (GPT-2 byte map) over a regex pre-split, NFC normalisation, no BOS;
   * ``<|endoftext|>`` = 151643 is both eos and pad; ``<|im_end|>`` = 151645 ends a chat turn;
   * the mask token is id 151669. ``tokenizer_config.json`` spells it ``<|MASK|>`` while

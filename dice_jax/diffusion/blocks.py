@@ -1,6 +1,6 @@
 """The block grid shared by SFT (objective and packing), sampling, TraceRL rows and evaluation.
 
-One frozen `BlockGrid` (DESIGN.md "One block grid") says how a sequence is cut into blocks of
+One frozen `BlockGrid` (docs/learner-spec.md "One block grid") says how a sequence is cut into blocks of
 `size` tokens. Its `alignment` anchors the cut:
 
   `response` (default, the training convention): blocks start at the response. A token at position
@@ -8,12 +8,12 @@ One frozen `BlockGrid` (DESIGN.md "One block grid") says how a sequence is cut i
   tokens get negative ids, the prompt being cut backwards from r. Decoding starts with an all-mask
   block at r, and SFT / TraceRL see exactly the states the sampler saw.
   `absolute`: block = p // size (anchor 0). This is SDAR's `generate.py`, its evaluation decoder
-  (`huggingface_bd3.py`) and JetEngine (reference §2.4, §1.7), hence the setting that reproduces
+  (`huggingface_bd3.py`) and JetEngine (JetAstra/SDAR; DICE `training/RL/`), hence the setting that reproduces
   SDAR's and DICE's published decoding: the first decoded block may hold the prompt's tail, which
   stays fixed. SFT packing pads the whole sample, not the response, to whole blocks.
 
-DICE's code decodes on the absolute grid and trains TraceRL on the response grid (reference §1.7
-"Block-alignment mismatch", §6.6); here rollout and training read the same `BlockGrid`.
+DICE's code decodes on the absolute grid and trains TraceRL on the response grid (DICE `training/RL/`: JetEngine
+decodes on absolute positions, `rl_sdar.py` trains from the response, as in Gen-Verse/dLLM-RL); here rollout and training read the same `BlockGrid`.
 """
 
 from __future__ import annotations

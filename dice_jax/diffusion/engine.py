@@ -1,4 +1,4 @@
-"""Continuous batching for block-diffusion rollouts (DICE's JetEngine `max_active`, reference §1.7).
+"""Continuous batching for block-diffusion rollouts (DICE's JetEngine `max_active`, DICE `training/RL/` configs).
 
     engine = ContinuousSampler(model, cfg, slots=128, max_prompt_len=2048)
     for done in engine.run(requests):          # Request(id, prompt_ids, key, max_new_tokens)

@@ -1,4 +1,4 @@
-"""Forward (absorbing-state) noising for block-diffusion SFT (reference §2.3 step 2, §4).
+"""Forward (absorbing-state) noising for block-diffusion SFT (SDAR, JetAstra/SDAR `modeling_sdar.py` training branch; BD3-LM §4).
 
 SDAR: one noise level per packed sample, t ~ U(0,1), p = (1-eps) t + eps; each non-prompt token is
 replaced by [MASK] with probability p; at least one token per sample is masked. BD3-LM instead

@@ -1,11 +1,11 @@
-"""SDAR's block-diffusion SFT objective (reference §2.3; BD3-LM §4).
+"""SDAR's block-diffusion SFT objective (JetAstra/SDAR `modeling_sdar.py::SDARForCausalLM.forward`, training; BD3-LM §4).
 
 For each packed sample: t ~ U(0,1), p = (1-eps) t + eps, each response token masked with
 probability p (at least one). The model reads `[x_t ; x_0]` (length 2T, shared positions, segment
 and block ids) under the block-diffusion mask, and predicts the token at the same position (no
 shift). With N_ans = number of answer (loss) tokens of the batch:
 
-    L = (1 / N_ans) * sum_{samples s} sum_{j masked} (1 / p_s) * CE(logits_j, x0_j)        (§2.3.5)
+    L = (1 / N_ans) * sum_{samples s} sum_{j masked} (1 / p_s) * CE(logits_j, x0_j)        (SDAR)
 
 `block_diffusion_loss` returns the sum and N_ans as its denominator (`train_step`'s contract), so
 that gradient accumulation divides once by the N_ans of the whole batch.

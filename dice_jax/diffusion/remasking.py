@@ -1,6 +1,6 @@
 """Pure functions of one denoising step: draw candidate tokens, choose which positions to unmask.
 
-Reference §2.4 (SDAR `generate.py`, `huggingface_bd3.py`) and §1.7 (JetEngine, as used by
+SDAR (JetAstra/SDAR `generate.py`, `huggingface_bd3.py`) and JetEngine (DICE `training/RL/`, as used by
 DICE/TraceRL rollouts):
   * candidates: logits -> top-k -> temperature -> top-p -> sample (argmax when temperature = 0).
     The mask token is never a candidate (its logit is removed first), so no sampler emits [MASK].

@@ -1,4 +1,4 @@
-"""KV-cached block-diffusion sampler (reference §2.4, §1.7; BD3-LM §4 "Sampling").
+"""KV-cached block-diffusion sampler (SDAR, JetAstra/SDAR `generate.py`; DICE's JetEngine rollouts; BD3-LM §4 "Sampling").
 
 Blocks are decoded in parallel inside and autoregressively across: a block starts all-[MASK]; each
 denoising forward runs the active block against the KV cache of the committed prefix, draws a

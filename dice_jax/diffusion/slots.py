@@ -1,6 +1,7 @@
 """Block decoding of independent rows ("slots") on one KV cache: admission and one block at a time.
 
-Reference §2.4 (SDAR inference), §1.7 (JetEngine); BD3-LM §4. Both the static sampler
+SDAR inference (JetAstra/SDAR `generate.py`), JetEngine as DICE's RL rollouts use it (DICE,
+github.com/deadlykitten4/DICE, `training/RL/sample/jetengine_ext`); BD3-LM (arXiv 2503.09573) §4. Both the static sampler
 (`sampler.decode`) and the continuous-batching engine (`engine.ContinuousSampler`) are loops over
 the two functions here:
 

@@ -1,4 +1,4 @@
-"""Replaying a sampled trajectory from its step map (TraceRL's contract; reference §1.7).
+"""Replaying a sampled trajectory from its step map (TraceRL's contract: Gen-Verse/dLLM-RL `train/rl_sdar.py`).
 
 The sampler records, per row, the denoising step at which each response token was unmasked
 (`SampleOutput.step_map`, -1 outside the response). Before step s the model saw: every earlier

@@ -54,7 +54,7 @@ def extract_candidate(response: str, mode: str = "first_block") -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class EvalDecoding:
-  """Decoding settings of an evaluation (defaults: DICE's, dice_sdar_tracerl.md §1.4-1.5 and §2.4).
+  """Decoding settings of an evaluation (defaults: DICE's `evaluation/` and SDAR's `generate.py`).
 
   ``confidence``: which distribution ranks positions for unmasking: ``unfiltered`` (the model's
   softmax) or ``filtered`` (after temperature / top-k / top-p). With greedy decoding and no top-k /

@@ -5,7 +5,7 @@ Definitions follow ScalingIntelligence/KernelBench at commit 423217d (2026-03-05
 ``scripts/benchmark_eval_analysis.py`` (rates over every problem of the level: a problem without a
 result is patched in as not compiled and not correct) and ``scripts/eval_from_generations.py``
 (``calc_pass_at_k``, the unbiased estimator 1 - C(n-c, k) / C(n, k)). DICE vendors the same
-functions (reference/kernelbench_verifiers.md section 5).
+functions (ScalingIntelligence/KernelBench @ 423217d; docs/learner-spec.md "Evaluation").
 
 One deliberate addition: a speedup above the review threshold (default 10x, KernelBench main's
 ``excessive_speedup_threshold``) is *flagged*. KernelBench only warns about it; here an unreviewed

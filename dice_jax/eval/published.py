@@ -1,4 +1,4 @@
-"""DICE's published KernelBench numbers (project-page tables v1, 29 Jan 2026; dice_sdar_tracerl.md §1.4).
+"""DICE's published KernelBench numbers (project-page tables v1, 29 Jan 2026; DICE, arXiv 2602.11715).
 
 Percentages of the problems of a level (L1 = 100, L2 = 100, L3 = 50 problems): Exec, fast_1, fast_2
 against PyTorch eager, one greedy sample per problem. SDAR-Chat of the same size is the untrained base.

@@ -247,7 +247,7 @@ def render_markdown(
       lines.append("")
   if rows:
     lines += [
-      "Published rows: DICE project page tables v1 (dice_sdar_tracerl.md §1.4), KernelBench as "
+      "Published rows: DICE project page tables v1 (DICE, arXiv 2602.11715), KernelBench as "
       "vendored by DICE (v0-era problem sizes, hardware not stated, probably A100-class), eager "
       "baseline, fp32 atol = rtol = 1e-2.",
       "",

@@ -1,4 +1,4 @@
-"""The evaluation's one seam to the verifier service (DESIGN.md: the learner talks to it only through the
+"""The evaluation's one seam to the verifier service (docs/architecture.md: the learner talks to it only through the
 generated stubs and one learner-side client).
 
 ``CandidateVerifier`` is what the evaluation loop needs; ``GrpcCandidateVerifier`` implements it with

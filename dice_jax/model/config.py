@@ -1,6 +1,6 @@
 """Model configuration: one frozen dataclass, named presets, HF config conversion.
 
-The architecture is Qwen3 dense (SDAR keeps Qwen3's weights layout unchanged; reference §2.2).
+The architecture is Qwen3 dense (SDAR keeps Qwen3's weights layout unchanged: JetAstra/SDAR, HF JetLM/SDAR-*-Chat).
 SDAR adds two fields: `block_size` (diffusion block length) and `mask_token_id` (`<|MASK|>`).
 """
 
@@ -163,7 +163,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     pad_token_id=1,
     max_position_embeddings=4096,
   ),
-  # Qwen3-1.7B dimensions with untied embeddings (SDAR-1.7B-Chat, reference §2.2).
+  # Qwen3-1.7B dimensions with untied embeddings (HF JetLM/SDAR-1.7B-Chat `config.json`).
   "sdar_1p7b": dict(
     _SDAR_COMMON,
     hidden_size=2048,
@@ -172,7 +172,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     num_heads=16,
     num_kv_heads=8,
   ),
-  # ../shared/data/sdar_chat/config_4b.json
+  # HF JetLM/SDAR-4B-Chat `config.json`
   "sdar_4b": dict(
     _SDAR_COMMON,
     hidden_size=2560,
@@ -181,7 +181,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     num_heads=32,
     num_kv_heads=8,
   ),
-  # ../shared/data/sdar_chat/config_8b.json
+  # HF JetLM/SDAR-8B-Chat `config.json`
   "sdar_8b": dict(
     _SDAR_COMMON,
     hidden_size=4096,

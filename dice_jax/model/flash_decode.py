@@ -43,7 +43,7 @@ class DecodeTiles:
   """Tiling of the cache-attention kernel: cache slots per program (`split`), slots per inner
   tile (`block_k`), and the Triton launch parameters. `split` is a multiple of `block_k`."""
 
-  # H200 sweep (BUILD_NOTES, 2026-12-01; sdar_4b, 128 rows, fill 1536): split 1024 / block_k 64
+  # H200 tile sweep (docs/log.md, "Sampler: H200, issue 13 measurements"; sdar_4b, 128 rows, fill 1536): split 1024 / block_k 64
   # reads the cache at 3.76 TB/s, 8% faster than 512 / 128.
   split: int = 1024
   block_k: int = 64

@@ -1,7 +1,7 @@
 """Flash attention for the block-diffusion masks as Pallas TPU (Mosaic) kernels.
 
 The TPU counterpart of `flash_bd.py` (training / prefill) and `flash_decode.py` (new tokens over
-the KV cache): the same (seg, rank, klo) mask vectors, so the same three masks of DESIGN.md
+the KV cache): the same (seg, rank, klo) mask vectors, so the same three masks of `dice_jax/model/masks.py`
 (block-causal, the 2L `[x_t ; x_0]` SFT mask, the TraceRL mask) and causal / full:
 
   q sees k  iff  seg_q == seg_k > 0  and  rank_k <= rank_q  and  klo_k >= rank_q

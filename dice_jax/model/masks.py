@@ -10,7 +10,8 @@ block floor((pos_i - r) / b); prompt tokens get negative block ids, so the promp
 blocks counted backwards from the response start. When no block ids are given, block = pos // b
 (SDAR's absolute alignment).
 
-Masks (reference §2.3, §2.4, §4):
+Masks (SDAR, JetAstra/SDAR `modeling_sdar.py` and `generate.py`; BD3-LM, kuleshov-group/bd3lms
+`block_diff_mask`):
   causal          q sees k iff same segment and pos_k <= pos_q.
   block_causal    q sees k iff same segment and block_k <= block_q (inference / prefill).
   block_diffusion the 2L `[x_t ; x_0]` SFT layout: the input is [x_t (T) ; x_0 (T)] with shared

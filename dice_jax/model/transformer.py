@@ -1,6 +1,6 @@
 """The Qwen3 / SDAR transformer in Flax NNX.
 
-Architecture (reference §2.2): pre-norm decoder layers with RMSNorm, grouped-query attention with
+Architecture (Qwen3 dense, as SDAR keeps it: JetAstra/SDAR `modeling_sdar.py`): pre-norm decoder layers with RMSNorm, grouped-query attention with
 per-head q/k RMSNorm and half-split RoPE, a SwiGLU MLP, no biases; an untied (or tied) LM head.
 The logits at position i predict the token *at* position i (SDAR: no shift).
 
@@ -9,7 +9,7 @@ Layers are stored stacked (a leading `layers` axis on every per-layer parameter)
 static weight slices, a longer compile). Every parameter carries its logical axis
 names in the `logical_axes` metadata; `dice_jax.sharding` maps them onto a mesh.
 
-Call contract (DESIGN.md):
+Call contract (docs/architecture.md):
   logits = model(tokens[B,T], positions[B,T], attention: AttentionSpec)
   logits, cache = model(tokens, positions, attention, cache=cache, update_cache=True|False)
 With a cache, the new tokens attend to the cache's filled slots and to each other; with

@@ -1,6 +1,6 @@
 """Advantages from rewards within groups (the G responses of one task); pure numpy functions.
 
-DICE (reference §1.7 "Advantage", `z_score_normalize` in dLLM-RL): within each group
+DICE (`z_score_normalize` in Gen-Verse/dLLM-RL, kept by DICE `training/RL/`): within each group
 A_j = (r_j - mean) / std with the POPULATION std; a group whose rewards are all equal (std 0) gets
 A = 0 everywhere and is dropped from training. The same scalar is broadcast to every token of the
 response (done by `tracerl.build_batches`). Options beyond DICE:

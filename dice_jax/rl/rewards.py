@@ -1,6 +1,6 @@
 """Rewards from verifier outcomes: a small registry of pure functions `outcome -> float`.
 
-* `binary` (DICE, reference §1.7 "Reward"): 1 iff the candidate compiled, is correct and is not
+* `binary` (DICE `training/RL/`): 1 iff the candidate compiled, is correct and is not
   deceptive; speed plays no part.
 * `speed` (beyond DICE): every failure scores 0 and every correct kernel scores in [1, 2], rising
   with its speedup: 1 + log2(1 + s) / log2(1 + cap), capped at 2 from s = cap (default 8x). A correct

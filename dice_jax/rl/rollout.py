@@ -1,6 +1,6 @@
 """BiC-RL rollout: G samples per task with the block sampler, judged while the next groups sample.
 
-Reference §1.7, steps 1-3 of an RL step: every scheduled task is sampled G times (one group) with
+DICE `training/RL/rl.py` (github.com/deadlykitten4/DICE), steps 1-3 of an RL step: every scheduled task is sampled G times (one group) with
 DICE's decoding (temperature 1.0, block 4, 4 steps, `low_confidence_dynamic` 0.9, up to 4,096 new
 tokens; `RLConfig.sampler`), the first fenced code block of each response is the candidate
 (`extract_candidate`, DICE's `extract_first_code`), and each group goes to the judge (the verifier

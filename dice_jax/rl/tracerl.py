@@ -1,4 +1,4 @@
-"""The TraceRL objective on block diffusion (DICE's BiC-RL policy update; reference §1.7, §3.1).
+"""The TraceRL objective on block diffusion (DICE's BiC-RL policy update; TraceRL, Gen-Verse/dLLM-RL `train/rl_sdar.py`).
 
 Rows. Each response is replayed from its step map (`diffusion/trace.py`): in round k every block
 trains the tokens of its k-th (shrunk) step group, reading a noisy copy of the block in which the

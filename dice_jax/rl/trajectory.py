@@ -1,7 +1,7 @@
 """One sampled response as the learner keeps it: the contract between rollout and TraceRL.
 
 A `Trajectory` is host data (numpy), one per response. It holds what the TraceRL objective needs to
-rebuild every state the sampler saw (reference §1.7 "Training sequences per response"):
+rebuild every state the sampler saw (Gen-Verse/dLLM-RL `train/rl_sdar.py`, as DICE `training/RL/` trims it):
 
   prompt_ids    [P]  the prompt tokens, as the sampler read them (positions 0..P-1).
   response_ids  [L]  every generated token, whole decoded blocks: tokens after the first stop id

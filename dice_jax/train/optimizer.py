@@ -13,7 +13,7 @@ SCHEDULES = ("constant_with_warmup", "cosine", "linear", "constant")
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-  """AdamW + global-norm clipping. Defaults follow DICE's LlamaFactory SFT yaml (§1.6) and the HF
+  """AdamW + global-norm clipping. Defaults follow DICE's LlamaFactory SFT yaml (DICE `training/sft/llama_factory_sdar/examples/train_full_sdar/sdar_*_full.yaml`) and the HF
   Trainer defaults it inherits (betas 0.9/0.999, eps 1e-8, weight decay 0, max_grad_norm 1)."""
 
   learning_rate: float = 1e-5

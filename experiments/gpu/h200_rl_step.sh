@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One BiC-RL step at sdar_1p7b scale on one H200 with a local verifier, and the sampler/train
-# benchmarks at the same token counts (BUILD_NOTES, "BiC-RL"). At most ~6 minutes; results land
+# benchmarks at the same token counts (docs/performance.md, "BiC-RL"). At most ~6 minutes; results land
 # in $OUT as each part finishes. Needs no data files, no grain and no tokenizers (synthetic
 # prompts, random weights). Run from the repository root: OUT=/some/dir bash experiments/gpu/h200_rl_step.sh
 set -u

@@ -21,7 +21,7 @@ def _tasks(levels):
 
 
 def dice_sequential_select(data, select_k, current_epoch, num_node, node_index):
-  """Independent transcription of DICE's sequential_select (dice_sdar_tracerl.md §1.7), 1-based epochs."""
+  """Independent transcription of DICE's sequential_select (DICE `training/RL/`), 1-based epochs."""
   start = ((current_epoch - 1) * select_k * num_node + node_index * select_k) % len(data)
   return [data[(start + i) % len(data)] for i in range(select_k)]
 

@@ -25,7 +25,7 @@ def test_real_dice_and_kernelbench_files_load():
   )
   assert rep.accepted == 4000 and not rep.skipped
   levels = [t.level for t in e2e]
-  # File order: 1 item of level 0, 590 of level 1, 3407 of level 2, 2 of level 3 (dice_sdar_tracerl.md §1.7).
+  # File order: 1 item of level 0, 590 of level 1, 3407 of level 2, 2 of level 3 (DICE's end_to_end_kernel_generation_4000.json).
   assert levels == [0] + [1] * 590 + [2] * 3407 + [3] * 2
   infill, _ = tasks.load_infilling_tasks(
     str(shared_path("dice_rl", "kernel_infilling_evaluation.json"))

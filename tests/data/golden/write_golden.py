@@ -1,10 +1,10 @@
 """Writes the golden prompt files from the reference text (run once; outputs are committed).
 
 The strings below are transcribed from the reference prompts, NOT produced by dice_jax:
-  * KernelBench v0 one-shot prompt (`src/prompt_constructor.py::prompt_generate_custom_cuda`, quoted in
-    /work/shared/reference/kernelbench_verifiers.md §1.4), as DICE wraps it in raw Qwen markup
+  * KernelBench v0 one-shot prompt (`src/prompt_constructor.py::prompt_generate_custom_cuda`, ScalingIntelligence/KernelBench
+    branch v0), as DICE wraps it in raw Qwen markup
     (DICE-code training/RL/sample/sdar_rl_rollout_kernel.py: PROBLEM_STATEMENT / PROBLEM_INSTRUCTION);
-  * DICE's KERNEL_INFILLING_SYSTEM_PROMPT from the same file (dice_sdar_tracerl.md §1.7), Jinja-rendered.
+  * DICE's KERNEL_INFILLING_SYSTEM_PROMPT from the same file, Jinja-rendered.
 The example pair is KernelBench's model_ex_add.py / model_new_ex_add.py (../shared/data/kernelbench).
 
 Usage: python tests/data/golden/write_golden.py   (from the repo root)
