@@ -1,6 +1,6 @@
 """The learner's one client of the verifier service (DESIGN.md: RL, eval and the CuKe builder use it).
 
-It talks to the service only through the generated stubs (`verifier/proto`), never through
+It talks to the service only through the generated stubs (`verifier/api/proto`), never through
 `verifier`'s own Python code. What it guarantees:
 
 * Request ids are content hashes of (task id, reference, candidate, options), so a retried request is
@@ -37,7 +37,7 @@ from typing import Any
 import grpc
 from absl import logging
 
-from verifier.proto import health_pb2, health_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from verifier.api.proto import health_pb2, health_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 _PREFIX = "FAILURE_KIND_"
 # Codes after which the same request may be sent again (to this or another endpoint).

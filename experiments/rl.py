@@ -104,7 +104,7 @@ def run(cfg) -> dict:
     return run_rl(cfg, FLAGS.workdir, endpoints=endpoints, **kwargs)
   import jax
 
-  from verifier.local import LocalVerifier
+  from verifier.serve.local import LocalVerifier
 
   directory = os.path.join(FLAGS.workdir, "verifier")
   if jax.process_count() > 1:  # one service per process: its share of the requests
@@ -124,7 +124,7 @@ def main(argv):
   _cli.quiet_orbax()
   _cli.join_processes()
   from dice_jax.verifier_client import VerifierUnavailable
-  from verifier.local import VerifierStartError
+  from verifier.serve.local import VerifierStartError
 
   with _cli.user_errors_from(ValueError):  # bad flags, config values and task files
     cfg = resolve_config()

@@ -150,7 +150,7 @@ def step_data(workdir: str) -> dict:
 
 def step_check(workdir: str) -> dict:
   from dice_jax.verifier_client import VerifierClient
-  from verifier.local import LocalVerifier
+  from verifier.serve.local import LocalVerifier
 
   items = [
     (name, REFERENCE.format(expr=OPS[name][0]), code, variant)
@@ -247,14 +247,14 @@ def evaluate(run_dir: str, workdir: str, label: str) -> dict:
   latest checkpoint, judged by the CPU verifier; written to WORKDIR/eval_{label}.json."""
   import dataclasses
 
+  from dice_jax import sharding
   from dice_jax.data import prompts
   from dice_jax.data.tokenizer import Tokenizer
   from dice_jax.rl import rewards, rollout
   from dice_jax.rl.loop import restore_run_params
-  from dice_jax import sharding
   from dice_jax.verifier_client import VerifierClient
   from experiments.configs import rl_tiny
-  from verifier.local import LocalVerifier
+  from verifier.serve.local import LocalVerifier
 
   model, mcfg, tok_dir = restore_run_params(run_dir, sharding.make_mesh())
   tok = Tokenizer.from_dir(tok_dir)

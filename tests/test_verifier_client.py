@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from dice_jax import verifier_client as vc
-from verifier.proto import health_pb2, health_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from verifier.api.proto import health_pb2, health_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 FAST = vc.RetryPolicy(initial_backoff_s=0.05, max_backoff_s=0.3, max_wait_s=30.0)
 
@@ -279,7 +279,7 @@ def _process_groups_below(pid: int) -> set[int]:
 @pytest.mark.slow
 def test_real_verifier_sigkilled_and_restarted_every_reward_arrives_once(tmp_path):
   pytest.importorskip("torch", reason="the verifier service needs torch")
-  from verifier.local import LocalVerifier
+  from verifier.serve.local import LocalVerifier
 
   good, bad = _candidate("relu"), _candidate("neg_relu")
   workdir, args = str(tmp_path), ("--no-pch",)

@@ -60,7 +60,7 @@ class VerifierConfig:
   def __post_init__(self):
     if not isinstance(self.options, dict):
       raise ValueError("RLConfig.verifier.options must be a dict of VerifyOptions fields")
-    from verifier.proto import verifier_pb2  # generated stubs only
+    from verifier.api.proto import verifier_pb2  # generated stubs only
 
     try:
       verifier_pb2.VerifyOptions(**self.options)

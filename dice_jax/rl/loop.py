@@ -40,10 +40,11 @@ from absl import logging
 from flax import nnx
 
 from dice_jax import distributed
-from dice_jax.data.tokenizer import check_compatible
+from dice_jax import sharding as sharding_lib
 from dice_jax.data import rl_stream
 from dice_jax.data import tasks as tasks_lib
 from dice_jax.data.curriculum import SequentialSchedule
+from dice_jax.data.tokenizer import check_compatible
 from dice_jax.model.config import ModelConfig, get_config
 from dice_jax.model.transformer import Transformer
 from dice_jax.rl import advantages as advantages_lib
@@ -55,7 +56,6 @@ from dice_jax.rl.config import RLConfig
 from dice_jax.train import checkpoint as ckpt_lib
 from dice_jax.train import metrics as metrics_lib
 from dice_jax.train import optimizer as optim_lib
-from dice_jax import sharding as sharding_lib
 from dice_jax.train import train_step as ts
 
 
@@ -107,8 +107,8 @@ def restore_run_params(run_dir: str, mesh, step: int | None = None):
 def load_tokenizer(cfg: RLConfig, inherited: str | None):
   """The run's tokenizer, read without writing: the init run's when it has one, else
   `cfg.tokenizer` ('byte' or a directory)."""
-  from dice_jax.data.tokenizer import Tokenizer
   from dice_jax.data import byte_tokenizer
+  from dice_jax.data.tokenizer import Tokenizer
 
   path = inherited or cfg.tokenizer
   if path == "byte":
@@ -119,8 +119,8 @@ def load_tokenizer(cfg: RLConfig, inherited: str | None):
 def save_tokenizer(cfg: RLConfig, workdir: str, inherited: str | None) -> None:
   """Writes the tokenizer into `workdir/tokenizer` when it is the byte tokenizer or an init
   run's (as SFT does); a `cfg.tokenizer` directory stays where it is."""
-  from dice_jax.data.tokenizer import Tokenizer
   from dice_jax.data import byte_tokenizer
+  from dice_jax.data.tokenizer import Tokenizer
 
   dest = os.path.join(workdir, "tokenizer")
   if inherited and os.path.abspath(inherited) != os.path.abspath(dest):

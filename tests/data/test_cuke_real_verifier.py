@@ -63,7 +63,7 @@ class ModelNew(nn.Module):
 @pytest.fixture(scope="module")
 def cpu_verifier(tmp_path_factory):
   pytest.importorskip("torch", reason="the verifier service needs torch")
-  from verifier.local import LocalVerifier
+  from verifier.serve.local import LocalVerifier
 
   with LocalVerifier(
     str(tmp_path_factory.mktemp("verifier")), device="cpu", start_timeout_s=90

@@ -22,8 +22,8 @@ torch = pytest.importorskip("torch")
 import verifier_hole_cases as holes  # noqa: E402
 from verifier_loop import cpu_service  # noqa: E402
 
-from verifier import confine, sandbox  # noqa: E402
-from verifier.contract import LOG_LIMIT, FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
+from verifier.api.contract import LOG_LIMIT, FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
+from verifier.sandbox import confine, sandbox  # noqa: E402
 
 OPTS = VerifyOptions(device="cpu", timeout_s=60, num_correct_trials=2, strictness="off")
 MEM_MB, SCRATCH_MB, MAX_PROCESSES = 2048, 64, 64
@@ -305,7 +305,7 @@ def test_worker_code_is_imported_before_workers_lose_the_repository():
   )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   loaded = set(out.stdout.split())
-  assert {"verifier.candidate_main", "verifier.build_main", "verifier.cuda_driver"} <= loaded
+  assert {"verifier.candidate.candidate_main", "verifier.build.build_main", "verifier.ipc.cuda_driver"} <= loaded
   missing = set()
   for name in loaded:
     path = (

@@ -22,10 +22,10 @@ torch = pytest.importorskip("torch")
 import verifier_cases as cases  # noqa: E402
 from verifier_loop import BackgroundLoop  # noqa: E402
 
-from verifier.client import VerifierClient  # noqa: E402
-from verifier.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
-from verifier.server import VerifierServer, is_loopback  # noqa: E402
-from verifier.service import ServiceConfig, VerifierService  # noqa: E402
+from verifier.api.client import VerifierClient  # noqa: E402
+from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
+from verifier.serve.server import VerifierServer, is_loopback  # noqa: E402
+from verifier.serve.service import ServiceConfig, VerifierService  # noqa: E402
 
 TOKEN = "test-token-123"
 # timeout_s bounds the cold torch-header build too (issue 24): 40-160 s on a loaded 2-core box
@@ -285,7 +285,7 @@ def test_candidate_has_no_network(server):
 
 
 def test_worker_environment_is_scrubbed(monkeypatch, tmp_path):
-  from verifier.sandbox import scrubbed_env
+  from verifier.sandbox.sandbox import scrubbed_env
 
   monkeypatch.setenv("VERIFIER_TOKEN", "secret-token")
   monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret")
@@ -426,7 +426,7 @@ def _self_signed(tmp_path):
 def test_tls_serves_with_the_token_and_refuses_plaintext(tmp_path):
   if shutil.which("openssl") is None:
     pytest.skip("openssl is needed to make a test certificate")
-  from verifier.server import TlsFiles
+  from verifier.serve.server import TlsFiles
 
   cert, key = _self_signed(tmp_path)
   cfg = ServiceConfig(
@@ -485,6 +485,6 @@ def test_port_in_use_fails_at_once_with_one_line_and_leaves_nothing(tmp_path):
 
 
 def test_memory_limit_defaults_to_what_the_host_has():
-  from verifier.service import host_memory_mb
+  from verifier.serve.service import host_memory_mb
 
   assert 1024 <= ServiceConfig().mem_mb <= host_memory_mb()
