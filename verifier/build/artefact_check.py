@@ -18,7 +18,6 @@ import os
 import struct
 
 from verifier.api.contract import FailureKind
-from verifier.check import runtime_check
 from verifier.static import aten_ops
 
 MAX_SO_BYTES = 1 << 30
@@ -138,7 +137,7 @@ def _op_struct_operator(name: str) -> str:
 
 def _computes(op: str) -> bool:
   """An operator that computes: not one the runtime check allows (allocation, views, copies)."""
-  allowed = runtime_check.ALLOWED_ATEN
+  allowed = aten_ops.ALLOWED_ATEN
   return aten_ops.is_compute_operator(op) and not (
     op in allowed or aten_ops.base_operator(op) in allowed
   )
