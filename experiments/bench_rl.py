@@ -190,9 +190,9 @@ def main(argv):
   else:
     address = None if FLAGS.verifier == "none" else FLAGS.verifier
   if address:
-    from dice_jax.verifier_client import VerifierClient
+    from dice_jax.verifier_client import ThreadedVerifier
 
-    judge = VerifierClient(address, options={"num_correct_trials": 1}, token="")
+    judge = ThreadedVerifier(address, options={"num_correct_trials": 1}, token="")
     judge.wait_ready(300)
   else:
     judge = rollout.FunctionJudge(lambda *a: False)

@@ -149,7 +149,7 @@ def step_data(workdir: str) -> dict:
 
 
 def step_check(workdir: str) -> dict:
-  from dice_jax.verifier_client import VerifierClient
+  from dice_jax.verifier_client import ThreadedVerifier
   from verifier.serve.local import LocalVerifier
 
   items = [
@@ -159,7 +159,7 @@ def step_check(workdir: str) -> dict:
   ]
   out = {}
   with LocalVerifier(os.path.join(paths(workdir)["rl_dir"], "verifier"), device="cpu") as v:
-    with VerifierClient(v.address, options={"num_correct_trials": 1}, token="") as client:
+    with ThreadedVerifier(v.address, options={"num_correct_trials": 1}, token="") as client:
       client.wait_ready(120)
       results = client.verify_batch([it[:3] for it in items])
   for (name, _, _, variant), r in zip(items, results):
@@ -252,7 +252,7 @@ def evaluate(run_dir: str, workdir: str, label: str) -> dict:
   from dice_jax.data.tokenizer import Tokenizer
   from dice_jax.rl import rewards, rollout
   from dice_jax.rl.loop import restore_run_params
-  from dice_jax.verifier_client import VerifierClient
+  from dice_jax.verifier_client import ThreadedVerifier
   from experiments.configs import rl_tiny
   from verifier.serve.local import LocalVerifier
 
@@ -268,7 +268,7 @@ def evaluate(run_dir: str, workdir: str, label: str) -> dict:
     rl_tiny.get_config().sampler, stop_ids=tuple(tok.stop_token_ids), pad_id=mcfg.pad_token_id
   )
   with LocalVerifier(os.path.join(paths(workdir)["rl_dir"], "verifier"), device="cpu") as v:
-    with VerifierClient(v.address, options={"num_correct_trials": 1}, token="") as client:
+    with ThreadedVerifier(v.address, options={"num_correct_trials": 1}, token="") as client:
       client.wait_ready(120)
       ro = rollout.collect(
         model,

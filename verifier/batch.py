@@ -301,9 +301,10 @@ async def verify_batch(
     for c in candidates
   ]
   if addresses:
-    from verifier.api.client import VerifierClient
+    from verifier.api.client import RetryPolicy, VerifierClient
 
-    client = VerifierClient(list(addresses), token=token)
+    retry = RetryPolicy(call_timeout_s=900.0, max_attempts=5)
+    client = VerifierClient(list(addresses), token=token, retry=retry)
     verify, status, close = client.verify, (lambda: "waiting for the service"), client.close
   else:
     from verifier.serve.service import VerifierService

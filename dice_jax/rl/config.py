@@ -22,7 +22,7 @@ from dice_jax.rl import rewards as rewards_lib
 from dice_jax.rl.rollout import EXTRACTIONS
 from dice_jax.rl.tracerl import TraceRLConfig
 from dice_jax.train.optimizer import OptimizerConfig
-from dice_jax.verifier_client import RetryPolicy
+from verifier.api.client import RetryPolicy
 
 PHASES = ("infill", "e2e")
 BACKENDS = ("static", "continuous")

@@ -169,7 +169,7 @@ def load_tasks(cfg: RLConfig) -> list[tasks_lib.KernelTask]:
 def rollout_metrics(ro: rollout_lib.Rollout) -> dict:
   n = max(len(ro.outcomes), 1)
   passed = [rewards_lib.passed(o) for o in ro.outcomes]
-  kinds = collections.Counter(o.failure_kind for o in ro.outcomes)
+  kinds = collections.Counter(o.failure_kind.label for o in ro.outcomes)
   m = {
     "samples": float(len(ro.outcomes)),
     "reward_mean": float(ro.rewards.mean()) if ro.rewards.size else 0.0,
@@ -265,11 +265,11 @@ def progress_line(step: int, total: int, m: dict) -> str:
 def make_judge(cfg: RLConfig, endpoints: list[str] | None):
   if cfg.judge != "verifier":
     return rollout_lib.load_function_judge(cfg.judge)
-  from dice_jax.verifier_client import VerifierClient
+  from dice_jax.verifier_client import ThreadedVerifier
 
   if not endpoints:
     raise ValueError("judge 'verifier' needs verifier endpoints (--verifier=HOST:PORT or local)")
-  client = VerifierClient(endpoints, options=cfg.verifier.options, retry=cfg.verifier.retry)
+  client = ThreadedVerifier(endpoints, options=cfg.verifier.options, retry=cfg.verifier.retry)
   client.wait_ready(cfg.verifier.ready_timeout_s)
   return client
 
@@ -609,7 +609,7 @@ def _write_samples(path: str, step: int, ro, n: int) -> None:
         "group": t.group,
         "member": t.member,
         "reward": float(ro.rewards[i]),
-        "failure_kind": o.failure_kind,
+        "failure_kind": o.failure_kind.label,
         "reason": o.reason[:300],
         "response": ro.responses[i],
       }

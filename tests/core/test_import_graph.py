@@ -2,7 +2,7 @@
 
 Floors of the learner, lowest first; a module may import its own floor and the floors below:
   0  dice_jax.sharding, dice_jax.distributed, dice_jax.atomic, dice_jax.errors, dice_jax.recipe
-     (helpers every floor uses; recipe: DICE's and our field defaults), and dice_jax.verifier_client (the learner's one gRPC client: the CuKe builder,
+     (helpers every floor uses; recipe: DICE's and our field defaults), and dice_jax.verifier_client (the learner's thread face of verifier.api's one client: the CuKe builder,
      RL and eval use it)
   1  dice_jax.model
   2  dice_jax.hf, dice_jax.diffusion, dice_jax.data

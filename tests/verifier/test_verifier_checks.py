@@ -437,7 +437,9 @@ STATIC_HOLES = [
     "torch.utils.cpp_extension.load(",
   ),
   (
-    cases.GOOD.replace("import torch\n", "import verifier.candidate.candidate_main\nimport torch\n", 1),
+    cases.GOOD.replace(
+      "import torch\n", "import verifier.candidate.candidate_main\nimport torch\n", 1
+    ),
     FailureKind.FORBIDDEN_IMPORT,
     "import verifier",
   ),

@@ -305,7 +305,11 @@ def test_worker_code_is_imported_before_workers_lose_the_repository():
   )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   loaded = set(out.stdout.split())
-  assert {"verifier.candidate.candidate_main", "verifier.build.build_main", "verifier.ipc.cuda_driver"} <= loaded
+  assert {
+    "verifier.candidate.candidate_main",
+    "verifier.build.build_main",
+    "verifier.ipc.cuda_driver",
+  } <= loaded
   missing = set()
   for name in loaded:
     path = (

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 import verifier_cases as cases  # noqa: E402
 from verifier_loop import BackgroundLoop  # noqa: E402
 
-from verifier.api.client import VerifierClient  # noqa: E402
+from verifier.api.client import RetryPolicy, VerifierClient  # noqa: E402
 from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
 from verifier.serve.server import VerifierServer, is_loopback  # noqa: E402
 from verifier.serve.service import ServiceConfig, VerifierService  # noqa: E402
@@ -70,7 +70,9 @@ def server(tmp_path_factory):
 def _verify(server, *requests, token=TOKEN, retries=1):
   async def go():
     client = VerifierClient(
-      [f"127.0.0.1:{server.port}"], token=token, deadline_s=600, retries=retries, backoff_s=0.05
+      [f"127.0.0.1:{server.port}"],
+      token=token,
+      retry=RetryPolicy(call_timeout_s=600, max_attempts=retries + 1, initial_backoff_s=0.05),
     )
     try:
       return await client.verify_batch(list(requests))
@@ -334,7 +336,8 @@ def test_client_without_reachable_endpoint_reports_failure_after_retries():
     port = s.getsockname()[1]  # closed again: nothing listens there
 
   async def go():
-    client = VerifierClient([f"127.0.0.1:{port}"], deadline_s=2, retries=1, backoff_s=0.01)
+    retry = RetryPolicy(call_timeout_s=2, max_attempts=2, initial_backoff_s=0.01)
+    client = VerifierClient([f"127.0.0.1:{port}"], retry=retry)
     try:
       return await client.verify(_req("unreachable", cases.GOOD))
     finally:
@@ -371,8 +374,9 @@ def test_client_balances_over_endpoints_by_outstanding_requests():
     try:
       a, b, c = client.endpoints
       a.outstanding, b.outstanding, c.outstanding = 2, 0, 1
-      first = client._pick(None)
-      retry = client._pick(b)  # a retry avoids the endpoint that just failed
+      first = await client._pick(time.monotonic(), "r", "t")
+      b.mark_failed("UNAVAILABLE: test", client.retry, b.epoch)  # down until its backoff passes
+      retry = await client._pick(time.monotonic(), "r", "t")  # a retry avoids it
       return first is b, retry is c
     finally:
       await client.close()
@@ -445,8 +449,7 @@ def test_tls_serves_with_the_token_and_refuses_plaintext(tmp_path):
     client = VerifierClient(
       [f"127.0.0.1:{port}"],
       token=TOKEN,
-      retries=0,
-      deadline_s=20,
+      retry=RetryPolicy(call_timeout_s=20, max_attempts=1),
       root_certificates=cert.read_bytes() if tls else None,
     )
     try:

@@ -50,6 +50,12 @@ class FailureKind(str, enum.Enum):
   REFERENCE_ERROR = "REFERENCE_ERROR"
   INTERNAL_ERROR = "INTERNAL_ERROR"
   OVERLOADED = "OVERLOADED"
+  NO_CODE = "NO_CODE"  # the learner found no code in a response: nothing was sent to a service
+
+  @property
+  def label(self) -> str:
+    """The lower-case name the learner's metrics and logs show ("wrong_output")."""
+    return self.value.lower()
 
   @property
   def deceptive(self) -> bool:
@@ -100,6 +106,7 @@ NOT_COMPILED_KINDS = frozenset(
     FailureKind.REFERENCE_ERROR,
     FailureKind.INTERNAL_ERROR,
     FailureKind.OVERLOADED,
+    FailureKind.NO_CODE,
   }
 )
 

@@ -45,6 +45,7 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_KIND_REFERENCE_ERROR: _ClassVar[FailureKind]
     FAILURE_KIND_INTERNAL_ERROR: _ClassVar[FailureKind]
     FAILURE_KIND_OVERLOADED: _ClassVar[FailureKind]
+    FAILURE_KIND_NO_CODE: _ClassVar[FailureKind]
 FAILURE_KIND_OK: FailureKind
 FAILURE_KIND_INVALID_REQUEST: FailureKind
 FAILURE_KIND_SYNTAX_ERROR: FailureKind
@@ -81,6 +82,7 @@ FAILURE_KIND_BELOW_MIN_SPEEDUP: FailureKind
 FAILURE_KIND_REFERENCE_ERROR: FailureKind
 FAILURE_KIND_INTERNAL_ERROR: FailureKind
 FAILURE_KIND_OVERLOADED: FailureKind
+FAILURE_KIND_NO_CODE: FailureKind
 
 class VerifyOptions(_message.Message):
     __slots__ = ("num_correct_trials", "atol", "rtol", "measure_performance", "num_perf_trials", "num_warmup", "device", "strictness", "min_speedup", "timeout_s", "seed", "compile_baseline")
