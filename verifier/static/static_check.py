@@ -18,6 +18,7 @@ import ast
 import collections
 import dataclasses
 import re
+import typing
 
 from verifier.api.contract import FailureKind, Strictness
 from verifier.static import aten_ops
@@ -482,6 +483,7 @@ TASK_FUNCTIONS = frozenset({"get_inputs", "get_init_inputs"})
 class Rejection:
   kind: FailureKind
   reason: str
+  warning: str = ""  # what a strictness that only warns records ("": the reason)
 
 
 def _blank(text: str) -> str:
@@ -1069,160 +1071,209 @@ def _within_limits(tree: ast.Module, limits: SourceLimits) -> ast.Module | Stati
   return tree
 
 
-def check_candidate(source: str, strictness: Strictness, device: str) -> StaticVerdict:
-  """Parse and statically check a candidate; the first rule that fails decides the kind."""
-  parsed = _parse(source, LIMITS)
-  if isinstance(parsed, StaticVerdict):
-    return parsed
-  tree = parsed
-  cls = _model_new(tree)
-  if cls is None:
-    return StaticVerdict(
-      FailureKind.MISSING_MODEL_NEW, "candidate defines no top-level class ModelNew"
-    )
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """What the rules read: the parsed source and what was found in it once."""
 
-  texts = _cpp_texts(tree)
-  cpp = "\n".join(t.text for t in texts)
-  kernels = tuple(dict.fromkeys(GLOBAL_KERNEL.findall(cpp)))
-  functions, n_loads, with_cuda = _exported_functions(tree)
-  bound, overflow = _bindings(tree)
-  warnings: list[str] = []
+  source: str
+  tree: ast.Module
+  cls: ast.ClassDef  # ModelNew
+  device: str
+  texts: list[_CppText]
+  cpp: str
+  kernels: tuple[str, ...]
+  functions: list[str]
+  n_loads: int
+  bound: Bound
+  overflow: str  # the alias cap that was passed, or ""
 
-  def reject(r: Rejection) -> StaticVerdict:
-    return StaticVerdict(r.kind, r.reason, tuple(warnings), kernels, tuple(functions))
 
-  # Imports, dangerous builtins, frame walking.
-  r = _import_rules(tree, strictness) or (
-    (
-      _introspection_rules(tree, bound)
-      or _builtin_alias_rules(tree)
-      or _sys_modules_rules(tree, bound)
-      or _profiler_rules(tree)
-    )
-    if strictness.forbid_imports
-    else None
-  )
-  r = r or (_openmp_rules(source) if strictness.forbid_threads_streams else None)
-  if r:
-    return reject(r)
-  if overflow:  # an alias cap passed: refused by name, after what the values found so far show
-    r = _patch_rules(tree, bound) if strictness.forbid_monkey_patch else None
-    return reject(r) if r else _too_complex(overflow)
+Findings = list[Rejection]
 
-  # Fallbacks: try/except around the kernel, or reusing the reference Model.
-  if strictness.forbid_fallback:
-    for node in ast.walk(tree):
-      if isinstance(node, ast.Try) or (hasattr(ast, "TryStar") and isinstance(node, ast.TryStar)):
-        return reject(
-          Rejection(
-            FailureKind.FALLBACK, f"try/except at line {node.lineno}: no fallback paths allowed"
-          )
+
+def imports_rule(c: Candidate, strictness: Strictness) -> Findings:
+  """No import of modules that reach the process, the network, the profiler or frames (the strictness
+  decides which lists apply): a candidate must compute, not inspect or escape."""
+  return [r for r in [_import_rules(c.tree, strictness)] if r]
+
+
+def introspection_rule(c: Candidate, strictness: Strictness) -> Findings:
+  """No frame walking (``sys._getframe``, ``f_back``, ``gc.get_referrers``): it reaches the checker's
+  reference and golden outputs."""
+  return [r for r in [_introspection_rules(c.tree, c.bound)] if r]
+
+
+def builtin_alias_rule(c: Candidate, strictness: Strictness) -> Findings:
+  """No aliasing of dangerous builtins (``exec``, ``eval``, ``__import__``, ``__builtins__``): an alias
+  hides a forbidden call from the other rules."""
+  return [r for r in [_builtin_alias_rules(c.tree)] if r]
+
+
+def sys_modules_rule(c: Candidate, strictness: Strictness) -> Findings:
+  """No reads of ``sys.modules``: it hands out modules the import rule forbids."""
+  return [r for r in [_sys_modules_rules(c.tree, c.bound)] if r]
+
+
+def profiler_rule(c: Candidate, strictness: Strictness) -> Findings:
+  """No use of the profiler: the runtime check's evidence comes from it."""
+  return [r for r in [_profiler_rules(c.tree)] if r]
+
+
+def openmp_rule(c: Candidate, strictness: Strictness) -> Findings:
+  """No OpenMP pragmas or flags: extra threads beside the timed stream."""
+  return [r for r in [_openmp_rules(c.source)] if r]
+
+
+def alias_budget_rule(c: Candidate, strictness: Strictness) -> Findings:
+  """Alias resolution stays within its caps; a source that passes one is refused (by the patch rule when
+  the values found so far show a patch, else as too complex): the rules below would be unsound on it."""
+  if not c.overflow:
+    return []
+  r = _patch_rules(c.tree, c.bound) if strictness.forbid_monkey_patch else None
+  return [r or Rejection(FailureKind.SOURCE_TOO_COMPLEX, c.overflow)]
+
+
+def fallback_rule(c: Candidate, strictness: Strictness) -> Findings:
+  """No try/except (a fallback path around the kernel) and ModelNew subclasses nn.Module only (not the
+  reference Model)."""
+  for node in ast.walk(c.tree):
+    if isinstance(node, ast.Try) or (hasattr(ast, "TryStar") and isinstance(node, ast.TryStar)):
+      return [
+        Rejection(
+          FailureKind.FALLBACK, f"try/except at line {node.lineno}: no fallback paths allowed"
         )
-    for base in cls.bases:
-      if _dotted(base) not in ("nn.Module", "torch.nn.Module", "Module"):
-        return reject(
-          Rejection(
-            FailureKind.FALLBACK,
-            f"ModelNew must subclass nn.Module only, not {_dotted(base) or '?'} (line {cls.lineno})",
-          )
+      ]
+  for base in c.cls.bases:
+    if _dotted(base) not in ("nn.Module", "torch.nn.Module", "Module"):
+      return [
+        Rejection(
+          FailureKind.FALLBACK,
+          f"ModelNew must subclass nn.Module only, not {_dotted(base) or '?'} (line {c.cls.lineno})",
         )
+      ]
+  return []
 
-  # Monkey patching of torch / timers / builtins (any alias), and lazy tensor subclasses.
-  if strictness.forbid_monkey_patch:
-    r = _patch_rules(tree, bound)
-    if r:
-      return reject(r)
-    for node in ast.walk(tree):
-      if isinstance(node, ast.ClassDef):
-        for b in node.bases:
-          if any(_may_be(v, "torch.Tensor") for v in _resolve(_dotted(b), bound)) or _dotted(b) in (
-            "torch.Tensor",
-            "Tensor",
-          ):
-            return reject(
-              Rejection(
-                FailureKind.LAZY_OUTPUT,
-                f"class {node.name} subclasses torch.Tensor (line {node.lineno})",
-              )
+
+def monkey_patch_rule(c: Candidate, strictness: Strictness) -> Findings:
+  """No assignment into torch, timers or builtins under any alias: it fakes results or timings."""
+  return [r for r in [_patch_rules(c.tree, c.bound)] if r]
+
+
+def lazy_output_rule(c: Candidate, strictness: Strictness) -> Findings:
+  """No torch.Tensor subclasses or tensor-subclass hooks: a lazy output computes when compared."""
+  for node in ast.walk(c.tree):
+    if isinstance(node, ast.ClassDef):
+      for b in node.bases:
+        if any(_may_be(v, "torch.Tensor") for v in _resolve(_dotted(b), c.bound)) or _dotted(b) in (
+          "torch.Tensor",
+          "Tensor",
+        ):
+          return [
+            Rejection(
+              FailureKind.LAZY_OUTPUT,
+              f"class {node.name} subclasses torch.Tensor (line {node.lineno})",
             )
-    if re.search(r"_make_subclass|__torch_function__|__torch_dispatch__", source):
-      return reject(
-        Rejection(
-          FailureKind.LAZY_OUTPUT, "uses tensor-subclass hooks (_make_subclass/__torch_function__)"
-        )
+          ]
+  if re.search(r"_make_subclass|__torch_function__|__torch_dispatch__", c.source):
+    return [
+      Rejection(
+        FailureKind.LAZY_OUTPUT, "uses tensor-subclass hooks (_make_subclass/__torch_function__)"
       )
+    ]
+  return []
 
-  stream = PY_STREAM.search(source)
-  stream_line = source.count("\n", 0, stream.start()) + 1 if stream else 0
-  found = _search_cpp(CPP_STREAM_OR_THREAD, texts)
-  if stream or found:
-    what, line = (stream.group(0), stream_line) if stream else (found[0].group(0), found[1])
-    if strictness.forbid_threads_streams:
-      return reject(
-        Rejection(
-          FailureKind.THREAD_OR_STREAM,
-          f"uses {what.strip()!r} (line {line}): extra streams/threads are not allowed",
-        )
-      )
-    warnings.append("uses extra CUDA streams or threads")
 
-  # A real kernel of its own, defined and launched.
-  if strictness.require_kernel:
-    if n_loads == 0:
-      return reject(
-        Rejection(
-          FailureKind.NO_KERNEL,
-          "no torch.utils.cpp_extension.load_inline/load call builds an extension",
-        )
-      )
-    if device == "cuda":
-      if not kernels:
-        return reject(
-          Rejection(
-            FailureKind.NO_KERNEL, "no __global__ kernel is defined in the candidate's CUDA source"
-          )
-        )
-      launches = _launched_names(cpp)
-      launched = [k for k in kernels if k in launches]
-      if not launched:
-        return reject(
-          Rejection(
-            FailureKind.KERNEL_NOT_LAUNCHED,
-            f"__global__ kernel(s) {', '.join(kernels)} defined but never launched with <<<...>>>",
-          )
-        )
-    elif not functions and not cpp.strip():
-      return reject(
-        Rejection(
-          FailureKind.NO_KERNEL,
-          "no C++ function is exported through load_inline(functions=[...])",
-        )
-      )
-  found = _search_cpp(CPP_FOREIGN_LIBS, texts)
-  if found:
-    call = found[0].group(0).strip()
-    if strictness.forbid_torch_compute:
-      return reject(
-        Rejection(
-          FailureKind.FOREIGN_KERNELS,
-          f"C++ source calls {call!r} (line {found[1]}): library compute, not an own kernel",
-        )
-      )
-    warnings.append(f"C++ calls {call!r}")
-  r = _direct_aten(texts)
-  if r:
-    if strictness.forbid_torch_compute:
-      return reject(r)
-    warnings.append(r.reason)
+def streams_rule(c: Candidate, strictness: Strictness) -> Findings:
+  """No extra CUDA streams or threads (Python or C++): work off the timed stream escapes the clock."""
+  stream = PY_STREAM.search(c.source)
+  stream_line = c.source.count("\n", 0, stream.start()) + 1 if stream else 0
+  found = _search_cpp(CPP_STREAM_OR_THREAD, c.texts)
+  if not (stream or found):
+    return []
+  what, line = (stream.group(0), stream_line) if stream else (found[0].group(0), found[1])
+  return [
+    Rejection(
+      FailureKind.THREAD_OR_STREAM,
+      f"uses {what.strip()!r} (line {line}): extra streams/threads are not allowed",
+      "uses extra CUDA streams or threads",
+    )
+  ]
 
-  # Torch compute in the forward path (calls into the candidate's own extension modules are fine).
-  for node, name in _compute_references(tree, cls, bound):
-    reason = f"refers to {name} (line {_line(node)}) outside a call: torch compute by another name"
-    if strictness.forbid_torch_compute:
-      return reject(Rejection(FailureKind.TORCH_COMPUTE, reason))
-    warnings.append(reason)
-  exported, extensions = set(functions), _extension_names(tree)
-  for call in _compute_scope_calls(tree, cls):
+
+def own_kernel_rule(c: Candidate, strictness: Strictness) -> Findings:
+  """An extension is built with load_inline/load; on GPU a __global__ kernel of its own is defined and
+  launched, on CPU a C++ function is exported."""
+  if c.n_loads == 0:
+    return [
+      Rejection(
+        FailureKind.NO_KERNEL,
+        "no torch.utils.cpp_extension.load_inline/load call builds an extension",
+      )
+    ]
+  if c.device == "cuda":
+    if not c.kernels:
+      return [
+        Rejection(
+          FailureKind.NO_KERNEL, "no __global__ kernel is defined in the candidate's CUDA source"
+        )
+      ]
+    launches = _launched_names(c.cpp)
+    if not [k for k in c.kernels if k in launches]:
+      return [
+        Rejection(
+          FailureKind.KERNEL_NOT_LAUNCHED,
+          f"__global__ kernel(s) {', '.join(c.kernels)} defined but never launched with <<<...>>>",
+        )
+      ]
+  elif not c.functions and not c.cpp.strip():
+    return [
+      Rejection(
+        FailureKind.NO_KERNEL,
+        "no C++ function is exported through load_inline(functions=[...])",
+      )
+    ]
+  return []
+
+
+def foreign_libraries_rule(c: Candidate, strictness: Strictness) -> Findings:
+  """No calls into cuBLAS/cuDNN/CUTLASS-style libraries from C++: library compute, not an own kernel."""
+  found = _search_cpp(CPP_FOREIGN_LIBS, c.texts)
+  if not found:
+    return []
+  call = found[0].group(0).strip()
+  return [
+    Rejection(
+      FailureKind.FOREIGN_KERNELS,
+      f"C++ source calls {call!r} (line {found[1]}): library compute, not an own kernel",
+      f"C++ calls {call!r}",
+    )
+  ]
+
+
+def direct_aten_rule(c: Candidate, strictness: Strictness) -> Findings:
+  """No direct ATen kernel calls from C++ (``at::cpu::``, ``at::native::``, ``at::_ops::``): they skip
+  the dispatcher, so the runtime check's profiler never sees them."""
+  return [r for r in [_direct_aten(c.texts)] if r]
+
+
+def compute_references_rule(c: Candidate, strictness: Strictness) -> Findings:
+  """No torch compute function referred to outside a call in the forward path: torch compute by another
+  name."""
+  return [
+    Rejection(
+      FailureKind.TORCH_COMPUTE,
+      f"refers to {name} (line {_line(node)}) outside a call: torch compute by another name",
+    )
+    for node, name in _compute_references(c.tree, c.cls, c.bound)
+  ]
+
+
+def compute_calls_rule(c: Candidate, strictness: Strictness) -> Findings:
+  """The forward path calls only allocation/view/shape torch ops (``ALLOWED_TORCH_CALLS``) and the
+  candidate's own extension (calls into it are fine)."""
+  out = []
+  exported, extensions = set(c.functions), _extension_names(c.tree)
+  for call in _compute_scope_calls(c.tree, c.cls):
     name = _dotted(call.func)
     parts = name.split(".")
     offending = ""
@@ -1232,7 +1283,7 @@ def check_candidate(source: str, strictness: Strictness, device: str) -> StaticV
       continue
     # Every torch path it may stand for ("torch.*" may be any torch function, not only torch.cuda).
     resolved = [
-      r.split(".") for r in _resolve(name, bound) if r.startswith("torch.") and parts[0] != "self"
+      r.split(".") for r in _resolve(name, c.bound) if r.startswith("torch.") and parts[0] != "self"
     ]
     if parts[0] in ("torch", "F") and len(parts) >= 2 or resolved:
       leaf = parts[-1]
@@ -1254,13 +1305,93 @@ def check_candidate(source: str, strictness: Strictness, device: str) -> StaticV
     ):
       offending = f".{call.func.attr}()"
     if offending:
-      if strictness.forbid_torch_compute:
-        return reject(
-          Rejection(
-            FailureKind.TORCH_COMPUTE,
-            f"forward path calls {offending} (line {call.lineno}); only allocation/view/shape torch "
-            "ops are allowed",
-          )
+      out.append(
+        Rejection(
+          FailureKind.TORCH_COMPUTE,
+          f"forward path calls {offending} (line {call.lineno}); only allocation/view/shape torch "
+          "ops are allowed",
+          f"forward path calls {offending}",
         )
-      warnings.append(f"forward path calls {offending}")
+      )
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """A named rule: ``check`` (its docstring is the rationale) runs when ``applies(strictness)``; when it
+  does not and ``warns``, its findings become warnings instead."""
+
+  name: str
+  check: "typing.Callable[[Candidate, Strictness], Findings]"
+  applies: "typing.Callable[[Strictness], bool]"
+  warns: bool = False
+
+  @property
+  def rationale(self) -> str:
+    return " ".join((self.check.__doc__ or "").split())
+
+
+def _always(strictness: Strictness) -> bool:
+  return True
+
+
+def _flag(name: str):
+  return lambda strictness: getattr(strictness, name)
+
+
+# In order: the first rule with a finding decides the kind.
+RULES: tuple[Rule, ...] = (
+  Rule("imports", imports_rule, _always),
+  Rule("introspection", introspection_rule, _flag("forbid_imports")),
+  Rule("builtin_aliases", builtin_alias_rule, _flag("forbid_imports")),
+  Rule("sys_modules", sys_modules_rule, _flag("forbid_imports")),
+  Rule("profiler", profiler_rule, _flag("forbid_imports")),
+  Rule("openmp", openmp_rule, _flag("forbid_threads_streams")),
+  Rule("alias_budget", alias_budget_rule, _always),
+  Rule("fallback", fallback_rule, _flag("forbid_fallback")),
+  Rule("monkey_patch", monkey_patch_rule, _flag("forbid_monkey_patch")),
+  Rule("lazy_output", lazy_output_rule, _flag("forbid_monkey_patch")),
+  Rule("streams", streams_rule, _flag("forbid_threads_streams"), warns=True),
+  Rule("own_kernel", own_kernel_rule, _flag("require_kernel")),
+  Rule("foreign_libraries", foreign_libraries_rule, _flag("forbid_torch_compute"), warns=True),
+  Rule("direct_aten", direct_aten_rule, _flag("forbid_torch_compute"), warns=True),
+  Rule("compute_references", compute_references_rule, _flag("forbid_torch_compute"), warns=True),
+  Rule("compute_calls", compute_calls_rule, _flag("forbid_torch_compute"), warns=True),
+)
+
+
+def rules_for(strictness: Strictness) -> list[str]:
+  """The names of the rules that reject under ``strictness`` (the others run only to warn, or not)."""
+  return [r.name for r in RULES if r.applies(strictness)]
+
+
+def check_candidate(source: str, strictness: Strictness, device: str) -> StaticVerdict:
+  """Parse and statically check a candidate; the first rule (``RULES``) with a finding decides the kind."""
+  parsed = _parse(source, LIMITS)
+  if isinstance(parsed, StaticVerdict):
+    return parsed
+  tree = parsed
+  cls = _model_new(tree)
+  if cls is None:
+    return StaticVerdict(
+      FailureKind.MISSING_MODEL_NEW, "candidate defines no top-level class ModelNew"
+    )
+  texts = _cpp_texts(tree)
+  cpp = "\n".join(t.text for t in texts)
+  functions, n_loads, _ = _exported_functions(tree)
+  bound, overflow = _bindings(tree)
+  kernels = tuple(dict.fromkeys(GLOBAL_KERNEL.findall(cpp)))
+  c = Candidate(source, tree, cls, device, texts, cpp, kernels, functions, n_loads, bound, overflow)
+  warnings: list[str] = []
+  for rule in RULES:
+    if rule.applies(strictness):
+      found = rule.check(c, strictness)
+      if found and found[0].kind is FailureKind.SOURCE_TOO_COMPLEX:
+        return _too_complex(found[0].reason)
+      if found:
+        return StaticVerdict(
+          found[0].kind, found[0].reason, tuple(warnings), kernels, tuple(functions)
+        )
+    elif rule.warns:
+      warnings += [r.warning or r.reason for r in rule.check(c, strictness)]
   return StaticVerdict(FailureKind.OK, "", tuple(warnings), kernels, tuple(functions))
