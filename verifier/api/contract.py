@@ -2,7 +2,7 @@
 
 Defaults follow KernelBench's scripts (5 correctness trials, 100 timing trials, 3 warm-ups) and DICE's
 reward tolerance (atol = rtol = 1e-2); the strict fp32 verdict uses KernelBench main's 1e-4
-(reference/kernelbench_verifiers.md sections 1.5 and 5).
+(KernelBench (github.com/ScalingIntelligence/KernelBench), ``eval_kernel_against_ref`` and its metrics).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ NOT_COMPILED_KINDS = frozenset(
 
 @dataclasses.dataclass(frozen=True)
 class Strictness:
-  """Which anti-cheating rules reject a candidate (reference doc section 2.8).
+  """Which anti-cheating rules reject a candidate (KernelBench's static checker and the hacks kernel-RL projects reported).
 
   ``strict`` is this project's default; ``kernelbench`` mirrors KernelBench's STRICT static checks
   (torch ops and streams are only warnings there); ``off`` checks correctness only.

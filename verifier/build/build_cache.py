@@ -2,7 +2,7 @@
 
 Inside a worker, ``load_inline`` is replaced by :class:`CachedLoadInline`: the build directory is
 ``<build_root>/<sha256 of sources, functions, flags and toolchain>``, so identical extensions build once
-across candidates, processes and hosts that share ``build_root`` (reference doc section 4.2: unique build
+across candidates, processes and hosts that share ``build_root`` (PyTorch's ``torch/utils/cpp_extension.py``: unique build
 dirs, stale locks, compile on CPU then run on GPU). A build happens in a private temporary directory that
 is renamed into place when it succeeds, so a killed build never leaves a stale lock behind; a cache hit
 imports the ``.so`` directly, without ninja. Extension modules are wrapped so the worker can count calls

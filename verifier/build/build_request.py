@@ -7,7 +7,7 @@ builds them and publishes the result (``build_main``). The arguments are still t
 flags can run code (``-fplugin=``, ``-wrapper``, ``-B``, ``-specs=``, ``-ccbin``, ``-Wl,-plugin``, ...), so
 only flags from an allow-list pass: optimisation, debug info, warnings, language standard, macros, target
 architecture, ptxas options and the CUDA/BLAS/OpenMP libraries. Anything else is refused with its name.
-(Builds shared across candidates: reference doc section 4.2.)
+(Builds shared across candidates: PyTorch's ``torch/utils/cpp_extension.py`` mechanics.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Output comparison and memory hygiene for correctness trials (runs inside a worker).
 
-Rules (reference doc sections 1.5, 2.1, 2.6, 2.8): shapes and dtypes must match; values within
+Rules (KernelBench's ``eval_kernel_against_ref`` plus defences against the hacks of the Sakana "AI CUDA
+Engineer" incident, KernelBench v0.1 and robust-kbench): shapes and dtypes must match; values within
 atol/rtol (``torch.allclose`` semantics); a non-finite candidate value where the reference is finite never
 passes, and where the reference itself is non-finite the candidate must match it exactly; outputs must be
 plain tensors on the reference's device (no lazy subclasses); inputs are cloned per model and checked for

@@ -7,7 +7,7 @@ The candidate must call its own extension; on GPU, at least one of its own ``__g
 run, and GPU time in other kernels (aten, cuBLAS, cuDNN) beyond allocation/copy/fill kernels must stay
 under ``max_foreign_fraction``. Under ``forbid_torch_compute`` any aten operator outside the
 allocation/view/shape allow-list is rejected (this catches torch compute called from C++ too). The GPU
-analogue of KernelGYM's Triton decoy detector (reference doc sections 2.7 and 2.8).
+analogue of KernelGYM's Triton decoy detector.
 """
 
 from __future__ import annotations

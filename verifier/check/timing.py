@@ -4,7 +4,7 @@ The reference (in the checker, which never runs candidate code): CUDA events aro
 ``torch.cuda.synchronize()`` (all streams of the device) before the end event is recorded, so work hidden
 on other streams is counted; a 256 MB write flushes L2 before every call (KernelBench main's
 ``clear_l2_cache``); warm-up calls first; fresh input clones each call (defeats caches keyed on
-``data_ptr``; reference doc section 2.6). CPU: ``perf_counter`` with a 64 MB write to flush caches.
+``data_ptr``; KernelBench v0.1's timing notes). CPU: ``perf_counter`` with a 64 MB write to flush caches.
 
 A candidate is never timed by its own process: the checker times each of its calls on the checker's
 clock around the round trip through the exchange and subtracts the exchange's own cost, measured before

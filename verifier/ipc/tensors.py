@@ -1,5 +1,5 @@
 """Tensor helpers both processes of a check use: flatten nested outputs, copy or move arguments, and
-poison freed outputs (NaN) so a no-op kernel cannot return a stale result (reference doc section 2.6)."""
+poison freed outputs (NaN) so a no-op kernel cannot return a stale result (a hack pattern KernelBench v0.1 and robust-kbench describe)."""
 
 from __future__ import annotations
 

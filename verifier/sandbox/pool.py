@@ -4,7 +4,7 @@ Every worker runs one job and exits, so a worker is always replaced after a CUDA
 after a clean run too: no candidate can leave anything behind for the next one). Start-up (the fork, the
 sandbox, the CUDA context, CUPTI) is hidden by keeping ``prewarm`` workers starting. A device has
 ``slots`` concurrent runs, each with its own checker; a timed run takes all slots, so timing owns the GPU
-(reference doc section 4.4).
+(as kernel verifiers such as KernelGYM and SandboxFusion isolate runs).
 """
 
 from __future__ import annotations

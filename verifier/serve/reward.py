@@ -1,6 +1,6 @@
 """Rewards from a verdict.
 
-Binary reward as in DICE's RL (compiled and correct; reference doc section 2.7), plus this project's
+Binary reward as in DICE's RL (compiled and correct; the DICE paper's RL recipe), plus this project's
 anti-cheating and optional ``min_speedup``. The shaped reward (clipped log speedup) is for experiments.
 """
 

@@ -2,7 +2,7 @@
 
 The rule set follows KernelBench's ``kernel_static_checker.py`` (STRICT: try/except bypass, timer
 patching, thread injection, lazy tensor subclasses, "requires __global__ and load_inline"; WARNING: torch
-compute ops, stream injection) as summarised in reference/kernelbench_verifiers.md section 1.8, but works
+compute ops, stream injection) (github.com/ScalingIntelligence/KernelBench, ``src/kernelbench/kernel_static_checker.py``), but works
 on the Python AST instead of regexes where it can, and checks that a defined kernel is also launched.
 
 The check terminates by construction in bounded time and memory on any text (issue 24): the source, its
@@ -206,7 +206,7 @@ COMPUTE_METHODS = frozenset(
   }
 )
 # Modules a candidate may not import. Introspection, native access, file writing, processes, networking,
-# persistence and this verifier itself (reference doc section 2.8: KernelBench STRICT plus what RL found).
+# persistence and this verifier itself (KernelBench's STRICT list plus the hacks kernel-RL projects reported).
 FORBIDDEN_MODULES = frozenset(
   {
     "gc",
