@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dice_jax.diffusion import objective as objective_lib
 from dice_jax.diffusion import sampler as sampler_lib

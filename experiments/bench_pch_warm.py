@@ -22,8 +22,8 @@ import sys
 import tempfile
 import time
 
-from verifier.contract import VerifyOptions, VerifyRequest
-from verifier.service import ServiceConfig, VerifierService
+from verifier.api.contract import VerifyOptions, VerifyRequest
+from verifier.serve.service import ServiceConfig, VerifierService
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

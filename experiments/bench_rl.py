@@ -97,7 +97,7 @@ def start_verifier(report: Report):
   holder = {}
 
   def run():
-    from verifier.local import LocalVerifier
+    from verifier.serve.local import LocalVerifier
 
     device = FLAGS.verifier_device or ("cuda" if jax.default_backend() == "gpu" else "cpu")
     t0 = time.perf_counter()
@@ -117,11 +117,11 @@ def start_verifier(report: Report):
 
 def main(argv):
   del argv
+  from dice_jax import sharding
   from dice_jax.diffusion.sampler import SamplerConfig
   from dice_jax.model import Transformer, get_config
   from dice_jax.rl import rollout, tracerl
   from dice_jax.rl.rewards import make_reward
-  from dice_jax import sharding
   from dice_jax.train import optimizer
   from dice_jax.train import train_step as ts
 
@@ -190,9 +190,9 @@ def main(argv):
   else:
     address = None if FLAGS.verifier == "none" else FLAGS.verifier
   if address:
-    from dice_jax.verifier_client import VerifierClient
+    from dice_jax.verifier_client import ThreadedVerifier
 
-    judge = VerifierClient(address, options={"num_correct_trials": 1}, token="")
+    judge = ThreadedVerifier(address, options={"num_correct_trials": 1}, token="")
     judge.wait_ready(300)
   else:
     judge = rollout.FunctionJudge(lambda *a: False)

@@ -55,8 +55,7 @@ from flax import nnx
 from dice_jax import sharding
 from dice_jax.diffusion import engine as engine_lib
 from dice_jax.diffusion import memory, sampler, schedule
-from dice_jax.model import AttentionSpec, KVCache, Transformer, get_config
-from dice_jax.model import flash_decode
+from dice_jax.model import AttentionSpec, KVCache, Transformer, flash_decode, get_config
 from dice_jax.model.transformer import DecodeWeights
 from experiments import trace_summary
 

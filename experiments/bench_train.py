@@ -98,10 +98,10 @@ def check_attention(impl: str, flash_tiles=None):
 
 def main(argv):
   del argv
+  from dice_jax import sharding
   from dice_jax.diffusion.objective import ObjectiveConfig, block_diffusion_loss
   from dice_jax.model.config import get_config
   from dice_jax.model.transformer import Transformer
-  from dice_jax import sharding
   from dice_jax.train import metrics, optimizer
   from dice_jax.train import train_step as ts
 

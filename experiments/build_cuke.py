@@ -40,13 +40,14 @@ flags.mark_flags_as_required(["pairs", "verifier", "out"])
 
 def main(argv):
   del argv
-  from dice_jax.verifier_client import VerifierClient, VerifierUnavailable
+  from dice_jax.verifier_client import ThreadedVerifier
+  from verifier.api.client import VerifierUnavailable
 
   options = {"measure_performance": True, "num_perf_trials": _TRIALS.value}
   if _DEVICE.value:
     options["device"] = _DEVICE.value
   with _cli.user_errors_from(ValueError):  # a malformed --verifier address
-    client = VerifierClient(_VERIFIER.value, options=options)
+    client = ThreadedVerifier(_VERIFIER.value, options=options)
   with client:
     logging.info("connecting to the verifier at %s ...", _VERIFIER.value)
     try:

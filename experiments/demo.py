@@ -143,10 +143,10 @@ def step_eval(workdir, ctx):
 
 def step_export(workdir, ctx):
   """The final model as an HF directory, loaded by `transformers`: logit parity with ours."""
+  from dice_jax import sharding
   from dice_jax.hf.checkpoint import export_hf
   from dice_jax.hf.parity import check_parity
   from dice_jax.rl.loop import restore_run_params
-  from dice_jax import sharding
 
   run = _final_run(workdir, ctx)
   model, _, tok_dir = restore_run_params(run, sharding.make_mesh())
@@ -187,7 +187,7 @@ STEPS = {"sft": step_sft, "rl": step_rl, "eval": step_eval, "export": step_expor
 def main(argv):
   del argv
   from experiments import _cli
-  from verifier.local import LocalVerifier
+  from verifier.serve.local import LocalVerifier
 
   _cli.quiet_orbax()
 

@@ -182,8 +182,8 @@ def load_model():
       raise UserError(f"--hf_dir: {e}") from None
     source, tok_dir = os.path.abspath(FLAGS.hf_dir), FLAGS.hf_dir
   else:
-    from dice_jax.rl.loop import restore_run_params
     from dice_jax import sharding
+    from dice_jax.rl.loop import restore_run_params
 
     if not os.path.isdir(FLAGS.checkpoint):
       raise UserError(f"--checkpoint {FLAGS.checkpoint}: no such directory")
@@ -319,7 +319,7 @@ class _VerifierSession:
 
     addresses = FLAGS.verifier.split(",")
     if FLAGS.verifier == "local":
-      from verifier.local import LocalVerifier, VerifierStartError
+      from verifier.serve.local import LocalVerifier, VerifierStartError
 
       self.local = LocalVerifier(
         os.path.join(FLAGS.out, "verifier"),

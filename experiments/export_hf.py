@@ -34,6 +34,7 @@ flags.DEFINE_bool("overwrite", False, "Replace --out if it exists.")
 def load_model():
   if FLAGS.init == "random":
     from flax import nnx
+
     from dice_jax.model import Transformer, get_config
 
     cfg = get_config(FLAGS.config)

@@ -24,12 +24,14 @@ import time  # noqa: E402
 import jax  # noqa: E402
 from absl import flags  # noqa: E402
 
-from dice_jax import sharding  # noqa: E402
+from dice_jax import (
+  sharding,  # noqa: E402
+  tpu_lowering,  # noqa: E402
+)
 from dice_jax.diffusion import memory  # noqa: E402
 from dice_jax.diffusion.sampler import SamplerConfig  # noqa: E402
 from dice_jax.model.config import get_config  # noqa: E402
 from dice_jax.model.flash_decode import DecodeTiles  # noqa: E402
-from dice_jax import tpu_lowering  # noqa: E402
 from experiments import _cli  # noqa: E402
 
 FLAGS = flags.FLAGS

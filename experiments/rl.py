@@ -94,7 +94,7 @@ def _local_device(cfg) -> str:
 
 def run(cfg) -> dict:
   from dice_jax.rl.loop import run_rl
-  from dice_jax.verifier_client import parse_endpoints
+  from verifier.api.client import parse_endpoints
 
   kwargs = dict(
     init_hf=FLAGS.init_hf, init_checkpoint=FLAGS.init_checkpoint, max_steps=FLAGS.max_steps
@@ -104,7 +104,7 @@ def run(cfg) -> dict:
     return run_rl(cfg, FLAGS.workdir, endpoints=endpoints, **kwargs)
   import jax
 
-  from verifier.local import LocalVerifier
+  from verifier.serve.local import LocalVerifier
 
   directory = os.path.join(FLAGS.workdir, "verifier")
   if jax.process_count() > 1:  # one service per process: its share of the requests
@@ -123,8 +123,8 @@ def main(argv):
   del argv
   _cli.quiet_orbax()
   _cli.join_processes()
-  from dice_jax.verifier_client import VerifierUnavailable
-  from verifier.local import VerifierStartError
+  from verifier.api.client import VerifierUnavailable
+  from verifier.serve.local import VerifierStartError
 
   with _cli.user_errors_from(ValueError):  # bad flags, config values and task files
     cfg = resolve_config()

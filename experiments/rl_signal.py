@@ -150,8 +150,8 @@ def step_data(workdir: str) -> dict:
 
 
 def step_check(workdir: str) -> dict:
-  from dice_jax.verifier_client import VerifierClient
-  from verifier.local import LocalVerifier
+  from dice_jax.verifier_client import ThreadedVerifier
+  from verifier.serve.local import LocalVerifier
 
   items = [
     (name, REFERENCE.format(expr=OPS[name][0]), code, variant)
@@ -160,7 +160,7 @@ def step_check(workdir: str) -> dict:
   ]
   out = {}
   with LocalVerifier(os.path.join(paths(workdir)["rl_dir"], "verifier"), device="cpu") as v:
-    with VerifierClient(v.address, options={"num_correct_trials": 1}, token="") as client:
+    with ThreadedVerifier(v.address, options={"num_correct_trials": 1}, token="") as client:
       client.wait_ready(120)
       results = client.verify_batch([it[:3] for it in items])
   for (name, _, _, variant), r in zip(items, results):
@@ -248,14 +248,14 @@ def evaluate(run_dir: str, workdir: str, label: str) -> dict:
   latest checkpoint, judged by the CPU verifier; written to WORKDIR/eval_{label}.json."""
   import dataclasses
 
+  from dice_jax import sharding
   from dice_jax.data import prompts
   from dice_jax.data.tokenizer import Tokenizer
   from dice_jax.rl import rewards, rollout
   from dice_jax.rl.loop import restore_run_params
-  from dice_jax import sharding
-  from dice_jax.verifier_client import VerifierClient
+  from dice_jax.verifier_client import ThreadedVerifier
   from experiments.configs import rl_tiny
-  from verifier.local import LocalVerifier
+  from verifier.serve.local import LocalVerifier
 
   model, mcfg, tok_dir = restore_run_params(run_dir, sharding.make_mesh())
   tok = Tokenizer.from_dir(tok_dir)
@@ -269,7 +269,7 @@ def evaluate(run_dir: str, workdir: str, label: str) -> dict:
     rl_tiny.get_config().sampler, stop_ids=tuple(tok.stop_token_ids), pad_id=mcfg.pad_token_id
   )
   with LocalVerifier(os.path.join(paths(workdir)["rl_dir"], "verifier"), device="cpu") as v:
-    with VerifierClient(v.address, options={"num_correct_trials": 1}, token="") as client:
+    with ThreadedVerifier(v.address, options={"num_correct_trials": 1}, token="") as client:
       client.wait_ready(120)
       ro = rollout.collect(
         model,

@@ -13,7 +13,7 @@ KernelBench references (by problem id) come from ``--kernelbench``: ``level{N}.j
 ``{level, problem_id, name, code}``, a directory of them, or a KernelBench checkout (``level{N}/*.py``).
 
 The batch goes to a ``VerifierService`` started in this process, or to running services through
-``verifier.client.VerifierClient``. Progress goes to stderr as verdicts arrive, with a heartbeat
+``verifier.api.client.VerifierClient``. Progress goes to stderr as verdicts arrive, with a heartbeat
 (what is building or running, elapsed time) while a long build is under way.
 """
 
@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from verifier.contract import VerifyOptions, VerifyRequest, VerifyResult
+from verifier.api.contract import VerifyOptions, VerifyRequest, VerifyResult
 
 _KB_FILE = re.compile(r"level_(\d+)_problem_(\d+)_sample_(\d+)_kernel\.py$")
 _TASK_ID = re.compile(r"(?:kernelbench/)?L(\d+)/(\d+)$")
@@ -301,12 +301,13 @@ async def verify_batch(
     for c in candidates
   ]
   if addresses:
-    from verifier.client import VerifierClient
+    from verifier.api.client import RetryPolicy, VerifierClient
 
-    client = VerifierClient(list(addresses), token=token)
+    retry = RetryPolicy(call_timeout_s=900.0, max_attempts=5)
+    client = VerifierClient(list(addresses), token=token, retry=retry)
     verify, status, close = client.verify, (lambda: "waiting for the service"), client.close
   else:
-    from verifier.service import VerifierService
+    from verifier.serve.service import VerifierService
 
     service = VerifierService(service_config)
     if progress is not None:

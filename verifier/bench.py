@@ -39,9 +39,9 @@ import sys
 import tempfile
 import time
 
-from verifier.contract import FailureKind, VerifyOptions, VerifyRequest
-from verifier.records import CANDIDATE_EXCHANGE_PARTS
-from verifier.service import ServiceConfig, VerifierService
+from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest
+from verifier.ipc.records import CANDIDATE_EXCHANGE_PARTS
+from verifier.serve.service import ServiceConfig, VerifierService
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SEPARATION_PHASES = ("exchange_stage", "exchange_round_trip", "exchange_load_map_wait")
@@ -278,7 +278,7 @@ class Bench:
 
   async def startup(self) -> None:
     """How fast candidate workers become ready: ``--startup-workers`` forked at once."""
-    from verifier.pool import PoolConfig, WorkerPool
+    from verifier.sandbox.pool import PoolConfig, WorkerPool
 
     c, n = self.cfg, self.a.startup_workers
     pool = WorkerPool(

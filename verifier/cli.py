@@ -12,8 +12,8 @@ import signal
 import sys
 
 from verifier import batch
-from verifier.contract import VerifyOptions
-from verifier.service import ServiceConfig, default_compile_workers, default_mem_mb
+from verifier.api.contract import VerifyOptions
+from verifier.serve.service import ServiceConfig, default_compile_workers, default_mem_mb
 
 
 def _detect_arch() -> str:
@@ -159,7 +159,7 @@ def _config(a) -> ServiceConfig:
 
 
 async def _serve(a) -> int:
-  from verifier.server import TlsFiles, VerifierServer
+  from verifier.serve.server import TlsFiles, VerifierServer
 
   token = os.environ.get("VERIFIER_TOKEN", "")
   if a.token_file:

@@ -162,7 +162,7 @@ def build_cuke(
           "pair_id": p.pair_id,
           "correct": bool(r.correct),
           "speedup": float(r.speedup or 0.0),
-          "failure_kind": str(r.failure_kind),
+          "failure_kind": r.failure_kind.label,
           "reason": str(r.reason)[:500],
           "level": p.level,
           "claimed_speedup": p.speedup,

@@ -31,8 +31,8 @@ from flax import nnx
 
 from dice_jax import distributed
 from dice_jax.diffusion import memory
-from dice_jax.diffusion import slots as slots_lib
 from dice_jax.diffusion import sampler as sampler_lib
+from dice_jax.diffusion import slots as slots_lib
 from dice_jax.diffusion.sampler import SamplerConfig
 from dice_jax.model import platform
 from dice_jax.model.kv_cache import KVCache

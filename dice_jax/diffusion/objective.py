@@ -30,7 +30,6 @@ from dice_jax.diffusion import blocks as blocks_lib
 from dice_jax.diffusion import noising
 from dice_jax.model import masks as masks_lib
 
-
 AT_LEAST_ONE = ("segment", "row")
 NORMALIZATIONS = ("batch", "device")
 

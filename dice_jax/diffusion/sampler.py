@@ -58,11 +58,10 @@ from flax import nnx
 from dice_jax.diffusion import blocks as blocks_lib
 from dice_jax.diffusion import memory, remasking
 from dice_jax.diffusion import slots as slots_lib
-from dice_jax.model.flash_decode import DecodeTiles
 from dice_jax.model import platform
+from dice_jax.model.flash_decode import DecodeTiles
 from dice_jax.model.kv_cache import KVCache
 from dice_jax.model.transformer import DecodeView, DecodeWeights
-
 
 KV_CACHE_DTYPES = (None, "float8_e4m3fn")
 

@@ -21,9 +21,9 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from dice_jax.data.tokenizer import check_compatible
 from dice_jax.data import prompts
 from dice_jax.data.tasks import KernelTask
+from dice_jax.data.tokenizer import check_compatible
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,8 @@
 generated stubs and one learner-side client).
 
 ``CandidateVerifier`` is what the evaluation loop needs; ``GrpcCandidateVerifier`` implements it with
-the learner-side client ``dice_jax.verifier_client`` (the only module here that knows it).
+the learner's face of the one client, ``dice_jax.verifier_client.ThreadedVerifier`` (the only module here
+that knows it).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
+
+from verifier.api.contract import VerifyResult
 
 # KernelBench's evaluation settings (eval_from_generations.py: 5 correctness trials, 100 timing
 # trials, 180 s timeout; 3 warm-ups) with DICE's tolerance (atol = rtol = 1e-2).
@@ -53,16 +56,16 @@ class CandidateVerifier(Protocol):
     ...
 
 
-def _verdict(o) -> Verdict:
+def _verdict(o: VerifyResult) -> Verdict:
   return Verdict(
     compiled=o.compiled,
     correct=o.correct,
     deceptive=o.deceptive,
-    failure_kind=o.failure_kind.upper(),
+    failure_kind=o.failure_kind.value,
     reason=o.reason,
     speedup=o.speedup,
-    candidate_ms=o.candidate_ms,
-    baseline_ms=o.baseline_ms,
+    candidate_ms=o.candidate.mean_ms,
+    baseline_ms=o.baseline.mean_ms,
     strict_correct=o.strict_correct,
     device_name=o.device_name,
     compile_s=o.compile_s,
@@ -71,8 +74,8 @@ def _verdict(o) -> Verdict:
 
 
 class GrpcCandidateVerifier:
-  """Verifies batches through the learner-side client ``dice_jax.verifier_client.VerifierClient``
-  (several endpoints, retries, content-hash request ids)."""
+  """Verifies batches through ``dice_jax.verifier_client.ThreadedVerifier`` (several endpoints,
+  retries, content-hash request ids)."""
 
   def __init__(
     self,
@@ -81,7 +84,8 @@ class GrpcCandidateVerifier:
     token: str | None = None,
     ready_timeout_s: float = 60.0,
   ):
-    from dice_jax.verifier_client import VerifierClient, VerifierUnavailable
+    from dice_jax.verifier_client import ThreadedVerifier
+    from verifier.api.client import VerifierUnavailable
 
     if not addresses:
       raise ValueError("no verifier address given (HOST:PORT[,HOST:PORT...])")
@@ -90,7 +94,9 @@ class GrpcCandidateVerifier:
     try:
       for compile_baseline in (False, True):
         opts = dict(self.options, compile_baseline=compile_baseline)
-        self._clients[compile_baseline] = VerifierClient(list(addresses), options=opts, token=token)
+        self._clients[compile_baseline] = ThreadedVerifier(
+          list(addresses), options=opts, token=token
+        )
       self._clients[False].wait_ready(ready_timeout_s)
     except VerifierUnavailable as e:
       self.close()

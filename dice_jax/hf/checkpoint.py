@@ -28,8 +28,8 @@ from tqdm import tqdm
 
 from dice_jax import atomic, distributed
 from dice_jax import sharding as sharding_lib
-from dice_jax.errors import UserError
 from dice_jax.data.tokenizer import Tokenizer, TokenizerError, check_compatible
+from dice_jax.errors import UserError
 from dice_jax.hf import mapping
 from dice_jax.hf.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, save_file
 from dice_jax.model.config import ModelConfig, from_hf_config, to_hf_config

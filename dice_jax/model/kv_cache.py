@@ -19,7 +19,6 @@ import jax.numpy as jnp
 
 from dice_jax.model.flash_decode import DecodeTiles
 
-
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 
 

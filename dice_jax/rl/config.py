@@ -22,7 +22,7 @@ from dice_jax.rl import rewards as rewards_lib
 from dice_jax.rl.rollout import EXTRACTIONS
 from dice_jax.rl.tracerl import TraceRLConfig
 from dice_jax.train.optimizer import OptimizerConfig
-from dice_jax.verifier_client import RetryPolicy
+from verifier.api.client import RetryPolicy
 
 PHASES = ("infill", "e2e")
 BACKENDS = ("static", "continuous")
@@ -60,7 +60,7 @@ class VerifierConfig:
   def __post_init__(self):
     if not isinstance(self.options, dict):
       raise ValueError("RLConfig.verifier.options must be a dict of VerifyOptions fields")
-    from verifier.proto import verifier_pb2  # generated stubs only
+    from verifier.api.proto import verifier_pb2  # generated stubs only
 
     try:
       verifier_pb2.VerifyOptions(**self.options)

@@ -40,10 +40,11 @@ from absl import logging
 from flax import nnx
 
 from dice_jax import distributed
-from dice_jax.data.tokenizer import check_compatible
+from dice_jax import sharding as sharding_lib
 from dice_jax.data import rl_stream
 from dice_jax.data import tasks as tasks_lib
 from dice_jax.data.curriculum import SequentialSchedule
+from dice_jax.data.tokenizer import check_compatible
 from dice_jax.model.config import ModelConfig, get_config
 from dice_jax.model.transformer import Transformer
 from dice_jax.rl import advantages as advantages_lib
@@ -55,7 +56,6 @@ from dice_jax.rl.config import RLConfig
 from dice_jax.train import checkpoint as ckpt_lib
 from dice_jax.train import metrics as metrics_lib
 from dice_jax.train import optimizer as optim_lib
-from dice_jax import sharding as sharding_lib
 from dice_jax.train import train_step as ts
 
 
@@ -107,8 +107,8 @@ def restore_run_params(run_dir: str, mesh, step: int | None = None):
 def load_tokenizer(cfg: RLConfig, inherited: str | None):
   """The run's tokenizer, read without writing: the init run's when it has one, else
   `cfg.tokenizer` ('byte' or a directory)."""
-  from dice_jax.data.tokenizer import Tokenizer
   from dice_jax.data import byte_tokenizer
+  from dice_jax.data.tokenizer import Tokenizer
 
   path = inherited or cfg.tokenizer
   if path == "byte":
@@ -119,8 +119,8 @@ def load_tokenizer(cfg: RLConfig, inherited: str | None):
 def save_tokenizer(cfg: RLConfig, workdir: str, inherited: str | None) -> None:
   """Writes the tokenizer into `workdir/tokenizer` when it is the byte tokenizer or an init
   run's (as SFT does); a `cfg.tokenizer` directory stays where it is."""
-  from dice_jax.data.tokenizer import Tokenizer
   from dice_jax.data import byte_tokenizer
+  from dice_jax.data.tokenizer import Tokenizer
 
   dest = os.path.join(workdir, "tokenizer")
   if inherited and os.path.abspath(inherited) != os.path.abspath(dest):
@@ -169,7 +169,7 @@ def load_tasks(cfg: RLConfig) -> list[tasks_lib.KernelTask]:
 def rollout_metrics(ro: rollout_lib.Rollout) -> dict:
   n = max(len(ro.outcomes), 1)
   passed = [rewards_lib.passed(o) for o in ro.outcomes]
-  kinds = collections.Counter(o.failure_kind for o in ro.outcomes)
+  kinds = collections.Counter(o.failure_kind.label for o in ro.outcomes)
   m = {
     "samples": float(len(ro.outcomes)),
     "reward_mean": float(ro.rewards.mean()) if ro.rewards.size else 0.0,
@@ -265,11 +265,11 @@ def progress_line(step: int, total: int, m: dict) -> str:
 def make_judge(cfg: RLConfig, endpoints: list[str] | None):
   if cfg.judge != "verifier":
     return rollout_lib.load_function_judge(cfg.judge)
-  from dice_jax.verifier_client import VerifierClient
+  from dice_jax.verifier_client import ThreadedVerifier
 
   if not endpoints:
     raise ValueError("judge 'verifier' needs verifier endpoints (--verifier=HOST:PORT or local)")
-  client = VerifierClient(endpoints, options=cfg.verifier.options, retry=cfg.verifier.retry)
+  client = ThreadedVerifier(endpoints, options=cfg.verifier.options, retry=cfg.verifier.retry)
   client.wait_ready(cfg.verifier.ready_timeout_s)
   return client
 
@@ -609,7 +609,7 @@ def _write_samples(path: str, step: int, ro, n: int) -> None:
         "group": t.group,
         "member": t.member,
         "reward": float(ro.rewards[i]),
-        "failure_kind": o.failure_kind,
+        "failure_kind": o.failure_kind.label,
         "reason": o.reason[:300],
         "response": ro.responses[i],
       }

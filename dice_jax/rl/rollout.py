@@ -18,8 +18,8 @@ Two seams:
   `sampler.generate` call; `ContinuousBatches` keeps `slots` rows decoding in the
   continuous-batching engine (`diffusion.engine`) and hands a group on when its last member
   stops. Both give the same tokens for the same keys.
-* `Judge` -- `submit(task_id, reference, candidate) -> Future[VerifyOutcome]`:
-  `dice_jax.verifier_client.VerifierClient` or `FunctionJudge`.
+* `Judge` -- `submit(task_id, reference, candidate) -> Future[VerifyResult]`:
+  `dice_jax.verifier_client.ThreadedVerifier` or `FunctionJudge`.
 
 Several JAX processes: the sampler is one computation over the global mesh, so every process
 samples every group (same keys, same tokens); verification is split: the i-th distinct request
@@ -45,10 +45,11 @@ from absl import logging
 from dice_jax import distributed
 from dice_jax.diffusion import sampler as sampler_lib
 from dice_jax.rl.trajectory import Trajectory, from_sample_output
-from dice_jax.verifier_client import VerifyOutcome, request_id
+from verifier.api.client import request_id
+from verifier.api.contract import FailureKind, VerifyResult
 
 EXTRACTIONS = ("dice", "first_block", "whole_response")
-NO_CODE = "no_code"  # failure kind of a response without a fenced code block (never sent)
+NO_CODE = FailureKind.NO_CODE  # a response without a fenced code block (never sent)
 
 
 # ------------------------------------------------------------------ candidates
@@ -289,31 +290,31 @@ class ContinuousBatches:
 # ------------------------------------------------------------------ judges
 class Judge(Protocol):
   def submit(self, task_id: str, reference: str, candidate: str) -> concurrent.futures.Future:
-    """The future `VerifyOutcome` of one candidate."""
+    """The future `VerifyResult` of one candidate."""
     ...
 
 
 class FunctionJudge:
-  """Judges with a Python function `fn(task_id, reference, candidate) -> VerifyOutcome | bool`
+  """Judges with a Python function `fn(task_id, reference, candidate) -> VerifyResult | bool`
   (True: compiled and correct), on one worker thread: for tests and toy rewards."""
 
-  def __init__(self, fn: Callable[[str, str, str], VerifyOutcome | bool]):
+  def __init__(self, fn: Callable[[str, str, str], VerifyResult | bool]):
     self.fn = fn
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="judge")
 
-  def _judge(self, task_id: str, reference: str, candidate: str) -> VerifyOutcome:
+  def _judge(self, task_id: str, reference: str, candidate: str) -> VerifyResult:
     got = self.fn(task_id, reference, candidate)
-    if isinstance(got, VerifyOutcome):
+    if isinstance(got, VerifyResult):
       return got
     ok = bool(got)
-    return VerifyOutcome(
+    return VerifyResult(
       request_id=request_id(task_id, reference, candidate),
       task_id=task_id,
       compiled=ok,
       correct=ok,
       deceptive=False,
       reward=float(ok),
-      failure_kind="ok" if ok else "wrong_output",
+      failure_kind=FailureKind.OK if ok else FailureKind.WRONG_OUTPUT,
     )
 
   def submit(self, task_id: str, reference: str, candidate: str) -> concurrent.futures.Future:
@@ -344,7 +345,7 @@ class Rollout:
   trajectories: list[Trajectory]
   responses: list[str]  # decoded response text (up to the stop id)
   candidates: list[str | None]  # extracted candidate source (None: no code block)
-  outcomes: list[VerifyOutcome]
+  outcomes: list[VerifyResult]
   rewards: np.ndarray  # [N] float32
   sample_s: float  # wall time of the sampling loop (sampler calls and host-side decoding)
   verify_wait_s: float  # waiting for verdicts after the last group was sampled
@@ -355,18 +356,18 @@ class Rollout:
   groups_skipped: int  # groups whose prompt exceeded max_prompt_len
 
 
-def exchange_verdicts(mine: dict[str, VerifyOutcome]) -> dict[str, VerifyOutcome]:
+def exchange_verdicts(mine: dict[str, VerifyResult]) -> dict[str, VerifyResult]:
   """Every process's verdicts (request id -> outcome), merged, on every process; a collective.
   Each request must have been judged by exactly one process."""
   if jax.process_count() == 1:
     return dict(mine)
-  merged: dict[str, VerifyOutcome] = {}
-  parts = distributed.gather_json({rid: dataclasses.asdict(o) for rid, o in mine.items()})
+  merged: dict[str, VerifyResult] = {}
+  parts = distributed.gather_json({rid: o.to_dict() for rid, o in mine.items()})
   for part in parts:
     for rid, fields in part.items():
       if rid in merged:
         raise RuntimeError(f"request {rid} ({fields['task_id']}) was judged by two processes")
-      merged[rid] = VerifyOutcome(**fields)
+      merged[rid] = VerifyResult.from_dict(fields)
   return merged
 
 
@@ -383,7 +384,7 @@ def collect(
   backend: SamplerBackend,
   judge: Judge,
   tokenizer,
-  reward_fn: Callable[[VerifyOutcome], float],
+  reward_fn: Callable[[VerifyResult], float],
   rl_step: int,
   extraction: str = "dice",
   max_prompt_len: int = 0,
@@ -411,7 +412,7 @@ def collect(
   rids: list[str] = []
   first_seen: dict[str, int] = {}  # distinct request -> its rank in this step
   pending: dict[str, concurrent.futures.Future] = {}  # the requests this process judges
-  local: dict[str, VerifyOutcome] = {}
+  local: dict[str, VerifyResult] = {}
   steps_used = 0
   t_start = last_log = time.perf_counter()
   for n_done, sg in enumerate(backend.sample(model, keep, rl_step), 1):
@@ -422,8 +423,8 @@ def collect(
       cand = extract_candidate(text, extraction)
       if cand is None or not cand.strip():  # nothing to judge (the service refuses empty code)
         rid = request_id(task.task_id, task.reference, "", {"no_code": True})
-        local[rid] = VerifyOutcome(
-          rid, task.task_id, False, False, False, 0.0, NO_CODE, "no code in the response"
+        local[rid] = VerifyResult(
+          rid, task.task_id, failure_kind=NO_CODE, reason="no code in the response"
         )
         cand = None
       else:

@@ -28,11 +28,9 @@ from dice_jax.errors import UserError
 from dice_jax.model.config import ModelConfig, get_config
 from dice_jax.model.transformer import Transformer
 from dice_jax.train import checkpoint as ckpt_lib
-from dice_jax.train import data_shards
+from dice_jax.train import data_shards, resume, sft_data
 from dice_jax.train import metrics as metrics_lib
 from dice_jax.train import optimizer as optim_lib
-from dice_jax.train import resume
-from dice_jax.train import sft_data
 from dice_jax.train import train_step as ts
 from dice_jax.train.config import SFTConfig
 from dice_jax.train.stop import Interrupted, StopSignals

@@ -1,6 +1,5 @@
 """CuKe builder against an in-process fake verifier (a test double), plus resume and atomic output."""
 
-import dataclasses
 import json
 import re
 import stat
@@ -10,16 +9,9 @@ import pytest
 from dice_jax.data.cuke import CukeConfig, build_cuke, pair_key, read_measurements
 from dice_jax.data.prompts import e2e_user_message, extract_code
 from dice_jax.data.tasks import load_sft_samples
+from verifier.api.contract import FailureKind, VerifyResult
 
 REF = "class Model:\n    pass  # {i}\n"
-
-
-@dataclasses.dataclass
-class FakeResult:
-  correct: bool
-  speedup: float
-  failure_kind: str
-  reason: str
 
 
 class FakeVerifier:
@@ -38,9 +30,20 @@ class FakeVerifier:
       self.seen.append(task_id)
       m = re.search(r"# fake: ([\d.]+)x", cand)
       out.append(
-        FakeResult(True, float(m.group(1)), "ok", "")
+        VerifyResult(
+          task_id=task_id,
+          compiled=True,
+          correct=True,
+          speedup=float(m.group(1)),
+          failure_kind=FailureKind.OK,
+        )
         if m
-        else FakeResult(False, 0.0, "wrong_output", "values differ")
+        else VerifyResult(
+          task_id=task_id,
+          compiled=True,
+          failure_kind=FailureKind.WRONG_OUTPUT,
+          reason="values differ",
+        )
       )
     return out
 

@@ -1,4 +1,4 @@
-"""CuKe builder against the real verifier service (CPU device, C++ extension), via dice_jax.verifier_client."""
+"""CuKe builder against the real verifier service (CPU device, C++ extension), via dice_jax.verifier_client.ThreadedVerifier."""
 
 import json
 import os
@@ -63,7 +63,7 @@ class ModelNew(nn.Module):
 @pytest.fixture(scope="module")
 def cpu_verifier(tmp_path_factory):
   pytest.importorskip("torch", reason="the verifier service needs torch")
-  from verifier.local import LocalVerifier
+  from verifier.serve.local import LocalVerifier
 
   with LocalVerifier(
     str(tmp_path_factory.mktemp("verifier")), device="cpu", start_timeout_s=90
@@ -74,7 +74,7 @@ def cpu_verifier(tmp_path_factory):
 @pytest.mark.slow
 def test_build_cuke_with_cpu_verifier(cpu_verifier, tmp_path):
   from dice_jax.data.cuke import CukeConfig, build_cuke
-  from dice_jax.verifier_client import VerifierClient
+  from dice_jax.verifier_client import ThreadedVerifier
 
   rows = [
     {
@@ -92,7 +92,7 @@ def test_build_cuke_with_cpu_verifier(cpu_verifier, tmp_path):
   ]
   pairs = tmp_path / "pairs.jsonl"
   pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  with VerifierClient(
+  with ThreadedVerifier(
     cpu_verifier, options={"measure_performance": True, "num_perf_trials": 10}, token=""
   ) as client:
     client.wait_ready(30)

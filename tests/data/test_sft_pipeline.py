@@ -8,7 +8,6 @@ import pytest
 pytest.importorskip("grain", reason="the data pipelines need grain (not on the GPU image)")
 
 from dice_jax.data.prompts import SFTSample
-from dice_jax.diffusion.blocks import BlockGrid
 from dice_jax.data.sft_pipeline import (
   FEATURES,
   PackingStats,
@@ -18,6 +17,7 @@ from dice_jax.data.sft_pipeline import (
   sft_texts,
   tokenize_sample,
 )
+from dice_jax.diffusion.blocks import BlockGrid
 
 
 def _samples(n=60, seed=0):

@@ -46,10 +46,10 @@ def test_candidate_is_the_first_fenced_block():
 def test_model_prompt_is_the_one_shot_prompt_in_the_chat_template(tmp_path):
   from flax import nnx
 
+  from dice_jax.data.byte_tokenizer import byte_model_overrides, write_byte_tokenizer
   from dice_jax.data.tokenizer import Tokenizer
   from dice_jax.eval.candidates import ModelCandidates
   from dice_jax.model import Transformer, get_config
-  from dice_jax.data.byte_tokenizer import byte_model_overrides, write_byte_tokenizer
 
   tok = Tokenizer.from_dir(write_byte_tokenizer(str(tmp_path / "tok")))
   model = Transformer(get_config("tiny", **byte_model_overrides()), rngs=nnx.Rngs(0))

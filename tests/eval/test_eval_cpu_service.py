@@ -21,7 +21,7 @@ CANDIDATES = os.path.join(DEMO, "cpu_candidates.jsonl")
 @pytest.fixture(scope="module")
 def cpu_verifier(tmp_path_factory):
   pytest.importorskip("torch", reason="the verifier service needs torch")
-  from verifier.local import LocalVerifier
+  from verifier.serve.local import LocalVerifier
 
   with LocalVerifier(str(tmp_path_factory.mktemp("verifier")), device="cpu") as v:
     yield v.address
@@ -101,6 +101,7 @@ def test_model_generations_reach_the_service(cpu_verifier, tmp_path):
   are verified by the service (``--extract=first_block_or_raw``)."""
   from flax import nnx
 
+  from dice_jax.data.byte_tokenizer import byte_model_overrides, write_byte_tokenizer
   from dice_jax.data.tasks import load_kernelbench
   from dice_jax.data.tokenizer import Tokenizer
   from dice_jax.eval.candidates import EvalDecoding, ModelCandidates
@@ -108,7 +109,6 @@ def test_model_generations_reach_the_service(cpu_verifier, tmp_path):
   from dice_jax.eval.runner import Evaluator
   from dice_jax.eval.verifying import EVAL_OPTIONS, GrpcCandidateVerifier
   from dice_jax.model import Transformer, get_config
-  from dice_jax.data.byte_tokenizer import byte_model_overrides, write_byte_tokenizer
 
   tasks = load_kernelbench(PROBLEMS)[0][:2]
   tok = Tokenizer.from_dir(write_byte_tokenizer(str(tmp_path / "tok")))

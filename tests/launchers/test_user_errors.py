@@ -131,10 +131,9 @@ def test_sft_with_a_tokenizer_that_does_not_fit_the_model(tmp_path, cuke_file, b
 @pytest.fixture
 def finished_run(tmp_path, cuke_file):
   """A run directory whose checkpoint (step 4) holds the config of `SFT_SETS` + `cuke_file`."""
-  from experiments.configs.tiny import get_config
-
   from dice_jax.train.checkpoint import Checkpointer
   from dice_jax.train.config import apply_overrides
+  from experiments.configs.tiny import get_config
 
   sets = [s.removeprefix("--set=") for s in SFT_SETS] + [f"data_path={cuke_file}"]
   cfg = apply_overrides(get_config(), sets)

@@ -11,8 +11,8 @@ import pytest
 from test_masks import (
   _masked_attention_np,
   _trace_layout,
-  brute_block_diffusion,
   brute,
+  brute_block_diffusion,
   brute_trace,
 )
 

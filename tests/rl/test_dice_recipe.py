@@ -61,12 +61,12 @@ def test_dice_presets_say_recipe_dice():
 
 
 def test_reward_options_reach_the_verifier_request():
-  from dice_jax.verifier_client import VerifierClient
+  from dice_jax.verifier_client import ThreadedVerifier
 
   cfg = recipe_lib.apply_recipe(RLConfig(), "dice")
-  client = VerifierClient(["127.0.0.1:1"], options=cfg.verifier.options)
+  client = ThreadedVerifier(["127.0.0.1:1"], options=cfg.verifier.options)
   try:
-    opts = client._client.make_request("t", "ref", "cand").options  # what goes over the wire
+    opts = client.client.make_request("t", "ref", "cand").options  # what goes over the wire
   finally:
     client.close()
   assert (opts.num_correct_trials, opts.strictness, opts.seed, opts.timeout_s) == (

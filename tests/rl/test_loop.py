@@ -133,9 +133,9 @@ def test_run_writes_metrics_samples_and_checkpoints(tmp_path):
   import jax
   from flax import nnx
 
+  from dice_jax import sharding
   from dice_jax.model import Transformer
   from dice_jax.rl.loop import restore_run_params
-  from dice_jax import sharding
 
   model, mcfg, tok_dir = restore_run_params(str(tmp_path), sharding.make_mesh())
   assert tok_dir == str(tmp_path / "tokenizer") and mcfg.vocab_size == 264
@@ -170,7 +170,7 @@ def test_loop_against_the_real_cpu_verifier(tmp_path):
   pytest.importorskip("torch", reason="the verifier service needs torch")
   from dice_jax.rl.loop import run_rl
   from dice_jax.train.metrics import read_metrics
-  from verifier.local import LocalVerifier
+  from verifier.serve.local import LocalVerifier
 
   cfg = small_config(
     judge="verifier",

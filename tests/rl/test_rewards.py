@@ -4,27 +4,27 @@ failure, faster correct kernels higher)."""
 import pytest
 
 from dice_jax.rl import rewards
-from dice_jax.verifier_client import VerifyOutcome
+from verifier.api.contract import FailureKind, VerifyResult
 
 
-def _outcome(compiled=True, correct=True, deceptive=False, speedup=0.0, kind="ok"):
-  return VerifyOutcome(
+def _outcome(compiled=True, correct=True, deceptive=False, speedup=0.0, kind="OK"):
+  return VerifyResult(
     request_id="r",
     task_id="t",
     compiled=compiled,
     correct=correct,
     deceptive=deceptive,
     reward=0.0,
-    failure_kind=kind,
+    failure_kind=FailureKind(kind),
     speedup=speedup,
   )
 
 
 FAILURES = [
-  _outcome(compiled=False, correct=False, kind="compile_error"),
-  _outcome(correct=False, kind="wrong_output", speedup=0.0),
-  _outcome(correct=True, deceptive=True, kind="torch_compute", speedup=50.0),
-  _outcome(compiled=False, correct=False, kind="no_code"),
+  _outcome(compiled=False, correct=False, kind="COMPILE_ERROR"),
+  _outcome(correct=False, kind="WRONG_OUTPUT", speedup=0.0),
+  _outcome(correct=True, deceptive=True, kind="TORCH_COMPUTE", speedup=50.0),
+  _outcome(compiled=False, correct=False, kind="NO_CODE"),
 ]
 
 

@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dice_jax.data import prompts
+from dice_jax.data import byte_tokenizer, prompts
 from dice_jax.data.rl_stream import RLStreamConfig, make_rl_stream, next_step
 from dice_jax.data.tasks import KernelTask
 from dice_jax.data.tokenizer import Tokenizer
 from dice_jax.diffusion.sampler import SamplerConfig
 from dice_jax.model import Transformer, get_config
 from dice_jax.rl import rewards, rollout
-from dice_jax.data import byte_tokenizer
 
 
 @pytest.fixture(scope="module")

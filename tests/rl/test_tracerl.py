@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dice_jax import sharding
 from dice_jax.diffusion import sampler, trace
 from dice_jax.model.config import get_config
 from dice_jax.model.transformer import Transformer
 from dice_jax.rl import tracerl
 from dice_jax.rl.trajectory import Trajectory, from_sample_output
-from dice_jax import sharding
 from dice_jax.train import optimizer
 from dice_jax.train import train_step as ts
 

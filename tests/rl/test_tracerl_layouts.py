@@ -10,11 +10,11 @@ import optax
 import pytest
 from flax import nnx
 
+from dice_jax import sharding
 from dice_jax.model.config import get_config
 from dice_jax.model.transformer import Transformer
 from dice_jax.rl import tracerl
 from dice_jax.rl.trajectory import Trajectory
-from dice_jax import sharding
 from dice_jax.train import train_step as ts
 
 B = 4

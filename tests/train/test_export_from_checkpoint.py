@@ -5,11 +5,11 @@ import pathlib
 
 import numpy as np
 
-from dice_jax.hf.safetensors_io import SafetensorsFile
-from dice_jax.train.config import SFTConfig
-from dice_jax.train.checkpoint import restore_model
-from dice_jax.train.loop import run_sft
 from dice_jax.hf.checkpoint import export_hf
+from dice_jax.hf.safetensors_io import SafetensorsFile
+from dice_jax.train.checkpoint import restore_model
+from dice_jax.train.config import SFTConfig
+from dice_jax.train.loop import run_sft
 
 PAIRS = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "demo_data" / "pairs.jsonl"
 

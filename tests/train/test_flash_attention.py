@@ -5,12 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dice_jax import sharding
 from dice_jax.model import flash_bd, masks
 from dice_jax.model.transformer import Transformer, dense_attention
-
 
 from ._helpers import packed_batch
 

@@ -2,10 +2,9 @@
 model (head width 128, the TPU lane width) export for TPU from this CPU host, on a mesh of 8 fake
 devices with fsdp and tensor axes and abstract shapes, with the Pallas TPU kernels inside."""
 
-from dice_jax import sharding
+from dice_jax import sharding, tpu_lowering
 from dice_jax.diffusion.sampler import SamplerConfig
 from dice_jax.model.config import get_config
-from dice_jax import tpu_lowering
 
 
 def _mesh_and_config():

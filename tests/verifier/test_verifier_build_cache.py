@@ -4,7 +4,7 @@ evicted above a size cap without touching recent entries, temporary builds or pr
 import os
 import time
 
-from verifier import build_cache
+from verifier.build import build_cache
 
 KB = 1024
 
@@ -68,9 +68,9 @@ def test_a_cache_hit_makes_an_entry_recently_used(tmp_path):
 def test_service_trims_the_cache_every_32_new_builds(tmp_path):
   import asyncio
 
-  from verifier.build_stage import BuildOutcome
-  from verifier.contract import FailureKind
-  from verifier.service import ServiceConfig, VerifierService
+  from verifier.api.contract import FailureKind
+  from verifier.build.build_stage import BuildOutcome
+  from verifier.serve.service import ServiceConfig, VerifierService
 
   old = _entry(tmp_path, "d" * 32, 100 * KB, age_s=7200)
   svc = VerifierService(

@@ -1,4 +1,4 @@
-"""The compile worker's allow-list for load_inline arguments (verifier.build_request): the flags real
+"""The compile worker's allow-list for load_inline arguments (verifier.build.build_request): the flags real
 kernels use pass, flags that run code or move the tools are refused with their name."""
 
 import ast
@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from verifier.build_request import BuildRefused, check
+from verifier.build.build_request import BuildRefused, check
 
 PROMPT_EXAMPLE = (
   pathlib.Path(__file__).parents[2] / "dice_jax" / "data" / "templates" / "model_new_ex_add.py.txt"

@@ -10,18 +10,20 @@ torch = pytest.importorskip("torch")
 import verifier_cases as cases  # noqa: E402
 import verifier_gpu_cases as g  # noqa: E402
 
-from verifier import reward, wire  # noqa: E402
-from verifier.build_cache import build_key, fast_variant  # noqa: E402
-from verifier.contract import (
+from verifier.api import wire  # noqa: E402
+from verifier.api.contract import (
   FailureKind,
+  Runtime,
   Strictness,
   VerifyOptions,
   VerifyRequest,
   VerifyResult,
-  Runtime,
 )  # noqa: E402
-from verifier.correctness import compare_outputs, mutated, poison  # noqa: E402
-from verifier.static_check import check_candidate  # noqa: E402
+from verifier.build.build_cache import build_key, fast_variant  # noqa: E402
+from verifier.check.correctness import compare_outputs, mutated  # noqa: E402
+from verifier.ipc.tensors import poison  # noqa: E402
+from verifier.serve import reward  # noqa: E402
+from verifier.static.static_check import check_candidate  # noqa: E402
 
 STRICT = Strictness.preset("strict")
 KB = Strictness.preset("kernelbench")
@@ -182,7 +184,7 @@ def test_wire_round_trip_and_defaults():
   )
   back = wire.request_from_proto(wire.request_to_proto(req), "cuda")
   assert back == req  # atol=0.0 survives: options are proto3 optional
-  from verifier.proto import verifier_pb2 as pb
+  from verifier.api.proto import verifier_pb2 as pb
 
   defaulted = wire.request_from_proto(
     pb.VerifyRequest(request_id="x", reference_source="a", candidate_source="b"), "cpu"
@@ -264,7 +266,7 @@ def test_build_key_and_fast_variant():
 
 
 def test_chunked_comparison_matches_whole_tensor_rules(monkeypatch):
-  from verifier import correctness
+  from verifier.check import correctness
 
   monkeypatch.setattr(correctness, "CHUNK", 7)
   ref = torch.linspace(-3, 3, 100)
@@ -295,7 +297,7 @@ def test_mutation_check_is_nan_safe():
 
 
 def test_poison_spares_outputs_that_alias_model_state():
-  from verifier.correctness import storages_of
+  from verifier.ipc.tensors import storages_of
 
   lin = torch.nn.Linear(3, 3)
   keep = storages_of(lin)
@@ -306,7 +308,7 @@ def test_poison_spares_outputs_that_alias_model_state():
 def test_slots_let_a_waiting_exclusive_run_go_first():
   import asyncio
 
-  from verifier.pool import Slots
+  from verifier.sandbox.pool import Slots
 
   async def go():
     slots, order = Slots(2), []
@@ -435,7 +437,9 @@ STATIC_HOLES = [
     "torch.utils.cpp_extension.load(",
   ),
   (
-    cases.GOOD.replace("import torch\n", "import verifier.candidate_main\nimport torch\n", 1),
+    cases.GOOD.replace(
+      "import torch\n", "import verifier.candidate.candidate_main\nimport torch\n", 1
+    ),
     FailureKind.FORBIDDEN_IMPORT,
     "import verifier",
   ),

@@ -20,9 +20,9 @@ torch = pytest.importorskip("torch")
 import verifier_hole_cases as holes  # noqa: E402
 from verifier_loop import cpu_service  # noqa: E402
 
-from verifier import artefact_check  # noqa: E402
-from verifier.contract import FailureKind, Strictness, VerifyOptions, VerifyRequest  # noqa: E402
-from verifier.static_check import check_candidate  # noqa: E402
+from verifier.api.contract import FailureKind, Strictness, VerifyOptions, VerifyRequest  # noqa: E402
+from verifier.build import artefact_check  # noqa: E402
+from verifier.static.static_check import check_candidate  # noqa: E402
 
 STRICT = Strictness.preset("strict")
 TIMED = VerifyOptions(
@@ -120,7 +120,8 @@ def test_a_candidate_clock_replaced_through_a_setattr_alias_does_not_count(servi
 
 def test_outputs_are_compared_from_a_private_copy():
   # Read in 0063b19's code: on CPU the checker compared outputs in place, in memory the candidate maps.
-  from verifier import checker, exchange
+  from verifier.check import checker
+  from verifier.ipc import exchange
 
   buffers = exchange.BufferSet(torch.device("cpu"), False)
   view = buffers.take(16).view(exchange.TensorRef(1, "float32", (4,), (1,)))
@@ -232,15 +233,15 @@ def test_asking_whether_the_profiler_is_on_is_refused():
 
 
 def test_the_evidence_collector_is_bound_before_candidate_code():
-  from verifier import candidate_main, runtime_check
+  from verifier.candidate import candidate_main, evidence
 
   rt = candidate_main.CandidateRuntime(None, "cpu", "/nonexistent")
-  real = runtime_check.collect_evidence
-  runtime_check.collect_evidence = lambda *a: (None, None)  # what a candidate reaching it would do
+  real = evidence.collect_evidence
+  evidence.collect_evidence = lambda *a: (None, None)  # what a candidate reaching it would do
   try:
     assert rt.collect_evidence is real
   finally:
-    runtime_check.collect_evidence = real
+    evidence.collect_evidence = real
 
 
 OMP = PLAIN.replace(

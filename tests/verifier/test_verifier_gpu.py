@@ -20,8 +20,8 @@ torch = pytest.importorskip("torch")
 import verifier_gpu_cases as g  # noqa: E402
 from verifier_loop import BackgroundLoop  # noqa: E402
 
-from verifier.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
-from verifier.service import ServiceConfig, VerifierService, default_compile_workers  # noqa: E402
+from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
+from verifier.serve.service import ServiceConfig, VerifierService, default_compile_workers  # noqa: E402
 
 pytestmark = [
   pytest.mark.gpu,
@@ -286,7 +286,7 @@ torch::Tensor twice(torch::Tensor x) {
 def test_split_build_on_lean_torch_headers_falls_back_to_extension_h(tmp_path, lean):
   from torch.utils.cpp_extension import load_inline
 
-  from verifier.build_cache import CachedLoadInline
+  from verifier.build.build_cache import CachedLoadInline
 
   cache = CachedLoadInline(load_inline, str(tmp_path), split=True, use_pch=False)
   module = cache(

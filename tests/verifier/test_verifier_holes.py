@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 import verifier_hole_cases as holes  # noqa: E402
 from verifier_loop import cpu_service  # noqa: E402
 
-from verifier.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
+from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
 
 OPTS = VerifyOptions(device="cpu", timeout_s=60, num_correct_trials=2, strictness="off")
 
@@ -307,7 +307,7 @@ def test_killed_from_outside_is_retried_and_never_blamed_on_the_candidate(servic
 
 
 def test_each_request_logs_one_info_line(service, caplog):
-  with caplog.at_level(logging.INFO, logger="verifier.service"):
+  with caplog.at_level(logging.INFO, logger="verifier.serve.service"):
     (r,) = _verify(service, _req("logged-once", holes.GOOD + "\n# logged\n"))
   lines = [rec.getMessage() for rec in caplog.records if "logged-once" in rec.getMessage()]
   assert r.reward == 1.0 and len(lines) == 1

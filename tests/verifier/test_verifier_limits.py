@@ -22,8 +22,8 @@ torch = pytest.importorskip("torch")
 import verifier_hole_cases as holes  # noqa: E402
 from verifier_loop import cpu_service  # noqa: E402
 
-from verifier import confine, sandbox  # noqa: E402
-from verifier.contract import LOG_LIMIT, FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
+from verifier.api.contract import LOG_LIMIT, FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
+from verifier.sandbox import confine, sandbox  # noqa: E402
 
 OPTS = VerifyOptions(device="cpu", timeout_s=60, num_correct_trials=2, strictness="off")
 MEM_MB, SCRATCH_MB, MAX_PROCESSES = 2048, 64, 64
@@ -278,6 +278,17 @@ def test_assembler_cannot_include_a_repository_file(service):
   assert REPO_MARKER not in res.logs + res.reason
 
 
+def _module_file(name: str) -> str | None:
+  """The source file of verifier module or package ``name``, or None."""
+  base = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(confine.__file__))), *name.split(".")
+  )
+  for path in (base + ".py", os.path.join(base, "__init__.py")):
+    if os.path.exists(path):
+      return path
+  return None
+
+
 def _verifier_imports(path: str) -> set[str]:
   """The ``verifier`` modules a source file imports, at module level or inside functions."""
   import ast
@@ -287,29 +298,30 @@ def _verifier_imports(path: str) -> set[str]:
     if isinstance(node, ast.Import):
       out |= {a.name for a in node.names if a.name.startswith("verifier.")}
     elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("verifier"):
-      if node.module == "verifier":
-        out |= {f"verifier.{a.name}" for a in node.names}
-      else:
-        out.add(node.module)
-  root = os.path.dirname(os.path.dirname(confine.__file__))
-  return {m for m in out if os.path.exists(os.path.join(root, *m.split(".")) + ".py")}
+      out.add(node.module)
+      out |= {f"{node.module}.{a.name}" for a in node.names}  # `from verifier.ipc import exchange`
+  return {m for m in out if _module_file(m)}
 
 
 def test_worker_code_is_imported_before_workers_lose_the_repository():
   """Confined workers cannot read the repository, so every verifier module the worker code imports,
   even lazily inside a function (exchange -> cuda_driver on a GPU), is imported by the fork server."""
   code = (
-    "import importlib, sys\nfrom verifier import zygote\n"
+    "import importlib, sys\nfrom verifier.candidate import zygote\n"
     "for m in zygote.WORKER_MODULES: importlib.import_module(m)\n"
     "print(' '.join(k for k in sys.modules if k.startswith('verifier.')))"
   )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   loaded = set(out.stdout.split())
-  assert {"verifier.candidate_main", "verifier.build_main", "verifier.cuda_driver"} <= loaded
+  assert {
+    "verifier.candidate.candidate_main",
+    "verifier.build.build_main",
+    "verifier.ipc.cuda_driver",
+  } <= loaded
   missing = set()
   for name in loaded:
-    path = (
-      os.path.join(os.path.dirname(os.path.dirname(confine.__file__)), *name.split(".")) + ".py"
+    path = _module_file(name)
+    missing |= (
+      {(name, dep) for dep in _verifier_imports(path) if dep not in loaded} if path else set()
     )
-    missing |= {(name, dep) for dep in _verifier_imports(path) if dep not in loaded}
   assert not missing, missing

@@ -24,10 +24,10 @@ torch = pytest.importorskip("torch")
 import verifier_cases as cases  # noqa: E402
 from test_verifier_server_cpu import TOKEN, _ServerThread  # noqa: E402
 
-from verifier.client import VerifierClient  # noqa: E402
-from verifier.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
-from verifier.proto import health_pb2, health_pb2_grpc  # noqa: E402
-from verifier.service import ServiceConfig  # noqa: E402
+from verifier.api.client import RetryPolicy, VerifierClient  # noqa: E402
+from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
+from verifier.api.proto import health_pb2, health_pb2_grpc  # noqa: E402
+from verifier.serve.service import ServiceConfig  # noqa: E402
 
 OFF = VerifyOptions(device="cpu", timeout_s=15, num_correct_trials=2, strictness="off")
 HOSTILE_TIMEOUT_S = 3.0
@@ -138,7 +138,9 @@ def _req(rid: str, source: str, **opts) -> VerifyRequest:
 
 
 async def _client(server) -> VerifierClient:
-  return VerifierClient([f"127.0.0.1:{server.port}"], token=TOKEN, deadline_s=120, retries=0)
+  return VerifierClient(
+    [f"127.0.0.1:{server.port}"], token=TOKEN, retry=RetryPolicy(call_timeout_s=120, max_attempts=1)
+  )
 
 
 def _verify_all(server, *requests):

@@ -1,4 +1,4 @@
-"""The precompiled torch header for main.cpp (verifier/pch.py): built from a real build's flags, checked by
+"""The precompiled torch header for main.cpp (verifier/build/pch.py): built from a real build's flags, checked by
 g++ itself, then used by later builds that still give a working extension."""
 
 import asyncio
@@ -11,10 +11,10 @@ torch = pytest.importorskip("torch")
 
 import verifier_cases as cases  # noqa: E402
 
-from verifier import pch  # noqa: E402
-from verifier.build_cache import CachedLoadInline, toolchain_signature  # noqa: E402
-from verifier.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
-from verifier.service import ServiceConfig, VerifierService  # noqa: E402
+from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
+from verifier.build import pch  # noqa: E402
+from verifier.build.build_cache import CachedLoadInline, toolchain_signature  # noqa: E402
+from verifier.serve.service import ServiceConfig, VerifierService  # noqa: E402
 
 SOURCE = r"""
 torch::Tensor twice_{tag}(torch::Tensor x) {{
@@ -152,8 +152,8 @@ def test_the_service_warms_the_pch_of_flagless_builds_before_any_request(tmp_pat
 
 
 def test_the_lean_and_the_full_torch_headers_get_their_own_pch(tmp_path):
-  from verifier.build_cache import _leading_torch_includes
-  from verifier.split_build import LEAN_TORCH_INCLUDES, split_variant
+  from verifier.build.build_cache import _leading_torch_includes
+  from verifier.build.split_build import LEAN_TORCH_INCLUDES, split_variant
 
   cuda = "#include <torch/extension.h>\n__global__ void k(float* p) { p[0] = 1; }\n" + (
     "torch::Tensor f(torch::Tensor x) { k<<<1, 1>>>(x.data_ptr<float>()); return x; }\n"

@@ -12,10 +12,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from verifier import confine, exchange, timing  # noqa: E402
-from verifier.channel import Channel, ChannelClosed, ProtocolError  # noqa: E402
-from verifier.contract import FailureKind, VerifyOptions, VerifyRequest, VerifyResult  # noqa: E402
-from verifier.records import (  # noqa: E402
+from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest, VerifyResult  # noqa: E402
+from verifier.build.single_flight import SingleFlight  # noqa: E402
+from verifier.check import timing  # noqa: E402
+from verifier.ipc import exchange  # noqa: E402
+from verifier.ipc.channel import Channel, ChannelClosed, ProtocolError  # noqa: E402
+from verifier.ipc.records import (  # noqa: E402
   BufferRef,
   CandidateFailure,
   CandidateJob,
@@ -32,8 +34,8 @@ from verifier.records import (  # noqa: E402
   from_wire,
   to_wire,
 )
-from verifier.request_table import IdReused, RequestTable  # noqa: E402
-from verifier.single_flight import SingleFlight  # noqa: E402
+from verifier.sandbox import confine  # noqa: E402
+from verifier.serve.request_table import IdReused, RequestTable  # noqa: E402
 
 
 def test_records_round_trip_and_reject_wrong_fields():
@@ -130,8 +132,8 @@ class ModelNew(torch.nn.Module):
 
 _CANDIDATE_MAIN = """
 import socket, sys
-from verifier import candidate_main
-from verifier.channel import Channel
+from verifier.candidate import candidate_main
+from verifier.ipc.channel import Channel
 candidate_main.run(Channel(socket.socket(fileno=int(sys.argv[1]))), "cpu", sys.argv[2])
 """
 
@@ -186,7 +188,7 @@ def _load_and_forward(checker, tmp_path, source, x):
 def test_candidate_maps_the_first_forwards_buffers_while_it_loads_and_runs_on_them(tmp_path):
   """The checker's side by hand: the first forward's buffers go with the job (prefetched), the forward
   runs on the checker's buffers themselves, and the reply splits the exchange work from the forward."""
-  from verifier import candidate_main
+  from verifier.candidate import candidate_main
 
   x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
   with _candidate_process(tmp_path) as checker:
@@ -284,7 +286,7 @@ def test_a_candidate_runtime_is_the_checkers_round_trips_less_the_calibrated_exc
 
 CONFINED = r"""
 import os, sys
-from verifier import confine
+from verifier.sandbox import confine
 scratch = sys.argv[1]
 notes = confine.isolate_network()
 notes += confine.enter_pid_namespace()
@@ -331,7 +333,7 @@ def test_confinement_layers_on_this_kernel(tmp_path):
 
 NO_SOCKETS = """
 import socket, subprocess, sys, threading
-from verifier import confine
+from verifier.sandbox import confine
 a, b = socket.socketpair()
 started, results = threading.Event(), []
 def other():
@@ -390,8 +392,8 @@ def test_socket_filter_program_jumps_land_on_allow_and_deny():
 
 
 def test_pool_steps_down_confinement_when_workers_cannot_start_and_says_so(tmp_path):
-  from verifier.pool import CONFINEMENT_LEVELS, PoolConfig, WorkerPool
-  from verifier.sandbox import WorkerStartError
+  from verifier.sandbox.pool import CONFINEMENT_LEVELS, PoolConfig, WorkerPool
+  from verifier.sandbox.sandbox import WorkerStartError
 
   class Worker:
     def __init__(self, ok):
@@ -429,7 +431,7 @@ def test_fork_server_imports_keep_torch_from_initialising_cuda():
   CUDA); the fork server answers the probe itself during its imports and restores it after."""
   import torch
 
-  from verifier import zygote
+  from verifier.candidate import zygote
 
   real = torch.cuda.is_available
   with zygote.no_cuda_probe():

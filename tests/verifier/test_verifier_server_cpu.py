@@ -22,10 +22,10 @@ torch = pytest.importorskip("torch")
 import verifier_cases as cases  # noqa: E402
 from verifier_loop import BackgroundLoop  # noqa: E402
 
-from verifier.client import VerifierClient  # noqa: E402
-from verifier.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
-from verifier.server import VerifierServer, is_loopback  # noqa: E402
-from verifier.service import ServiceConfig, VerifierService  # noqa: E402
+from verifier.api.client import RetryPolicy, VerifierClient  # noqa: E402
+from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
+from verifier.serve.server import VerifierServer, is_loopback  # noqa: E402
+from verifier.serve.service import ServiceConfig, VerifierService  # noqa: E402
 
 TOKEN = "test-token-123"
 # timeout_s bounds the cold torch-header build too (issue 24): 40-160 s on a loaded 2-core box
@@ -70,7 +70,9 @@ def server(tmp_path_factory):
 def _verify(server, *requests, token=TOKEN, retries=1):
   async def go():
     client = VerifierClient(
-      [f"127.0.0.1:{server.port}"], token=token, deadline_s=600, retries=retries, backoff_s=0.05
+      [f"127.0.0.1:{server.port}"],
+      token=token,
+      retry=RetryPolicy(call_timeout_s=600, max_attempts=retries + 1, initial_backoff_s=0.05),
     )
     try:
       return await client.verify_batch(list(requests))
@@ -285,7 +287,7 @@ def test_candidate_has_no_network(server):
 
 
 def test_worker_environment_is_scrubbed(monkeypatch, tmp_path):
-  from verifier.sandbox import scrubbed_env
+  from verifier.sandbox.sandbox import scrubbed_env
 
   monkeypatch.setenv("VERIFIER_TOKEN", "secret-token")
   monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret")
@@ -334,7 +336,8 @@ def test_client_without_reachable_endpoint_reports_failure_after_retries():
     port = s.getsockname()[1]  # closed again: nothing listens there
 
   async def go():
-    client = VerifierClient([f"127.0.0.1:{port}"], deadline_s=2, retries=1, backoff_s=0.01)
+    retry = RetryPolicy(call_timeout_s=2, max_attempts=2, initial_backoff_s=0.01)
+    client = VerifierClient([f"127.0.0.1:{port}"], retry=retry)
     try:
       return await client.verify(_req("unreachable", cases.GOOD))
     finally:
@@ -371,8 +374,9 @@ def test_client_balances_over_endpoints_by_outstanding_requests():
     try:
       a, b, c = client.endpoints
       a.outstanding, b.outstanding, c.outstanding = 2, 0, 1
-      first = client._pick(None)
-      retry = client._pick(b)  # a retry avoids the endpoint that just failed
+      first = await client._pick(time.monotonic(), "r", "t")
+      b.mark_failed("UNAVAILABLE: test", client.retry, b.epoch)  # down until its backoff passes
+      retry = await client._pick(time.monotonic(), "r", "t")  # a retry avoids it
       return first is b, retry is c
     finally:
       await client.close()
@@ -426,7 +430,7 @@ def _self_signed(tmp_path):
 def test_tls_serves_with_the_token_and_refuses_plaintext(tmp_path):
   if shutil.which("openssl") is None:
     pytest.skip("openssl is needed to make a test certificate")
-  from verifier.server import TlsFiles
+  from verifier.serve.server import TlsFiles
 
   cert, key = _self_signed(tmp_path)
   cfg = ServiceConfig(
@@ -445,8 +449,7 @@ def test_tls_serves_with_the_token_and_refuses_plaintext(tmp_path):
     client = VerifierClient(
       [f"127.0.0.1:{port}"],
       token=TOKEN,
-      retries=0,
-      deadline_s=20,
+      retry=RetryPolicy(call_timeout_s=20, max_attempts=1),
       root_certificates=cert.read_bytes() if tls else None,
     )
     try:
@@ -485,6 +488,6 @@ def test_port_in_use_fails_at_once_with_one_line_and_leaves_nothing(tmp_path):
 
 
 def test_memory_limit_defaults_to_what_the_host_has():
-  from verifier.service import host_memory_mb
+  from verifier.serve.service import host_memory_mb
 
   assert 1024 <= ServiceConfig().mem_mb <= host_memory_mb()

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from verifier.split_build import split_sources, split_variant, top_level_chunks
+from verifier.build.split_build import split_sources, split_variant, top_level_chunks
 
 CUDA = r"""
 #include <torch/extension.h>
@@ -109,7 +109,7 @@ def test_device_half_compiles_without_torch_headers(tmp_path):
 
 
 def test_split_host_code_keeps_the_optimisation_level_nvcc_would_give_it():
-  from verifier.split_build import host_opt_level
+  from verifier.build.split_build import host_opt_level
 
   assert host_opt_level(None) == "-O0"
   assert host_opt_level(["--use_fast_math"]) == "-O0"
@@ -129,7 +129,7 @@ def test_split_host_code_keeps_the_optimisation_level_nvcc_would_give_it():
 
 
 def test_lean_split_includes_the_lean_torch_headers_wherever_extension_h_was():
-  from verifier.split_build import LEAN_TORCH_INCLUDES
+  from verifier.build.split_build import LEAN_TORCH_INCLUDES
 
   cpp = "#include <torch/extension.h>\n" + CPP
   full_host, full_device = split_sources(cpp, CUDA)
@@ -148,7 +148,7 @@ def test_lean_split_includes_the_lean_torch_headers_wherever_extension_h_was():
 
 
 def test_a_failed_lean_build_is_retried_with_extension_h_only_when_main_cpp_failed():
-  from verifier.split_build import lean_may_have_failed
+  from verifier.build.split_build import lean_may_have_failed
 
   ninja = "FAILED: main.o\nc++ -MMD ... -c /tmp/b/main.cpp -o main.o\n"
   assert lean_may_have_failed(
@@ -169,7 +169,7 @@ def test_a_failed_lean_build_is_retried_with_extension_h_only_when_main_cpp_fail
 def test_host_code_gets_cuda_min_max_with_nvcc_semantics(tmp_path):
   """A launch wrapper's ``min(256, n)`` compiled under nvcc before the split; g++ has no such overloads, so
   the host half carries CUDA's (crt/math_functions.hpp), which beat std::min as CUDA's do."""
-  from verifier.split_build import CUDA_HOST_MIN_MAX
+  from verifier.build.split_build import CUDA_HOST_MIN_MAX
 
   host, _ = split_sources(CPP, CUDA)
   assert CUDA_HOST_MIN_MAX in host

@@ -15,12 +15,11 @@ import sys
 import time
 
 import pytest
-
 import verifier_cases as cases
 import verifier_gpu_cases as g
 
-from verifier.contract import FailureKind, Strictness
-from verifier.static_check import (
+from verifier.api.contract import FailureKind, Strictness
+from verifier.static.static_check import (
   LIMITS,
   MAX_ALIAS_PARTS,
   MAX_ALIAS_VALUES,
@@ -28,7 +27,7 @@ from verifier.static_check import (
   _bindings,
   check_candidate,
 )
-from verifier.static_worker import StaticCheckPool, StaticWorkerLost
+from verifier.static.static_worker import StaticCheckPool, StaticWorkerLost
 
 STRICT = Strictness.preset("strict")
 PER_INPUT_BOUND_S = 5.0  # half the service's deadline (10 s); most inputs take milliseconds
@@ -59,8 +58,8 @@ def test_self_extending_or_cyclic_aliases_get_a_verdict_at_once(name):
   source = ALIAS_STALLS[name] + MODEL
   code = (
     "import json, sys\n"
-    "from verifier.static_check import check_candidate\n"
-    "from verifier.contract import Strictness\n"
+    "from verifier.static.static_check import check_candidate\n"
+    "from verifier.api.contract import Strictness\n"
     "v = check_candidate(sys.stdin.read(), Strictness.preset('strict'), 'cuda')\n"
     "print(json.dumps([v.kind.value, v.reason]))\n"
   )

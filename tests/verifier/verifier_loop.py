@@ -24,7 +24,7 @@ def cpu_service(root, **config):
   """A started CPU verifier service under ``root`` (builds and scratch there; one compile worker, no
   PCH unless ``config`` says otherwise), as ``(loop, service)``; closed afterwards, and no scratch
   directory may be left behind."""
-  from verifier.service import ServiceConfig, VerifierService
+  from verifier.serve.service import ServiceConfig, VerifierService
 
   defaults = dict(
     device="cpu",

@@ -1,0 +1,356 @@
+"""The candidate's process: imports the candidate, builds ``ModelNew`` and runs the forwards the checker asks
+for. It holds nothing of the verdict: no reference, no golden outputs, no comparison, no result file. Its
+only link to the world is the channel to the checker, where every message it sends is untrusted input.
+
+Per request (``records``): ``ProbeRequest`` (can device buffers be mapped here?), ``CandidateJob`` (load;
+``CandidateStarting`` goes out right before the candidate's code first runs),
+``ForwardRequest`` (one forward on the given buffers; outputs copied into the checker's buffers; inputs are
+the buffers themselves where they live on this process's device, so the checker sees any mutation, else
+staged copies written back; ``calibrate`` runs the same exchange with no model, so the checker can
+measure what a round trip costs beside the forward), ``Shutdown``. This process times
+nothing that the verdict uses: the checker times every call on its own clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import threading
+import time
+import traceback
+
+import torch
+
+from verifier.api.contract import FailureKind
+from verifier.build import build_cache
+from verifier.candidate import evidence
+from verifier.ipc import exchange, tensors
+from verifier.ipc.channel import Channel, ChannelClosed
+from verifier.ipc.records import (
+  CandidateFailure,
+  CandidateJob,
+  CandidateStarting,
+  ForwardDone,
+  ForwardRequest,
+  Loaded,
+  OutputSpec,
+  ProbeReply,
+  ProbeRequest,
+  Shutdown,
+)
+
+
+def classify_exception(exc: BaseException, default: FailureKind) -> FailureKind:
+  text = f"{type(exc).__name__}: {exc}"
+  name = type(exc).__name__
+  if (
+    name in ("AcceleratorError", "CudaError")
+    or "CUDA error" in text
+    or "cudaError" in text
+    or "illegal memory access" in text
+    or "device-side assert" in text
+  ):
+    return FailureKind.CUDA_ERROR
+  if (
+    isinstance(exc, MemoryError)
+    or name == "OutOfMemoryError"
+    or "out of memory" in text.lower()
+    or "can't allocate memory" in text
+    or "bad_alloc" in text
+  ):
+    return FailureKind.OUT_OF_MEMORY
+  return default
+
+
+def short(exc: BaseException, limit: int = 4000) -> str:
+  text = f"{type(exc).__name__}: {exc}"
+  return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def set_seed(seed: int) -> None:
+  torch.manual_seed(seed)
+  if torch.cuda.is_available():
+    torch.cuda.manual_seed_all(seed)
+
+
+class _Failed(Exception):
+  def __init__(self, kind: FailureKind, reason: str):
+    super().__init__(reason)
+    self.kind, self.reason = kind, reason
+
+
+class CandidateRuntime:
+  def __init__(self, chan: Channel, device: str, scratch: str):
+    self.chan = chan
+    self.device = torch.device("cuda:0" if device == "cuda" else "cpu")
+    self.scratch = scratch
+    self.buffers: dict[int, exchange.SharedBuffer] = {}
+    self.model = None
+    self.cache: build_cache.CachedLoadInline | None = None
+    # Bound before any candidate code runs: replacing the module attribute later changes nothing here.
+    self.collect_evidence = evidence.collect_evidence
+
+  # ---- messages ---------------------------------------------------------------------------------
+  def serve(self) -> None:
+    handlers = {
+      ProbeRequest: self.probe,
+      CandidateJob: self.load,
+      ForwardRequest: self.forward,
+    }
+    while True:
+      try:
+        msg, fds = self.chan.recv(*handlers, Shutdown, max_fds=exchange_limit())
+      except ChannelClosed:
+        return
+      if isinstance(msg, Shutdown):
+        return
+      try:
+        reply = handlers[type(msg)](msg, fds)
+      except _Failed as f:
+        reply = CandidateFailure(f.kind, f.reason)
+      self.chan.send(reply)
+
+  def _map(self, refs, fds) -> None:
+    _check_announced(refs, fds)
+    for ref, fd in zip(refs, fds):
+      self.buffers[ref.buffer] = exchange.open_buffer(ref, fd)
+
+  def probe(self, req: ProbeRequest, fds) -> ProbeReply:
+    """Before any candidate code: can this process map the checker's device buffers?"""
+    try:
+      self._map([req.probe], fds)
+      value = float(self.buffers[req.probe.buffer].view(req.tensor).float().sum().item())
+      return ProbeReply(value, req.probe.kind)
+    except Exception as e:  # noqa: BLE001 - the checker falls back to host buffers
+      return ProbeReply(0.0, "", short(e, 600))
+
+  def load(self, job: CandidateJob, fds) -> Loaded:
+    """Import the candidate and build ``ModelNew``, while a thread maps the first forward's buffers (a
+    driver call per buffer whose cost grows with its size: hidden behind the load where it can be)."""
+    _check_announced(job.buffers + job.prefetch, fds)
+    n = len(job.buffers)
+    self._map(job.buffers, fds[:n])
+    prefetch = _Prefetch(self, job.prefetch, fds[n:])
+    try:
+      loaded = self._load(job)
+    except BaseException:
+      prefetch.join(quiet=True)  # the candidate's own failure is the verdict
+      raise
+    return dataclasses.replace(loaded, map_wait_s=prefetch.join())
+
+  def _load(self, job: CandidateJob) -> Loaded:
+    if self.device.type == "cuda" and job.gpu_memory_fraction:
+      torch.cuda.set_per_process_memory_fraction(job.gpu_memory_fraction)
+    self.cache = build_cache.install(
+      job.build_root,
+      split=job.split_build,
+      use_pch=job.use_pch,
+      publish=False,
+      scratch=self.scratch,
+    )
+    t0 = time.monotonic()
+    # From here on, whatever happens to this process is the candidate's doing.
+    self.chan.send(CandidateStarting())
+    try:
+      namespace = {"__name__": "candidate", "__builtins__": __builtins__}
+      exec(compile(job.candidate_source, "candidate", "exec"), namespace)
+    except BaseException as e:  # noqa: BLE001 - every failure of candidate code is a verdict
+      raise self._load_failure(e, FailureKind.IMPORT_ERROR, "candidate module raised") from None
+    if "ModelNew" not in namespace:
+      raise _Failed(FailureKind.MISSING_MODEL_NEW, "candidate module defines no ModelNew")
+    try:
+      # Private copies: the model may keep its constructor's tensors.
+      init = [self._on_device(exchange.receive_value(v, self.buffers), True) for v in job.init_args]
+      set_seed(job.seed)
+      with torch.no_grad():
+        self.model = namespace["ModelNew"](*init).to(self.device)
+    except BaseException as e:  # noqa: BLE001
+      raise self._load_failure(e, FailureKind.INIT_ERROR, "ModelNew(*init_inputs) raised") from None
+    events = tuple(self.cache.events)
+    return Loaded(
+      build_events=events,
+      load_s=time.monotonic() - t0,
+      build_cached=bool(events) and all(ev["cached"] for ev in events),
+      device_name=torch.cuda.get_device_name(0) if self.device.type == "cuda" else "cpu",
+    )
+
+  def _load_failure(self, e: BaseException, default: FailureKind, what: str) -> _Failed:
+    failed = [ev for ev in self.cache.events if ev["error"]]
+    if failed:
+      return _Failed(
+        FailureKind.COMPILE_ERROR,
+        f"building extension {failed[0]['name']!r} failed: {failed[0]['error']}",
+      )
+    return _Failed(classify_exception(e, default), f"{what}: {short(e)}")
+
+  def _args(self, values) -> tuple[list, list]:
+    """(the checker's buffer views, the arguments the forward gets): the views themselves where they are on
+    this process's device (no copy; a mutation lands in the checker's buffer), else copies on the device."""
+    views = [exchange.receive_value(v, self.buffers) for v in values]
+    return views, [self._on_device(v) for v in views]
+
+  def _on_device(self, value, copy: bool = False):
+    """``value`` with its tensors on this process's device: copies where they are elsewhere (or
+    ``copy``), else the tensors themselves."""
+    if isinstance(value, torch.Tensor):
+      if copy or value.device != self.device:
+        return value.to(self.device, copy=True)
+      return value
+    if isinstance(value, (list, tuple)):
+      return type(value)(self._on_device(v, copy) for v in value)
+    return value
+
+  def _sync(self) -> float:
+    if self.device.type == "cuda":
+      torch.cuda.synchronize()
+    return time.monotonic()
+
+  def forward(self, req: ForwardRequest, fds) -> ForwardDone:
+    """One forward; ``wall_s`` is the forward alone, ``parts_s`` the exchange work around it here (mapping
+    new buffers, staging inputs, publishing outputs and staged inputs back)."""
+    if self.model is None and not req.calibrate:
+      raise _Failed(FailureKind.RUNTIME_ERROR, "forward requested before the model was loaded")
+    evidence = None
+    try:  # copying the inputs in can fail too (a full GPU): classified like the forward's own errors
+      t_map = time.monotonic()
+      self._map(req.new_buffers, fds)
+      t_stage = time.monotonic()
+      views, args = self._args(req.args)
+      t0 = self._sync()
+      set_seed(req.seed)
+      if req.calibrate:
+        out = _null_outputs(req.outputs, self.device)
+      elif req.profile:
+        evidence, out = self.collect_evidence(
+          lambda: self._call(args), self.device, self.cache.calls
+        )
+      else:
+        out = self._call(args)
+      t1 = self._sync()
+      specs = self._publish(out, req.outputs, args)
+      _copy_back(views, args)
+      t2 = self._sync()
+    except _Failed:
+      raise
+    except BaseException as e:  # noqa: BLE001
+      raise _Failed(
+        classify_exception(e, FailureKind.RUNTIME_ERROR), f"forward raised: {short(e)}"
+      ) from None
+    parts = {"map": t_stage - t_map, "stage_in": t0 - t_stage, "publish": t2 - t1}
+    return ForwardDone(req.call, specs, evidence, t1 - t0, parts)
+
+  def _call(self, args):
+    with torch.no_grad():
+      return self.model(*args)
+
+  def _publish(self, out, targets, args) -> tuple[OutputSpec, ...]:
+    """Describe each output leaf and copy the ones that match an expected tensor into its buffer; then
+    poison the outputs, except those that are the model's state or the forward's own inputs (an input is
+    the checker's buffer: poisoning it would be read as the candidate's mutation)."""
+    specs = []
+    for leaf, target in itertools.zip_longest(tensors.flatten(out), targets):
+      if isinstance(leaf, torch.Tensor):
+        plain = type(leaf) in (torch.Tensor, torch.nn.Parameter)
+        spec = dict(
+          kind="tensor",
+          type_name=type(leaf).__name__,
+          dtype=str(leaf.dtype).removeprefix("torch."),
+          shape=tuple(leaf.shape),
+          device=str(leaf.device),
+          plain=plain,
+        )
+        copied = False
+        if (
+          target is not None
+          and plain
+          and leaf.device == self.device
+          and tuple(leaf.shape) == tuple(target.shape)
+          and spec["dtype"] == target.dtype
+          and target.buffer in self.buffers
+        ):
+          self.buffers[target.buffer].view(target).copy_(leaf.detach())
+          copied = True
+        specs.append(OutputSpec(copied=copied, **spec))
+      elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+        specs.append(OutputSpec(kind="data", type_name=type(leaf).__name__, data=leaf))
+      else:
+        specs.append(OutputSpec(kind="other", type_name=type(leaf).__name__))
+    inputs = {t.untyped_storage().data_ptr() for t in tensors.flatten(args) if torch.is_tensor(t)}
+    model = () if self.model is None else (self.model,)
+    tensors.poison(out, tensors.storages_of(*model) | inputs)
+    return tuple(specs)
+
+
+def _check_announced(refs, fds) -> None:
+  """Refuses descriptors that do not match the buffers announced with them (closing them)."""
+  if len(refs) != len(fds):
+    for fd in fds:
+      os.close(fd)
+    raise _Failed(FailureKind.RUNTIME_ERROR, "buffer descriptors do not match their announcement")
+
+
+class _Prefetch:
+  """Maps buffers on a thread; ``join`` waits for it (returning the seconds waited) and raises its error."""
+
+  def __init__(self, runtime: CandidateRuntime, refs, fds):
+    self.error: BaseException | None = None
+    self.thread = None
+    if refs:
+      self.thread = threading.Thread(target=self._run, args=(runtime, refs, fds), daemon=True)
+      self.thread.start()
+
+  def _run(self, runtime, refs, fds) -> None:
+    try:
+      runtime._map(refs, fds)
+    except BaseException as e:  # noqa: BLE001 - raised again by join
+      self.error = e
+
+  def join(self, quiet: bool = False) -> float:
+    if self.thread is None:
+      return 0.0
+    t0 = time.monotonic()
+    self.thread.join()
+    waited = time.monotonic() - t0
+    if self.error is not None and not quiet:
+      raise _Failed(
+        classify_exception(self.error, FailureKind.RUNTIME_ERROR),
+        f"mapping the first forward's buffers failed: {short(self.error)}",
+      )
+    return waited
+
+
+def _null_outputs(targets, device: torch.device):
+  """What a forward of no model returns: fresh tensors shaped like the expected outputs."""
+  outs = tuple(
+    torch.empty(t.shape, dtype=exchange.dtype_of(t.dtype), device=device)
+    for t in targets
+    if t is not None
+  )
+  return outs[0] if len(outs) == 1 else outs
+
+
+def _copy_back(views: list, args: list) -> None:
+  """Write staged (maybe mutated) copies of the inputs back to the checker's buffers."""
+  for view, arg in zip(views, args):
+    if isinstance(view, torch.Tensor) and isinstance(arg, torch.Tensor):
+      if arg is not view and view.shape == arg.shape:
+        view.copy_(arg)
+    elif isinstance(view, (list, tuple)) and isinstance(arg, (list, tuple)):
+      _copy_back(list(view), list(arg))
+
+
+def exchange_limit() -> int:
+  return exchange.FDS_PER_MESSAGE
+
+
+def run(chan: Channel, device: str, scratch: str) -> None:
+  try:
+    CandidateRuntime(chan, device, scratch).serve()
+  except ChannelClosed:
+    pass
+  except Exception:
+    # Our own failure, or the candidate broke this process (its channel, its descriptors): the log says
+    # why, the worker exits INTERNAL_EXIT, and the service retries only if no candidate code had run.
+    traceback.print_exc()
+    raise

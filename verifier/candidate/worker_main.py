@@ -1,0 +1,118 @@
+"""What runs inside a worker once the fork server (``zygote.py``) has forked it: take the worker's own
+session, environment, scratch directory and log, confine it (``confine.py``), pay the device start-up,
+say ``WorkerReady`` on its channel, then serve one job in its role (``candidate_main`` or ``build_main``)
+and exit. Imports nothing of the parent side (``sandbox``, ``pool``, ``service``).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import socket
+import sys
+import time
+
+from verifier.ipc.channel import Channel, ChannelClosed
+from verifier.ipc.records import INTERNAL_EXIT, ForkRequest, WorkerReady
+from verifier.sandbox import confine
+
+LOG_FILE = "worker.log"
+
+
+class StartupClock:
+  """Where a worker's start-up goes (reported in ``WorkerReady``; BUILD_NOTES, Verifier)."""
+
+  def __init__(self, t0: float | None = None):
+    self.last = time.monotonic() if t0 is None else t0
+    self.phases: dict[str, float] = {}
+
+  def __call__(self, name: str) -> None:
+    now = time.monotonic()
+    self.phases[name], self.last = now - self.last, now
+
+
+def warm_device(device: str, profiler: bool, mark: StartupClock) -> None:
+  """Create the CUDA context (and start the profiler, CUPTI on a GPU) before the job arrives."""
+  import torch
+  from torch.profiler import ProfilerActivity, profile
+
+  activities = [ProfilerActivity.CPU]
+  x = torch.ones(16)
+  if device == "cuda":
+    torch.cuda.init()
+    x = x.cuda()
+    (torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")).sum().item()  # loads cuBLAS
+    torch.cuda.synchronize()
+    activities.append(ProfilerActivity.CUDA)
+    mark("startup_device_context")
+  if profiler:
+    with profile(activities=activities) as prof:
+      (x + 1).sum().item()
+    prof.events()
+    mark("startup_profiler")
+
+
+def _redirect_output(scratch: str) -> None:
+  log = os.open(os.path.join(scratch, LOG_FILE), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+  null = os.open(os.devnull, os.O_RDONLY)
+  os.dup2(null, 0)
+  os.dup2(log, 1)
+  os.dup2(log, 2)
+  os.close(null)
+  os.close(log)
+
+
+def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str], report_fd: int):
+  """In the child the fork server just forked. Never returns."""
+  mark = StartupClock()
+  code = 0
+  try:
+    os.setsid()
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    _redirect_output(req.scratch)
+    confine.close_inherited_fds(keep=(chan_fd, report_fd))
+    confine.die_with_parent()
+    notes = list(base_notes) + confine.enter_pid_namespace(report_fd, child_only=(chan_fd,))
+    faulthandler.enable()
+    os.environ.clear()
+    os.environ.update(req.env)
+    if req.mem_mb > 0 and not (req.role == "candidate" and device == "cuda"):
+      confine.apply_limits(req.mem_mb, limit_address_space=True)
+    spec = confine.SandboxSpec(
+      writable=req.writable,
+      readable=req.readable,
+      mount_namespace=req.mount_namespace,
+      landlock=req.landlock,
+      scratch=req.scratch,
+      scratch_mb=req.scratch_mb,
+    )
+    notes += confine.confine(spec)
+    os.chdir(req.scratch)  # after the remount: the writable bind, not the read-only original
+    mark("startup_fork")
+    chan = Channel(socket.socket(fileno=chan_fd))
+    if req.role == "candidate":
+      warm_device(device, req.warm_profiler, mark)
+    if req.block_sockets:  # after the CUDA context: the driver may open sockets while it starts
+      notes += confine.block_sockets()
+    chan.send(WorkerReady(os.getpid(), dict(mark.phases), tuple(notes), time.monotonic()))
+    if req.role == "candidate":
+      from verifier.candidate import candidate_main
+
+      candidate_main.run(chan, device, req.scratch)
+    else:
+      from verifier.build import build_main
+
+      build_main.run(chan)
+  except ChannelClosed:
+    pass  # the service discarded this worker
+  except BaseException:  # noqa: BLE001 - our own failure: the log says why, the exit status shows it
+    import traceback
+
+    traceback.print_exc()
+    code = INTERNAL_EXIT
+  finally:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip destructors of candidate extensions

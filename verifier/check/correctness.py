@@ -1,0 +1,184 @@
+"""Output comparison and memory hygiene for correctness trials (runs inside a worker).
+
+Rules (KernelBench's ``eval_kernel_against_ref`` plus defences against the hacks of the Sakana "AI CUDA
+Engineer" incident, KernelBench v0.1 and robust-kbench): shapes and dtypes must match; values within
+atol/rtol (``torch.allclose`` semantics); a non-finite candidate value where the reference is finite never
+passes, and where the reference itself is non-finite the candidate must match it exactly; outputs must be
+plain tensors on the reference's device (no lazy subclasses); inputs are cloned per model and checked for
+mutation; freed outputs are poisoned with NaN and the allocator cache emptied, so a no-op kernel cannot
+return a stale reference result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from verifier.api.contract import FailureKind
+from verifier.ipc.tensors import flatten
+
+
+@dataclasses.dataclass
+class Comparison:
+  kind: FailureKind
+  reason: str = ""
+  max_abs_diff: float = 0.0
+  strict_ok: bool = True
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+  """Bitwise view (NaN-safe equality, no copy) for contiguous floating tensors."""
+  if (t.is_floating_point() or t.is_complex()) and t.is_contiguous() and not t.is_complex():
+    return t.view(_SAME_SIZE_INT[t.element_size()])
+  return t
+
+
+def mutated(before: list, after: list) -> str:
+  """Name of the first input the candidate changed, or ''. Compares bits, so NaN inputs compare equal."""
+  for i, (b, a) in enumerate(zip(before, after)):
+    if isinstance(b, torch.Tensor):
+      if a.shape != b.shape or a.dtype != b.dtype:
+        return f"input {i}"
+      if a.is_contiguous() and b.is_contiguous():
+        same = torch.equal(_bits(a), _bits(b))
+      else:
+        same = (
+          torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+          if a.is_floating_point()
+          else torch.equal(a, b)
+        )
+      if not same:
+        return f"input {i}"
+  return ""
+
+
+def _compare_tensor(ref: torch.Tensor, out, atol: float, rtol: float, where: str) -> Comparison:
+  if not isinstance(out, torch.Tensor):
+    return Comparison(
+      FailureKind.SHAPE_MISMATCH, f"{where}: expected a tensor, got {type(out).__name__}"
+    )
+  if type(out) not in (torch.Tensor, torch.nn.Parameter):
+    return Comparison(
+      FailureKind.LAZY_OUTPUT, f"{where}: output is a {type(out).__name__}, not a plain tensor"
+    )
+  if out.device != ref.device:
+    return Comparison(
+      FailureKind.DTYPE_MISMATCH, f"{where}: output on {out.device}, expected {ref.device}"
+    )
+  if out.shape != ref.shape:
+    return Comparison(
+      FailureKind.SHAPE_MISMATCH, f"{where}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    )
+  if out.dtype != ref.dtype:
+    return Comparison(
+      FailureKind.DTYPE_MISMATCH, f"{where}: dtype {out.dtype}, expected {ref.dtype}"
+    )
+  if out.numel() == 0:
+    return Comparison(FailureKind.OK)
+  if not (ref.is_floating_point() or ref.is_complex()):
+    if torch.equal(out, ref):
+      return Comparison(FailureKind.OK)
+    n = int((out != ref).sum())
+    return Comparison(
+      FailureKind.WRONG_OUTPUT,
+      f"{where}: {n} of {ref.numel()} values differ (exact match required)",
+      float("inf"),
+      False,
+    )
+  return _compare_float(ref.detach(), out.detach(), atol, rtol, where)
+
+
+CHUNK = 1 << 26  # elements per comparison chunk: bounds the temporary memory of a check to ~1 GB
+
+
+def _compare_float(
+  ref: torch.Tensor, out: torch.Tensor, atol: float, rtol: float, where: str
+) -> Comparison:
+  """Chunked allclose in float32 (float64 stays float64): level-1 outputs reach billions of elements, and
+  upcasting them whole to float64 ran the GPU out of memory (H200 bench, 2026-11-29)."""
+  from verifier.api.contract import STRICT_TOLERANCE
+
+  work = torch.float64 if ref.dtype == torch.float64 else torch.float32
+  r_all, o_all = ref.reshape(-1), out.reshape(-1)
+  if ref.is_complex():
+    r_all, o_all = torch.view_as_real(r_all).reshape(-1), torch.view_as_real(o_all).reshape(-1)
+  n = r_all.numel()
+  max_abs, n_over, strict_ok, nonfinite_mismatch = 0.0, 0, True, 0
+  for lo in range(0, n, CHUNK):
+    r = r_all[lo : lo + CHUNK].to(work)
+    o = o_all[lo : lo + CHUNK].to(work)
+    r_fin = torch.isfinite(r)
+    bad = int((r_fin & ~torch.isfinite(o)).sum())
+    if bad:
+      return Comparison(
+        FailureKind.NONFINITE_OUTPUT,
+        f"{where}: {bad} NaN/Inf values where the reference is finite",
+        float("inf"),
+        False,
+      )
+    if not bool(r_fin.all()):
+      nf = ~r_fin
+      same_nan = torch.equal(torch.isnan(r[nf]), torch.isnan(o[nf]))
+      same_inf = torch.equal(r[nf & torch.isinf(r)], o[nf & torch.isinf(r)])
+      nonfinite_mismatch += not (same_nan and same_inf)
+      o = torch.where(r_fin, o, r)
+      r = torch.where(r_fin, r, torch.zeros_like(r))
+      o = torch.where(r_fin, o, torch.zeros_like(o))
+    diff = (o - r).abs()
+    scale = r.abs()
+    max_abs = max(max_abs, float(diff.max()))
+    n_over += int((diff > atol + rtol * scale).sum())
+    strict_ok = strict_ok and not bool((diff > STRICT_TOLERANCE + STRICT_TOLERANCE * scale).any())
+    del r, o, diff, scale
+  if nonfinite_mismatch:
+    return Comparison(
+      FailureKind.NONFINITE_OUTPUT,
+      f"{where}: non-finite values do not match the reference's",
+      float("inf"),
+      False,
+    )
+  if n_over:
+    return Comparison(
+      FailureKind.WRONG_OUTPUT,
+      f"{where}: {n_over} of {n} values outside atol={atol} rtol={rtol} (max abs diff {max_abs:.3g})",
+      max_abs,
+      strict_ok,
+    )
+  return Comparison(FailureKind.OK, "", max_abs, strict_ok)
+
+
+def compare_outputs(ref_out, out, atol: float, rtol: float, where: str) -> Comparison:
+  refs, outs = flatten(ref_out), flatten(out)
+  if len(refs) != len(outs):
+    return Comparison(
+      FailureKind.SHAPE_MISMATCH, f"{where}: {len(outs)} outputs, expected {len(refs)}"
+    )
+  worst = Comparison(FailureKind.OK)
+  for i, (r, o) in enumerate(zip(refs, outs)):
+    label = where if len(refs) == 1 else f"{where}, output {i}"
+    if isinstance(r, torch.Tensor):
+      c = _compare_tensor(r, o, atol, rtol, label)
+    elif isinstance(o, torch.Tensor):
+      c = Comparison(
+        FailureKind.SHAPE_MISMATCH, f"{label}: expected {type(r).__name__}, got a tensor"
+      )
+    else:
+      ok = (r == o) or (
+        isinstance(r, float)
+        and isinstance(o, (int, float))
+        and math.isclose(r, o, rel_tol=rtol, abs_tol=atol)
+      )
+      c = Comparison(
+        FailureKind.OK if ok else FailureKind.WRONG_OUTPUT, "" if ok else f"{label}: {o!r} != {r!r}"
+      )
+    if c.kind is not FailureKind.OK:
+      return c
+    worst = Comparison(
+      FailureKind.OK, "", max(worst.max_abs_diff, c.max_abs_diff), worst.strict_ok and c.strict_ok
+    )
+  return worst

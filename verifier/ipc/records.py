@@ -1,0 +1,445 @@
+"""Typed records exchanged between the service, the pools, the checker and the workers.
+
+Every message on a channel (``channel.py``) is one of the frozen dataclasses below, encoded as JSON with its
+type name. Decoding is strict: an unknown type or field, a missing field or a value of the wrong type is a
+``RecordError`` naming it. Messages from a candidate process are untrusted input, so nothing here executes
+or unpickles anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from typing import Any
+
+from verifier.api.contract import FailureKind, Runtime, VerifyOptions
+
+# Exit status of a worker whose own code (not the candidate's) failed: the service retries the job.
+INTERNAL_EXIT = 70
+
+# Kinds a candidate may report about itself (anything else it sends is a protocol violation).
+SELF_REPORTED_KINDS = frozenset(
+  {
+    FailureKind.COMPILE_ERROR,
+    FailureKind.IMPORT_ERROR,
+    FailureKind.MISSING_MODEL_NEW,
+    FailureKind.INIT_ERROR,
+    FailureKind.RUNTIME_ERROR,
+    FailureKind.CUDA_ERROR,
+    FailureKind.OUT_OF_MEMORY,
+  }
+)
+
+
+class RecordError(ValueError):
+  """A message that is not a valid record (names the record and the field)."""
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def record(cls):
+  """Register a frozen dataclass as a wire record (its class name is its type tag)."""
+  cls = dataclasses.dataclass(frozen=True)(cls)
+  _REGISTRY[cls.__name__] = cls
+  return cls
+
+
+def _encode(value: Any) -> Any:
+  if dataclasses.is_dataclass(value):
+    return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+  if isinstance(value, enum.Enum):
+    return value.value
+  if isinstance(value, (list, tuple)):
+    return [_encode(v) for v in value]
+  if isinstance(value, dict):
+    return {str(k): _encode(v) for k, v in value.items()}
+  return value
+
+
+def to_wire(rec: Any) -> dict:
+  """``{"type": <record name>, "body": {...}}`` for a registered record."""
+  name = type(rec).__name__
+  if _REGISTRY.get(name) is not type(rec):
+    raise RecordError(f"{name} is not a registered record")
+  return {"type": name, "body": _encode(rec)}
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+  origin = typing.get_origin(hint)
+  if hint is Any:
+    return value
+  if origin in (typing.Union, types.UnionType):
+    errors = []
+    for option in typing.get_args(hint):
+      try:
+        return _check(value, option, where)
+      except RecordError as e:
+        errors.append(str(e))
+    raise RecordError(f"{where}: {value!r:.80} matches none of {hint}")
+  if hint is type(None):
+    if value is not None:
+      raise RecordError(f"{where}: expected null, got {type(value).__name__}")
+    return None
+  if dataclasses.is_dataclass(hint):
+    return _decode_fields(hint, value, where)
+  if isinstance(hint, type) and issubclass(hint, enum.Enum):
+    try:
+      return hint(value)
+    except ValueError:
+      raise RecordError(f"{where}: {value!r:.80} is not a {hint.__name__}") from None
+  if origin in (tuple, list):
+    if not isinstance(value, list):
+      raise RecordError(f"{where}: expected a list, got {type(value).__name__}")
+    args = typing.get_args(hint)
+    item = args[0] if args else Any
+    items = [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple else items
+  if origin is dict:
+    if not isinstance(value, dict):
+      raise RecordError(f"{where}: expected an object, got {type(value).__name__}")
+    _, vt = typing.get_args(hint) or (str, Any)
+    return {str(k): _check(v, vt, f"{where}.{k}") for k, v in value.items()}
+  if hint is float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise RecordError(f"{where}: expected a number, got {type(value).__name__}")
+    return float(value)
+  if hint is int:
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise RecordError(f"{where}: expected an integer, got {type(value).__name__}")
+    return value
+  if hint in (str, bool):
+    if not isinstance(value, hint):
+      raise RecordError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+    return value
+  raise RecordError(f"{where}: unsupported field type {hint}")
+
+
+def _decode_fields(cls: type, body: Any, where: str):
+  if not isinstance(body, dict):
+    raise RecordError(f"{where}: expected an object for {cls.__name__}")
+  hints = typing.get_type_hints(cls)
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = set(body) - names
+  if unknown:
+    raise RecordError(f"{where}: unknown field(s) {sorted(unknown)} for {cls.__name__}")
+  kw = {}
+  for f in dataclasses.fields(cls):
+    if f.name in body:
+      kw[f.name] = _check(body[f.name], hints[f.name], f"{where}.{f.name}")
+    elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+      raise RecordError(f"{where}: {cls.__name__} needs field {f.name!r}")
+  try:
+    return cls(**kw)
+  except (TypeError, ValueError) as e:
+    raise RecordError(f"{where}: invalid {cls.__name__}: {e}") from None
+
+
+def from_wire(msg: Any, *expected: type):
+  """Decode ``{"type", "body"}``; with ``expected``, the record must be one of those types."""
+  if not isinstance(msg, dict) or set(msg) != {"type", "body"}:
+    raise RecordError("a message must be an object with exactly 'type' and 'body'")
+  cls = _REGISTRY.get(msg["type"]) if isinstance(msg["type"], str) else None
+  if cls is None:
+    raise RecordError(f"unknown record type {msg['type']!r:.80}")
+  if expected and cls not in expected:
+    raise RecordError(f"expected {' or '.join(c.__name__ for c in expected)}, got {cls.__name__}")
+  return _decode_fields(cls, msg["body"], cls.__name__)
+
+
+# ---- values crossing to the candidate ------------------------------------------------------------
+@record
+class TensorRef:
+  """A tensor living in a shared buffer: ``buffer`` id, element type, shape and strides (elements)."""
+
+  buffer: int
+  dtype: str
+  shape: tuple[int, ...]
+  stride: tuple[int, ...]
+  offset: int = 0  # in elements
+
+
+@record
+class BufferRef:
+  """A shared buffer the receiver maps once (its file descriptor travels with the message)."""
+
+  buffer: int
+  nbytes: int
+  kind: str  # "memfd" (host shared memory) or "cuda_vmm" (device memory, POSIX fd handle)
+  map_bytes: int = 0  # device mappings are whole granules
+
+
+@record
+class Value:
+  """One argument or output leaf: a tensor (``tensor``), or plain data (``data``, JSON)."""
+
+  tensor: TensorRef | None = None
+  data: Any = None
+  kind: str = "data"  # "tensor" | "data" | "list" | "tuple" | "dtype"
+  items: tuple[Value, ...] = ()
+
+
+@record
+class OutputSpec:
+  """What a forward returned, leaf by leaf, as reported by the candidate process."""
+
+  kind: str  # "tensor" | "data" | "other"
+  type_name: str = ""
+  dtype: str = ""
+  shape: tuple[int, ...] = ()
+  device: str = ""
+  plain: bool = True  # exactly torch.Tensor (no subclass)
+  data: Any = None
+  copied: bool = False  # written into the checker's output buffer
+
+
+# ---- service <-> candidate worker (start-up) ------------------------------------------------------
+@record
+class WorkerReady:
+  """First message of every worker, sent before any job (and any candidate code)."""
+
+  pid: int
+  startup_phases: dict[str, float]
+  sandbox_notes: tuple[str, ...] = ()
+  ready_at: float = 0.0  # CLOCK_MONOTONIC
+
+
+# ---- checker -> candidate ------------------------------------------------------------------------
+@record
+class CandidateJob:
+  candidate_source: str
+  build_root: str
+  device: str
+  seed: int
+  init_args: tuple[Value, ...]
+  buffers: tuple[BufferRef, ...]  # buffers for tensor init args (fds attached)
+  kernel_names: tuple[str, ...] = ()
+  # the first forward's buffers (fds attached after ``buffers``'), mapped while the candidate loads
+  prefetch: tuple[BufferRef, ...] = ()
+  split_build: bool = True
+  use_pch: bool = True
+  gpu_memory_fraction: float = 0.0
+
+
+@record
+class ProbeRequest:
+  """Before any candidate code runs: map ``probe`` (fd attached) and read ``tensor`` from it."""
+
+  probe: BufferRef
+  tensor: TensorRef
+
+
+@record
+class ForwardRequest:
+  """Run one forward on ``args`` (buffers already filled by the checker) and copy the outputs into ``outputs``."""
+
+  call: int  # index of this forward in the candidate's life (lock-step with the reference)
+  seed: int
+  args: tuple[Value, ...]
+  outputs: tuple[TensorRef | None, ...]  # one per expected output leaf (None: not a tensor)
+  new_buffers: tuple[BufferRef, ...] = ()  # fds attached, in this order
+  profile: bool = False  # collect runtime-check evidence during this forward
+  # before the load only: the exchange without a model (outputs allocated like a forward's), the
+  # checker's measure of what a round trip costs beside the forward itself
+  calibrate: bool = False
+
+
+@record
+class Shutdown:
+  pass
+
+
+# ---- candidate -> checker ------------------------------------------------------------------------
+@record
+class ProbeReply:
+  value: float
+  transport: str  # the transport the candidate could use ("cuda_vmm", "memfd")
+  error: str = ""
+
+
+@record
+class CandidateFailure:
+  """The candidate failed in its own process (it can only report this against itself)."""
+
+  kind: FailureKind
+  reason: str
+
+
+@record
+class CandidateStarting:
+  """The candidate process's last word before it runs candidate code (everything before is the
+  runtime's own work; a failure after it is the candidate's)."""
+
+
+@record
+class Loaded:
+  build_events: tuple[dict[str, Any], ...]
+  load_s: float
+  build_cached: bool
+  device_name: str = ""
+  # how long the load waited for the prefetched buffers' mapping after it ended
+  map_wait_s: float = 0.0
+
+
+@record
+class ProfileEvidence:
+  """Raw runtime-check evidence from one profiled forward (judged in the checker)."""
+
+  extension_calls: int
+  gpu_kernels: dict[str, float]  # kernel name -> device microseconds
+  aten_ops: tuple[str, ...]
+  profiler_error: str = ""
+
+
+# The candidate's split of its exchange work (``ForwardDone.parts_s``), reported as exchange_rt_<part>.
+CANDIDATE_EXCHANGE_PARTS = ("map", "stage_in", "publish")
+
+
+@record
+class ForwardDone:
+  call: int
+  outputs: tuple[OutputSpec, ...]
+  evidence: ProfileEvidence | None = None
+  wall_s: float = 0.0  # the forward alone (call + synchronize), on the candidate's clock
+  # the exchange work around it there, by CANDIDATE_EXCHANGE_PARTS
+  parts_s: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+# ---- service <-> checker -------------------------------------------------------------------------
+@record
+class RunJob:
+  job_id: str
+  reference_source: str
+  candidate_source: str
+  options: VerifyOptions
+  build_root: str
+  kernel_names: tuple[str, ...] = ()
+  baseline: Runtime | None = None  # reference timing measured earlier (service cache)
+  split_build: bool = True
+  use_pch: bool = True
+  gpu_memory_fraction: float = 0.0
+
+
+@record
+class Stage:
+  """Progress of the checker on a job: where it is (``reference``, ``candidate``, ``timing``)."""
+
+  job_id: str
+  name: str
+
+
+@record
+class CheckReport:
+  """The checker's verdict. ``candidate_gone``: the candidate's channel closed mid-check (the service
+  decides whose fault that was from how the process ended and whether ``candidate_started``)."""
+
+  job_id: str
+  kind: FailureKind
+  reason: str = ""
+  compiled: bool = False
+  correct: bool = False
+  strict_correct: bool = False
+  max_abs_diff: float = 0.0
+  candidate: Runtime | None = None
+  baseline: Runtime | None = None
+  baseline_measured: bool = False
+  speedup: float = 0.0
+  ref_peak_bytes: int = 0
+  gpu_total_bytes: int = 0
+  device_name: str = ""
+  build_cached: bool = False
+  stage: str = ""
+  candidate_gone: bool = False
+  candidate_started: bool = False  # the candidate said it starts its code (CandidateStarting)
+  infrastructure: bool = False  # the checker's own device or process failed (not the candidate)
+  device_oom: bool = (
+    False  # a device ran out of memory (maybe a shared GPU over-committed: re-run alone)
+  )
+  reference_stateful: bool = False
+  transport: str = ""
+  phases: dict[str, float] = dataclasses.field(default_factory=dict)
+  warnings: tuple[str, ...] = ()
+
+
+# ---- service <-> build worker --------------------------------------------------------------------
+@record
+class BuildJob:
+  reference_source: str
+  candidate_source: str
+  build_root: str
+  seed: int
+  split_build: bool = True
+  use_pch: bool = True
+  pch_request: dict[str, Any] | None = None  # build a precompiled torch header instead (pch.py)
+  # compile workers: build this one load_inline call (no candidate code runs; build_request.check)
+  compile_request: dict[str, Any] | None = None
+
+
+@record
+class CompileNeeded:
+  """Build worker -> service: the candidate called load_inline with these arguments and the cache has no
+  build of them; the service has a compile worker build and publish them."""
+
+  params: dict[str, Any]
+
+
+@record
+class CompileResult:
+  """Service -> build worker: the trusted compile's event (key, cached, seconds, error, ...)."""
+
+  event: dict[str, Any]
+
+
+@record
+class BuildProgress:
+  """The module imported (its load_inline calls are done): the compile slot can go."""
+
+  build_events: tuple[dict[str, Any], ...]
+
+
+@record
+class BuildReport:
+  kind: FailureKind
+  reason: str = ""
+  build_events: tuple[dict[str, Any], ...] = ()
+  cached: bool = False
+  pch: dict[str, Any] | None = None
+
+
+# ---- service <-> fork server ---------------------------------------------------------------------
+@record
+class ForkRequest:
+  """Fork one worker; its end of a fresh channel socket travels with this message."""
+
+  role: str  # "candidate" | "build" (runs the candidate, cache read-only) | "compile" (runs none)
+  scratch: str
+  env: dict[str, str]
+  writable: tuple[str, ...]
+  readable: tuple[str, ...] = ()
+  mem_mb: int = 0
+  warm_profiler: bool = True
+  mount_namespace: bool = True  # the pool turns these off (with a warning) if workers cannot start
+  landlock: bool = True
+  block_sockets: bool = (
+    True  # seccomp: no socket/socketpair/connect once started (confine.block_sockets)
+  )
+  scratch_mb: int = 0  # the scratch directory's quota (a private tmpfs; 0: none)
+
+
+@record
+class Forked:
+  pid: int  # the waiter left in the fork server's PID namespace (its exit mirrors the worker's)
+  sandbox_pid: int  # the worker, PID 1 of its own namespace (as seen from outside)
+
+
+@record
+class ForkFailed:
+  reason: str
+
+
+@record
+class Exited:
+  pid: int
+  returncode: int  # negative: killed by that signal

@@ -1,0 +1,1 @@
+"""The service: admission, request table, stages, gRPC server, and a local launcher."""

@@ -1,0 +1,211 @@
+"""The run stage of one candidate: a fresh candidate process and a checker, joined for one job.
+
+The service never speaks on the candidate's channel: it hands the socket to the checker, watches the
+candidate process from outside (wall-clock limit, host memory of its whole PID namespace, how it ended)
+and combines that with the checker's report into one ``RunOutcome``. Whose fault an abnormal end was is
+decided here: a limit the service enforced (TIMEOUT, OUT_OF_MEMORY), a signal the candidate raised on
+itself (CRASH), or a kill from outside / a failed checker (infrastructure: retried once by the service,
+then INTERNAL_ERROR). Once the candidate's code has run in the process, the process's own failures are
+the candidate's (issue 24): closing its channel or its exchange descriptors, breaking the runtime so that
+the worker exits with INTERNAL_EXIT, vanishing, or living on after its channel closed all give CRASH; a
+kill that looks external is retried once and is the candidate's if it comes again (``suspect``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import signal
+import time
+
+from verifier.api.contract import FailureKind
+from verifier.ipc.channel import ChannelClosed, ProtocolError
+from verifier.ipc.records import INTERNAL_EXIT, CheckReport, RunJob
+from verifier.sandbox.pool import DevicePool
+from verifier.sandbox.sandbox import ACCOUNTING_NOTE, WorkerStartError, watch_resources
+
+LINGER = "linger"  # the service killed a worker that outlived its channel by LINGER_S
+LINGER_S = 2.0
+# Signals a candidate does not raise by crashing: a kill from outside (an operator, the OOM killer).
+EXTERNAL_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOutcome:
+  kind: FailureKind
+  reason: str
+  report: CheckReport | None
+  logs: str = ""
+  infrastructure: bool = False  # not the candidate's doing: retry once
+  # infrastructure, but the candidate's code had run in the process that died: its own if it comes again
+  suspect: bool = False
+  limit: str = ""  # why the service killed the candidate: "timeout" | "memory" | LINGER | ""
+  startup_wait_s: float = 0.0
+  check_s: float = 0.0  # wall time of the check (the job sent to the checker until its report)
+  startup_phases: dict = dataclasses.field(default_factory=dict)
+  sandbox_notes: tuple[str, ...] = ()
+
+
+def _limit_fate(worker) -> tuple[FailureKind, str, bool] | None:
+  """The verdict for a worker the service killed on a limit ``_fate`` does not know (processes)."""
+  if worker.killed_by == "processes":
+    return FailureKind.RESOURCE_LIMIT, "process limit exceeded; the worker was killed", False
+  return None
+
+
+def _fate(worker, rc: int | None, stage: str, started: bool) -> tuple[FailureKind, str, bool]:
+  """Kind, reason and whether it was infrastructure, for a candidate process that ended mid-check
+  (``started``: after the candidate's code may have run in it)."""
+  if worker.killed_by == "timeout":
+    return (
+      FailureKind.TIMEOUT,
+      f"wall-clock limit hit during {stage or 'start-up'}; the worker was killed",
+      False,
+    )
+  if worker.killed_by == "memory":
+    return FailureKind.OUT_OF_MEMORY, "host memory limit exceeded; the worker was killed", False
+  if rc is not None and rc < 0 and worker.killed_by != LINGER:
+    sig = signal.Signals(-rc)
+    if sig in EXTERNAL_SIGNALS:
+      after = " after the candidate's code ran" if started else ""
+      return (
+        FailureKind.INTERNAL_ERROR,
+        f"the worker was killed from outside ({sig.name}) during {stage}{after}",
+        True,
+      )
+    return FailureKind.CRASH, f"worker killed by {sig.name} during {stage}", False
+  if not started:
+    if worker.killed_by == LINGER:
+      return FailureKind.INTERNAL_ERROR, f"the worker hung during {stage} before the job", True
+    if rc is None:
+      return FailureKind.INTERNAL_ERROR, f"the worker vanished during {stage}", True
+    if rc == INTERNAL_EXIT:
+      return FailureKind.INTERNAL_ERROR, f"the worker's own code failed during {stage}", True
+  return FailureKind.CRASH, _broken_worker(worker, rc, stage), False
+
+
+def _broken_worker(worker, rc: int | None, stage: str) -> str:
+  """Why a candidate's process that ended (or lingered) without finishing the check is the candidate's."""
+  if worker.killed_by == LINGER:
+    return (
+      f"the candidate's process closed its channel during {stage} but did not exit within "
+      f"{LINGER_S:.0f} s; the worker was killed"
+    )
+  if rc is None:
+    return f"the candidate's process vanished during {stage} after its code ran"
+  if rc == INTERNAL_EXIT:
+    return (
+      f"the worker's runtime failed during {stage} after the candidate's code ran (exit status "
+      f"{rc}): the candidate broke its own process (channel, exchange buffers or descriptors)"
+    )
+  return f"worker exited with status {rc} during {stage} without finishing the check"
+
+
+async def _ended(worker) -> int | None:
+  """How the worker ended: ``LINGER_S`` to finish on its own (a crash still unwinding), then the
+  service kills it (``killed_by`` LINGER); its exit status (negative: the signal)."""
+  try:
+    await asyncio.wait_for(worker.wait_exited(), LINGER_S)
+  except asyncio.TimeoutError:
+    worker.kill(LINGER)
+    await worker.wait_exited()
+  return await worker.returncode()
+
+
+async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> RunOutcome:
+  """One attempt: take a worker and a checker, run the check, watch the worker, combine."""
+  opts = job.options
+  await pool.slots.acquire(units)
+  try:
+    t_wait = time.monotonic()
+    try:
+      worker = await pool.candidates.take()
+      ready = await worker.wait_ready(opts.timeout_s + 120)
+    except WorkerStartError as e:
+      if "worker" in locals():
+        worker.discard()
+      return RunOutcome(
+        FailureKind.INTERNAL_ERROR, f"no candidate worker: {e}", None, infrastructure=True
+      )
+    startup_wait = time.monotonic() - t_wait
+    checker = await pool.checkers.take(ref_key)
+    stage = {"name": "start"}
+    healthy = True
+    report = None
+    pool.running[job.job_id] = (worker, checker)
+    t_check = time.monotonic()
+    try:
+      sock = worker.chan.detach()
+      check = asyncio.ensure_future(checker.check(job, sock, lambda name: stage.update(name=name)))
+      watch = asyncio.ensure_future(watch_resources(worker, pool.candidates.limits))
+      done, _ = await asyncio.wait(
+        {check, watch}, timeout=opts.timeout_s, return_when=asyncio.FIRST_COMPLETED
+      )
+      if check not in done:
+        if not done:
+          worker.kill("timeout")
+        try:
+          # The candidate is gone: the checker notices at once, unless it is itself stuck (in reference
+          # code, or a hung device).
+          await asyncio.wait_for(asyncio.shield(check), 30)
+        except asyncio.TimeoutError:
+          pass
+      watch.cancel()
+      report = None
+      checker_error = ""
+      if check.done() and not check.cancelled():
+        try:
+          report = check.result()
+        except (ChannelClosed, ProtocolError, OSError) as e:
+          checker_error = f"{type(e).__name__}: {e}"
+      else:
+        check.cancel()
+        checker_error = f"no report {30} s after the candidate was stopped"
+    finally:
+      pool.running.pop(job.job_id, None)
+      if report is None or report.candidate_gone:
+        rc = await _ended(worker)  # it may still be unwinding a crash: let it finish
+      else:
+        worker.kill()
+        await worker.wait_exited()
+        rc = await worker.returncode()
+      logs = await asyncio.to_thread(worker.read_log)  # written by the candidate: not on the loop
+      worker.discard()
+    if report is None:
+      healthy = False
+      if stage["name"] == "reference":
+        kind, reason, infra = (
+          FailureKind.REFERENCE_ERROR,
+          f"the reference did not finish within {opts.timeout_s:.0f} s",
+          False,
+        )
+      else:
+        kind, reason, infra = FailureKind.INTERNAL_ERROR, f"checker failed: {checker_error}", True
+    elif report.candidate_gone:
+      kind, reason, infra = _limit_fate(worker) or _fate(
+        worker, rc, report.stage, report.candidate_started
+      )
+      if worker.killed_by in ("memory", "processes") and watch.done() and not watch.cancelled():
+        reason = watch.result()  # what the watchdog measured
+    else:
+      kind, reason, infra = report.kind, report.reason, report.infrastructure
+      healthy = not report.infrastructure
+    if not healthy:
+      logs += "\n[checker]\n" + checker.read_log()[-2000:]
+    await pool.checkers.give_back(checker, ref_key, healthy)
+    pool.jobs_done += 1
+    return RunOutcome(
+      kind,
+      reason,
+      report,
+      limit=worker.killed_by,
+      check_s=time.monotonic() - t_check,
+      logs=logs,
+      infrastructure=infra,
+      suspect=infra and bool(report and report.candidate_gone and report.candidate_started),
+      startup_wait_s=startup_wait,
+      startup_phases=dict(ready.startup_phases),
+      sandbox_notes=(*ready.sandbox_notes, *pool.candidates.notes, ACCOUNTING_NOTE),
+    )
+  finally:
+    await pool.slots.release(units)

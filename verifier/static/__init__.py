@@ -1,0 +1,1 @@
+"""The static check of candidate source, run in bounded worker processes."""
