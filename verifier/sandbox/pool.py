@@ -289,6 +289,15 @@ class DevicePool:
     return self.slots.free
 
   async def start(self, ready_timeout_s: float) -> None:
+    """On a GPU the checkers (unconfined, trusted) initialise CUDA before the first confined candidate
+    worker does: the first ``cuInit`` on a fresh host creates the driver's device nodes
+    (``/dev/nvidia-uvm`` through the setuid ``nvidia-modprobe``), which a worker cannot (read-only
+    ``/dev``, no new privileges): its CUDA start failed with error 304 and the pool stepped down to no
+    Landlock (H200, sessions 11 and 12, docs/performance.md)."""
+    if self.cfg.device == "cuda":
+      await self.checkers.start()
+      await self.candidates.warm(ready_timeout_s)
+      return
     await asyncio.gather(self.checkers.start(), self.candidates.warm(ready_timeout_s))
 
   async def close(self) -> None:
