@@ -234,3 +234,69 @@ def choose_plan(
         if plan.estimate["total"] <= limit_bytes:
           return plan, tried
   return None, tried
+
+
+def resolve_update(
+  cfg, model_cfg, limit_bytes: Optional[int], *, param_shards: int = 1, row_shards: int = 1
+):
+  """(`cfg` with `tracerl.layout`, `accum_steps` and `update_remat` concrete, the `UpdatePlan`
+  or None) for an `RLConfig`, checked against `limit_bytes` before anything is sampled.
+
+  What the config sets is kept (`update_remat='auto'` with `model_overrides['remat']` keeps the
+  model's); what it leaves to memory (`layout='auto'`, `accum_steps=0`, `update_remat='auto'`)
+  is the fastest setting that fits (`choose_plan`); with no known limit (CPU) those are today's
+  defaults: packed, one micro-batch, the model's remat. Raises ValueError naming the setting and
+  its estimate against the limit when nothing fits.
+  """
+  t = cfg.tracerl
+  layouts = [t.layout] if t.layout != "auto" else ["packed", "per_round"]
+  if cfg.accum_steps:
+    micro = [cfg.rows_per_update // cfg.accum_steps]
+  else:
+    micro = [m for m in micro_row_options(cfg.rows_per_update) if m % row_shards == 0]
+    micro = micro or [cfg.rows_per_update]
+  if cfg.update_remat != "auto":
+    remats = [cfg.update_remat]
+  elif "remat" in cfg.model_overrides:
+    remats = [remat_policy_name(cfg.model_overrides["remat"])]
+  else:
+    remats = list(REMAT_ORDER)
+  auto = len(layouts) * len(micro) * len(remats) > 1
+  if limit_bytes is None:
+    layouts = layouts[:1]
+    micro = [micro[0] if cfg.accum_steps else cfg.rows_per_update]
+    remats = remats if len(remats) == 1 else [model_cfg.remat_policy]
+  shape = dict(
+    rows_per_update=cfg.rows_per_update,
+    prompt_len=cfg.max_prompt_len + cfg.sampler.block_size,  # + the absolute grid's prompt tail
+    new_tokens=cfg.sampler.max_new_tokens,
+    steps=cfg.sampler.steps,
+    shrink=t.shrink,
+    length_multiple=cfg.length_multiple,
+    logit_chunk=t.logit_chunk,
+    param_shards=param_shards,
+    row_shards=row_shards,
+  )
+  limit = float("inf") if limit_bytes is None else limit_bytes
+  plan, tried = choose_plan(
+    model_cfg, limit, layouts=layouts, micro_rows=micro, remats=remats, **shape
+  )
+  if plan is None:
+    smallest = min(tried, key=lambda p: p.estimate["total"]) if tried else None
+    g = lambda k: smallest.estimate[k] / GIB  # noqa: E731
+    which = "no setting of the update fits" if auto else "the update's setting does not fit"
+    raise ValueError(
+      f"RL update: {which} in device memory ({limit / GIB:.1f} GiB) at prompts of "
+      f"{cfg.max_prompt_len} + {cfg.sampler.max_new_tokens} new tokens; smallest tried: "
+      f"{smallest.describe()} (weights {g('weights'):.1f}, grads {g('grads'):.1f}, optimizer "
+      f"{g('optimizer'):.1f}, residuals {g('residuals'):.1f}, working {g('working'):.1f}). "
+      f"Set tracerl.layout / accum_steps / update_remat to 'auto' / 0 / 'auto', or use fewer "
+      f"max_new_tokens, a smaller max_prompt_len or more devices (mesh_fsdp)"
+    )
+  resolved = dataclasses.replace(
+    cfg,
+    tracerl=dataclasses.replace(t, layout=plan.layout),
+    accum_steps=cfg.rows_per_update // plan.micro_rows,
+    update_remat=plan.remat,
+  )
+  return resolved, plan

@@ -58,7 +58,7 @@ class TraceRLConfig:
   ratio_clamp: float = 10.0
   kl_beta: float = 0.01
   normalization: str = "dice"  # "dice" | "tokens"
-  layout: str = "packed"  # "packed" | "per_round"
+  layout: str = "packed"  # "packed" | "per_round" | "auto" (the RL loop picks by memory)
   shrink: int = 1
   logit_chunk: int = 2048  # tokens per chunk of the LM head + log-softmax (bounds [B, T, V])
 
@@ -67,8 +67,10 @@ class TraceRLConfig:
       raise ValueError(
         f"TraceRLConfig.normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}"
       )
-    if self.layout not in LAYOUTS:
-      raise ValueError(f"TraceRLConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
+    if self.layout not in LAYOUTS + ("auto",):
+      raise ValueError(
+        f"TraceRLConfig.layout must be one of {LAYOUTS + ('auto',)}, got {self.layout!r}"
+      )
     if not isinstance(self.shrink, int) or self.shrink < 1:
       raise ValueError(f"TraceRLConfig.shrink must be a positive int, got {self.shrink!r}")
     if not 0.0 <= self.clip_eps < 1.0:
@@ -156,6 +158,11 @@ def trajectory_rows(
   the prompt's tail at the front of the first block (`Trajectory.on_response_grid`), visible in
   every round: the states the sampler saw.
   """
+  if cfg.layout not in LAYOUTS:
+    raise ValueError(
+      f"TraceRL layout {cfg.layout!r}: build rows with a concrete layout {LAYOUTS} (the RL loop "
+      f"resolves 'auto' with rl/memory.resolve_update)"
+    )
   t.check_grid(block_size)
   fixed = t.fixed_prefix(block_size)
   t = t.on_response_grid(block_size)
