@@ -3,9 +3,10 @@
 The update (`train_step.make_train_step` on `tracerl.tracerl_loss`) holds, per device:
 
   weights     the fp32 master parameters
-  grads       their fp32 gradients (twice with accumulation: the running sum and one micro-batch's)
-  optimizer   AdamW's two fp32 moments, plus the update's fp32 temporaries (clipped gradient,
-              update: `OPT_TEMPS` parameter-sized buffers)
+  grads       their fp32 gradients (once: with accumulation XLA adds each micro-batch's layer
+              gradients into the running sum in place; CPU: +0.3 of a copy, not +1)
+  optimizer   AdamW's two fp32 moments, plus `OPT_TEMPS` parameter-sized fp32 temporaries of
+              clipping and the update (XLA on CPU: one)
   batch       the mini-batch's token fields (all micro-batches, ~`BATCH_BYTES_PER_TOKEN` each)
   residuals   what the forward keeps for the backward pass, every layer, one micro-batch: per
               token and layer, by remat policy (model/config.REMAT_POLICIES; counted from the
@@ -16,7 +17,8 @@ The update (`train_step.make_train_step` on `tracerl.tracerl_loss`) holds, per d
                       of the layer's weights, RoPE tables, the MLP's six [F] vectors and, with a
                       dense attention, the [N, S] mask, scores, exponentials and probabilities
   working     the larger of: one layer's backward (its `none` residuals, recomputed under
-              remat, and as much again for their cotangents) and one LM-head chunk (`logit_chunk`
+              remat, and with a dense attention the f32 cotangent of its [N, S] probabilities)
+              and one LM-head chunk (`logit_chunk`
               positions: `LOGIT_TEMPS` f32 [rows, chunk, V] buffers, the compute-dtype head and
               its f32 gradient)
 
@@ -42,7 +44,7 @@ from dice_jax.model.config import REMAT_POLICIES, remat_policy_name
 from dice_jax.rl.tracerl import LAYOUTS, bucket_length
 
 GIB = 1024**3
-OPT_TEMPS = 2  # fp32 parameter-sized temporaries of clip + AdamW (scaled gradient, update)
+OPT_TEMPS = 1  # fp32 parameter-sized temporaries of clip + AdamW (the scaled gradient)
 LOGIT_TEMPS = 3  # f32 [rows, chunk, V] buffers of one LM-head chunk (logits, exp/probs, cotangent)
 BATCH_BYTES_PER_TOKEN = 40  # int32/f32/bool token fields of a TraceRL batch, with old_logp
 FLASH_IMPLS = ("flash", "cudnn")  # attention kernels that keep no [T, S] matrix
@@ -117,7 +119,7 @@ def update_estimate(
   a = jnp.dtype(c.compute_dtype).itemsize
   p = c.num_params() / param_shards
   weights = p * jnp.dtype(c.weight_dtype).itemsize
-  grads = p * 4 * (2 if accum_steps > 1 else 1)
+  grads = p * 4
   optimizer = p * 4 * (2 + OPT_TEMPS)
   rows = -(-micro_rows // row_shards)
   tokens = rows * row_len
@@ -127,6 +129,8 @@ def update_estimate(
   residuals += tokens * (3 * a * c.hidden_size + 8 * c.hidden_size)  # embedding, final norm
   none_tok, none_layer = layer_residual_bytes(c, "none", row_len)
   layer_bwd = none_tok * tokens + none_layer
+  if c.attention_impl not in FLASH_IMPLS:  # the f32 cotangent of the [N, S] probabilities
+    layer_bwd += 4 * c.num_heads * row_len * tokens
   chunk = min(logit_chunk, row_len)
   head = c.hidden_size * c.vocab_size / param_shards
   logits = LOGIT_TEMPS * 4 * rows * chunk * c.vocab_size + head * (a + 4)
