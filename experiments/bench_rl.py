@@ -12,8 +12,10 @@ not needed) and a model with random weights:
     its static check at once, so the verifier's share is the gRPC round trip, not compilation);
   * random weights earn reward 0 everywhere, so every group would be dropped: the update is timed
     on the same rollouts with SYNTHETIC advantages (standard normal per response).
-The update is DICE's: 256 packed TraceRL rows per optimizer step, old log-probs of a mini-batch
-before its update; only `--update_steps` optimizer steps are run (the first includes compiling),
+The update is DICE's: 256 TraceRL rows per optimizer step, old log-probs of a mini-batch before
+its update; layout, micro_rows and the remat policy are chosen by the update's memory estimate
+(`dice_jax/rl/memory.py`, as the RL loop does) unless given, before anything is sampled: a setting
+that does not fit stops the benchmark there. The estimate is recorded beside the measured peak; only `--update_steps` optimizer steps are run (the first includes compiling),
 and the time of all of them is extrapolated from the steady ones; the host-side row building
 (`build_batches`) runs on those mini-batches' responses only and is extrapolated by count.
 Results go to DIR/bench_rl.json as each phase finishes.
@@ -47,7 +49,10 @@ flags.DEFINE_list(
   "verifier_args", ["--run-prewarm=4"], "extra `verifier serve` arguments for the local service"
 )
 flags.DEFINE_integer("rows_per_update", 256, "TraceRL rows per optimizer step (DICE)")
-flags.DEFINE_integer("micro_rows", 2, "rows per micro-batch (accumulation)")
+flags.DEFINE_integer("micro_rows", 0, "rows per micro-batch (accumulation); 0: by the estimate")
+flags.DEFINE_string("layout", "packed", "TraceRL layout: packed | per_round | auto (by the estimate)")
+flags.DEFINE_string("remat", "auto", "the update's remat policy: auto | none | full | dots")
+flags.DEFINE_float("memory_limit_gb", 0.0, "device memory for the update plan (0: the device's)")
 flags.DEFINE_integer("update_steps", 2, "optimizer steps actually run (the rest extrapolated)")
 flags.DEFINE_integer("seed", 0, "seed")
 flags.DEFINE_string("out", "", "directory for bench_rl.json")
@@ -115,6 +120,60 @@ def start_verifier(report: Report):
   return t, holder
 
 
+def _peak() -> int:
+  return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0)
+
+
+def plan_gib(plan) -> dict:
+  return {k: round(v / 2**30, 2) for k, v in plan.estimate.items()}
+
+
+def plan_update(mcfg, report):
+  """The update's layout / micro_rows / remat (`rl/memory.choose_plan`), before any sampling;
+  exits naming the setting and its estimate when nothing given or tried fits."""
+  from dice_jax.diffusion import memory as device_memory
+  from dice_jax.rl import memory
+
+  limit = (
+    int(FLAGS.memory_limit_gb * memory.GIB)
+    if FLAGS.memory_limit_gb
+    else device_memory.device_limit()
+  )
+  layouts = ["packed", "per_round"] if FLAGS.layout == "auto" else [FLAGS.layout]
+  micro = (
+    [FLAGS.micro_rows] if FLAGS.micro_rows else memory.micro_row_options(FLAGS.rows_per_update)
+  )
+  remats = list(memory.REMAT_ORDER) if FLAGS.remat == "auto" else [FLAGS.remat]
+  plan, tried = memory.choose_plan(
+    mcfg,
+    float("inf") if limit is None else limit,
+    layouts=layouts,
+    micro_rows=micro,
+    remats=remats,
+    rows_per_update=FLAGS.rows_per_update,
+    prompt_len=FLAGS.prompt_len,
+    new_tokens=FLAGS.new_tokens,
+    steps=4,
+    length_multiple=128,
+  )
+  if plan is None:
+    smallest = min(tried, key=lambda p: p.estimate["total"])
+    report.update(refused=smallest.describe(), refused_estimate_gib=plan_gib(smallest))
+    raise SystemExit(
+      f"bench_rl: the update does not fit in {limit / 2**30:.1f} GiB: smallest setting tried "
+      f"{smallest.describe()}"
+    )
+  report.update(
+    update_layout=plan.layout,
+    update_micro_rows=plan.micro_rows,
+    update_remat=plan.remat,
+    update_plan=plan.describe(),
+    update_estimate_gib=plan_gib(plan),
+    device_limit_gib=None if limit is None else round(limit / 2**30, 1),
+  )
+  return plan
+
+
 def main(argv):
   del argv
   from dice_jax.diffusion.sampler import SamplerConfig
@@ -152,6 +211,7 @@ def main(argv):
     init_s=round(time.perf_counter() - t0, 1),
   )
 
+  plan = plan_update(mcfg, report)
   rng = np.random.default_rng(FLAGS.seed)
   groups = [
     rollout.GroupTask(
@@ -239,8 +299,8 @@ def main(argv):
   # Update on the same rollouts with synthetic advantages (all groups would be dropped).
   for t in ro.trajectories:
     t.advantage = float(rng.standard_normal())
-  tcfg = tracerl.TraceRLConfig(layout="packed")
-  n_batches = -(-len(ro.trajectories) // FLAGS.rows_per_update)  # packed: one row per response
+  report.update(peak_mem_gib_after_rollout=round(_peak() / 2**30, 1))
+  tcfg = tracerl.TraceRLConfig(layout=plan.layout)
   run_trajs = ro.trajectories[: max(1, FLAGS.update_steps) * FLAGS.rows_per_update]
   t0 = time.perf_counter()
   batches = tracerl.build_batches(
@@ -253,7 +313,10 @@ def main(argv):
     length_multiple=128,
     rng=np.random.default_rng(FLAGS.seed),
   )
-  accum = FLAGS.rows_per_update // FLAGS.micro_rows
+  # packed: one row per response; per_round: one per (response, round), more batches
+  n_batches = -(-len(batches) * len(ro.trajectories) // len(run_trajs))
+  batches = batches[: max(1, FLAGS.update_steps)]
+  accum = FLAGS.rows_per_update // plan.micro_rows
   build_s = time.perf_counter() - t0
   report.update(
     build_batches_s=round(build_s, 2),
@@ -263,12 +326,19 @@ def main(argv):
     trained_tokens_run=int(sum(b["p_mask"].sum() for b in batches)),
     input_tokens_run=int(sum(b["tokens"].size for b in batches)),
     accum_steps=accum,
-    micro_rows=FLAGS.micro_rows,
+    micro_rows=plan.micro_rows,
     rows_per_update=FLAGS.rows_per_update,
+    estimate_row_len=plan.row_len,
   )
   loss_fn = lambda m, b, r: tracerl.tracerl_loss(m, b, r, tcfg)  # noqa: E731
+  train_graphdef, _ = nnx.split(  # the update's remat policy, the same parameters
+    nnx.eval_shape(lambda: Transformer(mcfg.replace(remat=plan.remat), rngs=nnx.Rngs(0))),
+    nnx.Param,
+  )
   step_fn = ts.jit_train_step(
-    ts.make_train_step(graphdef, tx, loss_fn, accum_steps=accum, means=tracerl.METRIC_MEANS),
+    ts.make_train_step(
+      train_graphdef, tx, loss_fn, accum_steps=accum, means=tracerl.METRIC_MEANS
+    ),
     shardings,
     mesh,
     accum,
@@ -303,9 +373,8 @@ def main(argv):
       build_s * len(ro.trajectories) / len(run_trajs) + n * (steady(old_s) + steady(step_s)), 1
     ),
     update_input_tok_per_s=round(run[0]["tokens"].size / steady(step_s), 1),
-    peak_mem_gib=round(
-      (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30, 1
-    ),
+    peak_mem_gib=round(_peak() / 2**30, 1),
+    update_estimate_gib=plan_gib(plan),
   )
   build_all = build_s * len(ro.trajectories) / len(run_trajs)
   update_all = build_all + n * (steady(old_s) + steady(step_s))
