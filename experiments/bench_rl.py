@@ -50,6 +50,9 @@ flags.DEFINE_list(
 )
 flags.DEFINE_integer("rows_per_update", 256, "TraceRL rows per optimizer step (DICE)")
 flags.DEFINE_integer("micro_rows", 0, "rows per micro-batch (accumulation); 0: by the estimate")
+flags.DEFINE_string(
+  "rollout", "sample", "sample | synthetic (random responses, no sampler or verifier: the update alone)"
+)
 flags.DEFINE_string("layout", "packed", "TraceRL layout: packed | per_round | auto (by the estimate)")
 flags.DEFINE_string("remat", "auto", "the update's remat policy: auto | none | full | dots")
 flags.DEFINE_float("memory_limit_gb", 0.0, "device memory for the update plan (0: the device's)")
@@ -120,6 +123,34 @@ def start_verifier(report: Report):
   return t, holder
 
 
+def synthetic_rollout(mcfg, rng):
+  """What random weights' rollouts look like, without sampling: `--tasks` x `--group_size`
+  responses of `--new_tokens` random tokens, one token unmasked per forward (random weights pass
+  no 0.9 threshold), every token trained. For the update's time and peak memory alone."""
+  from types import SimpleNamespace
+
+  from dice_jax.rl.trajectory import Trajectory
+
+  n, trajs = FLAGS.new_tokens, []
+  for g in range(FLAGS.tasks):
+    prompt = rng.integers(2, min(mcfg.vocab_size - 2, 151_643), FLAGS.prompt_len)
+    for i in range(FLAGS.group_size):
+      order = np.concatenate([rng.permutation(4) for _ in range(n // 4)])
+      trajs.append(
+        Trajectory(
+          prompt_ids=prompt,
+          response_ids=rng.integers(2, min(mcfg.vocab_size - 2, 151_643), n),
+          step_map=np.arange(n) // 4 * 4 + order,
+          loss_mask=np.ones(n, bool),
+          sampler_logp=np.zeros(n, np.float32),
+          task_id=f"synthetic/{g}",
+          group=g,
+          member=i,
+        )
+      )
+  return SimpleNamespace(trajectories=trajs, sample_s=0.0, verify_wait_s=0.0)
+
+
 def _peak() -> int:
   return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0)
 
@@ -187,7 +218,7 @@ def main(argv):
   report = Report(FLAGS.out)
   t_all = time.perf_counter()
   server_thread = holder = None
-  if FLAGS.verifier == "local":
+  if FLAGS.verifier == "local" and FLAGS.rollout == "sample":
     server_thread, holder = start_verifier(report)
 
   mesh = sharding.make_mesh()
@@ -213,88 +244,93 @@ def main(argv):
 
   plan = plan_update(mcfg, report)
   rng = np.random.default_rng(FLAGS.seed)
-  groups = [
-    rollout.GroupTask(
-      g,
-      f"synthetic/{g}",
-      rng.integers(2, min(mcfg.vocab_size - 2, 151_643), FLAGS.prompt_len).astype(np.int32),
-      REFERENCE,
-      FLAGS.group_size,
-    )
-    for g in range(FLAGS.tasks)
-  ]
-  scfg = SamplerConfig(
-    block_size=mcfg.block_size,
-    steps=4,
-    strategy="low_confidence_dynamic",
-    threshold=0.9,
-    temperature=1.0,
-    max_new_tokens=FLAGS.new_tokens,
-    stop_ids=(),
-    return_logprobs=True,
-    pad_id=mcfg.pad_token_id or 0,
-    prefill_chunk=FLAGS.prefill_chunk,
-  )
-  backend = rollout.StaticBatches(scfg, FLAGS.groups_per_batch, FLAGS.seed)
-  sample_model = nnx.merge(graphdef, rollout.sampling_params(state["params"], jnp.bfloat16))
-  t0 = time.perf_counter()
-  with jax.set_mesh(mesh):  # compile (and run once) on one call's worth of groups
-    for _ in backend.sample(sample_model, groups[: FLAGS.groups_per_batch], 1_000_000):
-      pass
-  report.update(sampler_compile_and_first_call_s=round(time.perf_counter() - t0, 1))
-
-  if FLAGS.verifier == "local":
-    server_thread.join()
-    address = holder["server"].address
-    report.update(verifier_start_s=round(holder["start_s"], 1), verifier_device=holder["device"])
+  if FLAGS.rollout == "synthetic":
+    ro = synthetic_rollout(mcfg, rng)
+    report.update(rows=len(ro.trajectories), new_tokens=FLAGS.new_tokens,
+                  prompt_len=FLAGS.prompt_len, rollout="synthetic")
   else:
-    address = None if FLAGS.verifier == "none" else FLAGS.verifier
-  if address:
-    from dice_jax.verifier_client import VerifierClient
-
-    judge = VerifierClient(address, options={"num_correct_trials": 1}, token="")
-    judge.wait_ready(300)
-  else:
-    judge = rollout.FunctionJudge(lambda *a: False)
-
-  with jax.set_mesh(mesh):
-    ro = rollout.collect(
-      sample_model,
-      groups,
-      backend=backend,
-      judge=judge,
-      tokenizer=IdText(),
-      reward_fn=make_reward("binary"),
-      rl_step=0,
-      extraction="whole_response",
-      progress_every_s=10.0,
+    groups = [
+      rollout.GroupTask(
+        g,
+        f"synthetic/{g}",
+        rng.integers(2, min(mcfg.vocab_size - 2, 151_643), FLAGS.prompt_len).astype(np.int32),
+        REFERENCE,
+        FLAGS.group_size,
+      )
+      for g in range(FLAGS.tasks)
+    ]
+    scfg = SamplerConfig(
+      block_size=mcfg.block_size,
+      steps=4,
+      strategy="low_confidence_dynamic",
+      threshold=0.9,
+      temperature=1.0,
+      max_new_tokens=FLAGS.new_tokens,
+      stop_ids=(),
+      return_logprobs=True,
+      pad_id=mcfg.pad_token_id or 0,
+      prefill_chunk=FLAGS.prefill_chunk,
     )
-  del sample_model
-  kinds = {}
-  for o in ro.outcomes:
-    kinds[o.failure_kind] = kinds.get(o.failure_kind, 0) + 1
-  calls = -(-FLAGS.tasks // FLAGS.groups_per_batch)
-  report.update(
-    rows=len(ro.trajectories),
-    sampler_calls=calls,
-    rows_per_call=FLAGS.groups_per_batch * FLAGS.group_size,
-    new_tokens=FLAGS.new_tokens,
-    prompt_len=FLAGS.prompt_len,
-    generated_tokens=ro.generated_tokens,
-    forwards=ro.forwards,
-    tokens_per_forward=round(ro.generated_tokens / max(ro.steps_used, 1), 3),
-    sample_s=round(ro.sample_s, 2),
-    sample_s_per_call=round(ro.sample_s / calls, 3),
-    generated_tok_per_s=round(ro.generated_tokens / ro.sample_s, 1),
-    verify_wait_s=round(ro.verify_wait_s, 2),
-    judge_requests=ro.judge_requests,
-    failure_kinds=kinds,
-    reward_sum=float(ro.rewards.sum()),
-  )
-  if hasattr(judge, "close"):
-    judge.close()
-  if holder and "server" in holder:
-    holder["server"].__exit__(None, None, None)
+    backend = rollout.StaticBatches(scfg, FLAGS.groups_per_batch, FLAGS.seed)
+    sample_model = nnx.merge(graphdef, rollout.sampling_params(state["params"], jnp.bfloat16))
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):  # compile (and run once) on one call's worth of groups
+      for _ in backend.sample(sample_model, groups[: FLAGS.groups_per_batch], 1_000_000):
+        pass
+    report.update(sampler_compile_and_first_call_s=round(time.perf_counter() - t0, 1))
+
+    if FLAGS.verifier == "local":
+      server_thread.join()
+      address = holder["server"].address
+      report.update(verifier_start_s=round(holder["start_s"], 1), verifier_device=holder["device"])
+    else:
+      address = None if FLAGS.verifier == "none" else FLAGS.verifier
+    if address:
+      from dice_jax.verifier_client import VerifierClient
+
+      judge = VerifierClient(address, options={"num_correct_trials": 1}, token="")
+      judge.wait_ready(300)
+    else:
+      judge = rollout.FunctionJudge(lambda *a: False)
+
+    with jax.set_mesh(mesh):
+      ro = rollout.collect(
+        sample_model,
+        groups,
+        backend=backend,
+        judge=judge,
+        tokenizer=IdText(),
+        reward_fn=make_reward("binary"),
+        rl_step=0,
+        extraction="whole_response",
+        progress_every_s=10.0,
+      )
+    del sample_model
+    kinds = {}
+    for o in ro.outcomes:
+      kinds[o.failure_kind] = kinds.get(o.failure_kind, 0) + 1
+    calls = -(-FLAGS.tasks // FLAGS.groups_per_batch)
+    report.update(
+      rows=len(ro.trajectories),
+      sampler_calls=calls,
+      rows_per_call=FLAGS.groups_per_batch * FLAGS.group_size,
+      new_tokens=FLAGS.new_tokens,
+      prompt_len=FLAGS.prompt_len,
+      generated_tokens=ro.generated_tokens,
+      forwards=ro.forwards,
+      tokens_per_forward=round(ro.generated_tokens / max(ro.steps_used, 1), 3),
+      sample_s=round(ro.sample_s, 2),
+      sample_s_per_call=round(ro.sample_s / calls, 3),
+      generated_tok_per_s=round(ro.generated_tokens / ro.sample_s, 1),
+      verify_wait_s=round(ro.verify_wait_s, 2),
+      judge_requests=ro.judge_requests,
+      failure_kinds=kinds,
+      reward_sum=float(ro.rewards.sum()),
+    )
+    if hasattr(judge, "close"):
+      judge.close()
+    if holder and "server" in holder:
+      holder["server"].__exit__(None, None, None)
 
   # Update on the same rollouts with synthetic advantages (all groups would be dropped).
   for t in ro.trajectories:
@@ -378,6 +414,9 @@ def main(argv):
   )
   build_all = build_s * len(ro.trajectories) / len(run_trajs)
   update_all = build_all + n * (steady(old_s) + steady(step_s))
+  if FLAGS.rollout == "synthetic":
+    report.update(wall_s=round(time.perf_counter() - t_all, 1))
+    return
   total = ro.sample_s + ro.verify_wait_s + update_all
   report.update(
     rl_step_s_extrapolated=round(total, 1),
