@@ -54,6 +54,7 @@ flags.DEFINE_string(
   "rollout", "sample", "sample | synthetic (random responses, no sampler or verifier: the update alone)"
 )
 flags.DEFINE_string("layout", "packed", "TraceRL layout: packed | per_round | auto (by the estimate)")
+flags.DEFINE_bool("gather_trained", False, "LM head on the trained positions only (TraceRLConfig)")
 flags.DEFINE_string("remat", "auto", "the update's remat policy: auto | none | full | dots")
 flags.DEFINE_float("memory_limit_gb", 0.0, "device memory for the update plan (0: the device's)")
 flags.DEFINE_integer("update_steps", 2, "optimizer steps actually run (the rest extrapolated)")
@@ -336,7 +337,7 @@ def main(argv):
   for t in ro.trajectories:
     t.advantage = float(rng.standard_normal())
   report.update(peak_mem_gib_after_rollout=round(_peak() / 2**30, 1))
-  tcfg = tracerl.TraceRLConfig(layout=plan.layout)
+  tcfg = tracerl.TraceRLConfig(layout=plan.layout, gather_trained=FLAGS.gather_trained)
   run_trajs = ro.trajectories[: max(1, FLAGS.update_steps) * FLAGS.rows_per_update]
   t0 = time.perf_counter()
   batches = tracerl.build_batches(
@@ -365,6 +366,10 @@ def main(argv):
     micro_rows=plan.micro_rows,
     rows_per_update=FLAGS.rows_per_update,
     estimate_row_len=plan.row_len,
+    gather_trained=FLAGS.gather_trained,
+    lm_head_positions=int(batches[0]["trained_index"].shape[1])
+    if FLAGS.gather_trained
+    else None,
   )
   loss_fn = lambda m, b, r: tracerl.tracerl_loss(m, b, r, tcfg)  # noqa: E731
   train_graphdef, _ = nnx.split(  # the update's remat policy, the same parameters

@@ -21,6 +21,7 @@
 #          rollout and after the update
 #   u2048  the update alone at 896 + 2,048 (issue 30: 21,220 input tok/s at micro_rows=1)
 #   u4b    the update alone, sdar_4b, 1,500 + 4,096 (DICE's e2e prompt limit)
+# GATHER=1 adds --gather_trained to every part (the LM head on the trained positions only).
 # The optimizer steps use ROWS rows each (DICE: 256; the per-step time scales with rows, the
 # memory does not: one micro-batch at a time), 2 steps, the first compiling.
 set -u
@@ -30,6 +31,7 @@ TASKS=${TASKS:-4}
 GPB=${GPB:-4}
 ROWS=${ROWS:-8}
 STEP_TIMEOUT=${STEP_TIMEOUT:-230}
+EXTRA=""; [ "${GATHER:-0}" = 1 ] && EXTRA="--gather_trained"
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true"
@@ -41,7 +43,7 @@ bench() {  # bench PART TIMEOUT MEM_FRACTION ARGS...
   mkdir -p "$OUT/$part"
   local t0=$(date +%s)
   XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout "$limit" python3 -m experiments.bench_rl \
-    --out="$OUT/$part" "$@" > "$OUT/$part/bench_rl.log" 2>&1
+    --out="$OUT/$part" $EXTRA "$@" > "$OUT/$part/bench_rl.log" 2>&1
   echo "$part exit $? in $(( $(date +%s) - t0 )) s: bench_rl $*" >> "$OUT/status.txt"
 }
 

@@ -176,3 +176,37 @@ def test_a_setting_that_does_not_fit_is_refused_before_the_rollout(tmp_path, mon
   with pytest.raises(ValueError, match="no setting of the update fits") as e:
     loop.plan_update(auto, get_config("tiny"), jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",)))
   assert "remat=full" in str(e.value)  # the smallest setting tried
+
+
+@pytest.mark.parametrize("layout", ["packed", "per_round"])
+def test_gathering_trained_positions_before_the_lm_head_changes_no_value_or_gradient(layout):
+  graphdef, params, old = _models(False)
+  trajs = trajectories()
+  out = {}
+  for gather in (False, True):
+    cfg = tracerl.TraceRLConfig(layout=layout, gather_trained=gather, logit_chunk=16)
+    (batch,) = tracerl.build_batches(
+      trajs, cfg, block_size=4, mask_token_id=255, rows_per_batch=16, length_multiple=16
+    )
+    assert ("trained_index" in batch) == gather
+    logp = jax.jit(lambda p, b: tracerl.token_logprobs(nnx.merge(graphdef, p), b, chunk=16))
+    batch["old_logp"] = np.asarray(logp(old, batch))
+
+    @jax.jit
+    def f(p, b):
+      loss = lambda q: tracerl.tracerl_loss(nnx.merge(graphdef, q), b, None, cfg)  # noqa: E731
+      return jax.value_and_grad(loss, has_aux=True)(p)
+
+    (loss_sum, m), g = f(params, batch)
+    out[gather] = (batch, float(loss_sum), m, g)
+  (b0, l0, m0, g0), (b1, l1, m1, g1) = out[False], out[True]
+  index = b1["trained_index"]
+  # the LM head sees K positions per row instead of T; every trained position is among them
+  assert index.shape[1] < b1["tokens"].shape[1]
+  assert (b1["p_mask"].sum(axis=1) == (index >= 0).sum(axis=1)).all()
+  np.testing.assert_allclose(b1["old_logp"], b0["old_logp"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(l1, l0, rtol=1e-5)
+  for k in ("entropy_sum", "kl_sum", "ratio_max"):
+    np.testing.assert_allclose(float(m1[k]), float(m0[k]), rtol=1e-5, err_msg=k)
+  scale = max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g0))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale), g1, g0)
