@@ -60,6 +60,7 @@ flags.DEFINE_float("memory_limit_gb", 0.0, "device memory for the update plan (0
 flags.DEFINE_integer("update_steps", 2, "optimizer steps actually run (the rest extrapolated)")
 flags.DEFINE_integer("seed", 0, "seed")
 flags.DEFINE_string("out", "", "directory for bench_rl.json")
+flags.DEFINE_float("peak_tflops", 790.0, "bf16 matmul TFLOP/s of the device (measured H200)")
 
 REFERENCE = """import torch
 import torch.nn as nn
@@ -150,6 +151,22 @@ def synthetic_rollout(mcfg, rng):
         )
       )
   return SimpleNamespace(trajectories=trajs, sample_s=0.0, verify_wait_s=0.0)
+
+
+def update_mfu(mcfg, batch, step_s: float) -> dict:
+  """The optimizer step's matmul FLOP rate: 6 x (layer weights) per input token (padding rows
+  included) + 6 x D x V per trained token (the LM head that must run), over `--peak_tflops`.
+  Attention and rematerialised work are not counted: a lower bound of the model FLOPs
+  utilisation."""
+  c = mcfg
+  layer = c.num_params() - c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+  flops = 6 * layer * batch["tokens"].size
+  flops += 6 * c.hidden_size * c.vocab_size * int(batch["p_mask"].sum())
+  tflops = flops / step_s / 1e12
+  return dict(
+    update_matmul_tflops_per_s=round(tflops, 1),
+    update_mfu_matmuls=round(tflops / FLAGS.peak_tflops, 3),
+  )
 
 
 def _peak() -> int:
@@ -414,6 +431,7 @@ def main(argv):
       build_s * len(ro.trajectories) / len(run_trajs) + n * (steady(old_s) + steady(step_s)), 1
     ),
     update_input_tok_per_s=round(run[0]["tokens"].size / steady(step_s), 1),
+    **update_mfu(mcfg, run[-1], steady(step_s)),
     peak_mem_gib=round(_peak() / 2**30, 1),
     update_estimate_gib=plan_gib(plan),
   )

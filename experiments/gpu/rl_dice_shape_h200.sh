@@ -80,7 +80,8 @@ for part in sys.argv[2:]:
     if est and peak:
         line.append(f"estimate/peak {est / peak:.2f}")
     if "update_input_tok_per_s" in r:
-        line.append(f"update {r['update_input_tok_per_s']} input tok/s, step {r.get('optimizer_step_s')} s")
+        line.append(f"update {r['update_input_tok_per_s']} input tok/s, matmul MFU "
+                    f"{r.get('update_mfu_matmuls')}, step {r.get('optimizer_step_s')} s")
     if "time_split" in r:
         line.append(f"sample {r.get('sample_s')} s ({r.get('generated_tok_per_s')} tok/s), verify-wait "
                     f"{r.get('verify_wait_s')} s, split {r['time_split']}")
