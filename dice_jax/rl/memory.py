@@ -224,15 +224,16 @@ def choose_plan(
   """(the fastest plan whose estimate fits `limit_bytes`, or None; every plan tried).
 
   Order, fastest first: `layouts` as given (packed before per_round: fewer tokens per
-  response), then less rematerialisation (`REMAT_ORDER`), then more rows per micro-batch (a
-  micro-batch of more than one row is not tried beyond `MAX_MICRO_TOKENS` tokens).
+  response), then less rematerialisation (`REMAT_ORDER`), then more rows per micro-batch (when
+  there is a choice, a micro-batch of more than one row is not tried beyond `MAX_MICRO_TOKENS`
+  tokens).
   """
   tried = []
   for layout in layouts:
     for remat in sorted(remats, key=REMAT_ORDER.index):
       for m in sorted(micro_rows, reverse=True):
         plan = estimate_plan(model_cfg, layout=layout, micro_rows=m, remat=remat, **shape)
-        if m > 1 and m * plan.row_len > MAX_MICRO_TOKENS:
+        if len(micro_rows) > 1 and m > 1 and m * plan.row_len > MAX_MICRO_TOKENS:
           continue
         tried.append(plan)
         if plan.estimate["total"] <= limit_bytes:

@@ -210,3 +210,15 @@ def test_gathering_trained_positions_before_the_lm_head_changes_no_value_or_grad
     np.testing.assert_allclose(float(m1[k]), float(m0[k]), rtol=1e-5, err_msg=k)
   scale = max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g0))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale), g1, g0)
+
+
+def test_an_explicit_long_micro_batch_is_estimated_not_skipped():
+  mcfg = get_config("sdar_1p7b", dtype="bfloat16", attention_impl="flash")
+  shape = dict(rows_per_update=256, prompt_len=896, new_tokens=4096, steps=4)
+  plan, tried = memory.choose_plan(
+    mcfg, 10**15, layouts=["packed"], micro_rows=[8], remats=["full"], **shape
+  )
+  assert plan.micro_rows == 8 and plan.row_len * 8 > memory.MAX_MICRO_TOKENS
+  plan, tried = memory.choose_plan(mcfg, 1, layouts=["packed"], micro_rows=[8], remats=["full"],
+                                   **shape)
+  assert plan is None and len(tried) == 1
