@@ -54,9 +54,9 @@ for part in $PARTS; do
     step)  bench step "$STEP_TIMEOUT" 0.80 --config=sdar_1p7b --tasks=$TASKS --group_size=16 \
              --prompt_len=896 --new_tokens=4096 --groups_per_batch=$GPB --verifier=local \
              --rows_per_update=$ROWS --update_steps=2 ;;
-    u2048) bench u2048 100 0.90 --config=sdar_1p7b --rollout=synthetic --tasks=1 --group_size=16 \
+    u2048) bench u2048 90 0.90 --config=sdar_1p7b --rollout=synthetic --tasks=1 --group_size=16 \
              --prompt_len=896 --new_tokens=2048 --rows_per_update=$ROWS --update_steps=2 ;;
-    u4b)   bench u4b 100 0.90 --config=sdar_4b --rollout=synthetic --tasks=1 --group_size=8 \
+    u4b)   bench u4b 120 0.90 --config=sdar_4b --rollout=synthetic --tasks=1 --group_size=8 \
              --prompt_len=1500 --new_tokens=4096 --rows_per_update=4 --update_steps=2 ;;
     *) echo "unknown part $part" >> "$OUT/status.txt" ;;
   esac
