@@ -82,13 +82,15 @@ def layer_residual_bytes(c, policy: str, seq_len: int) -> tuple[float, float]:
     return float(a * (2 * d + nq + 2 * kv + 2 * f)), 0.0
   if policy != "none":
     raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {policy!r}")
+  f32_compute = a == 4  # the casts to float32 (norm inputs, probabilities) then copy nothing
   per_token = a * (2 * d + 2 * nq + 3 * kv + 6 * f)  # compute-dtype activations
   per_token += 4 * (4 * d + 2 * nq + 2 * kv + 2 * c.head_dim)  # f32 norms, RoPE tables
+  per_token -= 4 * (2 * d + nq + kv) if f32_compute else 0
   per_token += 8 * (c.num_heads + c.num_kv_heads + 2)  # norm statistics
   if c.attention_impl in FLASH_IMPLS:
     per_token += a * nq + 4 * c.num_heads  # the kernel's output and log-sum-exp
-  else:
-    per_token += c.num_heads * seq_len * (9 + a)  # mask, scores, exp (f32), probabilities
+  else:  # mask, scores, exp (f32), probabilities (compute dtype)
+    per_token += c.num_heads * seq_len * (9 + (0 if f32_compute else a))
   layer_params = d * (2 * nq + 2 * kv) + 3 * d * f
   return float(per_token), float(a * layer_params)  # + the layer's weights in compute dtype
 
