@@ -227,3 +227,23 @@ def test_an_explicit_long_micro_batch_is_estimated_not_skipped():
   plan, tried = memory.choose_plan(mcfg, 1, layouts=["packed"], micro_rows=[8], remats=["full"],
                                    **shape)
   assert plan is None and len(tried) == 1
+
+
+def test_gathered_old_log_probs_on_a_sharded_mesh_with_accumulation_equal_one_device():
+  from dice_jax import sharding
+
+  graphdef, params, _ = _models(False)
+  model = nnx.merge(graphdef, params)
+  cfg = tracerl.TraceRLConfig(layout="packed", gather_trained=True)
+  (batch,) = tracerl.build_batches(
+    trajectories(3), cfg, block_size=4, mask_token_id=255, rows_per_batch=8, length_multiple=16
+  )
+  plain = {k: v for k, v in batch.items() if k != "trained_index"}
+  want = np.asarray(jax.jit(tracerl.token_logprobs)(model, plain))
+  mesh = sharding.make_mesh(1, 4, 2)
+  sharded = sharding.create_sharded(lambda: nnx.clone(model), mesh)
+  gdef, abs_params = nnx.split(sharded, nnx.Param)
+  run = tracerl.jit_token_logprobs(gdef, ts.param_shardings(abs_params, mesh), mesh, 2)
+  got = run(abs_params.to_pure_dict(), ts.shard_batch(batch, mesh, 2))
+  np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want, atol=1e-5)
+  assert (want[batch["p_mask"]] != 0).all()
