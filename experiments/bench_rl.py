@@ -12,8 +12,10 @@ not needed) and a model with random weights:
     its static check at once, so the verifier's share is the gRPC round trip, not compilation);
   * random weights earn reward 0 everywhere, so every group would be dropped: the update is timed
     on the same rollouts with SYNTHETIC advantages (standard normal per response).
-The update is DICE's: 256 packed TraceRL rows per optimizer step, old log-probs of a mini-batch
-before its update; only `--update_steps` optimizer steps are run (the first includes compiling),
+The update is DICE's: 256 TraceRL rows per optimizer step, old log-probs of a mini-batch before
+its update; layout, micro_rows and the remat policy are chosen by the update's memory estimate
+(`dice_jax/rl/memory.py`, as the RL loop does) unless given, before anything is sampled: a setting
+that does not fit stops the benchmark there. The estimate is recorded beside the measured peak; only `--update_steps` optimizer steps are run (the first includes compiling),
 and the time of all of them is extrapolated from the steady ones; the host-side row building
 (`build_batches`) runs on those mini-batches' responses only and is extrapolated by count.
 Results go to DIR/bench_rl.json as each phase finishes.
@@ -47,10 +49,18 @@ flags.DEFINE_list(
   "verifier_args", ["--run-prewarm=4"], "extra `verifier serve` arguments for the local service"
 )
 flags.DEFINE_integer("rows_per_update", 256, "TraceRL rows per optimizer step (DICE)")
-flags.DEFINE_integer("micro_rows", 2, "rows per micro-batch (accumulation)")
+flags.DEFINE_integer("micro_rows", 0, "rows per micro-batch (accumulation); 0: by the estimate")
+flags.DEFINE_string(
+  "rollout", "sample", "sample | synthetic (random responses, no sampler or verifier: the update alone)"
+)
+flags.DEFINE_string("layout", "packed", "TraceRL layout: packed | per_round | auto (by the estimate)")
+flags.DEFINE_bool("gather_trained", False, "LM head on the trained positions only (TraceRLConfig)")
+flags.DEFINE_string("remat", "auto", "the update's remat policy: auto | none | full | dots")
+flags.DEFINE_float("memory_limit_gb", 0.0, "device memory for the update plan (0: the device's)")
 flags.DEFINE_integer("update_steps", 2, "optimizer steps actually run (the rest extrapolated)")
 flags.DEFINE_integer("seed", 0, "seed")
 flags.DEFINE_string("out", "", "directory for bench_rl.json")
+flags.DEFINE_float("peak_tflops", 790.0, "bf16 matmul TFLOP/s of the device (measured H200)")
 
 REFERENCE = """import torch
 import torch.nn as nn
@@ -115,20 +125,118 @@ def start_verifier(report: Report):
   return t, holder
 
 
+def synthetic_rollout(mcfg, rng):
+  """What random weights' rollouts look like, without sampling: `--tasks` x `--group_size`
+  responses of `--new_tokens` random tokens, one token unmasked per forward (random weights pass
+  no 0.9 threshold), every token trained. For the update's time and peak memory alone."""
+  from types import SimpleNamespace
+
+  from dice_jax.rl.trajectory import Trajectory
+
+  n, trajs = FLAGS.new_tokens, []
+  for g in range(FLAGS.tasks):
+    prompt = rng.integers(2, min(mcfg.vocab_size - 2, 151_643), FLAGS.prompt_len)
+    for i in range(FLAGS.group_size):
+      order = np.concatenate([rng.permutation(4) for _ in range(n // 4)])
+      trajs.append(
+        Trajectory(
+          prompt_ids=prompt,
+          response_ids=rng.integers(2, min(mcfg.vocab_size - 2, 151_643), n),
+          step_map=np.arange(n) // 4 * 4 + order,
+          loss_mask=np.ones(n, bool),
+          sampler_logp=np.zeros(n, np.float32),
+          task_id=f"synthetic/{g}",
+          group=g,
+          member=i,
+        )
+      )
+  return SimpleNamespace(trajectories=trajs, sample_s=0.0, verify_wait_s=0.0)
+
+
+def update_mfu(mcfg, batch, step_s: float) -> dict:
+  """The optimizer step's matmul FLOP rate: 6 x (layer weights) per input token (padding rows
+  included) + 6 x D x V per trained token (the LM head that must run), over `--peak_tflops`.
+  Attention and rematerialised work are not counted: a lower bound of the model FLOPs
+  utilisation."""
+  c = mcfg
+  layer = c.num_params() - c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+  flops = 6 * layer * batch["tokens"].size
+  flops += 6 * c.hidden_size * c.vocab_size * int(batch["p_mask"].sum())
+  tflops = flops / step_s / 1e12
+  return dict(
+    update_matmul_tflops_per_s=round(tflops, 1),
+    update_mfu_matmuls=round(tflops / FLAGS.peak_tflops, 3),
+  )
+
+
+def _peak() -> int:
+  return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0)
+
+
+def plan_gib(plan) -> dict:
+  return {k: round(v / 2**30, 2) for k, v in plan.estimate.items()}
+
+
+def plan_update(mcfg, report):
+  """The update's layout / micro_rows / remat (`rl/memory.choose_plan`), before any sampling;
+  exits naming the setting and its estimate when nothing given or tried fits."""
+  from dice_jax.diffusion import memory as device_memory
+  from dice_jax.rl import memory
+
+  limit = (
+    int(FLAGS.memory_limit_gb * memory.GIB)
+    if FLAGS.memory_limit_gb
+    else device_memory.device_limit()
+  )
+  layouts = ["packed", "per_round"] if FLAGS.layout == "auto" else [FLAGS.layout]
+  micro = (
+    [FLAGS.micro_rows] if FLAGS.micro_rows else memory.micro_row_options(FLAGS.rows_per_update)
+  )
+  remats = list(memory.REMAT_ORDER) if FLAGS.remat == "auto" else [FLAGS.remat]
+  plan, tried = memory.choose_plan(
+    mcfg,
+    float("inf") if limit is None else limit,
+    layouts=layouts,
+    micro_rows=micro,
+    remats=remats,
+    rows_per_update=FLAGS.rows_per_update,
+    prompt_len=FLAGS.prompt_len,
+    new_tokens=FLAGS.new_tokens,
+    steps=4,
+    length_multiple=128,
+  )
+  if plan is None:
+    smallest = min(tried, key=lambda p: p.estimate["total"])
+    report.update(refused=smallest.describe(), refused_estimate_gib=plan_gib(smallest))
+    raise SystemExit(
+      f"bench_rl: the update does not fit in {limit / 2**30:.1f} GiB: smallest setting tried "
+      f"{smallest.describe()}"
+    )
+  report.update(
+    update_layout=plan.layout,
+    update_micro_rows=plan.micro_rows,
+    update_remat=plan.remat,
+    update_plan=plan.describe(),
+    update_estimate_gib=plan_gib(plan),
+    device_limit_gib=None if limit is None else round(limit / 2**30, 1),
+  )
+  return plan
+
+
 def main(argv):
   del argv
-  from dice_jax import sharding
   from dice_jax.diffusion.sampler import SamplerConfig
   from dice_jax.model import Transformer, get_config
   from dice_jax.rl import rollout, tracerl
   from dice_jax.rl.rewards import make_reward
+  from dice_jax import sharding
   from dice_jax.train import optimizer
   from dice_jax.train import train_step as ts
 
   report = Report(FLAGS.out)
   t_all = time.perf_counter()
   server_thread = holder = None
-  if FLAGS.verifier == "local":
+  if FLAGS.verifier == "local" and FLAGS.rollout == "sample":
     server_thread, holder = start_verifier(report)
 
   mesh = sharding.make_mesh()
@@ -152,95 +260,101 @@ def main(argv):
     init_s=round(time.perf_counter() - t0, 1),
   )
 
+  plan = plan_update(mcfg, report)
   rng = np.random.default_rng(FLAGS.seed)
-  groups = [
-    rollout.GroupTask(
-      g,
-      f"synthetic/{g}",
-      rng.integers(2, min(mcfg.vocab_size - 2, 151_643), FLAGS.prompt_len).astype(np.int32),
-      REFERENCE,
-      FLAGS.group_size,
-    )
-    for g in range(FLAGS.tasks)
-  ]
-  scfg = SamplerConfig(
-    block_size=mcfg.block_size,
-    steps=4,
-    strategy="low_confidence_dynamic",
-    threshold=0.9,
-    temperature=1.0,
-    max_new_tokens=FLAGS.new_tokens,
-    stop_ids=(),
-    return_logprobs=True,
-    pad_id=mcfg.pad_token_id or 0,
-    prefill_chunk=FLAGS.prefill_chunk,
-  )
-  backend = rollout.StaticBatches(scfg, FLAGS.groups_per_batch, FLAGS.seed)
-  sample_model = nnx.merge(graphdef, rollout.sampling_params(state["params"], jnp.bfloat16))
-  t0 = time.perf_counter()
-  with jax.set_mesh(mesh):  # compile (and run once) on one call's worth of groups
-    for _ in backend.sample(sample_model, groups[: FLAGS.groups_per_batch], 1_000_000):
-      pass
-  report.update(sampler_compile_and_first_call_s=round(time.perf_counter() - t0, 1))
-
-  if FLAGS.verifier == "local":
-    server_thread.join()
-    address = holder["server"].address
-    report.update(verifier_start_s=round(holder["start_s"], 1), verifier_device=holder["device"])
+  if FLAGS.rollout == "synthetic":
+    ro = synthetic_rollout(mcfg, rng)
+    report.update(rows=len(ro.trajectories), new_tokens=FLAGS.new_tokens,
+                  prompt_len=FLAGS.prompt_len, rollout="synthetic")
   else:
-    address = None if FLAGS.verifier == "none" else FLAGS.verifier
-  if address:
-    from dice_jax.verifier_client import ThreadedVerifier
-
-    judge = ThreadedVerifier(address, options={"num_correct_trials": 1}, token="")
-    judge.wait_ready(300)
-  else:
-    judge = rollout.FunctionJudge(lambda *a: False)
-
-  with jax.set_mesh(mesh):
-    ro = rollout.collect(
-      sample_model,
-      groups,
-      backend=backend,
-      judge=judge,
-      tokenizer=IdText(),
-      reward_fn=make_reward("binary"),
-      rl_step=0,
-      extraction="whole_response",
-      progress_every_s=10.0,
+    groups = [
+      rollout.GroupTask(
+        g,
+        f"synthetic/{g}",
+        rng.integers(2, min(mcfg.vocab_size - 2, 151_643), FLAGS.prompt_len).astype(np.int32),
+        REFERENCE,
+        FLAGS.group_size,
+      )
+      for g in range(FLAGS.tasks)
+    ]
+    scfg = SamplerConfig(
+      block_size=mcfg.block_size,
+      steps=4,
+      strategy="low_confidence_dynamic",
+      threshold=0.9,
+      temperature=1.0,
+      max_new_tokens=FLAGS.new_tokens,
+      stop_ids=(),
+      return_logprobs=True,
+      pad_id=mcfg.pad_token_id or 0,
+      prefill_chunk=FLAGS.prefill_chunk,
     )
-  del sample_model
-  kinds = {}
-  for o in ro.outcomes:
-    kinds[o.failure_kind] = kinds.get(o.failure_kind, 0) + 1
-  calls = -(-FLAGS.tasks // FLAGS.groups_per_batch)
-  report.update(
-    rows=len(ro.trajectories),
-    sampler_calls=calls,
-    rows_per_call=FLAGS.groups_per_batch * FLAGS.group_size,
-    new_tokens=FLAGS.new_tokens,
-    prompt_len=FLAGS.prompt_len,
-    generated_tokens=ro.generated_tokens,
-    forwards=ro.forwards,
-    tokens_per_forward=round(ro.generated_tokens / max(ro.steps_used, 1), 3),
-    sample_s=round(ro.sample_s, 2),
-    sample_s_per_call=round(ro.sample_s / calls, 3),
-    generated_tok_per_s=round(ro.generated_tokens / ro.sample_s, 1),
-    verify_wait_s=round(ro.verify_wait_s, 2),
-    judge_requests=ro.judge_requests,
-    failure_kinds=kinds,
-    reward_sum=float(ro.rewards.sum()),
-  )
-  if hasattr(judge, "close"):
-    judge.close()
-  if holder and "server" in holder:
-    holder["server"].__exit__(None, None, None)
+    backend = rollout.StaticBatches(scfg, FLAGS.groups_per_batch, FLAGS.seed)
+    sample_model = nnx.merge(graphdef, rollout.sampling_params(state["params"], jnp.bfloat16))
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):  # compile (and run once) on one call's worth of groups
+      for _ in backend.sample(sample_model, groups[: FLAGS.groups_per_batch], 1_000_000):
+        pass
+    report.update(sampler_compile_and_first_call_s=round(time.perf_counter() - t0, 1))
+
+    if FLAGS.verifier == "local":
+      server_thread.join()
+      address = holder["server"].address
+      report.update(verifier_start_s=round(holder["start_s"], 1), verifier_device=holder["device"])
+    else:
+      address = None if FLAGS.verifier == "none" else FLAGS.verifier
+    if address:
+      from dice_jax.verifier_client import ThreadedVerifier
+
+      judge = ThreadedVerifier(address, options={"num_correct_trials": 1}, token="")
+      judge.wait_ready(300)
+    else:
+      judge = rollout.FunctionJudge(lambda *a: False)
+
+    with jax.set_mesh(mesh):
+      ro = rollout.collect(
+        sample_model,
+        groups,
+        backend=backend,
+        judge=judge,
+        tokenizer=IdText(),
+        reward_fn=make_reward("binary"),
+        rl_step=0,
+        extraction="whole_response",
+        progress_every_s=10.0,
+      )
+    del sample_model
+    kinds = {}
+    for o in ro.outcomes:
+      kinds[o.failure_kind] = kinds.get(o.failure_kind, 0) + 1
+    calls = -(-FLAGS.tasks // FLAGS.groups_per_batch)
+    report.update(
+      rows=len(ro.trajectories),
+      sampler_calls=calls,
+      rows_per_call=FLAGS.groups_per_batch * FLAGS.group_size,
+      new_tokens=FLAGS.new_tokens,
+      prompt_len=FLAGS.prompt_len,
+      generated_tokens=ro.generated_tokens,
+      forwards=ro.forwards,
+      tokens_per_forward=round(ro.generated_tokens / max(ro.steps_used, 1), 3),
+      sample_s=round(ro.sample_s, 2),
+      sample_s_per_call=round(ro.sample_s / calls, 3),
+      generated_tok_per_s=round(ro.generated_tokens / ro.sample_s, 1),
+      verify_wait_s=round(ro.verify_wait_s, 2),
+      judge_requests=ro.judge_requests,
+      failure_kinds=kinds,
+      reward_sum=float(ro.rewards.sum()),
+    )
+    if hasattr(judge, "close"):
+      judge.close()
+    if holder and "server" in holder:
+      holder["server"].__exit__(None, None, None)
 
   # Update on the same rollouts with synthetic advantages (all groups would be dropped).
   for t in ro.trajectories:
     t.advantage = float(rng.standard_normal())
-  tcfg = tracerl.TraceRLConfig(layout="packed")
-  n_batches = -(-len(ro.trajectories) // FLAGS.rows_per_update)  # packed: one row per response
+  report.update(peak_mem_gib_after_rollout=round(_peak() / 2**30, 1))
+  tcfg = tracerl.TraceRLConfig(layout=plan.layout, gather_trained=FLAGS.gather_trained)
   run_trajs = ro.trajectories[: max(1, FLAGS.update_steps) * FLAGS.rows_per_update]
   t0 = time.perf_counter()
   batches = tracerl.build_batches(
@@ -253,7 +367,10 @@ def main(argv):
     length_multiple=128,
     rng=np.random.default_rng(FLAGS.seed),
   )
-  accum = FLAGS.rows_per_update // FLAGS.micro_rows
+  # packed: one row per response; per_round: one per (response, round), more batches
+  n_batches = -(-len(batches) * len(ro.trajectories) // len(run_trajs))
+  batches = batches[: max(1, FLAGS.update_steps)]
+  accum = FLAGS.rows_per_update // plan.micro_rows
   build_s = time.perf_counter() - t0
   report.update(
     build_batches_s=round(build_s, 2),
@@ -263,12 +380,23 @@ def main(argv):
     trained_tokens_run=int(sum(b["p_mask"].sum() for b in batches)),
     input_tokens_run=int(sum(b["tokens"].size for b in batches)),
     accum_steps=accum,
-    micro_rows=FLAGS.micro_rows,
+    micro_rows=plan.micro_rows,
     rows_per_update=FLAGS.rows_per_update,
+    estimate_row_len=plan.row_len,
+    gather_trained=FLAGS.gather_trained,
+    lm_head_positions=int(batches[0]["trained_index"].shape[1])
+    if FLAGS.gather_trained
+    else None,
   )
   loss_fn = lambda m, b, r: tracerl.tracerl_loss(m, b, r, tcfg)  # noqa: E731
+  train_graphdef, _ = nnx.split(  # the update's remat policy, the same parameters
+    nnx.eval_shape(lambda: Transformer(mcfg.replace(remat=plan.remat), rngs=nnx.Rngs(0))),
+    nnx.Param,
+  )
   step_fn = ts.jit_train_step(
-    ts.make_train_step(graphdef, tx, loss_fn, accum_steps=accum, means=tracerl.METRIC_MEANS),
+    ts.make_train_step(
+      train_graphdef, tx, loss_fn, accum_steps=accum, means=tracerl.METRIC_MEANS
+    ),
     shardings,
     mesh,
     accum,
@@ -303,12 +431,15 @@ def main(argv):
       build_s * len(ro.trajectories) / len(run_trajs) + n * (steady(old_s) + steady(step_s)), 1
     ),
     update_input_tok_per_s=round(run[0]["tokens"].size / steady(step_s), 1),
-    peak_mem_gib=round(
-      (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30, 1
-    ),
+    **update_mfu(mcfg, run[-1], steady(step_s)),
+    peak_mem_gib=round(_peak() / 2**30, 1),
+    update_estimate_gib=plan_gib(plan),
   )
   build_all = build_s * len(ro.trajectories) / len(run_trajs)
   update_all = build_all + n * (steady(old_s) + steady(step_s))
+  if FLAGS.rollout == "synthetic":
+    report.update(wall_s=round(time.perf_counter() - t_all, 1))
+    return
   total = ro.sample_s + ro.verify_wait_s + update_all
   report.update(
     rl_step_s_extrapolated=round(total, 1),

@@ -13,6 +13,13 @@ import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_IMPLS = ("dense", "xla", "cudnn", "flash")
+# What each decoder layer keeps for the backward pass (`ModelConfig.remat`; transformer.py):
+#   none  everything the forward makes (no rematerialisation)
+#   full  only the layer's input; the whole layer is recomputed in the backward pass
+#   dots  the outputs of the weight matmuls (q/k/v/o, gate/up/down projections: dot products
+#         without batch dimensions, jax.checkpoint_policies.dots_with_no_batch_dims_saveable);
+#         norms, RoPE, attention and the SwiGLU product are recomputed
+REMAT_POLICIES = ("none", "full", "dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +49,7 @@ class ModelConfig:
   # dense reference | xla | cudnn (jax.nn.dot_product_attention, GPU) | flash (the mask-aware Pallas
   # kernel of the platform: flash_bd/flash_decode on GPU, flash_tpu on TPU; model/platform.py)
   attention_impl: str = "dense"
-  remat: bool = False  # rematerialise each layer in the backward pass
+  remat: bool | str = False  # a REMAT_POLICIES name; True = "full", False = "none"
   scan_layers: bool = True  # lax.scan over the stacked layers; False: an unrolled loop (static
   # per-layer slices instead of a dynamic slice per scan step; longer compile)
   flash_tiles: tuple[int, int, int] = (
@@ -91,6 +98,10 @@ class ModelConfig:
       f"param_dtype must be one of {sorted(_DTYPES)}, got {self.param_dtype!r}",
     )
     need(
+      isinstance(self.remat, bool) or self.remat in REMAT_POLICIES,
+      f"remat must be True, False or one of {REMAT_POLICIES}, got {self.remat!r}",
+    )
+    need(
       self.attention_impl in ATTENTION_IMPLS,
       f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}",
     )
@@ -112,6 +123,11 @@ class ModelConfig:
     )
 
   @property
+  def remat_policy(self) -> str:
+    """`remat` as a REMAT_POLICIES name (True -> "full", False -> "none")."""
+    return remat_policy_name(self.remat)
+
+  @property
   def compute_dtype(self):
     return _DTYPES[self.dtype]
 
@@ -128,6 +144,15 @@ class ModelConfig:
     layer = attn + 3 * d * f + 2 * d
     head = 0 if self.tie_word_embeddings else v * d
     return v * d + self.num_layers * layer + d + head
+
+
+def remat_policy_name(remat: bool | str) -> str:
+  """A `remat` value (bool or REMAT_POLICIES name) as a policy name; ValueError otherwise."""
+  if isinstance(remat, bool):
+    return "full" if remat else "none"
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"remat must be True, False or one of {REMAT_POLICIES}, got {remat!r}")
+  return remat
 
 
 # --- presets -----------------------------------------------------------------------------------

@@ -169,8 +169,7 @@ class Transformer(nnx.Module):
     layer_fn = functools.partial(
       _layer, cfg=cfg, attention=attention, positions=positions, seg=seg, blk=blk, cache=cache
     )
-    if cfg.remat:
-      layer_fn = jax.checkpoint(layer_fn, prevent_cse=False)
+    layer_fn = remat_layer(layer_fn, cfg.remat_policy)
 
     def body(h, xs):
       w, ck, cv, layer = xs
@@ -307,6 +306,20 @@ def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk
   g, u = _gate_up(h, w, cfg)
   x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, w["down_proj"].astype(dt))
   return x, (k, v)
+
+
+def remat_layer(layer_fn, policy: str):
+  """`layer_fn` under the rematerialisation `policy` (config.REMAT_POLICIES): unchanged for
+  "none", `jax.checkpoint` keeping only its inputs for "full", keeping the weight matmuls'
+  outputs for "dots". The values are the same; only what the backward pass stores differs."""
+  if policy == "none":
+    return layer_fn
+  if policy == "full":
+    return jax.checkpoint(layer_fn, prevent_cse=False)
+  if policy == "dots":
+    keep = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return jax.checkpoint(layer_fn, prevent_cse=False, policy=keep)
+  raise ValueError(f"unknown remat policy {policy!r}")
 
 
 def _grouped(q, num_kv):

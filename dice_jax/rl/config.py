@@ -16,6 +16,7 @@ from typing import Any
 
 from dice_jax.data.rl_stream import RLStreamConfig
 from dice_jax.diffusion.sampler import SamplerConfig
+from dice_jax.model.config import REMAT_POLICIES
 from dice_jax.model.flash_decode import DecodeTiles
 from dice_jax.rl import advantages as advantages_lib
 from dice_jax.rl import rewards as rewards_lib
@@ -115,7 +116,11 @@ class RLConfig:
   tail_rows: str = "apply"  # "drop": a last, partial update is not applied (DICE)
   stop_tokens: str = "chat"  # "chat": the tokenizer's stop ids; "eos": its eos only (DICE)
   train_stop_token: bool = True  # False: the stop token is not trained (DICE: eos = pad)
-  accum_steps: int = 1  # micro-batches per optimizer step
+  # micro-batches per optimizer step; 0: chosen by the update's memory estimate (rl/memory.py),
+  # with `tracerl.layout='auto'` and `update_remat='auto'` (1 where the device limit is unknown)
+  accum_steps: int = 0
+  update_remat: str = "auto"  # the update's remat policy: auto | none | full | dots
+  memory_limit_gb: float = 0.0  # device memory for the update's plan (0: the device's own)
   length_multiple: int = 128  # row lengths are bucketed in these units (few compiles)
   seed: int = 10086
   # mesh (-1 fills)
@@ -185,7 +190,6 @@ class RLConfig:
       "groups_per_batch",
       "slots",
       "rows_per_update",
-      "accum_steps",
       "length_multiple",
       "checkpoint_every",
       "checkpoint_keep",
@@ -202,7 +206,19 @@ class RLConfig:
       v = getattr(self, name)
       need(isinstance(v, int) and v >= 0, f"{name} must be an int >= 0, got {v!r}")
     need(
-      self.rows_per_update % self.accum_steps == 0,
+      isinstance(self.accum_steps, int) and self.accum_steps >= 0,
+      f"accum_steps must be an int >= 0 (0: chosen by memory), got {self.accum_steps!r}",
+    )
+    need(
+      self.update_remat in ("auto",) + REMAT_POLICIES,
+      f"update_remat must be one of {('auto',) + REMAT_POLICIES}, got {self.update_remat!r}",
+    )
+    need(
+      isinstance(self.memory_limit_gb, (int, float)) and self.memory_limit_gb >= 0,
+      f"memory_limit_gb must be >= 0 (0: the device's), got {self.memory_limit_gb!r}",
+    )
+    need(
+      self.accum_steps == 0 or self.rows_per_update % self.accum_steps == 0,
       f"rows_per_update ({self.rows_per_update}) must be a multiple of accum_steps "
       f"({self.accum_steps})",
     )

@@ -49,6 +49,7 @@ from dice_jax.model.config import ModelConfig, get_config
 from dice_jax.model.transformer import Transformer
 from dice_jax.rl import advantages as advantages_lib
 from dice_jax.rl import evaluation as eval_lib
+from dice_jax.rl import memory as update_memory
 from dice_jax.rl import rewards as rewards_lib
 from dice_jax.rl import rollout as rollout_lib
 from dice_jax.rl import tracerl
@@ -315,6 +316,7 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
       f"RLConfig.sampler.block_size {cfg.sampler.block_size} != the model's {mcfg.block_size}"
     )
   check_compatible(tok, mcfg, where="rl")
+  cfg, plan = plan_update(cfg, mcfg, mesh)  # refuses a setting that does not fit, before sampling
   logging.info(
     "model %.2fM params (block %d, %s), mesh %s",
     mcfg.num_params() / 1e6,
@@ -350,9 +352,13 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
     cfg.stream.group_size,
   )
   loss_fn = lambda model, batch, rng: tracerl.tracerl_loss(model, batch, rng, cfg.tracerl)
+  train_graphdef, _ = nnx.split(  # the same parameters; the update's remat policy
+    nnx.eval_shape(lambda: Transformer(mcfg.replace(remat=plan.remat), rngs=nnx.Rngs(0))),
+    nnx.Param,
+  )
   step_fn = ts.jit_train_step(
     ts.make_train_step(
-      graphdef,
+      train_graphdef,
       tx,
       loss_fn,
       accum_steps=cfg.accum_steps,
@@ -389,6 +395,32 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
     eval_backend=make_backend(cfg, eval_lib.eval_sampler(scfg)) if eval_groups else None,
     eval_groups=eval_groups,
   )
+
+
+def plan_update(cfg: RLConfig, mcfg: ModelConfig, mesh):
+  """(cfg with the update's layout / accum_steps / remat concrete, its `memory.UpdatePlan`):
+  `rl/memory.resolve_update` against `memory_limit_gb` or the device's limit (raises, naming the
+  setting and its estimate, when it does not fit)."""
+  from dice_jax.diffusion import memory as device_memory
+
+  if cfg.memory_limit_gb:
+    limit = int(cfg.memory_limit_gb * update_memory.GIB)
+  else:
+    limit = device_memory.device_limit()
+  shape = dict(mesh.shape)
+  cfg, plan = update_memory.resolve_update(
+    cfg,
+    mcfg,
+    limit,
+    param_shards=shape.get("fsdp", 1) * shape.get("tensor", 1),
+    row_shards=shape.get("data", 1) * shape.get("fsdp", 1),
+  )
+  logging.info(
+    "RL update: %s (limit %s)",
+    plan.describe(),
+    "unknown" if limit is None else f"{limit / update_memory.GIB:.1f} GiB",
+  )
+  return cfg, plan
 
 
 def check_eval(cfg: RLConfig) -> None:

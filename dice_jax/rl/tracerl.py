@@ -58,17 +58,23 @@ class TraceRLConfig:
   ratio_clamp: float = 10.0
   kl_beta: float = 0.01
   normalization: str = "dice"  # "dice" | "tokens"
-  layout: str = "packed"  # "packed" | "per_round"
+  layout: str = "packed"  # "packed" | "per_round" | "auto" (the RL loop picks by memory)
   shrink: int = 1
   logit_chunk: int = 2048  # tokens per chunk of the LM head + log-softmax (bounds [B, T, V])
+  # Gather the trained positions (`trained_index`, built on the host) before the LM head: the
+  # vocabulary projection then runs on them only, not on every position of a chunk that holds
+  # one (packed rows: ~1 in 4 noisy positions is trained). Same values and gradients.
+  gather_trained: bool = False
 
   def __post_init__(self):
     if self.normalization not in NORMALIZATIONS:
       raise ValueError(
         f"TraceRLConfig.normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}"
       )
-    if self.layout not in LAYOUTS:
-      raise ValueError(f"TraceRLConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
+    if self.layout not in LAYOUTS + ("auto",):
+      raise ValueError(
+        f"TraceRLConfig.layout must be one of {LAYOUTS + ('auto',)}, got {self.layout!r}"
+      )
     if not isinstance(self.shrink, int) or self.shrink < 1:
       raise ValueError(f"TraceRLConfig.shrink must be a positive int, got {self.shrink!r}")
     if not 0.0 <= self.clip_eps < 1.0:
@@ -80,6 +86,10 @@ class TraceRLConfig:
       )
     if self.logit_chunk < 1:
       raise ValueError(f"TraceRLConfig.logit_chunk must be >= 1, got {self.logit_chunk}")
+    if not isinstance(self.gather_trained, bool):
+      raise ValueError(
+        f"TraceRLConfig.gather_trained must be True or False, got {self.gather_trained!r}"
+      )
 
 
 METRIC_MEANS = {  # for train_step.make_train_step(means=...)
@@ -156,6 +166,11 @@ def trajectory_rows(
   the prompt's tail at the front of the first block (`Trajectory.on_response_grid`), visible in
   every round: the states the sampler saw.
   """
+  if cfg.layout not in LAYOUTS:
+    raise ValueError(
+      f"TraceRL layout {cfg.layout!r}: build rows with a concrete layout {LAYOUTS} (the RL loop "
+      f"resolves 'auto' with rl/memory.resolve_update)"
+    )
   t.check_grid(block_size)
   fixed = t.fixed_prefix(block_size)
   t = t.on_response_grid(block_size)
@@ -268,7 +283,21 @@ def build_batches(
     length = bucket_length(max(u[0]["tokens"].size for u in chunk), length_multiple)
     chunk = chunk + [None] * (rows_per_batch - len(chunk))
     batches.append(_pad_batch(chunk, length, pad_id, norm_length))
+    if cfg.gather_trained:
+      batches[-1]["trained_index"] = trained_index(batches[-1]["p_mask"], length_multiple)
   return batches
+
+
+def trained_index(p_mask: np.ndarray, multiple: int) -> np.ndarray:
+  """`[B, K]` int32: each row's trained columns (p_mask) in order, then -1; K is the largest
+  count, rounded up by `bucket_length(., multiple)` (few distinct shapes)."""
+  counts = p_mask.sum(axis=1)
+  k = bucket_length(int(counts.max(initial=0)), multiple)
+  out = np.full((p_mask.shape[0], k), -1, np.int32)
+  for i, row in enumerate(p_mask):
+    cols = np.nonzero(row)[0]
+    out[i, : cols.size] = cols
+  return out
 
 
 # --- log-probs and the objective (jax) -----------------------------------------------------------
@@ -335,8 +364,22 @@ def _logprobs_and_entropy(model, batch, chunk: int, want_entropy: bool = True):
   spec = trace_spec(batch, model.cfg.block_size)
   hidden = model(tokens, positions, spec, return_hidden=True)
   targets = jnp.asarray(batch["targets"]).astype(jnp.int32)
-  logp, ent = chunked_target_logprobs(model, hidden, targets, p_mask, chunk, want_entropy)
-  return logp, ent, p_mask
+  if "trained_index" not in batch:
+    logp, ent = chunked_target_logprobs(model, hidden, targets, p_mask, chunk, want_entropy)
+    return logp, ent, p_mask
+  # The trained positions only: [B, K] gathered, log-probs scattered back to [B, T].
+  index = jnp.asarray(batch["trained_index"]).astype(jnp.int32)
+  valid = index >= 0
+  safe = jnp.where(valid, index, 0)
+  take = lambda x: jnp.take_along_axis(x, safe, axis=1)  # noqa: E731
+  h = jnp.take_along_axis(hidden, safe[..., None], axis=1)
+  mask = valid & take(p_mask)
+  logp_k, ent_k = chunked_target_logprobs(model, h, take(targets), mask, chunk, want_entropy)
+  rows = jnp.arange(index.shape[0])[:, None]
+  back = lambda v: jnp.zeros(p_mask.shape, jnp.float32).at[rows, safe].add(  # noqa: E731
+    jnp.where(mask, v, 0.0)
+  )
+  return back(logp_k), back(ent_k), p_mask
 
 
 def token_logprobs(model, batch, *, chunk: int = 2048) -> jax.Array:

@@ -7,6 +7,9 @@ Initialise from the infilling phase: `--init_checkpoint=INFILL_RUN`. The model s
 the checkpoint (`--init_hf` / `--init_checkpoint`); DICE's sizes differ only in the rollout
 engine's concurrency (`max_active` 20 / 20 / 48 for 1.7B / 4B / 8B), which `groups_per_batch`
 replaces (8 groups = 128 rows per sampler call on one GPU).
+The update's micro-batches and remat policy are chosen at start-up from its memory estimate
+(`dice_jax/rl/memory.py`, `accum_steps=0`, `update_remat='auto'`): a setting that does not fit is
+refused before the rollout, naming it and its estimate.
 """
 
 import dataclasses

@@ -10,6 +10,9 @@ from this run (`rl_dice_e2e`). DICE's sizes differ only in `max_active` (16 / 32
 DICE trains on `kernel_infilling_992.json`, which the released snapshot lacks (only the 99-task
 `kernel_infilling_evaluation.json` is there): pass `--set=infill_tasks=FILE`; with the
 evaluation file the 99 tasks are no longer held out.
+The update's micro-batches and remat policy are chosen at start-up from its memory estimate
+(`dice_jax/rl/memory.py`, `accum_steps=0`, `update_remat='auto'`): a setting that does not fit is
+refused before the rollout, naming it and its estimate.
 """
 
 import dataclasses

@@ -1,0 +1,309 @@
+"""Device-memory estimate of the TraceRL update, and the choice of layout / micro_rows / remat.
+
+The update (`train_step.make_train_step` on `tracerl.tracerl_loss`) holds, per device:
+
+  weights     the fp32 master parameters
+  grads       their fp32 gradients (once: with accumulation XLA adds each micro-batch's layer
+              gradients into the running sum in place; CPU: +0.3 of a copy, not +1)
+  optimizer   AdamW's two fp32 moments, plus `OPT_TEMPS` parameter-sized fp32 temporaries of
+              clipping and the update (XLA on CPU: one)
+  batch       the mini-batch's token fields (all micro-batches, ~`BATCH_BYTES_PER_TOKEN` each)
+  residuals   what the forward keeps for the backward pass, every layer, one micro-batch: per
+              token and layer, by remat policy (model/config.REMAT_POLICIES; counted from the
+              jaxpr residuals of `transformer._layer`):
+                full  the layer input (a D)
+                dots  the input, the q/k/v/o and gate/up matmul outputs (a (2D + Nq + 2Kv + 2F))
+                none  every intermediate: f32 norm inputs and outputs, the compute-dtype copies
+                      of the layer's weights, RoPE tables, the MLP's six [F] vectors and, with a
+                      dense attention, the [N, S] mask, scores, exponentials and probabilities
+  working     the larger of: one layer's backward (its `none` residuals, recomputed under
+              remat, and with a dense attention the f32 cotangent of its [N, S] probabilities)
+              and one LM-head chunk (`logit_chunk`
+              positions: `LOGIT_TEMPS` f32 [rows, chunk, V] buffers, the compute-dtype head and
+              its f32 gradient)
+
+a = compute-dtype bytes, D hidden, F MLP, Nq = heads x head_dim, Kv = kv heads x head_dim, S the
+row length. It is an estimate (XLA's buffer assignment reuses and fuses), checked against XLA's
+own memory analysis of the compiled update on CPU in tests/rl/test_rl_memory.py; it exists to
+refuse a setting before the rollout and to pick one that fits, instead of an out-of-memory error
+after the whole rollout.
+
+Row lengths are the worst case of the layout for a prompt of P tokens and L new tokens, decoded
+with `steps` steps per block and the TraceRL `shrink` (R = ceil(steps / shrink) rounds per block
+at most): per_round `P + 2L`, packed `P + L (1 + R)`, each rounded up by `tracerl.bucket_length`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax.numpy as jnp
+
+from dice_jax.model.config import REMAT_POLICIES, remat_policy_name
+from dice_jax.rl.tracerl import LAYOUTS, bucket_length
+
+GIB = 1024**3
+OPT_TEMPS = 1  # fp32 parameter-sized temporaries of clip + AdamW (the scaled gradient)
+LOGIT_TEMPS = 3  # f32 [rows, chunk, V] buffers of one LM-head chunk (logits, exp/probs, cotangent)
+BATCH_BYTES_PER_TOKEN = 40  # int32/f32/bool token fields of a TraceRL batch, with old_logp
+FLASH_IMPLS = ("flash", "cudnn")  # attention kernels that keep no [T, S] matrix
+# Fastest first: less recomputation before more rows per micro-batch.
+REMAT_ORDER = ("none", "dots", "full")
+MAX_MICRO_TOKENS = 65_536  # more tokens per micro-batch buy no speed, only memory
+
+
+def row_length(
+  layout: str,
+  *,
+  prompt_len: int,
+  new_tokens: int,
+  steps: int,
+  shrink: int = 1,
+  length_multiple: int = 128,
+) -> int:
+  """The longest TraceRL row of `layout` (module docstring), bucketed as `build_batches` does."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  rounds = -(-steps // shrink)
+  n = prompt_len + new_tokens * (2 if layout == "per_round" else 1 + rounds)
+  return bucket_length(n, length_multiple)
+
+
+def layer_residual_bytes(c, policy: str, seq_len: int) -> tuple[float, float]:
+  """(bytes per token, bytes per layer independent of tokens) one layer keeps for the backward
+  pass under remat `policy` (module docstring; `seq_len` = S, for the dense attention matrix)."""
+  a = jnp.dtype(c.compute_dtype).itemsize
+  d, f = c.hidden_size, c.intermediate_size
+  nq, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  if policy == "full":
+    return float(a * d), 0.0
+  if policy == "dots":
+    return float(a * (2 * d + nq + 2 * kv + 2 * f)), 0.0
+  if policy != "none":
+    raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {policy!r}")
+  f32_compute = a == 4  # the casts to float32 (norm inputs, probabilities) then copy nothing
+  per_token = a * (2 * d + 2 * nq + 3 * kv + 6 * f)  # compute-dtype activations
+  per_token += 4 * (4 * d + 2 * nq + 2 * kv + 2 * c.head_dim)  # f32 norms, RoPE tables
+  per_token -= 4 * (2 * d + nq + kv) if f32_compute else 0
+  per_token += 8 * (c.num_heads + c.num_kv_heads + 2)  # norm statistics
+  if c.attention_impl in FLASH_IMPLS:
+    per_token += a * nq + 4 * c.num_heads  # the kernel's output and log-sum-exp
+  else:  # mask, scores, exp (f32), probabilities (compute dtype)
+    per_token += c.num_heads * seq_len * (9 + (0 if f32_compute else a))
+  layer_params = d * (2 * nq + 2 * kv) + 3 * d * f
+  return float(per_token), float(a * layer_params)  # + the layer's weights in compute dtype
+
+
+def update_estimate(
+  model_cfg,
+  *,
+  micro_rows: int,
+  row_len: int,
+  accum_steps: int,
+  remat=None,
+  logit_chunk: int = 2048,
+  param_shards: int = 1,
+  row_shards: int = 1,
+) -> dict:
+  """Bytes by part of one TraceRL optimizer step on one device (module docstring): `weights`,
+  `grads`, `optimizer`, `batch`, `residuals`, `working`, and their `total`.
+
+  `micro_rows` rows of `row_len` tokens per micro-batch, `accum_steps` micro-batches; `remat` a
+  policy name or bool (None: the model config's); parameters over `param_shards` devices (fsdp x
+  tensor), rows over `row_shards` (data x fsdp).
+  """
+  c = model_cfg
+  policy = c.remat_policy if remat is None else remat_policy_name(remat)
+  for name, v in (("micro_rows", micro_rows), ("row_len", row_len), ("accum_steps", accum_steps)):
+    if not isinstance(v, int) or v < 1:
+      raise ValueError(f"{name} must be a positive int, got {v!r}")
+  a = jnp.dtype(c.compute_dtype).itemsize
+  p = c.num_params() / param_shards
+  weights = p * jnp.dtype(c.weight_dtype).itemsize
+  grads = p * 4
+  optimizer = p * 4 * (2 + OPT_TEMPS)
+  rows = -(-micro_rows // row_shards)
+  tokens = rows * row_len
+  batch = BATCH_BYTES_PER_TOKEN * tokens * accum_steps
+  per_tok, per_layer = layer_residual_bytes(c, policy, row_len)
+  residuals = c.num_layers * (per_tok * tokens + per_layer)
+  residuals += tokens * (3 * a * c.hidden_size + 8 * c.hidden_size)  # embedding, final norm
+  none_tok, none_layer = layer_residual_bytes(c, "none", row_len)
+  layer_bwd = none_tok * tokens + none_layer
+  if c.attention_impl not in FLASH_IMPLS:  # the f32 cotangent of the [N, S] probabilities
+    layer_bwd += 4 * c.num_heads * row_len * tokens
+  chunk = min(logit_chunk, row_len)
+  head = c.hidden_size * c.vocab_size / param_shards
+  logits = LOGIT_TEMPS * 4 * rows * chunk * c.vocab_size + head * (a + 4)
+  working = max(layer_bwd, logits)
+  total = weights + grads + optimizer + batch + residuals + working
+  return dict(
+    weights=weights,
+    grads=grads,
+    optimizer=optimizer,
+    batch=batch,
+    residuals=residuals,
+    working=working,
+    total=total,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdatePlan:
+  """One setting of the update and its estimate (bytes by part, `update_estimate`)."""
+
+  layout: str
+  micro_rows: int
+  remat: str
+  row_len: int
+  estimate: dict
+
+  def describe(self) -> str:
+    return (
+      f"layout={self.layout} micro_rows={self.micro_rows} remat={self.remat} "
+      f"(rows of {self.row_len} tokens): ~{self.estimate['total'] / GIB:.1f} GiB"
+    )
+
+
+def micro_row_options(rows_per_update: int) -> list[int]:
+  """Rows per micro-batch that divide `rows_per_update`, largest first."""
+  return [m for m in range(rows_per_update, 0, -1) if rows_per_update % m == 0]
+
+
+def estimate_plan(
+  model_cfg,
+  *,
+  layout: str,
+  micro_rows: int,
+  remat,
+  rows_per_update: int,
+  prompt_len: int,
+  new_tokens: int,
+  steps: int,
+  shrink: int = 1,
+  length_multiple: int = 128,
+  logit_chunk: int = 2048,
+  param_shards: int = 1,
+  row_shards: int = 1,
+) -> UpdatePlan:
+  """The `UpdatePlan` of one explicit setting."""
+  if rows_per_update % micro_rows:
+    raise ValueError(
+      f"micro_rows ({micro_rows}) must divide rows_per_update ({rows_per_update})"
+    )
+  row_len = row_length(
+    layout,
+    prompt_len=prompt_len,
+    new_tokens=new_tokens,
+    steps=steps,
+    shrink=shrink,
+    length_multiple=length_multiple,
+  )
+  policy = remat_policy_name(remat)
+  est = update_estimate(
+    model_cfg,
+    micro_rows=micro_rows,
+    row_len=row_len,
+    accum_steps=rows_per_update // micro_rows,
+    remat=policy,
+    logit_chunk=logit_chunk,
+    param_shards=param_shards,
+    row_shards=row_shards,
+  )
+  return UpdatePlan(layout, micro_rows, policy, row_len, est)
+
+
+def choose_plan(
+  model_cfg,
+  limit_bytes: int,
+  *,
+  layouts: Sequence[str],
+  micro_rows: Sequence[int],
+  remats: Sequence[str],
+  **shape,
+) -> tuple[Optional[UpdatePlan], list[UpdatePlan]]:
+  """(the fastest plan whose estimate fits `limit_bytes`, or None; every plan tried).
+
+  Order, fastest first: `layouts` as given (packed before per_round: fewer tokens per
+  response), then less rematerialisation (`REMAT_ORDER`), then more rows per micro-batch (when
+  there is a choice, a micro-batch of more than one row is not tried beyond `MAX_MICRO_TOKENS`
+  tokens).
+  """
+  tried = []
+  for layout in layouts:
+    for remat in sorted(remats, key=REMAT_ORDER.index):
+      for m in sorted(micro_rows, reverse=True):
+        plan = estimate_plan(model_cfg, layout=layout, micro_rows=m, remat=remat, **shape)
+        if len(micro_rows) > 1 and m > 1 and m * plan.row_len > MAX_MICRO_TOKENS:
+          continue
+        tried.append(plan)
+        if plan.estimate["total"] <= limit_bytes:
+          return plan, tried
+  return None, tried
+
+
+def resolve_update(
+  cfg, model_cfg, limit_bytes: Optional[int], *, param_shards: int = 1, row_shards: int = 1
+):
+  """(`cfg` with `tracerl.layout`, `accum_steps` and `update_remat` concrete, the `UpdatePlan`
+  or None) for an `RLConfig`, checked against `limit_bytes` before anything is sampled.
+
+  What the config sets is kept (`update_remat='auto'` with `model_overrides['remat']` keeps the
+  model's); what it leaves to memory (`layout='auto'`, `accum_steps=0`, `update_remat='auto'`)
+  is the fastest setting that fits (`choose_plan`); with no known limit (CPU) those are today's
+  defaults: packed, one micro-batch, the model's remat. Raises ValueError naming the setting and
+  its estimate against the limit when nothing fits.
+  """
+  t = cfg.tracerl
+  layouts = [t.layout] if t.layout != "auto" else ["packed", "per_round"]
+  if cfg.accum_steps:
+    micro = [cfg.rows_per_update // cfg.accum_steps]
+  else:
+    micro = [m for m in micro_row_options(cfg.rows_per_update) if m % row_shards == 0]
+    micro = micro or [cfg.rows_per_update]
+  if cfg.update_remat != "auto":
+    remats = [cfg.update_remat]
+  elif "remat" in cfg.model_overrides:
+    remats = [remat_policy_name(cfg.model_overrides["remat"])]
+  else:
+    remats = list(REMAT_ORDER)
+  auto = len(layouts) * len(micro) * len(remats) > 1
+  if limit_bytes is None:
+    layouts = layouts[:1]
+    micro = [micro[0] if cfg.accum_steps else cfg.rows_per_update]
+    remats = remats if len(remats) == 1 else [model_cfg.remat_policy]
+  shape = dict(
+    rows_per_update=cfg.rows_per_update,
+    prompt_len=cfg.max_prompt_len + cfg.sampler.block_size,  # + the absolute grid's prompt tail
+    new_tokens=cfg.sampler.max_new_tokens,
+    steps=cfg.sampler.steps,
+    shrink=t.shrink,
+    length_multiple=cfg.length_multiple,
+    logit_chunk=t.logit_chunk,
+    param_shards=param_shards,
+    row_shards=row_shards,
+  )
+  limit = float("inf") if limit_bytes is None else limit_bytes
+  plan, tried = choose_plan(
+    model_cfg, limit, layouts=layouts, micro_rows=micro, remats=remats, **shape
+  )
+  if plan is None:
+    smallest = min(tried, key=lambda p: p.estimate["total"]) if tried else None
+    g = lambda k: smallest.estimate[k] / GIB  # noqa: E731
+    which = "no setting of the update fits" if auto else "the update's setting does not fit"
+    raise ValueError(
+      f"RL update: {which} in device memory ({limit / GIB:.1f} GiB) at prompts of "
+      f"{cfg.max_prompt_len} + {cfg.sampler.max_new_tokens} new tokens; smallest tried: "
+      f"{smallest.describe()} (weights {g('weights'):.1f}, grads {g('grads'):.1f}, optimizer "
+      f"{g('optimizer'):.1f}, residuals {g('residuals'):.1f}, working {g('working'):.1f}). "
+      f"Set tracerl.layout / accum_steps / update_remat to 'auto' / 0 / 'auto', or use fewer "
+      f"max_new_tokens, a smaller max_prompt_len or more devices (mesh_fsdp)"
+    )
+  resolved = dataclasses.replace(
+    cfg,
+    tracerl=dataclasses.replace(t, layout=plan.layout),
+    accum_steps=cfg.rows_per_update // plan.micro_rows,
+    update_remat=plan.remat,
+  )
+  return resolved, plan
