@@ -35,7 +35,7 @@ from dice_jax.train import resume
 from dice_jax.train import sft_data
 from dice_jax.train import train_step as ts
 from dice_jax.train.config import SFTConfig
-from dice_jax.train.stop import Interrupted, StopSignals
+from dice_jax.train.stop import run_stoppable
 
 
 def make_loss_fn(cfg: SFTConfig):
@@ -170,12 +170,9 @@ def run_sft(
   saves the current step and returns with `preempted` True; during start-up it returns at once
   (`stop.py`).
   """
-  with StopSignals() as stop:
-    try:
-      return _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change)
-    except Interrupted as e:
-      logging.warning("%s", e)
-      return {"step": None, "preempted": True, "stopped": str(e)}
+  return run_stoppable(
+    lambda stop: _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change), step=None
+  )
 
 
 def _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change) -> dict:
