@@ -9,6 +9,7 @@ Attention is the mask-aware `flash` kernel (BUILD_NOTES "Training"); with rows o
 
 from dice_jax.train.config import SFTConfig
 from dice_jax.train.optimizer import OptimizerConfig
+from experiments.data_root import data_path
 
 
 def get_config() -> SFTConfig:
@@ -18,7 +19,7 @@ def get_config() -> SFTConfig:
     model_overrides={"attention_impl": "flash", "remat": True},
     data_source="cuke",
     data_path="",
-    tokenizer="../shared/data/sdar_chat",
+    tokenizer=data_path("sdar_chat"),
     seq_len=6144,
     batch_size=16,
     num_steps=1000,

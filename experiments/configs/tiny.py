@@ -4,21 +4,9 @@ A CPU-sized run whose loss visibly falls: texts truncated to fit 1024-token rows
 learning rate than DICE's 1e-5 (a fresh 0.1M-parameter model, not a fine-tune).
 """
 
-import os
-
 from dice_jax.train.config import SFTConfig
 from dice_jax.train.optimizer import OptimizerConfig
-
-_DATA = os.path.join(
-  os.path.dirname(__file__),
-  "..",
-  "..",
-  "..",
-  "shared",
-  "data",
-  "dice_rl",
-  "kernel_infilling_evaluation.json",
-)
+from experiments.data_root import data_path
 
 
 def get_config() -> SFTConfig:
@@ -26,7 +14,7 @@ def get_config() -> SFTConfig:
     model="tiny",
     model_overrides={"dtype": "float32"},
     data_source="infill_pairs",
-    data_path=os.path.normpath(_DATA),
+    data_path=data_path("dice_rl", "kernel_infilling_evaluation.json"),
     tokenizer="byte",
     max_prompt_chars=384,
     max_response_chars=512,
