@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from dice_jax.data.tokenizer import check_compatible
+from dice_jax.data import code_extraction
 from dice_jax.data import prompts
 from dice_jax.data.tasks import KernelTask
 
@@ -43,15 +44,6 @@ class CandidateSource(Protocol):
     ...
 
 
-def extract_candidate(response: str, mode: str = "first_block") -> str | None:
-  """``first_block``: KernelBench's rule; ``first_block_or_raw``: the whole response when it has no
-  block (so that a model that never writes fences still reaches the verifier, e.g. a smoke test)."""
-  code = prompts.extract_code(response)
-  if code is None and mode == "first_block_or_raw" and response.strip():
-    return response
-  return code
-
-
 @dataclasses.dataclass(frozen=True)
 class EvalDecoding:
   """Decoding settings of an evaluation (defaults: DICE's, dice_sdar_tracerl.md §1.4-1.5 and §2.4).
@@ -70,15 +62,12 @@ class EvalDecoding:
   max_new_tokens: int = 4096
   block_alignment: str = "absolute"
   confidence: str = "unfiltered"
-  extract: str = "first_block"
+  extract: str = "first_block"  # data/code_extraction.py EXTRACTIONS
 
   def __post_init__(self):
     if self.confidence not in ("unfiltered", "filtered"):
       raise ValueError(f"confidence must be 'unfiltered' or 'filtered', got {self.confidence!r}")
-    if self.extract not in ("first_block", "first_block_or_raw"):
-      raise ValueError(
-        f"extract must be 'first_block' or 'first_block_or_raw', got {self.extract!r}"
-      )
+    code_extraction.check_rule(self.extract, "extract")
 
   def sampler_config(self, stop_ids: Sequence[int], pad_id: int):
     from dice_jax.diffusion import sampler
@@ -146,7 +135,7 @@ class ModelCandidates:
       gens.append(
         Generation(
           text,
-          extract_candidate(text, self.decoding.extract),
+          code_extraction.extract(text, self.decoding.extract),
           len(ids[i]),
           int(n_tokens[i]),
           share,
@@ -177,7 +166,7 @@ class FileCandidates:
             if "task_id" in row
             else ids.get((int(row["level"]), int(row["problem_id"])))
           )
-          code = row["candidate"] if "candidate" in row else prompts.extract_code(row["response"])
+          code = row["candidate"] if "candidate" in row else code_extraction.first_block(row["response"])
           key = (task_id, int(row.get("sample", 0)))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
           raise ValueError(

@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from dice_jax.data.code_extraction import EXTRACTIONS
 from dice_jax.data.rl_stream import RLStreamConfig
 from dice_jax.diffusion.sampler import SamplerConfig
 from dice_jax.model.flash_decode import DecodeTiles
 from dice_jax.rl import advantages as advantages_lib
 from dice_jax.rl import rewards as rewards_lib
-from dice_jax.rl.rollout import EXTRACTIONS
 from dice_jax.rl.tracerl import TraceRLConfig
 from dice_jax.train.optimizer import OptimizerConfig
 from dice_jax.verifier_client import RetryPolicy
@@ -100,7 +100,7 @@ class RLConfig:
   sampler_backend: str = "static"  # "static" (groups per generate call) | "continuous" (engine)
   groups_per_batch: int = 8  # static: groups per sampler call (x group_size rows)
   slots: int = 128  # continuous: rows decoding at once
-  code_extraction: str = "dice"  # rollout.EXTRACTIONS
+  code_extraction: str = "dice"  # data/code_extraction.py EXTRACTIONS
   judge: str = "verifier"  # or "python:package.module:function" (tests, toy rewards)
   reward: str = "binary"
   reward_options: dict = dataclasses.field(default_factory=dict)

@@ -6,7 +6,8 @@ import pytest
 
 from dice_jax.data import prompts
 from dice_jax.data.tasks import KernelTask
-from dice_jax.eval.candidates import EvalDecoding, FileCandidates, extract_candidate
+from dice_jax.data.code_extraction import extract as extract_candidate
+from dice_jax.eval.candidates import EvalDecoding, FileCandidates
 
 REFERENCE = (
   "import torch\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x\n"
