@@ -54,7 +54,7 @@ flags.DEFINE_bool("allow_config_change", False, "Resume --out even if its settin
 flags.DEFINE_bool("report_only", False, "Only rebuild the report of --out.")
 flags.DEFINE_bool("progress", True, "Show a progress bar.")
 # decoding (DICE's evaluation decoding by default)
-flags.DEFINE_integer("block_size", 4, "Block size.")
+flags.DEFINE_integer("block_size", 0, "Block size (0: the model's; another is refused).")
 flags.DEFINE_integer("steps", 4, "Denoising steps per block.")
 flags.DEFINE_string("strategy", "low_confidence_static", "Remasking strategy.")
 flags.DEFINE_float("threshold", 0.9, "Confidence threshold (low_confidence_dynamic).")
@@ -186,7 +186,7 @@ def load_model():
       raise UserError(f"--hf_dir: {e}") from None
     source, tok_dir = os.path.abspath(FLAGS.hf_dir), FLAGS.hf_dir
   else:
-    from dice_jax.rl.loop import restore_run_params
+    from dice_jax.train.run_setup import restore_run_params
     from dice_jax import sharding
 
     if not os.path.isdir(FLAGS.checkpoint):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.resources
-import re
 from typing import Literal, Protocol
 
 import jinja2

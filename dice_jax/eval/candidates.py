@@ -52,7 +52,7 @@ class EvalDecoding:
   softmax) or ``filtered`` (after temperature / top-k / top-p). With greedy decoding and no top-k /
   top-p the two are the same distribution."""
 
-  block_size: int = 4
+  block_size: int = 0  # 0: the model's
   steps: int = 4
   strategy: str = "low_confidence_static"
   threshold: float = 0.9
@@ -106,6 +106,7 @@ class ModelCandidates:
     self.batch_size, self.seed, self.prompt_bucket = batch_size, seed, prompt_bucket
     pad = model.cfg.pad_token_id
     self.cfg = decoding.sampler_config(tokenizer.stop_token_ids, 0 if pad is None else pad)
+    self.cfg = self.cfg.for_model(model.cfg)  # the model's block size unless decoding sets one
     self._batches = 0
 
   def prompt_ids(self, task: KernelTask) -> list[int]:

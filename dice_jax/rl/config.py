@@ -22,6 +22,8 @@ from dice_jax.rl import advantages as advantages_lib
 from dice_jax.rl import rewards as rewards_lib
 from dice_jax.rl.tracerl import TraceRLConfig
 from dice_jax.train.optimizer import OptimizerConfig
+from dice_jax.train.run_config import FIELDS as RUN_FIELDS
+from dice_jax.train.run_config import RunConfig, nest_flat_fields
 from dice_jax.verifier_client import RetryPolicy
 
 PHASES = ("infill", "e2e")
@@ -30,8 +32,7 @@ SCHEDULES = ("sequential", "sequential_by_stage")
 TAIL_ROWS = ("apply", "drop")
 STOP_TOKENS = ("chat", "eos")
 
-DICE_SAMPLER = SamplerConfig(
-  block_size=4,
+DICE_SAMPLER = SamplerConfig(  # block size: the model's (SDAR's 4)
   steps=4,
   strategy="low_confidence_dynamic",
   threshold=0.9,
@@ -82,10 +83,9 @@ class RLConfig:
 
   recipe: str = "ours"
 
-  # model (ignored with --init_hf / --init_checkpoint, which bring their own)
-  model: str = "tiny"
-  model_overrides: dict = dataclasses.field(default_factory=dict)
-  tokenizer: str = "byte"  # 'byte' or an HF tokenizer dir
+  # model, tokenizer, seed, mesh, checkpoints (RL steps; shared with SFTConfig); the model is
+  # ignored with --init_hf / --init_checkpoint, which bring their own
+  run: RunConfig = RunConfig(seed=10086, checkpoint_every=1)
   # phase and data
   phase: str = "e2e"
   infill_tasks: str = ""  # DICE kernel_infilling_*.json
@@ -117,19 +117,10 @@ class RLConfig:
   train_stop_token: bool = True  # False: the stop token is not trained (DICE: eos = pad)
   accum_steps: int = 1  # micro-batches per optimizer step
   length_multiple: int = 128  # row lengths are bucketed in these units (few compiles)
-  seed: int = 10086
-  # mesh (-1 fills)
-  mesh_data: int = 1
-  mesh_fsdp: int = -1
-  mesh_tensor: int = 1
-  shard_tolerance: float = 0.02
   # bookkeeping
-  checkpoint_every: int = 1  # RL steps
-  checkpoint_keep: int = 3
   snapshot_every: int = 0  # RL steps; checkpoints at multiples are never deleted (0: none)
   eval_every: int = 0  # RL steps; greedy evaluation inside the loop (0: none; rl/evaluation.py)
   eval_tasks: str = ""  # its tasks: the phase's kind (infill: infilling rows; e2e: {pytorch_code})
-  async_checkpoint: bool = True
   samples_per_step: int = 4  # responses written to samples.jsonl per RL step
 
   def __post_init__(self):
@@ -172,8 +163,8 @@ class RLConfig:
       self.judge == "verifier" or self.judge.startswith("python:"),
       f"judge must be 'verifier' or 'python:package.module:function', got {self.judge!r}",
     )
-    need(isinstance(self.model_overrides, dict), "model_overrides must be a dict")
     for name, kind in (
+      ("run", RunConfig),
       ("stream", RLStreamConfig),
       ("sampler", SamplerConfig),
       ("tracerl", TraceRLConfig),
@@ -187,8 +178,6 @@ class RLConfig:
       "rows_per_update",
       "accum_steps",
       "length_multiple",
-      "checkpoint_every",
-      "checkpoint_keep",
     ):
       v = getattr(self, name)
       need(isinstance(v, int) and v >= 1, f"{name} must be a positive int, got {v!r}")
@@ -206,9 +195,6 @@ class RLConfig:
       f"rows_per_update ({self.rows_per_update}) must be a multiple of accum_steps "
       f"({self.accum_steps})",
     )
-    for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
-      v = getattr(self, name)
-      need(isinstance(v, int) and (v >= 1 or v == -1), f"{name} must be >= 1 or -1, got {v!r}")
     s = self.sampler
     need(s.return_logprobs, "sampler.return_logprobs must be True (TraceRL checks log-probs)")
     need(
@@ -241,7 +227,7 @@ class RLConfig:
 
   @classmethod
   def from_json(cls, d: dict) -> "RLConfig":
-    d = dict(d)
+    d = nest_flat_fields(d)  # configs saved before the run section
     d["stream"] = RLStreamConfig(**d["stream"])
     sampler = dict(d["sampler"])
     sampler["stop_ids"] = tuple(sampler.get("stop_ids", ()))
@@ -258,12 +244,15 @@ class RLConfig:
 
 def dice_phase_config(phase: str, model: str, **overrides: Any) -> RLConfig:
   """DICE's numbers for `phase` and model preset (reference §1.7 table; `max_active` is the
-  rollout engine's concurrency and has no counterpart here: `groups_per_batch` plays its part)."""
+  rollout engine's concurrency and has no counterpart here: `groups_per_batch` plays its part).
+  `overrides` naming a run-section field (`tokenizer`, `model_overrides`, ...) go into `run`."""
   if phase not in PHASES:
     raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
   steps = 20 if phase == "infill" else 100
+  run = dict(model=model, seed=10086, checkpoint_every=1)
+  run.update({k: overrides.pop(k) for k in list(overrides) if k in RUN_FIELDS})
   base = dict(
-    model=model,
+    run=RunConfig(**run),
     phase=phase,
     stream=RLStreamConfig(group_size=16, tasks_per_step=64, num_steps=steps, prompt_style="dice"),
     max_prompt_len=2000 if phase == "infill" else 1500,

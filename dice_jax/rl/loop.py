@@ -42,8 +42,7 @@ from dice_jax.data.tokenizer import check_compatible
 from dice_jax.data import rl_stream
 from dice_jax.data import tasks as tasks_lib
 from dice_jax.data.curriculum import SequentialSchedule
-from dice_jax.model.config import ModelConfig, get_config
-from dice_jax.model.transformer import Transformer
+from dice_jax.model.config import ModelConfig
 from dice_jax.rl import advantages as advantages_lib
 from dice_jax.rl import evaluation as eval_lib
 from dice_jax.rl import reporting
@@ -54,79 +53,21 @@ from dice_jax.rl.config import RLConfig
 from dice_jax.train import checkpoint as ckpt_lib
 from dice_jax.train import metrics as metrics_lib
 from dice_jax.train import optimizer as optim_lib
+from dice_jax.train import run_setup
 from dice_jax.train import stop as stop_lib
-from dice_jax import sharding as sharding_lib
 from dice_jax.train import train_step as ts
 
 
 # ------------------------------------------------------------------ model, tokenizer, tasks
-def restore_run_params(run_dir: str, mesh, step: int | None = None):
-  """(model, model config, tokenizer dir or None) from an SFT or RL run's checkpoint (default: its
-  latest): `--init_checkpoint` (phase 2 starts from phase 1; phase 1 from SFT)."""
-  mcfg = ckpt_lib.read_model_config(run_dir)
-  ckpt = ckpt_lib.Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=1, async_save=False)
-  try:
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint under {run_dir}/checkpoints")
-    saved = ckpt.restore_config(step)
-    tx = optim_lib.make_optimizer(optim_lib.OptimizerConfig(**saved["optim"]), 1)
-    graphdef, target, _ = ckpt_lib.abstract_train_state(mcfg, tx, mesh)
-    state, _, _ = ckpt.restore(target, step)
-  finally:
-    ckpt.close()
-  tok_dir = os.path.join(run_dir, "tokenizer")
-  if not os.path.isdir(tok_dir):
-    tok_dir = saved.get("tokenizer") if saved.get("tokenizer") not in (None, "", "byte") else None
-  logging.info("initialised from %s step %d", run_dir, step)
-  return nnx.merge(graphdef, state["params"]), mcfg, tok_dir
-
-
-def load_tokenizer(cfg: RLConfig, inherited: str | None):
-  """The run's tokenizer, read without writing: the init run's when it has one, else
-  `cfg.tokenizer` ('byte' or a directory)."""
-  from dice_jax.data.tokenizer import Tokenizer
-  from dice_jax.data import byte_tokenizer
-
-  path = inherited or cfg.tokenizer
-  if path == "byte":
-    return byte_tokenizer.load_byte_tokenizer()
-  return Tokenizer.from_dir(path)
-
-
-def save_tokenizer(cfg: RLConfig, workdir: str, inherited: str | None) -> None:
-  """Writes the tokenizer into `workdir/tokenizer` when it is the byte tokenizer or an init
-  run's (as SFT does); a `cfg.tokenizer` directory stays where it is."""
-  from dice_jax.data.tokenizer import Tokenizer
-  from dice_jax.data import byte_tokenizer
-
-  dest = os.path.join(workdir, "tokenizer")
-  if inherited and os.path.abspath(inherited) != os.path.abspath(dest):
-    Tokenizer.from_dir(inherited).save(dest)
-  elif not inherited and cfg.tokenizer == "byte":
-    byte_tokenizer.write_byte_tokenizer(dest)
-
-
-def build_model(
-  cfg: RLConfig, mesh, workdir: str, init_hf: str | None, init_checkpoint: str | None
-):
-  """(model, model config, inherited tokenizer dir or None)."""
+def build_model(cfg: RLConfig, mesh, init_hf: str | None, init_checkpoint: str | None):
+  """(model, model config, inherited tokenizer dir or None): an init run's parameters and
+  tokenizer, or the run section's model (fresh or `init_hf`'s, with its tokenizer if it has one)."""
   if init_checkpoint:
-    return restore_run_params(init_checkpoint, mesh)
-  overrides = dict(cfg.model_overrides)
-  if init_hf:
-    from dice_jax.hf.checkpoint import import_hf
-
-    model, mcfg = import_hf(init_hf, mesh, **overrides)
-    has_tok = os.path.exists(os.path.join(init_hf, "tokenizer_config.json"))
-    return model, mcfg, init_hf if has_tok else None
-  if cfg.tokenizer == "byte":
-    from dice_jax.data import byte_tokenizer
-
-    overrides = {**byte_tokenizer.byte_model_overrides(), **overrides}
-  mcfg = get_config(cfg.model, **overrides)
-  model = sharding_lib.create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), mesh)
-  return model, mcfg, None
+    return run_setup.restore_run_params(init_checkpoint, mesh)
+  mcfg = run_setup.model_config(cfg.run, init_hf)
+  model = run_setup.build_model(cfg.run, mcfg, mesh, init_hf)
+  has_tok = bool(init_hf) and os.path.exists(os.path.join(init_hf, "tokenizer_config.json"))
+  return model, mcfg, init_hf if has_tok else None
 
 
 def load_tasks(cfg: RLConfig) -> list[tasks_lib.KernelTask]:
@@ -179,23 +120,19 @@ class _Trainer:
 
 def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Trainer:
   """Model (fresh, imported, or restored with the stream position), optimizer, jitted steps."""
-  mesh = sharding_lib.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
+  mesh = run_setup.make_mesh(cfg.run)
   resuming = ckpt.latest_step() is not None
   if resuming:
     mcfg = ckpt_lib.read_model_config(workdir)
     inherited = _existing_dir(os.path.join(workdir, "tokenizer"))
     _warn_config_changes(ckpt.restore_config(), cfg.to_json())
   else:
-    model, mcfg, inherited = build_model(cfg, mesh, workdir, init_hf, init_checkpoint)
-  tok = load_tokenizer(cfg, inherited)
+    model, mcfg, inherited = build_model(cfg, mesh, init_hf, init_checkpoint)
+  tok = run_setup.load_tokenizer(inherited or cfg.run.tokenizer)
   if distributed.is_primary():
-    save_tokenizer(cfg, workdir, inherited)
+    run_setup.save_tokenizer(cfg.run, workdir, inherited)
     if not resuming:
       ckpt_lib.save_model_config(mcfg, workdir)
-  if cfg.sampler.block_size != mcfg.block_size:
-    raise ValueError(
-      f"RLConfig.sampler.block_size {cfg.sampler.block_size} != the model's {mcfg.block_size}"
-    )
   check_compatible(tok, mcfg, where="rl")
   logging.info(
     "model %.2fM params (block %d, %s), mesh %s",
@@ -209,7 +146,7 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
   if resuming:
     graphdef, target, shardings = ckpt_lib.abstract_train_state(mcfg, tx, mesh)
   else:
-    graphdef, state, shardings = ts.init_train_state(model, tx, mesh, tolerance=cfg.shard_tolerance)
+    graphdef, state, shardings = ts.init_train_state(model, tx, mesh, tolerance=cfg.run.shard_tolerance)
     del model
   tasks = load_tasks(cfg)
   eval_groups = []
@@ -253,7 +190,7 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
     cfg.sampler,
     stop_ids=cfg.sampler.stop_ids or stop_ids(cfg, tok),
     pad_id=mcfg.pad_token_id if mcfg.pad_token_id is not None else tok.pad_token_id,
-  )
+  ).for_model(mcfg)  # the model's block size unless sampler.block_size says otherwise
   return _Trainer(
     cfg=cfg,
     mesh=mesh,
@@ -309,8 +246,8 @@ def stop_ids(cfg: RLConfig, tok) -> tuple[int, ...]:
 
 def make_backend(cfg: RLConfig, scfg) -> rollout_lib.SamplerBackend:
   if cfg.sampler_backend == "continuous":
-    return rollout_lib.ContinuousBatches(scfg, cfg.slots, cfg.max_prompt_len, cfg.seed)
-  return rollout_lib.StaticBatches(scfg, cfg.groups_per_batch, cfg.seed)
+    return rollout_lib.ContinuousBatches(scfg, cfg.slots, cfg.max_prompt_len, cfg.run.seed)
+  return rollout_lib.StaticBatches(scfg, cfg.groups_per_batch, cfg.run.seed)
 
 
 def _warn_config_changes(saved: dict, now: dict) -> None:
@@ -382,13 +319,7 @@ def run_rl(
 
 def _run(cfg, workdir, stop, endpoints, init_hf, init_checkpoint, max_steps) -> dict:
   os.makedirs(workdir, exist_ok=True)
-  ckpt = ckpt_lib.Checkpointer(
-    os.path.join(workdir, "checkpoints"),
-    save_every=cfg.checkpoint_every,
-    keep=cfg.checkpoint_keep,
-    async_save=cfg.async_checkpoint,
-    keep_period=cfg.snapshot_every or None,
-  )
+  ckpt = run_setup.make_checkpointer(cfg.run, workdir, keep_period=cfg.snapshot_every or None)
   judge = None
   last, preempted, done = {}, False, None
   try:
@@ -415,7 +346,7 @@ def _run(cfg, workdir, stop, endpoints, init_hf, init_checkpoint, max_steps) -> 
         ckpt.save(
           done,
           t.state,
-          {"iterator": data_state, "rl_step": done, "seed": cfg.seed},
+          {"iterator": data_state, "rl_step": done, "seed": cfg.run.seed},
           config_json,
           force=preempted or done == end or snapshot,
         )
@@ -468,7 +399,7 @@ def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
     rows_per_batch=cfg.rows_per_update,
     pad_id=mcfg.pad_token_id or 0,
     length_multiple=cfg.length_multiple,
-    rng=np.random.default_rng([cfg.seed, rl_step]) if cfg.shuffle else None,
+    rng=np.random.default_rng([cfg.run.seed, rl_step]) if cfg.shuffle else None,
     drop_partial=cfg.tail_rows == "drop",
   )
   t_build = time.perf_counter()
@@ -485,7 +416,7 @@ def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
     gap_n += float(mask.sum())
   t_old = time.perf_counter() - t_build
   stats = reporting.UpdateStats()
-  rng = jax.random.key(cfg.seed)  # the TraceRL loss draws nothing; the step folds in its count
+  rng = jax.random.key(cfg.run.seed)  # the TraceRL loss draws nothing; the step folds in its count
   for b in sharded:
     state, m = t.step_fn(state, b, rng)
     stats.add({k: float(v) for k, v in distributed.tree_to_host(m).items()})

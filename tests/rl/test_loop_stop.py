@@ -27,7 +27,7 @@ def _latest_checkpoint(workdir) -> int | None:
 def test_ctrl_c_during_an_rl_step_saves_that_step_and_the_rerun_resumes_from_it(tmp_path):
   workdir = str(tmp_path / "run")
   # checkpoint_every=100: any checkpoint before step 50 is the stop's
-  cmd = rl_cmd(workdir, 50, "--set=checkpoint_every=100")
+  cmd = rl_cmd(workdir, 50, "--set=run.checkpoint_every=100")
   proc = subprocess.Popen(
     cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
   )
