@@ -71,7 +71,7 @@ KV_CACHE_DTYPES = (None, "float8_e4m3fn")
 class SamplerConfig:
   """Decoding settings (static under jit)."""
 
-  block_size: int = 0  # 0: the model's (`for_model`); another must equal it
+  block_size: int = 4  # 0: the model's (`for_model` resolves it); another must equal the model's
   steps: int = 4  # max denoising forwards per block
   strategy: str = "low_confidence_static"
   threshold: float = 0.9  # low_confidence_dynamic

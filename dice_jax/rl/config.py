@@ -32,7 +32,8 @@ SCHEDULES = ("sequential", "sequential_by_stage")
 TAIL_ROWS = ("apply", "drop")
 STOP_TOKENS = ("chat", "eos")
 
-DICE_SAMPLER = SamplerConfig(  # block size: the model's (SDAR's 4)
+DICE_SAMPLER = SamplerConfig(
+  block_size=0,  # the model's (SDAR's 4): resolved at start-up, the one check with it
   steps=4,
   strategy="low_confidence_dynamic",
   threshold=0.9,

@@ -166,6 +166,7 @@ class StaticBatches:
     self.forwards = 0
     if not groups:
       return
+    cfg = self.cfg.for_model(model.cfg)  # the model's block size unless the config sets one
     width = max(len(g.prompt_ids) for g in groups)
     for start in range(0, len(groups), self.k):
       chunk = list(groups[start : start + self.k])
@@ -173,15 +174,15 @@ class StaticBatches:
       prompts = [g.prompt_ids.tolist() for g in padded for _ in range(g.size)]
       keys = group_keys(self.seed, rl_step, padded)
       out = distributed.tree_to_host(
-        sampler_lib.generate(model, prompts, self.cfg, keys=keys, prompt_width=width)
+        sampler_lib.generate(model, prompts, cfg, keys=keys, prompt_width=width)
       )
       self.forwards += int(out.forwards)
       n_real = sum(g.size for g in chunk)
       trajs = from_sample_output(
         out,
         prompts[:n_real],
-        block_size=self.cfg.block_size,
-        block_alignment=self.cfg.block_alignment,
+        block_size=cfg.block_size,
+        block_alignment=cfg.block_alignment,
       )
       steps = np.asarray(out.steps_used)
       row = 0
@@ -217,9 +218,10 @@ class ContinuousBatches:
     self.forwards = 0
     if not groups:
       return
+    cfg = self.cfg.for_model(model.cfg)
     engine = engine_lib.ContinuousSampler(
       model,
-      self.cfg,
+      cfg,
       slots=self.slots,
       max_prompt_len=self.max_prompt_len or max(len(g.prompt_ids) for g in groups),
       prefill_rows=self.prefill_rows,
@@ -243,7 +245,7 @@ class ContinuousBatches:
         loss_mask=np.arange(n) < c.response_length,
         sampler_logp=logp,
       )
-      traj.check_grid(self.cfg.block_size)
+      traj.check_grid(cfg.block_size)
       done.setdefault(group, {})[member] = traj
       steps[group] = steps.get(group, 0) + c.steps_used
       task = by_group[group]

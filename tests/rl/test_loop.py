@@ -12,6 +12,7 @@ import pytest
 
 from dice_jax.data.rl_stream import RLStreamConfig
 from dice_jax.rl.config import DICE_SAMPLER, RLConfig, VerifierConfig
+from dice_jax.model.config import get_config
 from dice_jax.train.config import apply_overrides
 from dice_jax.train.optimizer import OptimizerConfig
 from dice_jax.train.run_config import RunConfig
@@ -84,9 +85,10 @@ def test_config_json_round_trip_and_dice_presets():
   infill, e2e = rl_dice_infill.get_config(), rl_dice_e2e.get_config()
   for c in (infill, e2e):
     s = c.sampler
+    assert get_config(c.run.model).block_size == 4  # the sampler's block: 0, the model's
     assert (s.temperature, s.block_size, s.steps, s.strategy, s.threshold, s.max_new_tokens) == (
       1.0,
-      4,
+      0,
       4,
       "low_confidence_dynamic",
       0.9,
