@@ -37,8 +37,10 @@ flags.DEFINE_string("checkpoint", None, "SFT or RL run directory (its latest che
 flags.DEFINE_string("tokenizer_dir", None, "Tokenizer (default: the model's).")
 flags.DEFINE_string("candidates", None, "JSONL of known candidates instead of a model.")
 flags.DEFINE_string(
-  "kernelbench", None, "KernelBench problems: level{N}.jsonl file or directory, checkout "
-  "(default: DATA_ROOT/kernelbench)."
+  "kernelbench",
+  None,
+  "KernelBench problems: level{N}.jsonl file or directory, checkout "
+  "(default: DATA_ROOT/kernelbench).",
 )
 flags.DEFINE_list("levels", ["1", "2", "3"], "KernelBench levels.")
 flags.DEFINE_string("problems", "", "Problem ids within each level, e.g. 1-10,19 (default: all).")

@@ -35,7 +35,9 @@ _E2E_FILE = "end_to_end_kernel_generation_4000.json"
 
 _PIPELINE = flags.DEFINE_enum("pipeline", "e2e", ["sft", "infill", "e2e"], "which pipeline to show")
 _N = flags.DEFINE_integer("n", 2, "examples to print")
-_TOKENIZER = flags.DEFINE_string("tokenizer", None, "HF tokenizer directory (default: DATA_ROOT/sdar_chat)")
+_TOKENIZER = flags.DEFINE_string(
+  "tokenizer", None, "HF tokenizer directory (default: DATA_ROOT/sdar_chat)"
+)
 _E2E = flags.DEFINE_string(
   "e2e_tasks",
   None,

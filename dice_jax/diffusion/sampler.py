@@ -122,7 +122,9 @@ class SamplerConfig:
       if getattr(self, name) < 1:
         raise ValueError(f"SamplerConfig.{name} must be >= 1, got {getattr(self, name)}")
     if self.block_size < 0:
-      raise ValueError(f"SamplerConfig.block_size must be >= 0 (0: the model's), got {self.block_size}")
+      raise ValueError(
+        f"SamplerConfig.block_size must be >= 0 (0: the model's), got {self.block_size}"
+      )
     if self.temperature < 0 or self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
       raise ValueError(
         f"SamplerConfig: bad temperature/top_k/top_p "

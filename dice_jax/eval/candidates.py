@@ -167,7 +167,9 @@ class FileCandidates:
             if "task_id" in row
             else ids.get((int(row["level"]), int(row["problem_id"])))
           )
-          code = row["candidate"] if "candidate" in row else code_extraction.first_block(row["response"])
+          code = (
+            row["candidate"] if "candidate" in row else code_extraction.first_block(row["response"])
+          )
           key = (task_id, int(row.get("sample", 0)))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
           raise ValueError(

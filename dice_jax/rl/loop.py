@@ -146,7 +146,9 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
   if resuming:
     graphdef, target, shardings = ckpt_lib.abstract_train_state(mcfg, tx, mesh)
   else:
-    graphdef, state, shardings = ts.init_train_state(model, tx, mesh, tolerance=cfg.run.shard_tolerance)
+    graphdef, state, shardings = ts.init_train_state(
+      model, tx, mesh, tolerance=cfg.run.shard_tolerance
+    )
     del model
   tasks = load_tasks(cfg)
   eval_groups = []
@@ -251,6 +253,10 @@ def make_backend(cfg: RLConfig, scfg) -> rollout_lib.SamplerBackend:
 
 
 def _warn_config_changes(saved: dict, now: dict) -> None:
+  try:  # a config saved before today's sections, read as today's code reads it
+    saved = json.loads(json.dumps(RLConfig.from_json(saved).to_json()))
+  except (TypeError, ValueError, KeyError):
+    pass
   now = json.loads(json.dumps(now))  # as saved (tuples become lists)
   changed = sorted(k for k in now if saved.get(k) != now[k])
   if changed:

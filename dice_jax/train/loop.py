@@ -1,4 +1,4 @@
-"""The SFT loop: build mesh, model, optimizer and data; restore; step; log; checkpoint; export.
+"""The SFT loop: the run set-up (`run_setup.py`), optimizer, data; restore; step; log; save; export.
 
 Resume is exact: the checkpoint holds params, optimizer state, step and the grain iterator state
 taken right after the step's batch was drawn, and the step's noise key is `fold_in(seed, step)`,
@@ -174,7 +174,9 @@ def _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change) -> dict:
 
   schedule = optim_lib.make_schedule(cfg.optim, cfg.num_steps)
   tx = optim_lib.make_optimizer(cfg.optim, cfg.num_steps)
-  graphdef, state, shardings = ts.init_train_state(model, tx, mesh, tolerance=cfg.run.shard_tolerance)
+  graphdef, state, shardings = ts.init_train_state(
+    model, tx, mesh, tolerance=cfg.run.shard_tolerance
+  )
   del model
   logging.info("model and optimizer state built in %.1f s", time.perf_counter() - t0)
 

@@ -19,7 +19,6 @@ from dice_jax.rl.config import dice_phase_config
 from experiments.data_root import data_path
 
 
-
 def get_config():
   cfg = dice_phase_config(
     "infill",

@@ -15,7 +15,9 @@ def shared_path(*parts: str) -> pathlib.Path:
 
   p = data_root().joinpath(*parts)
   if not p.exists():
-    pytest.skip(f"data not available: {p} (set ${ENV}; CI provides ../shared/data next to the repo)")
+    pytest.skip(
+      f"data not available: {p} (set ${ENV}; CI provides ../shared/data next to the repo)"
+    )
   return p
 
 

@@ -99,7 +99,9 @@ def test_split_infilling_picks_cuda_not_cpp_and_handles_escapes():
 def test_extract_code_takes_first_fenced_block():
   assert code_extraction.first_block("blah\n```python\nA = 1\n```\ntext\n```cpp\nB\n```") == "A = 1"
   assert code_extraction.first_block("```\nimport torch\n```") == "import torch"
-  assert code_extraction.first_block("```cuda\n__global__ void k(){}\n```") == "__global__ void k(){}"
+  assert (
+    code_extraction.first_block("```cuda\n__global__ void k(){}\n```") == "__global__ void k(){}"
+  )
   assert code_extraction.first_block("no code here") is None
   assert code_extraction.first_block("```python\nunterminated") is None
 

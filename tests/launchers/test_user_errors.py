@@ -125,7 +125,7 @@ def test_sft_with_a_tokenizer_that_does_not_fit_the_model(tmp_path, cuke_file, b
     f"--set=run.tokenizer={tmp_path}/nope",
     *SFT_SETS,
   )
-  assert f"SFTConfig.tokenizer {tmp_path}/nope: no such directory" in error_line(proc, "sft")
+  assert f"run.tokenizer {tmp_path}/nope: no such directory" in error_line(proc, "sft")
 
 
 @pytest.fixture

@@ -22,7 +22,11 @@ BATCH = 4
 def data(tmp_path_factory):
   path = write_cuke_file(tmp_path_factory.mktemp("data") / "cuke.jsonl", n=30)
   cfg = SFTConfig(
-    data_source="cuke", data_path=path, seq_len=256, batch_size=BATCH, data_shards=2,
+    data_source="cuke",
+    data_path=path,
+    seq_len=256,
+    batch_size=BATCH,
+    data_shards=2,
     run=RunConfig(seed=3),
   )
   return cfg, sft_data.load_samples(cfg), load_tokenizer(cfg.run.tokenizer)

@@ -52,7 +52,9 @@ def test_a_field_of_the_run_section_named_at_the_top_says_where_it_moved():
   from dice_jax.rl.config import RLConfig
 
   for cfg in (SFTConfig(), RLConfig()):
-    with pytest.raises(ValueError, match=r"'seed' moved into the run section: use --set=run\.seed="):
+    with pytest.raises(
+      ValueError, match=r"'seed' moved into the run section: use --set=run\.seed="
+    ):
       apply_overrides(cfg, ["seed=3"])
     with pytest.raises(ValueError, match=r"use --set=run\.model_overrides\.remat="):
       apply_overrides(cfg, ["model_overrides.remat=True"])
