@@ -51,7 +51,7 @@ _SFT = flags.DEFINE_string(
 )
 _STYLE = flags.DEFINE_enum("prompt_style", "dice", ["dice", "chat"], "RL prompt rendering")
 _SEQ = flags.DEFINE_integer("seq_len", 6144, "SFT row length (DICE cutoff_len)")
-_BLOCK = flags.DEFINE_integer("block_size", 4, "block size")
+_BLOCK = flags.DEFINE_integer("block_size", 0, "block size (0: the SDAR preset's, sdar_1p7b)")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "SFT rows per batch")
 _BINS = flags.DEFINE_integer("packing_bins", 16, "first-fit packing bins")
 _ROWS = flags.DEFINE_integer(
@@ -139,7 +139,7 @@ def _sft(tok: Tokenizer) -> None:
     print(_clip(p + r))
   cfg = SFTPipelineConfig(
     seq_len=_SEQ.value,
-    grid=BlockGrid(_BLOCK.value),
+    grid=BlockGrid(_block_size()),
     batch_size=_BATCH.value,
     num_packing_bins=_BINS.value,
     drop_remainder=False,
@@ -158,7 +158,7 @@ def _sft(tok: Tokenizer) -> None:
   if _ROWS.value:
     cfg = SFTPipelineConfig(
       seq_len=_SEQ.value,
-      grid=BlockGrid(_BLOCK.value),
+      grid=BlockGrid(_block_size()),
       batch_size=_BATCH.value,
       num_packing_bins=_BINS.value,
       num_epochs=None,
@@ -174,6 +174,12 @@ def _sft(tok: Tokenizer) -> None:
       f"throughput: {n / dt:.1f} rows/s = {n * cfg.seq_len / dt / 1e3:.0f}k tokens/s "
       f"({n} rows in {dt:.1f} s, {_WORKERS.value} worker processes, {os.cpu_count()} CPUs)"
     )
+
+
+def _block_size() -> int:
+  from dice_jax.model.config import get_config
+
+  return _BLOCK.value or get_config("sdar_1p7b").block_size
 
 
 def _infill_path() -> str:
