@@ -28,3 +28,23 @@ def test_the_environment_variable_moves_every_config(monkeypatch, tmp_path):
   assert infill.run.tokenizer == str(tmp_path / "sdar_chat")
   e2e = configs.load("rl_dice_e2e")
   assert e2e.e2e_tasks.startswith(str(tmp_path)) and e2e.eval_tasks.startswith(str(tmp_path))
+
+
+def test_the_launchers_data_root_flag_wins_over_the_environment(tmp_path):
+  import os
+  import subprocess
+  import sys
+
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), **{ENV: str(tmp_path / "env")})
+  proc = subprocess.run(
+    [sys.executable, "-m", "experiments.sft", "--config=tiny", f"--workdir={tmp_path / 'w'}"]
+    + [f"--data_root={tmp_path / 'flag'}"],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  want = tmp_path / "flag" / "dice_rl" / "kernel_infilling_evaluation.json"
+  assert proc.stderr.strip().splitlines()[-1] == f"sft: error: {want}: file not found"
