@@ -9,6 +9,8 @@ r"""BiC-RL launcher (TraceRL on block diffusion; reference §1.7).
 as a child (CPU backend on a machine without a GPU) with its build cache in RUN/verifier.
 Re-running with the same workdir resumes from its last checkpoint (exact: same tasks, samples and
 losses). Outputs: RUN/metrics.jsonl, RUN/tb/, RUN/samples.jsonl, RUN/rl.png, RUN/checkpoints/.
+Ctrl-C (SIGINT) or SIGTERM finishes the current RL step, saves it and exits 0 (a second one
+stops at once); rerun the command to resume.
 A bad flag, config value or input file is one line on stderr and exit status 2.
 
 Several processes (hosts, or processes on one machine): start the same command once per process
@@ -38,7 +40,9 @@ flags.DEFINE_string("verifier", None, "HOST:PORT[,HOST:PORT...] or 'local' (a ch
 flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics, samples)")
 flags.DEFINE_string("init_hf", None, "initialise from this HF checkpoint directory")
 flags.DEFINE_string("init_checkpoint", None, "initialise from an SFT or RL run directory")
-flags.DEFINE_multi_string("set", [], "config override key=value (dotted keys), repeatable")
+flags.DEFINE_multi_string(
+  "set", [], "config override key=value (dotted keys, e.g. run.seed=1), repeatable"
+)
 flags.DEFINE_integer("max_steps", None, "stop after this many RL steps (the run can resume)")
 _cli.define_multiprocess_flags()
 
