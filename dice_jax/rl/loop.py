@@ -13,8 +13,8 @@ RL stream and samples every group (the sampler is one computation over the globa
 processes must make the same calls anyway), judges every n-th distinct request and receives the
 others' verdicts, so rewards, advantages and TraceRL batches are equal everywhere; each then feeds
 its devices' rows of every mini-batch. Process 0 writes metrics, samples, the plot
-(`reporting.py`), the tokenizer and the model config; all write the orbax checkpoints together. The stream state is the same on
-every process, so a checkpoint resumes on any process count.
+(`reporting.py`), the tokenizer and the model config; all write the orbax checkpoints together.
+The stream state is the same on every process, so a checkpoint resumes on any process count.
 
 Resume is exact: the checkpoint holds params, optimizer state, the optimizer-step counter, the
 RL-stream iterator state taken after the step's tasks were drawn and the RL step; sampling keys
