@@ -172,7 +172,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     num_heads=16,
     num_kv_heads=8,
   ),
-  # ../shared/data/sdar_chat/config_4b.json
+  # DATA_ROOT/sdar_chat/config_4b.json
   "sdar_4b": dict(
     _SDAR_COMMON,
     hidden_size=2560,
@@ -181,7 +181,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     num_heads=32,
     num_kv_heads=8,
   ),
-  # ../shared/data/sdar_chat/config_8b.json
+  # DATA_ROOT/sdar_chat/config_8b.json
   "sdar_8b": dict(
     _SDAR_COMMON,
     hidden_size=4096,
