@@ -65,12 +65,15 @@ def resolve_config():
   cfg = recipe_then_overrides(cfg, FLAGS.set)
   if FLAGS.phase:
     cfg = dataclasses.replace(cfg, phase=FLAGS.phase)
-  if FLAGS.init_hf and FLAGS.init_checkpoint:
-    raise UserError("pass at most one of --init_hf and --init_checkpoint")
-  for flag in ("init_hf", "init_checkpoint"):
-    path = getattr(FLAGS, flag)
+  with_init = {k: getattr(FLAGS, k) for k in ("init_hf", "init_checkpoint") if getattr(FLAGS, k)}
+  if with_init:  # the flags are shortcuts for --set=run.init_hf= / --set=run.init_checkpoint=
+    if FLAGS.init_hf and FLAGS.init_checkpoint:
+      raise UserError("pass at most one of --init_hf and --init_checkpoint")
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, **with_init))
+  for field in ("init_hf", "init_checkpoint"):
+    path = getattr(cfg.run, field)
     if path and not os.path.isdir(path):
-      raise UserError(f"--{flag}: no such directory {path}")
+      raise UserError(f"--{field}: no such directory {path}")
   key = "infill_tasks" if cfg.phase == "infill" else "e2e_tasks"
   if cfg.tasks_path and not os.path.exists(cfg.tasks_path):
     raise UserError(f"task file of phase {cfg.phase!r} not found: {cfg.tasks_path} (set {key})")
@@ -100,9 +103,7 @@ def run(cfg) -> dict:
   from dice_jax.rl.loop import run_rl
   from dice_jax.verifier_client import parse_endpoints
 
-  kwargs = dict(
-    init_hf=FLAGS.init_hf, init_checkpoint=FLAGS.init_checkpoint, max_steps=FLAGS.max_steps
-  )
+  kwargs = dict(max_steps=FLAGS.max_steps)
   if cfg.judge != "verifier" or FLAGS.verifier != "local":
     endpoints = parse_endpoints(FLAGS.verifier) if cfg.judge == "verifier" else None
     return run_rl(cfg, FLAGS.workdir, endpoints=endpoints, **kwargs)

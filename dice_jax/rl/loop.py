@@ -59,13 +59,14 @@ from dice_jax.train import train_step as ts
 
 
 # ------------------------------------------------------------------ model, tokenizer, tasks
-def build_model(cfg: RLConfig, mesh, init_hf: str | None, init_checkpoint: str | None):
-  """(model, model config, inherited tokenizer dir or None): an init run's parameters and
-  tokenizer, or the run section's model (fresh or `init_hf`'s, with its tokenizer if it has one)."""
-  if init_checkpoint:
-    return run_setup.restore_run_params(init_checkpoint, mesh)
-  mcfg = run_setup.model_config(cfg.run, init_hf)
-  model = run_setup.build_model(cfg.run, mcfg, mesh, init_hf)
+def build_model(cfg: RLConfig, mesh):
+  """(model, model config, inherited tokenizer dir or None): `run.init_checkpoint`'s parameters
+  and tokenizer, or the run section's model (fresh or `run.init_hf`'s, with its tokenizer)."""
+  if cfg.run.init_checkpoint:
+    return run_setup.restore_run_params(cfg.run.init_checkpoint, mesh)
+  mcfg = run_setup.model_config(cfg.run)
+  model = run_setup.build_model(cfg.run, mcfg, mesh)
+  init_hf = cfg.run.init_hf
   has_tok = bool(init_hf) and os.path.exists(os.path.join(init_hf, "tokenizer_config.json"))
   return model, mcfg, init_hf if has_tok else None
 
@@ -118,7 +119,7 @@ class _Trainer:
   eval_groups: list = dataclasses.field(default_factory=list)
 
 
-def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Trainer:
+def _prepare(cfg: RLConfig, workdir: str, ckpt) -> _Trainer:
   """Model (fresh, imported, or restored with the stream position), optimizer, jitted steps."""
   mesh = run_setup.make_mesh(cfg.run)
   resuming = ckpt.latest_step() is not None
@@ -127,7 +128,7 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
     inherited = _existing_dir(os.path.join(workdir, "tokenizer"))
     _warn_config_changes(ckpt.restore_config(), cfg.to_json())
   else:
-    model, mcfg, inherited = build_model(cfg, mesh, init_hf, init_checkpoint)
+    model, mcfg, inherited = build_model(cfg, mesh)
   tok = run_setup.load_tokenizer(inherited or cfg.run.tokenizer)
   if distributed.is_primary():
     run_setup.save_tokenizer(cfg.run, workdir, inherited)
@@ -308,8 +309,6 @@ def run_rl(
   workdir: str,
   *,
   endpoints: list[str] | None = None,
-  init_hf: str | None = None,
-  init_checkpoint: str | None = None,
   max_steps: int | None = None,
 ) -> dict:
   """Runs RL steps up to `cfg.num_steps` (or `max_steps` more), resuming from `workdir`.
@@ -318,18 +317,18 @@ def run_rl(
   during start-up, or a second signal, returns at once (`train/stop.py`).
   """
   return stop_lib.run_stoppable(
-    lambda stop: _run(cfg, workdir, stop, endpoints, init_hf, init_checkpoint, max_steps),
+    lambda stop: _run(cfg, workdir, stop, endpoints, max_steps),
     rl_step=None,
   )
 
 
-def _run(cfg, workdir, stop, endpoints, init_hf, init_checkpoint, max_steps) -> dict:
+def _run(cfg, workdir, stop, endpoints, max_steps) -> dict:
   os.makedirs(workdir, exist_ok=True)
   ckpt = run_setup.make_checkpointer(cfg.run, workdir, keep_period=cfg.snapshot_every or None)
   judge = None
   last, preempted, done = {}, False, None
   try:
-    t = _prepare(cfg, workdir, ckpt, init_hf, init_checkpoint)
+    t = _prepare(cfg, workdir, ckpt)
     end = cfg.num_steps if max_steps is None else min(cfg.num_steps, t.start + max_steps)
     logging.info("RL steps %d -> %d (of %d)", t.start, end, cfg.num_steps)
     judge = make_judge(cfg, endpoints)

@@ -53,6 +53,10 @@ class SFTConfig:
       f"data_source must be one of {DATA_SOURCES}, got {self.data_source!r}",
     )
     need(isinstance(self.run, RunConfig), "run must be a RunConfig")
+    need(
+      not self.run.init_checkpoint,
+      "run.init_checkpoint is RL's (an SFT run starts from run.init_hf or a fresh model)",
+    )
     for name in (
       "seq_len",
       "batch_size",

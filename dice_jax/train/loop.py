@@ -93,7 +93,6 @@ def prepare(
   cfg: SFTConfig,
   workdir: str,
   *,
-  init_hf: str | None = None,
   export_hf: str | None = None,
   allow_config_change: bool = False,
 ):
@@ -115,12 +114,14 @@ def prepare(
       f"(to re-export this run: python -m experiments.export_hf --init=checkpoint "
       f"--workdir={workdir} --out={export_hf} --overwrite)"
     )
-  mcfg = run_setup.model_config(cfg.run, init_hf)
+  mcfg = run_setup.model_config(cfg.run)
   logging.info("loading SFT data (%s) from %s", cfg.data_source, cfg.data_path)
   samples = sft_data.load_samples(cfg)
   tok = run_setup.load_tokenizer(cfg.run.tokenizer)
   check_compatible(
-    tok, mcfg, where=f"sft (tokenizer={cfg.run.tokenizer}, model={init_hf or cfg.run.model})"
+    tok,
+    mcfg,
+    where=f"sft (tokenizer={cfg.run.tokenizer}, model={cfg.run.init_hf or cfg.run.model})",
   )
   cfg.objective.grid.check_model(mcfg, "SFTConfig.objective.grid")
   sft_data.check_some_fit(samples, tok, cfg.max_sample_len or cfg.seq_len, cfg.objective.grid)
@@ -132,7 +133,6 @@ def run_sft(
   cfg: SFTConfig,
   workdir: str,
   *,
-  init_hf: str | None = None,
   export_hf: str | None = None,
   allow_config_change: bool = False,
 ) -> dict:
@@ -143,13 +143,13 @@ def run_sft(
   (`stop.py`).
   """
   return run_stoppable(
-    lambda stop: _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change), step=None
+    lambda stop: _run(cfg, workdir, stop, export_hf, allow_config_change), step=None
   )
 
 
-def _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change) -> dict:
+def _run(cfg, workdir, stop, export_hf, allow_config_change) -> dict:
   mcfg, tok, samples = prepare(
-    cfg, workdir, init_hf=init_hf, export_hf=export_hf, allow_config_change=allow_config_change
+    cfg, workdir, export_hf=export_hf, allow_config_change=allow_config_change
   )
   mesh = run_setup.make_mesh(cfg.run)
   logging.info(
@@ -162,7 +162,7 @@ def _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change) -> dict:
     ckpt_lib.save_model_config(mcfg, workdir)
   logging.info(
     "building model %s: %.2fM params, attention=%s remat=%s dtype=%s/%s",
-    init_hf or cfg.run.model,
+    cfg.run.init_hf or cfg.run.model,
     mcfg.num_params() / 1e6,
     mcfg.attention_impl,
     mcfg.remat,
@@ -170,7 +170,7 @@ def _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change) -> dict:
     mcfg.param_dtype,
   )
   t0 = time.perf_counter()
-  model = run_setup.build_model(cfg.run, mcfg, mesh, init_hf)
+  model = run_setup.build_model(cfg.run, mcfg, mesh)
 
   schedule = optim_lib.make_schedule(cfg.optim, cfg.num_steps)
   tx = optim_lib.make_optimizer(cfg.optim, cfg.num_steps)

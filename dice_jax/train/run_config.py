@@ -15,6 +15,9 @@ class RunConfig:
   model: str = "tiny"
   model_overrides: dict = dataclasses.field(default_factory=dict)  # e.g. {'remat': True}
   tokenizer: str = "byte"  # 'byte' (256 bytes + 4 specials; tiny models) or an HF tokenizer dir
+  # where the weights start (launcher flags --init_hf / --init_checkpoint; ignored on resume)
+  init_hf: str = ""  # an HF checkpoint directory (its config replaces the preset)
+  init_checkpoint: str = ""  # an SFT or RL run directory (RL only: its latest checkpoint)
   seed: int = 0
   # mesh (-1 fills)
   mesh_data: int = 1
@@ -40,6 +43,10 @@ class RunConfig:
       v = getattr(self, name)
       need(isinstance(v, int) and (v >= 1 or v == -1), f"run.{name} must be >= 1 or -1, got {v!r}")
     need(isinstance(self.async_checkpoint, bool), "run.async_checkpoint must be True or False")
+    need(
+      not (self.init_hf and self.init_checkpoint),
+      "set at most one of run.init_hf and run.init_checkpoint (--init_hf, --init_checkpoint)",
+    )
 
   def tokenizer_dir(self, workdir: str, inherited: str | None = None) -> str:
     """Where the run's tokenizer files are: `workdir/tokenizer` for 'byte' or one inherited from

@@ -22,9 +22,10 @@ def make_mesh(run: RunConfig):
   return sharding_lib.make_mesh(run.mesh_data, run.mesh_fsdp, run.mesh_tensor)
 
 
-def model_config(run: RunConfig, init_hf: str | None = None) -> ModelConfig:
-  """The run's model config (from `init_hf`'s config.json or the preset), without building it;
-  the byte tokenizer's vocabulary and special ids for a preset with `tokenizer='byte'`."""
+def model_config(run: RunConfig) -> ModelConfig:
+  """The run's model config (from `run.init_hf`'s config.json or the preset), without building
+  it; the byte tokenizer's vocabulary and special ids for a preset with `tokenizer='byte'`."""
+  init_hf = run.init_hf
   overrides = dict(run.model_overrides)
   if run.tokenizer == "byte" and not init_hf:
     overrides = {**byte_tokenizer.byte_model_overrides(), **overrides}
@@ -40,12 +41,12 @@ def model_config(run: RunConfig, init_hf: str | None = None) -> ModelConfig:
     raise UserError(f"model config ({init_hf or run.model}, {overrides}): {e}") from e
 
 
-def build_model(run: RunConfig, mcfg: ModelConfig, mesh, init_hf: str | None = None):
-  """A freshly initialised model (seeded by `run.seed`), or `init_hf`'s weights, on `mesh`."""
-  if init_hf:
+def build_model(run: RunConfig, mcfg: ModelConfig, mesh):
+  """A freshly initialised model (seeded by `run.seed`), or `run.init_hf`'s weights, on `mesh`."""
+  if run.init_hf:
     from dice_jax.hf.checkpoint import import_hf
 
-    return import_hf(init_hf, mesh, **run.model_overrides)[0]
+    return import_hf(run.init_hf, mesh, **run.model_overrides)[0]
   return sharding_lib.create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(run.seed)), mesh)
 
 

@@ -93,3 +93,15 @@ def test_invalid_config_is_rejected():
     SFTConfig(batch_size=6, accum_steps=4)
   with pytest.raises(ValueError, match="data_source"):
     SFTConfig(data_source="web")
+
+
+def test_the_run_section_holds_where_the_weights_start():
+  from dice_jax.rl.config import RLConfig
+
+  rl = apply_overrides(RLConfig(), ["run.init_checkpoint=/runs/sft"])
+  assert rl.run.init_checkpoint == "/runs/sft" and rl.run.init_hf == ""
+  with pytest.raises(ValueError, match="at most one of run.init_hf and run.init_checkpoint"):
+    apply_overrides(rl, ["run.init_hf=/hf"])
+  with pytest.raises(ValueError, match="run.init_checkpoint is RL's"):
+    apply_overrides(SFTConfig(), ["run.init_checkpoint=/runs/sft"])
+  assert apply_overrides(SFTConfig(), ["run.init_hf=/hf"]).run.init_hf == "/hf"
