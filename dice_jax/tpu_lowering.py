@@ -96,6 +96,7 @@ def export_sampler_steps(
   """{'prefill': admit `prefill_rows` prompts of `prompt_width` tokens, 'decode': one block of
   every slot} of the continuous-batching engine, weights sharded by the rules, the state and
   cache on the model's mesh (as `engine.ContinuousSampler` holds them)."""
+  scfg = scfg.for_model(mcfg)
   graphdef, params, p_sh = abstract_model(mcfg, mesh)
   st = jax.tree.map(_sds, params, p_sh)
   repl = NamedSharding(mesh, P())

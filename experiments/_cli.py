@@ -82,7 +82,10 @@ def guarded(main):
 
 
 def run(main) -> None:
-  """`absl.app.run(main)` with `guarded`."""
+  """`absl.app.run(main)` with `guarded`; every launcher takes `--data_root` (data_root.py)."""
+  from experiments import data_root
+
+  data_root.define_flag()
   app.run(guarded(main))
 
 

@@ -51,9 +51,13 @@ flags.DEFINE_list(
 flags.DEFINE_integer("rows_per_update", 256, "TraceRL rows per optimizer step (DICE)")
 flags.DEFINE_integer("micro_rows", 0, "rows per micro-batch (accumulation); 0: by the estimate")
 flags.DEFINE_string(
-  "rollout", "sample", "sample | synthetic (random responses, no sampler or verifier: the update alone)"
+  "rollout",
+  "sample",
+  "sample | synthetic (random responses, no sampler or verifier: the update alone)",
 )
-flags.DEFINE_string("layout", "packed", "TraceRL layout: packed | per_round | auto (by the estimate)")
+flags.DEFINE_string(
+  "layout", "packed", "TraceRL layout: packed | per_round | auto (by the estimate)"
+)
 flags.DEFINE_bool("gather_trained", False, "LM head on the trained positions only (TraceRLConfig)")
 flags.DEFINE_string("remat", "auto", "the update's remat policy: auto | none | full | dots")
 flags.DEFINE_float("memory_limit_gb", 0.0, "device memory for the update plan (0: the device's)")
@@ -264,8 +268,12 @@ def main(argv):
   rng = np.random.default_rng(FLAGS.seed)
   if FLAGS.rollout == "synthetic":
     ro = synthetic_rollout(mcfg, rng)
-    report.update(rows=len(ro.trajectories), new_tokens=FLAGS.new_tokens,
-                  prompt_len=FLAGS.prompt_len, rollout="synthetic")
+    report.update(
+      rows=len(ro.trajectories),
+      new_tokens=FLAGS.new_tokens,
+      prompt_len=FLAGS.prompt_len,
+      rollout="synthetic",
+    )
   else:
     groups = [
       rollout.GroupTask(
@@ -384,9 +392,7 @@ def main(argv):
     rows_per_update=FLAGS.rows_per_update,
     estimate_row_len=plan.row_len,
     gather_trained=FLAGS.gather_trained,
-    lm_head_positions=int(batches[0]["trained_index"].shape[1])
-    if FLAGS.gather_trained
-    else None,
+    lm_head_positions=int(batches[0]["trained_index"].shape[1]) if FLAGS.gather_trained else None,
   )
   loss_fn = lambda m, b, r: tracerl.tracerl_loss(m, b, r, tcfg)  # noqa: E731
   train_graphdef, _ = nnx.split(  # the update's remat policy, the same parameters
@@ -394,9 +400,7 @@ def main(argv):
     nnx.Param,
   )
   step_fn = ts.jit_train_step(
-    ts.make_train_step(
-      train_graphdef, tx, loss_fn, accum_steps=accum, means=tracerl.METRIC_MEANS
-    ),
+    ts.make_train_step(train_graphdef, tx, loss_fn, accum_steps=accum, means=tracerl.METRIC_MEANS),
     shardings,
     mesh,
     accum,

@@ -156,7 +156,7 @@ class Bench:
       prefill_chunk=FLAGS.prefill_chunk,
       decode_tiles=self.tiles,
       **kw,
-    )
+    ).for_model(self.model.cfg)  # the model's block size
 
   # --- static batch -------------------------------------------------------------------------
 

@@ -72,7 +72,7 @@ def step_sft(workdir, ctx):
     f"--set=max_prompt_chars={MAX_PROMPT_CHARS}",
     "--set=max_response_chars=256",
     "--set=batch_size=4",
-    "--set=checkpoint_every=10",
+    "--set=run.checkpoint_every=10",
     "--set=log_every=5",
   )
   with open(os.path.join(run, "metrics.jsonl")) as f:
@@ -146,7 +146,7 @@ def step_export(workdir, ctx):
   from dice_jax import sharding
   from dice_jax.hf.checkpoint import export_hf
   from dice_jax.hf.parity import check_parity
-  from dice_jax.rl.loop import restore_run_params
+  from dice_jax.train.run_setup import restore_run_params
 
   run = _final_run(workdir, ctx)
   model, _, tok_dir = restore_run_params(run, sharding.make_mesh())

@@ -28,17 +28,19 @@ from absl import app, flags
 
 from dice_jax.errors import UserError
 from experiments import _cli
+from experiments.data_root import data_path
 
 FLAGS = flags.FLAGS
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_DEFAULT_KB = os.path.join(os.path.dirname(_REPO), "shared", "data", "kernelbench")
 
 flags.DEFINE_string("hf_dir", None, "HF checkpoint directory of the model.")
 flags.DEFINE_string("checkpoint", None, "SFT or RL run directory (its latest checkpoint).")
 flags.DEFINE_string("tokenizer_dir", None, "Tokenizer (default: the model's).")
 flags.DEFINE_string("candidates", None, "JSONL of known candidates instead of a model.")
 flags.DEFINE_string(
-  "kernelbench", _DEFAULT_KB, "KernelBench problems: level{N}.jsonl file or directory, checkout."
+  "kernelbench",
+  None,
+  "KernelBench problems: level{N}.jsonl file or directory, checkout "
+  "(default: DATA_ROOT/kernelbench).",
 )
 flags.DEFINE_list("levels", ["1", "2", "3"], "KernelBench levels.")
 flags.DEFINE_string("problems", "", "Problem ids within each level, e.g. 1-10,19 (default: all).")
@@ -54,7 +56,7 @@ flags.DEFINE_bool("allow_config_change", False, "Resume --out even if its settin
 flags.DEFINE_bool("report_only", False, "Only rebuild the report of --out.")
 flags.DEFINE_bool("progress", True, "Show a progress bar.")
 # decoding (DICE's evaluation decoding by default)
-flags.DEFINE_integer("block_size", 4, "Block size.")
+flags.DEFINE_integer("block_size", 0, "Block size (0: the model's; another is refused).")
 flags.DEFINE_integer("steps", 4, "Denoising steps per block.")
 flags.DEFINE_string("strategy", "low_confidence_static", "Remasking strategy.")
 flags.DEFINE_float("threshold", 0.9, "Confidence threshold (low_confidence_dynamic).")
@@ -92,6 +94,10 @@ flags.DEFINE_bool("compile_baseline", False, "Also time correct kernels against 
 flags.DEFINE_float("review_speedup", 10.0, "Flag speedups above this for review (KernelBench: 10).")
 
 
+def _kernelbench() -> str:
+  return FLAGS.kernelbench or data_path("kernelbench")
+
+
 def _problem_ids(spec: str) -> set[int] | None:
   if not spec.strip():
     return None
@@ -113,14 +119,14 @@ def load_problems():
   except ValueError:
     raise UserError(f"--levels must be integers, got {FLAGS.levels}") from None
   try:
-    tasks, _ = load_kernelbench(FLAGS.kernelbench, levels)
+    tasks, _ = load_kernelbench(_kernelbench(), levels)
   except DataError as e:
     raise UserError(f"--kernelbench: {e}") from None
   ids = _problem_ids(FLAGS.problems)
   if ids is not None:
     tasks = [t for t in tasks if int(t.task_id.rsplit("/", 1)[1]) in ids]
   if not tasks:
-    raise UserError(f"no problems of levels {levels} {FLAGS.problems} in {FLAGS.kernelbench}")
+    raise UserError(f"no problems of levels {levels} {FLAGS.problems} in {_kernelbench()}")
   return tasks
 
 
@@ -182,8 +188,8 @@ def load_model():
       raise UserError(f"--hf_dir: {e}") from None
     source, tok_dir = os.path.abspath(FLAGS.hf_dir), FLAGS.hf_dir
   else:
+    from dice_jax.train.run_setup import restore_run_params
     from dice_jax import sharding
-    from dice_jax.rl.loop import restore_run_params
 
     if not os.path.isdir(FLAGS.checkpoint):
       raise UserError(f"--checkpoint {FLAGS.checkpoint}: no such directory")
@@ -275,7 +281,7 @@ def run() -> str:
       raise UserError(str(e)) from None
   settings = {
     "model": model_desc,
-    "problems_source": os.path.abspath(FLAGS.kernelbench),
+    "problems_source": os.path.abspath(_kernelbench()),
     "problems": [{"task_id": t.task_id, "level": t.level, "name": t.name} for t in tasks],
     "samples": FLAGS.samples,
     "pass_at_k": ks,

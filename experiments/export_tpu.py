@@ -62,7 +62,7 @@ def _export_rows(name, mesh):
   mcfg = _model(name)
   scfg = SamplerConfig(
     max_new_tokens=FLAGS.max_new_tokens, decode_tiles=DecodeTiles(split=1024, block_k=128)
-  )
+  ).for_model(mcfg)
   jobs = {
     "sft": lambda: {
       "sft step": tpu_lowering.export_sft_step(

@@ -117,7 +117,7 @@ def main(argv):
     eos = cfg.eos_token_id
     stop = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
   scfg = sampler.SamplerConfig(
-    block_size=FLAGS.block_size or cfg.block_size,
+    block_size=FLAGS.block_size,  # 0: the model's (the sampler resolves and checks it)
     steps=FLAGS.steps,
     strategy=FLAGS.strategy,
     threshold=FLAGS.threshold,
@@ -131,6 +131,7 @@ def main(argv):
     block_alignment=FLAGS.block_alignment,
     pad_id=cfg.pad_token_id if cfg.pad_token_id is not None else 0,
   )
+  scfg = scfg.for_model(cfg)  # the model's block size, or the one check of --block_size
   prompts = [prompt] * FLAGS.num_samples
   rng = jax.random.key(FLAGS.seed)
   t0 = time.perf_counter()

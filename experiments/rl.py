@@ -9,6 +9,8 @@ r"""BiC-RL launcher (TraceRL on block diffusion as in DICE `training/RL/`; docs/
 as a child (CPU backend on a machine without a GPU) with its build cache in RUN/verifier.
 Re-running with the same workdir resumes from its last checkpoint (exact: same tasks, samples and
 losses). Outputs: RUN/metrics.jsonl, RUN/tb/, RUN/samples.jsonl, RUN/rl.png, RUN/checkpoints/.
+Ctrl-C (SIGINT) or SIGTERM finishes the current RL step, saves it and exits 0 (a second one
+stops at once); rerun the command to resume.
 A bad flag, config value or input file is one line on stderr and exit status 2.
 
 Several processes (hosts, or processes on one machine): start the same command once per process
@@ -38,7 +40,9 @@ flags.DEFINE_string("verifier", None, "HOST:PORT[,HOST:PORT...] or 'local' (a ch
 flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics, samples)")
 flags.DEFINE_string("init_hf", None, "initialise from this HF checkpoint directory")
 flags.DEFINE_string("init_checkpoint", None, "initialise from an SFT or RL run directory")
-flags.DEFINE_multi_string("set", [], "config override key=value (dotted keys), repeatable")
+flags.DEFINE_multi_string(
+  "set", [], "config override key=value (dotted keys, e.g. run.seed=1), repeatable"
+)
 flags.DEFINE_integer("max_steps", None, "stop after this many RL steps (the run can resume)")
 _cli.define_multiprocess_flags()
 
@@ -61,12 +65,15 @@ def resolve_config():
   cfg = recipe_then_overrides(cfg, FLAGS.set)
   if FLAGS.phase:
     cfg = dataclasses.replace(cfg, phase=FLAGS.phase)
-  if FLAGS.init_hf and FLAGS.init_checkpoint:
-    raise UserError("pass at most one of --init_hf and --init_checkpoint")
-  for flag in ("init_hf", "init_checkpoint"):
-    path = getattr(FLAGS, flag)
+  with_init = {k: getattr(FLAGS, k) for k in ("init_hf", "init_checkpoint") if getattr(FLAGS, k)}
+  if with_init:  # the flags are shortcuts for --set=run.init_hf= / --set=run.init_checkpoint=
+    if FLAGS.init_hf and FLAGS.init_checkpoint:
+      raise UserError("pass at most one of --init_hf and --init_checkpoint")
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, **with_init))
+  for field in ("init_hf", "init_checkpoint"):
+    path = getattr(cfg.run, field)
     if path and not os.path.isdir(path):
-      raise UserError(f"--{flag}: no such directory {path}")
+      raise UserError(f"--{field}: no such directory {path}")
   key = "infill_tasks" if cfg.phase == "infill" else "e2e_tasks"
   if cfg.tasks_path and not os.path.exists(cfg.tasks_path):
     raise UserError(f"task file of phase {cfg.phase!r} not found: {cfg.tasks_path} (set {key})")
@@ -96,9 +103,7 @@ def run(cfg) -> dict:
   from dice_jax.rl.loop import run_rl
   from verifier.api.client import parse_endpoints
 
-  kwargs = dict(
-    init_hf=FLAGS.init_hf, init_checkpoint=FLAGS.init_checkpoint, max_steps=FLAGS.max_steps
-  )
+  kwargs = dict(max_steps=FLAGS.max_steps)
   if cfg.judge != "verifier" or FLAGS.verifier != "local":
     endpoints = parse_endpoints(FLAGS.verifier) if cfg.judge == "verifier" else None
     return run_rl(cfg, FLAGS.workdir, endpoints=endpoints, **kwargs)

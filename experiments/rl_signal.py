@@ -202,12 +202,12 @@ def step_sft(workdir: str) -> dict:
       f"--set=batch_size={3 * len(FLAGS.ops)}",
       f"--set=num_steps={FLAGS.sft_steps}",
       "--set=optim.learning_rate=2e-3",
-      "--set=checkpoint_every=100",
+      "--set=run.checkpoint_every=100",
       "--set=log_every=20",
-      "--set=model_overrides.hidden_size=128",
-      "--set=model_overrides.intermediate_size=384",
-      "--set=model_overrides.num_layers=4",
-      "--set=model_overrides.remat=True",
+      "--set=run.model_overrides.hidden_size=128",
+      "--set=run.model_overrides.intermediate_size=384",
+      "--set=run.model_overrides.num_layers=4",
+      "--set=run.model_overrides.remat=True",
     ]
   )
   with open(os.path.join(p["sft_dir"], "metrics.jsonl")) as f:
@@ -252,7 +252,7 @@ def evaluate(run_dir: str, workdir: str, label: str) -> dict:
   from dice_jax.data import prompts
   from dice_jax.data.tokenizer import Tokenizer
   from dice_jax.rl import rewards, rollout
-  from dice_jax.rl.loop import restore_run_params
+  from dice_jax.train.run_setup import restore_run_params
   from dice_jax.verifier_client import ThreadedVerifier
   from experiments.configs import rl_tiny
   from verifier.serve.local import LocalVerifier

@@ -21,6 +21,7 @@ after `--heartbeat_timeout_s`; rerun all of them to resume. On one machine:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from absl import flags, logging
@@ -55,11 +56,12 @@ def main(argv):
 
   with _cli.user_errors_from(ValueError, TypeError):  # a bad --set key, value or field
     cfg = recipe_then_overrides(load_config(FLAGS.config), FLAGS.set)
+    if FLAGS.init_hf:  # a shortcut for --set=run.init_hf=DIR
+      cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, init_hf=FLAGS.init_hf))
   logging.info("config: %s", json.dumps(cfg.to_json(), default=str))
   summary = run_sft(
     cfg,
     FLAGS.workdir,
-    init_hf=FLAGS.init_hf,
     export_hf=FLAGS.export_hf,
     allow_config_change=FLAGS.allow_config_change,
   )

@@ -2,7 +2,7 @@
 
   python -m experiments.show_data --pipeline=e2e --n=2    # or --pipeline=infill, --pipeline=sft
 
-Defaults read ../shared/data (relative to the repo root): the SDAR tokenizer, DICE's RL task files, and for
+Defaults read the data root (`--data_root`, $DICE_DATA_ROOT, else ../shared/data): the SDAR tokenizer, DICE's RL task files, and for
 ``sft`` either ``--sft_data`` (a CuKe jsonl from experiments.build_cuke) or, when absent, SFT samples made from the
 99 DICE infilling tasks' (pytorch_code, cuda_code) pairs. ``--throughput_rows`` times the SFT pipeline on CPU.
 """
@@ -10,7 +10,6 @@ Defaults read ../shared/data (relative to the repo root): the SDAR tokenizer, DI
 from __future__ import annotations
 
 import os
-import pathlib
 import time
 
 import numpy as np
@@ -29,26 +28,30 @@ from dice_jax.data.tasks import (
 from dice_jax.data.tokenizer import Tokenizer
 from dice_jax.diffusion.blocks import BlockGrid
 from experiments import _cli
+from experiments.data_root import data_path
 
-_SHARED = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
+_E2E_FILE = "end_to_end_kernel_generation_4000.json"
+
 
 _PIPELINE = flags.DEFINE_enum("pipeline", "e2e", ["sft", "infill", "e2e"], "which pipeline to show")
 _N = flags.DEFINE_integer("n", 2, "examples to print")
-_TOKENIZER = flags.DEFINE_string("tokenizer", str(_SHARED / "sdar_chat"), "HF tokenizer directory")
+_TOKENIZER = flags.DEFINE_string(
+  "tokenizer", None, "HF tokenizer directory (default: DATA_ROOT/sdar_chat)"
+)
 _E2E = flags.DEFINE_string(
   "e2e_tasks",
-  str(_SHARED / "dice_rl" / "end_to_end_kernel_generation_4000.json"),
-  "DICE end-to-end JSON, or KernelBench problems (level*.jsonl dir/file, checkout, parquet)",
+  None,
+  "(default: DATA_ROOT/dice_rl/end_to_end_kernel_generation_4000.json) DICE end-to-end JSON, or KernelBench problems (level*.jsonl dir/file, checkout, parquet)",
 )
 _INFILL = flags.DEFINE_string(
-  "infill_tasks", str(_SHARED / "dice_rl" / "kernel_infilling_evaluation.json"), ""
+  "infill_tasks", None, "default: DATA_ROOT/dice_rl/kernel_infilling_evaluation.json"
 )
 _SFT = flags.DEFINE_string(
   "sft_data", "", "CuKe jsonl (prompt/response); default: pairs from --infill_tasks"
 )
 _STYLE = flags.DEFINE_enum("prompt_style", "dice", ["dice", "chat"], "RL prompt rendering")
 _SEQ = flags.DEFINE_integer("seq_len", 6144, "SFT row length (DICE cutoff_len)")
-_BLOCK = flags.DEFINE_integer("block_size", 4, "block size")
+_BLOCK = flags.DEFINE_integer("block_size", 0, "block size (0: the SDAR preset's, sdar_1p7b)")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "SFT rows per batch")
 _BINS = flags.DEFINE_integer("packing_bins", 16, "first-fit packing bins")
 _ROWS = flags.DEFINE_integer(
@@ -76,7 +79,7 @@ def _pct(xs) -> str:
 
 
 def _rl(tok: Tokenizer, infill: bool) -> None:
-  path = _INFILL.value if infill else _E2E.value
+  path = _infill_path() if infill else _E2E.value or data_path("dice_rl", _E2E_FILE)
   if infill:
     tasks, rep = load_infilling_tasks(path, on_error="skip")
     reports = [rep]
@@ -118,7 +121,7 @@ def _sft_samples():
   if _SFT.value:
     samples, _ = load_sft_samples(_SFT.value, on_error="skip")
     return samples
-  tasks, _ = load_infilling_tasks(_INFILL.value, on_error="skip")
+  tasks, _ = load_infilling_tasks(_infill_path(), on_error="skip")
   return [
     prompts.sft_sample_from_pair(t.reference_code, t.cuda_code, level=t.level, sample_id=t.task_id)
     for t in tasks
@@ -136,7 +139,7 @@ def _sft(tok: Tokenizer) -> None:
     print(_clip(p + r))
   cfg = SFTPipelineConfig(
     seq_len=_SEQ.value,
-    grid=BlockGrid(_BLOCK.value),
+    grid=BlockGrid(_block_size()),
     batch_size=_BATCH.value,
     num_packing_bins=_BINS.value,
     drop_remainder=False,
@@ -155,7 +158,7 @@ def _sft(tok: Tokenizer) -> None:
   if _ROWS.value:
     cfg = SFTPipelineConfig(
       seq_len=_SEQ.value,
-      grid=BlockGrid(_BLOCK.value),
+      grid=BlockGrid(_block_size()),
       batch_size=_BATCH.value,
       num_packing_bins=_BINS.value,
       num_epochs=None,
@@ -173,10 +176,21 @@ def _sft(tok: Tokenizer) -> None:
     )
 
 
+def _block_size() -> int:
+  from dice_jax.model.config import get_config
+
+  return _BLOCK.value or get_config("sdar_1p7b").block_size
+
+
+def _infill_path() -> str:
+  return _INFILL.value or data_path("dice_rl", "kernel_infilling_evaluation.json")
+
+
 def main(argv):
   del argv
-  print(f"loading the tokenizer from {_TOKENIZER.value} ...", flush=True)
-  tok = Tokenizer.from_dir(_TOKENIZER.value)
+  tok_dir = _TOKENIZER.value or data_path("sdar_chat")
+  print(f"loading the tokenizer from {tok_dir} ...", flush=True)
+  tok = Tokenizer.from_dir(tok_dir)
   if _PIPELINE.value == "sft":
     _sft(tok)
   else:

@@ -13,7 +13,6 @@ _FORCED_CPU = "JAX_PLATFORMS" not in os.environ
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
 
 
 def gpu_session(markexpr: str) -> bool:
@@ -44,10 +43,14 @@ def gpu():
 
 @pytest.fixture(scope="session")
 def shared_data():
-  """`../shared/data` (present in CI and dev checkouts, absent for users): skip when missing."""
-  if not SHARED_DATA.is_dir():
-    pytest.skip(f"shared data not found at {SHARED_DATA} (only dev/CI checkouts have it)")
-  return SHARED_DATA
+  """The data root (`$DICE_DATA_ROOT`, else `../shared/data`: present in CI and dev checkouts,
+  absent for users): skip when missing."""
+  from experiments.data_root import ENV, data_root
+
+  root = data_root()
+  if not root.is_dir():
+    pytest.skip(f"data root not found at {root} (set ${ENV}; only dev/CI checkouts have it)")
+  return root
 
 
 @pytest.fixture

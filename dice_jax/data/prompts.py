@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.resources
-import re
 from typing import Literal, Protocol
 
 import jinja2
@@ -136,26 +135,6 @@ def _check_style(style: str) -> None:
 
 
 # ------------------------------------------------------------------ responses
-_FENCE = re.compile(r"```(.*?)```", re.DOTALL)
-_LANG_TAGS = frozenset({"python", "py", "cpp", "c++", "cuda", "cu", "c"})
-
-
-def extract_code(response: str) -> str | None:
-  """The first fenced code block of a response, without its language tag; None when there is none.
-
-  DICE's reward extracts the *first* fenced block (``extract_first_code``, DICE `training/RL/`)."""
-  m = _FENCE.search(response.strip())
-  if m is None:
-    return None
-  code = m.group(1)
-  first, nl, rest = code.partition("\n")
-  if nl and first.strip().lower() in _LANG_TAGS:
-    code = rest
-  elif not nl and first.strip().lower() in _LANG_TAGS:
-    code = ""
-  return code.strip()
-
-
 def code_response(cuda_code: str, reasoning: str | None = None) -> str:
   """A CuKe SFT response: optional reasoning, then the whole ModelNew file in one ```python block."""
   block = f"```python\n{cuda_code.strip()}\n```"

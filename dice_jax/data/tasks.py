@@ -1,7 +1,7 @@
 """Loaders for kernel tasks and PyTorch->CUDA pairs, with row-level schema validation.
 
 Sources (facts from KernelBench, ScalingIntelligence/KernelBench, and DICE's RL task files, DICE `training/RL/`):
-  * KernelBench problems: JSONL rows ``{level, problem_id, name, code}`` (../shared/data/kernelbench), a
+  * KernelBench problems: JSONL rows ``{level, problem_id, name, code}`` (DATA_ROOT/kernelbench), a
     KernelBench checkout (``KernelBench/level{N}/{id}_{Name}.py``), or its HF parquet export (same columns).
   * DICE RL task files: end-to-end ``[{idx, level: "0".."3", pytorch_code, cuda_code: "", raw_answer}]``,
     ``kernelbench_level1.json`` ``[{pytorch_code}]``, and infilling

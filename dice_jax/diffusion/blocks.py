@@ -35,6 +35,23 @@ def check_alignment(block_alignment: str) -> None:
     raise ValueError(f"block_alignment must be one of {BLOCK_ALIGNMENTS}, got {block_alignment!r}")
 
 
+MODEL_BLOCK_SIZE = 0  # a requested block size of 0: the model's (`resolve_block_size`)
+
+
+def resolve_block_size(size: int, model_cfg, where: str) -> int:
+  """The one check of a block size against the model (the model config is its source): 0 means
+  the model's `block_size`; any other size must equal it."""
+  if size == MODEL_BLOCK_SIZE:
+    return model_cfg.block_size
+  if size != model_cfg.block_size:
+    raise UserError(
+      f"{where}: block size {size} differs from the model's block_size "
+      f"{model_cfg.block_size}; the grid must be the one the model was trained on (leave it "
+      f"unset, 0, to take the model's)"
+    )
+  return size
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockGrid:
   """Block size and alignment (module docstring). Methods work on ints, numpy and jax arrays."""
@@ -84,12 +101,8 @@ class BlockGrid:
     return masks_lib.block_ids_from_response_start(positions_bt, start, self.size).astype(jnp.int32)
 
   def check_model(self, model_cfg, where: str = "BlockGrid") -> None:
-    """Raises unless the model was built for this block size (its `block_size`)."""
-    if model_cfg.block_size != self.size:
-      raise UserError(
-        f"{where}: block size {self.size} differs from the model's block_size "
-        f"{model_cfg.block_size}; the grid must be the one the model was trained on"
-      )
+    """Raises unless the model was built for this block size (`resolve_block_size`)."""
+    resolve_block_size(self.size, model_cfg, where)
 
 
 def response_start_per_token(positions_bt, segment_ids_bt, loss_mask_bt):

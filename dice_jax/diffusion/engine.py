@@ -135,7 +135,7 @@ class ContinuousSampler:
     device_bytes: Optional[int] = None,
     compiler_options: Optional[dict] = None,
   ):
-    cfg.check_model(model.cfg)
+    cfg = cfg.for_model(model.cfg)
     for name, v in (("slots", slots), ("max_prompt_len", max_prompt_len)):
       if v < 1:
         raise ValueError(f"ContinuousSampler: {name} must be >= 1, got {v}")

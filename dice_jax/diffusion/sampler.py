@@ -70,7 +70,7 @@ KV_CACHE_DTYPES = (None, "float8_e4m3fn")
 class SamplerConfig:
   """Decoding settings (static under jit)."""
 
-  block_size: int = 4
+  block_size: int = 4  # 0: the model's (`for_model` resolves it); another must equal the model's
   steps: int = 4  # max denoising forwards per block
   strategy: str = "low_confidence_static"
   threshold: float = 0.9  # low_confidence_dynamic
@@ -117,9 +117,13 @@ class SamplerConfig:
       raise ValueError(
         f"SamplerConfig.strategy must be one of {remasking.STRATEGIES}, got {self.strategy!r}"
       )
-    for name in ("block_size", "steps", "max_new_tokens"):
+    for name in ("steps", "max_new_tokens"):
       if getattr(self, name) < 1:
         raise ValueError(f"SamplerConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.block_size < 0:
+      raise ValueError(
+        f"SamplerConfig.block_size must be >= 0 (0: the model's), got {self.block_size}"
+      )
     if self.temperature < 0 or self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
       raise ValueError(
         f"SamplerConfig: bad temperature/top_k/top_p "
@@ -137,23 +141,32 @@ class SamplerConfig:
 
   @property
   def grid(self) -> blocks_lib.BlockGrid:
-    """The block grid this config decodes on (size + alignment)."""
-    return blocks_lib.BlockGrid(self.block_size, self.block_alignment)
+    """The block grid this config decodes on (size + alignment; resolved: see `for_model`)."""
+    return blocks_lib.BlockGrid(self.resolved_block_size, self.block_alignment)
+
+  @property
+  def resolved_block_size(self) -> int:
+    if self.block_size == blocks_lib.MODEL_BLOCK_SIZE:
+      raise ValueError(
+        "SamplerConfig.block_size 0 (the model's) is not resolved yet: use cfg.for_model(model.cfg)"
+      )
+    return self.block_size
 
   @classmethod
   def on_grid(cls, grid: blocks_lib.BlockGrid, **kw) -> "SamplerConfig":
     """A config decoding on `grid` (e.g. the training run's `ObjectiveConfig.grid`)."""
     return cls(block_size=grid.size, block_alignment=grid.alignment, **kw)
 
-  def check_model(self, model_cfg) -> None:
-    """Raises unless the model decodes blocks of this size (its `block_size`) and can read this
-    cache dtype."""
-    self.grid.check_model(model_cfg, "SamplerConfig")
+  def for_model(self, model_cfg) -> "SamplerConfig":
+    """This config with the model's block size (when 0); raises unless the model decodes blocks
+    of this size (`blocks.resolve_block_size`) and can read this cache dtype."""
+    b = blocks_lib.resolve_block_size(self.block_size, model_cfg, "SamplerConfig")
     if self.kv_cache_dtype == "float8_e4m3fn" and model_cfg.attention_impl != "flash":
       raise ValueError(
         "SamplerConfig.kv_cache_dtype='float8_e4m3fn' needs attention_impl='flash' "
         f"(the model has {model_cfg.attention_impl!r})"
       )
+    return self if b == self.block_size else dataclasses.replace(self, block_size=b)
 
   def cache_dtype(self, model_cfg):
     """The K/V cache's element type for `model_cfg`."""
@@ -187,7 +200,7 @@ def layout_prompts(
 
   `prompt_width`: minimum P (rounded up to a multiple of b), to share one compile across batches.
   """
-  b = cfg.block_size
+  b = cfg.resolved_block_size
   if not prompts:
     raise ValueError("layout_prompts: no prompts")
   lens = np.array([len(p) for p in prompts], np.int64)
@@ -404,7 +417,7 @@ def decode(
   setting's memory (`memory_estimate`) is checked against `device_bytes` (default: the device's
   limit), with a clear error when it cannot fit.
   """
-  cfg.check_model(model.cfg)
+  cfg = cfg.for_model(model.cfg)
   memory.check_fits(
     memory_estimate(model, layout, cfg),
     device_bytes,
@@ -432,6 +445,6 @@ def generate(
   device_bytes=None,
 ) -> SampleOutput:
   """Samples continuations of token-id `prompts` (list of lists, any lengths)."""
-  cfg.check_model(model.cfg)
+  cfg = cfg.for_model(model.cfg)
   layout = layout_prompts(prompts, cfg, model.cfg.mask_token_id, max_new_tokens, prompt_width)
   return decode(model, layout, cfg, rng, keys, device_bytes)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from dice_jax.data import code_extraction
 from dice_jax.data import prompts
 from dice_jax.data.tasks import KernelTask
 from dice_jax.data.tokenizer import check_compatible
@@ -43,15 +44,6 @@ class CandidateSource(Protocol):
     ...
 
 
-def extract_candidate(response: str, mode: str = "first_block") -> str | None:
-  """``first_block``: KernelBench's rule; ``first_block_or_raw``: the whole response when it has no
-  block (so that a model that never writes fences still reaches the verifier, e.g. a smoke test)."""
-  code = prompts.extract_code(response)
-  if code is None and mode == "first_block_or_raw" and response.strip():
-    return response
-  return code
-
-
 @dataclasses.dataclass(frozen=True)
 class EvalDecoding:
   """Decoding settings of an evaluation (defaults: DICE's `evaluation/` and SDAR's `generate.py`).
@@ -60,7 +52,7 @@ class EvalDecoding:
   softmax) or ``filtered`` (after temperature / top-k / top-p). With greedy decoding and no top-k /
   top-p the two are the same distribution."""
 
-  block_size: int = 4
+  block_size: int = 0  # 0: the model's
   steps: int = 4
   strategy: str = "low_confidence_static"
   threshold: float = 0.9
@@ -70,15 +62,12 @@ class EvalDecoding:
   max_new_tokens: int = 4096
   block_alignment: str = "absolute"
   confidence: str = "unfiltered"
-  extract: str = "first_block"
+  extract: str = "first_block"  # data/code_extraction.py EXTRACTIONS
 
   def __post_init__(self):
     if self.confidence not in ("unfiltered", "filtered"):
       raise ValueError(f"confidence must be 'unfiltered' or 'filtered', got {self.confidence!r}")
-    if self.extract not in ("first_block", "first_block_or_raw"):
-      raise ValueError(
-        f"extract must be 'first_block' or 'first_block_or_raw', got {self.extract!r}"
-      )
+    code_extraction.check_rule(self.extract, "extract")
 
   def sampler_config(self, stop_ids: Sequence[int], pad_id: int):
     from dice_jax.diffusion import sampler
@@ -117,6 +106,7 @@ class ModelCandidates:
     self.batch_size, self.seed, self.prompt_bucket = batch_size, seed, prompt_bucket
     pad = model.cfg.pad_token_id
     self.cfg = decoding.sampler_config(tokenizer.stop_token_ids, 0 if pad is None else pad)
+    self.cfg = self.cfg.for_model(model.cfg)  # the model's block size unless decoding sets one
     self._batches = 0
 
   def prompt_ids(self, task: KernelTask) -> list[int]:
@@ -146,7 +136,7 @@ class ModelCandidates:
       gens.append(
         Generation(
           text,
-          extract_candidate(text, self.decoding.extract),
+          code_extraction.extract(text, self.decoding.extract),
           len(ids[i]),
           int(n_tokens[i]),
           share,
@@ -177,7 +167,9 @@ class FileCandidates:
             if "task_id" in row
             else ids.get((int(row["level"]), int(row["problem_id"])))
           )
-          code = row["candidate"] if "candidate" in row else prompts.extract_code(row["response"])
+          code = (
+            row["candidate"] if "candidate" in row else code_extraction.first_block(row["response"])
+          )
           key = (task_id, int(row.get("sample", 0)))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
           raise ValueError(

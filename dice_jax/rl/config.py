@@ -14,16 +14,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from dice_jax.data.code_extraction import EXTRACTIONS
 from dice_jax.data.rl_stream import RLStreamConfig
 from dice_jax.diffusion.sampler import SamplerConfig
 from dice_jax.model.config import REMAT_POLICIES
 from dice_jax.model.flash_decode import DecodeTiles
 from dice_jax.rl import advantages as advantages_lib
 from dice_jax.rl import rewards as rewards_lib
-from dice_jax.rl.rollout import EXTRACTIONS
 from dice_jax.rl.tracerl import TraceRLConfig
 from dice_jax.train.optimizer import OptimizerConfig
 from verifier.api.client import RetryPolicy
+from dice_jax.train.run_config import FIELDS as RUN_FIELDS
+from dice_jax.train.run_config import RunConfig, nest_flat_fields
 
 PHASES = ("infill", "e2e")
 BACKENDS = ("static", "continuous")
@@ -32,7 +34,7 @@ TAIL_ROWS = ("apply", "drop")
 STOP_TOKENS = ("chat", "eos")
 
 DICE_SAMPLER = SamplerConfig(
-  block_size=4,
+  block_size=0,  # the model's (SDAR's 4): resolved at start-up, the one check with it
   steps=4,
   strategy="low_confidence_dynamic",
   threshold=0.9,
@@ -83,10 +85,9 @@ class RLConfig:
 
   recipe: str = "ours"
 
-  # model (ignored with --init_hf / --init_checkpoint, which bring their own)
-  model: str = "tiny"
-  model_overrides: dict = dataclasses.field(default_factory=dict)
-  tokenizer: str = "byte"  # 'byte' or an HF tokenizer dir
+  # model, tokenizer, seed, mesh, checkpoints (RL steps; shared with SFTConfig); the model is
+  # ignored with --init_hf / --init_checkpoint, which bring their own
+  run: RunConfig = RunConfig(seed=10086, checkpoint_every=1)
   # phase and data
   phase: str = "e2e"
   infill_tasks: str = ""  # DICE kernel_infilling_*.json
@@ -101,7 +102,7 @@ class RLConfig:
   sampler_backend: str = "static"  # "static" (groups per generate call) | "continuous" (engine)
   groups_per_batch: int = 8  # static: groups per sampler call (x group_size rows)
   slots: int = 128  # continuous: rows decoding at once
-  code_extraction: str = "dice"  # rollout.EXTRACTIONS
+  code_extraction: str = "dice"  # data/code_extraction.py EXTRACTIONS
   judge: str = "verifier"  # or "python:package.module:function" (tests, toy rewards)
   reward: str = "binary"
   reward_options: dict = dataclasses.field(default_factory=dict)
@@ -122,19 +123,10 @@ class RLConfig:
   update_remat: str = "auto"  # the update's remat policy: auto | none | full | dots
   memory_limit_gb: float = 0.0  # device memory for the update's plan (0: the device's own)
   length_multiple: int = 128  # row lengths are bucketed in these units (few compiles)
-  seed: int = 10086
-  # mesh (-1 fills)
-  mesh_data: int = 1
-  mesh_fsdp: int = -1
-  mesh_tensor: int = 1
-  shard_tolerance: float = 0.02
   # bookkeeping
-  checkpoint_every: int = 1  # RL steps
-  checkpoint_keep: int = 3
   snapshot_every: int = 0  # RL steps; checkpoints at multiples are never deleted (0: none)
   eval_every: int = 0  # RL steps; greedy evaluation inside the loop (0: none; rl/evaluation.py)
   eval_tasks: str = ""  # its tasks: the phase's kind (infill: infilling rows; e2e: {pytorch_code})
-  async_checkpoint: bool = True
   samples_per_step: int = 4  # responses written to samples.jsonl per RL step
 
   def __post_init__(self):
@@ -177,8 +169,8 @@ class RLConfig:
       self.judge == "verifier" or self.judge.startswith("python:"),
       f"judge must be 'verifier' or 'python:package.module:function', got {self.judge!r}",
     )
-    need(isinstance(self.model_overrides, dict), "model_overrides must be a dict")
     for name, kind in (
+      ("run", RunConfig),
       ("stream", RLStreamConfig),
       ("sampler", SamplerConfig),
       ("tracerl", TraceRLConfig),
@@ -191,8 +183,6 @@ class RLConfig:
       "slots",
       "rows_per_update",
       "length_multiple",
-      "checkpoint_every",
-      "checkpoint_keep",
     ):
       v = getattr(self, name)
       need(isinstance(v, int) and v >= 1, f"{name} must be a positive int, got {v!r}")
@@ -222,9 +212,6 @@ class RLConfig:
       f"rows_per_update ({self.rows_per_update}) must be a multiple of accum_steps "
       f"({self.accum_steps})",
     )
-    for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
-      v = getattr(self, name)
-      need(isinstance(v, int) and (v >= 1 or v == -1), f"{name} must be >= 1 or -1, got {v!r}")
     s = self.sampler
     need(s.return_logprobs, "sampler.return_logprobs must be True (TraceRL checks log-probs)")
     need(
@@ -257,7 +244,7 @@ class RLConfig:
 
   @classmethod
   def from_json(cls, d: dict) -> "RLConfig":
-    d = dict(d)
+    d = nest_flat_fields(d)  # configs saved before the run section
     d["stream"] = RLStreamConfig(**d["stream"])
     sampler = dict(d["sampler"])
     sampler["stop_ids"] = tuple(sampler.get("stop_ids", ()))
@@ -274,12 +261,15 @@ class RLConfig:
 
 def dice_phase_config(phase: str, model: str, **overrides: Any) -> RLConfig:
   """DICE's numbers for `phase` and model preset (reference §1.7 table; `max_active` is the
-  rollout engine's concurrency and has no counterpart here: `groups_per_batch` plays its part)."""
+  rollout engine's concurrency and has no counterpart here: `groups_per_batch` plays its part).
+  `overrides` naming a run-section field (`tokenizer`, `model_overrides`, ...) go into `run`."""
   if phase not in PHASES:
     raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
   steps = 20 if phase == "infill" else 100
+  run = dict(model=model, seed=10086, checkpoint_every=1)
+  run.update({k: overrides.pop(k) for k in list(overrides) if k in RUN_FIELDS})
   base = dict(
-    model=model,
+    run=RunConfig(**run),
     phase=phase,
     stream=RLStreamConfig(group_size=16, tasks_per_step=64, num_steps=steps, prompt_style="dice"),
     max_prompt_len=2000 if phase == "infill" else 1500,

@@ -12,26 +12,24 @@ Several JAX processes (one mesh over all their devices) run the same steps: each
 RL stream and samples every group (the sampler is one computation over the global mesh, so the
 processes must make the same calls anyway), judges every n-th distinct request and receives the
 others' verdicts, so rewards, advantages and TraceRL batches are equal everywhere; each then feeds
-its devices' rows of every mini-batch. Process 0 writes metrics, samples, the plot, the tokenizer
-and the model config; all write the orbax checkpoints together. The stream state is the same on
-every process, so a checkpoint resumes on any process count.
+its devices' rows of every mini-batch. Process 0 writes metrics, samples, the plot
+(`reporting.py`), the tokenizer and the model config; all write the orbax checkpoints together.
+The stream state is the same on every process, so a checkpoint resumes on any process count.
 
 Resume is exact: the checkpoint holds params, optimizer state, the optimizer-step counter, the
 RL-stream iterator state taken after the step's tasks were drawn and the RL step; sampling keys
 are (seed, RL step, group) and mini-batch shuffles are seeded by (seed, RL step), so a restarted
 run draws the same tasks, samples the same tokens (same judge verdicts) and gets the same losses.
-SIGTERM (to any process) finishes the current step, saves and stops.
+SIGINT or SIGTERM (to any process) finishes the current step, saves and stops; a second signal
+stops at once (`train/stop.py`).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
-import signal
 import time
-import zlib
 from typing import Any
 
 import jax
@@ -40,15 +38,15 @@ from absl import logging
 from flax import nnx
 
 from dice_jax import distributed
-from dice_jax import sharding as sharding_lib
 from dice_jax.data import rl_stream
 from dice_jax.data import tasks as tasks_lib
 from dice_jax.data.curriculum import SequentialSchedule
 from dice_jax.data.tokenizer import check_compatible
-from dice_jax.model.config import ModelConfig, get_config
+from dice_jax.model.config import ModelConfig
 from dice_jax.model.transformer import Transformer
 from dice_jax.rl import advantages as advantages_lib
 from dice_jax.rl import evaluation as eval_lib
+from dice_jax.rl import reporting
 from dice_jax.rl import memory as update_memory
 from dice_jax.rl import rewards as rewards_lib
 from dice_jax.rl import rollout as rollout_lib
@@ -57,99 +55,22 @@ from dice_jax.rl.config import RLConfig
 from dice_jax.train import checkpoint as ckpt_lib
 from dice_jax.train import metrics as metrics_lib
 from dice_jax.train import optimizer as optim_lib
+from dice_jax.train import run_setup
+from dice_jax.train import stop as stop_lib
 from dice_jax.train import train_step as ts
 
 
-class _Preemption:
-  """Set by SIGTERM (finish the step, save, stop); restores the previous handler on exit."""
-
-  def __init__(self):
-    self.set, self._prev = False, None
-
-  def __enter__(self):
-    try:
-      self._prev = signal.signal(signal.SIGTERM, self._handle)
-    except ValueError:  # not the main thread
-      self._prev = None
-    return self
-
-  def _handle(self, signum, frame):
-    logging.warning("SIGTERM: saving a checkpoint at the end of this RL step, then stopping")
-    self.set = True
-
-  def __exit__(self, *exc):
-    if self._prev is not None:
-      signal.signal(signal.SIGTERM, self._prev)
-
-
 # ------------------------------------------------------------------ model, tokenizer, tasks
-def restore_run_params(run_dir: str, mesh, step: int | None = None):
-  """(model, model config, tokenizer dir or None) from an SFT or RL run's checkpoint (default: its
-  latest): `--init_checkpoint` (phase 2 starts from phase 1; phase 1 from SFT)."""
-  mcfg = ckpt_lib.read_model_config(run_dir)
-  ckpt = ckpt_lib.Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=1, async_save=False)
-  try:
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint under {run_dir}/checkpoints")
-    saved = ckpt.restore_config(step)
-    tx = optim_lib.make_optimizer(optim_lib.OptimizerConfig(**saved["optim"]), 1)
-    graphdef, target, _ = ckpt_lib.abstract_train_state(mcfg, tx, mesh)
-    state, _, _ = ckpt.restore(target, step)
-  finally:
-    ckpt.close()
-  tok_dir = os.path.join(run_dir, "tokenizer")
-  if not os.path.isdir(tok_dir):
-    tok_dir = saved.get("tokenizer") if saved.get("tokenizer") not in (None, "", "byte") else None
-  logging.info("initialised from %s step %d", run_dir, step)
-  return nnx.merge(graphdef, state["params"]), mcfg, tok_dir
-
-
-def load_tokenizer(cfg: RLConfig, inherited: str | None):
-  """The run's tokenizer, read without writing: the init run's when it has one, else
-  `cfg.tokenizer` ('byte' or a directory)."""
-  from dice_jax.data import byte_tokenizer
-  from dice_jax.data.tokenizer import Tokenizer
-
-  path = inherited or cfg.tokenizer
-  if path == "byte":
-    return byte_tokenizer.load_byte_tokenizer()
-  return Tokenizer.from_dir(path)
-
-
-def save_tokenizer(cfg: RLConfig, workdir: str, inherited: str | None) -> None:
-  """Writes the tokenizer into `workdir/tokenizer` when it is the byte tokenizer or an init
-  run's (as SFT does); a `cfg.tokenizer` directory stays where it is."""
-  from dice_jax.data import byte_tokenizer
-  from dice_jax.data.tokenizer import Tokenizer
-
-  dest = os.path.join(workdir, "tokenizer")
-  if inherited and os.path.abspath(inherited) != os.path.abspath(dest):
-    Tokenizer.from_dir(inherited).save(dest)
-  elif not inherited and cfg.tokenizer == "byte":
-    byte_tokenizer.write_byte_tokenizer(dest)
-
-
-def build_model(
-  cfg: RLConfig, mesh, workdir: str, init_hf: str | None, init_checkpoint: str | None
-):
-  """(model, model config, inherited tokenizer dir or None)."""
-  if init_checkpoint:
-    return restore_run_params(init_checkpoint, mesh)
-  overrides = dict(cfg.model_overrides)
-  if init_hf:
-    from dice_jax.hf.checkpoint import import_hf
-
-    model, mcfg = import_hf(init_hf, mesh, **overrides)
-    has_tok = os.path.exists(os.path.join(init_hf, "tokenizer_config.json"))
-    return model, mcfg, init_hf if has_tok else None
-  if cfg.tokenizer == "byte":
-    from dice_jax.data import byte_tokenizer
-
-    overrides = {**byte_tokenizer.byte_model_overrides(), **overrides}
-  mcfg = get_config(cfg.model, **overrides)
-  model = sharding_lib.create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), mesh)
-  return model, mcfg, None
+def build_model(cfg: RLConfig, mesh):
+  """(model, model config, inherited tokenizer dir or None): `run.init_checkpoint`'s parameters
+  and tokenizer, or the run section's model (fresh or `run.init_hf`'s, with its tokenizer)."""
+  if cfg.run.init_checkpoint:
+    return run_setup.restore_run_params(cfg.run.init_checkpoint, mesh)
+  mcfg = run_setup.model_config(cfg.run)
+  model = run_setup.build_model(cfg.run, mcfg, mesh)
+  init_hf = cfg.run.init_hf
+  has_tok = bool(init_hf) and os.path.exists(os.path.join(init_hf, "tokenizer_config.json"))
+  return model, mcfg, init_hf if has_tok else None
 
 
 def load_tasks(cfg: RLConfig) -> list[tasks_lib.KernelTask]:
@@ -164,102 +85,6 @@ def load_tasks(cfg: RLConfig) -> list[tasks_lib.KernelTask]:
   if not tasks:
     raise ValueError(f"{path}: no tasks")
   return tasks
-
-
-# ------------------------------------------------------------------ metrics of one step
-def rollout_metrics(ro: rollout_lib.Rollout) -> dict:
-  n = max(len(ro.outcomes), 1)
-  passed = [rewards_lib.passed(o) for o in ro.outcomes]
-  kinds = collections.Counter(o.failure_kind.label for o in ro.outcomes)
-  m = {
-    "samples": float(len(ro.outcomes)),
-    "reward_mean": float(ro.rewards.mean()) if ro.rewards.size else 0.0,
-    "correct_rate": sum(passed) / n,
-    "compiled_rate": sum(o.compiled for o in ro.outcomes) / n,
-    "deceptive_rate": sum(o.deceptive for o in ro.outcomes) / n,
-    "response_tokens_mean": float(np.mean([t.trained_tokens for t in ro.trajectories]))
-    if ro.trajectories
-    else 0.0,
-    "tokens_per_forward": ro.generated_tokens / max(ro.steps_used, 1),
-    "sampler_forwards": float(ro.forwards),
-    "judge_requests": float(ro.judge_requests),
-    "groups_skipped": float(ro.groups_skipped),
-    "time/sample_s": ro.sample_s,
-    "time/verify_wait_s": ro.verify_wait_s,
-  }
-  for kind, c in kinds.items():
-    if kind != "ok":
-      m[f"failure/{kind}"] = c / n
-  speedups = np.asarray([o.speedup for o, p in zip(ro.outcomes, passed) if p and o.speedup > 0])
-  if speedups.size:
-    m.update(
-      speedup_p10=float(np.percentile(speedups, 10)),
-      speedup_p50=float(np.median(speedups)),
-      speedup_p90=float(np.percentile(speedups, 90)),
-      speedup_geomean=float(np.exp(np.log(speedups).mean())),
-      speedup_timed=float(speedups.size),
-    )
-  return m
-
-
-def _fingerprint(parts) -> float:
-  crc = 0
-  for p in parts:
-    crc = zlib.crc32(np.ascontiguousarray(p).tobytes() if isinstance(p, np.ndarray) else p, crc)
-  return float(crc)
-
-
-class _UpdateStats:
-  """Sums of the train step's metric sums over one RL step's optimizer steps."""
-
-  def __init__(self):
-    self.sums = collections.Counter()
-    self.losses: list[float] = []
-    self.grad_norms: list[float] = []
-    self.ratio_max = 0.0
-
-  def add(self, m: dict) -> None:
-    self.losses.append(m["loss"])
-    self.grad_norms.append(m["grad_norm"])
-    self.ratio_max = max(self.ratio_max, m.get("ratio_max", 0.0))
-    for k in ("pg_sum", "kl_sum", "clipped_tokens", "entropy_sum", "ratio_sum", "trained_tokens"):
-      self.sums[k] += m.get(k, 0.0)
-    self.sums["rounds"] += m.get("rounds", 0.0)
-
-  def metrics(self) -> dict:
-    tok = max(self.sums["trained_tokens"], 1.0)
-    out = {"updates": float(len(self.losses)), "trained_tokens": self.sums["trained_tokens"]}
-    if self.losses:
-      out.update(
-        loss=float(np.mean(self.losses)),
-        loss_first=self.losses[0],
-        loss_last=self.losses[-1],
-        grad_norm=float(np.mean(self.grad_norms)),
-        kl=self.sums["kl_sum"] / tok,
-        clip_fraction=self.sums["clipped_tokens"] / tok,
-        entropy=self.sums["entropy_sum"] / tok,
-        ratio_mean=self.sums["ratio_sum"] / tok,
-        ratio_max=self.ratio_max,
-        trace_rounds=self.sums["rounds"],
-      )
-    return out
-
-
-def progress_line(step: int, total: int, m: dict) -> str:
-  parts = [
-    f"rl step {step}/{total}",
-    f"reward {m['reward_mean']:.3f}",
-    f"correct {m['correct_rate']:.3f} compiled {m['compiled_rate']:.3f}",
-    f"groups kept {int(m['groups'] - m['groups_dropped'])}/{int(m['groups'])}",
-    f"updates {int(m['updates'])}",
-  ]
-  if m.get("updates"):
-    parts.append(f"loss {m['loss']:.4g} kl {m['kl']:.2e} clip {m['clip_fraction']:.3f}")
-  parts.append(
-    f"time sample {m['time/sample_s']:.1f}s verify-wait {m['time/verify_wait_s']:.1f}s "
-    f"update {m['time/update_s']:.1f}s"
-  )
-  return " | ".join(parts)
 
 
 # ------------------------------------------------------------------ the loop
@@ -296,25 +121,21 @@ class _Trainer:
   eval_groups: list = dataclasses.field(default_factory=list)
 
 
-def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Trainer:
+def _prepare(cfg: RLConfig, workdir: str, ckpt) -> _Trainer:
   """Model (fresh, imported, or restored with the stream position), optimizer, jitted steps."""
-  mesh = sharding_lib.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
+  mesh = run_setup.make_mesh(cfg.run)
   resuming = ckpt.latest_step() is not None
   if resuming:
     mcfg = ckpt_lib.read_model_config(workdir)
     inherited = _existing_dir(os.path.join(workdir, "tokenizer"))
     _warn_config_changes(ckpt.restore_config(), cfg.to_json())
   else:
-    model, mcfg, inherited = build_model(cfg, mesh, workdir, init_hf, init_checkpoint)
-  tok = load_tokenizer(cfg, inherited)
+    model, mcfg, inherited = build_model(cfg, mesh)
+  tok = run_setup.load_tokenizer(inherited or cfg.run.tokenizer)
   if distributed.is_primary():
-    save_tokenizer(cfg, workdir, inherited)
+    run_setup.save_tokenizer(cfg.run, workdir, inherited)
     if not resuming:
       ckpt_lib.save_model_config(mcfg, workdir)
-  if cfg.sampler.block_size != mcfg.block_size:
-    raise ValueError(
-      f"RLConfig.sampler.block_size {cfg.sampler.block_size} != the model's {mcfg.block_size}"
-    )
   check_compatible(tok, mcfg, where="rl")
   cfg, plan = plan_update(cfg, mcfg, mesh)  # refuses a setting that does not fit, before sampling
   logging.info(
@@ -329,7 +150,9 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
   if resuming:
     graphdef, target, shardings = ckpt_lib.abstract_train_state(mcfg, tx, mesh)
   else:
-    graphdef, state, shardings = ts.init_train_state(model, tx, mesh, tolerance=cfg.shard_tolerance)
+    graphdef, state, shardings = ts.init_train_state(
+      model, tx, mesh, tolerance=cfg.run.shard_tolerance
+    )
     del model
   tasks = load_tasks(cfg)
   eval_groups = []
@@ -377,7 +200,7 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, init_hf, init_checkpoint) -> _Tr
     cfg.sampler,
     stop_ids=cfg.sampler.stop_ids or stop_ids(cfg, tok),
     pad_id=mcfg.pad_token_id if mcfg.pad_token_id is not None else tok.pad_token_id,
-  )
+  ).for_model(mcfg)  # the model's block size unless sampler.block_size says otherwise
   return _Trainer(
     cfg=cfg,
     mesh=mesh,
@@ -459,11 +282,15 @@ def stop_ids(cfg: RLConfig, tok) -> tuple[int, ...]:
 
 def make_backend(cfg: RLConfig, scfg) -> rollout_lib.SamplerBackend:
   if cfg.sampler_backend == "continuous":
-    return rollout_lib.ContinuousBatches(scfg, cfg.slots, cfg.max_prompt_len, cfg.seed)
-  return rollout_lib.StaticBatches(scfg, cfg.groups_per_batch, cfg.seed)
+    return rollout_lib.ContinuousBatches(scfg, cfg.slots, cfg.max_prompt_len, cfg.run.seed)
+  return rollout_lib.StaticBatches(scfg, cfg.groups_per_batch, cfg.run.seed)
 
 
 def _warn_config_changes(saved: dict, now: dict) -> None:
+  try:  # a config saved before today's sections, read as today's code reads it
+    saved = json.loads(json.dumps(RLConfig.from_json(saved).to_json()))
+  except (TypeError, ValueError, KeyError):
+    pass
   now = json.loads(json.dumps(now))  # as saved (tuples become lists)
   changed = sorted(k for k in now if saved.get(k) != now[k])
   if changed:
@@ -493,15 +320,15 @@ def run_one_step(t: _Trainer, judge, step: int):
       max_prompt_len=cfg.max_prompt_len,
     )
   del params
-  m = rollout_metrics(ro)
+  m = reporting.rollout_metrics(ro)
   t.state, update_m = _learn(t, ro, step)
   m.update(update_m)
   if t.eval_groups and eval_lib.due(step + 1, cfg.eval_every):
     m.update(evaluate(t, judge, step))
-  m["data_fingerprint"] = _fingerprint(
+  m["data_fingerprint"] = reporting.fingerprint(
     [g.task_id.encode() for g in groups] + [g.prompt_ids for g in groups]
   )
-  m["sample_fingerprint"] = _fingerprint([tr.response_ids for tr in ro.trajectories])
+  m["sample_fingerprint"] = reporting.fingerprint([tr.response_ids for tr in ro.trajectories])
   m["optimizer_step"] = float(distributed.to_host(t.state["step"]))
   m["time/step_s"] = time.perf_counter() - t0
   for k, v in m.items():
@@ -515,55 +342,72 @@ def run_rl(
   workdir: str,
   *,
   endpoints: list[str] | None = None,
-  init_hf: str | None = None,
-  init_checkpoint: str | None = None,
   max_steps: int | None = None,
 ) -> dict:
-  """Runs RL steps up to `cfg.num_steps` (or `max_steps` more), resuming from `workdir`."""
-  os.makedirs(workdir, exist_ok=True)
-  ckpt = ckpt_lib.Checkpointer(
-    os.path.join(workdir, "checkpoints"),
-    save_every=cfg.checkpoint_every,
-    keep=cfg.checkpoint_keep,
-    async_save=cfg.async_checkpoint,
-    keep_period=cfg.snapshot_every or None,
+  """Runs RL steps up to `cfg.num_steps` (or `max_steps` more), resuming from `workdir`.
+
+  SIGINT or SIGTERM during an RL step finishes it, saves it and returns with `preempted` True;
+  during start-up, or a second signal, returns at once (`train/stop.py`).
+  """
+  return stop_lib.run_stoppable(
+    lambda stop: _run(cfg, workdir, stop, endpoints, max_steps),
+    rl_step=None,
   )
-  t = _prepare(cfg, workdir, ckpt, init_hf, init_checkpoint)
-  end = cfg.num_steps if max_steps is None else min(cfg.num_steps, t.start + max_steps)
-  logging.info("RL steps %d -> %d (of %d)", t.start, end, cfg.num_steps)
-  judge = make_judge(cfg, endpoints)
-  writer = metrics_lib.MetricWriter(workdir)
-  config_json = cfg.to_json()
-  last, preempted, done = {}, False, t.start
+
+
+def _run(cfg, workdir, stop, endpoints, max_steps) -> dict:
+  os.makedirs(workdir, exist_ok=True)
+  ckpt = run_setup.make_checkpointer(cfg.run, workdir, keep_period=cfg.snapshot_every or None)
+  judge = None
+  last, preempted, done = {}, False, None
   try:
-    with _Preemption() as stop:
+    t = _prepare(cfg, workdir, ckpt)
+    end = cfg.num_steps if max_steps is None else min(cfg.num_steps, t.start + max_steps)
+    logging.info("RL steps %d -> %d (of %d)", t.start, end, cfg.num_steps)
+    judge = make_judge(cfg, endpoints)
+    writer = metrics_lib.MetricWriter(workdir)
+    config_json = cfg.to_json()
+    done = t.start
+    stop.training = True
+    try:
       for step in range(t.start, end):
         m, data_state, ro = run_one_step(t, judge, step)
         done = step + 1
         writer.write(done, m)
-        _write_samples(os.path.join(workdir, "samples.jsonl"), done, ro, cfg.samples_per_step)
-        logging.info(progress_line(done, cfg.num_steps, m))
-        preempted = distributed.any_process(stop.set) or ckpt.reached_preemption(done)
+        reporting.write_samples(
+          os.path.join(workdir, "samples.jsonl"), done, ro, cfg.samples_per_step
+        )
+        logging.info(reporting.progress_line(done, cfg.num_steps, m))
+        stop_any = distributed.any_process(stop.requested is not None)  # a collective
+        preempted = stop_any or ckpt.reached_preemption(done)
         snapshot = bool(cfg.snapshot_every) and done % cfg.snapshot_every == 0
         ckpt.save(
           done,
           t.state,
-          {"iterator": data_state, "rl_step": done, "seed": cfg.seed},
+          {"iterator": data_state, "rl_step": done, "seed": cfg.run.seed},
           config_json,
           force=preempted or done == end or snapshot,
         )
         last = m
         if preempted:
-          logging.warning("pre-empted after RL step %d: checkpoint saved, stopping", done)
+          logging.warning(
+            "%s: stopped after RL step %d, checkpoint saved; rerun the same command to resume",
+            stop.requested or "stop signal to another process or pre-emption notice",
+            done,
+          )
           break
+    finally:
+      stop.training = False  # a signal from here on stops at once
+      writer.close()
   finally:
     ckpt.wait()
     ckpt.close()
-    writer.close()
     if hasattr(judge, "close"):
       judge.close()
   if distributed.is_primary() and last:
-    plot_rl(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "rl.png"), cfg.phase)
+    reporting.plot_rl(
+      os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "rl.png"), cfg.phase
+    )
   return {"rl_step": done, "preempted": preempted, **last}
 
 
@@ -593,7 +437,7 @@ def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
     rows_per_batch=cfg.rows_per_update,
     pad_id=mcfg.pad_token_id or 0,
     length_multiple=cfg.length_multiple,
-    rng=np.random.default_rng([cfg.seed, rl_step]) if cfg.shuffle else None,
+    rng=np.random.default_rng([cfg.run.seed, rl_step]) if cfg.shuffle else None,
     drop_partial=cfg.tail_rows == "drop",
   )
   t_build = time.perf_counter()
@@ -609,8 +453,8 @@ def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
     gap_sum += float(np.abs(old - host["sampler_logp"])[mask].sum())
     gap_n += float(mask.sum())
   t_old = time.perf_counter() - t_build
-  stats = _UpdateStats()
-  rng = jax.random.key(cfg.seed)  # the TraceRL loss draws nothing; the step folds in its count
+  stats = reporting.UpdateStats()
+  rng = jax.random.key(cfg.run.seed)  # the TraceRL loss draws nothing; the step folds in its count
   for b in sharded:
     state, m = t.step_fn(state, b, rng)
     stats.add({k: float(v) for k, v in distributed.tree_to_host(m).items()})
@@ -627,63 +471,3 @@ def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
     }
   )
   return state, out
-
-
-def _write_samples(path: str, step: int, ro, n: int) -> None:
-  if not n or not distributed.is_primary():
-    return
-  with open(path, "a") as f:
-    for i in range(min(n, len(ro.trajectories))):
-      t, o = ro.trajectories[i], ro.outcomes[i]
-      rec = {
-        "step": step,
-        "task_id": t.task_id,
-        "group": t.group,
-        "member": t.member,
-        "reward": float(ro.rewards[i]),
-        "failure_kind": o.failure_kind.label,
-        "reason": o.reason[:300],
-        "response": ro.responses[i],
-      }
-      f.write(json.dumps(rec) + "\n")
-
-
-def plot_rl(metrics_path: str, png_path: str, phase: str) -> str:
-  """Reward/correctness, KL and clip fraction, and the time split per RL step, as one PNG."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  recs = metrics_lib.read_metrics(metrics_path)
-  steps = np.array(list(recs))
-  get = lambda k: np.array([recs[s].get(k, np.nan) for s in steps], float)  # noqa: E731
-  fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-  for k in ("reward_mean", "correct_rate", "compiled_rate", "deceptive_rate"):
-    axes[0].plot(steps, get(k), marker=".", label=k)
-  axes[0].set_title(f"BiC-RL {phase}: rollout outcomes")
-  axes[0].set_ylim(-0.02, max(1.02, np.nanmax(get("reward_mean")) + 0.05))
-  axes[1].plot(steps, get("kl"), marker=".", label="kl (k3, vs rollout policy)")
-  axes[1].plot(steps, get("clip_fraction"), marker=".", label="clip fraction")
-  axes[1].set_yscale("symlog", linthresh=1e-4)
-  axes[1].set_title("policy update")
-  bottom = np.zeros(len(steps))
-  for k, label in (
-    ("time/sample_s", "sampling"),
-    ("time/verify_wait_s", "waiting for the verifier"),
-    ("time/update_s", "update"),
-  ):
-    v = np.nan_to_num(get(k))
-    axes[2].bar(steps, v, bottom=bottom, label=label)
-    bottom += v
-  axes[2].set_title("time per RL step (s)")
-  for ax in axes:
-    ax.set_xlabel("RL step")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-  fig.tight_layout()
-  tmp = png_path + ".tmp.png"
-  fig.savefig(tmp, dpi=100)
-  plt.close(fig)
-  os.replace(tmp, png_path)
-  return png_path

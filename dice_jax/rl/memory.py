@@ -189,9 +189,7 @@ def estimate_plan(
 ) -> UpdatePlan:
   """The `UpdatePlan` of one explicit setting."""
   if rows_per_update % micro_rows:
-    raise ValueError(
-      f"micro_rows ({micro_rows}) must divide rows_per_update ({rows_per_update})"
-    )
+    raise ValueError(f"micro_rows ({micro_rows}) must divide rows_per_update ({rows_per_update})")
   row_len = row_length(
     layout,
     prompt_len=prompt_len,
@@ -264,8 +262,8 @@ def resolve_update(
     micro = micro or [cfg.rows_per_update]
   if cfg.update_remat != "auto":
     remats = [cfg.update_remat]
-  elif "remat" in cfg.model_overrides:
-    remats = [remat_policy_name(cfg.model_overrides["remat"])]
+  elif "remat" in cfg.run.model_overrides:
+    remats = [remat_policy_name(cfg.run.model_overrides["remat"])]
   else:
     remats = list(REMAT_ORDER)
   auto = len(layouts) * len(micro) * len(remats) > 1
@@ -275,7 +273,7 @@ def resolve_update(
     remats = remats if len(remats) == 1 else [model_cfg.remat_policy]
   shape = dict(
     rows_per_update=cfg.rows_per_update,
-    prompt_len=cfg.max_prompt_len + cfg.sampler.block_size,  # + the absolute grid's prompt tail
+    prompt_len=cfg.max_prompt_len + (cfg.sampler.block_size or model_cfg.block_size),  # + grid tail
     new_tokens=cfg.sampler.max_new_tokens,
     steps=cfg.sampler.steps,
     shrink=t.shrink,

@@ -3,13 +3,13 @@
 DICE `training/RL/rl.py` (github.com/deadlykitten4/DICE), steps 1-3 of an RL step: every scheduled task is sampled G times (one group) with
 DICE's decoding (temperature 1.0, block 4, 4 steps, `low_confidence_dynamic` 0.9, up to 4,096 new
 tokens; `RLConfig.sampler`), the first fenced code block of each response is the candidate
-(`extract_candidate`, DICE's `extract_first_code`), and each group goes to the judge (the verifier
+(`data/code_extraction.py`, DICE's `extract_first_code`), and each group goes to the judge (the verifier
 service, or a local function for tests) as soon as it is sampled, so verification overlaps the
 sampling of the next groups. Outcomes are joined back to responses by request id (a content hash:
 equal candidates of a task are judged once).
 
 The data stack (`dice_jax.data`: tokenizers, grain) is imported only by the functions that need
-it, so a GPU host can sample and judge without it (`experiments/bench_rl.py`).
+it (`data/code_extraction.py` is plain Python), so a GPU host can sample and judge without it (`experiments/bench_rl.py`).
 
 Two seams:
 * `SamplerBackend` -- how groups are sampled. Every sample has its own key, derived from
@@ -32,7 +32,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import importlib
-import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
@@ -43,45 +42,13 @@ import numpy as np
 from absl import logging
 
 from dice_jax import distributed
+from dice_jax.data import code_extraction
 from dice_jax.diffusion import sampler as sampler_lib
 from dice_jax.rl.trajectory import Trajectory, from_sample_output
 from verifier.api.client import request_id
 from verifier.api.contract import FailureKind, VerifyResult
 
-EXTRACTIONS = ("dice", "first_block", "whole_response")
 NO_CODE = FailureKind.NO_CODE  # a response without a fenced code block (never sent)
-
-
-# ------------------------------------------------------------------ candidates
-_FENCE = re.compile(r"```(.*?)```", re.DOTALL)
-
-
-def extract_first_code_dice(response: str) -> str | None:
-  """DICE's `extract_first_code(output, ["python", "cpp"])` (sample/sdar_rl_rollout_kernel.py): the
-  first ```...``` span of the stripped text, stripped, then a leading "python" and then a leading
-  "cpp" removed (no newline needed; other tags such as "cuda" stay and fail to run). None when
-  there is no closed fence (DICE sends a placeholder sentence that fails)."""
-  m = _FENCE.search(response.strip())
-  if m is None:
-    return None
-  code = m.group(1).strip()
-  for tag in ("python", "cpp"):
-    if code.startswith(tag):
-      code = code[len(tag) :].strip()
-  return code
-
-
-def extract_candidate(response: str, rule: str) -> str | None:
-  """The candidate source of a response under `rule` (one of `EXTRACTIONS`)."""
-  if rule == "dice":
-    return extract_first_code_dice(response)
-  if rule == "first_block":
-    from dice_jax.data import prompts as prompts_lib  # the data stack only where it is used
-
-    return prompts_lib.extract_code(response)
-  if rule == "whole_response":
-    return response
-  raise ValueError(f"code extraction must be one of {EXTRACTIONS}, got {rule!r}")
 
 
 # ------------------------------------------------------------------ groups
@@ -200,6 +167,7 @@ class StaticBatches:
     self.forwards = 0
     if not groups:
       return
+    cfg = self.cfg.for_model(model.cfg)  # the model's block size unless the config sets one
     width = max(len(g.prompt_ids) for g in groups)
     for start in range(0, len(groups), self.k):
       chunk = list(groups[start : start + self.k])
@@ -207,15 +175,15 @@ class StaticBatches:
       prompts = [g.prompt_ids.tolist() for g in padded for _ in range(g.size)]
       keys = group_keys(self.seed, rl_step, padded)
       out = distributed.tree_to_host(
-        sampler_lib.generate(model, prompts, self.cfg, keys=keys, prompt_width=width)
+        sampler_lib.generate(model, prompts, cfg, keys=keys, prompt_width=width)
       )
       self.forwards += int(out.forwards)
       n_real = sum(g.size for g in chunk)
       trajs = from_sample_output(
         out,
         prompts[:n_real],
-        block_size=self.cfg.block_size,
-        block_alignment=self.cfg.block_alignment,
+        block_size=cfg.block_size,
+        block_alignment=cfg.block_alignment,
       )
       steps = np.asarray(out.steps_used)
       row = 0
@@ -251,9 +219,10 @@ class ContinuousBatches:
     self.forwards = 0
     if not groups:
       return
+    cfg = self.cfg.for_model(model.cfg)
     engine = engine_lib.ContinuousSampler(
       model,
-      self.cfg,
+      cfg,
       slots=self.slots,
       max_prompt_len=self.max_prompt_len or max(len(g.prompt_ids) for g in groups),
       prefill_rows=self.prefill_rows,
@@ -277,7 +246,7 @@ class ContinuousBatches:
         loss_mask=np.arange(n) < c.response_length,
         sampler_logp=logp,
       )
-      traj.check_grid(self.cfg.block_size)
+      traj.check_grid(cfg.block_size)
       done.setdefault(group, {})[member] = traj
       steps[group] = steps.get(group, 0) + c.steps_used
       task = by_group[group]
@@ -395,8 +364,7 @@ def collect(
   With several JAX processes every process calls this with the same groups; each judges its
   share of the distinct requests and all get every verdict (see the module docstring)."""
   process, processes = jax.process_index(), jax.process_count()
-  if extraction not in EXTRACTIONS:
-    raise ValueError(f"code extraction must be one of {EXTRACTIONS}, got {extraction!r}")
+  code_extraction.check_rule(extraction)
   keep = [g for g in groups if not max_prompt_len or len(g.prompt_ids) <= max_prompt_len]
   if len(keep) < len(groups):
     logging.warning(
@@ -420,7 +388,7 @@ def collect(
     for member, traj in enumerate(sg.trajectories):
       traj.task_id, traj.group, traj.member = task.task_id, task.group, member
       text = response_text(traj, tokenizer)
-      cand = extract_candidate(text, extraction)
+      cand = code_extraction.extract(text, extraction)
       if cand is None or not cand.strip():  # nothing to judge (the service refuses empty code)
         rid = request_id(task.task_id, task.reference, "", {"no_code": True})
         local[rid] = VerifyResult(

@@ -376,8 +376,12 @@ def _logprobs_and_entropy(model, batch, chunk: int, want_entropy: bool = True):
   mask = valid & take(p_mask)
   logp_k, ent_k = chunked_target_logprobs(model, h, take(targets), mask, chunk, want_entropy)
   rows = jnp.arange(index.shape[0])[:, None]
-  back = lambda v: jnp.zeros(p_mask.shape, jnp.float32).at[rows, safe].add(  # noqa: E731
-    jnp.where(mask, v, 0.0)
+  back = lambda v: (
+    jnp.zeros(p_mask.shape, jnp.float32)
+    .at[rows, safe]
+    .add(  # noqa: E731
+      jnp.where(mask, v, 0.0)
+    )
   )
   return back(logp_k), back(ent_k), p_mask
 

@@ -32,7 +32,6 @@ from dice_jax import sharding as sharding_lib
 from dice_jax.model.config import ModelConfig
 from dice_jax.model.transformer import Transformer
 from dice_jax.train import optimizer as optim_lib
-from dice_jax.train import sft_data
 from dice_jax.train import train_step as ts
 from dice_jax.train.config import SFTConfig
 
@@ -185,4 +184,4 @@ def restore_model(workdir: str, mesh=None, step: int | None = None):
     state, _, _ = ckpt.restore(target, step)
   finally:
     ckpt.close()
-  return nnx.merge(graphdef, state["params"]), sft_data.tokenizer_dir(cfg, workdir), step
+  return nnx.merge(graphdef, state["params"]), cfg.run.tokenizer_dir(workdir), step

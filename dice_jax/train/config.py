@@ -9,6 +9,7 @@ from typing import Any
 from dice_jax.diffusion.blocks import BlockGrid
 from dice_jax.diffusion.objective import ObjectiveConfig
 from dice_jax.train.optimizer import OptimizerConfig
+from dice_jax.train.run_config import RunConfig, nest_flat_fields
 
 DATA_SOURCES = ("infill_pairs", "cuke", "pairs")
 
@@ -19,15 +20,13 @@ class SFTConfig:
 
   recipe: str = "ours"  # a label: the launcher applies it (dice_jax/recipe.py)
 
-  # model
-  model: str = "tiny"  # preset of dice_jax.model.config (ignored with --init_hf)
-  model_overrides: dict = dataclasses.field(default_factory=dict)  # e.g. {'remat': True}
+  # model, tokenizer, seed, mesh, checkpoints (shared with RLConfig)
+  run: RunConfig = RunConfig()
   # data
   # infill_pairs: DICE infilling file, task -> known solution; cuke: {prompt, response} rows;
   # pairs: ConCuR-style {pytorch_code, cuda_code} rows (e.g. experiments/demo_data/pairs.jsonl)
   data_source: str = "infill_pairs"
   data_path: str = ""  # json/jsonl/parquet for the source
-  tokenizer: str = "byte"  # 'byte' (256 bytes + 4 specials; for tiny models) or an HF dir
   max_prompt_chars: int | None = None  # truncate texts (tiny CPU runs only)
   max_response_chars: int | None = None
   seq_len: int = 6144  # DICE cutoff_len; longer samples are dropped
@@ -39,19 +38,9 @@ class SFTConfig:
   data_shards: int = 1
   accum_steps: int = 1  # micro-batches per step (batch_size % accum_steps == 0)
   num_steps: int = 100
-  seed: int = 0
-  # mesh (-1 fills)
-  mesh_data: int = 1
-  mesh_fsdp: int = -1
-  mesh_tensor: int = 1
-  shard_tolerance: float = 0.02  # max fraction of unsharded params on a multi-device mesh
   # optimisation and objective (the objective's block grid is also the packing's)
   optim: OptimizerConfig = OptimizerConfig()
   objective: ObjectiveConfig = ObjectiveConfig()
-  # bookkeeping
-  checkpoint_every: int = 100
-  checkpoint_keep: int = 3
-  async_checkpoint: bool = True
   log_every: int = 1
 
   def __post_init__(self):
@@ -63,15 +52,17 @@ class SFTConfig:
       self.data_source in DATA_SOURCES,
       f"data_source must be one of {DATA_SOURCES}, got {self.data_source!r}",
     )
-    need(isinstance(self.model_overrides, dict), "model_overrides must be a dict")
+    need(isinstance(self.run, RunConfig), "run must be a RunConfig")
+    need(
+      not self.run.init_checkpoint,
+      "run.init_checkpoint is RL's (an SFT run starts from run.init_hf or a fresh model)",
+    )
     for name in (
       "seq_len",
       "batch_size",
       "data_shards",
       "accum_steps",
       "num_steps",
-      "checkpoint_every",
-      "checkpoint_keep",
       "log_every",
     ):
       v = getattr(self, name)
@@ -88,9 +79,6 @@ class SFTConfig:
       self.batch_size % self.data_shards == 0,
       f"batch_size ({self.batch_size}) must be a multiple of data_shards ({self.data_shards})",
     )
-    for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
-      v = getattr(self, name)
-      need(isinstance(v, int) and (v >= 1 or v == -1), f"{name} must be >= 1 or -1, got {v!r}")
     need(isinstance(self.optim, OptimizerConfig), "optim must be an OptimizerConfig")
     need(isinstance(self.objective, ObjectiveConfig), "objective must be an ObjectiveConfig")
     from dice_jax.recipe import RECIPES
@@ -108,7 +96,7 @@ class SFTConfig:
 
   @classmethod
   def from_json(cls, d: dict) -> "SFTConfig":
-    d = dict(d)
+    d = nest_flat_fields(d)  # configs saved before the run section
     d["optim"] = OptimizerConfig(**d.get("optim", {}))
     obj = dict(d.get("objective", {}))
     # Configs saved before the objective section (flat eps / per_block_t / block_alignment).
@@ -175,6 +163,12 @@ def _set(obj, path, raw, where):
       value = raw
     return {**obj, head: value}
   fields = {f.name for f in dataclasses.fields(obj)}
+  if head not in fields and isinstance(getattr(obj, "run", None), RunConfig):
+    if head in {f.name for f in dataclasses.fields(RunConfig)}:
+      rest_path = ".".join([head, *rest])
+      raise ValueError(
+        f"override {where}: {head!r} moved into the run section: use --set=run.{rest_path}=..."
+      )
   if head not in fields:
     raise ValueError(
       f"override {where}: unknown field {head!r} of {type(obj).__name__} (known: {sorted(fields)})"

@@ -1,4 +1,4 @@
-"""The SFT loop: build mesh, model, optimizer and data; restore; step; log; checkpoint; export.
+"""The SFT loop: the run set-up (`run_setup.py`), optimizer, data; restore; step; log; save; export.
 
 Resume is exact: the checkpoint holds params, optimizer state, step and the grain iterator state
 taken right after the step's batch was drawn, and the step's noise key is `fold_in(seed, step)`,
@@ -20,51 +20,23 @@ from absl import logging
 from flax import nnx
 
 from dice_jax import distributed
-from dice_jax import sharding as sharding_lib
-from dice_jax.data import byte_tokenizer
 from dice_jax.data.tokenizer import check_compatible
 from dice_jax.diffusion import objective as objective_lib
 from dice_jax.errors import UserError
-from dice_jax.model.config import ModelConfig, get_config
-from dice_jax.model.transformer import Transformer
 from dice_jax.train import checkpoint as ckpt_lib
 from dice_jax.train import data_shards, resume, sft_data
 from dice_jax.train import metrics as metrics_lib
 from dice_jax.train import optimizer as optim_lib
+from dice_jax.train import run_setup
 from dice_jax.train import train_step as ts
 from dice_jax.train.config import SFTConfig
-from dice_jax.train.stop import Interrupted, StopSignals
+from dice_jax.train.stop import run_stoppable
 
 
 def make_loss_fn(cfg: SFTConfig):
   from dice_jax.diffusion.objective import block_diffusion_loss
 
   return lambda model, batch, rng: block_diffusion_loss(model, batch, rng, cfg.objective)
-
-
-def model_config(cfg: SFTConfig, init_hf: str | None) -> ModelConfig:
-  """The run's model config (from `init_hf`'s config.json or the preset), without building it."""
-  overrides = dict(cfg.model_overrides)
-  if cfg.tokenizer == "byte" and not init_hf:
-    overrides = {**byte_tokenizer.byte_model_overrides(), **overrides}
-  try:
-    if init_hf:
-      from dice_jax.hf.checkpoint import read_config
-
-      return read_config(init_hf, **overrides)
-    return get_config(cfg.model, **overrides)
-  except UserError:
-    raise
-  except (TypeError, ValueError) as e:
-    raise UserError(f"model config ({init_hf or cfg.model}, {overrides}): {e}") from e
-
-
-def build_model(cfg: SFTConfig, mcfg: ModelConfig, mesh, init_hf: str | None):
-  if init_hf:
-    from dice_jax.hf.checkpoint import import_hf
-
-    return import_hf(init_hf, mesh, **cfg.model_overrides)[0]
-  return sharding_lib.create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), mesh)
 
 
 def batch_summary(host_batch: dict, rows, stop_requested: bool) -> tuple[float, float, bool]:
@@ -119,7 +91,6 @@ def prepare(
   cfg: SFTConfig,
   workdir: str,
   *,
-  init_hf: str | None = None,
   export_hf: str | None = None,
   allow_config_change: bool = False,
 ):
@@ -141,16 +112,18 @@ def prepare(
       f"(to re-export this run: python -m experiments.export_hf --init=checkpoint "
       f"--workdir={workdir} --out={export_hf} --overwrite)"
     )
-  mcfg = model_config(cfg, init_hf)
+  mcfg = run_setup.model_config(cfg.run)
   logging.info("loading SFT data (%s) from %s", cfg.data_source, cfg.data_path)
   samples = sft_data.load_samples(cfg)
-  tok = sft_data.load_tokenizer(cfg)
+  tok = run_setup.load_tokenizer(cfg.run.tokenizer)
   check_compatible(
-    tok, mcfg, where=f"sft (tokenizer={cfg.tokenizer}, model={init_hf or cfg.model})"
+    tok,
+    mcfg,
+    where=f"sft (tokenizer={cfg.run.tokenizer}, model={cfg.run.init_hf or cfg.run.model})",
   )
   cfg.objective.grid.check_model(mcfg, "SFTConfig.objective.grid")
   sft_data.check_some_fit(samples, tok, cfg.max_sample_len or cfg.seq_len, cfg.objective.grid)
-  logging.info("%d SFT samples; tokenizer %s", len(samples), cfg.tokenizer)
+  logging.info("%d SFT samples; tokenizer %s", len(samples), cfg.run.tokenizer)
   return mcfg, tok, samples
 
 
@@ -158,7 +131,6 @@ def run_sft(
   cfg: SFTConfig,
   workdir: str,
   *,
-  init_hf: str | None = None,
   export_hf: str | None = None,
   allow_config_change: bool = False,
 ) -> dict:
@@ -168,30 +140,27 @@ def run_sft(
   saves the current step and returns with `preempted` True; during start-up it returns at once
   (`stop.py`).
   """
-  with StopSignals() as stop:
-    try:
-      return _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change)
-    except Interrupted as e:
-      logging.warning("%s", e)
-      return {"step": None, "preempted": True, "stopped": str(e)}
-
-
-def _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change) -> dict:
-  mcfg, tok, samples = prepare(
-    cfg, workdir, init_hf=init_hf, export_hf=export_hf, allow_config_change=allow_config_change
+  return run_stoppable(
+    lambda stop: _run(cfg, workdir, stop, export_hf, allow_config_change), step=None
   )
-  mesh = sharding_lib.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
+
+
+def _run(cfg, workdir, stop, export_hf, allow_config_change) -> dict:
+  mcfg, tok, samples = prepare(
+    cfg, workdir, export_hf=export_hf, allow_config_change=allow_config_change
+  )
+  mesh = run_setup.make_mesh(cfg.run)
   logging.info(
     "mesh %s over %d devices (%s)", dict(mesh.shape), mesh.size, jax.devices()[0].device_kind
   )
   os.makedirs(workdir, exist_ok=True)
-  tok_dir = sft_data.tokenizer_dir(cfg, workdir)
+  tok_dir = cfg.run.tokenizer_dir(workdir)
   if distributed.is_primary():
-    sft_data.save_tokenizer(cfg, workdir)
+    run_setup.save_tokenizer(cfg.run, workdir)
     ckpt_lib.save_model_config(mcfg, workdir)
   logging.info(
     "building model %s: %.2fM params, attention=%s remat=%s dtype=%s/%s",
-    init_hf or cfg.model,
+    cfg.run.init_hf or cfg.run.model,
     mcfg.num_params() / 1e6,
     mcfg.attention_impl,
     mcfg.remat,
@@ -199,11 +168,13 @@ def _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change) -> dict:
     mcfg.param_dtype,
   )
   t0 = time.perf_counter()
-  model = build_model(cfg, mcfg, mesh, init_hf)
+  model = run_setup.build_model(cfg.run, mcfg, mesh)
 
   schedule = optim_lib.make_schedule(cfg.optim, cfg.num_steps)
   tx = optim_lib.make_optimizer(cfg.optim, cfg.num_steps)
-  graphdef, state, shardings = ts.init_train_state(model, tx, mesh, tolerance=cfg.shard_tolerance)
+  graphdef, state, shardings = ts.init_train_state(
+    model, tx, mesh, tolerance=cfg.run.shard_tolerance
+  )
   del model
   logging.info("model and optimizer state built in %.1f s", time.perf_counter() - t0)
 
@@ -218,12 +189,7 @@ def _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change) -> dict:
       it.shards,
       cfg.data_shards,
     )
-  ckpt = ckpt_lib.Checkpointer(
-    f"{workdir}/checkpoints",
-    save_every=cfg.checkpoint_every,
-    keep=cfg.checkpoint_keep,
-    async_save=cfg.async_checkpoint,
-  )
+  ckpt = run_setup.make_checkpointer(cfg.run, workdir)
   if ckpt.latest_step() is not None:
     state, data_state, _ = ckpt.restore(ts.abstract_state(state, shardings))
     it.set_state(data_state)
@@ -247,7 +213,7 @@ def _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change) -> dict:
   rate = metrics_lib.Throughput(
     cfg.num_steps, flops, cfg.batch_size * cfg.seq_len, mesh.size, metrics_lib.peak_flops()
   )
-  rng = jax.random.key(cfg.seed)
+  rng = jax.random.key(cfg.run.seed)
   config_json = cfg.to_json()
   logging.info("training steps %d -> %d", start, cfg.num_steps)
   last, preempted = {}, False
@@ -288,7 +254,7 @@ def _run(cfg, workdir, stop, init_hf, export_hf, allow_config_change) -> dict:
   writer.close()
   if distributed.is_primary() and last:
     metrics_lib.plot_loss(
-      f"{workdir}/metrics.jsonl", f"{workdir}/loss.png", title=f"SFT {cfg.model} ({workdir})"
+      f"{workdir}/metrics.jsonl", f"{workdir}/loss.png", title=f"SFT {cfg.run.model} ({workdir})"
     )
   if export_hf and not preempted:
     from dice_jax.hf.checkpoint import export_hf as export

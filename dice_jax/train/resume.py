@@ -18,12 +18,14 @@ from dice_jax.errors import UserError
 FREE_TO_CHANGE = frozenset(
   {
     "log_every",
-    "checkpoint_every",
-    "checkpoint_keep",
-    "async_checkpoint",
-    "mesh_data",
-    "mesh_fsdp",
-    "mesh_tensor",
+    "run.checkpoint_every",
+    "run.checkpoint_keep",
+    "run.async_checkpoint",
+    "run.mesh_data",
+    "run.mesh_fsdp",
+    "run.mesh_tensor",
+    "run.init_hf",  # where the weights started: a resumed run restores its own
+    "run.init_checkpoint",
   }
 )
 _ABSENT = "(absent)"

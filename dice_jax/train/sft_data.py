@@ -6,41 +6,12 @@ without grain.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
-from dice_jax.data import byte_tokenizer
 from dice_jax.errors import UserError
 from dice_jax.train import data_shards
 from dice_jax.train.config import SFTConfig
-
-
-def load_tokenizer(cfg: SFTConfig):
-  """The run's tokenizer, read without writing anything (see `save_tokenizer`)."""
-  from dice_jax.data.tokenizer import Tokenizer
-
-  if cfg.tokenizer == "byte":
-    return byte_tokenizer.load_byte_tokenizer()
-  if not os.path.isdir(cfg.tokenizer):
-    raise UserError(
-      f"SFTConfig.tokenizer {cfg.tokenizer}: no such directory (expected 'byte' or an HF "
-      "tokenizer directory)"
-    )
-  return Tokenizer.from_dir(cfg.tokenizer)
-
-
-def tokenizer_dir(cfg: SFTConfig, workdir: str) -> str:
-  """Where the run's tokenizer files are: `workdir/tokenizer` for 'byte', else `cfg.tokenizer`."""
-  return os.path.join(workdir, "tokenizer") if cfg.tokenizer == "byte" else cfg.tokenizer
-
-
-def save_tokenizer(cfg: SFTConfig, workdir: str) -> str:
-  """Writes the byte tokenizer into the workdir (other tokenizers stay where they are)."""
-  path = tokenizer_dir(cfg, workdir)
-  if cfg.tokenizer == "byte":
-    byte_tokenizer.write_byte_tokenizer(path)
-  return path
 
 
 def load_samples(cfg: SFTConfig) -> list:
@@ -101,7 +72,7 @@ def make_iterator(cfg: SFTConfig, samples, tokenizer, rows=None):
       max_sample_len=cfg.max_sample_len,
       grid=cfg.objective.grid,
       batch_size=cfg.batch_size // k,
-      seed=cfg.seed,
+      seed=cfg.run.seed,
       num_epochs=None,
       process_index=j,
       process_count=k,

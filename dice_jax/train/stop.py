@@ -58,3 +58,14 @@ class StopSignals:
     for sig, previous in self._previous.items():
       signal.signal(sig, previous)
     self._previous.clear()
+
+
+def run_stoppable(run, **stopped) -> dict:
+  """`run(stop)` inside `StopSignals` (the SFT and RL loops' one entry): a stop that cannot save
+  first (`Interrupted`) is logged and returns `{**stopped, "preempted": True, "stopped": why}`."""
+  with StopSignals() as stop:
+    try:
+      return run(stop)
+    except Interrupted as e:
+      logging.warning("%s", e)
+      return {**stopped, "preempted": True, "stopped": str(e)}

@@ -13,28 +13,22 @@ refused before the rollout, naming it and its estimate.
 """
 
 import dataclasses
-import os
 
 from dice_jax.recipe import apply_recipe
 from dice_jax.rl.config import dice_phase_config
-
-_DATA = os.path.normpath(
-  os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "dice_rl")
-)
+from experiments.data_root import data_path
 
 
 def get_config():
   cfg = dice_phase_config(
     "e2e",
     "sdar_1p7b",
-    e2e_tasks=os.path.join(_DATA, "end_to_end_kernel_generation_4000.json"),
+    e2e_tasks=data_path("dice_rl", "end_to_end_kernel_generation_4000.json"),
     model_overrides={"dtype": "bfloat16", "param_dtype": "float32", "attention_impl": "flash"},
-    tokenizer=os.path.normpath(
-      os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "sdar_chat")
-    ),
+    tokenizer=data_path("sdar_chat"),
   )
   # DICE's evaluation set of this phase, every 10 RL steps (eval_every of the dice recipe)
   cfg = apply_recipe(cfg, "dice")
   return dataclasses.replace(
-    cfg, eval_tasks=os.path.join(_DATA, "kernelbench_level1.json")
+    cfg, eval_tasks=data_path("dice_rl", "kernelbench_level1.json")
   )  # docs/dice_recipe.md: DICE's recipe, item by item

@@ -16,24 +16,22 @@ refused before the rollout, naming it and its estimate.
 """
 
 import dataclasses
-import os
 
 from dice_jax.recipe import apply_recipe
 from dice_jax.rl.config import dice_phase_config
-
-_SHARED = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared"))
+from experiments.data_root import data_path
 
 
 def get_config():
   cfg = dice_phase_config(
     "infill",
     "sdar_1p7b",
-    infill_tasks=os.path.join(_SHARED, "data", "dice_rl", "kernel_infilling_992.json"),
+    infill_tasks=data_path("dice_rl", "kernel_infilling_992.json"),
     model_overrides={"dtype": "bfloat16", "param_dtype": "float32", "attention_impl": "flash"},
-    tokenizer=os.path.join(_SHARED, "data", "sdar_chat"),
+    tokenizer=data_path("sdar_chat"),
   )
   # DICE's evaluation set of this phase, every 10 RL steps (eval_every of the dice recipe)
   cfg = apply_recipe(cfg, "dice")
   return dataclasses.replace(
-    cfg, eval_tasks=os.path.join(_SHARED, "data", "dice_rl", "kernel_infilling_evaluation.json")
+    cfg, eval_tasks=data_path("dice_rl", "kernel_infilling_evaluation.json")
   )  # docs/dice_recipe.md: DICE's recipe, item by item

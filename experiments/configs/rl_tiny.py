@@ -15,15 +15,14 @@ from dice_jax.data.rl_stream import RLStreamConfig
 from dice_jax.rl.config import DICE_SAMPLER, RLConfig, VerifierConfig
 from dice_jax.rl.tracerl import TraceRLConfig
 from dice_jax.train.optimizer import OptimizerConfig
+from dice_jax.train.run_config import RunConfig
 
 _PAIRS = os.path.join(os.path.dirname(__file__), "..", "demo_data", "pairs.jsonl")
 
 
 def get_config() -> RLConfig:
   return RLConfig(
-    model="tiny",
-    model_overrides={"dtype": "float32"},
-    tokenizer="byte",
+    run=RunConfig(model="tiny", model_overrides={"dtype": "float32"}, seed=0, checkpoint_every=1),
     phase="e2e",
     e2e_tasks=os.path.normpath(_PAIRS),
     stream=RLStreamConfig(group_size=16, tasks_per_step=4, num_steps=12, prompt_style="chat"),
@@ -36,6 +35,4 @@ def get_config() -> RLConfig:
     optim=OptimizerConfig(learning_rate=1e-4, schedule="constant", warmup_ratio=0.0),
     rows_per_update=32,
     length_multiple=64,
-    seed=0,
-    checkpoint_every=1,
   )

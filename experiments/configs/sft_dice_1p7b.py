@@ -19,9 +19,10 @@ DEVICE_ROWS = 2  # per_device_train_batch_size of DICE's 1.7B yaml (4B / 8B: 1)
 def get_config(device_rows: int = DEVICE_ROWS, model: str = "sdar_1p7b", batch_size: int = 16):
   import dataclasses
 
+  base = sdar_1p7b.get_config()
   cfg = dataclasses.replace(
-    sdar_1p7b.get_config(),
-    model=model,
+    base,
+    run=dataclasses.replace(base.run, model=model),
     batch_size=batch_size,
     objective=ObjectiveConfig(device_rows=device_rows),
     max_sample_len=6143,  # LLaMA-Factory packing: cutoff_len - 1; rows of 6144

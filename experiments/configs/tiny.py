@@ -4,30 +4,17 @@ A CPU-sized run whose loss visibly falls: texts truncated to fit 1024-token rows
 learning rate than DICE's 1e-5 (a fresh 0.1M-parameter model, not a fine-tune).
 """
 
-import os
-
 from dice_jax.train.config import SFTConfig
 from dice_jax.train.optimizer import OptimizerConfig
-
-_DATA = os.path.join(
-  os.path.dirname(__file__),
-  "..",
-  "..",
-  "..",
-  "shared",
-  "data",
-  "dice_rl",
-  "kernel_infilling_evaluation.json",
-)
+from dice_jax.train.run_config import RunConfig
+from experiments.data_root import data_path
 
 
 def get_config() -> SFTConfig:
   return SFTConfig(
-    model="tiny",
-    model_overrides={"dtype": "float32"},
+    run=RunConfig(model="tiny", model_overrides={"dtype": "float32"}, checkpoint_every=50),
     data_source="infill_pairs",
-    data_path=os.path.normpath(_DATA),
-    tokenizer="byte",
+    data_path=data_path("dice_rl", "kernel_infilling_evaluation.json"),
     max_prompt_chars=384,
     max_response_chars=512,
     seq_len=1024,
@@ -36,6 +23,5 @@ def get_config() -> SFTConfig:
     optim=OptimizerConfig(
       learning_rate=3e-3, schedule="cosine", warmup_ratio=0.05, end_lr_ratio=0.1, weight_decay=0.01
     ),
-    checkpoint_every=50,
     log_every=10,
   )

@@ -6,14 +6,18 @@ import pathlib
 import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
 def shared_path(*parts: str) -> pathlib.Path:
-  """A path under ../shared/data (relative to the repo root); skips the test with a reason when absent."""
-  p = SHARED_DATA.joinpath(*parts)
+  """A path under the data root (`$DICE_DATA_ROOT`, else ../shared/data); skips the test with a
+  reason when absent."""
+  from experiments.data_root import ENV, data_root
+
+  p = data_root().joinpath(*parts)
   if not p.exists():
-    pytest.skip(f"shared data not available: {p} (CI provides ../shared/data next to the repo)")
+    pytest.skip(
+      f"data not available: {p} (set ${ENV}; CI provides ../shared/data next to the repo)"
+    )
   return p
 
 

@@ -7,7 +7,8 @@ import stat
 import pytest
 
 from dice_jax.data.cuke import CukeConfig, build_cuke, pair_key, read_measurements
-from dice_jax.data.prompts import e2e_user_message, extract_code
+from dice_jax.data.code_extraction import first_block as extract_code
+from dice_jax.data.prompts import e2e_user_message
 from dice_jax.data.tasks import load_sft_samples
 from verifier.api.contract import FailureKind, VerifyResult
 

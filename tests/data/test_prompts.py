@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from dice_jax.data import prompts
+from dice_jax.data import code_extraction, prompts
 from dice_jax.data.infilling import InfillSplit, NoCudaSourceError, split_infilling
 
 from ._helpers import shared_path
@@ -97,11 +97,13 @@ def test_split_infilling_picks_cuda_not_cpp_and_handles_escapes():
 
 
 def test_extract_code_takes_first_fenced_block():
-  assert prompts.extract_code("blah\n```python\nA = 1\n```\ntext\n```cpp\nB\n```") == "A = 1"
-  assert prompts.extract_code("```\nimport torch\n```") == "import torch"
-  assert prompts.extract_code("```cuda\n__global__ void k(){}\n```") == "__global__ void k(){}"
-  assert prompts.extract_code("no code here") is None
-  assert prompts.extract_code("```python\nunterminated") is None
+  assert code_extraction.first_block("blah\n```python\nA = 1\n```\ntext\n```cpp\nB\n```") == "A = 1"
+  assert code_extraction.first_block("```\nimport torch\n```") == "import torch"
+  assert (
+    code_extraction.first_block("```cuda\n__global__ void k(){}\n```") == "__global__ void k(){}"
+  )
+  assert code_extraction.first_block("no code here") is None
+  assert code_extraction.first_block("```python\nunterminated") is None
 
 
 def test_sft_sample_from_pair():
@@ -110,7 +112,7 @@ def test_sft_sample_from_pair():
   )
   assert s.prompt == prompts.e2e_user_message("class Model: pass")
   assert s.response == "Fuse it.\n\n```python\nclass ModelNew: pass\n```"
-  assert prompts.extract_code(s.response) == "class ModelNew: pass"
+  assert code_extraction.first_block(s.response) == "class ModelNew: pass"
   assert s.to_json()["level"] == 2
 
 

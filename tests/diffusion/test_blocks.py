@@ -65,3 +65,19 @@ def test_objective_and_sampler_refuse_a_grid_other_than_the_models():
     objective.block_diffusion_loss(model, batch, None, cfg)
   with pytest.raises(ValueError, match="SamplerConfig: block size 2 differs"):
     sampler.generate(model, [[1, 2, 3]], sampler.SamplerConfig(block_size=2))
+
+
+def test_the_model_is_the_source_of_the_block_size():
+  from dice_jax.model.config import get_config
+
+  mcfg = get_config("tiny")
+  unset = sampler.SamplerConfig(block_size=0)
+  assert unset.for_model(mcfg).block_size == mcfg.block_size
+  assert sampler.SamplerConfig(block_size=mcfg.block_size).for_model(mcfg).block_size == (
+    mcfg.block_size
+  )
+  with pytest.raises(ValueError, match="not resolved yet"):
+    unset.grid
+  other = mcfg.block_size * 2
+  with pytest.raises(ValueError, match=f"block size {other} differs from the model's block_size"):
+    sampler.SamplerConfig(block_size=other).for_model(mcfg)

@@ -6,7 +6,8 @@ import pytest
 
 from dice_jax.data import prompts
 from dice_jax.data.tasks import KernelTask
-from dice_jax.eval.candidates import EvalDecoding, FileCandidates, extract_candidate
+from dice_jax.data.code_extraction import extract as extract_candidate
+from dice_jax.eval.candidates import EvalDecoding, FileCandidates
 
 REFERENCE = (
   "import torch\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x\n"
@@ -18,8 +19,11 @@ def _task(pid, level=1):
 
 
 def test_default_decoding_is_dices_evaluation_decoding():
+  from dice_jax.model.config import get_config
+
   cfg = EvalDecoding().sampler_config(stop_ids=(7, 8), pad_id=0)
-  assert (cfg.block_size, cfg.steps, cfg.strategy) == (4, 4, "low_confidence_static")
+  assert (cfg.block_size, cfg.steps, cfg.strategy) == (0, 4, "low_confidence_static")
+  assert cfg.for_model(get_config("sdar_1p7b")).block_size == 4  # 0: the model's (SDAR: 4)
   assert (cfg.temperature, cfg.top_k, cfg.top_p) == (0.0, 0, 1.0)  # greedy
   assert cfg.confidence == "unfiltered"  # as SDAR's evaluation decoder ranks positions
   assert (cfg.max_new_tokens, cfg.block_alignment, cfg.stop_ids) == (4096, "absolute", (7, 8))

@@ -111,7 +111,7 @@ def test_sft_with_a_tokenizer_that_does_not_fit_the_model(tmp_path, cuke_file, b
     "sft",
     f"--workdir={workdir}",
     f"--set=data_path={cuke_file}",
-    f"--set=tokenizer={byte_tokenizer_dir}",  # a directory: no byte-model overrides
+    f"--set=run.tokenizer={byte_tokenizer_dir}",  # a directory: no byte-model overrides
     *SFT_SETS,
   )
   line = error_line(proc, "sft")
@@ -122,10 +122,10 @@ def test_sft_with_a_tokenizer_that_does_not_fit_the_model(tmp_path, cuke_file, b
     "sft",
     f"--workdir={workdir}",
     f"--set=data_path={cuke_file}",
-    f"--set=tokenizer={tmp_path}/nope",
+    f"--set=run.tokenizer={tmp_path}/nope",
     *SFT_SETS,
   )
-  assert f"SFTConfig.tokenizer {tmp_path}/nope: no such directory" in error_line(proc, "sft")
+  assert f"run.tokenizer {tmp_path}/nope: no such directory" in error_line(proc, "sft")
 
 
 @pytest.fixture

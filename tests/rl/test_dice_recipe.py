@@ -221,8 +221,7 @@ def test_dice_recipe_run_resets_adam_each_rl_step_evaluates_and_snapshots(tmp_pa
   cfg = dataclasses.replace(
     cfg,
     rows_per_update=8,
-    checkpoint_every=5,
-    checkpoint_keep=1,
+    run=dataclasses.replace(cfg.run, checkpoint_every=5, checkpoint_keep=1),
     snapshot_every=2,
     eval_every=2,
     eval_tasks=PAIRS,

@@ -12,8 +12,10 @@ import pytest
 
 from dice_jax.data.rl_stream import RLStreamConfig
 from dice_jax.rl.config import DICE_SAMPLER, RLConfig, VerifierConfig
+from dice_jax.model.config import get_config
 from dice_jax.train.config import apply_overrides
 from dice_jax.train.optimizer import OptimizerConfig
+from dice_jax.train.run_config import RunConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAIRS = os.path.join(REPO, "experiments", "demo_data", "pairs.jsonl")
@@ -22,8 +24,15 @@ PAIRS = os.path.join(REPO, "experiments", "demo_data", "pairs.jsonl")
 def small_config(**kw) -> RLConfig:
   """A seconds-per-step CPU config on the demo pairs with a Python judge."""
   base = dict(
-    model="tiny",
-    model_overrides={"dtype": "float32"},
+    run=RunConfig(
+      model="tiny",
+      model_overrides={"dtype": "float32"},
+      seed=1,
+      mesh_data=1,
+      mesh_fsdp=8,  # the conftest's 8 fake devices: parameters and rows sharded
+      async_checkpoint=False,
+      checkpoint_every=1,
+    ),
     e2e_tasks=PAIRS,
     stream=RLStreamConfig(group_size=4, tasks_per_step=2, num_steps=2, prompt_style="chat"),
     max_prompt_len=256,
@@ -35,10 +44,6 @@ def small_config(**kw) -> RLConfig:
     optim=OptimizerConfig(learning_rate=1e-3, schedule="constant", warmup_ratio=0.0),
     rows_per_update=8,
     length_multiple=32,
-    seed=1,
-    mesh_data=1,
-    mesh_fsdp=8,  # the conftest's 8 fake devices: parameters and rows sharded
-    async_checkpoint=False,
   )
   base.update(kw)
   return RLConfig(**base)
@@ -80,9 +85,10 @@ def test_config_json_round_trip_and_dice_presets():
   infill, e2e = rl_dice_infill.get_config(), rl_dice_e2e.get_config()
   for c in (infill, e2e):
     s = c.sampler
+    assert get_config(c.run.model).block_size == 4  # the sampler's block: 0, the model's
     assert (s.temperature, s.block_size, s.steps, s.strategy, s.threshold, s.max_new_tokens) == (
       1.0,
-      4,
+      0,
       4,
       "low_confidence_dynamic",
       0.9,
@@ -91,7 +97,7 @@ def test_config_json_round_trip_and_dice_presets():
     assert (c.stream.tasks_per_step, c.stream.group_size, c.rows_per_update) == (64, 16, 256)
     assert (c.optim.learning_rate, c.optim.schedule, c.optim.weight_decay) == (1e-6, "constant", 0)
     assert (c.tracerl.clip_eps, c.tracerl.kl_beta, c.tracerl.shrink) == (0.2, 0.01, 1)
-    assert (c.reward, c.advantage, c.seed, c.schedule) == (
+    assert (c.reward, c.advantage, c.run.seed, c.schedule) == (
       "binary",
       "group_zscore",
       10086,
@@ -135,7 +141,7 @@ def test_run_writes_metrics_samples_and_checkpoints(tmp_path):
 
   from dice_jax import sharding
   from dice_jax.model import Transformer
-  from dice_jax.rl.loop import restore_run_params
+  from dice_jax.train.run_setup import restore_run_params
 
   model, mcfg, tok_dir = restore_run_params(str(tmp_path), sharding.make_mesh())
   assert tok_dir == str(tmp_path / "tokenizer") and mcfg.vocab_size == 264

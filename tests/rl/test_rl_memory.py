@@ -47,8 +47,9 @@ def test_every_remat_policy_gives_the_same_loss_and_gradients(layout):
   )
   out = {}
   for policy in (False, "full", "dots"):  # "none" is remat=False's code path
-    graphdef = nnx.split(Transformer(get_config("tiny", dtype="float32", remat=policy),
-                                     rngs=nnx.Rngs(0)), nnx.Param)[0]
+    graphdef = nnx.split(
+      Transformer(get_config("tiny", dtype="float32", remat=policy), rngs=nnx.Rngs(0)), nnx.Param
+    )[0]
 
     @jax.jit
     def f(p, b):
@@ -72,9 +73,7 @@ def _xla_bytes(mcfg, rows, row_len, accum, chunk):
   """argument + output - aliased + temp bytes of the compiled, donated TraceRL train step."""
   model = nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)))
   graphdef, abs_params = nnx.split(model, nnx.Param)
-  params = jax.tree.map(
-    lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), abs_params.to_pure_dict()
-  )
+  params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), abs_params.to_pure_dict())
   tx = optim_lib.make_optimizer(
     optim_lib.OptimizerConfig(learning_rate=1e-6, schedule="constant", warmup_ratio=0.0), 10
   )
@@ -85,23 +84,27 @@ def _xla_bytes(mcfg, rows, row_len, accum, chunk):
   )
   cfg = tracerl.TraceRLConfig(layout="packed", logit_chunk=chunk)
   loss_fn = lambda m, b, r: tracerl.tracerl_loss(m, b, r, cfg)  # noqa: E731
-  step = ts.make_train_step(
-    graphdef, tx, loss_fn, accum_steps=accum, means=tracerl.METRIC_MEANS
-  )
+  step = ts.make_train_step(graphdef, tx, loss_fn, accum_steps=accum, means=tracerl.METRIC_MEANS)
   lead = (rows,) if accum == 1 else (accum, rows)
   tok = lambda dt: jax.ShapeDtypeStruct(lead + (row_len,), dt)  # noqa: E731
-  batch = {k: tok(jnp.int32) for k in ("tokens", "positions", "segment_ids", "block_ids",
-                                       "round_ids", "targets")}
-  batch.update(p_mask=tok(jnp.bool_), advantages=tok(jnp.float32),
-               sampler_logp=tok(jnp.float32), old_logp=tok(jnp.float32))
+  batch = {
+    k: tok(jnp.int32)
+    for k in ("tokens", "positions", "segment_ids", "block_ids", "round_ids", "targets")
+  }
+  batch.update(
+    p_mask=tok(jnp.bool_),
+    advantages=tok(jnp.float32),
+    sampler_logp=tok(jnp.float32),
+    old_logp=tok(jnp.float32),
+  )
   row = lambda dt: jax.ShapeDtypeStruct(lead + (1,), dt)  # noqa: E731
-  batch.update(norm_rounds=row(jnp.float32), norm_length=row(jnp.float32),
-               traj_index=row(jnp.int32))
+  batch.update(
+    norm_rounds=row(jnp.float32), norm_length=row(jnp.float32), traj_index=row(jnp.int32)
+  )
   compiled = jax.jit(step, donate_argnums=0).lower(state, batch, jax.random.key(0)).compile()
   m = compiled.memory_analysis()
   return (
-    m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-    + m.temp_size_in_bytes
+    m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
   )
 
 
@@ -116,11 +119,21 @@ XLA_SHAPES = [
 
 
 @pytest.mark.parametrize("remat,rows,row_len,accum,chunk,dtype", XLA_SHAPES)
-def test_the_estimate_is_within_15_percent_of_xla_memory_analysis(remat, rows, row_len, accum,
-                                                                    chunk, dtype):
+def test_the_estimate_is_within_15_percent_of_xla_memory_analysis(
+  remat, rows, row_len, accum, chunk, dtype
+):
   mcfg = get_config(
-    "tiny", hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2,
-    head_dim=32, vocab_size=512, mask_token_id=511, dtype=dtype, remat=remat,
+    "tiny",
+    hidden_size=128,
+    intermediate_size=384,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    vocab_size=512,
+    mask_token_id=511,
+    dtype=dtype,
+    remat=remat,
   )
   est = memory.update_estimate(
     mcfg, micro_rows=rows, row_len=row_len, accum_steps=accum, logit_chunk=chunk
@@ -147,8 +160,13 @@ def test_row_lengths_and_plans_at_dices_shape():
   assert 0.9 < est(1, "none", 2048) / (90.8 * GIB) < 1.15
   assert 0.9 < est(1, "full", 4096) / (43.7 * GIB) < 1.15
   plan, _ = memory.choose_plan(
-    mcfg, h200, layouts=["packed"], micro_rows=memory.micro_row_options(256),
-    remats=memory.REMAT_ORDER, new_tokens=4096, **kw
+    mcfg,
+    h200,
+    layouts=["packed"],
+    micro_rows=memory.micro_row_options(256),
+    remats=memory.REMAT_ORDER,
+    new_tokens=4096,
+    **kw,
   )
   assert plan.remat != "none" and plan.estimate["total"] <= h200
 
@@ -158,7 +176,9 @@ def test_auto_settings_keep_todays_defaults_where_the_limit_is_unknown():
   assert cfg.accum_steps == 0 and cfg.update_remat == "auto"
   resolved, plan = memory.resolve_update(cfg, get_config("tiny"), None)
   assert (resolved.tracerl.layout, resolved.accum_steps, resolved.update_remat) == (
-    "packed", 1, "none",
+    "packed",
+    1,
+    "none",
   )
   # with a limit, the fastest setting that fits: less remat before more rows per micro-batch
   big, _ = memory.resolve_update(cfg, get_config("tiny"), 10 * GIB)
@@ -179,7 +199,9 @@ def test_a_setting_that_does_not_fit_is_refused_before_the_rollout(tmp_path, mon
   assert not sampled
   auto = small_config(memory_limit_gb=0.001)  # the same check, every setting tried
   with pytest.raises(ValueError, match="no setting of the update fits") as e:
-    loop.plan_update(auto, get_config("tiny"), jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",)))
+    loop.plan_update(
+      auto, get_config("tiny"), jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
+    )
   assert "remat=full" in str(e.value)  # the smallest setting tried
 
 
@@ -224,8 +246,9 @@ def test_an_explicit_long_micro_batch_is_estimated_not_skipped():
     mcfg, 10**15, layouts=["packed"], micro_rows=[8], remats=["full"], **shape
   )
   assert plan.micro_rows == 8 and plan.row_len * 8 > memory.MAX_MICRO_TOKENS
-  plan, tried = memory.choose_plan(mcfg, 1, layouts=["packed"], micro_rows=[8], remats=["full"],
-                                   **shape)
+  plan, tried = memory.choose_plan(
+    mcfg, 1, layouts=["packed"], micro_rows=[8], remats=["full"], **shape
+  )
   assert plan is None and len(tried) == 1
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dice_jax.data import byte_tokenizer, prompts
+from dice_jax.data import byte_tokenizer, code_extraction, prompts
 from dice_jax.data.rl_stream import RLStreamConfig, make_rl_stream, next_step
 from dice_jax.data.tasks import KernelTask
 from dice_jax.data.tokenizer import Tokenizer
@@ -65,20 +65,20 @@ def _sampler(tok, new=16):
 
 
 def test_dice_extraction_matches_extract_first_code():
-  ex = rollout.extract_first_code_dice
+  ex = code_extraction.first_block_dice
   assert ex("Here:\n```python\nimport torch\nx = 1\n```\nand ```other```") == "import torch\nx = 1"
   assert ex("```cpp\nint f();\n```") == "int f();"
   assert ex("```\nplain\n```") == "plain"
   assert ex("```pythonic = 1```") == "ic = 1"  # DICE strips the tag without looking for a newline
   assert ex("```cuda\n__global__ void k();\n```") == "cuda\n__global__ void k();"  # stays, fails
   assert ex("no fence") is None and ex("```python\nunterminated") is None
-  # the prompts module's lenient rule strips more tags (reported, not DICE's behaviour)
-  assert (
-    prompts.extract_code("```py\nx = 1\n```") == "x = 1" and ex("```py\nx = 1\n```") == "py\nx = 1"
-  )
-  assert rollout.extract_candidate("whole text", "whole_response") == "whole text"
+  # the evaluation's lenient rule strips more tags (reported, not DICE's behaviour)
+  first = code_extraction.first_block
+  assert first("```py\nx = 1\n```") == "x = 1" and ex("```py\nx = 1\n```") == "py\nx = 1"
+  assert code_extraction.extract("whole text", "whole_response") == "whole text"
+  assert code_extraction.extract("```py\nx = 1\n```", "dice") == "py\nx = 1"
   with pytest.raises(ValueError, match="code extraction must be one of"):
-    rollout.extract_candidate("x", "last_block")
+    code_extraction.extract("x", "last_block")
 
 
 def test_groups_from_stream_and_prompt_tail(tok):

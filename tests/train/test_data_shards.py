@@ -10,6 +10,8 @@ import pytest
 from dice_jax.errors import UserError
 from dice_jax.train import sft_data
 from dice_jax.train.config import SFTConfig
+from dice_jax.train.run_config import RunConfig
+from dice_jax.train.run_setup import load_tokenizer
 
 from ._helpers import write_cuke_file
 
@@ -20,9 +22,14 @@ BATCH = 4
 def data(tmp_path_factory):
   path = write_cuke_file(tmp_path_factory.mktemp("data") / "cuke.jsonl", n=30)
   cfg = SFTConfig(
-    data_source="cuke", data_path=path, seq_len=256, batch_size=BATCH, data_shards=2, seed=3
+    data_source="cuke",
+    data_path=path,
+    seq_len=256,
+    batch_size=BATCH,
+    data_shards=2,
+    run=RunConfig(seed=3),
   )
-  return cfg, sft_data.load_samples(cfg), sft_data.load_tokenizer(cfg)
+  return cfg, sft_data.load_samples(cfg), load_tokenizer(cfg.run.tokenizer)
 
 
 def _processes(data, n, cfg=None):

@@ -5,11 +5,12 @@ import pathlib
 
 import numpy as np
 
-from dice_jax.hf.checkpoint import export_hf
 from dice_jax.hf.safetensors_io import SafetensorsFile
-from dice_jax.train.checkpoint import restore_model
 from dice_jax.train.config import SFTConfig
+from dice_jax.train.run_config import RunConfig
+from dice_jax.train.checkpoint import restore_model
 from dice_jax.train.loop import run_sft
+from dice_jax.hf.checkpoint import export_hf
 
 PAIRS = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "demo_data" / "pairs.jsonl"
 
@@ -21,8 +22,7 @@ def _tensors(path):
 
 def test_checkpoint_restores_to_the_parameters_the_run_exported(tmp_path):
   cfg = SFTConfig(
-    model="tiny",
-    model_overrides={"dtype": "float32"},
+    run=RunConfig(model="tiny", model_overrides={"dtype": "float32"}, checkpoint_every=1),
     data_source="pairs",
     data_path=str(PAIRS),
     max_prompt_chars=96,
@@ -30,7 +30,6 @@ def test_checkpoint_restores_to_the_parameters_the_run_exported(tmp_path):
     seq_len=256,
     batch_size=8,
     num_steps=2,
-    checkpoint_every=1,
     log_every=1,
   )
   workdir = str(tmp_path / "run")

@@ -32,7 +32,7 @@ def _cmd(workdir, data):
     "--set=seq_len=256",
     "--set=batch_size=4",
     f"--set=num_steps={NUM_STEPS}",
-    "--set=checkpoint_every=4",
+    "--set=run.checkpoint_every=4",
     "--set=log_every=10",
   ]
 

@@ -85,7 +85,7 @@ def _sft(workdir, data, export):
     "--set=batch_size=4",
     "--set=data_shards=2",
     f"--set=num_steps={STEPS}",
-    "--set=checkpoint_every=2",
+    "--set=run.checkpoint_every=2",
     "--set=log_every=1",
     f"--export_hf={export}",
   ]

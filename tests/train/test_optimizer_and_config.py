@@ -39,13 +39,38 @@ def test_overrides_set_nested_fields_with_types():
     [
       "optim.learning_rate=3e-4",
       "seq_len=512",
-      "model_overrides.remat=True",
-      "async_checkpoint=False",
+      "run.model_overrides.remat=True",
+      "run.async_checkpoint=False",
     ],
   )
   assert cfg.optim.learning_rate == 3e-4 and cfg.seq_len == 512
-  assert cfg.model_overrides == {"remat": True} and cfg.async_checkpoint is False
+  assert cfg.run.model_overrides == {"remat": True} and cfg.run.async_checkpoint is False
   assert SFTConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_a_field_of_the_run_section_named_at_the_top_says_where_it_moved():
+  from dice_jax.rl.config import RLConfig
+
+  for cfg in (SFTConfig(), RLConfig()):
+    with pytest.raises(
+      ValueError, match=r"'seed' moved into the run section: use --set=run\.seed="
+    ):
+      apply_overrides(cfg, ["seed=3"])
+    with pytest.raises(ValueError, match=r"use --set=run\.model_overrides\.remat="):
+      apply_overrides(cfg, ["model_overrides.remat=True"])
+    assert apply_overrides(cfg, ["run.seed=3"]).run.seed == 3
+
+
+def test_a_config_saved_before_the_run_section_loads_into_it():
+  from dice_jax.rl.config import RLConfig
+
+  for cls, cfg in ((SFTConfig, SFTConfig()), (RLConfig, RLConfig())):
+    flat = cfg.to_json()
+    run = flat.pop("run")
+    flat.update(run, seed=7, model="small", checkpoint_every=5)
+    old = cls.from_json(flat)
+    assert (old.run.seed, old.run.model, old.run.checkpoint_every) == (7, "small", 5)
+    assert old.run.mesh_fsdp == cfg.run.mesh_fsdp and old.to_json().keys() == cfg.to_json().keys()
 
 
 @pytest.mark.parametrize(
@@ -53,7 +78,7 @@ def test_overrides_set_nested_fields_with_types():
   [
     ("optim.lr=1", "unknown field 'lr'"),
     ("seq_len=long", "expected int"),
-    ("async_checkpoint=1", "True/False"),
+    ("run.async_checkpoint=1", "True/False"),
     ("optim=3", "section"),
     ("seq_len", "key=value"),
   ],
@@ -68,3 +93,15 @@ def test_invalid_config_is_rejected():
     SFTConfig(batch_size=6, accum_steps=4)
   with pytest.raises(ValueError, match="data_source"):
     SFTConfig(data_source="web")
+
+
+def test_the_run_section_holds_where_the_weights_start():
+  from dice_jax.rl.config import RLConfig
+
+  rl = apply_overrides(RLConfig(), ["run.init_checkpoint=/runs/sft"])
+  assert rl.run.init_checkpoint == "/runs/sft" and rl.run.init_hf == ""
+  with pytest.raises(ValueError, match="at most one of run.init_hf and run.init_checkpoint"):
+    apply_overrides(rl, ["run.init_hf=/hf"])
+  with pytest.raises(ValueError, match="run.init_checkpoint is RL's"):
+    apply_overrides(SFTConfig(), ["run.init_checkpoint=/runs/sft"])
+  assert apply_overrides(SFTConfig(), ["run.init_hf=/hf"]).run.init_hf == "/hf"

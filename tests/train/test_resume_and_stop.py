@@ -34,9 +34,9 @@ def test_changed_fields_are_listed_old_to_new_with_dotted_names():
 
 def test_bookkeeping_changes_pass_and_allow_change_returns_every_change():
   saved = _json()
-  assert check_resume(saved, _json("log_every=10", "mesh_fsdp=2"), workdir="w", step=1) == [
+  assert check_resume(saved, _json("log_every=10", "run.mesh_fsdp=2"), workdir="w", step=1) == [
     ("log_every", 1, 10),
-    ("mesh_fsdp", -1, 2),
+    ("run.mesh_fsdp", -1, 2),
   ]
   changes = check_resume(saved, _json("num_steps=200"), workdir="w", step=1, allow_change=True)
   assert changes == [("num_steps", 100, 200)]
