@@ -1,7 +1,7 @@
 """DICE's SFT recipe for SDAR-1.7B on CuKe (reference §1.6): AdamW lr 1e-5, constant with 3%
 warm-up, bf16 compute with fp32 master weights, cutoff 6144, block 4, 2 rows per device.
 
-Attention is the mask-aware `flash` kernel (BUILD_NOTES "Training"); with rows of 4096 tokens
+Attention is the mask-aware `flash` kernel (docs/learner-spec.md, "Training"; docs/performance.md, "Training (SFT)"); with rows of 4096 tokens
 `--set=run.model_overrides.remat=False` is faster on an H200.
 `num_steps` must be set for the dataset (3 epochs of packed rows / batch_size), e.g.
 `--set=num_steps=...`; `--init_hf=` the SDAR-1.7B-Chat checkpoint.

@@ -15,7 +15,7 @@ rewrite moves everything that touches torch out of the ``.cu`` into ``main.cpp``
 
 Anything outside a conservative subset (templates, namespaces, conditional compilation, ``__constant__`` or
 ``__device__`` variables, AT_DISPATCH, ``extern "C"``) returns None and the caller builds normally. A failed
-split build also falls back. Validated on an H200 (BUILD_NOTES, Verifier): 94 of DICE's 99 known-good
+split build also falls back. Validated on an H200 (docs/performance.md, "Verifier rates and build pipeline"): 94 of DICE's 99 known-good
 solutions split; every one that passes the static check passes at run time except two candidate bugs (an
 uninitialised shared accumulator, wrong under both builds; an in-place sort of the input); the 24 also run
 with the one-file build get identical verdicts; the adversarial GPU tests pass with it. A single build takes 15.8 s cold and 7.1 s on the
@@ -50,7 +50,7 @@ _TORCH_INCLUDE = re.compile(r"#\s*include\s*[<\"](?:torch|ATen|c10|pybind11)/")
 # torch:: factories (torch/types.h), pybind11 with torch's tensor casters (utils/pybind.h) and
 # ``torch::wrap_pybind_function`` (Exceptions.h), which load_inline's bindings call. torch/extension.h adds the
 # whole C++ frontend (nn, optim, data, jit, serialize), whose header-level instantiations every translation
-# unit pays for again even on a PCH: about 30 % of the compile (BUILD_NOTES, "lean header").
+# unit pays for again even on a PCH: about 30 % of the compile (docs/performance.md, "Verifier rates and build pipeline": lean headers).
 LEAN_TORCH_INCLUDES = "\n".join(
   f"#include <{h}>"
   for h in ("torch/types.h", "torch/csrc/utils/pybind.h", "torch/csrc/Exceptions.h")

@@ -21,7 +21,7 @@ LOG_FILE = "worker.log"
 
 
 class StartupClock:
-  """Where a worker's start-up goes (reported in ``WorkerReady``; BUILD_NOTES, Verifier)."""
+  """Where a worker's start-up goes (reported in ``WorkerReady``; docs/log.md, "Verifier: session 3")."""
 
   def __init__(self, t0: float | None = None):
     self.last = time.monotonic() if t0 is None else t0

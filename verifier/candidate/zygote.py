@@ -2,7 +2,7 @@
 and forks every worker of the pool from itself.
 
 A worker serves one candidate (or one build) and exits, so the service needs a new process per candidate;
-spawning one cost the torch import each time (13.5 s per worker on the H200 host under load, BUILD_NOTES).
+spawning one cost the torch import each time (13.5 s per worker on the H200 host under load, docs/log.md).
 This process applies what all its workers share (rlimits, the user and network namespace) and imports
 torch, never initialising CUDA; each fork then gets its own PID namespace, session, environment, scratch,
 mounts and Landlock domain (``worker_main.run_forked``) and creates its own CUDA context. It never runs

@@ -1,7 +1,7 @@
 """Runtime anti-cheating: profile one candidate forward and see where the work went.
 
 The forward runs in the candidate's process, so the evidence is collected there (``collect_evidence``) and
-judged in the checker (``judge``). Native code could forge that evidence; BUILD_NOTES says so.
+judged in the checker (``judge``). Native code could forge that evidence; docs/verifier-security.md, "Evidence the candidate cannot forge", says so.
 
 The candidate must call its own extension; on GPU, at least one of its own ``__global__`` kernels must
 run, and GPU time in other kernels (aten, cuBLAS, cuDNN) beyond allocation/copy/fill kernels must stay

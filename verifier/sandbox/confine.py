@@ -1,6 +1,6 @@
 """Confinement applied inside a worker before any candidate code runs (Linux; ctypes, no dependencies).
 
-Layers, each degrading to a recorded note where the kernel refuses it (BUILD_NOTES, Verifier, says what is
+Layers, each degrading to a recorded note where the kernel refuses it (docs/verifier-security.md, "What is enforced (isolation)", says what is
 enforced where):
 
 1. rlimits (no core dumps, file size cap, optionally address space);

@@ -6,7 +6,7 @@ starts fork servers and checkers, hands channel sockets around, watches workers 
 host memory of the whole PID namespace, shared memory and memfds included, and its number of processes)
 and kills a worker by killing PID 1 of its namespace, which takes every descendant with it. Logs are read
 head and tail, never whole. Environments are rebuilt from an allow-list. What is enforced is listed in
-BUILD_NOTES.md (Verifier).
+docs/verifier-security.md ("What is enforced (isolation)", "Limits that follow the request").
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ class Limits:
 
 
 WATCH_POLL_S = 0.25
-# How the limits are enforced, on every result (BUILD_NOTES, Verifier: not a cgroup).
+# How the limits are enforced, on every result (docs/verifier-security.md, "Limits that follow the request": not a cgroup).
 ACCOUNTING_NOTE = (
   f"memory (shared memory and memfds included) and process count polled every {WATCH_POLL_S} s "
   "from outside, no cgroup"

@@ -59,7 +59,7 @@ def default_compile_workers() -> int:
   """Concurrent candidate builds: all CPUs but two (at least one). A split build on the precompiled
   header keeps about one core busy (main.cpp on the PCH, the kernels' .cu beside it), so half the
   CPUs left cores idle: on an H200 host (16 cores) 8 workers were build-bound at 50 DICE candidates
-  a minute (BUILD_NOTES, Verifier, session 6)."""
+  a minute (docs/log.md, "Verifier: H200, session 6")."""
   return max(1, (os.cpu_count() or 2) - 2)
 
 

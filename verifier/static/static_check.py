@@ -27,7 +27,7 @@ from verifier.static import aten_ops
 @dataclasses.dataclass(frozen=True)
 class SourceLimits:
   """What the static check reads at most. KernelBench and DICE sources (4,568 files) reach 23,170
-  characters, 3,703 AST nodes and depth 17 (BUILD_NOTES, Verifier, issue 24)."""
+  characters, 3,703 AST nodes and depth 17 (docs/verifier-security.md, "Liveness and blame")."""
 
   max_chars: int = 262_144
   max_nodes: int = 50_000
