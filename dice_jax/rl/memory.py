@@ -40,10 +40,11 @@ from typing import Optional, Sequence
 
 import jax.numpy as jnp
 
+from dice_jax.diffusion.blocks import resolve_block_size
+from dice_jax.diffusion.memory import GIB
 from dice_jax.model.config import REMAT_POLICIES, remat_policy_name
 from dice_jax.rl.tracerl import LAYOUTS, bucket_length
 
-GIB = 1024**3
 OPT_TEMPS = 1  # fp32 parameter-sized temporaries of clip + AdamW (the scaled gradient)
 LOGIT_TEMPS = 3  # f32 [rows, chunk, V] buffers of one LM-head chunk (logits, exp/probs, cotangent)
 BATCH_BYTES_PER_TOKEN = 40  # int32/f32/bool token fields of a TraceRL batch, with old_logp
@@ -273,7 +274,8 @@ def resolve_update(
     remats = remats if len(remats) == 1 else [model_cfg.remat_policy]
   shape = dict(
     rows_per_update=cfg.rows_per_update,
-    prompt_len=cfg.max_prompt_len + (cfg.sampler.block_size or model_cfg.block_size),  # + grid tail
+    prompt_len=cfg.max_prompt_len  # + the absolute grid's prompt tail
+    + resolve_block_size(cfg.sampler.block_size, model_cfg, "RLConfig.sampler"),
     new_tokens=cfg.sampler.max_new_tokens,
     steps=cfg.sampler.steps,
     shrink=t.shrink,
