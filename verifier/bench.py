@@ -333,7 +333,8 @@ class Bench:
       "parts_s": {k: mean.get(k, 0.0) for k in SEPARATION_PHASES},
       "stage_alloc_s": mean.get("exchange_stage_alloc", 0.0),
       "round_trip_parts_s": {
-        k: mean.get(f"exchange_rt_{k}", 0.0) for k in CANDIDATE_EXCHANGE_PARTS
+        k: mean.get(f"exchange_rt_{k}", 0.0)
+        for k in (*CANDIDATE_EXCHANGE_PARTS, "wake_in", "wake_out")
       },
       "candidate_forward_s": mean.get("candidate_forward", 0.0),
       "compare_s": mean.get("compare", 0.0),

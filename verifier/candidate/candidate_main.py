@@ -87,6 +87,7 @@ class CandidateRuntime:
     self.scratch = scratch
     self.buffers: dict[int, exchange.SharedBuffer] = {}
     self.model = None
+    self.received_at = 0.0  # perf_counter when the last request was read (a diagnostic)
     self.cache: build_cache.CachedLoadInline | None = None
     # Bound before any candidate code runs: replacing the module attribute later changes nothing here.
     self.collect_evidence = evidence.collect_evidence
@@ -103,6 +104,7 @@ class CandidateRuntime:
         msg, fds = self.chan.recv(*handlers, Shutdown, max_fds=exchange_limit())
       except ChannelClosed:
         return
+      self.received_at = time.perf_counter()
       if isinstance(msg, Shutdown):
         return
       try:
@@ -238,7 +240,9 @@ class CandidateRuntime:
         classify_exception(e, FailureKind.RUNTIME_ERROR), f"forward raised: {short(e)}"
       ) from None
     parts = {"map": t_stage - t_map, "stage_in": t0 - t_stage, "publish": t2 - t1}
-    return ForwardDone(req.call, specs, evidence, t1 - t0, parts)
+    return ForwardDone(
+      req.call, specs, evidence, t1 - t0, parts, self.received_at, time.perf_counter()
+    )
 
   def _call(self, args):
     with torch.no_grad():

@@ -29,7 +29,7 @@ import torch
 from verifier.api.contract import FailureKind
 from verifier.check import correctness, runtime_check, timing
 from verifier.check.reference import ReferenceTask, TrialStream
-from verifier.ipc import exchange, tensors
+from verifier.ipc import channel, exchange, tensors
 from verifier.ipc.channel import Channel, ChannelClosed, ChannelTimeout, ProtocolError
 from verifier.ipc.records import (
   CANDIDATE_EXCHANGE_PARTS,
@@ -135,9 +135,7 @@ class Check:
 
   def _send(self, rec, ids=(), prefetch=()) -> None:
     refs, fds = self.buffers.new_refs(ids)
-    if isinstance(rec, ForwardRequest):
-      rec = dataclasses.replace(rec, new_buffers=tuple(refs))
-    elif isinstance(rec, CandidateJob):
+    if isinstance(rec, CandidateJob):
       more, more_fds = self.buffers.new_refs(prefetch)
       rec = dataclasses.replace(rec, buffers=tuple(refs), prefetch=tuple(more))
       fds = fds + more_fds
@@ -297,12 +295,34 @@ class Check:
     process's clock (the only duration of a candidate call that counts)."""
     call = self.calls
     self.calls += 0 if calibrate else 1
-    req = ForwardRequest(call, seed, staged.args, staged.outs, profile=profile, calibrate=calibrate)
+    refs, fds = self.buffers.new_refs(staged.used)
+    req = ForwardRequest(
+      call,
+      seed,
+      staged.args,
+      staged.outs,
+      new_buffers=tuple(refs),
+      profile=profile,
+      calibrate=calibrate,
+    )
+    data = channel.frame(req, len(fds))  # encoded before the clock starts
     t1 = time.monotonic()
-    p0 = time.perf_counter()
-    self._send(req, staged.used)
-    done = self._recv(ForwardDone)
-    self.round_trip_s = time.perf_counter() - p0
+    try:
+      p0 = time.perf_counter()
+      try:
+        self.cand.send_frame(data, fds)
+      except ChannelClosed:
+        raise CandidateGone() from None
+      done = self._recv(ForwardDone)
+      p1 = time.perf_counter()
+    finally:
+      for fd in fds:
+        os.close(fd)
+    self.round_trip_s = p1 - p0
+    # Diagnostics: the wake-ups on either side (the candidate's stamps, on the host's one monotonic
+    # clock, clamped to the round trip; never part of a verdict or a time).
+    self._acc("exchange_rt_wake_in", _reported(done.received_at - p0, self.round_trip_s))
+    self._acc("exchange_rt_wake_out", _reported(p1 - done.replying_at, self.round_trip_s))
     if done.call != call:
       raise Verdict(FailureKind.CRASH, f"the candidate answered call {done.call}, expected {call}")
     # What the separation costs: staging buffers (``_stage``), and everything around the candidate's

@@ -48,6 +48,12 @@ def encode(rec) -> bytes:
   return json.dumps(records.to_wire(rec), separators=(",", ":")).encode()
 
 
+def frame(rec, n_fds: int = 0) -> bytes:
+  """One record's whole frame (header and body), to be sent with ``n_fds`` descriptors."""
+  body = encode(rec)
+  return HEADER.pack(len(body), n_fds) + body
+
+
 def decode(body: bytes, expected: tuple[type, ...]):
   try:
     msg = json.loads(body)
@@ -75,16 +81,19 @@ class Channel:
     return self.sock.fileno()
 
   def send(self, rec, fds=()) -> None:
-    body = encode(rec)
+    self.send_frame(frame(rec, len(fds)), fds)
+
+  def send_frame(self, data: bytes, fds=()) -> None:
+    """Send a frame made by ``frame`` (encoded ahead, e.g. outside a timed window) with its descriptors."""
     fds = list(fds)
-    header = HEADER.pack(len(body), len(fds))
+    header, body = data[: HEADER.size], data[HEADER.size :]
     try:
       if fds:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
         sent = self.sock.sendmsg([header], anc)
         self.sock.sendall(header[sent:] + body)
       else:
-        self.sock.sendall(header + body)
+        self.sock.sendall(data)
     except (BrokenPipeError, ConnectionResetError) as e:
       raise ChannelClosed(f"peer closed the channel ({e})") from None
 

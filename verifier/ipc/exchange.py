@@ -81,7 +81,7 @@ class SharedBuffer:
   def view(self, t: TensorRef) -> torch.Tensor:
     """The tensor ``t`` describes, over this buffer (bounds-checked)."""
     dtype = dtype_of(t.dtype)
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     if len(t.shape) != len(t.stride) or any(s < 0 for s in t.shape) or any(s < 0 for s in t.stride):
       raise ExchangeError(f"bad tensor layout shape={t.shape} stride={t.stride}")
     numel = 1

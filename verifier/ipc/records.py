@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import types
 import typing
 from typing import Any
@@ -117,16 +118,24 @@ def _check(value: Any, hint: Any, where: str) -> Any:
   raise RecordError(f"{where}: unsupported field type {hint}")
 
 
+@functools.cache
+def _schema(cls: type) -> tuple[tuple[dataclasses.Field, ...], dict[str, Any], frozenset[str]]:
+  """A record class's fields, resolved type hints and field names, worked out once per class (resolving
+  the string annotations took most of a decode: 0.6 ms for a ``ForwardRequest``, inside every timed
+  call's round trip)."""
+  fields = dataclasses.fields(cls)
+  return fields, typing.get_type_hints(cls), frozenset(f.name for f in fields)
+
+
 def _decode_fields(cls: type, body: Any, where: str):
   if not isinstance(body, dict):
     raise RecordError(f"{where}: expected an object for {cls.__name__}")
-  hints = typing.get_type_hints(cls)
-  names = {f.name for f in dataclasses.fields(cls)}
+  fields, hints, names = _schema(cls)
   unknown = set(body) - names
   if unknown:
     raise RecordError(f"{where}: unknown field(s) {sorted(unknown)} for {cls.__name__}")
   kw = {}
-  for f in dataclasses.fields(cls):
+  for f in fields:
     if f.name in body:
       kw[f.name] = _check(body[f.name], hints[f.name], f"{where}.{f.name}")
     elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -305,6 +314,10 @@ class ForwardDone:
   wall_s: float = 0.0  # the forward alone (call + synchronize), on the candidate's clock
   # the exchange work around it there, by CANDIDATE_EXCHANGE_PARTS
   parts_s: dict[str, float] = dataclasses.field(default_factory=dict)
+  # perf_counter when the request was read and when this answer was made (diagnostics of the
+  # wake-ups on either side; the host has one monotonic clock)
+  received_at: float = 0.0
+  replying_at: float = 0.0
 
 
 # ---- service <-> checker -------------------------------------------------------------------------
