@@ -2,18 +2,22 @@
 for. It holds nothing of the verdict: no reference, no golden outputs, no comparison, no result file. Its
 only link to the world is the channel to the checker, where every message it sends is untrusted input.
 
-Per request (``records``): ``ProbeRequest`` (can device buffers be mapped here?), ``CandidateJob`` (load;
+Per request (``records``): ``ProbeRequest`` (can device buffers be mapped here?), ``CalibrationModel``
+(before any candidate code: build the task's reference, the workload of the checker's calibrated round
+trips; dropped when the candidate loads), ``CandidateJob`` (load;
 ``CandidateStarting`` goes out right before the candidate's code first runs),
 ``ForwardRequest`` (one forward on the given buffers; outputs copied into the checker's buffers; inputs are
 the buffers themselves where they live on this process's device, so the checker sees any mutation, else
-staged copies written back; ``calibrate`` runs the same exchange with no model, so the checker can
-measure what a round trip costs beside the forward), ``Shutdown``. This process times
+staged copies written back; ``calibrate`` runs the same exchange on the calibration model, or with
+no model, so the checker can measure what a round trip costs beside the forward), ``Shutdown``. This process times
 nothing that the verdict uses: the checker times every call on its own clock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import itertools
 import os
 import threading
@@ -28,6 +32,8 @@ from verifier.candidate import evidence
 from verifier.ipc import exchange, tensors
 from verifier.ipc.channel import Channel, ChannelClosed
 from verifier.ipc.records import (
+  CalibrationModel,
+  CalibrationReady,
   CandidateFailure,
   CandidateJob,
   CandidateStarting,
@@ -87,6 +93,7 @@ class CandidateRuntime:
     self.scratch = scratch
     self.buffers: dict[int, exchange.SharedBuffer] = {}
     self.model = None
+    self.calibration: torch.nn.Module | None = None  # the reference, until the candidate loads
     self.received_at = 0.0  # perf_counter when the last request was read (a diagnostic)
     self.cache: build_cache.CachedLoadInline | None = None
     # Bound before any candidate code runs: replacing the module attribute later changes nothing here.
@@ -96,6 +103,7 @@ class CandidateRuntime:
   def serve(self) -> None:
     handlers = {
       ProbeRequest: self.probe,
+      CalibrationModel: self.calibration_model,
       CandidateJob: self.load,
       ForwardRequest: self.forward,
     }
@@ -127,9 +135,32 @@ class CandidateRuntime:
     except Exception as e:  # noqa: BLE001 - the checker falls back to host buffers
       return ProbeReply(0.0, "", short(e, 600))
 
+  def calibration_model(self, req: CalibrationModel, fds) -> CalibrationReady:
+    """Before any candidate code: build the task's reference (trusted task data) as the workload of the
+    checker's calibrated round trips. Global settings it changes are put back afterwards, so the
+    candidate later runs under the process's own defaults."""
+    try:
+      self._map(req.buffers, fds)
+      init = [self._on_device(exchange.receive_value(v, self.buffers), True) for v in req.init_args]
+      with _settings_restored():
+        namespace = {"__name__": "reference", "__builtins__": __builtins__}
+        exec(compile(req.reference_source, "reference", "exec"), namespace)
+        set_seed(req.seed)
+        with torch.no_grad():
+          self.calibration = namespace["Model"](*init).to(self.device)
+      return CalibrationReady()
+    except Exception as e:  # noqa: BLE001 - the checker calibrates with no model instead
+      self.calibration = None
+      return CalibrationReady(short(e, 600))
+
   def load(self, job: CandidateJob, fds) -> Loaded:
     """Import the candidate and build ``ModelNew``, while a thread maps the first forward's buffers (a
     driver call per buffer whose cost grows with its size: hidden behind the load where it can be)."""
+    if self.calibration is not None:  # the reference goes before any candidate code runs
+      self.calibration = None
+      gc.collect()
+      if self.device.type == "cuda":
+        torch.cuda.empty_cache()
     _check_announced(job.buffers + job.prefetch, fds)
     n = len(job.buffers)
     self._map(job.buffers, fds[:n])
@@ -221,7 +252,10 @@ class CandidateRuntime:
       views, args = self._args(req.args)
       t0 = self._sync()
       set_seed(req.seed)
-      if req.calibrate:
+      if req.calibrate and self.calibration is not None:
+        with torch.no_grad():
+          out = self.calibration(*args)
+      elif req.calibrate:
         out = _null_outputs(req.outputs, self.device)
       elif req.profile:
         evidence, out = self.collect_evidence(
@@ -281,9 +315,33 @@ class CandidateRuntime:
       else:
         specs.append(OutputSpec(kind="other", type_name=type(leaf).__name__))
     inputs = {t.untyped_storage().data_ptr() for t in tensors.flatten(args) if torch.is_tensor(t)}
-    model = () if self.model is None else (self.model,)
-    tensors.poison(out, tensors.storages_of(*model) | inputs)
+    models = [m for m in (self.model, self.calibration) if m is not None]
+    tensors.poison(out, tensors.storages_of(*models) | inputs)
     return tuple(specs)
+
+
+@contextlib.contextmanager
+def _settings_restored():
+  """Process-wide torch settings a model's module might change, put back on exit."""
+  saved = (
+    torch.get_default_dtype(),
+    torch.get_float32_matmul_precision(),
+    torch.backends.cuda.matmul.allow_tf32,
+    torch.backends.cudnn.allow_tf32,
+    torch.backends.cudnn.benchmark,
+    torch.backends.cudnn.deterministic,
+  )
+  try:
+    yield
+  finally:
+    torch.set_default_dtype(saved[0])
+    torch.set_float32_matmul_precision(saved[1])
+    (
+      torch.backends.cuda.matmul.allow_tf32,
+      torch.backends.cudnn.allow_tf32,
+      torch.backends.cudnn.benchmark,
+      torch.backends.cudnn.deterministic,
+    ) = saved[2:]
 
 
 def _check_announced(refs, fds) -> None:

@@ -33,6 +33,8 @@ from verifier.ipc import channel, exchange, tensors
 from verifier.ipc.channel import Channel, ChannelClosed, ChannelTimeout, ProtocolError
 from verifier.ipc.records import (
   CANDIDATE_EXCHANGE_PARTS,
+  CalibrationModel,
+  CalibrationReady,
   SELF_REPORTED_KINDS,
   CandidateFailure,
   CandidateJob,
@@ -46,14 +48,14 @@ from verifier.ipc.records import (
   RunJob,
   Shutdown,
   TensorRef,
+  TimingCalibration,
 )
 
 GRACE_S = (
   5.0  # the checker waits a little past the request's limit; the service kills the candidate
 )
-CALIBRATION_CALLS = (
-  12  # exchange round trips with no model, before the load (the first two warm up)
-)
+# pairs of round trips (no model, then the reference) before the load; the later half counts
+CALIBRATION_CALLS = 12
 CHECKED_TIMED_FRACTION = 0.1  # of the timed calls, compared like the trials (at least one)
 RECALIBRATE_EVERY = 4  # during the timing, a round trip with no model after every 4th timed call
 
@@ -135,7 +137,9 @@ class Check:
 
   def _send(self, rec, ids=(), prefetch=()) -> None:
     refs, fds = self.buffers.new_refs(ids)
-    if isinstance(rec, CandidateJob):
+    if isinstance(rec, CalibrationModel):
+      rec = dataclasses.replace(rec, buffers=tuple(refs))
+    elif isinstance(rec, CandidateJob):
       more, more_fds = self.buffers.new_refs(prefetch)
       rec = dataclasses.replace(rec, buffers=tuple(refs), prefetch=tuple(more))
       fds = fds + more_fds
@@ -197,6 +201,7 @@ class Check:
     self.report["transport"] = self.buffers.transport
     used: list[int] = []
     init = tuple(exchange.send_value(a, self.buffers, used) for a in self.task.init_args)
+    self.init = (init, used)
     # The first trial is staged before the job goes out, so the candidate maps its buffers while it
     # loads (the reference also runs before any candidate code then).
     trials = self.opts.num_correct_trials
@@ -314,6 +319,7 @@ class Check:
       except ChannelClosed:
         raise CandidateGone() from None
       done = self._recv(ForwardDone)
+      self.copied = self._copy_outputs(staged.outs)
       p1 = time.perf_counter()
     finally:
       for fd in fds:
@@ -335,6 +341,20 @@ class Check:
     for part in CANDIDATE_EXCHANGE_PARTS:
       self._acc(f"exchange_rt_{part}", _reported(done.parts_s.get(part, 0.0), round_trip))
     return done
+
+  def _copy_outputs(self, outs) -> list:
+    """Every expected output copied out of its buffer into this process, before the clock stops, on
+    every call alike (checked, unchecked, calibration). The candidate's process saying it is done proves
+    nothing (native code can skip its synchronisation and finish its kernels after answering): this
+    copy either runs after the candidate's kernels, and the clock counts them, or before they finished,
+    and a compared call reads an unfinished output. Compared calls judge this copy."""
+    copied = [
+      None if ref is None else self._local(self.buffers.buffers[ref.buffer].view(ref))
+      for ref in outs
+    ]
+    if self.device.type == "cuda":
+      torch.cuda.synchronize()
+    return copied
 
   def _acc(self, name: str, seconds: float) -> None:
     cost = self.report.setdefault("costs", {})
@@ -407,7 +427,7 @@ class Check:
           return correctness.Comparison(
             FailureKind.WRONG_OUTPUT, f"{label}: the output was not handed over"
           )
-        leaves.append(self._local(self.buffers.buffers[out.buffer].view(out)))
+        leaves.append(self.copied[k])
       elif spec.kind == "data":
         leaves.append(spec.data)
       else:
@@ -435,17 +455,70 @@ class Check:
     self.report["baseline_measured"] = True
 
   def _calibrate(self, keep: set[int]) -> None:
-    """The exchange's own cost per call: round trips of trial 0's buffers with no model, before the load
-    (only the verifier's code runs in the candidate's process then, so it cannot inflate this)."""
-    self.stage("calibration")
+    """What a timed round trip costs beside the forward, measured before any candidate code exists
+    (only the verifier's and the reference's code run in the candidate's process then, so the
+    candidate cannot inflate it), unless the service passed the one measured with the baseline.
+
+    Pairs of round trips: one with no model (trial 0's buffers: the host's part, messages, wake-ups,
+    publishing outputs), then one of the reference, built in the candidate's process, timed like a timed
+    call (fresh inputs, caches flushed). The reference's excess over its pair's null, less the reference
+    timed in process, is what a real forward adds beside its own time (switching the GPU to the
+    candidate's context, first touches); pairing cancels the host's drift between them."""
     self.flush = timing.CacheFlush(self.device)
-    staged = self._stage(*self.trials.trial(0), keep=keep)
-    trips = []
-    for i in range(CALIBRATION_CALLS):
-      self.flush(i)
-      self._forward(staged, self.task.seeds[0], False, calibrate=True)
-      trips.append(self.round_trip_s)
-    self.exchange_s = timing.exchange_cost_s(trips)
+    if self.job.calibration is not None:
+      self.calibration = self.report["calibration"] = self.job.calibration
+      return
+    self.stage("calibration")
+    null_staged = self._stage(*self.trials.trial(0), keep=keep)
+    keep = keep | set(null_staged.used)
+    init, used = self.init
+    self._send(CalibrationModel(self.job.reference_source, self.task.seed, init), used)
+    ready = self._recv(CalibrationReady)
+    rng = random.SystemRandom()
+    template = self.trials.trial(0)[1]
+    nulls, refs = [], []
+    for j in range(CALIBRATION_CALLS):
+      self.flush(j)
+      self._forward(null_staged, self.task.seeds[0], False, calibrate=True)
+      nulls.append(self.round_trip_s)
+      if not ready.error:
+        seed = rng.randrange(2**31 - 1)
+        staged = self._stage(self.task.inputs_for(seed), template, keep=keep)
+        self.flush(j)
+        self._forward(staged, seed, False, calibrate=True)
+        refs.append(self.round_trip_s)
+    null_ms = timing.exchange_cost_s(nulls) * 1e3
+    if refs:
+      in_process_ms = self._reference_in_process_ms()
+      half = len(refs) // 2
+      ref_ms = statistics.median(refs[half:]) * 1e3
+      excess_ms = statistics.median(r - n for r, n in zip(refs[half:], nulls[half:])) * 1e3
+      self.calibration = TimingCalibration(
+        null_ms=null_ms,
+        excess_ms=max(excess_ms - in_process_ms, 0.0),
+        source="reference",
+        reference_exchange_ms=ref_ms,
+        reference_in_process_ms=in_process_ms,
+        calls=len(refs) - half,
+      )
+    else:
+      self.report["warnings"].append(
+        "the exchange was calibrated with no model: the reference could not run in the candidate's "
+        f"process ({ready.error[:300]})"
+      )
+      self.calibration = TimingCalibration(null_ms=null_ms, excess_ms=0.0, source="null")
+    self.report["calibration"] = self.calibration
+    self.report["calibration_measured"] = True
+
+  def _reference_in_process_ms(self) -> float:
+    """The reference's median call timed in this process by the baseline's method, eager (the
+    baseline itself unless it was compiled)."""
+    if not self.opts.compile_baseline:
+      return self.report["baseline"].median_ms
+    inputs0, _ = self.trials.trial(0)
+    return timing.time_forward(
+      self.task.fresh_model(), inputs0, self.device, CALIBRATION_CALLS, 3
+    ).median_ms
 
   def _timing(self) -> None:
     """Every timed call a forward like the trials, on fresh inputs, timed here; a secret random subset
@@ -462,9 +535,9 @@ class Check:
       seed = rng.randrange(2**31 - 1)
       times.append(self._timed_call(j, seed, j in checked, lockstep, template))
       if j % RECALIBRATE_EVERY == RECALIBRATE_EVERY - 1:
-        nulls.append(self._null_round_trip())
-    self._settle_exchange_cost(nulls)
-    candidate = timing.candidate_runtime(times[opts.num_warmup :], self.exchange_s)
+        nulls.append(self._null_round_trip(j))
+    overhead_ms = self._overhead_ms(nulls)
+    candidate = timing.candidate_runtime(times[opts.num_warmup :], overhead_ms / 1e3)
     self.report["candidate"] = candidate
     self.report["phases"]["timed_calls_checked"] = float(len(checked))
     # Re-check trial 0 after the timing loop (state- or cache-based cheats), in lock-step.
@@ -478,24 +551,32 @@ class Check:
     speedup = self.report["baseline"].mean_ms / mean if mean > 0 else 0.0
     self.report["speedup"] = speedup if math.isfinite(speedup) else 0.0
 
-  def _null_round_trip(self) -> float:
-    """A round trip with no model on the last timed call's buffers, in the timing's conditions (no cache
-    flush: a warmer, cheaper round trip only lowers what is subtracted)."""
+  def _null_round_trip(self, j: int) -> float:
+    """A round trip with no model on the last timed call's buffers, in the timing's conditions (caches
+    flushed, like the calibration's: on a CPU host the flush also evicts the processes' own code and
+    data, and an unflushed null round trip there was about half as long)."""
+    self.flush(j)
     self._forward(self.last_staged, self.task.seeds[0], False, calibrate=True)
     return self.round_trip_s
 
-  def _settle_exchange_cost(self, nulls: list[float]) -> None:
-    """The exchange cost subtracted: the lower of the calibration before the load and the round trips
-    with no model during the timing. The candidate's process answers the latter, so they can only lower
-    what is subtracted (slowing them changes nothing; speeding them up counts against it); they correct
-    a calibration that host noise made too high."""
+  def _overhead_ms(self, nulls: list[float]) -> float:
+    """What is subtracted from each timed round trip: the host's part, the lower of the calibration's
+    null round trip and those during the timing (the candidate's process answers the latter, so they
+    can only lower what is subtracted; they correct a calibration that host noise made too high), plus
+    the calibration's excess of a real forward over a null one."""
+    cal = self.calibration
     phases = self.report["phases"]
-    phases["exchange_call_before_ms"] = self.exchange_s * 1e3
+    phases["exchange_call_before_ms"] = cal.null_ms
+    null_ms = cal.null_ms
     if nulls:
-      during = statistics.median(nulls)
-      phases["exchange_call_during_ms"] = during * 1e3
-      self.exchange_s = min(self.exchange_s, during)
-    phases["exchange_call_ms"] = self.exchange_s * 1e3
+      phases["exchange_call_during_ms"] = statistics.median(nulls) * 1e3
+      null_ms = min(null_ms, phases["exchange_call_during_ms"])
+    phases["exchange_call_ms"] = null_ms
+    phases["exchange_excess_ms"] = cal.excess_ms
+    phases["reference_exchange_ms"] = cal.reference_exchange_ms
+    phases["reference_in_process_ms"] = cal.reference_in_process_ms
+    phases["exchange_overhead_ms"] = null_ms + cal.excess_ms
+    return null_ms + cal.excess_ms
 
   def _timed_call(self, j: int, seed: int, check: bool, lockstep, template) -> float:
     """Timed call ``j`` on fresh inputs drawn under ``seed``: its round trip in seconds (compared

@@ -241,6 +241,18 @@ class ProbeRequest:
 
 
 @record
+class CalibrationModel:
+  """Before any candidate code runs: build the task's reference model here (its source, built under
+  ``seed`` from ``init_args``; fds for new buffers attached), the workload that calibrated round trips
+  (``ForwardRequest.calibrate``) run, so the exchange's cost is measured on the task's own forward."""
+
+  reference_source: str
+  seed: int
+  init_args: tuple[Value, ...]
+  buffers: tuple[BufferRef, ...] = ()
+
+
+@record
 class ForwardRequest:
   """Run one forward on ``args`` (buffers already filled by the checker) and copy the outputs into ``outputs``."""
 
@@ -250,8 +262,9 @@ class ForwardRequest:
   outputs: tuple[TensorRef | None, ...]  # one per expected output leaf (None: not a tensor)
   new_buffers: tuple[BufferRef, ...] = ()  # fds attached, in this order
   profile: bool = False  # collect runtime-check evidence during this forward
-  # before the load only: the exchange without a model (outputs allocated like a forward's), the
-  # checker's measure of what a round trip costs beside the forward itself
+  # before the load only: the exchange with the calibration model (``CalibrationModel``), or with none
+  # (outputs allocated like a forward's): the checker's measure of what a round trip costs beside the
+  # forward itself
   calibrate: bool = False
 
 
@@ -266,6 +279,11 @@ class ProbeReply:
   value: float
   transport: str  # the transport the candidate could use ("cuda_vmm", "memfd")
   error: str = ""
+
+
+@record
+class CalibrationReady:
+  error: str = ""  # why the reference could not be built here ("" when it was)
 
 
 @record
@@ -322,6 +340,23 @@ class ForwardDone:
 
 # ---- service <-> checker -------------------------------------------------------------------------
 @record
+class TimingCalibration:
+  """What a timed call's round trip costs beside the candidate's forward, for one task, measured before
+  any candidate code existed (the service keeps it with the baseline; ``checker.Check._calibrate``):
+  ``null_ms``, the round trip with no model, and ``excess_ms``, what the reference's round trip (in a
+  candidate process, before its candidate loaded) adds over its paired null beyond the reference's own
+  time in process (``source`` "reference"; 0 with ``source`` "null" where the reference cannot run
+  there)."""
+
+  null_ms: float
+  excess_ms: float
+  source: str  # "reference" | "null"
+  reference_exchange_ms: float = 0.0  # median reference round trip through the exchange
+  reference_in_process_ms: float = 0.0  # median reference call timed in process (CUDA events)
+  calls: int = 0  # pairs behind the medians
+
+
+@record
 class RunJob:
   job_id: str
   reference_source: str
@@ -330,6 +365,7 @@ class RunJob:
   build_root: str
   kernel_names: tuple[str, ...] = ()
   baseline: Runtime | None = None  # reference timing measured earlier (service cache)
+  calibration: TimingCalibration | None = None  # measured with that baseline (service cache)
   split_build: bool = True
   use_pch: bool = True
   gpu_memory_fraction: float = 0.0
@@ -358,6 +394,8 @@ class CheckReport:
   candidate: Runtime | None = None
   baseline: Runtime | None = None
   baseline_measured: bool = False
+  calibration: TimingCalibration | None = None
+  calibration_measured: bool = False
   speedup: float = 0.0
   ref_peak_bytes: int = 0
   gpu_total_bytes: int = 0

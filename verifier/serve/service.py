@@ -24,7 +24,7 @@ import time
 from verifier.api.contract import FailureKind, Runtime, VerifyRequest, VerifyResult, truncate_log
 from verifier.build import artefact_check, pch
 from verifier.build.build_stage import BuildOutcome, BuildStage
-from verifier.ipc.records import RunJob
+from verifier.ipc.records import RunJob, TimingCalibration
 from verifier.sandbox.pool import DevicePool, PoolConfig, WorkerPool
 from verifier.serve import reward as rewards
 from verifier.serve.admission import MemoryAdmission, admission_units
@@ -186,6 +186,7 @@ class VerifierService:
     self.requests = RequestTable(cfg.result_cache_size)
     self.admission = MemoryAdmission()
     self.baselines: dict[str, Runtime] = {}
+    self.calibrations: dict[str, TimingCalibration] = {}  # the exchange's cost, per baseline key
     self.baseline_runs: dict[str, asyncio.Future] = {}  # reference timings being measured now
     self.new_builds = 0  # since the last cache eviction pass
     self.evicting: asyncio.Task | None = None
@@ -468,7 +469,9 @@ class VerifierService:
     pending = self.baseline_runs.get(base_key)
     if pending is not None:
       await asyncio.shield(pending)
-    job = dataclasses.replace(job, baseline=self.baselines.get(base_key))
+    job = dataclasses.replace(
+      job, baseline=self.baselines.get(base_key), calibration=self.calibrations.get(base_key)
+    )
     owner = job.baseline is None
     if owner:
       pending = self.baseline_runs[base_key] = asyncio.get_running_loop().create_future()
@@ -480,6 +483,10 @@ class VerifierService:
         # Measured before any code of this candidate existed: kept whatever its verdict.
         if owner and report.baseline is not None:
           self.baselines[base_key] = report.baseline
+      if report is not None and report.calibration_measured and report.calibration is not None:
+        self.calibrations.setdefault(
+          base_key, report.calibration
+        )  # measured with no candidate code
       return outcome
     finally:
       if owner:
