@@ -45,6 +45,20 @@ from verifier.serve.service import ServiceConfig, VerifierService
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SEPARATION_PHASES = ("exchange_stage", "exchange_round_trip", "exchange_load_map_wait")
+# a timed candidate's own phases, kept per problem (``gpu_level1``)
+TIMING_PHASES = (
+  "exchange_call_before_ms",
+  "exchange_call_during_ms",
+  "exchange_excess_ms",
+  "exchange_overhead_ms",
+  "reference_exchange_ms",
+  "reference_in_process_ms",
+  "calibration",
+  "timing",
+  "exchange_rt_publish",
+  "exchange_rt_wake_in",
+  "exchange_rt_wake_out",
+)
 DATA_DIRS = [
   REPO / ".gpu_data" / "verifier",
   REPO.parent / "shared" / "data" / "dice_rl",
@@ -465,12 +479,22 @@ class Bench:
         out[tag] = "skipped: bench budget used up" if probs else "skipped: no problems"
         continue
       rs = reqs(tag, probs, **kw)
+      timed = kw.get("measure_performance", False)
       self.reset_phases(svc)
       t0 = time.monotonic()
-      res = await asyncio.gather(*(svc.verify(r) for r in rs))
+      if timed:  # one at a time (a timed run owns the device anyway), each one's timing phases kept
+        res, per_problem = [], {}
+        for r in rs:
+          before = dict(svc.metrics.run_phase_s)
+          res.append(await svc.verify(r))
+          after = dict(svc.metrics.run_phase_s)
+          per_problem[r.task_id] = {
+            k: after[k] - before.get(k, 0.0) for k in TIMING_PHASES if k in after
+          }
+      else:
+        res = await asyncio.gather(*(svc.verify(r) for r in rs))
       wall = time.monotonic() - t0
       rate = 60 * len(rs) / wall
-      timed = kw.get("measure_performance", False)
       out[tag] = {
         "candidates": len(rs),
         "wall_s": wall,
@@ -489,6 +513,7 @@ class Bench:
       }
       if timed:
         out[tag]["timing_methods"] = timing_methods(res)
+        out[tag]["per_problem_phases"] = per_problem
       self.save("gpu_level1", out)
 
 

@@ -42,6 +42,9 @@ def main(path: str) -> None:
     print(line)
     mean = v["run_phase_mean_s"]
     print("  " + " ".join(f"{k}={mean[k]:.4g}" for k in KEYS if k in mean))
+    for task, ph in v.get("per_problem_phases", {}).items():
+      ratio = (tm or {}).get("new_over_old", {}).get(task, float("nan"))
+      print(f"    {task[:28]:28s} {ratio:.3f} " + " ".join(f"{k}={x:.4g}" for k, x in ph.items()))
 
 
 if __name__ == "__main__":

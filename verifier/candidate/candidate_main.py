@@ -252,7 +252,7 @@ class CandidateRuntime:
       views, args = self._args(req.args)
       t0 = self._sync()
       set_seed(req.seed)
-      if req.calibrate and self.calibration is not None:
+      if req.calibrate and self.calibration is not None and not req.null:
         with torch.no_grad():
           out = self.calibration(*args)
       elif req.calibrate:

@@ -294,7 +294,7 @@ class Check:
     return _Staged(args, outs, pairs, used, golden)
 
   def _forward(
-    self, staged: "_Staged", seed: int, profile: bool, calibrate: bool = False
+    self, staged: "_Staged", seed: int, profile: bool, calibrate: bool = False, null: bool = False
   ) -> ForwardDone:
     """One forward in the candidate on staged buffers; ``self.round_trip_s`` is its round trip on this
     process's clock (the only duration of a candidate call that counts)."""
@@ -308,7 +308,8 @@ class Check:
       staged.outs,
       new_buffers=tuple(refs),
       profile=profile,
-      calibrate=calibrate,
+      calibrate=calibrate or null,
+      null=null,
     )
     data = channel.frame(req, len(fds))  # encoded before the clock starts
     t1 = time.monotonic()
@@ -459,18 +460,17 @@ class Check:
     (only the verifier's and the reference's code run in the candidate's process then, so the
     candidate cannot inflate it), unless the service passed the one measured with the baseline.
 
-    Pairs of round trips: one with no model (trial 0's buffers: the host's part, messages, wake-ups,
-    publishing outputs), then one of the reference, built in the candidate's process, timed like a timed
-    call (fresh inputs, caches flushed). The reference's excess over its pair's null, less the reference
+    Pairs of round trips on one call's fresh inputs, caches flushed before each: the reference (built
+    in the candidate's process) timed like a timed call, then one with no model on the same buffers
+    (the host's part: messages, wake-ups, publishing and copying out outputs), as the timing's own null
+    round trips follow a timed call. The reference's excess over its pair's null, less the reference
     timed in process, is what a real forward adds beside its own time (switching the GPU to the
-    candidate's context, first touches); pairing cancels the host's drift between them."""
+    candidate's context, first touches of the buffers); pairing cancels the host's drift."""
     self.flush = timing.CacheFlush(self.device)
     if self.job.calibration is not None:
       self.calibration = self.report["calibration"] = self.job.calibration
       return
     self.stage("calibration")
-    null_staged = self._stage(*self.trials.trial(0), keep=keep)
-    keep = keep | set(null_staged.used)
     init, used = self.init
     self._send(CalibrationModel(self.job.reference_source, self.task.seed, init), used)
     ready = self._recv(CalibrationReady)
@@ -478,15 +478,15 @@ class Check:
     template = self.trials.trial(0)[1]
     nulls, refs = [], []
     for j in range(CALIBRATION_CALLS):
-      self.flush(j)
-      self._forward(null_staged, self.task.seeds[0], False, calibrate=True)
-      nulls.append(self.round_trip_s)
+      seed = rng.randrange(2**31 - 1)
+      staged = self._stage(self.task.inputs_for(seed), template, keep=keep)
       if not ready.error:
-        seed = rng.randrange(2**31 - 1)
-        staged = self._stage(self.task.inputs_for(seed), template, keep=keep)
         self.flush(j)
         self._forward(staged, seed, False, calibrate=True)
         refs.append(self.round_trip_s)
+      self.flush(j)
+      self._forward(staged, seed, False, null=True)
+      nulls.append(self.round_trip_s)
     null_ms = timing.exchange_cost_s(nulls) * 1e3
     if refs:
       in_process_ms = self._reference_in_process_ms()
@@ -556,7 +556,7 @@ class Check:
     flushed, like the calibration's: on a CPU host the flush also evicts the processes' own code and
     data, and an unflushed null round trip there was about half as long)."""
     self.flush(j)
-    self._forward(self.last_staged, self.task.seeds[0], False, calibrate=True)
+    self._forward(self.last_staged, self.task.seeds[0], False, null=True)
     return self.round_trip_s
 
   def _overhead_ms(self, nulls: list[float]) -> float:

@@ -266,6 +266,7 @@ class ForwardRequest:
   # (outputs allocated like a forward's): the checker's measure of what a round trip costs beside the
   # forward itself
   calibrate: bool = False
+  null: bool = False  # with ``calibrate``: no model, even when a calibration model is built
 
 
 @record
