@@ -54,8 +54,8 @@ from verifier.ipc.records import (
 GRACE_S = (
   5.0  # the checker waits a little past the request's limit; the service kills the candidate
 )
-# pairs of round trips (no model, then the reference) before the load; the later half counts
-CALIBRATION_CALLS = 12
+# pairs of round trips (the reference, then no model) before the load; the later half counts
+CALIBRATION_CALLS = 16
 CHECKED_TIMED_FRACTION = 0.1  # of the timed calls, compared like the trials (at least one)
 RECALIBRATE_EVERY = 4  # during the timing, a round trip with no model after every 4th timed call
 
@@ -75,6 +75,13 @@ class _Staged:
 def _reported(seconds: float, at_most: float) -> float:
   """A duration the candidate reported, clamped to what it can have been."""
   return min(max(seconds, 0.0), at_most)
+
+
+def _low_quartile(xs: list[float]) -> float:
+  """The lower quartile: an excess estimated low only ever counts against the candidate (on the H200
+  the median credited a pass-through candidate of a 4096^2 matmul with 5-11 %, session 13)."""
+  xs = sorted(xs)
+  return xs[(len(xs) - 1) // 4]
 
 
 def _fits(*id_lists) -> bool:
@@ -492,7 +499,7 @@ class Check:
       in_process_ms = self._reference_in_process_ms()
       half = len(refs) // 2
       ref_ms = statistics.median(refs[half:]) * 1e3
-      excess_ms = statistics.median(r - n for r, n in zip(refs[half:], nulls[half:])) * 1e3
+      excess_ms = _low_quartile([r - n for r, n in zip(refs[half:], nulls[half:])]) * 1e3
       self.calibration = TimingCalibration(
         null_ms=null_ms,
         excess_ms=max(excess_ms - in_process_ms, 0.0),
