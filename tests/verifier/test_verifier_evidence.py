@@ -134,6 +134,38 @@ def test_outputs_are_compared_from_a_private_copy():
   buffers.close()
 
 
+# ---- the exchange's calibration (issue 25, session 13) ---------------------------------------------------
+def test_the_exchange_is_calibrated_with_the_reference_once_per_task(service):
+  # The cost beside a forward is measured with the task's own reference in a candidate process before
+  # its candidate loads, then kept with the baseline: the second candidate of the task reuses it.
+  _, svc = service
+  reference = holes.REFERENCE + "\n# calibrated once\n"
+  m = svc.metrics
+  n0, ref_ms0 = m.run_phase_n["calibration"], m.run_phase_s["reference_exchange_ms"]
+  first = _verify(service, "calibrated-1", holes.GOOD + "\n# 1\n", reference=reference)
+  n1, ref_ms1 = m.run_phase_n["calibration"], m.run_phase_s["reference_exchange_ms"]
+  second = _verify(service, "calibrated-2", holes.GOOD + "\n# 2\n", reference=reference)
+  _ok(first)
+  _ok(second)
+  assert n1 - n0 == 1 and m.run_phase_n["calibration"] == n1
+  assert ref_ms1 - ref_ms0 > 0  # the reference ran through the exchange (not the no-model fallback)
+  assert not any("calibrated with no model" in w for w in first.warnings), first.warnings
+
+
+def test_the_calibrations_reference_is_gone_before_candidate_code_runs(service):
+  # The reference was built in the candidate's process to calibrate the exchange. A candidate that looks
+  # through every live object for it, to call it, finds nothing and returns zeros.
+  src = holes.candidate(
+    "        import gc\n"
+    "        for o in gc.get_objects():\n"
+    "            if type(o).__name__ == 'Model':\n"
+    "                return o(a, b)\n"
+    "        return zeros(a)",
+  )
+  r = _verify(service, "find-reference", src, reference=holes.REFERENCE + "\n# look for me\n")
+  assert r.failure_kind is FailureKind.WRONG_OUTPUT and r.reward == 0.0, (r.failure_kind, r.reason)
+
+
 # ---- 3. a baseline no candidate influenced --------------------------------------------------------------
 BIG_REFERENCE = holes.REFERENCE.replace("torch.randn(64, 256)", "torch.randn(1024, 1024)")
 SPINNERS = holes.candidate(
