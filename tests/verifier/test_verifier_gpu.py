@@ -159,7 +159,16 @@ def test_tensors_cross_through_device_buffers_and_the_worker_is_confined(gpu_ser
     dict(gpu_service[1].metrics.transports),
     r.warnings,
   )
-  degraded = ("unavailable", "refused", "not size-limited", "not disabled", "can read it")
+  # "confinement degraded": the pool dropped a layer for every worker (on the H200 since session 11 a
+  # Landlock-confined worker's CUDA start failed with error 304, and this test did not notice)
+  degraded = (
+    "unavailable",
+    "refused",
+    "not size-limited",
+    "not disabled",
+    "can read it",
+    "confinement degraded",
+  )
   assert not [w for w in r.warnings if any(d in w for d in degraded)], r.warnings
 
 
