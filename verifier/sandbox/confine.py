@@ -364,6 +364,12 @@ def landlock(spec: SandboxSpec) -> list[str]:
   notes = []
   read = LL_EXECUTE | LL_READ_FILE | LL_READ_DIR
   device = LL_READ_FILE | LL_WRITE_FILE | LL_READ_DIR | (LL_IOCTL_DEV if abi >= 5 else 0)
+  # CUDA writes under /proc. On the H200 host (session 13, experiments/gpu/landlock_cuda_probe.py)
+  # cuInit failed with error 304 under read + write there and succeeded with every right. Every right
+  # but execute, then: procfs itself refuses creating, removing and linking, so what this adds is
+  # truncation (fopen(..., "w") opens with O_TRUNC) and the errors procfs gives for the rest; execute
+  # stays denied (executing /proc/self/fd/N would run a memfd's contents).
+  proc = fs & ~LL_EXECUTE
   # The build cache is readable file by file (a worker opens the entries its own sources name) but not
   # listable, so a candidate cannot find and load another candidate's extension.
   toolchain = toolchain_paths()
@@ -372,7 +378,7 @@ def landlock(spec: SandboxSpec) -> list[str]:
   rules += [(p, LL_EXECUTE | LL_READ_FILE) for p in spec.readable]
   rules += [
     ("/dev", device),
-    ("/proc", LL_READ_FILE | LL_READ_DIR | LL_WRITE_FILE),  # CUDA writes under /proc (above)
+    ("/proc", proc),
     ("/sys", LL_READ_FILE | LL_READ_DIR),
   ]
   rules += [(p, fs) for p in spec.writable]
