@@ -166,6 +166,27 @@ def test_the_calibrations_reference_is_gone_before_candidate_code_runs(service):
   assert r.failure_kind is FailureKind.WRONG_OUTPUT and r.reward == 0.0, (r.failure_kind, r.reason)
 
 
+def test_a_reference_that_fails_in_the_candidates_process_is_no_verdict_on_the_candidate(service):
+  # The calibration runs the reference in the candidate's process before its candidate loads; its
+  # failure there (here: only where HOME is a candidate worker's scratch directory) falls
+  # back to the round trip with no model instead of being reported against the candidate.
+  reference = holes.REFERENCE.replace(
+    "    def forward(self, a, b):\n",
+    "    def forward(self, a, b):\n"
+    "        import os\n"
+    "        if os.path.basename(os.environ.get('HOME', '')).startswith('candidate-'):\n"
+    "            raise RuntimeError('only in a worker')\n",
+  )
+  assert reference != holes.REFERENCE
+  r = _verify(
+    service, "reference-fails-there", holes.GOOD + "\n# fails there\n", reference=reference
+  )
+  _ok(r)
+  assert any("calibrated with no model" in w and "only in a worker" in w for w in r.warnings), (
+    r.warnings
+  )
+
+
 # ---- 3. a baseline no candidate influenced --------------------------------------------------------------
 BIG_REFERENCE = holes.REFERENCE.replace("torch.randn(64, 256)", "torch.randn(1024, 1024)")
 SPINNERS = holes.candidate(

@@ -480,17 +480,20 @@ class Check:
     self.stage("calibration")
     init, used = self.init
     self._send(CalibrationModel(self.job.reference_source, self.task.seed, init), used)
-    ready = self._recv(CalibrationReady)
+    why = self._recv(CalibrationReady).error[:300]
     rng = random.SystemRandom()
     template = self.trials.trial(0)[1]
     nulls, refs = [], []
     for j in range(CALIBRATION_CALLS):
       seed = rng.randrange(2**31 - 1)
       staged = self._stage(self.task.inputs_for(seed), template, keep=keep)
-      if not ready.error:
+      if not why:
         self.flush(j)
-        self._forward(staged, seed, False, calibrate=True)
-        refs.append(self.round_trip_s)
+        try:
+          self._forward(staged, seed, False, calibrate=True)
+          refs.append(self.round_trip_s)
+        except Verdict as v:  # the reference's failure there is no verdict on the candidate
+          why, refs = f"its forward there ended {v.kind.value}: {v.reason[:200]}", []
       self.flush(j)
       self._forward(staged, seed, False, null=True)
       nulls.append(self.round_trip_s)
@@ -511,7 +514,7 @@ class Check:
     else:
       self.report["warnings"].append(
         "the exchange was calibrated with no model: the reference could not run in the candidate's "
-        f"process ({ready.error[:300]})"
+        f"process ({why})"
       )
       self.calibration = TimingCalibration(null_ms=null_ms, excess_ms=0.0, source="null")
     self.report["calibration"] = self.calibration
