@@ -26,7 +26,7 @@ if has level1; then
     --level1-samples 1 --timed "${TIMED:-10}" --budget-s $((${LEVEL1_S:-300} - 20)) \
     --out "$OUT/level1.json" > "$OUT/level1.log" 2>&1
   echo "level1 bench: exit $?"
-  python3 experiments/gpu/timing_summary.py "$OUT/level1.json"
+  python3 -m experiments.gpu.timing_summary "$OUT/level1.json"
 fi
 if has tests; then
   timeout -s INT -k 20 "${TESTS_S:-330}" python3 -m pytest -m gpu -v -rA -p no:cacheprovider \

@@ -1,30 +1,22 @@
 """One line per gpu_level1 phase of a `verifier bench` result: rate, verdicts, the checker's clock over
 the previous method per problem, and where a timed candidate's time goes (``timing_h200.sh``).
 
-  python3 experiments/gpu/timing_summary.py BENCH.json
+  python3 -m experiments.gpu.timing_summary BENCH.json
 """
 
 import json
 import sys
 
-KEYS = (
-  "exchange_call_before_ms",
-  "exchange_call_during_ms",
-  "exchange_excess_ms",
-  "exchange_overhead_ms",
-  "reference_exchange_ms",
-  "reference_in_process_ms",
-  "calibration",
-  "timing",
+from verifier.bench import TIMING_PHASES
+
+# the per-problem timing phases, then the rest of a timed candidate's time
+KEYS = TIMING_PHASES + (
   "baseline",
   "trials",
   "candidate_load",
   "exchange_stage",
   "exchange_round_trip",
   "candidate_forward",
-  "exchange_rt_publish",
-  "exchange_rt_wake_in",
-  "exchange_rt_wake_out",
 )
 
 
