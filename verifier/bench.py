@@ -58,6 +58,15 @@ TIMING_PHASES = (
   "exchange_rt_publish",
   "exchange_rt_wake_in",
   "exchange_rt_wake_out",
+  "exchange_rt_stage_in",
+  "exchange_round_trip",
+  "candidate_forward",
+  "timing_inputs",
+  "timing_stage",
+  "timing_flush",
+  "timing_call",
+  "timing_judge",
+  "timing_null",
 )
 DATA_DIRS = [
   REPO / ".gpu_data" / "verifier",

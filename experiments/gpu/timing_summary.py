@@ -15,8 +15,6 @@ KEYS = TIMING_PHASES + (
   "trials",
   "candidate_load",
   "exchange_stage",
-  "exchange_round_trip",
-  "candidate_forward",
 )
 
 

@@ -565,8 +565,10 @@ class Check:
     """A round trip with no model on the last timed call's buffers, in the timing's conditions (caches
     flushed, like the calibration's: on a CPU host the flush also evicts the processes' own code and
     data, and an unflushed null round trip there was about half as long)."""
+    t0 = time.monotonic()
     self.flush(j)
     self._forward(self.last_staged, self.task.seeds[0], False, null=True)
+    self._acc("timing_null", time.monotonic() - t0)
     return self.round_trip_s
 
   def _overhead_ms(self, nulls: list[float]) -> float:
@@ -591,15 +593,25 @@ class Check:
   def _timed_call(self, j: int, seed: int, check: bool, lockstep, template) -> float:
     """Timed call ``j`` on fresh inputs drawn under ``seed``: its round trip in seconds (compared
     with the reference when ``check``; the reference steps on every call when it keeps state)."""
+    t0 = time.monotonic()
     inputs = self.task.inputs_for(seed)
     golden = template
     if check or self.task.stateful:
       golden = self.task.forward_seeded(lockstep, inputs, seed)
+    t1 = time.monotonic()
     staged = self.last_staged = self._stage(inputs, golden)
+    t2 = time.monotonic()
     self.flush(j)
+    t3 = time.monotonic()
     done = self._forward(staged, seed, False)
+    t4 = time.monotonic()
     if check:
       self._judge(staged, done, f"timed call {j}")
+    self._acc("timing_inputs", t1 - t0)
+    self._acc("timing_stage", t2 - t1)
+    self._acc("timing_flush", t3 - t2)
+    self._acc("timing_call", t4 - t3)
+    self._acc("timing_judge", time.monotonic() - t4)
     return self.round_trip_s
 
   def _judge(self, staged: "_Staged", done: ForwardDone, where: str) -> None:
