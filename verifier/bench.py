@@ -67,6 +67,7 @@ TIMING_PHASES = (
   "timing_call",
   "timing_judge",
   "timing_null",
+  "timing_burst_calls",
 )
 DATA_DIRS = [
   REPO / ".gpu_data" / "verifier",

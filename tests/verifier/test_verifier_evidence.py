@@ -69,10 +69,11 @@ def test_a_candidate_that_works_only_on_the_checkers_buffers_is_timed_doing_the_
 
 
 def test_timed_outputs_are_compared(service):
-  # 0063b19 never compared a timed call's outputs: garbage during the timing, then right again.
+  # 0063b19 never compared a timed call's outputs: garbage on every call after the trials (a secret tenth
+  # of the timed calls is compared, before the re-check of trial 0).
   src = holes.candidate(
     "        self.calls += 1\n"
-    "        if 2 < self.calls <= 8:\n"
+    "        if 2 < self.calls:\n"
     "            return torch.full_like(a, 7.0)\n"
     "        return good(a, b, self.scale)",
     init="        self.calls = 0",

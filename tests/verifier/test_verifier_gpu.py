@@ -21,6 +21,7 @@ import verifier_gpu_cases as g  # noqa: E402
 from verifier_loop import BackgroundLoop  # noqa: E402
 
 from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
+from verifier.check.checker import MAX_BURST  # noqa: E402
 from verifier.serve.service import ServiceConfig, VerifierService, default_compile_workers  # noqa: E402
 
 pytestmark = [
@@ -84,7 +85,8 @@ def test_good_kernels_pass_with_a_speedup(gpu_service):
   )
   for r in (add, mm):
     assert r.failure_kind is FailureKind.OK and r.reward == 1.0, (r.reason, r.logs[-3000:])
-    assert r.speedup > 0 and r.candidate.num_trials == 100 and r.device_name
+    # 100 timed calls, rounded up to whole bursts (several forwards to a round trip where they fit)
+    assert r.speedup > 0 and 100 <= r.candidate.num_trials < 100 + MAX_BURST and r.device_name
   assert add.speedup > 0.5  # an elementwise add is memory-bound: about as fast as aten's
 
 
@@ -204,7 +206,11 @@ def test_non_default_stream_is_timed_honestly_under_kernelbench_rules(gpu_servic
       side.candidate.median_ms > 0.5 * same.candidate.median_ms
     )  # no free speedup from hiding work
   else:
-    assert side.failure_kind is FailureKind.WRONG_OUTPUT and side.reward == 0.0, side.reason
+    # the race read as wrong values, or as the NaN the output buffer was poisoned with
+    assert side.failure_kind in (FailureKind.WRONG_OUTPUT, FailureKind.NONFINITE_OUTPUT), (
+      side.reason
+    )
+    assert side.reward == 0.0
 
 
 def _data_file(name: str) -> pathlib.Path:

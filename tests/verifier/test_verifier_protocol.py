@@ -282,6 +282,20 @@ def test_a_candidate_runtime_is_the_checkers_round_trips_less_the_calibrated_exc
   assert abs(r.mean_ms - 2.0) < 1e-9 and abs(r.median_ms - 2.0) < 1e-9 and r.num_trials == 3
   # Jitter around a call faster than the exchange averages out; the summary is never zero or negative.
   assert timing.candidate_runtime([0.00005], 0.0001).mean_ms == timing.MIN_CALL_MS
+  # A burst's round trip is shared by its forwards; the exchange's cost is per forward.
+  r = timing.candidate_runtime([0.0124, 0.0084], 0.0001, calls_per_trip=4)
+  assert abs(r.mean_ms - 2.5) < 1e-9 and abs(r.median_ms - 2.5) < 1e-9 and r.num_trials == 8
+
+
+def test_timed_bursts_fit_the_byte_budget_and_one_messages_descriptors():
+  from verifier.check.checker import BURST_BYTES, MAX_BURST, burst_calls
+  from verifier.ipc.exchange import FDS_PER_MESSAGE
+
+  assert burst_calls(1 << 20, 3) == MAX_BURST  # small tensors: a full burst
+  assert burst_calls(BURST_BYTES // 3, 3) == 3  # the bytes bind
+  assert burst_calls(4 << 30, 2) == 1  # level-1's 4 GB outputs: one at a time
+  assert burst_calls(1 << 20, FDS_PER_MESSAGE // 2) == 2  # every buffer's descriptor in one message
+  assert burst_calls(1 << 20, 3, budget=3 << 20) == 3  # a GPU's larger budget is passed in
 
 
 CONFINED = r"""

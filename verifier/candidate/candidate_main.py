@@ -6,7 +6,7 @@ Per request (``records``): ``ProbeRequest`` (can device buffers be mapped here?)
 (before any candidate code: build the task's reference, the workload of the checker's calibrated round
 trips; dropped when the candidate loads), ``CandidateJob`` (load;
 ``CandidateStarting`` goes out right before the candidate's code first runs),
-``ForwardRequest`` (one forward on the given buffers; outputs copied into the checker's buffers; inputs are
+``ForwardRequest`` (one forward on the given buffers, or a timed burst of them; outputs copied into the checker's buffers; inputs are
 the buffers themselves where they live on this process's device, so the checker sees any mutation, else
 staged copies written back; ``calibrate`` runs the same exchange on the calibration model, or with
 no model, so the checker can measure what a round trip costs beside the forward), ``Shutdown``. This process times
@@ -240,33 +240,42 @@ class CandidateRuntime:
     return time.monotonic()
 
   def forward(self, req: ForwardRequest, fds) -> ForwardDone:
-    """One forward; ``wall_s`` is the forward alone, ``parts_s`` the exchange work around it here (mapping
-    new buffers, staging inputs, publishing outputs and staged inputs back)."""
+    """One forward, or a timed burst of them (``req.burst``) back to back with no synchronisation
+    between; ``wall_s`` is the forward alone (a burst's forwards and publishing), ``parts_s`` the
+    exchange work around it here (mapping new buffers, staging inputs, publishing outputs and staged
+    inputs back)."""
     if self.model is None and not req.calibrate:
       raise _Failed(FailureKind.RUNTIME_ERROR, "forward requested before the model was loaded")
     evidence = None
+    calls = [(req.seed, req.args, req.outputs)] + [(c.seed, c.args, c.outputs) for c in req.burst]
     try:  # copying the inputs in can fail too (a full GPU): classified like the forward's own errors
       t_map = time.monotonic()
       self._map(req.new_buffers, fds)
       t_stage = time.monotonic()
-      views, args = self._args(req.args)
-      t0 = self._sync()
-      set_seed(req.seed)
-      if req.calibrate and self.calibration is not None and not req.null:
-        with torch.no_grad():
-          out = self.calibration(*args)
-      elif req.calibrate:
-        out = _null_outputs(req.outputs, self.device)
-      elif req.profile:
-        evidence, out = self.collect_evidence(
-          lambda: self._call(args), self.device, self.cache.calls
-        )
-      else:
-        out = self._call(args)
-      t1 = self._sync()
-      specs = self._publish(out, req.outputs, args)
-      _copy_back(views, args)
+      staged = [self._args(args) for _, args, _ in calls]
+      t0 = t1 = self._sync()
+      specs = []
+      for k, ((seed, _, targets), (views, args)) in enumerate(zip(calls, staged)):
+        set_seed(seed)
+        if req.calibrate and self.calibration is not None and not req.null:
+          with torch.no_grad():
+            out = self.calibration(*args)
+        elif req.calibrate:
+          out = _null_outputs(targets, self.device)
+        elif req.profile and k == 0:
+          evidence, out = self.collect_evidence(
+            lambda: self._call(args), self.device, self.cache.calls
+          )
+        else:
+          out = self._call(args)
+        if len(calls) == 1:
+          t1 = self._sync()
+        specs.append(self._publish(out, targets, args))
+        _copy_back(views, args)
+        del out
       t2 = self._sync()
+      if len(calls) > 1:
+        t1 = t2
     except _Failed:
       raise
     except BaseException as e:  # noqa: BLE001
@@ -275,7 +284,14 @@ class CandidateRuntime:
       ) from None
     parts = {"map": t_stage - t_map, "stage_in": t0 - t_stage, "publish": t2 - t1}
     return ForwardDone(
-      req.call, specs, evidence, t1 - t0, parts, self.received_at, time.perf_counter()
+      req.call,
+      specs[0],
+      evidence,
+      t1 - t0,
+      parts,
+      self.received_at,
+      time.perf_counter(),
+      burst_outputs=tuple(specs[1:]),
     )
 
   def _call(self, args):

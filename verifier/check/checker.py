@@ -33,6 +33,7 @@ from verifier.ipc import channel, exchange, tensors
 from verifier.ipc.channel import Channel, ChannelClosed, ChannelTimeout, ProtocolError
 from verifier.ipc.records import (
   CANDIDATE_EXCHANGE_PARTS,
+  BurstCall,
   CalibrationModel,
   CalibrationReady,
   SELF_REPORTED_KINDS,
@@ -57,7 +58,13 @@ GRACE_S = (
 # pairs of round trips (the reference, then no model) before the load; the later half counts
 CALIBRATION_CALLS = 16
 CHECKED_TIMED_FRACTION = 0.1  # of the timed calls, compared like the trials (at least one)
-RECALIBRATE_EVERY = 4  # during the timing, a round trip with no model after every 4th timed call
+RECALIBRATE_EVERY = 4  # during the timing, a round trip with no model after every 4th timed one
+# Timed calls go in bursts: up to MAX_BURST forwards per round trip, each on its own fresh inputs, so the
+# exchange's cost and its jitter are shared by the burst's forwards; at most BURST_BYTES (on a GPU, a
+# sixteenth of its memory where that is more) of inputs and outputs staged per burst (level-1 tensors
+# reach gigabytes: those go one at a time).
+MAX_BURST = 8
+BURST_BYTES = 2 << 30
 
 
 @dataclasses.dataclass
@@ -82,6 +89,15 @@ def _low_quartile(xs: list[float]) -> float:
   the median credited a pass-through candidate of a 4096^2 matmul with 5-11 %, session 13)."""
   xs = sorted(xs)
   return xs[(len(xs) - 1) // 4]
+
+
+def burst_calls(nbytes: int, nbuffers: int, budget: int = BURST_BYTES) -> int:
+  """Forwards per timed round trip for a call with ``nbytes`` of tensor inputs and outputs in
+  ``nbuffers`` buffers: as many as ``budget`` bytes and one message's descriptors allow, 1 to
+  MAX_BURST."""
+  by_bytes = budget // max(nbytes, 1)
+  by_fds = exchange.FDS_PER_MESSAGE // max(nbuffers, 1)
+  return max(1, min(MAX_BURST, by_bytes, by_fds))
 
 
 def _fits(*id_lists) -> bool:
@@ -281,12 +297,16 @@ class Check:
     self.buffers = exchange.BufferSet(self.device, False)
     self.report["warnings"].append(why + "; tensors staged through host shared memory")
 
-  def _stage(self, call_args: list, golden, keep: set[int] = frozenset()) -> "_Staged":
+  def _stage(
+    self, call_args: list, golden, keep: set[int] = frozenset(), release: bool = True
+  ) -> "_Staged":
     """Fill buffers for one forward: the inputs (copied from the checker's private tensors) and poisoned
-    output buffers shaped like ``golden``'s tensors."""
+    output buffers shaped like ``golden``'s tensors (in buffers other than those staged since the last
+    ``release``: a burst's forwards each have their own)."""
     t0 = time.monotonic()
     alloc0 = self.buffers.alloc_s
-    self.buffers.release_all(keep)
+    if release:
+      self.buffers.release_all(keep)
     used: list[int] = []
     pairs: list = []
     args = tuple(exchange.send_value(a, self.buffers, used, pairs) for a in call_args)
@@ -301,13 +321,21 @@ class Check:
     return _Staged(args, outs, pairs, used, golden)
 
   def _forward(
-    self, staged: "_Staged", seed: int, profile: bool, calibrate: bool = False, null: bool = False
+    self,
+    staged: "_Staged",
+    seed: int,
+    profile: bool,
+    calibrate: bool = False,
+    null: bool = False,
+    burst: list[tuple["_Staged", int]] = (),
   ) -> ForwardDone:
-    """One forward in the candidate on staged buffers; ``self.round_trip_s`` is its round trip on this
-    process's clock (the only duration of a candidate call that counts)."""
+    """One forward in the candidate on staged buffers, then ``burst``'s (staged, seed) forwards in the
+    same round trip; ``self.round_trip_s`` is the round trip on this process's clock (the only duration
+    of a candidate call that counts), ``self.copied[k]`` call ``k``'s outputs copied out in it."""
     call = self.calls
-    self.calls += 0 if calibrate else 1
-    refs, fds = self.buffers.new_refs(staged.used)
+    calls = [staged] + [s for s, _ in burst]
+    self.calls += 0 if calibrate or null else len(calls)
+    refs, fds = self.buffers.new_refs([i for s in calls for i in s.used])
     req = ForwardRequest(
       call,
       seed,
@@ -317,6 +345,7 @@ class Check:
       profile=profile,
       calibrate=calibrate or null,
       null=null,
+      burst=tuple(BurstCall(call + 1 + k, sd, s.args, s.outs) for k, (s, sd) in enumerate(burst)),
     )
     data = channel.frame(req, len(fds))  # encoded before the clock starts
     t1 = time.monotonic()
@@ -327,7 +356,7 @@ class Check:
       except ChannelClosed:
         raise CandidateGone() from None
       done = self._recv(ForwardDone)
-      self.copied = self._copy_outputs(staged.outs)
+      self.copied = self._copy_outputs([s.outs for s in calls])
       p1 = time.perf_counter()
     finally:
       for fd in fds:
@@ -337,8 +366,12 @@ class Check:
     # clock, clamped to the round trip; never part of a verdict or a time).
     self._acc("exchange_rt_wake_in", _reported(done.received_at - p0, self.round_trip_s))
     self._acc("exchange_rt_wake_out", _reported(p1 - done.replying_at, self.round_trip_s))
-    if done.call != call:
-      raise Verdict(FailureKind.CRASH, f"the candidate answered call {done.call}, expected {call}")
+    if done.call != call or len(done.burst_outputs) != len(burst):
+      raise Verdict(
+        FailureKind.CRASH,
+        f"the candidate answered call {done.call} with {len(done.burst_outputs)} more, expected "
+        f"{call} with {len(burst)}",
+      )
     # What the separation costs: staging buffers (``_stage``), and everything around the candidate's
     # forward in its process (mapping, staging, publishing outputs, messages) beyond the forward itself.
     # The candidate's own split of that (``parts_s``) is only a diagnostic: clamped, known names only.
@@ -350,15 +383,19 @@ class Check:
       self._acc(f"exchange_rt_{part}", _reported(done.parts_s.get(part, 0.0), round_trip))
     return done
 
-  def _copy_outputs(self, outs) -> list:
-    """Every expected output copied out of its buffer into this process, before the clock stops, on
-    every call alike (checked, unchecked, calibration). The candidate's process saying it is done proves
-    nothing (native code can skip its synchronisation and finish its kernels after answering): this
-    copy either runs after the candidate's kernels, and the clock counts them, or before they finished,
-    and a compared call reads an unfinished output. Compared calls judge this copy."""
+  def _copy_outputs(self, outs_per_call) -> list[list]:
+    """Every expected output of every call copied out of its buffer into this process, before the clock
+    stops, on every call alike (checked, unchecked, calibration). The candidate's process saying it is
+    done proves nothing (native code can skip its synchronisation and finish its kernels after
+    answering): this copy either runs after the candidate's kernels, and the clock counts them, or
+    before they finished, and a compared call reads an unfinished output. Compared calls judge this
+    copy."""
     copied = [
-      None if ref is None else self._local(self.buffers.buffers[ref.buffer].view(ref))
-      for ref in outs
+      [
+        None if ref is None else self._local(self.buffers.buffers[ref.buffer].view(ref))
+        for ref in outs
+      ]
+      for outs in outs_per_call
     ]
     if self.device.type == "cuda":
       torch.cuda.synchronize()
@@ -378,7 +415,7 @@ class Check:
     which = correctness.mutated([p for p, _ in pairs], [self._local(v) for _, v in pairs])
     if which:
       raise Verdict(FailureKind.INPUT_MUTATION, f"{where}: the candidate modified {which}")
-    c = self._compare(staged.golden, done, staged.outs, where)
+    c = self._compare(staged.golden, done.outputs, staged.outs, self.copied[0], where)
     self._acc("compare", time.monotonic() - t0)
     if c.kind is not FailureKind.OK:
       self.report["max_abs_diff"] = c.max_abs_diff
@@ -400,14 +437,16 @@ class Check:
     still maps the buffer and may write it while the checker compares)."""
     return view.to(self.device, copy=True)
 
-  def _compare(self, golden, done: ForwardDone, outs, where: str) -> correctness.Comparison:
+  def _compare(self, golden, specs, outs, copied: list, where: str) -> correctness.Comparison:
+    """One call's outputs (the candidate's descriptions ``specs``, the copies made in its round trip)
+    against ``golden``."""
     refs = tensors.flatten(golden)
-    if len(done.outputs) != len(refs):
+    if len(specs) != len(refs):
       return correctness.Comparison(
-        FailureKind.SHAPE_MISMATCH, f"{where}: {len(done.outputs)} outputs, expected {len(refs)}"
+        FailureKind.SHAPE_MISMATCH, f"{where}: {len(specs)} outputs, expected {len(refs)}"
       )
     leaves = []
-    for k, (ref, spec, out) in enumerate(zip(refs, done.outputs, outs)):
+    for k, (ref, spec, out) in enumerate(zip(refs, specs, outs)):
       label = where if len(refs) == 1 else f"{where}, output {k}"
       if spec.kind == "tensor":
         if not isinstance(ref, torch.Tensor):
@@ -435,7 +474,7 @@ class Check:
           return correctness.Comparison(
             FailureKind.WRONG_OUTPUT, f"{label}: the output was not handed over"
           )
-        leaves.append(self.copied[k])
+        leaves.append(copied[k])
       elif spec.kind == "data":
         leaves.append(spec.data)
       else:
@@ -462,20 +501,31 @@ class Check:
     )
     self.report["baseline_measured"] = True
 
+  def _burst_size(self) -> int:
+    """Forwards per timed round trip for this task (``burst_calls`` of trial 0's tensors)."""
+    inputs, golden = self.trials.trial(0)
+    leaves = [t for t in tensors.flatten(inputs) + tensors.flatten(golden) if torch.is_tensor(t)]
+    budget = max(BURST_BYTES, self.report["gpu_total_bytes"] // 16)
+    return burst_calls(sum(exchange.nbytes_of(t) for t in leaves), len(leaves), budget)
+
   def _calibrate(self, keep: set[int]) -> None:
-    """What a timed round trip costs beside the forward, measured before any candidate code exists
+    """What a timed round trip costs beside the forwards, measured before any candidate code exists
     (only the verifier's and the reference's code run in the candidate's process then, so the
     candidate cannot inflate it), unless the service passed the one measured with the baseline.
 
-    Pairs of round trips on one call's fresh inputs, caches flushed before each: the reference (built
-    in the candidate's process) timed like a timed call, then one with no model on the same buffers
-    (the host's part: messages, wake-ups, publishing and copying out outputs), as the timing's own null
-    round trips follow a timed call. The reference's excess over its pair's null, less the reference
-    timed in process, is what a real forward adds beside its own time (switching the GPU to the
-    candidate's context, first touches of the buffers); pairing cancels the host's drift."""
+    Pairs of round trips shaped like the timing's bursts, on fresh inputs, caches flushed before each:
+    the reference (built in the candidate's process) timed like a timed burst, then one with no model on
+    the same buffers (the host's part: messages, wake-ups, publishing and copying out outputs), as the
+    timing's own null round trips follow a timed one. The reference's excess over its pair's null, per
+    forward, less the reference timed in process, is what a real forward adds beside its own time
+    (switching the GPU to the candidate's context, first touches of the buffers; negative where back to
+    back forwards run faster than the in-process baseline's flushed ones, which then counts against the
+    candidate); pairing cancels the host's drift."""
     self.flush = timing.CacheFlush(self.device)
-    if self.job.calibration is not None:
-      self.calibration = self.report["calibration"] = self.job.calibration
+    self.burst = self._burst_size()
+    cached = self.job.calibration
+    if cached is not None and cached.burst_calls == self.burst:
+      self.calibration = self.report["calibration"] = cached
       return
     self.stage("calibration")
     init, used = self.init
@@ -483,40 +533,48 @@ class Check:
     why = self._recv(CalibrationReady).error[:300]
     rng = random.SystemRandom()
     template = self.trials.trial(0)[1]
+    k = self.burst
     nulls, refs = [], []
-    for j in range(CALIBRATION_CALLS):
-      seed = rng.randrange(2**31 - 1)
-      staged = self._stage(self.task.inputs_for(seed), template, keep=keep)
+    for j in range(max(CALIBRATION_CALLS // k, 8) if k > 1 else CALIBRATION_CALLS):
+      seeds = [rng.randrange(2**31 - 1) for _ in range(k)]
+      staged = [
+        self._stage(self.task.inputs_for(sd), template, keep=keep, release=i == 0)
+        for i, sd in enumerate(seeds)
+      ]
+      burst = list(zip(staged[1:], seeds[1:]))
       if not why:
         self.flush(j)
         try:
-          self._forward(staged, seed, False, calibrate=True)
+          self._forward(staged[0], seeds[0], False, calibrate=True, burst=burst)
           refs.append(self.round_trip_s)
         except Verdict as v:  # the reference's failure there is no verdict on the candidate
           why, refs = f"its forward there ended {v.kind.value}: {v.reason[:200]}", []
       self.flush(j)
-      self._forward(staged, seed, False, null=True)
+      self._forward(staged[0], seeds[0], False, null=True, burst=burst)
       nulls.append(self.round_trip_s)
     null_ms = timing.exchange_cost_s(nulls) * 1e3
     if refs:
       in_process_ms = self._reference_in_process_ms()
       half = len(refs) // 2
-      ref_ms = statistics.median(refs[half:]) * 1e3
-      excess_ms = _low_quartile([r - n for r, n in zip(refs[half:], nulls[half:])]) * 1e3
+      ref_ms = statistics.median(refs[half:]) * 1e3 / k
+      excess_ms = _low_quartile([r - n for r, n in zip(refs[half:], nulls[half:])]) * 1e3 / k
       self.calibration = TimingCalibration(
         null_ms=null_ms,
-        excess_ms=max(excess_ms - in_process_ms, 0.0),
+        excess_ms=max(excess_ms - in_process_ms, -null_ms / k),
         source="reference",
         reference_exchange_ms=ref_ms,
         reference_in_process_ms=in_process_ms,
         calls=len(refs) - half,
+        burst_calls=k,
       )
     else:
       self.report["warnings"].append(
         "the exchange was calibrated with no model: the reference could not run in the candidate's "
         f"process ({why})"
       )
-      self.calibration = TimingCalibration(null_ms=null_ms, excess_ms=0.0, source="null")
+      self.calibration = TimingCalibration(
+        null_ms=null_ms, excess_ms=0.0, source="null", burst_calls=k
+      )
     self.report["calibration"] = self.calibration
     self.report["calibration_measured"] = True
 
@@ -531,90 +589,112 @@ class Check:
     ).median_ms
 
   def _timing(self) -> None:
-    """Every timed call a forward like the trials, on fresh inputs, timed here; a secret random subset
-    of them compared; then trial 0 re-checked, all in lock-step with the reference."""
+    """Every timed call a forward like the trials, on fresh inputs, in bursts timed here; a secret
+    random subset of them compared; then trial 0 re-checked, all in lock-step with the reference. The
+    warm-up and the timed calls are whole bursts (``num_warmup`` and ``num_perf_trials`` rounded up)."""
     self.stage("timing")
     opts = self.opts
-    n = opts.num_warmup + opts.num_perf_trials
+    k = self.burst
+    warm, timed = math.ceil(opts.num_warmup / k), math.ceil(opts.num_perf_trials / k)
+    n = (warm + timed) * k
     rng = random.SystemRandom()
     checked = set(rng.sample(range(n), max(1, math.ceil(n * CHECKED_TIMED_FRACTION))))
     lockstep = self.trials.lockstep_model()
     template = self.trials.trial(0)[1]
     times, nulls = [], []
-    for j in range(n):
-      seed = rng.randrange(2**31 - 1)
-      times.append(self._timed_call(j, seed, j in checked, lockstep, template))
-      if j % RECALIBRATE_EVERY == RECALIBRATE_EVERY - 1:
-        nulls.append(self._null_round_trip(j))
+    for b in range(warm + timed):
+      calls = range(b * k, (b + 1) * k)
+      times.append(self._timed_burst(b, calls, checked, rng, lockstep, template))
+      if b % RECALIBRATE_EVERY == RECALIBRATE_EVERY - 1:
+        nulls.append(self._null_round_trip(b))
     overhead_ms = self._overhead_ms(nulls)
-    candidate = timing.candidate_runtime(times[opts.num_warmup :], overhead_ms / 1e3)
+    candidate = timing.candidate_runtime(times[warm:], overhead_ms / 1e3, k)
     self.report["candidate"] = candidate
     self.report["phases"]["timed_calls_checked"] = float(len(checked))
+    self.report["phases"]["timing_burst_calls"] = float(k)
     # Re-check trial 0 after the timing loop (state- or cache-based cheats), in lock-step.
     self.stage("recheck")
     inputs0, golden0 = self.trials.trial(0)
     expected = self.task.forward(lockstep, inputs0, 0) if self.task.stateful else golden0
     staged = self._stage(inputs0, expected)
     done = self._forward(staged, self.task.seeds[0], False)
-    self._judge(staged, done, "trial 0 re-checked after timing")
+    self._judge(staged, done.outputs, self.copied[0], "trial 0 re-checked after timing")
     mean = candidate.mean_ms
     speedup = self.report["baseline"].mean_ms / mean if mean > 0 else 0.0
     self.report["speedup"] = speedup if math.isfinite(speedup) else 0.0
 
-  def _null_round_trip(self, j: int) -> float:
-    """A round trip with no model on the last timed call's buffers, in the timing's conditions (caches
-    flushed, like the calibration's: on a CPU host the flush also evicts the processes' own code and
-    data, and an unflushed null round trip there was about half as long)."""
+  def _null_round_trip(self, b: int) -> float:
+    """A round trip with no model on the last timed burst's buffers, in the timing's conditions
+    (caches flushed, like the calibration's: on a CPU host the flush also evicts the processes' own code
+    and data, and an unflushed null round trip there was about half as long)."""
     t0 = time.monotonic()
-    self.flush(j)
-    self._forward(self.last_staged, self.task.seeds[0], False, null=True)
+    self.flush(b)
+    first, *rest = self.last_burst
+    self._forward(first, 0, False, null=True, burst=[(s, 0) for s in rest])
     self._acc("timing_null", time.monotonic() - t0)
     return self.round_trip_s
 
   def _overhead_ms(self, nulls: list[float]) -> float:
-    """What is subtracted from each timed round trip: the host's part, the lower of the calibration's
-    null round trip and those during the timing (the candidate's process answers the latter, so they
-    can only lower what is subtracted; they correct a calibration that host noise made too high), plus
-    the calibration's excess of a real forward over a null one."""
+    """What is subtracted from each timed forward's share of its round trip: the host's part, the
+    lower of the calibration's null round trip and those during the timing (the candidate's process
+    answers the latter, so they can only lower what is subtracted; they correct a calibration that host
+    noise made too high) shared by the burst's forwards, plus the calibration's excess of a real forward
+    over a null one. The phases give the null round trips per forward."""
     cal = self.calibration
+    k = cal.burst_calls
     phases = self.report["phases"]
-    phases["exchange_call_before_ms"] = cal.null_ms
+    phases["exchange_call_before_ms"] = cal.null_ms / k
     null_ms = cal.null_ms
     if nulls:
-      phases["exchange_call_during_ms"] = statistics.median(nulls) * 1e3
-      null_ms = min(null_ms, phases["exchange_call_during_ms"])
-    phases["exchange_call_ms"] = null_ms
+      during = statistics.median(nulls) * 1e3
+      phases["exchange_call_during_ms"] = during / k
+      null_ms = min(null_ms, during)
+    phases["exchange_call_ms"] = null_ms / k
     phases["exchange_excess_ms"] = cal.excess_ms
     phases["reference_exchange_ms"] = cal.reference_exchange_ms
     phases["reference_in_process_ms"] = cal.reference_in_process_ms
-    phases["exchange_overhead_ms"] = null_ms + cal.excess_ms
-    return null_ms + cal.excess_ms
+    phases["exchange_overhead_ms"] = null_ms / k + cal.excess_ms
+    return max(null_ms / k + cal.excess_ms, 0.0)
 
-  def _timed_call(self, j: int, seed: int, check: bool, lockstep, template) -> float:
-    """Timed call ``j`` on fresh inputs drawn under ``seed``: its round trip in seconds (compared
-    with the reference when ``check``; the reference steps on every call when it keeps state)."""
+  def _timed_burst(self, b: int, calls, checked: set[int], rng, lockstep, template) -> float:
+    """Timed burst ``b``: ``calls`` forwards, each on fresh inputs, in one round trip (returned, in
+    seconds); those in ``checked`` compared with the reference (which steps on every call when it
+    keeps state)."""
     t0 = time.monotonic()
-    inputs = self.task.inputs_for(seed)
-    golden = template
-    if check or self.task.stateful:
-      golden = self.task.forward_seeded(lockstep, inputs, seed)
-    t1 = time.monotonic()
-    staged = self.last_staged = self._stage(inputs, golden)
+    stage_s = 0.0
+    staged, seeds = [], []
+    for i, j in enumerate(calls):
+      seed = rng.randrange(2**31 - 1)
+      inputs = self.task.inputs_for(seed)
+      golden = template
+      if j in checked or self.task.stateful:
+        golden = self.task.forward_seeded(lockstep, inputs, seed)
+      t = time.monotonic()
+      s = self._stage(inputs, golden, release=i == 0)
+      if j not in checked:
+        s.pairs = []  # the private inputs are needed only to judge a compared call
+      stage_s += time.monotonic() - t
+      staged.append(s)
+      seeds.append(seed)
+      del inputs, golden
+    self.last_burst = staged
     t2 = time.monotonic()
-    self.flush(j)
+    self.flush(b)
     t3 = time.monotonic()
-    done = self._forward(staged, seed, False)
+    done = self._forward(staged[0], seeds[0], False, burst=list(zip(staged[1:], seeds[1:])))
     t4 = time.monotonic()
-    if check:
-      self._judge(staged, done, f"timed call {j}")
-    self._acc("timing_inputs", t1 - t0)
-    self._acc("timing_stage", t2 - t1)
+    specs = (done.outputs,) + done.burst_outputs
+    for i, j in enumerate(calls):
+      if j in checked:
+        self._judge(staged[i], specs[i], self.copied[i], f"timed call {j}")
+    self._acc("timing_inputs", t2 - t0 - stage_s)
+    self._acc("timing_stage", stage_s)
     self._acc("timing_flush", t3 - t2)
     self._acc("timing_call", t4 - t3)
     self._acc("timing_judge", time.monotonic() - t4)
     return self.round_trip_s
 
-  def _judge(self, staged: "_Staged", done: ForwardDone, where: str) -> None:
+  def _judge(self, staged: "_Staged", specs, copied: list, where: str) -> None:
     """Compare one forward's outputs (and its inputs, for mutation) like a correctness trial."""
     which = correctness.mutated(
       [p for p, _ in staged.pairs], [self._local(v) for _, v in staged.pairs]
@@ -622,7 +702,7 @@ class Check:
     if which:
       self.report["correct"] = False
       raise Verdict(FailureKind.INPUT_MUTATION, f"{where}: the candidate modified {which}")
-    c = self._compare(staged.golden, done, staged.outs, where)
+    c = self._compare(staged.golden, specs, staged.outs, copied, where)
     if c.kind is not FailureKind.OK:
       self.report["correct"] = False
       raise Verdict(c.kind, c.reason)

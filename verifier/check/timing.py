@@ -73,16 +73,17 @@ def time_forward(model, inputs: list, device: torch.device, trials: int, warmup:
   return time_calls(model, inputs, device, trials, warmup).runtime
 
 
-def candidate_runtime(round_trips_s, exchange_s: float) -> Runtime:
-  """A candidate's runtime from the checker's round trips of its timed calls: their mean and median less
-  the exchange's own cost (subtracted from the summary, not per call, so round-trip jitter averages out
-  instead of being clipped; never below ``MIN_CALL_MS``)."""
-  ms = [t * 1e3 for t in round_trips_s]
+def candidate_runtime(round_trips_s, exchange_s: float, calls_per_trip: int = 1) -> Runtime:
+  """A candidate's runtime per call from the checker's round trips of its timed bursts (``calls_per_trip``
+  forwards each): the mean and median share of a call less the exchange's own cost per call (subtracted
+  from the summary, not per round trip, so jitter averages out instead of being clipped; never below
+  ``MIN_CALL_MS``)."""
+  ms = [t * 1e3 / calls_per_trip for t in round_trips_s]
   cost = exchange_s * 1e3
   return Runtime(
     median_ms=max(float(statistics.median(ms)) - cost, MIN_CALL_MS),
     mean_ms=max(float(statistics.fmean(ms)) - cost, MIN_CALL_MS),
-    num_trials=len(ms),
+    num_trials=len(ms) * calls_per_trip,
   )
 
 

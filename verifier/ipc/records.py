@@ -253,8 +253,20 @@ class CalibrationModel:
 
 
 @record
+class BurstCall:
+  """One more forward of a timed burst (``ForwardRequest.burst``): like the request's own."""
+
+  call: int
+  seed: int
+  args: tuple[Value, ...]
+  outputs: tuple[TensorRef | None, ...]
+
+
+@record
 class ForwardRequest:
-  """Run one forward on ``args`` (buffers already filled by the checker) and copy the outputs into ``outputs``."""
+  """Run one forward on ``args`` (buffers already filled by the checker) and copy the outputs into ``outputs``;
+  then those of ``burst`` in order, back to back, with one answer for all (a timed burst: the checker's clock
+  spans them)."""
 
   call: int  # index of this forward in the candidate's life (lock-step with the reference)
   seed: int
@@ -267,6 +279,7 @@ class ForwardRequest:
   # forward itself
   calibrate: bool = False
   null: bool = False  # with ``calibrate``: no model, even when a calibration model is built
+  burst: tuple[BurstCall, ...] = ()
 
 
 @record
@@ -337,6 +350,7 @@ class ForwardDone:
   # wake-ups on either side; the host has one monotonic clock)
   received_at: float = 0.0
   replying_at: float = 0.0
+  burst_outputs: tuple[tuple[OutputSpec, ...], ...] = ()  # one per ``ForwardRequest.burst`` call
 
 
 # ---- service <-> checker -------------------------------------------------------------------------
@@ -355,6 +369,9 @@ class TimingCalibration:
   reference_exchange_ms: float = 0.0  # median reference round trip through the exchange
   reference_in_process_ms: float = 0.0  # median reference call timed in process (CUDA events)
   calls: int = 0  # pairs behind the medians
+  # forwards per round trip it was measured with (``null_ms`` is one such round trip; ``excess_ms`` and
+  # the reference's times are per forward)
+  burst_calls: int = 1
 
 
 @record
