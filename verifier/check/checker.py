@@ -322,20 +322,19 @@ class Check:
 
   def _forward(
     self,
-    staged: "_Staged",
-    seed: int,
-    profile: bool,
+    calls: list[tuple["_Staged", int]],
+    profile: bool = False,
     calibrate: bool = False,
     null: bool = False,
-    burst: list[tuple["_Staged", int]] = (),
   ) -> ForwardDone:
-    """One forward in the candidate on staged buffers, then ``burst``'s (staged, seed) forwards in the
-    same round trip; ``self.round_trip_s`` is the round trip on this process's clock (the only duration
-    of a candidate call that counts), ``self.copied[k]`` call ``k``'s outputs copied out in it."""
+    """Forwards in the candidate on staged buffers, one per (staged, seed) of ``calls``, in one round
+    trip (more than one: a timed burst); ``self.round_trip_s`` is the round trip on this process's clock
+    (the only duration of a candidate call that counts), ``self.copied[k]`` call ``k``'s outputs copied
+    out in it."""
     call = self.calls
-    calls = [staged] + [s for s, _ in burst]
+    (staged, seed), burst = calls[0], calls[1:]
     self.calls += 0 if calibrate or null else len(calls)
-    refs, fds = self.buffers.new_refs([i for s in calls for i in s.used])
+    refs, fds = self.buffers.new_refs([i for s, _ in calls for i in s.used])
     req = ForwardRequest(
       call,
       seed,
@@ -356,7 +355,7 @@ class Check:
       except ChannelClosed:
         raise CandidateGone() from None
       done = self._recv(ForwardDone)
-      self.copied = self._copy_outputs([s.outs for s in calls])
+      self.copied = self._copy_outputs([s.outs for s, _ in calls])
       p1 = time.perf_counter()
     finally:
       for fd in fds:
@@ -408,7 +407,7 @@ class Check:
   def _trial(
     self, i: int, staged: "_Staged", profile: bool, strictness
   ) -> tuple[correctness.Comparison, runtime_check.RuntimeVerdict | None]:
-    done = self._forward(staged, self.task.seeds[i], profile)
+    done = self._forward([(staged, self.task.seeds[i])], profile)
     where = f"trial {i}"
     t0 = time.monotonic()
     pairs = staged.pairs
@@ -536,21 +535,20 @@ class Check:
     k = self.burst
     nulls, refs = [], []
     for j in range(max(CALIBRATION_CALLS // k, 8) if k > 1 else CALIBRATION_CALLS):
-      seeds = [rng.randrange(2**31 - 1) for _ in range(k)]
-      staged = [
-        self._stage(self.task.inputs_for(sd), template, keep=keep, release=i == 0)
-        for i, sd in enumerate(seeds)
-      ]
-      burst = list(zip(staged[1:], seeds[1:]))
+      calls = []
+      for i in range(k):
+        seed = rng.randrange(2**31 - 1)
+        inputs = self.task.inputs_for(seed)
+        calls.append((self._stage(inputs, template, keep=keep, release=i == 0), seed))
       if not why:
         self.flush(j)
         try:
-          self._forward(staged[0], seeds[0], False, calibrate=True, burst=burst)
+          self._forward(calls, calibrate=True)
           refs.append(self.round_trip_s)
         except Verdict as v:  # the reference's failure there is no verdict on the candidate
           why, refs = f"its forward there ended {v.kind.value}: {v.reason[:200]}", []
       self.flush(j)
-      self._forward(staged[0], seeds[0], False, null=True, burst=burst)
+      self._forward(calls, null=True)
       nulls.append(self.round_trip_s)
     null_ms = timing.exchange_cost_s(nulls) * 1e3
     if refs:
@@ -617,7 +615,7 @@ class Check:
     inputs0, golden0 = self.trials.trial(0)
     expected = self.task.forward(lockstep, inputs0, 0) if self.task.stateful else golden0
     staged = self._stage(inputs0, expected)
-    done = self._forward(staged, self.task.seeds[0], False)
+    done = self._forward([(staged, self.task.seeds[0])])
     self._judge(staged, done.outputs, self.copied[0], "trial 0 re-checked after timing")
     mean = candidate.mean_ms
     speedup = self.report["baseline"].mean_ms / mean if mean > 0 else 0.0
@@ -629,8 +627,7 @@ class Check:
     and data, and an unflushed null round trip there was about half as long)."""
     t0 = time.monotonic()
     self.flush(b)
-    first, *rest = self.last_burst
-    self._forward(first, 0, False, null=True, burst=[(s, 0) for s in rest])
+    self._forward(self.last_burst, null=True)
     self._acc("timing_null", time.monotonic() - t0)
     return self.round_trip_s
 
@@ -653,8 +650,8 @@ class Check:
     phases["exchange_excess_ms"] = cal.excess_ms
     phases["reference_exchange_ms"] = cal.reference_exchange_ms
     phases["reference_in_process_ms"] = cal.reference_in_process_ms
-    phases["exchange_overhead_ms"] = null_ms / k + cal.excess_ms
-    return max(null_ms / k + cal.excess_ms, 0.0)
+    overhead_ms = phases["exchange_overhead_ms"] = null_ms / k + cal.excess_ms
+    return max(overhead_ms, 0.0)
 
   def _timed_burst(self, b: int, calls, checked: set[int], rng, lockstep, template) -> float:
     """Timed burst ``b``: ``calls`` forwards, each on fresh inputs, in one round trip (returned, in
@@ -662,7 +659,7 @@ class Check:
     keeps state)."""
     t0 = time.monotonic()
     stage_s = 0.0
-    staged, seeds = [], []
+    burst = []
     for i, j in enumerate(calls):
       seed = rng.randrange(2**31 - 1)
       inputs = self.task.inputs_for(seed)
@@ -674,19 +671,18 @@ class Check:
       if j not in checked:
         s.pairs = []  # the private inputs are needed only to judge a compared call
       stage_s += time.monotonic() - t
-      staged.append(s)
-      seeds.append(seed)
+      burst.append((s, seed))
       del inputs, golden
-    self.last_burst = staged
+    self.last_burst = burst
     t2 = time.monotonic()
     self.flush(b)
     t3 = time.monotonic()
-    done = self._forward(staged[0], seeds[0], False, burst=list(zip(staged[1:], seeds[1:])))
+    done = self._forward(burst)
     t4 = time.monotonic()
     specs = (done.outputs,) + done.burst_outputs
     for i, j in enumerate(calls):
       if j in checked:
-        self._judge(staged[i], specs[i], self.copied[i], f"timed call {j}")
+        self._judge(burst[i][0], specs[i], self.copied[i], f"timed call {j}")
     self._acc("timing_inputs", t2 - t0 - stage_s)
     self._acc("timing_stage", stage_s)
     self._acc("timing_flush", t3 - t2)
