@@ -250,7 +250,7 @@ def test_build_cuke_names_an_unreachable_verifier(tmp_path):
       f"--pairs={REPO}/experiments/demo_data/pairs.jsonl",
       f"--verifier={address}",
       f"--out={tmp_path}/cuke",
-      "--connect_timeout_s=1",
+      "--verifier_wait_s=1",
     )
   assert error_line(proc, "build_cuke") == (
     f"build_cuke: error: --verifier {address}: no verifier answered within 1 s "
