@@ -52,11 +52,8 @@ def main(argv):
     logging.info("connecting to the verifier at %s ...", _VERIFIER.value)
     try:
       client.wait_ready(wait_s)
-    except VerifierUnavailable:
-      raise UserError(
-        f"--verifier {_VERIFIER.value}: no verifier answered within {wait_s:g} s "
-        "(is `python -m verifier serve` running there, and is the port right?)"
-      ) from None
+    except VerifierUnavailable as e:
+      raise UserError(f"--verifier {_VERIFIER.value}: {e}") from None
     s = build_cuke(
       _PAIRS.value,
       client,

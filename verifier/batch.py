@@ -12,9 +12,11 @@ Inputs (``load_candidates``):
 KernelBench references (by problem id) come from ``--kernelbench``: ``level{N}.jsonl`` rows
 ``{level, problem_id, name, code}``, a directory of them, or a KernelBench checkout (``level{N}/*.py``).
 
-The batch goes to a ``VerifierService`` started in this process, or to running services through
-``verifier.api.client.VerifierClient``. Progress goes to stderr as verdicts arrive, with a heartbeat
-(what is building or running, elapsed time) while a long build is under way.
+Each candidate keeps an ``id``: its JSONL row's ``id`` (its 1-based line number when it has none) or
+its file's name. The batch goes to a ``VerifierService`` started in this process, or to running
+services through ``verifier.api.client.VerifierClient`` once they answer (``--verifier_wait_s``).
+Verdicts are handed on as they arrive (``verdict_file`` writes them); progress goes to stderr, with a
+heartbeat (what is building or running, elapsed time) whenever ``HEARTBEAT_S`` passes without a line.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -244,47 +245,63 @@ def _say(text: str) -> None:
   print(f"check: {text}", file=sys.stderr, flush=True)
 
 
-async def _check(a) -> int:
-  """Verifies one candidate or a batch (verifier/batch.py); exit status as ``EXIT_STATUSES``."""
-  try:
+@dataclasses.dataclass
+class _CheckRun:
+  """What ``check`` judges and where, read from its flags (bad ones raise, naming the flag)."""
+
+  cands: list[batch.Candidate]
+  skipped: int  # JSONL rows without a candidate
+  cfg: ServiceConfig  # of the service started here (no --verifier)
+  opts: VerifyOptions
+  addresses: list[str]  # --verifier
+  token: str
+  wait_s: float
+  judged: dict[str, dict]  # request_id -> record already in --out
+  writer: verdict_file.VerdictWriter | None
+
+  @classmethod
+  def from_flags(cls, a) -> "_CheckRun":
     cands, skipped = batch.load_candidates(a.path, a.reference, a.candidate, a.kernelbench)
     token = os.environ.get("VERIFIER_TOKEN", "")
     if a.token_file:
       token = batch.read_source(a.token_file, "--token-file").strip()
     addresses = parse_endpoints(a.verifier) if a.verifier else []
     cfg = _config(a, serving_here=not addresses)
-    opts = _check_options(a, cfg.device)
     wait_s = waiting.check_wait_s(a.verifier_wait_s)
     judged, keep = verdict_file.load(a.out) if a.out else ({}, 0)
     writer = verdict_file.VerdictWriter(a.out, keep) if a.out else None
+    opts = _check_options(a, cfg.device)
+    return cls(cands, skipped, cfg, opts, addresses, token, wait_s, judged, writer)
+
+
+async def _check(a) -> int:
+  """Verifies one candidate or a batch (verifier/batch.py); exit status as ``EXIT_STATUSES``."""
+  try:
+    run = _CheckRun.from_flags(a)
   except (batch.InputError, ValueError) as e:
     print(f"check: error: {e}", file=sys.stderr)
     return EXIT_BAD_INPUT
-  ids = [batch.request_id(c, opts) for c in cands]
-  results = [VerifyResult.from_dict(judged[i]) if i in judged else None for i in ids]
+  ids = [batch.request_id(c, run.opts) for c in run.cands]
+  results = [VerifyResult.from_dict(run.judged[i]) if i in run.judged else None for i in ids]
   todo = [k for k, r in enumerate(results) if r is None]
-  if len(todo) < len(cands):
+  if len(todo) < len(results):
     _say(
-      f"{len(cands) - len(todo)} of {len(cands)} candidate(s) already judged in {a.out}: skipped "
-      "(another --out judges them again)"
+      f"{len(results) - len(todo)} of {len(results)} candidate(s) already judged in {a.out}: "
+      "skipped (another --out judges them again)"
     )
   if todo:
     try:
-      await _verify(a, cfg, opts, cands, todo, results, addresses, token, wait_s, writer, skipped)
+      await _verify(run, todo, results)
     except VerifierUnavailable as e:
-      print(
-        f"check: error: {e} (is `python -m verifier serve` running there? "
-        f"{waiting.WAIT_FLAG} waits longer)",
-        file=sys.stderr,
-      )
+      print(f"check: error: {e}", file=sys.stderr)
       return EXIT_NO_VERIFIER
     except PermissionError as e:  # the service refused the token
       print(f"check: error: {e}", file=sys.stderr)
       return EXIT_BAD_INPUT
     finally:
-      if writer is not None:
-        writer.close()
-  _print_results(a, cands, results)
+      if run.writer is not None:
+        run.writer.close()
+  _print_results(a, run.cands, results)
   missing = sum(r is None for r in results)
   if missing:
     again = f"; rerun with --out {a.out} to judge only those" if a.out else ""
@@ -293,34 +310,34 @@ async def _check(a) -> int:
   return EXIT_PASSED if all(r.reward > 0 for r in results) else EXIT_FAILED
 
 
-async def _verify(a, cfg, opts, cands, todo, results, addresses, token, wait_s, writer, skipped):
-  """Judges ``cands[todo]`` into ``results`` (None where no verifier answered), each verdict to
-  ``writer`` as it arrives."""
-  if not addresses:
+async def _verify(run: _CheckRun, todo: list[int], results: list) -> None:
+  """Judges the candidates at indices ``todo`` into ``results`` (None where no verifier answered),
+  each verdict to ``--out`` as it arrives."""
+  cfg, cands = run.cfg, [run.cands[k] for k in todo]
+  if not run.addresses:
     cfg.pch_background = False  # a one-shot run would kill it before it is done
-    cfg.prewarm = len(todo) > 1
-    cfg.compile_workers = min(cfg.compile_workers, len(todo))
-  note = f" ({skipped} without a candidate skipped)" if skipped else ""
-  where = ", ".join(addresses) or f"a {cfg.device} verifier started here"
-  _say(f"{len(todo)} candidate(s){note} on {where}; a cold C++/CUDA build takes 10-150 s")
-  batch_cands = [cands[k] for k in todo]
+    cfg.prewarm = len(cands) > 1
+    cfg.compile_workers = min(cfg.compile_workers, len(cands))
+  note = f" ({run.skipped} without a candidate skipped)" if run.skipped else ""
+  where = ", ".join(run.addresses) or f"a {cfg.device} verifier started here"
+  _say(f"{len(cands)} candidate(s){note} on {where}; a cold C++/CUDA build takes 10-150 s")
 
   def on_result(i: int, r: VerifyResult) -> None:
     results[todo[i]] = r
-    if writer is not None:
-      writer.write(batch_cands[i], r)
+    if run.writer is not None:
+      run.writer.write(cands[i], r)
 
-  progress = batch.Progress(len(todo))
+  progress = batch.Progress(len(cands))
   try:
     await batch.verify_batch(
-      batch_cands,
-      opts,
+      cands,
+      run.opts,
       service_config=cfg,
-      addresses=addresses,
-      token=token,
+      addresses=run.addresses,
+      token=run.token,
       progress=progress,
       on_result=on_result,
-      wait_s=wait_s,
+      wait_s=run.wait_s,
       report=_say,
     )
   finally:

@@ -34,7 +34,7 @@ import grpc
 from verifier.api import waiting, wire
 from verifier.api.contract import FailureKind, VerifyRequest, VerifyResult
 from verifier.api.proto import health_pb2, health_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from verifier.api.waiting import RetryPolicy  # noqa: F401 - the client's policy, defined there
+from verifier.api.waiting import RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -404,7 +404,8 @@ class VerifierClient:
     bad = await waiting.wait_for(probe, self.addresses, timeout_s, report)
     if bad:
       raise VerifierUnavailable(
-        f"verifier not ready after {timeout_s:.0f} s: {', '.join(bad)}",
+        f"verifier not ready after {timeout_s:g} s: {', '.join(bad)}; is `python -m verifier "
+        f"serve` running there? ({waiting.WAIT_FLAG} waits longer)",
         grpc.StatusCode.UNAVAILABLE.name,
       )
 
