@@ -82,6 +82,9 @@ def test_config_json_round_trip_and_dice_presets():
 
   cfg = apply_overrides(small_config(), ["verifier.options.measure_performance=True"])
   assert RLConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+  saved = json.loads(json.dumps(cfg.to_json()))
+  saved["verifier"]["ready_timeout_s"] = 300.0  # saved before --verifier_wait_s replaced it
+  assert RLConfig.from_json(saved) == cfg
   infill, e2e = rl_dice_infill.get_config(), rl_dice_e2e.get_config()
   for c in (infill, e2e):
     s = c.sampler
