@@ -12,7 +12,8 @@ after 3 warm-ups, atol = rtol = 1e-2, eager PyTorch baseline (and torch.compile 
 --compile_baseline); the verifier caches reference timings per reference and GPU, and each record names
 its GPU. RUN/records.jsonl gets one line per (problem, sample) as it is verified; a rerun with the same
 flags resumes. RUN/report.md (+ metrics.json, PNGs) is written at the end. --verifier=local starts a
-verifier service as a child process (device: --verifier_device). Speedups above --review_speedup are
+verifier service as a child process (device: --verifier_device). Nothing is written to RUN before the
+verifier answers (up to --verifier_wait_s, a progress line every 10 s; --verifier=local: RUN/verifier/). Speedups above --review_speedup are
 flagged, not counted in fast_p > 0 until accepted in RUN/reviews.json (see dice_jax/eval/metrics.py).
 On a GPU host that also generates, give the verifier memory: XLA_PYTHON_CLIENT_MEM_FRACTION=0.4.
 """

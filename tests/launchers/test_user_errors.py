@@ -261,23 +261,6 @@ def test_build_cuke_names_an_unreachable_verifier(tmp_path):
   assert os.listdir(tmp_path) == []
 
 
-def test_rl_waits_for_its_verifier_before_writing_anything(tmp_path):
-  with socket.socket() as s:  # a bound port nobody listens on: connections are refused
-    s.bind(("127.0.0.1", 0))
-    address = f"127.0.0.1:{s.getsockname()[1]}"
-    proc = launch(
-      "rl",
-      "--config=rl_tiny",
-      f"--verifier={address}",
-      f"--workdir={tmp_path}/run",
-      "--verifier_wait_s=1",
-    )
-  line = error_line(proc, "rl")
-  assert line.startswith(f"rl: error: verifier not ready after 1 s: {address} (UNAVAILABLE")
-  assert f"waiting for the verifier at {address}: 0 s of 1 s (--verifier_wait_s)" in proc.stderr
-  assert os.listdir(tmp_path) == []  # no checkpoints/, model_config.json or tokenizer/
-
-
 def test_show_data_shows_progress_while_tokenising(tmp_path, byte_tokenizer_dir):
   tasks = tmp_path / "e2e.json"
   code = "import torch\nclass Model(torch.nn.Module):\n  def forward(self, x):\n    return x\n"

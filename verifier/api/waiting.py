@@ -68,7 +68,7 @@ def check_wait_s(value: float) -> float:
 def waiting_line(addresses: Sequence[str], waited_s: float, limit_s: float, errors: str) -> str:
   """The progress line while waiting: who, for how long, and why not yet."""
   return (
-    f"waiting for the verifier at {', '.join(addresses)}: {waited_s:.0f} s of {limit_s:.0f} s "
+    f"waiting for the verifier at {', '.join(addresses)}: {waited_s:.0f} s of {limit_s:g} s "
     f"({WAIT_FLAG}); not answering: {errors}"
   )
 

@@ -82,7 +82,7 @@ class LocalVerifier:
       if self.report is not None and now >= due:
         self.report(
           f"waiting for the local verifier to start: {now - start:.0f} s of "
-          f"{self.start_timeout_s:.0f} s ({waiting.WAIT_FLAG}); log {self.log_path}"
+          f"{self.start_timeout_s:g} s ({waiting.WAIT_FLAG}); log {self.log_path}"
         )
         due = now + waiting.WAIT_PROGRESS_EVERY_S
       if self.proc.poll() is not None or now - start > self.start_timeout_s:
