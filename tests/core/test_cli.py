@@ -128,3 +128,10 @@ def test_a_mesh_that_does_not_fit_the_devices_names_the_run_fields():
     f"run.mesh_data/mesh_fsdp/mesh_tensor = 1/{n + 1}/1: mesh: data*fsdp*tensor = {n + 1} != {n} "
     "devices"
   )
+
+
+def test_verifier_addresses_are_read_once_for_every_launcher():
+  assert _cli.verifier_endpoints("h:1, h:2") == ["h:1", "h:2"]
+  with pytest.raises(UserError) as e:  # rl printed a ValueError traceback for this
+    _cli.verifier_endpoints("bogus")
+  assert str(e.value) == "--verifier: verifier endpoint 'bogus' is not HOST:PORT"

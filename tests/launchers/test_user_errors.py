@@ -294,7 +294,6 @@ def test_build_cuke_names_an_unreachable_verifier(tmp_path):
 @pytest.mark.parametrize(
   "launcher, args, line",
   [
-    ("rl", ["--verifier=bogus"], "--verifier: verifier endpoint 'bogus' is not HOST:PORT"),
     (
       "show_data",
       ["--pipeline=infill", "--infill_tasks={tmp}/junk.jsonl", "--tokenizer={tok}"],
@@ -313,11 +312,8 @@ def test_other_bad_inputs_that_used_to_end_in_a_traceback(
 ):
   (tmp_path / "junk.jsonl").write_text("not json\n")
   fill = lambda s: s.format(tmp=tmp_path, tok=byte_tokenizer_dir)  # noqa: E731
-  workdir = tmp_path / "run"
-  extra = [f"--workdir={workdir}"] if launcher == "rl" else []
-  proc = launch(launcher, *map(fill, args), *extra)
+  proc = launch(launcher, *map(fill, args))
   assert error_line(proc, launcher) == f"{launcher}: error: {fill(line)}"
-  assert not workdir.exists()
 
 
 def test_generate_refuses_sampler_settings_before_loading_the_model(random_export):
