@@ -16,14 +16,9 @@ from verifier.static.syntax import dotted
 # Caps on alias resolution (``bindings``); passing one is SOURCE_TOO_COMPLEX: parts of an alias target or
 # of a module path a name stands for, module paths one name may stand for, and derived values in all.
 MAX_ALIAS_PARTS = 16
-
-
 MAX_ALIAS_VALUES = 8
-
-
 MAX_ALIAS_WORK = 100_000
-
-
+# A name -> the module paths it may stand for (``bindings``).
 Bound = dict[str, frozenset[str]]
 
 

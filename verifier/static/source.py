@@ -46,10 +46,7 @@ GLOBAL_KERNEL = re.compile(
   r"(?:__launch_bounds__\s*\([^)]{0,512}\)\s*)?(\w+)"
 )
 
-
 NOT_NEWLINE = re.compile(r"[^\n]")
-
-
 LOAD_CALLS = frozenset({"load_inline", "load"})
 
 

@@ -12,7 +12,6 @@ from verifier.api.contract import FailureKind, Strictness
 from verifier.static import aten_ops
 from verifier.static.aliases import Bound, resolve
 from verifier.static.rules.base import Findings, Rejection, Rule
-
 from verifier.static.source import LOAD_CALLS, Candidate
 from verifier.static.syntax import dotted, node_line
 
@@ -72,7 +71,6 @@ ALLOWED_TORCH_CALLS = frozenset(
     "iinfo",
   }
 )
-
 
 # Tensor methods that compute on data; calling them in the forward path is using torch, not a kernel.
 COMPUTE_METHODS = frozenset(
@@ -170,7 +168,6 @@ COMPUTE_METHODS = frozenset(
     "nonzero",
   }
 )
-
 
 TASK_FUNCTIONS = frozenset({"get_inputs", "get_init_inputs"})
 

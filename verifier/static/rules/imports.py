@@ -76,7 +76,6 @@ FORBIDDEN_MODULES = frozenset(
   }
 )
 
-
 FORBIDDEN_TORCH_MODULES = (
   "torch.multiprocessing",
   "torch.distributed",
@@ -88,12 +87,9 @@ FORBIDDEN_TORCH_MODULES = (
   "torch.hub",
 )
 
-
 FRAME_MODULES = frozenset({"inspect", "traceback"})
 
-
 THREAD_MODULES = frozenset({"threading", "multiprocessing", "concurrent", "asyncio", "_thread"})
-
 
 # os functions that write files, change the process tree or signal anything.
 OS_FORBIDDEN = frozenset(

@@ -52,7 +52,6 @@ FRAME_ATTRIBUTES = frozenset(
   }
 )
 
-
 # Module names that must not be reached through another module either (``torch.utils.cpp_extension.os``).
 REACHABLE_MODULE_ATTRIBUTES = frozenset(
   {
@@ -78,7 +77,6 @@ REACHABLE_MODULE_ATTRIBUTES = frozenset(
   }
 )
 
-
 FORBIDDEN_CALLS = frozenset(
   {
     "exec",
@@ -96,7 +94,6 @@ FORBIDDEN_CALLS = frozenset(
     "input",
   }
 )
-
 
 # Builtins that reach other scopes or run code: refused wherever they are named, not only where called
 # by that name (``g = getattr; g(torch, "sys")``).

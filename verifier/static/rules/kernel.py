@@ -15,9 +15,7 @@ from verifier.static.source import Candidate
 # A triple-chevron launch and the name before it (``k<<<``, ``ns::k<float, 4><<<``).
 CHEVRON_LAUNCH = re.compile(r"\b(\w+)\s*(?:<[^<>;]{0,512}>\s*)?<<<")
 
-
 CUDA_LAUNCH_CALL = re.compile(r"cudaLaunch\w*\s*\(")
-
 
 IDENTIFIER = re.compile(r"\b\w+\b")
 

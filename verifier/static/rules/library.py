@@ -11,7 +11,6 @@ import re
 from verifier.api.contract import FailureKind, Strictness
 from verifier.static import aten_ops
 from verifier.static.rules.base import Findings, Rejection, Rule
-
 from verifier.static.source import Candidate, CppText, search_cpp
 
 
@@ -20,7 +19,6 @@ CPP_FOREIGN_LIBS = re.compile(
   r"\btorch::(?:matmul|mm|bmm|addmm|conv\w*|linear)\s*\("
 )
 
-
 # Kernels called without the dispatcher (no profiler event): at::cpu::clamp_min, at::native::add_out,
 # at::_ops::sum::call, at::redispatch::..., and namespace aliases or using-directives for them.
 CPP_BACKEND_CALL = re.compile(
@@ -28,9 +26,7 @@ CPP_BACKEND_CALL = re.compile(
   r"compositeexplicitautogradnonfunctional|compositeimplicitautograd)\s*::\s*(\w+)"
 )
 
-
 CPP_ANY_OP_CALL = re.compile(r"\bat\s*::\s*(_ops|redispatch)\s*::\s*\w+")
-
 
 CPP_NAMESPACE_ESCAPE = re.compile(
   r"\busing\s+namespace\s+(?:::)?at\s*::\s*(?:cpu|cuda|native|_ops|meta|redispatch)\b|"

@@ -18,12 +18,10 @@ OPENMP = re.compile(
   r"\bkmp_\w+\s*\(|\bat\s*::\s*(?:parallel_for|parallel_reduce|set_num_threads|launch|intraop_launch)\b"
 )
 
-
 CPP_STREAM_OR_THREAD = re.compile(
   r"cudaStreamCreate|cudaStreamCreateWithFlags|cudaStreamCreateWithPriority|getStreamFromPool|"
   r"std::thread|pthread_create|std::async|cudaGraphLaunch|#\s*include\s*<thread>"
 )
-
 
 PY_STREAM = re.compile(
   r"torch\.cuda\.Stream\s*\(|torch\.cuda\.stream\s*\(|\.wait_stream\s*\(|\.record_stream\s*\("
