@@ -4,7 +4,8 @@
         client = GrpcVerifierClient(v.address, token="")
 
 The server binds port 0 and prints the port it got (`verifier listening on HOST:PORT`); this reads it
-from the log, and on exit terminates the process (then kills it if it does not stop).
+from the log, and on exit terminates the process (then kills it if it does not stop). The service gets
+this process's import path with every entry absolute (`sandbox/import_path.py`), as its workers do.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import re
 import subprocess
 import sys
 import time
+
+from verifier.sandbox.import_path import child_pythonpath
 
 _LISTENING = re.compile(r"listening on [\d.]+:(\d+)")
 
@@ -61,7 +64,10 @@ class LocalVerifier:
     os.makedirs(self.workdir, exist_ok=True)
     with open(self.log_path, "w") as log:
       self.proc = subprocess.Popen(
-        self.cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VERIFIER_TOKEN": ""}
+        self.cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "VERIFIER_TOKEN": "", "PYTHONPATH": child_pythonpath()},
       )
     deadline = time.time() + self.start_timeout_s
     while True:
