@@ -330,7 +330,7 @@ def main(argv):
       from dice_jax.verifier_client import ThreadedVerifier
 
       judge = ThreadedVerifier(address, options={"num_correct_trials": 1}, token="")
-      judge.wait_ready(300)
+      judge.wait_ready()
     else:
       judge = rollout.FunctionJudge(lambda *a: False)
 

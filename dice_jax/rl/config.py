@@ -23,7 +23,7 @@ from dice_jax.rl import advantages as advantages_lib
 from dice_jax.rl import rewards as rewards_lib
 from dice_jax.rl.tracerl import TAIL_ROWS, TraceRLConfig
 from dice_jax.train.optimizer import OptimizerConfig
-from verifier.api.client import RetryPolicy
+from verifier.api.waiting import RetryPolicy
 from dice_jax.train.run_config import FIELDS as RUN_FIELDS
 from dice_jax.train.run_config import RunConfig, nest_flat_fields
 
@@ -51,13 +51,13 @@ DICE_OPTIMIZER = OptimizerConfig(
 @dataclasses.dataclass(frozen=True)
 class VerifierConfig:
   """How candidates are judged. `options` are `VerifyOptions` fields sent with every request
-  (DICE: one correctness trial, atol = rtol = 1e-2, no timing); endpoints come from the launcher."""
+  (DICE: one correctness trial, atol = rtol = 1e-2, no timing); endpoints and how long to wait for
+  them at start (`--verifier_wait_s`) come from the launcher."""
 
   options: dict = dataclasses.field(default_factory=lambda: {"num_correct_trials": 1})
   retry: RetryPolicy = RetryPolicy()
   local_device: str = ""  # --verifier=local: "cpu" | "cuda" ("" = cuda when a GPU is visible)
   local_compile_workers: int = 0  # 0: the service's default
-  ready_timeout_s: float = 300.0
 
   def __post_init__(self):
     if not isinstance(self.options, dict):
@@ -266,6 +266,7 @@ class RLConfig:
     d["tracerl"] = TraceRLConfig(**d["tracerl"])
     d["optim"] = OptimizerConfig(**d["optim"])
     v = dict(d["verifier"])
+    v.pop("ready_timeout_s", None)  # configs saved before --verifier_wait_s
     v["retry"] = RetryPolicy(**v["retry"])
     d["verifier"] = VerifierConfig(**v)
     return cls(**d)

@@ -108,6 +108,6 @@ def test_bench_rl_reports_why_the_local_verifier_did_not_start(tmp_path):
     timeout=240,
   )
   assert out.returncode == 1 and "KeyError" not in out.stderr, out.stderr[-3000:]
-  assert "VerifierStartError: verifier did not start" in out.stderr, out.stderr[-3000:]
+  assert "VerifierStartError: local verifier did not start" in out.stderr, out.stderr[-3000:]
   error = json.loads((tmp_path / "bench_rl.json").read_text())["verifier_error"]
   assert error.startswith("VerifierStartError") and "--no-such-option" in error, error
