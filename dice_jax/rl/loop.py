@@ -52,6 +52,7 @@ from dice_jax.rl import rewards as rewards_lib
 from dice_jax.rl import rollout as rollout_lib
 from dice_jax.rl import tracerl
 from dice_jax.rl.config import RLConfig
+from dice_jax.rl.trajectory import Trajectory
 from dice_jax.train import checkpoint as ckpt_lib
 from dice_jax.train import metrics as metrics_lib
 from dice_jax.train import optimizer as optim_lib
@@ -282,10 +283,26 @@ def evaluate(t: _Trainer, judge, step: int) -> dict:
 
 def stop_ids(cfg: RLConfig, tok) -> tuple[int, ...]:
   """The ids that end a response: the tokenizer's stop ids (`chat`: `<|im_end|>` and
-  `<|endoftext|>` for SDAR) or its eos only (`eos`: DICE's JetEngine stops at `<|endoftext|>`)."""
+  `<|endoftext|>` for SDAR), its eos only (`eos`), or `<|im_end|>` only (`im_end`: DICE's
+  JetEngine stops at its SFT checkpoint's eos, which LLaMA-Factory's qwen3 template makes
+  `<|im_end|>`; docs/dice_recipe.md, item 4)."""
   if cfg.stop_tokens == "eos":
     return (int(tok.eos_token_id),)
+  if cfg.stop_tokens == "im_end":
+    if tok.im_end_token_id is None:
+      raise ValueError("stop_tokens='im_end': the tokenizer has no <|im_end|> token")
+    return (int(tok.im_end_token_id),)
   return tuple(tok.stop_token_ids)
+
+
+def training_view(traj: Trajectory, cfg: RLConfig, stop_ids, pad_id: int) -> Trajectory:
+  """`traj` as the update trains it: without its final stop token unless `train_stop_token`,
+  without the tokens equal to `pad_id` unless `train_pad_tokens` (DICE's `post_num: 0`)."""
+  if not cfg.train_stop_token:
+    traj = traj.without_stop_token(stop_ids)
+  if not cfg.train_pad_tokens:
+    traj = traj.without_token(pad_id)
+  return traj
 
 
 def make_backend(cfg: RLConfig, scfg) -> rollout_lib.SamplerBackend:
@@ -438,7 +455,7 @@ def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
   for traj, a, keep in zip(ro.trajectories, adv.values, adv.keep):
     traj.advantage = float(a)
     if keep:
-      kept.append(traj if cfg.train_stop_token else traj.without_stop_token(t.backend.cfg.stop_ids))
+      kept.append(training_view(traj, cfg, t.backend.cfg.stop_ids, t.tokenizer.pad_token_id))
   if cfg.reset_optimizer:  # DICE: a new AdamW every RL step (one process per step)
     state = dict(state, opt_state=t.init_opt(state["params"]))
   batches = tracerl.build_batches(
@@ -450,7 +467,8 @@ def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
     pad_id=mcfg.pad_token_id or 0,
     length_multiple=cfg.length_multiple,
     rng=np.random.default_rng([cfg.run.seed, rl_step]) if cfg.shuffle else None,
-    drop_partial=cfg.tail_rows == "drop",
+    tail=cfg.tail_rows,
+    even_batches_rows=cfg.even_batches_rows,
   )
   t_build = time.perf_counter()
   rows = ts.local_rows(mesh, cfg.rows_per_update, cfg.accum_steps)  # this process's rows

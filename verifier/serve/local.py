@@ -6,7 +6,8 @@
 The server binds port 0 and prints the port it got (`verifier listening on HOST:PORT`); this reads it
 from the log (waiting up to ``start_timeout_s``, default ``waiting.VERIFIER_WAIT_S``, with a line to
 ``report`` every ``waiting.WAIT_PROGRESS_EVERY_S``), and on exit terminates the process (then kills it
-if it does not stop).
+if it does not stop). The service gets this process's import path with every entry absolute
+(`sandbox/import_path.py`), as its workers do.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable
 
 from verifier.api import waiting
+from verifier.sandbox.import_path import child_pythonpath
 
 _LISTENING = re.compile(r"listening on [\d.]+:(\d+)")
 
@@ -68,7 +70,10 @@ class LocalVerifier:
     os.makedirs(self.workdir, exist_ok=True)
     with open(self.log_path, "w") as log:
       self.proc = subprocess.Popen(
-        self.cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VERIFIER_TOKEN": ""}
+        self.cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "VERIFIER_TOKEN": "", "PYTHONPATH": child_pythonpath()},
       )
     start = time.monotonic()
     due = start + waiting.WAIT_PROGRESS_EVERY_S
