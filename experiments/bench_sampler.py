@@ -94,6 +94,12 @@ flags.DEFINE_list(
 )
 flags.DEFINE_string("attention_impl", "flash", "Model attention implementation.")
 flags.DEFINE_string(
+  "decode_tiles",
+  "",
+  "DecodeTiles of every run, as JSON or a JSON file's path (e.g. the best_tiles.json of "
+  "experiments.decode_profile); empty: the default.",
+)
+flags.DEFINE_string(
   "option_sets",
   json.dumps(
     {
@@ -121,7 +127,7 @@ class Bench:
     self.model = sharding.create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)), mesh)
     jax.block_until_ready(nnx.state(self.model))
     self.build_s = time.perf_counter() - t0
-    self.tiles = flash_decode.DecodeTiles()
+    self.tiles = decode_tiles(FLAGS.decode_tiles)
     self.options = {}
     self.rows = []
     self.rates = {}
@@ -603,6 +609,17 @@ class Bench:
 
   def dynamic_lockstep(self):
     self.dynamic(ragged=False)
+
+
+def decode_tiles(spec: str) -> flash_decode.DecodeTiles:
+  """`--decode_tiles`: JSON, a JSON file's path, or empty (the default tiles)."""
+  if not spec:
+    return flash_decode.DecodeTiles()
+  text = open(spec).read() if os.path.exists(spec) else spec
+  try:
+    return flash_decode.DecodeTiles(**json.loads(text))
+  except (ValueError, TypeError) as e:
+    raise app.UsageError(f"--decode_tiles: {e}") from e
 
 
 def kv_bytes(mcfg, rows, fill):
