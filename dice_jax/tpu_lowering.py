@@ -20,11 +20,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dice_jax.diffusion import engine as engine_lib
 from dice_jax.diffusion import objective as objective_lib
-from dice_jax.diffusion import sampler as sampler_lib
-from dice_jax.diffusion import slots as slots_lib
+from dice_jax.diffusion import placement as placement_lib
 from dice_jax.model import platform
-from dice_jax.model.kv_cache import KVCache
 from dice_jax.model.transformer import Transformer
 from dice_jax.rl import tracerl
 from dice_jax.train import optimizer as optim_lib
@@ -94,41 +93,32 @@ def export_sampler_steps(
   mcfg, mesh, scfg, *, slots: int, prompt_width: int, prefill_rows: int
 ) -> dict[str, jax.export.Exported]:
   """{'prefill': admit `prefill_rows` prompts of `prompt_width` tokens, 'decode': one block of
-  every slot} of the continuous-batching engine, weights sharded by the rules, the state and
-  cache on the model's mesh (as `engine.ContinuousSampler` holds them)."""
+  every slot} of the continuous-batching engine (`engine.compiled_steps`): weights and their
+  decode copy sharded by the rules, the slots and cache split over the mesh's data axes
+  (`placement.Placement`), as `engine.ContinuousSampler` holds them."""
   scfg = scfg.for_model(mcfg)
   graphdef, params, p_sh = abstract_model(mcfg, mesh)
   st = jax.tree.map(_sds, params, p_sh)
-  repl = NamedSharding(mesh, P())
+  lay = placement_lib.Placement(mesh)
   weights = None
   if scfg.splits_weights(mcfg):
-    weights = jax.eval_shape(lambda s: nnx.merge(graphdef, s).decode_weights(), st)
-    weights = jax.tree.map(lambda x: _sds(x, repl), weights)
+    model = nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)))
+    weights = jax.eval_shape(
+      lambda s: nnx.merge(graphdef, s).decode_weights(lay.fuses_projections), st
+    )
+    weights = jax.tree.map(_sds, weights, lay.decode_weights(model, weights))
   b = scfg.block_size
   cache_len = -(-(prompt_width + b + scfg.max_new_tokens + b) // 512) * 512
-  width = slots_lib.out_width(b, scfg.max_new_tokens)
-  sl, cache = jax.eval_shape(
-    lambda: (
-      slots_lib.empty_slots(slots, b, width, scfg.return_logprobs, mcfg.mask_token_id),
-      KVCache.empty(mcfg, slots, cache_len, dtype=scfg.cache_dtype(mcfg), tiles=scfg.decode_tiles),
-    )
-  )
-  sl, cache = jax.tree.map(lambda x: _sds(x, repl), (sl, cache))
+  steps = engine_lib.compiled_steps(graphdef, mcfg, scfg, lay, slots, cache_len)
+  sl, cache = jax.eval_shape(steps.init)
+  sl, cache = jax.tree.map(_sds, (sl, cache), (lay.row_tree(sl), lay.cache(cache)))
+  repl = lay.replicated
   vec = lambda dt, *s: jax.ShapeDtypeStruct(s, dt, sharding=repl)
   keys = _sds(jax.eval_shape(lambda: jax.random.split(jax.random.key(0), prefill_rows)), repl)
-
-  def advance(st, weights, sl, cache):
-    model = sampler_lib.decoding_model(graphdef, st, weights)
-    return slots_lib.advance(model, sl, cache, scfg)
-
-  def admit(st, weights, sl, cache, rows, prompts, n, new, keys):
-    model = sampler_lib.decoding_model(graphdef, st, weights)
-    return slots_lib.admit(model, sl, cache, rows, prompts, n, new, keys, scfg)
-
   with jax.set_mesh(mesh), platform.lowering_for("tpu"):
     r = prefill_rows
     prefill = _export(
-      jax.jit(admit, donate_argnums=(3,)),
+      steps.admit,
       st,
       weights,
       sl,
@@ -139,7 +129,7 @@ def export_sampler_steps(
       vec(jnp.int32, r),
       keys,
     )
-    decode = _export(jax.jit(advance, donate_argnums=(3,)), st, weights, sl, cache)
+    decode = _export(steps.advance, st, weights, sl, cache)
   return {"prefill": prefill, "decode": decode}
 
 
