@@ -110,8 +110,7 @@ class Steps:
   admit: Callable
 
 
-@functools.lru_cache(maxsize=16)
-def compiled_steps(
+def build_steps(
   graphdef,
   model_cfg,
   cfg: SamplerConfig,
@@ -121,8 +120,8 @@ def compiled_steps(
   options: tuple = (),
 ) -> Steps:
   """The engine's jitted steps for one (model graph and config, sampler config, placement, shape,
-  XLA options `((name, value), ...)`): shared by every engine built on them, so a new engine per RL
-  step (new weights, the same graph) reuses the compiled programs instead of compiling again."""
+  XLA options `((name, value), ...)`), freshly made (`compiled_steps` shares them; a fresh one is
+  what tracing for another platform needs: `platform.lowering_for` is read at trace time)."""
   init = functools.partial(empty_state, model_cfg, cfg, slots, cache_len)
   sl, cache = jax.eval_shape(init)
   sl_sh, cache_sh = placement.row_tree(sl), placement.cache(cache)
@@ -155,6 +154,13 @@ def compiled_steps(
       compiler_options=opts,
     ),
   )
+
+
+@functools.lru_cache(maxsize=16)
+def compiled_steps(*key) -> Steps:
+  """`build_steps(*key)`, shared by every engine built on the same key, so a new engine per RL
+  step (new weights, the same graph) reuses the compiled programs instead of compiling again."""
+  return build_steps(*key)
 
 
 def _bucket(n: int, multiple: int) -> int:

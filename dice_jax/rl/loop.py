@@ -9,10 +9,10 @@ Per RL step s:
   5. metrics, samples, and an orbax checkpoint at the step boundary.
 
 Several JAX processes (one mesh over all their devices) run the same steps: each draws the whole
-RL stream and samples every group (the sampler is one computation over the global mesh, so the
-processes must make the same calls anyway), judges every n-th distinct request and receives the
-others' verdicts, so rewards, advantages and TraceRL batches are equal everywhere; each then feeds
-its devices' rows of every mini-batch. Process 0 writes metrics, samples, the plot
+RL stream and makes the same sampler calls, in which its devices decode their share of the rows
+(rows over the mesh's data axes: `rollout.py`); the sampled rows are gathered to every process;
+each judges every n-th distinct request and receives the others' verdicts, so rewards, advantages
+and TraceRL batches are equal everywhere; each then feeds its devices' rows of every mini-batch. Process 0 writes metrics, samples, the plot
 (`reporting.py`), the tokenizer and the model config; all write the orbax checkpoints together.
 The stream state is the same on every process, so a checkpoint resumes on any process count.
 
