@@ -1,7 +1,7 @@
 """One process of the two-process sampler test (`test_sampler_mesh.py`), started by
-`experiments.local_cluster` (which appends the cluster arguments): the tiny model on the global
-mesh (rows over the devices of both processes), the continuous engine and the static sampler on
-it and, for reference, on this process's first device alone; writes what it saw to
+`experiments.local_cluster` (which appends the cluster arguments): the continuous engine with the
+tiny model on the global mesh (rows over the devices of both processes) and, for reference, the
+same requests on this process's first device alone; writes what it saw to
 `--out/process_I.json`."""
 
 import argparse
@@ -59,31 +59,31 @@ def main():
   distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
   mcfg = get_config("tiny", dtype="float32")
   make = lambda: Transformer(mcfg, rngs=nnx.Rngs(0))
-  mesh = sharding.make_mesh(data=1, fsdp=-1, tensor=1)
-  models = {"mesh": sharpened(sharding.create_sharded(make, mesh))}
-  with jax.default_device(jax.local_devices()[0]):
-    models["alone"] = sharpened(make())
+  mesh = sharding.make_mesh(data=1, fsdp=-1, tensor=1)  # rows over the devices of both
   reqs = requests()
   seen = {"process": jax.process_index(), "devices": jax.device_count()}
-  for name, model in models.items():
-    eng = engine.ContinuousSampler(model, CFG, slots=4, max_prompt_len=12, prefill_rows=4)
-    done = {c.id: c for c in eng.run(reqs)}
-    seen[f"{name} engine"] = [
-      [getattr(done[r.id], f).tolist() for r in reqs]
-      for f in ("response_ids", "step_map", "logprobs")
-    ]
-    if name == "mesh":
-      _, cache = eng._steps.init()
-      seen["cache rows held"] = rows_held(cache.k)
-      seen["cache bytes per device"] = [s.data.nbytes for s in cache.k.addressable_shards]
-      seen["cache bytes"] = cache.k.nbytes
-    out = sampler.generate(
-      model, [r.prompt_ids for r in reqs[:4]], CFG, keys=jnp.stack([r.key for r in reqs[:4]])
+  # The engine on the global mesh: 4 slots, one per device, refilled.
+  eng = engine.ContinuousSampler(
+    sharpened(sharding.create_sharded(make, mesh)), CFG, slots=4, max_prompt_len=12
+  )
+  done = {c.id: c for c in eng.run(reqs)}
+  seen["mesh"] = [
+    [getattr(done[r.id], f).tolist() for r in reqs]
+    for f in ("response_ids", "step_map", "logprobs")
+  ]
+  _, cache = eng._steps.init()
+  seen["cache rows held"] = rows_held(cache.k)
+  seen["cache bytes per device"] = [s.data.nbytes for s in cache.k.addressable_shards]
+  seen["cache bytes"] = cache.k.nbytes
+  # The same requests on this process's first device alone (the static sampler: the engine
+  # decodes what it decodes, `test_engine.py`).
+  with jax.default_device(jax.local_devices()[0]):
+    alone = sampler.generate(
+      sharpened(make()), [r.prompt_ids for r in reqs], CFG, keys=jnp.stack([r.key for r in reqs])
     )
-    if name == "mesh":
-      seen["static rows held"] = rows_held(out.tokens)
-    host = distributed.tree_to_host(out)
-    seen[f"{name} static"] = [host.tokens.tolist(), host.step_map.tolist(), host.logprobs.tolist()]
+  tokens, steps, logp = (np.asarray(x) for x in (alone.tokens, alone.step_map, alone.logprobs))
+  gen = steps >= 0
+  seen["alone"] = [[x[i][gen[i]].tolist() for i in range(len(reqs))] for x in (tokens, steps, logp)]
   with open(os.path.join(args.out, f"process_{jax.process_index()}.json"), "w") as f:
     json.dump(seen, f)
   distributed.barrier("sampler_processes done")

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from dice_jax import sharding
-from dice_jax.diffusion import engine, placement, sampler
+from dice_jax.diffusion import engine, sampler
 from dice_jax.model.config import get_config
 from dice_jax.model.kv_cache import KVCache
 from dice_jax.model.transformer import Transformer
@@ -55,24 +55,12 @@ def _per_device_bytes(x) -> dict:
   return out
 
 
-STRATEGIES = {
-  "static": sampler.SamplerConfig(strategy="low_confidence_static"),
-  "entropy_bounded": sampler.SamplerConfig(strategy="entropy_bounded", eb_threshold=0.6),
-}
-
-
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_static_sampler_on_8_devices_decodes_the_tokens_of_one(models, strategy):
-  """Lockstep (static) and ragged (entropy-bounded) decoding, sampled at temperature 1: equal
-  tokens and step maps, log-probs to float rounding; the rows come back split 4 ways."""
-  cfg = STRATEGIES[strategy]
+def test_static_sampler_on_8_devices_decodes_the_tokens_of_one(models):
+  """Lockstep decoding (the static strategy), sampled at temperature 1: equal tokens and step
+  maps, log-probs to float rounding; the rows come back split 4 ways. (The ragged strategies: the
+  engine test below.)"""
   cfg = sampler.SamplerConfig(
-    strategy=cfg.strategy,
-    eb_threshold=cfg.eb_threshold,
-    temperature=1.0,
-    max_new_tokens=10,
-    stop_ids=(STOP,),
-    return_logprobs=True,
+    temperature=1.0, max_new_tokens=10, stop_ids=(STOP,), return_logprobs=True
   )
   prompts = _prompts(8)
   want, got = (sampler.generate(m, prompts, cfg, jax.random.key(3)) for m in models)
@@ -85,10 +73,23 @@ def test_static_sampler_on_8_devices_decodes_the_tokens_of_one(models, strategy)
   assert 0 < int((np.asarray(want.tokens) == STOP).any(axis=1).sum()) < 8  # some rows stopped
 
 
-def test_engine_on_8_devices_decodes_each_request_as_one_device_does(models):
-  """The continuous engine (dynamic strategy, ragged, as the RL rollout runs it), with refills:
-  every request's tokens, step map and log-probs equal the one-device engine's; each device holds
-  1/8 of the cache (its 2 of 8 slots, 1 of 2 K/V heads), and it stays there across the steps."""
+def _memory(eng, sl, cache, host):
+  """Compiled memory of the engine's decode and prefill steps (cached: the shapes it ran)."""
+  with eng.placement.context():
+    return [
+      fn.lower(eng._state, eng._weights, sl, cache, *args).compile().memory_analysis()
+      for fn, args in ((eng._steps.advance, ()), (eng._steps.admit, host))
+    ]
+
+
+def test_engine_on_8_devices_decodes_as_one_device_with_an_eighth_of_the_memory(models):
+  """The continuous engine (dynamic strategy, ragged, as the RL rollout runs it), with refills,
+  on a cache of 8 slots x 2,304: every request's tokens, step map and log-probs equal the
+  one-device engine's. Each device holds 1/8 of the cache (2 of 8 slots, 1 of 2 K/V heads), and
+  the compiled steps' per-device arguments are 1/8 of the cache's K/V and 1/4 of the rest (its
+  per-slot metadata, and the weights: split over fsdp x tensor, whole on each of the 2 data
+  replicas); the cache is aliased in place, and the temporaries fall with the rows (no gathered
+  cache; each device prefills its own prompts)."""
   cfg = sampler.SamplerConfig(
     strategy="low_confidence_dynamic",
     threshold=0.5,
@@ -101,10 +102,20 @@ def test_engine_on_8_devices_decodes_each_request_as_one_device_does(models):
     engine.Request(i, p, jax.random.key(100 + i), max_new_tokens=4 + i % 7)
     for i, p in enumerate(_prompts(13, seed=1))
   ]
-  done = []
+  done, memory = [], []
   for m in models:
-    eng = engine.ContinuousSampler(m, cfg, slots=8, max_prompt_len=12, prefill_rows=4)
+    eng = engine.ContinuousSampler(m, cfg, slots=8, max_prompt_len=2200, prefill_rows=4)
     done.append({c.id: c for c in eng.run(reqs)})
+    sl, cache = eng._steps.init()
+    rows = np.arange(4, dtype=np.int32)
+    host = (
+      rows,
+      np.ones((4, 128), np.int32),
+      rows + 1,
+      rows + 1,
+      jax.random.split(jax.random.key(0), 4),
+    )
+    memory.append(_memory(eng, sl, cache, host))
   assert eng.stats["admitted"] == len(reqs) and eng.stats["prefill_calls"] >= 3
   for r in reqs:
     want, got = done[0][r.id], done[1][r.id]
@@ -112,49 +123,19 @@ def test_engine_on_8_devices_decodes_each_request_as_one_device_does(models):
     np.testing.assert_array_equal(got.step_map, want.step_map, err_msg=str(r.id))
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=2e-5, err_msg=str(r.id))
     assert got.response_length == want.response_length
-  sl, cache = eng._steps.init()
   with eng.placement.context():
     sl, cache, *_ = eng._steps.advance(eng._state, eng._weights, sl, cache)
   assert cache.k.sharding.spec == jax.P(None, ("data", "fsdp"), None, "tensor", None)
   for x in (cache.k, cache.v):
     assert set(_per_device_bytes(x).values()) == {x.nbytes // 8}
   assert set(_per_device_bytes(sl.out_tokens).values()) == {sl.out_tokens.nbytes // 4}
-
-
-def _memory(steps, state, weights, sl, cache, *host):
-  lay = placement.Placement.of(state)
-  with lay.context():
-    return [
-      fn.lower(state, weights, sl, cache, *args).compile().memory_analysis()
-      for fn, args in ((steps.advance, ()), (steps.admit, host))
-    ]
-
-
-def test_compiled_steps_hold_an_eighth_per_device_and_update_the_cache_in_place(models):
-  """Compiled memory of the engine's decode and prefill steps (a cache of 8 slots x 2,304): per
-  device the mesh's arguments are 1/8 of the cache's K/V (rows x heads) and 1/4 of the rest (its
-  per-slot metadata, and the weights: split over fsdp x tensor, whole on each of the 2 data
-  replicas), the cache is aliased in place, and the temporaries fall with the rows too (no
-  gathered cache; the prefill of 8 prompts works on each device's own 2)."""
-  cfg = sampler.SamplerConfig(max_new_tokens=2048)
-  got = {}
-  for name, m in zip(("one", "mesh"), models):
-    eng = engine.ContinuousSampler(m, cfg, slots=8, max_prompt_len=128, prefill_rows=8)
-    sl, cache = eng._steps.init()
-    rows = np.arange(8, dtype=np.int32)
-    keys = jax.random.split(jax.random.key(0), 8)
-    host = (rows, np.ones((8, 128), np.int32), np.full(8, 100, np.int32), rows + 1, keys)
-    got[name] = _memory(eng._steps, eng._state, eng._weights, sl, cache, *host)
   kv = KVCache.num_bytes(models[0].cfg, 8, eng.cache_len)
   heads = cache.k.nbytes + cache.v.nbytes  # split over rows and heads; the rest over rows
-  (adv1, adm1), (adv8, adm8) = got["one"], got["mesh"]
-  for one, mesh in ((adv1, adv8), (adm1, adm8)):
+  for one, mesh in zip(*memory):  # (decode, prefill)
     assert one.argument_size_in_bytes > kv
     share = heads / 8 + (one.argument_size_in_bytes - heads) / 4
     assert kv / 8 < mesh.argument_size_in_bytes <= share * 1.02, (one, mesh)
     assert mesh.alias_size_in_bytes >= kv / 8 - 8 * 4  # the cache, donated and updated in place
-    # temporaries: the one device's per device (the dense path's per-layer K/V slices), no
-    # gathered cache (that alone would be `kv`)
     assert mesh.temp_size_in_bytes < min(kv, one.temp_size_in_bytes) / 4, (one, mesh)
 
 
@@ -222,11 +203,11 @@ def test_memory_estimate_divides_by_the_shards(models):
   assert mesh["activations"] * 4 == one["activations"]
 
 
-@pytest.mark.slow  # two processes compile the engine and the static sampler twice: ~1 min
+@pytest.mark.slow  # two processes compile the engine and the static sampler: ~1 min
 def test_two_processes_each_decode_their_half_of_the_rows(tmp_path):
-  """Two JAX processes (2 fake CPU devices each, rows over the 4): each holds the cache and the
-  output rows of its own devices only (its half), and both get every request's tokens, step map
-  and log-probs, those of this process's device alone."""
+  """Two JAX processes (2 fake CPU devices each, rows over the 4) run the engine on one mesh:
+  each holds the cache rows of its own devices only (its half), and both get every request's
+  tokens, step map and log-probs, those of one device alone."""
   procs = local_cluster.start(
     [sys.executable, "-m", "tests.diffusion.sampler_processes", f"--out={tmp_path}"],
     2,
@@ -239,14 +220,12 @@ def test_two_processes_each_decode_their_half_of_the_rows(tmp_path):
   logs = [(tmp_path / f"process_{i}.log").read_text()[-3000:] for i in range(2)]
   assert codes == [0, 0], logs
   seen = [json.loads((tmp_path / f"process_{i}.json").read_text()) for i in range(2)]
+  flat = lambda rows: np.concatenate([np.ravel(r) for r in rows])
   for i, s in enumerate(seen):
     assert s["devices"] == 4
     assert s["cache rows held"] == [[2 * i, 2 * i + 1], [2 * i + 1, 2 * i + 2]]
-    assert s["static rows held"] == s["cache rows held"]
     assert s["cache bytes per device"] == [s["cache bytes"] // 4] * 2
-    for part in ("engine", "static"):  # [tokens, step map, log-probs], a list per row each
-      (tok, steps, logp), want = s[f"mesh {part}"], s[f"alone {part}"]
-      assert tok == want[0] and steps == want[1], part
-      flat = lambda rows: np.concatenate([np.ravel(r) for r in rows])
-      np.testing.assert_allclose(flat(logp), flat(want[2]), atol=2e-5, err_msg=part)
-  assert seen[0]["mesh engine"] == seen[1]["mesh engine"]  # every process has every row
+    (tokens, steps, logp), want = s["mesh"], s["alone"]  # a list per request each
+    assert tokens == want[0] and steps == want[1]
+    np.testing.assert_allclose(flat(logp), flat(want[2]), atol=2e-5)
+  assert seen[0]["mesh"] == seen[1]["mesh"]  # every process has every row
