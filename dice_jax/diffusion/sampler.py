@@ -440,16 +440,18 @@ def _decode(graphdef, state, weights, layout: Layout, keys, *, cfg: SamplerConfi
 
 
 @functools.lru_cache(maxsize=16)
-def compiled_decode(graphdef, cfg: SamplerConfig, placement: Placement):
-  """The static sampler for one (model graph, config, placement), jitted: (state, weights,
-  layout, keys) -> SampleOutput. The layout and keys come in replicated (host values, the same
-  on every process) and are split over the rows inside; the parameters and their decode copy as
-  they are laid out; the outputs row-split. The KV cache is made inside, row-split, exactly once
-  (the loops carry it)."""
+def compiled_decode(graphdef, cfg: SamplerConfig, placement: Placement, options: tuple = ()):
+  """The static sampler for one (model graph, config, placement, XLA options `((name, value),
+  ...)`), jitted: (state, weights, layout, keys) -> SampleOutput. The layout and keys come in
+  replicated (host values, the same on every process) and are split over the rows inside; the
+  parameters and their decode copy as they are laid out; the outputs row-split. The KV cache is
+  made inside, row-split, exactly once (the loops carry it). Call (and lower) it under
+  `placement.context()`."""
   repl = placement.replicated
   return jax.jit(
     functools.partial(_decode, graphdef, cfg=cfg, placement=placement),
     in_shardings=(None, None, repl, repl),
+    compiler_options=dict(options) or None,
   )
 
 
