@@ -341,7 +341,7 @@ class ContinuousSampler:
       while new_reqs:
         rows = free.take(len(new_reqs), self.prefill_rows)
         group = [new_reqs.pop(0) if r < self.num_slots else None for r in rows]
-        prompts, lens, new, keys = self._request_arrays(group)
+        prompts, lens, new, keys = self.placement.host_inputs(self._request_arrays(group))
         sl, cache = self._call(
           self._steps.admit,
           self._state,

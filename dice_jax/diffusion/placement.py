@@ -67,6 +67,14 @@ class Placement:
     """`rows` of every leaf of `tree` (e.g. `slots.Slots`, a `sampler.Layout`, keys)."""
     return jax.tree.map(self.rows, tree)
 
+  def host_inputs(self, tree):
+    """`tree`'s leaves as a step's replicated inputs: host values (numpy, uncommitted arrays)
+    as they are, an array committed elsewhere (another layout, one device) made whole on the
+    mesh."""
+    repl = self.replicated
+    whole = lambda x: jax.device_put(x, repl) if getattr(x, "committed", False) else x
+    return jax.tree.map(whole, tree)
+
   def cache(self, cache: kv_cache_lib.KVCache) -> kv_cache_lib.KVCache:
     """Shardings of `cache`'s fields (`kv_cache.LOGICAL_AXES`: rows over the data axes, K/V heads
     over `tensor`), as a `KVCache` (jit's sharding tree)."""

@@ -483,6 +483,7 @@ def decode(
   if keys.shape != (rows,):
     raise ValueError(f"decode: keys must be {rows} typed PRNG keys, got shape {keys.shape}")
   weights = split_weights(graphdef, state, placement) if cfg.splits_weights(model.cfg) else None
+  layout, keys = placement.host_inputs((layout, keys))
   with placement.context():
     return compiled_decode(graphdef, cfg, placement)(state, weights, layout, keys)
 
