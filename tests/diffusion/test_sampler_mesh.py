@@ -84,7 +84,7 @@ def _memory(eng, sl, cache, host):
 
 def test_engine_on_8_devices_decodes_as_one_device_with_an_eighth_of_the_memory(models):
   """The continuous engine (dynamic strategy, ragged, as the RL rollout runs it), with refills,
-  on a cache of 8 slots x 2,304: every request's tokens, step map and log-probs equal the
+  on a cache of 8 slots x 2,320: every request's tokens, step map and log-probs equal the
   one-device engine's. Each device holds 1/8 of the cache (2 of 8 slots, 1 of 2 K/V heads), and
   the compiled steps' per-device arguments are 1/8 of the cache's K/V and 1/4 of the rest (its
   per-slot metadata, and the weights: split over fsdp x tensor, whole on each of the 2 data
