@@ -102,8 +102,8 @@ class Steps:
   """The engine's compiled programs: `init` () -> (slots, cache); `advance` (state, weights,
   slots, cache) -> (slots, cache, finished, forwards, lengths); `admit` (state, weights, slots,
   cache, rows, prompts, prompt_len, max_new, keys) -> (slots, cache). Slots and cache in and out
-  on `placement` (rows over the data axes), the cache donated; host inputs and the per-row
-  outputs the host reads replicated."""
+  on `placement` (rows over the data axes), the cache donated; host inputs as they come (split
+  over the rows inside); the per-row outputs the host reads replicated."""
 
   init: Callable
   advance: Callable
@@ -148,7 +148,7 @@ def build_steps(
     ),
     admit=jax.jit(
       admit,
-      in_shardings=(None, None, sl_sh, cache_sh) + (repl,) * 5,
+      in_shardings=(None, None, sl_sh, cache_sh) + (None,) * 5,
       out_shardings=(sl_sh, cache_sh),
       donate_argnums=(3,),
       compiler_options=opts,
@@ -341,7 +341,7 @@ class ContinuousSampler:
       while new_reqs:
         rows = free.take(len(new_reqs), self.prefill_rows)
         group = [new_reqs.pop(0) if r < self.num_slots else None for r in rows]
-        prompts, lens, new, keys = self.placement.host_inputs(self._request_arrays(group))
+        prompts, lens, new, keys = self._request_arrays(group)
         sl, cache = self._call(
           self._steps.admit,
           self._state,

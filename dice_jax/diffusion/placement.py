@@ -10,10 +10,10 @@ under the mesh the sampler sets), so no step gathers the cache.
 
 The compiled steps take rows and cache with these shardings and give them back with the same ones
 (explicit `in_shardings`/`out_shardings`), so a donated cache is updated in place and a step
-compiles once per shape. Small host inputs (prompts, lengths, keys) come in replicated (every
-process of a multi-process run holds the same requests and may pass its numpy) and are split over
-the rows inside the program; per-row outputs the host reads (the finished flags) go out
-replicated, so reading them is no collective.
+compiles once per shape. Small host inputs (prompts, lengths, keys) come in as they are (numpy,
+the same on every process of a multi-process run, or arrays on the mesh) and are split over the
+rows inside the program; per-row outputs the host reads (the finished flags) go out replicated,
+so reading them is no collective.
 """
 
 from __future__ import annotations
@@ -66,14 +66,6 @@ class Placement:
   def row_tree(self, tree):
     """`rows` of every leaf of `tree` (e.g. `slots.Slots`, a `sampler.Layout`, keys)."""
     return jax.tree.map(self.rows, tree)
-
-  def host_inputs(self, tree):
-    """`tree`'s leaves as a step's replicated inputs: host values (numpy, uncommitted arrays)
-    as they are, an array committed elsewhere (another layout, one device) made whole on the
-    mesh."""
-    repl = self.replicated
-    whole = lambda x: jax.device_put(x, repl) if getattr(x, "committed", False) else x
-    return jax.tree.map(whole, tree)
 
   def cache(self, cache: kv_cache_lib.KVCache) -> kv_cache_lib.KVCache:
     """Shardings of `cache`'s fields (`kv_cache.LOGICAL_AXES`: rows over the data axes, K/V heads

@@ -442,15 +442,13 @@ def _decode(graphdef, state, weights, layout: Layout, keys, *, cfg: SamplerConfi
 @functools.lru_cache(maxsize=16)
 def compiled_decode(graphdef, cfg: SamplerConfig, placement: Placement, options: tuple = ()):
   """The static sampler for one (model graph, config, placement, XLA options `((name, value),
-  ...)`), jitted: (state, weights, layout, keys) -> SampleOutput. The layout and keys come in
-  replicated (host values, the same on every process) and are split over the rows inside; the
-  parameters and their decode copy as they are laid out; the outputs row-split. The KV cache is
-  made inside, row-split, exactly once (the loops carry it). Call (and lower) it under
-  `placement.context()`."""
-  repl = placement.replicated
+  ...)`), jitted: (state, weights, layout, keys) -> SampleOutput. The parameters and their
+  decode copy as they are laid out; the layout and keys as they come (host values, the same on
+  every process, or arrays on the mesh), split over the rows inside; the outputs row-split. The
+  KV cache is made inside, row-split, exactly once (the loops carry it). Call (and lower) it
+  under `placement.context()`."""
   return jax.jit(
     functools.partial(_decode, graphdef, cfg=cfg, placement=placement),
-    in_shardings=(None, None, repl, repl),
     compiler_options=dict(options) or None,
   )
 
@@ -483,7 +481,6 @@ def decode(
   if keys.shape != (rows,):
     raise ValueError(f"decode: keys must be {rows} typed PRNG keys, got shape {keys.shape}")
   weights = split_weights(graphdef, state, placement) if cfg.splits_weights(model.cfg) else None
-  layout, keys = placement.host_inputs((layout, keys))
   with placement.context():
     return compiled_decode(graphdef, cfg, placement)(state, weights, layout, keys)
 
