@@ -32,14 +32,22 @@ class RuntimeVerdict:
 
 
 def judge(
-  evidence: ProfileEvidence, device_type: str, kernel_names: tuple[str, ...], strictness: Strictness
+  evidence: ProfileEvidence,
+  device_type: str,
+  kernel_names: tuple[str, ...],
+  strictness: Strictness,
+  device_records: bool = False,
 ) -> RuntimeVerdict:
-  """The runtime verdict from a profiled forward's evidence (rules in the module docstring)."""
+  """The runtime verdict from a profiled forward's evidence (rules in the module docstring). With
+  ``device_records`` (a GPU whose every call is judged from CUPTI records, ``device_evidence``) the
+  forward was not profiled: only its calls into the candidate's extension are judged here."""
   if evidence.extension_calls <= 0:
     return RuntimeVerdict(
       FailureKind.KERNEL_NOT_LAUNCHED,
       "forward never called a function of the candidate's own extension",
     )
+  if device_records:
+    return RuntimeVerdict(FailureKind.OK)
   own_patterns = [re.compile(rf"\b{re.escape(k)}\b") for k in kernel_names]
   own_us = foreign_us = 0.0
   for name, t in evidence.gpu_kernels.items():
