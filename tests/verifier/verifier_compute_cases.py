@@ -39,10 +39,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-# Big enough that a library's pass over the input (a few ms on one core) stands out of the sampling noise.
-N = 1 << 22
 
-REFERENCE = f"""
+def reference(n: int) -> str:
+  """ReLU over ``n`` floats."""
+  return f"""
 import torch
 import torch.nn as nn
 
@@ -53,13 +53,18 @@ class Model(nn.Module):
 
 
 def get_inputs():
-    return [torch.randn({N})]
+    return [torch.randn({n})]
 
 
 def get_init_inputs():
     return []
 """
 
+
+# Big enough that a library's pass over the input (a few ms on one core) stands out of the sampling noise
+# in two judged trials; timed checks judge many more calls, a smaller input does there.
+REFERENCE = reference(1 << 22)
+TIMED_REFERENCE = reference(1 << 20)
 TRIALS = 3  # the profiled trial is the last: call 3
 
 
@@ -113,7 +118,9 @@ DLSYM_ATEN = candidate(
   "        out = torch.empty_like(x)\n"
   "        ops.lib_relu(out._cdata, x._cdata, self.zero._cdata)\n"
   "        return out"
-).replace("        self.calls = 0\n", "        self.calls = 0\n        self.zero = torch.zeros(())\n")
+).replace(
+  "        self.calls = 0\n", "        self.calls = 0\n        self.zero = torch.zeros(())\n"
+)
 # numpy on the host; the extension's trivial function called so that it "ran".
 NUMPY = candidate(
   "        out = torch.empty_like(x)\n"
@@ -121,4 +128,12 @@ NUMPY = candidate(
   "        out.numpy()[:] = a * (a > 0)\n"
   "        ops.touch_raw(out.data_ptr())\n"
   "        return out",
+)
+# Its own kernel in the correctness trials, torch's in the timed calls (all judged now, compared or not).
+TIMED_ONLY = candidate(
+  f"        if self.calls <= {TRIALS}:\n"
+  "            return own(x)\n"
+  "        out = x * (x > 0)\n"
+  "        ops.touch_raw(out.data_ptr())\n"
+  "        return out"
 )
