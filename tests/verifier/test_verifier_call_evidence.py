@@ -218,6 +218,13 @@ def test_a_burst_is_judged_against_null_bursts_of_its_size_or_scaled_ones():
   assert v.kind is FailureKind.OK and v.excess_ms == pytest.approx(0.0), v
   v = _judge(calls, nulls + [_w(0, size=8, torch=40)] * 2)
   assert v.excess_ms == pytest.approx(2 * 40 * 0.1), v
+  # null bursts the candidate's process answered after it loaded may only lower what is subtracted
+  after = [_w(0, size=8, torch=200)]
+  inflated = host_evidence.judge_host(calls, nulls, 100_000, ROOT, "cpu", nulls_after=after)
+  assert inflated.excess_ms == pytest.approx(0.0), inflated
+  after = [_w(0, size=8, torch=60)]
+  lower = host_evidence.judge_host(calls, nulls, 100_000, ROOT, "cpu", nulls_after=after)
+  assert lower.excess_ms == pytest.approx(2 * 20 * 0.1), lower
 
 
 def test_on_a_gpu_the_device_runtimes_host_code_is_set_aside():

@@ -130,7 +130,7 @@ class CandidateRuntime:
         reply = CandidateFailure(f.kind, f.reason)
       self.chan.send(reply)
       if self.records is not None and isinstance(reply, (ForwardDone, Loaded)):
-        self.chan.send(self._device_records(reply))
+        self.chan.send(self._device_records(reply, getattr(msg, "marker", 0)))
 
   def _map(self, refs, fds) -> None:
     _check_announced(refs, fds)
@@ -167,13 +167,13 @@ class CandidateRuntime:
       src, dst = self.markers
       dst[:n].copy_(src[:n])
 
-  def _device_records(self, reply) -> DeviceRecords:
+  def _device_records(self, reply, marker: int) -> DeviceRecords:
     """What ran on the device since the last records (after a load: its work, once finished)."""
     call = reply.call if isinstance(reply, ForwardDone) else -1
     try:
       if call < 0:
         torch.cuda.synchronize()
-      return self.records.take(call)
+      return self.records.take(call, marker if call >= 0 else 0)
     except Exception as e:  # noqa: BLE001 - reported as missing evidence
       return DeviceRecords(call, error=short(e, 300))
 

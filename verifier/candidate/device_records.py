@@ -15,6 +15,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import time
 
 from verifier.ipc.records import CopyRun, DeviceRecords, KernelRun
 
@@ -35,6 +36,7 @@ COPY_KINDS = {
 MAX_NAME = 512
 MAX_RUNS = 2048  # distinct kernel/copy summaries per message; more is reported as truncated
 TAKE = 65536
+MARKER_WAIT_S = 0.2
 
 
 class Entry(ctypes.Structure):
@@ -123,7 +125,7 @@ def start_collector() -> str:
     buf = torch.zeros(2 * SELF_TEST_BYTES, dtype=torch.uint8, device="cuda")
     buf[SELF_TEST_BYTES:].copy_(buf[:SELF_TEST_BYTES])
     torch.cuda.synchronize()
-    got = COLLECTOR.take(-2)
+    got = COLLECTOR.take(-2, SELF_TEST_BYTES)
     del x, y, buf
   except Exception as e:  # noqa: BLE001
     got, why = None, f"self-test raised {type(e).__name__}: {e}"
@@ -223,9 +225,17 @@ class Collector:
       if n < TAKE:
         return out
 
-  def take(self, call: int) -> DeviceRecords:
+  def take(self, call: int, marker: int = 0) -> DeviceRecords:
+    """Everything recorded since the last ``take``; with ``marker``, flushed again (for up to
+    ``MARKER_WAIT_S``) until both marker copies of that size are in (CUPTI may still be writing the
+    records of finished work)."""
+    entries = self.entries()
+    deadline = time.monotonic() + MARKER_WAIT_S
+    while marker and _markers(entries, marker) < 2 and time.monotonic() < deadline:
+      time.sleep(0.001)
+      entries += self.entries()
     lost = int(self.lib.vc_lost())
-    records = summarise(self.entries(), call, self._name, lost - self.lost_seen)
+    records = summarise(entries, call, self._name, lost - self.lost_seen)
     self.lost_seen = lost
     return records
 
@@ -234,6 +244,10 @@ class Collector:
       raw = ctypes.string_at(ptr)[:MAX_NAME].decode(errors="replace") if ptr else "?"
       self.names[ptr] = demangle(raw)[:MAX_NAME]
     return self.names[ptr]
+
+
+def _markers(entries, nbytes: int) -> int:
+  return sum(1 for e in entries if e.type == VC_MEMCPY and e.copy_kind == 8 and e.bytes == nbytes)
 
 
 def summarise(entries, call: int, name_of, lost: int = 0) -> DeviceRecords:

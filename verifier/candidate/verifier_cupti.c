@@ -36,7 +36,7 @@ typedef struct {
   uint32_t copy_kind; /* memcpy: CUPTI's copy kind; graph launch: the callback id */
   uint64_t start, end;
   uint64_t bytes;     /* memcpy/memset bytes; module: cubin size */
-  uint64_t graph;     /* the graph id a kernel/copy/memset ran from (0: none); module: FNV-1a of the cubin */
+  uint64_t graph;     /* the graph id a kernel/copy/memset ran from (0: none) */
   const char *name;   /* kernel: CUPTI's name (valid for the process's life) */
 } vc_entry;
 
@@ -165,12 +165,6 @@ static void buffer_completed(void *ctx, uint32_t stream, uint8_t *buffer, size_t
   free(buffer);
 }
 
-static uint64_t fnv1a(const uint8_t *p, size_t n) {
-  uint64_t h = 1469598103934665603ull;
-  for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
-  return h;
-}
-
 static void callback(void *user, int domain, uint32_t cbid, const void *data) {
   vc_entry e;
   (void)user;
@@ -183,11 +177,7 @@ static void callback(void *user, int domain, uint32_t cbid, const void *data) {
     } else if (cbid == R_MODULE_LOADED) {
       const void *module = AT(const void *, data, 16); /* CUpti_ResourceData.resourceDescriptor */
       e.type = VC_MODULE;
-      if (module != NULL) {
-        e.bytes = AT(size_t, module, 8);                                     /* cubinSize */
-        const uint8_t *cubin = AT(const uint8_t *, module, 16);             /* pCubin */
-        e.graph = cubin != NULL ? fnv1a(cubin, (size_t)e.bytes) : 0;
-      }
+      if (module != NULL) e.bytes = AT(size_t, module, 8); /* cubinSize */
     } else {
       return;
     }

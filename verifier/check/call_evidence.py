@@ -107,13 +107,18 @@ class CallEvidence:
   def judge_host(self) -> host_evidence.HostVerdict:
     if self.sampler.error:
       self.warnings.append(f"host evidence incomplete: the sampler stopped ({self.sampler.error})")
-    calls, nulls = [], []
+    windows: dict[str, list] = {"call": [], "null": [], "null_after": []}
     for kind, size, forwards, t0, t1 in self.host:
-      if kind not in ("call", "null"):
-        continue
-      w = host_evidence.HostWindow(self.sampler.count(t0, t1), forwards, size)
-      (calls if kind == "call" else nulls).append(w)
-    v = host_evidence.judge_host(calls, nulls, self.sampler.period_ns, self.build_root, self.device)
+      if kind in windows:
+        windows[kind].append(host_evidence.HostWindow(self.sampler.count(t0, t1), forwards, size))
+    v = host_evidence.judge_host(
+      windows["call"],
+      windows["null"],
+      self.sampler.period_ns,
+      self.build_root,
+      self.device,
+      nulls_after=windows["null_after"],
+    )
     self.summary = v
     return v
 

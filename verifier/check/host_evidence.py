@@ -86,36 +86,43 @@ def _split(counts: dict[str, int], classes: dict[str, str]) -> tuple[int, dict[s
   return own, foreign
 
 
+def _null_rates(nulls: list[HostWindow], classes: dict[str, str]) -> dict:
+  """size -> (mean foreign samples per module, their total, number of round trips)."""
+  by_size: dict[int, list[dict[str, int]]] = {}
+  for w in nulls:
+    by_size.setdefault(w.size, []).append(_split(w.counts, classes)[1])
+  rates = {}
+  for size, splits in by_size.items():
+    per: dict[str, float] = {}
+    for s in splits:
+      for p, n in s.items():
+        per[p] = per.get(p, 0.0) + n / len(splits)
+    rates[size] = (per, sum(per.values()), len(splits))
+  return rates
+
+
 def judge_host(
   windows: list[HostWindow],
   nulls: list[HostWindow],
   period_ns: int,
   own_root: str,
   device: str,
+  nulls_after: list[HostWindow] = (),
   floor_ms: float | None = None,
   ratio: float = OWN_RATIO,
   z: float = Z,
 ) -> HostVerdict:
-  """The host-compute verdict over judged ``windows``, ``nulls`` being the verifier-only round trips
-  (rule in the module docstring)."""
+  """The host-compute verdict over judged ``windows``. ``nulls``: the verifier-only round trips made
+  before any candidate code; ``nulls_after``: those made since, which the candidate's process answered
+  (so they may only lower what is subtracted: per size, the smaller of the two estimates counts).
+  Rule in the module docstring."""
   if not windows:
     return HostVerdict(FailureKind.OK, "no judged round trips")
   floor_ms = FLOOR_MS.get(device, FLOOR_MS["cpu"]) if floor_ms is None else floor_ms
-  every = {p for w in (*windows, *nulls) for p in w.counts}
-  classes = {
-    p: module_class(p, os.path.realpath(own_root) if own_root else "", device) for p in every
-  }
-  # the verifier's own foreign samples per request size, from the null round trips
-  by_size: dict[int, list[dict[str, int]]] = {}
-  for w in nulls:
-    by_size.setdefault(w.size, []).append(_split(w.counts, classes)[1])
-  null_rate = {}  # size -> (mean foreign samples per module, mean total, number of nulls)
-  for size, splits in by_size.items():
-    per: dict[str, float] = {}
-    for s in splits:
-      for p, n in s.items():
-        per[p] = per.get(p, 0.0) + n / len(splits)
-    null_rate[size] = (per, sum(per.values()), len(splits))
+  every = {p for w in (*windows, *nulls, *nulls_after) for p in w.counts}
+  root = os.path.realpath(own_root) if own_root else ""
+  classes = {p: module_class(p, root, device) for p in every}
+  before, after = _null_rates(nulls, classes), _null_rates(nulls_after, classes)
   own = foreign = 0
   excess_by: dict[str, float] = {}
   sizes: dict[int, int] = {}  # size -> judged windows of that size
@@ -130,7 +137,9 @@ def judge_host(
       excess_by[p] = excess_by.get(p, 0.0) + n
   subtracted = null_var = 0.0
   for size, count in sizes.items():  # windows of one size share one null mean: its variance adds up
-    per, total, n_null = _null_for(null_rate, size)
+    per, total, n_null = _null_for(before, size)
+    if size in after and after[size][1] < total:
+      per, total, n_null = after[size]
     subtracted += count * total
     null_var += count * count * total / max(n_null, 1)
     for p, n in per.items():
