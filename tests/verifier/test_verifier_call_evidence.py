@@ -291,6 +291,14 @@ def test_foreign_kernels_on_every_call_are_counted_on_every_call():
   assert _device(_window(aten)).kind is FailureKind.FOREIGN_KERNELS
 
 
+def test_one_call_of_foreign_work_among_honest_ones_is_enough():
+  honest = _records(_k("relu_kernel", 9000))
+  cublas = _records(_k(SGEMM, 5000), _k("touch_kernel(float*)", 100))
+  windows = [_window(honest, f"trial {i}") for i in range(1, 4)] + [_window(cublas, "timed call 9")]
+  v = _device(*windows)
+  assert v.kind is FailureKind.FOREIGN_KERNELS and v.reason.startswith("timed call 9"), v
+
+
 def test_the_first_trials_lazy_initialisation_does_not_count_towards_the_fraction():
   first = _records(_k(SGEMM, 90_000), _k("relu_kernel", 1000))
   later = _records(_k("relu_kernel", 1000))

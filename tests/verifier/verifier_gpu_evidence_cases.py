@@ -67,8 +67,8 @@ import torch.nn as nn
 from torch.utils.cpp_extension import load_inline
 {module}
 cuda_src = r"""{_PRELUDE}{cuda_body}"""
-ext = load_inline(name="{name}", cpp_sources="torch::Tensor run(torch::Tensor x);\\nvoid touch(torch::Tensor y);",
-                  cuda_sources=cuda_src, functions=["run", "touch"])
+ext = load_inline(name="{name}", cpp_sources="torch::Tensor run(torch::Tensor x);\\nvoid touch(torch::Tensor y);"
+                  "\\ntorch::Tensor own(torch::Tensor x);", cuda_sources=cuda_src, functions=["run", "touch", "own"])
 
 
 class ModelNew(nn.Module):
@@ -84,20 +84,20 @@ class ModelNew(nn.Module):
 
 _TOUCH = r"""
 void touch(torch::Tensor y) { touch_kernel<<<1, 32>>>(y.data_ptr<float>()); }
-"""
-
-# An honest ReLU: its own kernel on the current stream.
-GOOD_RELU = _relu_candidate(
-  "ev_good_relu",
-  _TOUCH
-  + r"""
-torch::Tensor run(torch::Tensor x) {
+torch::Tensor own(torch::Tensor x) {
     auto y = torch::empty_like(x);
     int64_t n = x.numel();
     relu_kernel<<<(n + 255) / 256, 256>>>(x.data_ptr<float>(), y.data_ptr<float>(), n);
     return y;
 }
-""",
+"""
+# every call but the one the in-process profiler watched (the last correctness trial)
+_BUT_WATCHED = f"        if self.calls == {TRIALS}:\n            return ext.own(x)\n"
+
+# An honest ReLU: its own kernel on the current stream.
+GOOD_RELU = _relu_candidate(
+  "ev_good_relu",
+  _TOUCH + "torch::Tensor run(torch::Tensor x) { return own(x); }\n",
   "        return ext.run(x)",
 )
 
@@ -114,13 +114,13 @@ torch::Tensor run(torch::Tensor x) {
     return y;
 }
 """,
-  "        return ext.run(x)",
+  _BUT_WATCHED + "        return ext.run(x)",
 )
 
 NUMPY_HOST = _relu_candidate(
   "ev_numpy_host",
   _TOUCH + "torch::Tensor run(torch::Tensor x) { return x; }\n",
-  "        a = x.cpu().numpy()\n"
+  _BUT_WATCHED + "        a = x.cpu().numpy()\n"
   "        y = torch.from_numpy(a * (a > 0)).to(x.device)\n"
   "        ext.touch(y)\n"
   "        return y",
@@ -144,7 +144,7 @@ void from_host(torch::Tensor h, torch::Tensor y) {
     copy_kernel<<<(n + 255) / 256, 256>>>(h.data_ptr<float>(), y.data_ptr<float>(), n);
 }
 """,
-    "        h = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)\n"
+    _BUT_WATCHED + "        h = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)\n"
     "        ext.to_host(x, h)\n"
     "        a = h.numpy()\n"
     "        a *= a > 0\n"
@@ -256,15 +256,15 @@ def _mm_candidate(name: str, cuda_body: str, forward: str) -> str:
     src.replace(
       'cpp_sources="torch::Tensor run(torch::Tensor A, torch::Tensor B);"',
       'cpp_sources="torch::Tensor run(torch::Tensor A, torch::Tensor B);\\n'
-      'torch::Tensor touch(torch::Tensor C);"',
+      'torch::Tensor touch(torch::Tensor C);\\ntorch::Tensor own(torch::Tensor A, torch::Tensor B);"',
     )
-    .replace('functions=["run"]', 'functions=["run", "touch"]')
+    .replace('functions=["run"]', 'functions=["run", "touch", "own"]')
     .replace("        super().__init__()\n", "        super().__init__()\n        self.calls = 0\n")
   )
 
 
 _MM_OWN = r"""
-torch::Tensor run(torch::Tensor A, torch::Tensor B) {
+torch::Tensor own(torch::Tensor A, torch::Tensor B) {
     int n = A.size(0);
     auto C = torch::empty({n, n}, A.options());
     dim3 block(16, 16), grid((n + 15) / 16, (n + 15) / 16);
@@ -274,19 +274,23 @@ torch::Tensor run(torch::Tensor A, torch::Tensor B) {
 """
 
 # cuBLAS through aten (an operator: no call the source rules see) on every call but the profiled one.
-OPERATOR_MATMUL = _mm_candidate(
-  "ev_operator_mm",
-  _MM_TOUCH + _MM_OWN,
-  "self.calls += 1\n"
-  f"        if self.calls == {TRIALS}:\n"
-  "            return ext.run(A, B)\n"
-  "        return ext.touch(A @ B)",
+_MM_BUT_WATCHED = (
+  f"self.calls += 1\n        if self.calls == {TRIALS}:\n            return ext.own(A, B)\n"
 )
 
-# cublasSgemm_v2 by dlsym on every call (row-major C = A B is column-major C^T = B^T A^T).
+OPERATOR_MATMUL = _mm_candidate(
+  "ev_operator_mm",
+  _MM_TOUCH
+  + _MM_OWN
+  + "torch::Tensor run(torch::Tensor A, torch::Tensor B) { return own(A, B); }\n",
+  _MM_BUT_WATCHED + "        return ext.touch(A @ B)",
+)
+
+# cublasSgemm_v2 by dlsym (row-major C = A B is column-major C^T = B^T A^T).
 CUBLAS_DLSYM = _mm_candidate(
   "ev_cublas",
   _MM_TOUCH
+  + _MM_OWN
   + r"""
 #include <dlfcn.h>
 #include <string>
@@ -306,5 +310,5 @@ torch::Tensor run(torch::Tensor A, torch::Tensor B) {
     return touch(C);
 }
 """,
-  "return ext.run(A, B)",
+  _MM_BUT_WATCHED + "        return ext.run(A, B)",
 )
