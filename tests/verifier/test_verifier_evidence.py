@@ -419,6 +419,12 @@ COMPUTE_OPTS = dict(
 )
 
 
+def _needs_host_evidence(r):
+  unavailable = [w for w in r.warnings if "host evidence unavailable" in w]
+  if unavailable:  # perf_event_paranoid >= 3 without root, or no perf support in the kernel
+    pytest.skip(unavailable[0])
+
+
 @pytest.mark.parametrize(
   "name,library",
   [
@@ -428,12 +434,6 @@ COMPUTE_OPTS = dict(
     ("NUMPY", "_multiarray_umath"),
   ],
 )
-def _needs_host_evidence(r):
-  unavailable = [w for w in r.warnings if "host evidence unavailable" in w]
-  if unavailable:  # perf_event_paranoid >= 3 without root, or no perf support in the kernel
-    pytest.skip(unavailable[0])
-
-
 def test_work_done_by_a_library_or_numpy_gets_no_reward(service, name, library):
   # c10e1a8 rewarded all four (only the last trial was profiled, in process, through the dispatcher):
   # now the checker samples where the worker's CPU time goes, from outside it, on every judged call.
