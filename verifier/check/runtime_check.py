@@ -1,7 +1,10 @@
-"""Runtime anti-cheating: profile one candidate forward and see where the work went.
+"""Runtime anti-cheating from one profiled forward: see where the work went.
 
 The forward runs in the candidate's process, so the evidence is collected there (``collect_evidence``) and
 judged in the checker (``judge``). Native code could forge that evidence; docs/verifier-security.md, "Evidence the candidate cannot forge", says so.
+Since issue 37 every call is also judged from evidence below the dispatcher (``call_evidence``: host samples
+taken from outside the process, CUPTI device records); on a GPU with device records only the extension-call
+count of this profile is used.
 
 The candidate must call its own extension; on GPU, at least one of its own ``__global__`` kernels must
 run, and GPU time in other kernels (aten, cuBLAS, cuDNN) beyond allocation/copy/fill kernels must stay
