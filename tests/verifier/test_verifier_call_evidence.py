@@ -499,3 +499,42 @@ def test_the_evidence_filter_jumps_land_inside_the_program():
     if code in (0x15, 0x35):
       assert i + 1 + jt < len(prog) and i + 1 + jf < len(prog)
   assert prog[-1][3] == 0x00050001  # EPERM
+
+
+# ---- windows as the checker records them -------------------------------------------------------------
+class _FakeSampler:
+  """Samples per window from a table keyed by the window's start (what HostSampler.count returns)."""
+
+  period_ns = 100_000
+  error = ""
+
+  def __init__(self, counts):
+    self.counts = counts
+
+  def count(self, t0, t1):
+    return self.counts[t0]
+
+  def close(self):
+    pass
+
+
+def test_the_checkers_windows_drop_warm_ups_and_the_profiled_trial():
+  from verifier.api.contract import Strictness
+  from verifier.check.call_evidence import CallEvidence
+
+  e = CallEvidence("cpu", ROOT, Strictness.preset("strict"), ("relu_kernel",))
+  heavy = {TORCH: 900}  # what a library call looks like
+  e.sampler = _FakeSampler(
+    {0: heavy, 1: {TORCH: 5}, 2: {TORCH: 5}, 3: heavy, 4: {OWN: 500}, 5: heavy}
+  )
+  e.window("null", 1, 0, 0, "null 0")  # the process's first round trip: dropped
+  e.window("null", 1, 1, 1, "null 1")
+  e.window("null", 1, 2, 2, "null 2")
+  e.window("call", 1, 3, 3, "trial 0")  # warm-up: not judged by the host rule
+  e.window("call", 1, 4, 4, "trial 1")
+  e.window("profiled", 1, 5, 5, "trial 2")  # the in-process profiler's own work
+  assert [k for k, *_ in e.host] == ["null_first", "null", "null", "warmup", "call", "profiled"]
+  assert e.verdict().kind is FailureKind.OK
+  assert e.phases()["host_excess_ms"] == pytest.approx(-0.5)  # nothing but the null's 5 samples
+  e.window("call", 1, 5, 5, "trial 3")
+  assert e.verdict().kind is FailureKind.HOST_COMPUTE
