@@ -304,6 +304,9 @@ def test_the_first_trials_lazy_initialisation_does_not_count_towards_the_fractio
   later = _records(_k("relu_kernel", 1000))
   assert _device(_window(first, "trial 0", fraction=False), _window(later)).kind is FailureKind.OK
   assert _device(_window(first, "trial 0"), _window(later)).kind is FailureKind.FOREIGN_KERNELS
+  # the only call is judged all the same
+  alone = _device(_window(first, "trial 0", fraction=False))
+  assert alone.kind is FailureKind.FOREIGN_KERNELS
 
 
 def test_a_call_without_its_own_kernel_is_not_launched():

@@ -107,10 +107,12 @@ class CallEvidence:
   def judge_host(self) -> host_evidence.HostVerdict:
     if self.sampler.error:
       self.warnings.append(f"host evidence incomplete: the sampler stopped ({self.sampler.error})")
-    windows: dict[str, list] = {"call": [], "null": [], "null_after": []}
+    windows: dict[str, list] = {"call": [], "null": [], "null_after": [], "warmup": []}
     for kind, size, forwards, t0, t1 in self.host:
       if kind in windows:
         windows[kind].append(host_evidence.HostWindow(self.sampler.count(t0, t1), forwards, size))
+    if not windows["call"]:  # the warm-up was the only unprofiled call: judged all the same
+      windows["call"] = windows["warmup"]
     v = host_evidence.judge_host(
       windows["call"],
       windows["null"],

@@ -12,7 +12,7 @@ Rules, in this order (the first that fails decides):
 3. KERNEL_NOT_LAUNCHED: a round trip whose forwards ran fewer of the candidate's own kernels than there
    were forwards.
 4. FOREIGN_KERNELS: in any judged round trip (every one but the first trial, which may pay for lazy
-   initialisation), device time in kernels not built from the candidate and not allocation/copy/fill
+   initialisation, unless it is the only one), device time in kernels not built from the candidate and not allocation/copy/fill
    kernels above ``max_foreign_fraction`` of the kernels' time (copies and memsets do not count): the
    profiler-based rule applied to every call instead of the last trial alone.
 5. HOST_COMPUTE (device-buffer transport only): a round trip copying at least ``HOST_COPY_BYTES`` and
@@ -127,6 +127,8 @@ def judge_device(
       if why:
         return RuntimeVerdict(FailureKind.THREAD_OR_STREAM, why)
   patterns = own_patterns(kernel_names)
+  if not any(w.fraction for w in windows if w.forwards):  # a single call: judged all the same
+    windows = [dataclasses.replace(w, fraction=True) for w in windows]
   own_total = foreign_total = 0
   worst: tuple[float, str, int, int, dict] | None = None
   for w in windows:
