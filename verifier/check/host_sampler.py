@@ -44,8 +44,11 @@ _SAMPLE_ID_ALL, _MMAP2, _COMM_EXEC, _USE_CLOCKID = 18, 23, 24, 25
 SYS_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
 
 PAGE = mmap.PAGESIZE
-DATA_PAGES = 16  # per CPU: 64 KiB, drained every DRAIN_S (~100 ms of samples of one busy CPU)
-DRAIN_S = 0.01
+# Ring buffer per CPU, in pages, largest first: 256 KiB hold ~0.6 s of one busy CPU's samples, 64 KiB
+# ~0.15 s (a host's locked-memory limit for perf buffers, perf_event_mlock_kb per CPU and user, may allow only
+# the smaller). Drained every DRAIN_FRACTION of that; samples the kernel dropped count against the candidate.
+DATA_PAGES = (64, 16)
+DRAIN_FRACTION = 0.1
 CUT_MARGIN_NS = 2_000_000  # records stamped this close to a drain may still be in flight
 DEFAULT_PERIOD_NS = 100_000  # 10 kHz of CPU time per busy thread
 ANON = "[anonymous executable memory]"
@@ -369,8 +372,16 @@ class _Ring:
 
   def __init__(self, fd: int):
     self.fd = fd
-    self.size = DATA_PAGES * PAGE
-    self.map = mmap.mmap(fd, PAGE + self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    for pages in DATA_PAGES:
+      self.size = pages * PAGE
+      try:
+        self.map = mmap.mmap(
+          fd, PAGE + self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+        )
+        return
+      except OSError:
+        if pages == DATA_PAGES[-1]:
+          raise
 
   def read(self) -> bytes:
     head = struct.unpack_from("<Q", self.map, 1024)[0]
@@ -392,7 +403,7 @@ class HostSampler:
   """Samples of a process tree's user-space instruction pointers, attributed to modules.
 
   ``attach(root)`` opens the events (raises ``SamplerUnavailable`` where the host refuses) and starts a
-  thread that drains the ring buffers every ``DRAIN_S``; ``count(t0, t1)`` gives samples per module in a
+  thread that drains the ring buffers often enough (``DRAIN_FRACTION`` of their time to fill); ``count(t0, t1)`` gives samples per module in a
   window of ``time.monotonic_ns()``; ``close()`` stops everything."""
 
   def __init__(self, period_ns: int):
@@ -458,7 +469,9 @@ class HostSampler:
         pass
 
   def _run(self) -> None:
-    while not self.stop.wait(DRAIN_S):
+    # the smallest buffer's time to fill at 1 sample (~40 bytes) per period of one busy thread
+    fill_s = min(r.size for r in self.rings) / 40 * self.period_ns / 1e9
+    while not self.stop.wait(DRAIN_FRACTION * fill_s):
       try:
         self.drain()
       except Exception as e:  # noqa: BLE001 - reported with the evidence, never raised into the check
