@@ -158,6 +158,7 @@ class Check:
     self.evidence = CallEvidence(
       self.device.type, job.build_root, self.opts.strict, job.kernel_names
     )
+    self.in_bytes: int | None = None
 
   # ---- plumbing ---------------------------------------------------------------------------------
   def stage(self, name: str) -> None:
@@ -372,7 +373,8 @@ class Check:
     """Forwards in the candidate on staged buffers, one per (staged, seed) of ``calls``, in one round
     trip (more than one: a timed burst); ``self.round_trip_s`` is the round trip on this process's clock
     (the only duration of a candidate call that counts), ``self.copied[k]`` call ``k``'s outputs copied
-    out in it."""
+    out in it. The round trip is a window of evidence (``call_evidence``): host samples in it and, after
+    the clock, the device records the candidate's process sends."""
     call = self.calls
     (staged, seed), burst = calls[0], calls[1:]
     self.calls += 0 if calibrate or null else len(calls)
@@ -406,6 +408,7 @@ class Check:
       for fd in fds:
         os.close(fd)
     w1 = time.monotonic_ns()
+    t_done = time.monotonic()
     self.round_trip_s = p1 - p0
     records = self._recv(DeviceRecords) if self.evidence.records_on else None
     kind = "profiled" if profile else "call"
@@ -435,7 +438,7 @@ class Check:
     # What the separation costs: staging buffers (``_stage``), and everything around the candidate's
     # forward in its process (mapping, staging, publishing outputs, messages) beyond the forward itself.
     # The candidate's own split of that (``parts_s``) is only a diagnostic: clamped, known names only.
-    round_trip = time.monotonic() - t1
+    round_trip = t_done - t1
     forward = _reported(done.wall_s, round_trip)
     self._acc("exchange_round_trip", round_trip - forward)
     self._acc("candidate_forward", forward)
@@ -445,12 +448,12 @@ class Check:
 
   def _input_bytes(self) -> int:
     """Bytes of one forward's tensor inputs (trial 0's: every call has the same shapes)."""
-    if not hasattr(self, "_in_bytes"):
+    if self.in_bytes is None:
       inputs, _ = self.trials.trial(0)
-      self._in_bytes = sum(
+      self.in_bytes = sum(
         exchange.nbytes_of(t) for t in tensors.flatten(inputs) if torch.is_tensor(t)
       )
-    return self._in_bytes
+    return self.in_bytes
 
   def _copy_outputs(self, outs_per_call) -> list[list]:
     """Every expected output of every call copied out of its buffer into this process, before the clock
