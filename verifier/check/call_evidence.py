@@ -105,8 +105,9 @@ class CallEvidence:
     return RuntimeVerdict(FailureKind.OK)
 
   def judge_host(self) -> host_evidence.HostVerdict:
-    if self.sampler.error:
-      self.warnings.append(f"host evidence incomplete: the sampler stopped ({self.sampler.error})")
+    stopped = f"host evidence incomplete: the sampler stopped ({self.sampler.error})"
+    if self.sampler.error and stopped not in self.warnings:
+      self.warnings.append(stopped)
     windows: dict[str, list] = {"call": [], "null": [], "null_after": [], "warmup": []}
     for kind, size, forwards, t0, t1 in self.host:
       if kind in windows:
