@@ -411,7 +411,8 @@ class Check:
     t_done = time.monotonic()
     self.round_trip_s = p1 - p0
     records = self._recv(DeviceRecords) if self.evidence.records_on else None
-    kind = "profiled" if profile else "call"
+    # the in-process profiler's own work is no evidence (with device records it does not run)
+    kind = "profiled" if profile and not self.evidence.records_on else "call"
     if calibrate or null:
       kind = "null_after" if self.report.get("candidate_started") else "null"
       kind = "reference" if calibrate and not null else kind
