@@ -402,6 +402,49 @@ def test_the_collector_builds_and_reads_cupti_records_at_the_documented_offsets(
   assert lib.vc_start(b"") != 0 and lib.vc_error()
 
 
+def _elf_with_functions(names: list[str], local: str = "helper") -> bytes:
+  """A minimal ELF64 image (a cubin's shape): a symbol table of global functions ``names`` and one local
+  function, its string table, section headers."""
+  strtab = b"\0" + b"".join(n.encode() + b"\0" for n in [*names, local])
+  syms = b"\0" * 24
+  offset = 1
+  for n in [*names, local]:
+    info = 0x02 if n == local else 0x12  # (binding << 4) | STT_FUNC: LOCAL for the helper
+    syms += struct.pack("<IBBHQQ", offset, info, 0x10, 1, 0, 0)
+    offset += len(n) + 1
+  str_off, sym_off = 64, 64 + len(strtab)
+  sh_off = sym_off + len(syms)
+  sections = b"\0" * 64  # SHN_UNDEF
+  sections += struct.pack("<IIQQQQIIQQ", 0, 2, 0, 0, sym_off, len(syms), 2, 1, 8, 24)  # .symtab
+  sections += struct.pack("<IIQQQQIIQQ", 0, 3, 0, 0, str_off, len(strtab), 0, 0, 1, 0)  # .strtab
+  header = b"\x7fELF" + bytes([2, 1, 1]) + b"\0" * 9
+  header += struct.pack("<HHIQQQIHHHHHH", 2, 190, 1, 0, 0, sh_off, 0, 64, 0, 0, 64, 3, 0)
+  return header + strtab + syms + sections
+
+
+def test_the_collector_lists_the_functions_a_loaded_module_defines(tmp_path):
+  device_records, lib = _collector_lib(tmp_path)
+  image = _elf_with_functions(["_Z11relu_kernelPKfPfl", "sm90_xmma_gemm_f32f32"])
+  assert lib.vc_cubin_functions(image, len(image), 5) == 2  # the local helper is not listed
+  buf = (device_records.Entry * 8)()
+  n = lib.vc_take(buf, 8)
+  got = [(ctypes.string_at(buf[i].name).decode(), buf[i].graph) for i in range(n)]
+  assert got == [("_Z11relu_kernelPKfPfl", 5), ("sm90_xmma_gemm_f32f32", 5)]
+  # hostile images are refused or read within bounds
+  for bad in (b"", b"\x7fELF" + b"\0" * 60, image[:100], image[:-10], b"\x7fELF" + b"\xff" * 200):
+    assert lib.vc_cubin_functions(bad, len(bad), 6) <= 2
+  lib.vc_take(buf, 8)
+
+
+def test_a_kernel_named_like_a_library_kernel_is_not_the_candidates():
+  # its own kernel named exactly like cuBLAS's, launching cuBLAS's: two loaded modules define the name
+  twin = _records(KernelRun("relu_kernel", *HOME, False, 1, 50_000, 2), _k("touch_kernel", 100))
+  v = _device(_window(twin))
+  assert v.kind is FailureKind.FOREIGN_KERNELS, v
+  alone = _records(KernelRun("relu_kernel", *HOME, False, 1, 50_000, 1))
+  assert _device(_window(alone)).kind is FailureKind.OK
+
+
 def test_the_collectors_offsets_match_cuptis_header(tmp_path):
   cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
   include = next(

@@ -20,7 +20,9 @@ import time
 from verifier.ipc.records import CopyRun, DeviceRecords, KernelRun
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verifier_cupti.c")
-VC_KERNEL, VC_MEMCPY, VC_MEMSET, VC_CONTEXT, VC_STREAM, VC_GRAPH_LAUNCH, VC_MODULE = range(1, 8)
+VC_KERNEL, VC_MEMCPY, VC_MEMSET, VC_CONTEXT, VC_STREAM, VC_GRAPH_LAUNCH, VC_MODULE, VC_SYMBOL = (
+  range(1, 9)
+)
 COPY_KINDS = {
   1: "HtoD",
   2: "DtoH",
@@ -92,6 +94,8 @@ def load(path: str) -> ctypes.CDLL:
   lib.vc_record_entry.argtypes = [ctypes.c_void_p, ctypes.POINTER(Entry)]
   lib.vc_record_entry.restype = ctypes.c_int
   lib.vc_stop.restype = ctypes.c_int
+  lib.vc_cubin_functions.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint64]
+  lib.vc_cubin_functions.restype = ctypes.c_long
   if lib.vc_entry_size() != ctypes.sizeof(Entry):
     raise RuntimeError("verifier_cupti entry size does not match device_records.Entry")
   return lib
@@ -190,7 +194,8 @@ class Collector:
   def __init__(self):
     self.lib = _LIB
     self.error = _WHY
-    self.names: dict[int, str] = {}
+    self.names: dict[int, tuple[str, str]] = {}  # CUPTI's name pointer -> (as recorded, demangled)
+    self.defined: dict[str, set[int]] = {}  # a function name -> the loaded modules that define it
     self.buf = (Entry * TAKE)()
     self.lost_seen = 0
 
@@ -234,36 +239,52 @@ class Collector:
     while marker and _markers(entries, marker) < 2 and time.monotonic() < deadline:
       time.sleep(0.001)
       entries += self.entries()
+    for e in entries:
+      if e.type == VC_SYMBOL and e.name:
+        name = ctypes.string_at(e.name).decode(errors="replace")
+        self.defined.setdefault(name, set()).add(int(e.graph))
     lost = int(self.lib.vc_lost())
-    records = summarise(entries, call, self._name, lost - self.lost_seen)
+    records = summarise(entries, call, self._name, lost - self.lost_seen, self._modules)
     self.lost_seen = lost
     return records
 
-  def _name(self, ptr: int) -> str:
+  def _names(self, ptr: int) -> tuple[str, str]:
     if ptr not in self.names:
-      raw = ctypes.string_at(ptr)[:MAX_NAME].decode(errors="replace") if ptr else "?"
-      self.names[ptr] = demangle(raw)[:MAX_NAME]
+      raw = ctypes.string_at(ptr).decode(errors="replace") if ptr else "?"
+      self.names[ptr] = (raw, demangle(raw[: 4 * MAX_NAME])[:MAX_NAME])
     return self.names[ptr]
+
+  def _name(self, ptr: int) -> str:
+    return self._names(ptr)[1]
+
+  def _modules(self, ptr: int) -> int:
+    """How many loaded modules define the kernel CUPTI named at ``ptr``."""
+    return len(self.defined.get(self._names(ptr)[0], ()))
 
 
 def _markers(entries, nbytes: int) -> int:
   return sum(1 for e in entries if e.type == VC_MEMCPY and e.copy_kind == 8 and e.bytes == nbytes)
 
 
-def summarise(entries, call: int, name_of, lost: int = 0) -> DeviceRecords:
-  """Entries folded into runs: kernels by (name, context, stream, from a graph), copies and memsets by
-  (kind, bytes, context, stream, from a graph), with counts and device nanoseconds."""
+def summarise(
+  entries, call: int, name_of, lost: int = 0, modules_of=lambda ptr: 0
+) -> DeviceRecords:
+  """Entries folded into runs: kernels by (name, context, stream, from a graph, how many loaded modules
+  define that name), copies and memsets by (kind, bytes, context, stream, from a graph), with counts and
+  device nanoseconds."""
   kernels: dict[tuple, list[int]] = {}
   copies: dict[tuple, list[int]] = {}
   counts = {VC_CONTEXT: 0, VC_STREAM: 0, VC_GRAPH_LAUNCH: 0, VC_MODULE: 0}
   for e in entries:
     ns = max(int(e.end) - int(e.start), 0)
     if e.type == VC_KERNEL:
-      key = (name_of(e.name), e.context, e.stream, bool(e.graph))
+      key = (name_of(e.name), e.context, e.stream, bool(e.graph), modules_of(e.name))
       run = kernels.setdefault(key, [0, 0])
     elif e.type in (VC_MEMCPY, VC_MEMSET):
       kind = "memset" if e.type == VC_MEMSET else COPY_KINDS.get(e.copy_kind, f"copy{e.copy_kind}")
       run = copies.setdefault((kind, int(e.bytes), e.context, e.stream, bool(e.graph)), [0, 0])
+    elif e.type == VC_SYMBOL:
+      continue
     else:
       counts[e.type] = counts.get(e.type, 0) + 1
       continue
@@ -273,7 +294,7 @@ def summarise(entries, call: int, name_of, lost: int = 0) -> DeviceRecords:
   return DeviceRecords(
     call=call,
     kernels=tuple(
-      KernelRun(n, c, s, g, k, t) for (n, c, s, g), (k, t) in list(kernels.items())[:MAX_RUNS]
+      KernelRun(n, c, s, g, k, t, m) for (n, c, s, g, m), (k, t) in list(kernels.items())[:MAX_RUNS]
     ),
     copies=tuple(
       CopyRun(kind, b, c, s, g, k, t)

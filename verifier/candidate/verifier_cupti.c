@@ -28,6 +28,7 @@
 #define VC_STREAM 5
 #define VC_GRAPH_LAUNCH 6
 #define VC_MODULE 7
+#define VC_SYMBOL 8
 
 typedef struct {
   uint32_t type;
@@ -36,8 +37,8 @@ typedef struct {
   uint32_t copy_kind; /* memcpy: CUPTI's copy kind; graph launch: the callback id */
   uint64_t start, end;
   uint64_t bytes;     /* memcpy/memset bytes; module: cubin size */
-  uint64_t graph;     /* the graph id a kernel/copy/memset ran from (0: none) */
-  const char *name;   /* kernel: CUPTI's name (valid for the process's life) */
+  uint64_t graph;     /* the graph id a kernel/copy/memset ran from (0: none); module, symbol: module index */
+  const char *name;   /* kernel: CUPTI's name (valid for the process's life); symbol: a copy of it */
 } vc_entry;
 
 /* CUPTI declarations (cupti_activity.h, cupti_callbacks.h, CUDA 13.0). */
@@ -165,6 +166,49 @@ static void buffer_completed(void *ctx, uint32_t stream, uint8_t *buffer, size_t
   free(buffer);
 }
 
+static uint64_t modules_loaded;
+
+/* The global function symbols (kernels among them) of an ELF64 image, a cubin: one VC_SYMBOL entry each
+ * (name copied, ``graph`` the module's index), so the worker can tell which loaded modules define a kernel
+ * name. Everything is bounds-checked: the image may be anything a candidate loaded. Returns the count, or
+ * -1 for an image that is not ELF64. Public for the unit tests. */
+long vc_cubin_functions(const uint8_t *img, size_t size, uint64_t module) {
+  if (img == NULL || size < 64 || memcmp(img, "\x7f" "ELF", 4) != 0 || img[4] != 2) return -1;
+  uint64_t shoff = AT(uint64_t, img, 0x28);
+  uint16_t shentsize = AT(uint16_t, img, 0x3A), shnum = AT(uint16_t, img, 0x3C);
+  if (shentsize < 64 || shoff > size || (uint64_t)shnum * shentsize > size - shoff) return -1;
+  long found = 0;
+  for (uint16_t i = 0; i < shnum; i++) {
+    const uint8_t *sh = img + shoff + (uint64_t)i * shentsize;
+    if (AT(uint32_t, sh, 4) != 2) continue; /* SHT_SYMTAB */
+    uint64_t off = AT(uint64_t, sh, 24), len = AT(uint64_t, sh, 32);
+    uint32_t link = AT(uint32_t, sh, 40);
+    if (off > size || len > size - off || link >= shnum) continue;
+    const uint8_t *strsh = img + shoff + (uint64_t)link * shentsize;
+    uint64_t soff = AT(uint64_t, strsh, 24), slen = AT(uint64_t, strsh, 32);
+    if (soff > size || slen > size - soff) continue;
+    for (uint64_t k = 0; k + 24 <= len; k += 24) {
+      const uint8_t *sym = img + off + k;
+      uint32_t name = AT(uint32_t, sym, 0);
+      uint8_t info = sym[4];
+      if ((info & 0xf) != 2 || (info >> 4) == 0 || name >= slen) continue; /* FUNC, not LOCAL */
+      const char *text = (const char *)img + soff + name;
+      size_t n = strnlen(text, slen - name);
+      if (n == 0 || n == slen - name) continue; /* empty or unterminated */
+      vc_entry e;
+      memset(&e, 0, sizeof e);
+      e.type = VC_SYMBOL;
+      e.graph = module;
+      e.name = strndup(text, n);
+      if (e.name != NULL) {
+        push(&e);
+        found++;
+      }
+    }
+  }
+  return found;
+}
+
 static void callback(void *user, int domain, uint32_t cbid, const void *data) {
   vc_entry e;
   (void)user;
@@ -177,7 +221,13 @@ static void callback(void *user, int domain, uint32_t cbid, const void *data) {
     } else if (cbid == R_MODULE_LOADED) {
       const void *module = AT(const void *, data, 16); /* CUpti_ResourceData.resourceDescriptor */
       e.type = VC_MODULE;
-      if (module != NULL) e.bytes = AT(size_t, module, 8); /* cubinSize */
+      pthread_mutex_lock(&lock);
+      e.graph = modules_loaded++;
+      pthread_mutex_unlock(&lock);
+      if (module != NULL) {
+        e.bytes = AT(size_t, module, 8); /* cubinSize */
+        vc_cubin_functions(AT(const uint8_t *, module, 16), (size_t)e.bytes, e.graph); /* pCubin */
+      }
     } else {
       return;
     }

@@ -49,16 +49,17 @@ def warm_device(device: str, profiler: bool, mark: StartupClock) -> list[str]:
   x = torch.ones(16)
   notes = []
   if device == "cuda":
+    from verifier.candidate import device_records
+
     torch.cuda.init()
+    # before the first module loads, so that every module's kernel names are seen (device_evidence)
+    why = device_records.start_collector()
+    mark("startup_device_records")
     x = x.cuda()
     (torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")).sum().item()  # loads cuBLAS
     torch.cuda.synchronize()
     activities.append(ProfilerActivity.CUDA)
     mark("startup_device_context")
-    from verifier.candidate import device_records
-
-    why = device_records.start_collector()
-    mark("startup_device_records")
     if not why:
       return notes  # torch's profiler would compete for CUPTI: never started here
     notes.append(f"device records unavailable: {why[:300]}")

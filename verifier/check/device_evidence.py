@@ -19,7 +19,9 @@ Rules, in this order (the first that fails decides):
    ``HOST_COPY_FRACTION`` of its inputs' bytes from the device to the host: the inputs went to the host
    to be computed on there.
 A kernel is the candidate's own when its name names one of the ``__global__`` kernels of its source
-(``kernel_names``, as the profiler-based rule did).
+(``kernel_names``, as the profiler-based rule did) and no more than one loaded module defines its
+(mangled) name: a kernel of the candidate's named exactly like a library's does not make the library's
+kernel its own.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def judge_device(
     own_count = own_ns = foreign_ns = 0
     foreign_by: dict[str, int] = {}
     for k in w.records.kernels:
-      if any(p.search(k.name) for p in patterns):
+      if k.modules <= 1 and any(p.search(k.name) for p in patterns):
         own_count += k.count
         own_ns += k.ns
       elif not ALLOWED_KERNEL.search(k.name):

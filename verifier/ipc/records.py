@@ -311,7 +311,8 @@ class RecordsStatus:
 @record
 class KernelRun:
   """Kernels of one name that ran in one context and stream (from a CUDA graph or not): how many and
-  their device nanoseconds (``DeviceRecords``)."""
+  their device nanoseconds (``DeviceRecords``); ``modules``: how many modules loaded since the collector
+  started define that (mangled) name (0: none seen, e.g. one loaded before)."""
 
   name: str
   context: int
@@ -319,6 +320,7 @@ class KernelRun:
   graph: bool
   count: int
   ns: int
+  modules: int = 0
 
 
 @record
