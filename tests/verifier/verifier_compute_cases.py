@@ -64,7 +64,7 @@ def get_init_inputs():
 # Big enough that a library's pass over the input (a few ms on one core) stands out of the sampling noise
 # in two judged trials; timed checks judge many more calls, a smaller input does there.
 REFERENCE = reference(1 << 22)
-TIMED_REFERENCE = reference(1 << 20)
+TIMED_REFERENCE = reference(1 << 18)
 TRIALS = 3  # the profiled trial is the last: call 3
 
 
