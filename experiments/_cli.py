@@ -14,7 +14,8 @@ bug and keeps its traceback. `user_errors_from(ValueError)` marks a block whose 
 types are the user's (e.g. building a config from `--set` overrides).
 
 A launcher that runs as several JAX processes calls `define_multiprocess_flags()` where it
-defines its flags and `join_processes()` first thing in `main`.
+defines its flags and `join_processes()` first thing in `main`. A launcher that talks to a verifier
+defines `--verifier_wait_s` with `define_verifier_wait_flag()` and reads it with `verifier_wait_s()`.
 """
 
 from __future__ import annotations
@@ -142,3 +143,26 @@ def join_processes() -> None:
     distributed.primary_logs_only()
   elif f.num_processes is not None or f.process_id is not None:
     raise UserError("--num_processes/--process_id need --coordinator_address (or --distributed)")
+
+
+def define_verifier_wait_flag() -> None:
+  """`--verifier_wait_s`: how long to wait at start for the verifier to answer (the same flag and
+  default in every launcher and `python -m verifier check`: `verifier.api.waiting`)."""
+  from verifier.api import waiting
+
+  flags.DEFINE_float(
+    waiting.WAIT_FLAG.lstrip("-"),
+    waiting.VERIFIER_WAIT_S,
+    "seconds to wait at start for the verifier to answer (a progress line every "
+    f"{waiting.WAIT_PROGRESS_EVERY_S:g} s meanwhile); --verifier=local: for it to start",
+  )
+
+
+def verifier_wait_s() -> float:
+  """The value of `--verifier_wait_s`; a UserError when it is not > 0."""
+  from verifier.api import waiting
+
+  try:
+    return waiting.check_wait_s(flags.FLAGS.verifier_wait_s)
+  except ValueError as e:
+    raise UserError(str(e)) from None

@@ -12,7 +12,8 @@ after 3 warm-ups, atol = rtol = 1e-2, eager PyTorch baseline (and torch.compile 
 --compile_baseline); the verifier caches reference timings per reference and GPU, and each record names
 its GPU. RUN/records.jsonl gets one line per (problem, sample) as it is verified; a rerun with the same
 flags resumes. RUN/report.md (+ metrics.json, PNGs) is written at the end. --verifier=local starts a
-verifier service as a child process (device: --verifier_device). Speedups above --review_speedup are
+verifier service as a child process (device: --verifier_device). Nothing is written to RUN before the
+verifier answers (up to --verifier_wait_s, a progress line every 10 s; --verifier=local: RUN/verifier/). Speedups above --review_speedup are
 flagged, not counted in fast_p > 0 until accepted in RUN/reviews.json (see dice_jax/eval/metrics.py).
 On a GPU host that also generates, give the verifier memory: XLA_PYTHON_CLIENT_MEM_FRACTION=0.4.
 """
@@ -50,7 +51,6 @@ flags.DEFINE_string(
   "verifier", None, "Verifier address HOST:PORT[,HOST:PORT...] or 'local' (a child service)."
 )
 flags.DEFINE_enum("verifier_device", "cuda", ["cuda", "cpu"], "Device of --verifier=local.")
-flags.DEFINE_float("verifier_wait_s", 60.0, "Seconds to wait for the verifier to answer at start.")
 flags.DEFINE_string("out", None, "Run directory (records, report).")
 flags.DEFINE_bool("allow_config_change", False, "Resume --out even if its settings differ.")
 flags.DEFINE_bool("report_only", False, "Only rebuild the report of --out.")
@@ -92,6 +92,7 @@ flags.DEFINE_enum(
 flags.DEFINE_string("device", None, "Verifier device for the requests (default: the server's).")
 flags.DEFINE_bool("compile_baseline", False, "Also time correct kernels against torch.compile.")
 flags.DEFINE_float("review_speedup", 10.0, "Flag speedups above this for review (KernelBench: 10).")
+_cli.define_verifier_wait_flag()
 
 
 def _kernelbench() -> str:
@@ -247,6 +248,7 @@ def _check_flags() -> None:
     raise UserError(f"--candidates {FLAGS.candidates}: no such file")
   if FLAGS.review_speedup <= 1:
     raise UserError(f"--review_speedup must be > 1, got {FLAGS.review_speedup}")
+  _cli.verifier_wait_s()
 
 
 def run() -> str:
@@ -314,6 +316,10 @@ def run() -> str:
   return report.write_report(FLAGS.out)
 
 
+def _say(line: str) -> None:
+  print(f"eval: {line}", flush=True)
+
+
 class _VerifierSession:
   """The verifier of --verifier: remote endpoints, or a local child service for the run."""
 
@@ -331,6 +337,8 @@ class _VerifierSession:
         os.path.join(FLAGS.out, "verifier"),
         device=FLAGS.verifier_device,
         compile_workers=max(1, (os.cpu_count() or 2) // 2),
+        start_timeout_s=_cli.verifier_wait_s(),
+        report=_say,
       )
       print(f"eval: starting a local {FLAGS.verifier_device} verifier ...", flush=True)
       try:
@@ -343,7 +351,8 @@ class _VerifierSession:
         addresses,
         self.opts,
         token=None if not self.local else "",
-        ready_timeout_s=FLAGS.verifier_wait_s,
+        ready_timeout_s=_cli.verifier_wait_s(),
+        report=_say,
       )
     except ConnectionError as e:
       self.__exit__(None, None, None)

@@ -250,12 +250,14 @@ def test_build_cuke_names_an_unreachable_verifier(tmp_path):
       f"--pairs={REPO}/experiments/demo_data/pairs.jsonl",
       f"--verifier={address}",
       f"--out={tmp_path}/cuke",
-      "--connect_timeout_s=1",
+      "--verifier_wait_s=1",
     )
-  assert error_line(proc, "build_cuke") == (
-    f"build_cuke: error: --verifier {address}: no verifier answered within 1 s "
-    "(is `python -m verifier serve` running there, and is the port right?)"
+  line = error_line(proc, "build_cuke")
+  assert line.startswith(f"build_cuke: error: --verifier {address}: verifier not ready after 1 s: ")
+  assert line.endswith(
+    "is `python -m verifier serve` running there? (--verifier_wait_s waits longer)"
   )
+  assert f"waiting for the verifier at {address}: 0 s of 1 s (--verifier_wait_s)" in proc.stderr
   assert os.listdir(tmp_path) == []
 
 

@@ -248,7 +248,7 @@ def test_scratch_flood_stops_at_the_quota(service):
 
 def test_repository_is_not_readable_from_a_toolchain_path():
   paths = confine.toolchain_paths()
-  repo = os.path.realpath(confine.PACKAGE_ROOT)
+  repo = os.path.realpath(confine.IMPORT_ROOT)
   prefix = os.path.realpath(
     sys.prefix
   )  # the interpreter's installation may be the checkout's .venv

@@ -19,6 +19,7 @@ import struct
 import sys
 
 from verifier.api.contract import FailureKind, Strictness
+from verifier.sandbox.import_path import child_pythonpath
 from verifier.static.static_check import LIMITS, StaticVerdict, check_candidate
 
 FRAME = struct.Struct("!Q")
@@ -109,14 +110,10 @@ def serve(stdin, stdout, mem_mb: int) -> None:
 
 
 # ---- the service's side --------------------------------------------------------------------------
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def _environment() -> dict[str, str]:
   """A minimal environment that still imports this ``verifier`` package."""
-  paths = [PACKAGE_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
   env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL") if k in os.environ}
-  env.update(PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)), PYTHONDONTWRITEBYTECODE="1")
+  env.update(PYTHONPATH=child_pythonpath(), PYTHONDONTWRITEBYTECODE="1")
   return env
 
 
