@@ -306,6 +306,7 @@ def test_dice_known_good_solutions(gpu_service, tmp_path):
         "kernelbench_kind": kb.failure_kind.value if kb else "OK",
         "kernelbench_reason": kb.reason[:600] if kb else "",
         "logs": r.logs[-1500:] if r.failure_kind is not FailureKind.OK else "",
+        "warnings": [w[:300] for w in r.warnings],
       }
     )
   out = pathlib.Path(os.environ.get("VERIFIER_REPORT_DIR", tmp_path))
