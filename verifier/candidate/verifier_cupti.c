@@ -241,15 +241,20 @@ static void callback(void *user, int domain, uint32_t cbid, const void *data) {
   push(&e);
 }
 
-static int fail(const char *what, CUptiResult rc) {
+static int note(const char *what, CUptiResult rc) {
   const char *text = "";
+  if (cupti.result_string != NULL) cupti.result_string(rc, &text);
+  snprintf(error, sizeof error, "%s failed: CUPTI error %d %s", what, rc, text ? text : "");
+  return rc ? rc : -1;
+}
+
+/* A failed start: give CUPTI back (the in-process profiler may take it) and say why. */
+static int fail(const char *what, CUptiResult rc) {
   if (subscribed) {
     cupti.unsubscribe(subscriber);
     subscribed = 0;
   }
-  if (cupti.result_string != NULL) cupti.result_string(rc, &text);
-  snprintf(error, sizeof error, "%s failed: CUPTI error %d %s", what, rc, text ? text : "");
-  return rc ? rc : -1;
+  return note(what, rc);
 }
 
 const char *vc_error(void) { return error; }
@@ -320,7 +325,7 @@ int vc_stop(void) {
 long vc_flush(void) {
   if (!started) return -1;
   CUptiResult rc = cupti.flush_all(FLUSH_FORCED);
-  if (rc) return -(long)fail("cuptiActivityFlushAll", rc);
+  if (rc) return -(long)note("cuptiActivityFlushAll", rc);
   pthread_mutex_lock(&lock);
   long n = (long)n_entries;
   pthread_mutex_unlock(&lock);
