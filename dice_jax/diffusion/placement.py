@@ -63,6 +63,16 @@ class Placement:
     """An array whose leading axis is rows: split over the data axes, the rest whole."""
     return self.named(("batch",) + (None,) * (len(x.shape) - 1), x.shape)
 
+  def row_axes(self, rows: int):
+    """The mesh axis (or tuple of axes) `rows` rows are split over; None: not split."""
+    return self.named(("batch",), (rows,)).spec[0]
+
+  def shard_rows(self, rows: int) -> int:
+    """How many row shards `rows` rows are split into (1: not split)."""
+    axis = self.row_axes(rows)
+    axes = () if axis is None else axis if isinstance(axis, tuple) else (axis,)
+    return math.prod(self.mesh.shape[a] for a in axes)
+
   def row_tree(self, tree):
     """`rows` of every leaf of `tree` (e.g. `slots.Slots`, a `sampler.Layout`, keys)."""
     return jax.tree.map(self.rows, tree)
@@ -115,10 +125,6 @@ class Placement:
     by it (`sharding.kernel_axes`)."""
     return jax.set_mesh(self.mesh)
 
-  def row_axes(self, rows: int):
-    """The mesh axis (or tuple of axes) `rows` rows are split over; None: not split."""
-    return self.named(("batch",), (rows,)).spec[0]
-
   def write_rows(self, cache: kv_cache_lib.KVCache, rows, k, v, offset: int, *meta):
     """`cache.write_rows(rows, k, v, offset, positions, segment_ids, block_ids, length)` with each
     device writing the rows it holds, from the K/V it computed (`shard_map`): no device gathers
@@ -146,9 +152,3 @@ class Placement:
       out_specs=specs,
       check_vma=False,
     )(cache, rows, k, v, *meta)
-
-  def shard_rows(self, rows: int) -> int:
-    """How many row shards `rows` rows are split into (1: not split)."""
-    axis = self.row_axes(rows)
-    axes = () if axis is None else axis if isinstance(axis, tuple) else (axis,)
-    return math.prod(self.mesh.shape[a] for a in axes)
