@@ -46,7 +46,7 @@ def test_every_remat_policy_gives_the_same_loss_and_gradients(layout):
     jax.jit(lambda p, b: tracerl.token_logprobs(nnx.merge(graphdef0, p), b))(old, batch)
   )
   out = {}
-  for policy in (False, "full", "dots"):  # "none" is remat=False's code path
+  for policy in (False, "full", "dots", "dots_attn", "full_attn"):  # "none" is remat=False's
     graphdef = nnx.split(
       Transformer(get_config("tiny", dtype="float32", remat=policy), rngs=nnx.Rngs(0)), nnx.Param
     )[0]
@@ -61,7 +61,7 @@ def test_every_remat_policy_gives_the_same_loss_and_gradients(layout):
   want_loss, want_g = out[False]  # today's path: remat off
   assert want_loss != 0.0
   scale = max(float(jnp.abs(x).max()) for x in jax.tree.leaves(want_g))
-  for policy in ("full", "dots"):
+  for policy in ("full", "dots", "dots_attn", "full_attn"):
     loss, g = out[policy]
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=policy)
     jax.tree.map(
@@ -114,6 +114,8 @@ XLA_SHAPES = [
   ("none", 2, 512, 1, 2048, "bfloat16"),
   ("full", 2, 1024, 2, 256, "bfloat16"),
   ("dots", 2, 512, 1, 2048, "bfloat16"),
+  ("dots_attn", 2, 512, 1, 2048, "bfloat16"),
+  ("full_attn", 2, 1024, 2, 256, "bfloat16"),
   ("none", 2, 512, 1, 2048, "float32"),
 ]
 
