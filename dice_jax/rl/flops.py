@@ -24,6 +24,8 @@ import numpy as np
 
 from dice_jax.model import flash_bd
 
+PARTS = ("linear", "attention", "lm_head")
+
 
 def layer_matmul_weights(mcfg) -> int:
   """W: the weights of every decoder layer's matmuls (no embedding, no LM head, no norms)."""

@@ -67,12 +67,13 @@ def row_length(
   shrink: int = 1,
   length_multiple: int = 128,
 ) -> int:
-  """The longest TraceRL row of `layout` (module docstring), bucketed as `build_batches` does."""
+  """The longest TraceRL row of `layout` (module docstring), rounded up to `length_multiple`: the
+  longest batch `build_batches` makes with this as `max_length`."""
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
   rounds = -(-steps // shrink)
   n = prompt_len + new_tokens * (2 if layout == "per_round" else 1 + rounds)
-  return bucket_length(n, length_multiple)
+  return bucket_length(n, length_multiple, cap=n)
 
 
 def layer_residual_bytes(c, policy: str, seq_len: int) -> tuple[float, float]:

@@ -24,12 +24,13 @@ B = 4  # block size
 
 def test_recipes_fill_their_fields_and_an_explicit_set_wins():
   dice = recipe_lib.apply_recipe(RLConfig(), "dice")
-  assert (dice.recipe, dice.tracerl.layout, dice.shuffle, dice.reset_optimizer) == (
+  assert (dice.recipe, dice.tracerl.batch_units, dice.shuffle, dice.reset_optimizer) == (
     "dice",
-    "per_round",
+    "rounds",
     False,
     True,
   )
+  assert dice.tracerl.layout == "packed"  # DICE's steps, on packed rows
   assert (dice.optim.grad_scale, dice.optim.clip_norm, dice.tail_rows) == (1 / 32, 1.0, "drop")
   assert (dice.stop_tokens, dice.train_stop_token, dice.eval_every, dice.snapshot_every) == (
     "eos",
@@ -107,10 +108,17 @@ def test_dice_optimizer_steps_count_response_round_rows_in_file_order_and_drop_t
     rng=None if not cfg.shuffle else np.random.default_rng(0),
     drop_partial=cfg.tail_rows == "drop",
   )
+  # (response, round) pairs: 0.1 0.2 0.3 1.1 | 1.2 2.1 2.2 2.3 | 2.4 dropped; 2 steps, file order,
+  # packed: a response's pairs in one step share a row
   order = [b["traj_index"][:, 0].tolist() for b in batches]
-  assert order == [[0, 0, 0, 1], [1, 2, 2, 2]]  # 2 steps, file order; row 9 (response 2) dropped
-  rounds = [b["round_ids"].max(axis=1).tolist() for b in batches]
-  assert rounds == [[1, 2, 3, 1], [2, 1, 2, 3]]  # each response's rounds in order
+  assert order == [[0, 1, -1, -1], [1, 2, -1, -1]]
+  assert [b["norm_rounds"][:, 0].tolist() for b in batches] == [[3, 1, 0, 0], [1, 3, 0, 0]]
+  rounds = [[sorted(set(r[r > 0].tolist())) for r in b["round_ids"][:2]] for b in batches]
+  assert rounds == [[[1, 2, 3], [1]], [[2], [1, 2, 3]]]
+  per_round = dataclasses.replace(cfg.tracerl, layout="per_round")  # DICE's own rows
+  rows = tracerl.build_batches(trajs, per_round, **kw, drop_partial=True)
+  assert [b["traj_index"][:, 0].tolist() for b in rows] == [[0, 0, 0, 1], [1, 2, 2, 2]]
+  assert [b["round_ids"].max(axis=1).tolist() for b in rows] == [[1, 2, 3, 1], [2, 1, 2, 3]]
   # ours: one step per 4 responses with all their rounds, shuffled, every row used
   ours = recipe_lib.apply_recipe(RLConfig(), "ours")
   (b,) = tracerl.build_batches(trajs, ours.tracerl, **kw, rng=np.random.default_rng(0))

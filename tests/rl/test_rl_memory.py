@@ -147,17 +147,19 @@ def test_the_estimate_is_within_15_percent_of_xla_memory_analysis(
 
 
 def test_row_lengths_and_plans_at_dices_shape():
-  # 896 + 4,096 packed: 896 + 5 x 4,096 -> bucket 24,576 (issue 30's measured row length)
-  assert memory.row_length("packed", prompt_len=896, new_tokens=4096, steps=4) == 24576
-  assert memory.row_length("per_round", prompt_len=896, new_tokens=4096, steps=4) == 12288
+  # 896 + 4,096 packed: 896 + 5 x 4,096 = 21,376 (bucketed to 24,576 before rows were capped at
+  # the longest there can be); per round 896 + 2 x 4,096 = 9,088 (then 12,288)
+  assert memory.row_length("packed", prompt_len=896, new_tokens=4096, steps=4) == 21376
+  assert memory.row_length("per_round", prompt_len=896, new_tokens=4096, steps=4) == 9088
   mcfg = get_config("sdar_1p7b", dtype="bfloat16", attention_impl="flash")
   kw = dict(rows_per_update=256, prompt_len=896, steps=4)
-  # issue 30: 896 + 2,048 with 2 rows OOMed without remat, 1 row fitted (peak 90.8 GiB) and
-  # 4,096 with full remat peaked at 43.7 GiB on an H200 (139.8 GiB)
+  # issue 30: rows of 12,288 (896 + 2,048 bucketed) with 2 rows OOMed without remat, 1 row
+  # fitted (peak 90.8 GiB) and rows of 24,576 (896 + 4,096) with full remat peaked at 43.7 GiB on
+  # an H200 (139.8 GiB)
   h200 = int(139.8 * GIB)
-  est = lambda m, rm, n: memory.estimate_plan(  # noqa: E731
-    mcfg, layout="packed", micro_rows=m, remat=rm, new_tokens=n, **kw
-  ).estimate["total"]
+  est = lambda m, rm, n: memory.update_estimate(  # noqa: E731
+    mcfg, micro_rows=m, remat=rm, row_len={2048: 12288, 4096: 24576}[n], accum_steps=256 // m
+  )["total"]
   assert est(2, "none", 2048) > h200 > est(1, "none", 2048)
   assert 0.9 < est(1, "none", 2048) / (90.8 * GIB) < 1.15
   assert 0.9 < est(1, "full", 4096) / (43.7 * GIB) < 1.15

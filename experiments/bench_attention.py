@@ -1,0 +1,112 @@
+r"""The flash kernel alone on TraceRL rows: forward and forward + backward, live-tile loops against
+the earlier skipping loops, in TFLOP/s of the attention the trace mask needs.
+
+  python -m experiments.bench_attention --config=sdar_1p7b --prompt_len=896 --new_tokens=4096 \
+      --rows=2 --out=DIR/bench_attention.json
+
+One micro-batch of `--rows` worst-case packed rows (`experiments/rl_shapes.py`), random bf16
+q/k/v of the model's head shape, one layer's attention. Useful FLOPs are `rl/flops.py`'s attention
+term for one layer (forward: a third of it). `--iters` timed calls after one compiling call.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", "sdar_1p7b", "model preset (head shape, tiles)")
+flags.DEFINE_integer("prompt_len", 896, "prompt tokens")
+flags.DEFINE_integer("new_tokens", 4096, "response tokens")
+flags.DEFINE_integer("rows", 2, "rows per call (a micro-batch)")
+flags.DEFINE_integer("iters", 5, "timed calls")
+flags.DEFINE_string("out", "", "JSON file for the results")
+
+
+def main(argv):
+  del argv
+  from dice_jax.model import flash_bd
+  from dice_jax.model.config import get_config
+  from dice_jax.rl import flops, memory, tracerl
+  from dice_jax.train import metrics
+  from experiments.rl_shapes import synthetic_trajectories
+
+  mcfg = get_config(FLAGS.config)
+  trajs = synthetic_trajectories(
+    np.random.default_rng(0),
+    tasks=1,
+    group_size=FLAGS.rows,
+    prompt_len=FLAGS.prompt_len,
+    new_tokens=FLAGS.new_tokens,
+    vocab_size=mcfg.vocab_size,
+  )
+  cap = memory.row_length(
+    "packed", prompt_len=FLAGS.prompt_len, new_tokens=FLAGS.new_tokens, steps=mcfg.block_size
+  )
+  (batch,) = tracerl.build_batches(
+    trajs,
+    tracerl.TraceRLConfig(layout="packed"),
+    block_size=mcfg.block_size,
+    mask_token_id=mcfg.mask_token_id,
+    rows_per_batch=FLAGS.rows,
+    max_length=cap,
+  )
+  useful = flops.update_flops(mcfg, batch)["attention"] / mcfg.num_layers  # one layer, x3
+  spec = tracerl.trace_spec(batch, mcfg.block_size)
+  positions = jnp.asarray(batch["positions"])
+  b, t = positions.shape
+  keys = jax.random.split(jax.random.key(0), 4)
+  n, k, h = mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim
+  q = jax.random.normal(keys[0], (b, t, n, h), jnp.bfloat16)
+  kk = jax.random.normal(keys[1], (b, t, k, h), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (b, t, k, h), jnp.bfloat16)
+  ct = jax.random.normal(keys[3], (b, t, n, h), jnp.bfloat16)
+  bq, bk, bb = mcfg.flash_tiles
+  peak = metrics.peak_flops() or float("nan")
+  res = dict(
+    config=FLAGS.config,
+    rows=b,
+    row_len=t,
+    tiles=list(mcfg.flash_tiles),
+    useful_gflop_fwd=round(useful / 3 / 1e9, 1),
+    useful_gflop_fwd_bwd=round(useful / 1e9, 1),
+    device=jax.devices()[0].device_kind,
+  )
+  for live_only in (True, False):
+
+    def attn(q, kk, v, live_only=live_only):
+      return flash_bd.attention(
+        q, kk, v, spec, positions, block_q=bq, block_k=bk, block_bwd=bb, live_only=live_only
+      )
+
+    fwd = jax.jit(attn)
+    fwd_bwd = jax.jit(
+      jax.grad(lambda q, kk, v: (attn(q, kk, v).astype(jnp.float32) * ct).sum(), (0, 1, 2))
+    )
+    name = "live_only" if live_only else "skipping_loop"
+    for what, fn, work in (("fwd", fwd, useful / 3), ("fwd_bwd", fwd_bwd, useful)):
+      jax.block_until_ready(fn(q, kk, v))
+      t0 = time.perf_counter()
+      for _ in range(FLAGS.iters):
+        out = fn(q, kk, v)
+      jax.block_until_ready(out)
+      sec = (time.perf_counter() - t0) / FLAGS.iters
+      res[f"{name}_{what}_ms"] = round(sec * 1e3, 2)
+      res[f"{name}_{what}_useful_tflops"] = round(work / sec / 1e12, 1)
+      res[f"{name}_{what}_mfu"] = round(work / sec / peak, 4)
+      print(json.dumps({f"{name}_{what}_ms": res[f"{name}_{what}_ms"]}), flush=True)
+  for what in ("fwd", "fwd_bwd"):
+    res[f"{what}_speedup"] = round(res[f"skipping_loop_{what}_ms"] / res[f"live_only_{what}_ms"], 2)
+  print(json.dumps(res), flush=True)
+  if FLAGS.out:
+    with open(FLAGS.out, "w") as f:
+      json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+  app.run(main)
