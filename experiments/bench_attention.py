@@ -77,6 +77,7 @@ def main(argv):
     useful_gflop_fwd_bwd=round(useful / 1e9, 1),
     device=jax.devices()[0].device_kind,
   )
+  outs = {}
   for live_only in (True, False):
 
     def attn(q, kk, v, live_only=live_only):
@@ -89,6 +90,7 @@ def main(argv):
       jax.grad(lambda q, kk, v: (attn(q, kk, v).astype(jnp.float32) * ct).sum(), (0, 1, 2))
     )
     name = "live_only" if live_only else "skipping_loop"
+    outs[live_only] = (fwd(q, kk, v), fwd_bwd(q, kk, v))
     for what, fn, work in (("fwd", fwd, useful / 3), ("fwd_bwd", fwd_bwd, useful)):
       jax.block_until_ready(fn(q, kk, v))
       t0 = time.perf_counter()
@@ -102,6 +104,11 @@ def main(argv):
       print(json.dumps({f"{name}_{what}_ms": res[f"{name}_{what}_ms"]}), flush=True)
   for what in ("fwd", "fwd_bwd"):
     res[f"{what}_speedup"] = round(res[f"skipping_loop_{what}_ms"] / res[f"live_only_{what}_ms"], 2)
+  # the same tiles in the same order: the two loops should agree (to the bit in the interpreter)
+  diff = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max())  # noqa: E731
+  (o1, g1), (o0, g0) = outs[True], outs[False]
+  res["max_abs_diff_out"] = diff(o1, o0)
+  res["max_abs_diff_grads"] = max(diff(a, b) for a, b in zip(g1, g0))
   print(json.dumps(res), flush=True)
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:

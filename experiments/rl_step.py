@@ -14,8 +14,8 @@ code for everything else (`dice_jax/rl/loop.py`):
             row decodes `--new_tokens` (the worst case); every response is the candidate (random
             text: the verifier's static check refuses it, so its share is the round trip)
   rewards   random weights earn 0 everywhere and every group would be dropped, so the verdicts'
-            rewards are replaced by seeded coin flips (binary): the real advantage code then
-            keeps every group (SYNTHETIC rewards, recorded as such)
+            rewards are replaced by seeded binary ones, 1 to G-1 correct members per group at
+            random: the real advantage code then keeps every group (SYNTHETIC, recorded so)
   update    `loop.learn`: advantages, the recipe's TraceRL mini-batches, old log-probs (the
             rollout's unless `tracerl.old_logp=trainer`), every optimizer step the recipe asks
             for; its MFU counts `dice_jax/rl/flops.py`'s useful FLOPs over the chip's peak
@@ -275,9 +275,9 @@ def main(argv):
   if holder and "server" in holder:
     holder["server"].__exit__(None, None, None)
 
-  # --- rewards: seeded coin flips (random weights earn 0: every group would be dropped)
-  ro.rewards = rng.integers(0, 2, len(ro.trajectories)).astype(np.float32)
-  report.update(rewards="SYNTHETIC: seeded coin flips per response (random weights earn 0)")
+  # --- rewards: synthetic (random weights earn 0: every group would be dropped)
+  ro.rewards = synthetic_rewards(rng, [t.group for t in ro.trajectories])
+  report.update(rewards="SYNTHETIC: 1 to G-1 correct members per group at random (seeded)")
 
   # --- update: every optimizer step the recipe asks for
   t0 = time.perf_counter()
@@ -311,6 +311,10 @@ def main(argv):
     peak_tflops=round(peak / 1e12, 1),
     loss=m.get("loss"),
     kl=m.get("kl"),
+    note=None
+    if cfg.tracerl.old_logp == "sampler"
+    else "old_logp=trainer: old_logp_s includes that forward's compile, which is also subtracted "
+    "from optimizer_steps_s (an underestimate by it)",
     peak_gib=bench_common.peak_gib(),
   )
   report.update(phases=phases.data, elapsed_s=round(time.perf_counter() - start, 1))
@@ -375,6 +379,18 @@ def get_inputs():
 def get_init_inputs():
     return []
 """
+
+
+def synthetic_rewards(rng, groups) -> np.ndarray:
+  """Binary rewards with 1 to G-1 ones per group (at random members): no group has equal
+  rewards, so none is dropped by the advantages."""
+  groups = np.asarray(groups)
+  out = np.zeros(groups.size, np.float32)
+  for g in np.unique(groups):
+    members = np.nonzero(groups == g)[0]
+    ones = rng.integers(1, max(members.size, 2))
+    out[rng.permutation(members)[:ones]] = 1.0
+  return out
 
 
 def make_judge(cfg, verifier, holder, report):
