@@ -7,6 +7,7 @@ the earlier skipping loops, in TFLOP/s of the attention the trace mask needs.
 One micro-batch of `--rows` worst-case packed rows (`experiments/rl_shapes.py`), random bf16
 q/k/v of the model's head shape, one layer's attention. Useful FLOPs are `rl/flops.py`'s attention
 term for one layer (forward: a third of it). `--iters` timed calls after one compiling call.
+`--tiles` times the live-tile loops at other tile sizes too (the model's are `flash_tiles`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ flags.DEFINE_integer("prompt_len", 896, "prompt tokens")
 flags.DEFINE_integer("new_tokens", 4096, "response tokens")
 flags.DEFINE_integer("rows", 2, "rows per call (a micro-batch)")
 flags.DEFINE_integer("iters", 5, "timed calls")
+flags.DEFINE_list(
+  "tiles", [], "more live-tile settings to time, each block_q:block_k:block_bwd (e.g. 128:128:64)"
+)
 flags.DEFINE_string("out", "", "JSON file for the results")
 
 
@@ -66,7 +70,6 @@ def main(argv):
   kk = jax.random.normal(keys[1], (b, t, k, h), jnp.bfloat16)
   v = jax.random.normal(keys[2], (b, t, k, h), jnp.bfloat16)
   ct = jax.random.normal(keys[3], (b, t, n, h), jnp.bfloat16)
-  bq, bk, bb = mcfg.flash_tiles
   peak = metrics.peak_flops() or float("nan")
   res = dict(
     config=FLAGS.config,
@@ -77,31 +80,52 @@ def main(argv):
     useful_gflop_fwd_bwd=round(useful / 1e9, 1),
     device=jax.devices()[0].device_kind,
   )
-  outs = {}
-  for live_only in (True, False):
 
-    def attn(q, kk, v, live_only=live_only):
+  def timed(fn, work):
+    jax.block_until_ready(fn(q, kk, v))
+    t0 = time.perf_counter()
+    for _ in range(FLAGS.iters):
+      out = fn(q, kk, v)
+    jax.block_until_ready(out)
+    sec = (time.perf_counter() - t0) / FLAGS.iters
+    return dict(
+      ms=round(sec * 1e3, 2), tflops=round(work / sec / 1e12, 1), mfu=round(work / sec / peak, 4)
+    )
+
+  def kernels(tiles, live_only):
+    bq, bk, bb = tiles
+
+    def attn(q, kk, v):
       return flash_bd.attention(
         q, kk, v, spec, positions, block_q=bq, block_k=bk, block_bwd=bb, live_only=live_only
       )
 
-    fwd = jax.jit(attn)
-    fwd_bwd = jax.jit(
-      jax.grad(lambda q, kk, v: (attn(q, kk, v).astype(jnp.float32) * ct).sum(), (0, 1, 2))
-    )
+    loss = lambda q, kk, v: (attn(q, kk, v).astype(jnp.float32) * ct).sum()  # noqa: E731
+    return jax.jit(attn), jax.jit(jax.grad(loss, (0, 1, 2)))
+
+  outs = {}
+  for live_only in (True, False):
+    fwd, fwd_bwd = kernels(mcfg.flash_tiles, live_only)
     name = "live_only" if live_only else "skipping_loop"
     outs[live_only] = (fwd(q, kk, v), fwd_bwd(q, kk, v))
     for what, fn, work in (("fwd", fwd, useful / 3), ("fwd_bwd", fwd_bwd, useful)):
-      jax.block_until_ready(fn(q, kk, v))
-      t0 = time.perf_counter()
-      for _ in range(FLAGS.iters):
-        out = fn(q, kk, v)
-      jax.block_until_ready(out)
-      sec = (time.perf_counter() - t0) / FLAGS.iters
-      res[f"{name}_{what}_ms"] = round(sec * 1e3, 2)
-      res[f"{name}_{what}_useful_tflops"] = round(work / sec / 1e12, 1)
-      res[f"{name}_{what}_mfu"] = round(work / sec / peak, 4)
+      for key, val in timed(fn, work).items():
+        res[f"{name}_{what}_{'useful_tflops' if key == 'tflops' else key}"] = val
       print(json.dumps({f"{name}_{what}_ms": res[f"{name}_{what}_ms"]}), flush=True)
+  sweep = {}
+  for spec_s in FLAGS.tiles:
+    tiles = tuple(int(x) for x in spec_s.split(":"))
+    if len(tiles) != 3:
+      raise SystemExit(
+        f"bench_attention: --tiles entries are block_q:block_k:block_bwd, got {spec_s!r}"
+      )
+    try:
+      fwd, fwd_bwd = kernels(tiles, True)
+      sweep[spec_s] = {"fwd": timed(fwd, useful / 3), "fwd_bwd": timed(fwd_bwd, useful)}
+    except Exception as e:  # a tiling Triton refuses (shared memory): recorded, not fatal
+      sweep[spec_s] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    print(json.dumps({spec_s: sweep[spec_s]}), flush=True)
+  res["tile_sweep_live_only"] = sweep
   for what in ("fwd", "fwd_bwd"):
     res[f"{what}_speedup"] = round(res[f"skipping_loop_{what}_ms"] / res[f"live_only_{what}_ms"], 2)
   # the same tiles in the same order: the two loops should agree (to the bit in the interpreter)

@@ -70,6 +70,10 @@ class CompileClock:
     jax.monitoring.register_event_listener(on_event)
     return self
 
+  def since_split(self) -> float:
+    """Compile seconds since the last `split`."""
+    return self.total_s - self._at[0]
+
   def split(self) -> dict:
     s, h = self.total_s - self._at[0], self.hits - self._at[1]
     self._at = (self.total_s, self.hits)
@@ -134,7 +138,7 @@ def profile_step(step_fn, state, batch, mesh, accum: int, key, trace_dir: str, k
     f.write(trace_summary.markdown(summary))
   return state, dict(
     micro_steps=keep,
-    wall_s=round(wall, 2),
+    traced_step_s=round(wall, 2),
     device_ms_per_micro_step=summary["device_ms_per_call"],
     by_kind_ms_per_micro_step=summary["by_kind"],
     top=summary["top"][:12],

@@ -17,12 +17,16 @@
 #            repository: ignored by git, kept between calls on a warm machine; the record says
 #            whether it was warm).
 #   attn     experiments/bench_attention.py: the flash kernel on one micro-batch of TraceRL rows
-#            (2 x 21,376 tokens), live-tile loops vs the earlier skipping loops
+#            (2 x 21,376 tokens), live-tile loops vs the earlier skipping loops (their numbers
+#            compared), and the live-tile loops at three other tile sizes
 #   u1p7b    bench_rl, the update alone: sdar_1p7b 896 + 4,096, 8 rows per optimizer step (2
 #            steps, the first compiles), plan by the memory estimate, profile of 3 micro-steps
 #   sft1p7b  bench_train sdar_1p7b seq 4,096, 2 rows: the SFT MFU the update is compared with
+#            (--check: the kernel against the dense path first, bf16)
 #   u4b      bench_rl, the update alone: sdar_4b 1,500 + 4,096, 4 rows per optimizer step
 #   sft4b    bench_train sdar_4b seq 4,096, 1 row
+#   gputests the flash kernel's GPU tests against the dense path (tests/train/test_flash_gpu.py,
+#            tests/rl/test_tracerl_gpu.py), ~100 s; not in the default PARTS
 set -u
 OUT=${OUT:-/tmp/rl_step_h200}
 PARTS=${PARTS:-step}
@@ -48,20 +52,24 @@ for p in $PARTS; do
             --tasks=8 --group_size=16 --prompt_len=896 --new_tokens=4096 --groups_per_batch=8 \
             --verifier=local --compilation_cache="$CACHE" --profile_dir="$OUT/step/trace" \
             --deadline_s=515 --out="$OUT/step/rl_step.json" ;;
-    attn) part attn 120 0.90 python3 -m experiments.bench_attention --config=sdar_1p7b \
-            --prompt_len=896 --new_tokens=4096 --rows=2 --out="$OUT/attn/bench_attention.json" ;;
+    attn) part attn 150 0.90 python3 -m experiments.bench_attention --config=sdar_1p7b \
+            --prompt_len=896 --new_tokens=4096 --rows=2 --tiles=128:128:64,64:64:64,128:64:128 \
+            --out="$OUT/attn/bench_attention.json" ;;
     u1p7b) part u1p7b 170 0.90 python3 -m experiments.bench_rl --config=sdar_1p7b \
              --rollout=synthetic --tasks=1 --group_size=16 --prompt_len=896 --new_tokens=4096 \
              --rows_per_update=8 --update_steps=2 --compilation_cache="$CACHE" \
              --profile_dir="$OUT/u1p7b/trace" --out="$OUT/u1p7b" ;;
     sft1p7b) part sft1p7b 100 0.95 python3 -m experiments.bench_train --config=sdar_1p7b \
-               --seq_len=4096 --batch_per_device=2 --steps=3 --out="$OUT/sft1p7b/bench_train.jsonl" ;;
+               --seq_len=4096 --batch_per_device=2 --steps=3 --check \
+               --out="$OUT/sft1p7b/bench_train.jsonl" ;;
     u4b) part u4b 200 0.90 python3 -m experiments.bench_rl --config=sdar_4b --rollout=synthetic \
            --tasks=1 --group_size=8 --prompt_len=1500 --new_tokens=4096 --rows_per_update=4 \
            --update_steps=2 --compilation_cache="$CACHE" --profile_dir="$OUT/u4b/trace" \
            --out="$OUT/u4b" ;;
     sft4b) part sft4b 120 0.95 python3 -m experiments.bench_train --config=sdar_4b \
              --seq_len=4096 --batch_per_device=1 --steps=3 --out="$OUT/sft4b/bench_train.jsonl" ;;
+    gputests) part gputests 200 0.90 python3 -m pytest -q -m gpu -p no:cacheprovider \
+                tests/train/test_flash_gpu.py tests/rl/test_tracerl_gpu.py ;;
     *) echo "unknown part $p" >> "$OUT/status.txt" ;;
   esac
 done
@@ -91,7 +99,9 @@ if s:
         print(f"  {k}: {s[k]}")
 a = load("attn", "bench_attention.json")
 if a:
-    print("ATTN", {k: v for k, v in a.items() if k.endswith(("_ms", "_speedup", "_mfu"))})
+    print("ATTN", {k: v for k, v in a.items() if k.endswith(("_ms", "_speedup", "_mfu", "_diff_out", "_diff_grads"))})
+    for tiles, r in (a.get("tile_sweep_live_only") or {}).items():
+        print(f"  tiles {tiles}: {r}")
 for u, sft in (("u1p7b", "sft1p7b"), ("u4b", "sft4b")):
     r = load(u, "bench_rl.json")
     t = load(sft, "bench_train.jsonl")
