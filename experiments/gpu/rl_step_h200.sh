@@ -24,7 +24,7 @@
 #   sft1p7b  bench_train sdar_1p7b seq 4,096, 2 rows: the SFT MFU the update is compared with
 #            (--check: the kernel against the dense path first, bf16)
 #   u4b      bench_rl, the update alone: sdar_4b 1,500 + 4,096, 4 rows per optimizer step
-#   sft4b    bench_train sdar_4b seq 4,096, 1 row
+#   sft4b    bench_train sdar_4b seq 4,096, 1 row (with --remat if that does not fit)
 #   gputests the flash kernel's GPU tests against the dense path (tests/train/test_flash_gpu.py,
 #            tests/rl/test_tracerl_gpu.py), ~100 s; not in the default PARTS
 set -u
@@ -43,7 +43,9 @@ part() {  # part NAME TIMEOUT MEM_FRACTION COMMAND...
   mkdir -p "$OUT/$name"
   local t0; t0=$(date +%s)
   XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout "$limit" "$@" > "$OUT/$name/log.txt" 2>&1
-  echo "$name exit $? in $(( $(date +%s) - t0 )) s" >> "$OUT/status.txt"
+  local rc=$?
+  echo "$name exit $rc in $(( $(date +%s) - t0 )) s" >> "$OUT/status.txt"
+  return $rc
 }
 
 for p in $PARTS; do
@@ -67,7 +69,10 @@ for p in $PARTS; do
            --update_steps=2 --compilation_cache="$CACHE" --profile_dir="$OUT/u4b/trace" \
            --out="$OUT/u4b" ;;
     sft4b) part sft4b 120 0.95 python3 -m experiments.bench_train --config=sdar_4b \
-             --seq_len=4096 --batch_per_device=1 --steps=3 --out="$OUT/sft4b/bench_train.jsonl" ;;
+             --seq_len=4096 --batch_per_device=1 --steps=3 --out="$OUT/sft4b/bench_train.jsonl" ||
+           part sft4b 120 0.95 python3 -m experiments.bench_train --config=sdar_4b \
+             --seq_len=4096 --batch_per_device=1 --steps=3 --remat \
+             --out="$OUT/sft4b/bench_train.jsonl" ;;
     gputests) part gputests 200 0.90 python3 -m pytest -q -m gpu -p no:cacheprovider \
                 tests/train/test_flash_gpu.py tests/rl/test_tracerl_gpu.py ;;
     *) echo "unknown part $p" >> "$OUT/status.txt" ;;
@@ -113,6 +118,6 @@ for u, sft in (("u1p7b", "sft1p7b"), ("u4b", "sft4b")):
         if r.get("profile"):
             print(f"  profile per micro-step: {r['profile'].get('by_kind_ms_per_micro_step')}")
     if t:
-        print(f"  SFT {sft}: mfu {t.get('mfu')} (mask-aware), mfu_2l {t.get('mfu_2l')}, step {t.get('step_s')} s")
+        print(f"  SFT {sft}: mfu {t.get('mfu')} (mask-aware), mfu_2l {t.get('mfu_2l')}, step {t.get('step_s')} s, remat {t.get('remat')}")
 PY
 cat "$OUT/status.txt" "$OUT/summary.txt"
