@@ -83,7 +83,7 @@ class CompileClock:
 def start_local_verifier(workdir: str, device: str, extra_args=()):
   """A local verifier service started in a thread (it overlaps model set-up): (thread, holder);
   after `thread.join()`, `holder['server']` is the entered `LocalVerifier` (or `holder['error']`
-  what went wrong), `holder['start_s']` its start-up time."""
+  the exception that stopped it), `holder['start_s']` its start-up time."""
   holder: dict = {}
 
   def run():
@@ -93,8 +93,8 @@ def start_local_verifier(workdir: str, device: str, extra_args=()):
     try:
       v = LocalVerifier(workdir, device=device, extra_args=tuple(extra_args))
       holder["server"] = v.__enter__()
-    except Exception as e:  # reported by the caller, which owns the record
-      holder["error"] = f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - reported and re-raised by the caller's thread
+      holder["error"] = e
     holder["start_s"] = time.perf_counter() - t0
 
   t = threading.Thread(target=run, daemon=True)

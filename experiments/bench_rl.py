@@ -113,6 +113,18 @@ def start_verifier():
   return t, holder
 
 
+def local_verifier(thread, holder: dict, report) -> str:
+  """The address of the verifier `start_verifier` started; its start-up error, reported and
+  raised, when it did not start."""
+  thread.join()
+  if "error" in holder:
+    e = holder["error"]
+    report.update(verifier_error=f"{type(e).__name__}: {e}"[-4000:])
+    raise e
+  report.update(verifier_start_s=round(holder["start_s"], 1), verifier_device=holder["device"])
+  return holder["server"].address
+
+
 def synthetic_rollout(mcfg, rng):
   """`--tasks` x `--group_size` worst-case responses without sampling (`experiments/rl_shapes.py`):
   for the update's time and peak memory alone."""
@@ -291,19 +303,14 @@ def main(argv):
     report.update(sampler_compile_and_first_call_s=round(time.perf_counter() - t0, 1))
 
     if FLAGS.verifier == "local":
-      server_thread.join()
-      if "server" not in holder:
-        report.update(verifier_error=holder.get("error"))
-        raise SystemExit(f"bench_rl: the local verifier did not start: {holder.get('error')}")
-      address = holder["server"].address
-      report.update(verifier_start_s=round(holder["start_s"], 1), verifier_device=holder["device"])
+      address = local_verifier(server_thread, holder, report)
     else:
       address = None if FLAGS.verifier == "none" else FLAGS.verifier
     if address:
       from dice_jax.verifier_client import ThreadedVerifier
 
       judge = ThreadedVerifier(address, options={"num_correct_trials": 1}, token="")
-      judge.wait_ready(300)
+      judge.wait_ready()
     else:
       judge = rollout.FunctionJudge(lambda *a: False)
 
@@ -468,4 +475,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from experiments import _cli
+
+  _cli.quiet_missing_tpu()
   app.run(main)

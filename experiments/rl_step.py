@@ -72,7 +72,11 @@ flags.DEFINE_float("peak_tflops", 0.0, "bf16 peak TFLOP/s for the MFU (0: metric
 
 
 class IdText:
-  """Stands in for a tokenizer: a response's text is its token ids (no vocabulary needed)."""
+  """Stands in for a tokenizer: a response's text is its token ids (no vocabulary needed); its
+  pad id is the model's (SDAR: `<|endoftext|>`, its eos)."""
+
+  def __init__(self, pad_token_id: int):
+    self.pad_token_id = pad_token_id
 
   def decode(self, ids, skip_special_tokens=True):
     return " ".join(map(str, ids))
@@ -232,6 +236,8 @@ def main(argv):
     cfg.sampler, stop_ids=(), pad_id=mcfg.pad_token_id or 0, prefill_chunk=FLAGS.prefill_chunk
   ).for_model(mcfg)
   backend = rollout.StaticBatches(scfg, cfg.groups_per_batch, FLAGS.seed)
+  eos = mcfg.eos_token_id if isinstance(mcfg.eos_token_id, int) else mcfg.eos_token_id[0]
+  tokenizer = IdText(mcfg.pad_token_id if mcfg.pad_token_id is not None else eos)
   judge = make_judge(cfg, verifier, holder, report)
   t0 = time.perf_counter()
   sample_params = rollout.sampling_params(state["params"], jnp.bfloat16)
@@ -242,7 +248,7 @@ def main(argv):
       groups,
       backend=backend,
       judge=judge,
-      tokenizer=IdText(),
+      tokenizer=tokenizer,
       reward_fn=make_reward(cfg.reward, **cfg.reward_options),
       rl_step=0,
       extraction=cfg.code_extraction,
@@ -286,7 +292,13 @@ def main(argv):
   # --- update: every optimizer step the recipe asks for
   t0 = time.perf_counter()
   trainer = loop.Trainer(
-    cfg=cfg, mesh=mesh, mcfg=mcfg, state=state, **update._asdict(), backend=backend
+    cfg=cfg,
+    mesh=mesh,
+    mcfg=mcfg,
+    state=state,
+    **update._asdict(),
+    backend=backend,
+    tokenizer=tokenizer,
   )
   batches: list = []
   state, m = loop.learn(trainer, ro, 0, on_batches=batches.extend)
@@ -407,15 +419,16 @@ def make_judge(cfg, verifier, holder, report):
   address = FLAGS.verifier
   if FLAGS.verifier == "local":
     verifier.join()
-    if "server" not in holder:
-      report.update(verifier_error=holder.get("error"))
-      raise SystemExit(f"rl_step: the local verifier did not start: {holder.get('error')}")
+    if "error" in holder:
+      e = holder["error"]
+      report.update(verifier_error=f"{type(e).__name__}: {e}"[-4000:])
+      raise e
     address = holder["server"].address
     report.update(verifier_start_s=round(holder["start_s"], 1))
   from dice_jax.verifier_client import ThreadedVerifier
 
   judge = ThreadedVerifier(address, options=cfg.verifier.options, token="")
-  judge.wait_ready(300)
+  judge.wait_ready()
   return judge
 
 

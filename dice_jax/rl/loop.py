@@ -53,6 +53,7 @@ from dice_jax.rl import rewards as rewards_lib
 from dice_jax.rl import rollout as rollout_lib
 from dice_jax.rl import tracerl
 from dice_jax.rl.config import RLConfig
+from dice_jax.rl.trajectory import Trajectory
 from dice_jax.train import checkpoint as ckpt_lib
 from dice_jax.train import metrics as metrics_lib
 from dice_jax.train import optimizer as optim_lib
@@ -89,15 +90,23 @@ def load_tasks(cfg: RLConfig) -> list[tasks_lib.KernelTask]:
 
 
 # ------------------------------------------------------------------ the loop
-def make_judge(cfg: RLConfig, endpoints: list[str] | None):
+def make_judge(cfg: RLConfig, endpoints: list[str] | None, verifier_wait_s: float | None = None):
+  """The run's judge: a python function, or a client of the verifier at `endpoints` once every
+  endpoint answers (waits up to `verifier_wait_s`, default `waiting.VERIFIER_WAIT_S`, logging a
+  progress line every 10 s; `VerifierUnavailable` after that)."""
   if cfg.judge != "verifier":
     return rollout_lib.load_function_judge(cfg.judge)
   from dice_jax.verifier_client import ThreadedVerifier
+  from verifier.api.waiting import VERIFIER_WAIT_S
 
   if not endpoints:
     raise ValueError("judge 'verifier' needs verifier endpoints (--verifier=HOST:PORT or local)")
   client = ThreadedVerifier(endpoints, options=cfg.verifier.options, retry=cfg.verifier.retry)
-  client.wait_ready(cfg.verifier.ready_timeout_s)
+  try:
+    client.wait_ready(verifier_wait_s or VERIFIER_WAIT_S)
+  except BaseException:
+    client.close()
+    raise
   return client
 
 
@@ -144,12 +153,12 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt) -> Trainer:
   else:
     model, mcfg, inherited = build_model(cfg, mesh)
   tok = run_setup.load_tokenizer(inherited or cfg.run.tokenizer)
-  if distributed.is_primary():
+  check_compatible(tok, mcfg, where="rl")
+  cfg, plan = plan_update(cfg, mcfg, mesh)  # refuses a setting that does not fit, before sampling
+  if distributed.is_primary():  # written once the run is known to fit
     run_setup.save_tokenizer(cfg.run, workdir, inherited)
     if not resuming:
       ckpt_lib.save_model_config(mcfg, workdir)
-  check_compatible(tok, mcfg, where="rl")
-  cfg, plan = plan_update(cfg, mcfg, mesh)  # refuses a setting that does not fit, before sampling
   logging.info(
     "model %.2fM params (block %d, %s), mesh %s",
     mcfg.num_params() / 1e6,
@@ -300,10 +309,26 @@ def evaluate(t: Trainer, judge, step: int) -> dict:
 
 def stop_ids(cfg: RLConfig, tok) -> tuple[int, ...]:
   """The ids that end a response: the tokenizer's stop ids (`chat`: `<|im_end|>` and
-  `<|endoftext|>` for SDAR) or its eos only (`eos`: DICE's JetEngine stops at `<|endoftext|>`)."""
+  `<|endoftext|>` for SDAR), its eos only (`eos`), or `<|im_end|>` only (`im_end`: DICE's
+  JetEngine stops at its SFT checkpoint's eos, which LLaMA-Factory's qwen3 template makes
+  `<|im_end|>`; docs/dice_recipe.md, item 4)."""
   if cfg.stop_tokens == "eos":
     return (int(tok.eos_token_id),)
+  if cfg.stop_tokens == "im_end":
+    if tok.im_end_token_id is None:
+      raise ValueError("stop_tokens='im_end': the tokenizer has no <|im_end|> token")
+    return (int(tok.im_end_token_id),)
   return tuple(tok.stop_token_ids)
+
+
+def training_view(traj: Trajectory, cfg: RLConfig, stop_ids, pad_id: int) -> Trajectory:
+  """`traj` as the update trains it: without its final stop token unless `train_stop_token`,
+  without the tokens equal to `pad_id` unless `train_pad_tokens` (DICE's `post_num: 0`)."""
+  if not cfg.train_stop_token:
+    traj = traj.without_stop_token(stop_ids)
+  if not cfg.train_pad_tokens:
+    traj = traj.without_token(pad_id)
+  return traj
 
 
 def make_backend(cfg: RLConfig, scfg) -> rollout_lib.SamplerBackend:
@@ -369,28 +394,31 @@ def run_rl(
   *,
   endpoints: list[str] | None = None,
   max_steps: int | None = None,
+  verifier_wait_s: float | None = None,
 ) -> dict:
   """Runs RL steps up to `cfg.num_steps` (or `max_steps` more), resuming from `workdir`.
 
+  The judge comes first: nothing is written to `workdir` until the verifier at `endpoints` answers
+  (`make_judge`; an unreachable one raises `VerifierUnavailable` and leaves `workdir` as it was).
   SIGINT or SIGTERM during an RL step finishes it, saves it and returns with `preempted` True;
   during start-up, or a second signal, returns at once (`train/stop.py`).
   """
   return stop_lib.run_stoppable(
-    lambda stop: _run(cfg, workdir, stop, endpoints, max_steps),
+    lambda stop: _run(cfg, workdir, stop, endpoints, max_steps, verifier_wait_s),
     rl_step=None,
   )
 
 
-def _run(cfg, workdir, stop, endpoints, max_steps) -> dict:
-  os.makedirs(workdir, exist_ok=True)
-  ckpt = run_setup.make_checkpointer(cfg.run, workdir, keep_period=cfg.snapshot_every or None)
-  judge = None
+def _run(cfg, workdir, stop, endpoints, max_steps, verifier_wait_s) -> dict:
+  judge = make_judge(cfg, endpoints, verifier_wait_s)
+  ckpt = None
   last, preempted, done = {}, False, None
   try:
+    os.makedirs(workdir, exist_ok=True)
+    ckpt = run_setup.make_checkpointer(cfg.run, workdir, keep_period=cfg.snapshot_every or None)
     t = _prepare(cfg, workdir, ckpt)
     end = cfg.num_steps if max_steps is None else min(cfg.num_steps, t.start + max_steps)
     logging.info("RL steps %d -> %d (of %d)", t.start, end, cfg.num_steps)
-    judge = make_judge(cfg, endpoints)
     writer = metrics_lib.MetricWriter(workdir)
     config_json = cfg.to_json()
     done = t.start
@@ -426,8 +454,9 @@ def _run(cfg, workdir, stop, endpoints, max_steps) -> dict:
       stop.training = False  # a signal from here on stops at once
       writer.close()
   finally:
-    ckpt.wait()
-    ckpt.close()
+    if ckpt is not None:
+      ckpt.wait()
+      ckpt.close()
     if hasattr(judge, "close"):
       judge.close()
   if distributed.is_primary() and last:
@@ -454,7 +483,7 @@ def learn(t: Trainer, ro: rollout_lib.Rollout, rl_step: int, on_batches=None):
   for traj, a, keep in zip(ro.trajectories, adv.values, adv.keep):
     traj.advantage = float(a)
     if keep:
-      kept.append(traj if cfg.train_stop_token else traj.without_stop_token(t.backend.cfg.stop_ids))
+      kept.append(training_view(traj, cfg, t.backend.cfg.stop_ids, t.tokenizer.pad_token_id))
   if cfg.reset_optimizer:  # DICE: a new AdamW every RL step (one process per step)
     state = dict(state, opt_state=t.init_opt(state["params"]))
   batches = tracerl.build_batches(
@@ -466,7 +495,8 @@ def learn(t: Trainer, ro: rollout_lib.Rollout, rl_step: int, on_batches=None):
     pad_id=mcfg.pad_token_id or 0,
     length_multiple=cfg.length_multiple,
     rng=np.random.default_rng([cfg.run.seed, rl_step]) if cfg.shuffle else None,
-    drop_partial=cfg.tail_rows == "drop",
+    tail=cfg.tail_rows,
+    even_batches_rows=cfg.even_batches_rows,
     max_length=t.row_len,
   )
   if on_batches is not None:

@@ -203,7 +203,7 @@ SPINNERS = holes.candidate(
 )
 
 
-def test_helpers_spinning_from_init_do_not_slow_the_baseline(service):
+def test_helpers_spinning_from_init_do_not_slow_the_baseline(service, record_property):
   # 0063b19 timed the reference after the candidate's trials, while its helpers spun (speedup 7.59),
   # and cached that baseline for the next candidate. The reference is now timed before any candidate
   # code exists.
@@ -211,10 +211,10 @@ def test_helpers_spinning_from_init_do_not_slow_the_baseline(service):
   _ok(honest)
   spun = _verify(service, "big-spinners", SPINNERS, BIG_REFERENCE)
   _ok(spun)  # an honest kernel: its helpers only slow its own timed calls
-  assert 0 < spun.baseline.mean_ms < 3 * honest.baseline.mean_ms, (
-    spun.baseline,
-    honest.baseline,
-  )
+  assert spun.baseline.mean_ms > 0 and honest.baseline.mean_ms > 0
+  # how close the two baselines are (the spinners slowed 0063b19's 7.59x) is a timing claim:
+  # experiments/bench_bounds.py reads this ratio and holds its bound
+  record_property("baseline_ratio", spun.baseline.mean_ms / honest.baseline.mean_ms)
   after = _verify(service, "big-after", holes.GOOD + "\n# after\n", BIG_REFERENCE)
   _ok(after)
   assert after.baseline.mean_ms == spun.baseline.mean_ms  # the cached one, clean

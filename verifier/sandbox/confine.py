@@ -32,6 +32,8 @@ import signal
 import struct
 import sys
 
+from verifier.sandbox.import_path import IMPORT_ROOT
+
 CLONE_NEWNS = 0x00020000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
@@ -292,7 +294,6 @@ LOADER_FILES = (
   "/etc/nvidia",
 )
 SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/opt")
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _beneath(path: str, root: str) -> bool:
@@ -300,7 +301,8 @@ def _beneath(path: str, root: str) -> bool:
 
 
 def _repository() -> str:
-  return os.path.realpath(PACKAGE_ROOT)
+  """The checkout the service runs from (where ``verifier`` is imported from)."""
+  return os.path.realpath(IMPORT_ROOT)
 
 
 def toolchain_paths() -> list[str]:
