@@ -86,7 +86,14 @@ def _xla_bytes(mcfg, rows, row_len, accum, chunk):
   )
   cfg = tracerl.TraceRLConfig(layout="packed", logit_chunk=chunk)
   loss_fn = lambda m, b, r: tracerl.tracerl_loss(m, b, r, cfg)  # noqa: E731
-  step = ts.make_train_step(graphdef, tx, loss_fn, accum_steps=accum, means=tracerl.METRIC_MEANS)
+  step = ts.make_train_step(  # as the RL loop's (loop.make_update): empty micro-batches skipped
+    graphdef,
+    tx,
+    loss_fn,
+    accum_steps=accum,
+    means=tracerl.METRIC_MEANS,
+    is_empty=tracerl.is_empty,
+  )
   lead = (rows,) if accum == 1 else (accum, rows)
   tok = lambda dt: jax.ShapeDtypeStruct(lead + (row_len,), dt)  # noqa: E731
   batch = {
