@@ -7,6 +7,9 @@
 #   OUT=/some/dir bash experiments/gpu/rl_step_h200.sh                   # PARTS="step": ~8 min
 #   PARTS="attn u1p7b sft1p7b u4b sft4b" OUT=/some/dir bash experiments/gpu/rl_step_h200.sh
 #
+# All parts together get BUDGET seconds (585): each part's limit is cut to what is left, and a
+# part with less than 30 s left is skipped (status.txt says so).
+#
 # Parts:
 #   step     experiments/rl_step.py: sdar_1p7b, 8 tasks x 16, 896 + 4,096, recipe=dice, a local
 #            CUDA verifier on the same GPU; phases setup, rollout, update (every optimizer step),
@@ -28,8 +31,10 @@
 #   gputests the flash kernel's GPU tests against the dense path (tests/train/test_flash_gpu.py,
 #            tests/rl/test_tracerl_gpu.py), ~100 s; not in the default PARTS
 set -u
+START=$(date +%s)
 OUT=${OUT:-/tmp/rl_step_h200}
 PARTS=${PARTS:-step}
+BUDGET=${BUDGET:-585}  # seconds for all parts: a part's limit is cut to what is left
 CACHE=${CACHE:-$PWD/.jax_cache}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -40,6 +45,9 @@ export XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true" TF_CPP_MIN_LOG
 
 part() {  # part NAME TIMEOUT MEM_FRACTION COMMAND...
   local name=$1 limit=$2 frac=$3; shift 3
+  local left=$(( BUDGET - ($(date +%s) - START) ))
+  if [ "$left" -lt 30 ]; then echo "$name skipped: ${left} s of the budget left" >> "$OUT/status.txt"; return 1; fi
+  [ "$limit" -gt "$left" ] && limit=$left
   mkdir -p "$OUT/$name"
   local t0; t0=$(date +%s)
   XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout "$limit" "$@" > "$OUT/$name/log.txt" 2>&1
@@ -54,23 +62,23 @@ for p in $PARTS; do
             --tasks=8 --group_size=16 --prompt_len=896 --new_tokens=4096 --groups_per_batch=8 \
             --verifier=local --compilation_cache="$CACHE" --profile_dir="$OUT/step/trace" \
             --deadline_s=515 --out="$OUT/step/rl_step.json" ;;
-    attn) part attn 150 0.90 python3 -m experiments.bench_attention --config=sdar_1p7b \
+    attn) part attn 110 0.90 python3 -m experiments.bench_attention --config=sdar_1p7b \
             --prompt_len=896 --new_tokens=4096 --rows=2 --tiles=128:128:64,64:64:64,128:64:128 \
             --out="$OUT/attn/bench_attention.json" ;;
-    u1p7b) part u1p7b 170 0.90 python3 -m experiments.bench_rl --config=sdar_1p7b \
+    u1p7b) part u1p7b 150 0.90 python3 -m experiments.bench_rl --config=sdar_1p7b \
              --rollout=synthetic --tasks=1 --group_size=16 --prompt_len=896 --new_tokens=4096 \
              --rows_per_update=8 --update_steps=2 --compilation_cache="$CACHE" \
              --profile_dir="$OUT/u1p7b/trace" --out="$OUT/u1p7b" ;;
-    sft1p7b) part sft1p7b 100 0.95 python3 -m experiments.bench_train --config=sdar_1p7b \
+    sft1p7b) part sft1p7b 80 0.95 python3 -m experiments.bench_train --config=sdar_1p7b \
                --seq_len=4096 --batch_per_device=2 --steps=3 --check \
                --out="$OUT/sft1p7b/bench_train.jsonl" ;;
-    u4b) part u4b 200 0.90 python3 -m experiments.bench_rl --config=sdar_4b --rollout=synthetic \
+    u4b) part u4b 170 0.90 python3 -m experiments.bench_rl --config=sdar_4b --rollout=synthetic \
            --tasks=1 --group_size=8 --prompt_len=1500 --new_tokens=4096 --rows_per_update=4 \
            --update_steps=2 --compilation_cache="$CACHE" --profile_dir="$OUT/u4b/trace" \
            --out="$OUT/u4b" ;;
-    sft4b) part sft4b 120 0.95 python3 -m experiments.bench_train --config=sdar_4b \
+    sft4b) part sft4b 80 0.95 python3 -m experiments.bench_train --config=sdar_4b \
              --seq_len=4096 --batch_per_device=1 --steps=3 --out="$OUT/sft4b/bench_train.jsonl" ||
-           part sft4b 120 0.95 python3 -m experiments.bench_train --config=sdar_4b \
+           part sft4b 80 0.95 python3 -m experiments.bench_train --config=sdar_4b \
              --seq_len=4096 --batch_per_device=1 --steps=3 --remat \
              --out="$OUT/sft4b/bench_train.jsonl" ;;
     gputests) part gputests 200 0.90 python3 -m pytest -q -m gpu -p no:cacheprovider \
