@@ -105,7 +105,7 @@ def lowered_ops(cfg, rows, fill, tokens, cache_len, fp8=False):
   the forward lowered for CUDA (abstract arguments)."""
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model)
-  weights = jax.eval_shape(lambda s: sampler.split_weights(graphdef, s), state)
+  weights = jax.eval_shape(lambda s: nnx.merge(graphdef, s).decode_weights(), state)
   dtype = jnp.float8_e4m3fn if fp8 else cfg.compute_dtype
   shape = (cfg.num_layers, rows, cache_len, cfg.num_kv_heads, cfg.head_dim)
   i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)

@@ -1,88 +1,82 @@
 #!/usr/bin/env bash
-# Issue 39 on one H200 in one call (<= TOTAL_S, default 470 s): where one decode forward's time goes
-# and what the cache-attention variants change, then the sampler's rates with the fastest exact one.
+# Issue 39 on one H200 in <= BUDGET s (default 270): the decode forward's options against the
+# default in ONE process (one model, one weights split), the base forward's per-kernel account first.
 #
-#   profile  experiments.decode_profile (sdar_4b, 128 rows, fill 1536, 4 new tokens):
-#            kernel: the cached attention of all 36 layers per variant (ms, TB/s, output vs base);
-#            forward: one decode forward per variant (wall ms; device ms by kind and by kernel with
-#            each kernel's GB/s and TFLOP/s); writes best_tiles.json (fastest exact forward).
-#   rates    bench_sampler --runs=static,dynamic on sdar_4b, 128 rows, 1024 + 1024, with those tiles
-#            (tokens per row-forward in each row).
-#   long     bench_sampler --runs=long: the engine, 128 x (1024 + 4096), no stop.
-#   rl       bench_sampler --runs=dynamic on sdar_1p7b, 128 rows, 896 + 4096 (the RL rollout's shape).
-#   tests    the kernel's value and exactness tests on the GPU (the inline-asm fp8 widening for real).
-# Each part has its own limit (and none starts past TOTAL_S); results land as they come in $OUT:
-# status.txt (a line per part), decode.md (per-kernel tables), results.jsonl (every row of every
-# part), results.tgz (all logs). Run from the repository root:
+#   options  bench_sampler --runs=options_forward,options_exact,options_rates; sdar_4b, random bf16
+#            weights, 128 rows, 1,024 + 1,024 (experiments/decode_options.py):
+#            forward  one 4-token decode forward at fill 1,536 per variant (base, splits=3,
+#                     fold_new=1, halves=1, the three together, cache=fp8, cache=fp8+fp8_widen=asm),
+#                     compiled together: wall ms, device ms by kind; per kernel ms, GB, GFLOP, GB/s,
+#                     TFLOP/s in options_forward.md (`base` = the profile-backed account); logits vs
+#                     base (fp8_widen=asm vs cache=fp8): max |diff|, bitwise `exact`, argmax agreement
+#            exact    tokens and step map of each variant vs its reference, static and dynamic, on a
+#                     2-layer model of sdar_4b's shapes, LM head x40, 16 prompts of 64 + 64 tokens
+#            rates    dynamic then static at full size for base and `best` (fastest exact bf16
+#                     forward): tok/s, tokens per row-forward, vs base, token agreement; only the
+#                     programs that fit before the deadline are lowered and compiled
+#   tests    the kernel's value and exactness tests on the GPU, only if >= 90 s are left
+# If the bench dies of a signal (a compiler crash), it runs once more without the `halves` variants.
+# A status line per part in $OUT/status.txt; rows land in $OUT/results.jsonl as they come (a row per
+# variant, `skipped` when the deadline cut it). Run from the repository root:
 #   OUT=/some/dir bash experiments/gpu/sampler_decode_h200.sh
-# PARTS (default profile,rates,long,rl,tests), TOTAL_S, KERNEL_VARIANTS, FORWARD_VARIANTS override;
-# PROFILE_FLAGS and BENCH_FLAGS add flags (a CPU smoke run: tiny config and sizes).
+# BUDGET, PARTS (options,tests), OPTIONS (the variants) and FLAGS (more bench_sampler flags, e.g.
+# a CPU smoke run's tiny config) override. An existing PYTHONPATH (e.g. /tmp/site) is kept.
 set -u
+START=$(date +%s)
 : "${OUT:?set OUT}"
-OUT=$(realpath -m "$OUT")
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/../.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.96 # the 1024 + 4096 cache alone is 92 GiB
-PARTS=${PARTS:-profile,rates,long,rl,tests}
-TOTAL_S=${TOTAL_S:-470}
-W=${WORK:-/tmp/sampler_decode_h200}
-rm -rf "$W" && mkdir -p "$W" "$OUT"
-T0=$(date +%s)
-left() { echo $((TOTAL_S - ($(date +%s) - T0))); }
-pack() { tar czf "$OUT/results.tgz.part" -C "$W" . && mv "$OUT/results.tgz.part" "$OUT/results.tgz"; }
-stamp() {
-  echo "$(($(date +%s) - T0)) s: $*" | tee -a "$W/status.txt"
-  cp "$W/status.txt" "$OUT/"
-  for f in decode.md decode.jsonl results.jsonl best_tiles.json; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/"; done
-  pack
-}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
+BUDGET=${BUDGET:-270}
+PARTS=${PARTS:-options,tests}
+OPTIONS=${OPTIONS:-base,splits=3,fold_new=1,halves=1,splits=3+fold_new=1+halves=1,cache=fp8,cache=fp8+fp8_widen=asm}
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+status() { echo "$(($(date +%s) - START)) s: $*" | tee -a "$OUT/status.txt"; }
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
-# run NAME MIN_S MAX_S CMD...: CMD under min(MAX_S, time left), skipped when less than MIN_S is left.
-run() {
-  local name=$1 min=$2 max=$3 lim
-  shift 3
-  lim=$(left)
-  [ "$lim" -gt "$max" ] && lim=$max
+rows() { if [ -f "$OUT/results.jsonl" ]; then grep -c '"run"' "$OUT/results.jsonl"; else echo 0; fi; }
+# part NAME MIN_S COMMAND...: COMMAND under the time left (less 5 s), skipped with less than MIN_S;
+# returns COMMAND's status.
+part() {
+  local name=$1 min=$2 lim rc
+  shift 2
+  lim=$(($(left) - 5))
   if [ "$lim" -lt "$min" ]; then
-    stamp "$name: skipped ($(left) s left, needs $min)"
+    status "$name: skipped ($(left) s left, needs $min)"
     return
   fi
-  timeout -k 10 "$lim" "$@" >>"$W/$name.log" 2>&1
-  stamp "$name: exit $? (limit $lim s; last line: $(grep -v '^[WI][0-9]' "$W/$name.log" | tail -1 | cut -c1-200))"
+  timeout -k 5 "$lim" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  status "$name: exit $rc (limit $lim s; $(rows) rows in results.jsonl;" \
+    "last: $(grep -v '^[WIE][0-9]' "$OUT/$name.log" | tail -1 | cut -c1-160))"
+  return $rc
 }
 {
   git rev-parse HEAD 2>/dev/null
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-  python3 -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__, jax.devices())'
-} >"$W/env.txt" 2>&1
-stamp "start: $(tail -1 "$W/env.txt" | cut -c1-160)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+} >"$OUT/env.txt"
+status "start: $(tr '\n' ' ' <"$OUT/env.txt")"
 
-KV=${KERNEL_VARIANTS:-base,fold_new=1,splits=2,splits=3,fold_new=1+splits=3,block_k=32,cache=fp8,cache=fp8+fp8_widen=asm,cache=fp8+fp8_widen=asm+fold_new=1+splits=3}
-FV=${FORWARD_VARIANTS:-base,fold_new=1+splits=3,fold_new=1+splits=3+halves=1,cache=fp8+fp8_widen=asm+fold_new=1+splits=3}
-# shellcheck disable=SC2206  # *_FLAGS: extra flags, split on spaces
-BENCH=(python3 -m experiments.bench_sampler --out="$W" ${BENCH_FLAGS:-})
-# shellcheck disable=SC2206
-PROFILE=(python3 -m experiments.decode_profile --out="$W" ${PROFILE_FLAGS:-})
-if has profile; then
-  # the forward variants stop starting at 190 s; each takes ~30-45 s (compile, timing, trace)
-  run profile 60 230 "${PROFILE[@]}" --parts=kernel,forward --kernel_variants="$KV" \
-    --forward_variants="$FV" --deadline_s=190
-fi
-TILES=()
-[ -f "$W/best_tiles.json" ] && TILES=(--decode_tiles="$W/best_tiles.json")
-stamp "tiles for the rates: $(cat "$W/best_tiles.json" 2>/dev/null || echo default)"
-if has rates; then
-  run rates 120 200 "${BENCH[@]}" "${TILES[@]}" --runs=static,dynamic
-fi
-if has long; then
-  run long 150 260 "${BENCH[@]}" "${TILES[@]}" --runs=long --long_tokens=4096
-fi
-if has rl; then
-  run rl 100 170 "${BENCH[@]}" "${TILES[@]}" --config=sdar_1p7b --prompt_len=896 \
-    --new_tokens=4096 --runs=dynamic
+options() {  # options NAME VARIANTS
+  # The bench starts nothing past its deadline: the budget left less start-up and final writes.
+  # shellcheck disable=SC2086  # FLAGS: extra flags, split on spaces
+  part "$1" 60 python3 -m experiments.bench_sampler --out="$OUT" --config=sdar_4b --batch=128 \
+    --prompt_len=1024 --new_tokens=1024 --runs=options_forward,options_exact,options_rates \
+    --decode_options="$2" --rate_options=base,best --rate_strategies=dynamic,static \
+    --deadline_s=$(($(left) - 20)) ${FLAGS:-}
+}
+if has options; then
+  options options "$OPTIONS"
+  rc=$?
+  # A compiler crash (a signal, not the timeout's) takes the process: once more without `halves`
+  # (none of the options has run on a GPU before this script; the second-stream schedule is the
+  # likeliest to crash XLA).
+  if [ "$rc" -gt 128 ] && [ "$rc" -ne 137 ] && [[ "$OPTIONS" == *halves* ]]; then
+    options options_no_halves "$(tr , '\n' <<<"$OPTIONS" | grep -v halves | paste -sd,)"
+  fi
 fi
 if has tests; then
-  run tests 40 120 python3 -m pytest -q -p no:cacheprovider tests/diffusion/test_flash_decode.py \
+  part tests 90 python3 -m pytest -q -p no:cacheprovider tests/diffusion/test_flash_decode.py \
     -k "options_equal or without_cvt or every_decode_option"
 fi
-stamp "done"
+status "done ($(left) s of $BUDGET left)"
