@@ -19,7 +19,9 @@ from dice_jax.train.run_config import RunConfig
 
 
 def make_mesh(run: RunConfig):
-  return sharding_lib.make_mesh(run.mesh_data, run.mesh_fsdp, run.mesh_tensor)
+  return sharding_lib.make_mesh(
+    run.mesh_data, run.mesh_fsdp, run.mesh_tensor, slices=run.mesh_slices
+  )
 
 
 def model_config(run: RunConfig) -> ModelConfig:

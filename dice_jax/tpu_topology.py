@@ -1,0 +1,134 @@
+"""Named TPU slices compiled for from any host, and what the compiler says of a program for them.
+
+`jax.experimental.topologies.get_topology_desc` (libtpu, no TPU needed) describes a slice by its
+topology (`v5p:2x2x1`, several with `num_slices`) as compile-only devices; a mesh on them
+(`sharding.make_mesh`) makes `tpu_lowering.Program.lower().compile()` run TPU's own compiler
+(XLA's TPU passes, SPMD partitioning, Mosaic for the Pallas kernels) from this host. What comes
+back is what a slice would run: its per-chip memory (`memory_analysis`, `ChipMemory`) within the
+chip's HBM, and its HLO, in which attention must be the Mosaic kernels only (`attention_kernels`)
+with no `[T, S]` score tensor (`score_shapes`).
+
+libtpu takes an exclusive lock on `/tmp/libtpu_lockfile` per process unless
+`ALLOW_MULTIPLE_LIBTPU_LOAD=1` (compile-only use touches no TPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+
+import jax
+
+from dice_jax import sharding
+
+GIB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+  """A Cloud TPU slice: its accelerator type, libtpu topology, chips and HBM per chip (GiB, as
+  the compiler's out-of-memory message states it)."""
+
+  name: str
+  topology: str
+  chips: int
+  hbm_gib: float
+
+
+# Cloud TPU names count TensorCores for v5p (2 per chip: v5p-8 is 4 chips) and chips for v5e.
+SLICES = {
+  s.name: s
+  for s in (
+    Slice("v5e-8", "v5e:2x4", 8, 15.75),
+    Slice("v5p-8", "v5p:2x2x1", 4, 95.74),
+    Slice("v5p-16", "v5p:2x2x2", 8, 95.74),
+  )
+}
+
+
+def libtpu_missing() -> str | None:
+  """Why topologies cannot be described here (None when libtpu is installed)."""
+  if importlib.util.find_spec("libtpu") is None:
+    return "libtpu is not installed (pip install -e '.[tpu-compile]')"
+  return None
+
+
+def get_slice(name: str) -> Slice:
+  if name not in SLICES:
+    raise ValueError(f"unknown TPU slice {name!r}; known: {sorted(SLICES)}")
+  return SLICES[name]
+
+
+def devices(slice_: Slice, num_slices: int = 1) -> list:
+  """The compile-only devices of `num_slices` slices of this kind (slice-major, with
+  `slice_index`)."""
+  from jax.experimental import topologies
+
+  kw = {"num_slices": num_slices} if num_slices > 1 else {}
+  out = list(topologies.get_topology_desc(slice_.topology, "tpu", **kw).devices)
+  if len(out) != slice_.chips * num_slices:
+    raise ValueError(f"{slice_.topology} x {num_slices} gave {len(out)} devices")
+  return out
+
+
+def mesh(slice_: Slice, *, num_slices: int = 1, data: int = 1, fsdp: int = -1, tensor: int = 1):
+  """A `(data, fsdp, tensor)` mesh over `num_slices` such slices (data crossing them)."""
+  return sharding.make_mesh(
+    data, fsdp, tensor, devices=devices(slice_, num_slices), slices=num_slices
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipMemory:
+  """Bytes per chip of a compiled program (`Compiled.memory_analysis()`): its arguments, outputs
+  (less those aliased to donated arguments), temporaries, and the peak the compiler plans."""
+
+  arguments: int
+  outputs: int
+  aliased: int
+  temps: int
+  peak: int
+
+  @classmethod
+  def of(cls, compiled: jax.stages.Compiled) -> "ChipMemory":
+    m = compiled.memory_analysis()
+    live = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    return cls(
+      arguments=m.argument_size_in_bytes,
+      outputs=m.output_size_in_bytes,
+      aliased=m.alias_size_in_bytes,
+      temps=m.temp_size_in_bytes,
+      peak=getattr(m, "peak_memory_in_bytes", 0) or live + m.temp_size_in_bytes,
+    )
+
+  def gib(self, field: str = "peak") -> float:
+    return getattr(self, field) / GIB
+
+
+def compile_program(program) -> jax.stages.Compiled:
+  """`program.lower().compile()` (a `tpu_lowering.Program` on a mesh of TPU devices)."""
+  return program.lower().compile()
+
+
+_KERNEL = re.compile(r'custom_call_target="tpu_custom_call".*?op_name="[^"]*?/(\w+)/pallas_call"')
+
+
+def attention_kernels(hlo_text: str) -> dict[str, int]:
+  """{Pallas kernel name: count} of the `tpu_custom_call`s in a compiled module's HLO."""
+  names = _KERNEL.findall(hlo_text)
+  return {k: names.count(k) for k in sorted(set(names))}
+
+
+_SHAPE = re.compile(r"\b(?:f32|bf16|f16|pred|s32)\[([\d,]+)\]")
+
+
+def score_shapes(hlo_text: str, q_len: int, k_len: int) -> list[str]:
+  """Array shapes of rank >= 3 in the HLO whose last two dimensions are `(q_len, k_len)` (either
+  order): the `[.., T, S]` scores and probabilities a dense attention materialises."""
+  found = set()
+  for dims in _SHAPE.findall(hlo_text):
+    d = tuple(int(x) for x in dims.split(","))
+    if len(d) >= 3 and d[-2:] in ((q_len, k_len), (k_len, q_len)):
+      found.add(dims)
+  return sorted(found)
