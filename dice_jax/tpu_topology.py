@@ -8,17 +8,21 @@ back is what a slice would run: its per-chip memory (`memory_analysis`, `ChipMem
 chip's HBM, and its HLO, in which attention must be the Mosaic kernels only (`attention_kernels`)
 with no `[T, S]` score tensor (`score_shapes`).
 
-libtpu takes an exclusive lock on `/tmp/libtpu_lockfile` per process unless
-`ALLOW_MULTIPLE_LIBTPU_LOAD=1` (compile-only use touches no TPU).
+libtpu locks `/tmp/libtpu_lockfile` for the process that loads it, so that two processes never
+drive one TPU; describing a topology drives none, so `devices` sets `ALLOW_MULTIPLE_LIBTPU_LOAD=1`
+(unless already set) and two compiling processes can run side by side.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
+import os
 import re
 
 import jax
+import numpy as np
 
 from dice_jax import sharding
 
@@ -65,6 +69,7 @@ def devices(slice_: Slice, num_slices: int = 1) -> list:
   `slice_index`)."""
   from jax.experimental import topologies
 
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # read when libtpu loads
   kw = {"num_slices": num_slices} if num_slices > 1 else {}
   out = list(topologies.get_topology_desc(slice_.topology, "tpu", **kw).devices)
   if len(out) != slice_.chips * num_slices:
@@ -132,3 +137,41 @@ def score_shapes(hlo_text: str, q_len: int, k_len: int) -> list[str]:
     if len(d) >= 3 and d[-2:] in ((q_len, k_len), (k_len, q_len)):
       found.add(dims)
   return sorted(found)
+
+
+_GROUPS = re.compile(r"replica_groups=(\{[\d,{}]*\}|mesh\[([^\]]*)\] \{([^}]*)\}|\S+)")
+
+
+def collective_groups(hlo_text: str, op: str) -> list[list[int]]:
+  """The device groups (logical ids: positions in the mesh's flat device order) of every `op`
+  (`all-gather`, `all-reduce`, `reduce-scatter`, ...) in a compiled module's HLO, whether printed
+  as explicit `{{0,1},{2,3}}` or as `mesh['axis_0'=2,'axis_1'=8] {'axis_1'}` (the ids in mesh
+  order, grouped over the named axes)."""
+  out = []
+  for line in hlo_text.splitlines():
+    if not re.search(rf"^\s*%\S+ = .*[}})\]] {op}(-start)?\(", line):
+      continue
+    m = _GROUPS.search(line)
+    if m is None:
+      raise ValueError(f"{op} without replica_groups: {line[:200]}")
+    if m.group(1).startswith("{"):
+      out += [[int(x) for x in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", m.group(1))]
+    elif m.group(2) is not None:
+      names = re.findall(r"'(\w+)'=(\d+)", m.group(2))
+      over = set(re.findall(r"'(\w+)'", m.group(3)))
+      ids = np.arange(math.prod(int(n) for _, n in names)).reshape([int(n) for _, n in names])
+      keep = [i for i, (a, _) in enumerate(names) if a not in over]
+      moved = np.moveaxis(ids, keep, list(range(len(keep))))
+      size = math.prod(int(n) for a, n in names if a in over)
+      out += moved.reshape(-1, size).tolist()
+    else:
+      raise ValueError(f"unknown replica_groups format: {m.group(1)[:80]}")
+  return out
+
+
+def dcn_transfers(hlo_text: str) -> dict[str, int]:
+  """{transfer type: count} of the collectives between slices in a multi-slice program: the
+  compiler keeps one slice's program with ICI collectives inside it and sends what crosses
+  slices to the DCN runtime (`_xla_megascale_transfer_type`, e.g. ALL_REDUCE)."""
+  kinds = re.findall(r'_xla_megascale_transfer_type="(\w+)"', hlo_text)
+  return {k: kinds.count(k) for k in sorted(set(kinds))}
