@@ -99,9 +99,9 @@ def attention_lengths(program: str, recipe: Recipe, block_size: int = 4) -> tupl
 
 
 def estimate_bytes(program: str, mcfg, recipe: Recipe, chips: int) -> float | None:
-  """The project's own per-chip estimate: the RL planner for the update, the sampler's check for
-  prefill and decode (its weights and cache over the chips they are sharded over: the parameters
-  over every chip; None for SFT, which has no estimate in the code)."""
+  """The project's own per-chip estimate: the RL planner for the update (parameters and rows over
+  the chips); the sampler's check (`diffusion.memory.estimate`, one device's: the GPU sampler's)
+  for prefill and decode on one chip. None otherwise (SFT has no estimate in the code)."""
   if program == "rl":
     est = rl_memory.update_estimate(
       mcfg,
@@ -112,7 +112,7 @@ def estimate_bytes(program: str, mcfg, recipe: Recipe, chips: int) -> float | No
       row_shards=chips,
     )
     return est["total"]
-  if program in ("prefill", "decode"):
+  if program in ("prefill", "decode") and chips == 1:
     scfg = recipe.sampler_config(mcfg)
     est = sampler_memory.estimate(
       mcfg,

@@ -38,15 +38,21 @@ class Slice:
   topology: str
   chips: int
   hbm_gib: float
+  chips_per_host: tuple | None = None  # libtpu's default (2x2x1) unless given
+
+  def describe(self) -> str:
+    return f"{self.name} `{self.topology}` ({self.chips})"
 
 
 # Cloud TPU names count TensorCores for v5p (2 per chip: v5p-8 is 4 chips) and chips for v5e.
+# `v5p-chip`: one v5p chip alone (what one GPU is to the GPU sampler's memory check).
 SLICES = {
   s.name: s
   for s in (
     Slice("v5e-8", "v5e:2x4", 8, 15.75),
     Slice("v5p-8", "v5p:2x2x1", 4, 95.74),
     Slice("v5p-16", "v5p:2x2x2", 8, 95.74),
+    Slice("v5p-chip", "v5p:1x1x1", 1, 95.74, chips_per_host=(1, 1, 1)),
   )
 }
 
@@ -71,6 +77,8 @@ def devices(slice_: Slice, num_slices: int = 1) -> list:
 
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # read when libtpu loads
   kw = {"num_slices": num_slices} if num_slices > 1 else {}
+  if slice_.chips_per_host:
+    kw["chips_per_host_bounds"] = slice_.chips_per_host
   out = list(topologies.get_topology_desc(slice_.topology, "tpu", **kw).devices)
   if len(out) != slice_.chips * num_slices:
     raise ValueError(f"{slice_.topology} x {num_slices} gave {len(out)} devices")

@@ -31,8 +31,19 @@ from dice_jax.errors import UserError  # noqa: E402
 from experiments import _cli  # noqa: E402
 
 FLAGS = flags.FLAGS
-TARGETS = ["sdar_1p7b@v5e-8", "sdar_1p7b@v5p-8", "sdar_8b@v5p-8", "sdar_8b@v5p-16"]
-flags.DEFINE_list("targets", TARGETS, "MODEL@SLICE pairs (slices: v5e-8, v5p-8, v5p-16).")
+TARGETS = [
+  "sdar_1p7b@v5e-8",
+  "sdar_1p7b@v5p-8",
+  "sdar_8b@v5p-8",
+  "sdar_8b@v5p-16",
+  "sdar_1p7b@v5p-chip:prefill+decode",
+]
+flags.DEFINE_list(
+  "targets",
+  TARGETS,
+  "MODEL@SLICE[:PROGRAM+PROGRAM] (slices: v5e-8, v5p-8, v5p-16, v5p-chip; default programs: "
+  "--programs).",
+)
 flags.DEFINE_list("programs", list(tpu_memory.PROGRAMS), "Programs: sft, rl, prefill, decode.")
 flags.DEFINE_integer("rows_per_chip", 1, "SFT and RL rows per chip.")
 flags.DEFINE_integer("sft_seq_len", 4096, "SFT tokens per row (the 2L input is twice that).")
@@ -60,7 +71,7 @@ def _g(x) -> str:
 
 def markdown_row(row: tpu_memory.Row) -> str:
   s = row.slice
-  where = f"{s.name} `{s.topology}` ({s.chips})"
+  where = s.describe()
   m = row.memory
   if m is None:
     cells = [f"**{row.refusal}**", "", ""]
@@ -77,15 +88,21 @@ def markdown_row(row: tpu_memory.Row) -> str:
   )
 
 
-def _parse_targets(targets):
+def _parse_targets(targets, default_programs):
+  """[(model, slice, program)] of `MODEL@SLICE[:PROGRAM+PROGRAM]` items."""
   out = []
   for t in targets:
-    model, _, slice_ = t.partition("@")
+    model, _, rest = t.partition("@")
+    slice_, _, progs = rest.partition(":")
+    progs = progs.split("+") if progs else list(default_programs)
     if slice_ not in tpu_topology.SLICES:
       raise UserError(
         f"--targets {t!r}: want MODEL@SLICE with a slice of {sorted(tpu_topology.SLICES)}"
       )
-    out.append((model, slice_))
+    bad = set(progs) - set(tpu_memory.PROGRAMS)
+    if bad:
+      raise UserError(f"--targets {t!r}: unknown programs {sorted(bad)}")
+    out += [(model, slice_, p) for p in progs]
   return out
 
 
@@ -106,7 +123,7 @@ def main(argv):
   bad = set(FLAGS.programs) - set(tpu_memory.PROGRAMS)
   if bad:
     raise UserError(f"--programs: unknown {sorted(bad)}; known: {list(tpu_memory.PROGRAMS)}")
-  targets = _parse_targets(FLAGS.targets)
+  targets = _parse_targets(FLAGS.targets, FLAGS.programs)
   if FLAGS.out:  # before half an hour of compiling
     with open(FLAGS.out) as f:
       replace_block(f.read(), "")
@@ -120,7 +137,7 @@ def main(argv):
     prefill_rows=FLAGS.prefill_rows,
   )
   print(HEADER, flush=True)
-  work = [(m, s, p, recipe) for m, s in targets for p in FLAGS.programs]
+  work = [(m, s, p, recipe) for m, s, p in targets]
   lines = [markdown_row(row) for row in _compile_all(work, FLAGS.jobs)]
   note = (
     f"Compiled {datetime.date.today().isoformat()} with jax {jax.__version__} and libtpu "
