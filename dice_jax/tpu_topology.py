@@ -133,12 +133,14 @@ def attention_kernels(hlo_text: str) -> dict[str, int]:
   return {k: names.count(k) for k in sorted(set(names))}
 
 
-_SHAPE = re.compile(r"\b(?:f32|bf16|f16|pred|s32)\[([\d,]+)\]")
+_SHAPE = re.compile(r"\b(?:f32|bf16|f16)\[([\d,]+)\]")
 
 
 def score_shapes(hlo_text: str, q_len: int, k_len: int) -> list[str]:
-  """Array shapes of rank >= 3 in the HLO whose last two dimensions are `(q_len, k_len)` (either
-  order): the `[.., T, S]` scores and probabilities a dense attention materialises."""
+  """Floating-point array shapes of rank >= 3 in the HLO whose last two dimensions are
+  `(q_len, k_len)` (either order): the `[.., T, S]` scores and probabilities a dense attention
+  materialises (not the TPU kernels' int32 mask vectors, e.g. `s32[rows, 8, S]`: k vectors on 8
+  sublanes)."""
   found = set()
   for dims in _SHAPE.findall(hlo_text):
     d = tuple(int(x) for x in dims.split(","))
