@@ -141,8 +141,8 @@ def main(argv):
   lines = [markdown_row(row) for row in _compile_all(work, FLAGS.jobs)]
   note = (
     f"Compiled {datetime.date.today().isoformat()} with jax {jax.__version__} and libtpu "
-    f"{_libtpu_version()} by `python -m experiments.tpu_memory_table --out=docs/tpu.md`; GiB per "
-    "chip."
+    f"{_libtpu_version()} by `python -m experiments.tpu_memory_table {' '.join(sys.argv[1:])}`; "
+    "GiB per chip."
   )
   table = f"{note}\n\n{HEADER}\n" + "\n".join(lines)
   if FLAGS.out:
