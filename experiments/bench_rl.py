@@ -107,7 +107,8 @@ class Report:
 
 
 def start_verifier(report: Report):
-  """A local verifier started in a thread (it overlaps model set-up); returns (thread, holder)."""
+  """A local verifier started in a thread (it overlaps model set-up); returns (thread, holder):
+  `holder["server"]` once it listens, or `holder["error"]`, the exception that stopped it."""
   holder = {}
 
   def run():
@@ -120,13 +121,29 @@ def start_verifier(report: Report):
       device=device,
       extra_args=tuple(FLAGS.verifier_args),
     )
-    holder["server"] = v.__enter__()
+    try:
+      holder["server"] = v.__enter__()
+    except Exception as e:  # noqa: BLE001 - re-raised by the main thread (`local_verifier`)
+      holder["error"] = e
+      return
     holder["start_s"] = time.perf_counter() - t0
     holder["device"] = device
 
   t = threading.Thread(target=run, daemon=True)
   t.start()
   return t, holder
+
+
+def local_verifier(thread, holder: dict, report: Report) -> str:
+  """The address of the verifier `start_verifier` started; its start-up error, reported and
+  raised, when it did not start."""
+  thread.join()
+  if "error" in holder:
+    e = holder["error"]
+    report.update(verifier_error=f"{type(e).__name__}: {e}"[-4000:])
+    raise e
+  report.update(verifier_start_s=round(holder["start_s"], 1), verifier_device=holder["device"])
+  return holder["server"].address
 
 
 def synthetic_rollout(mcfg, rng):
@@ -306,16 +323,14 @@ def main(argv):
     report.update(sampler_compile_and_first_call_s=round(time.perf_counter() - t0, 1))
 
     if FLAGS.verifier == "local":
-      server_thread.join()
-      address = holder["server"].address
-      report.update(verifier_start_s=round(holder["start_s"], 1), verifier_device=holder["device"])
+      address = local_verifier(server_thread, holder, report)
     else:
       address = None if FLAGS.verifier == "none" else FLAGS.verifier
     if address:
       from dice_jax.verifier_client import ThreadedVerifier
 
       judge = ThreadedVerifier(address, options={"num_correct_trials": 1}, token="")
-      judge.wait_ready(300)
+      judge.wait_ready()
     else:
       judge = rollout.FunctionJudge(lambda *a: False)
 
@@ -457,4 +472,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from experiments import _cli
+
+  _cli.quiet_missing_tpu()
   app.run(main)

@@ -98,7 +98,10 @@ class DecodeWeights:
   Projections that read the same input are stored fused, as one matrix per layer: `qkv_proj`
   `[D, (N + 2K) H]` and `gate_up_proj` `[D, 2F]`. Given separate weights, XLA's GPU dot merger
   concatenates them on every forward before one GEMM (2.3 of an 18.2 ms sdar_4b forward on an
-  H200, session 9 profile); fused once here, the forward runs the same GEMMs without the copies."""
+  H200, session 9 profile); fused once here, the forward runs the same GEMMs without the copies.
+  On a mesh with a `tensor` axis they stay apart (`decode_weights(fuse=False)`), each sharded by
+  head / MLP column as the stacked parameters are (a fused matrix's column shards would mix q with
+  k/v and gate with up)."""
 
   layers: tuple  # one dict per layer: `DecoderLayers.weights()` keys, q/k/v and gate/up fused
   head: jax.Array  # [D, V] LM head (the embedding's transpose when tied)
@@ -152,14 +155,31 @@ class Transformer(nnx.Module):
     _, (k, v) = self._layers(tokens, positions, attention, seg, blk, None, weights)
     return k, v
 
-  def decode_weights(self) -> DecodeWeights:
+  def decode_weights(self, fuse: bool = True) -> DecodeWeights:
     """The layers' weights split per layer and the LM head, in the compute dtype (`DecodeWeights`);
-    pass them as `weights=` (or use `DecodeView`). Call it under `jax.jit`: one pass of copies."""
+    pass them as `weights=` (or use `DecodeView`). Call it under `jax.jit`: one pass of copies.
+    `fuse=False` keeps q/k/v and gate/up apart (each stays head/column-shardable over `tensor`)."""
     cfg, dt = self.cfg, self.cfg.compute_dtype
     stacked = self.layers.weights()
-    layers = tuple(_fuse_projections(stacked, i, dt) for i in range(cfg.num_layers))
+    layers = tuple(_layer_weights(stacked, i, dt, fuse) for i in range(cfg.num_layers))
     head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
     return DecodeWeights(layers=layers, head=head.astype(dt))
+
+  def decode_weight_axes(self, fuse: bool = True) -> tuple[dict, tuple]:
+    """(logical axes of each per-layer weight of `decode_weights(fuse)` by name, of the LM head):
+    the stacked parameters' axes without `layers`; a fused matrix keeps `embed` and leaves its
+    concatenated columns unnamed (replicated: its parts' column shards would not line up)."""
+    axes = {
+      k: tuple(v.get_metadata()["logical_axes"])[1:]
+      for k, v in vars(self.layers).items()
+      if isinstance(v, nnx.Param)
+    }
+    if fuse:
+      for parts, name in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), _GATE_UP):
+        for p in parts:
+          del axes[p]
+        axes[name] = ("embed", None)
+    return axes, ("embed", "vocab")
 
   def _layers(self, tokens, positions, attention, seg, blk, cache, weights=None):
     """Embedding and the decoder layers: (hidden `[B,T,D]`, stacked (k, v) `[L,B,T,K,H]`). With
@@ -231,10 +251,15 @@ class DecodeView:
     return self.model.logits_from_hidden(hidden, self.weights)
 
 
-def _fuse_projections(stacked: dict, i: int, dt) -> dict:
-  """Layer `i` of the stacked weights in dtype `dt`, with q/k/v fused into `qkv_proj` `[D, (N +
-  2K) H]` and gate/up into `gate_up_proj` `[D, 2F]` (`DecodeWeights`)."""
+_GATE_UP = (("gate_proj", "up_proj"), "gate_up_proj")
+
+
+def _layer_weights(stacked: dict, i: int, dt, fuse: bool) -> dict:
+  """Layer `i` of the stacked weights in dtype `dt`; with `fuse`, q/k/v fused into `qkv_proj`
+  `[D, (N + 2K) H]` and gate/up into `gate_up_proj` `[D, 2F]` (`DecodeWeights`)."""
   w = {name: a[i].astype(dt) for name, a in stacked.items()}
+  if not fuse:
+    return w
   q, k, v = (w.pop(n) for n in ("q_proj", "k_proj", "v_proj"))
   flat = lambda a: a.reshape(a.shape[0], -1)
   w["qkv_proj"] = jnp.concatenate([flat(q), flat(k), flat(v)], axis=1)

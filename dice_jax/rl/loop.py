@@ -9,10 +9,10 @@ Per RL step s:
   5. metrics, samples, and an orbax checkpoint at the step boundary.
 
 Several JAX processes (one mesh over all their devices) run the same steps: each draws the whole
-RL stream and samples every group (the sampler is one computation over the global mesh, so the
-processes must make the same calls anyway), judges every n-th distinct request and receives the
-others' verdicts, so rewards, advantages and TraceRL batches are equal everywhere; each then feeds
-its devices' rows of every mini-batch. Process 0 writes metrics, samples, the plot
+RL stream and makes the same sampler calls, in which its devices decode their share of the rows
+(rows over the mesh's data axes: `rollout.py`); the sampled rows are gathered to every process;
+each judges every n-th distinct request and receives the others' verdicts, so rewards, advantages
+and TraceRL batches are equal everywhere; each then feeds its devices' rows of every mini-batch. Process 0 writes metrics, samples, the plot
 (`reporting.py`), the tokenizer and the model config; all write the orbax checkpoints together.
 The stream state is the same on every process, so a checkpoint resumes on any process count.
 
@@ -52,6 +52,7 @@ from dice_jax.rl import rewards as rewards_lib
 from dice_jax.rl import rollout as rollout_lib
 from dice_jax.rl import tracerl
 from dice_jax.rl.config import RLConfig
+from dice_jax.rl.trajectory import Trajectory
 from dice_jax.train import checkpoint as ckpt_lib
 from dice_jax.train import metrics as metrics_lib
 from dice_jax.train import optimizer as optim_lib
@@ -88,15 +89,23 @@ def load_tasks(cfg: RLConfig) -> list[tasks_lib.KernelTask]:
 
 
 # ------------------------------------------------------------------ the loop
-def make_judge(cfg: RLConfig, endpoints: list[str] | None):
+def make_judge(cfg: RLConfig, endpoints: list[str] | None, verifier_wait_s: float | None = None):
+  """The run's judge: a python function, or a client of the verifier at `endpoints` once every
+  endpoint answers (waits up to `verifier_wait_s`, default `waiting.VERIFIER_WAIT_S`, logging a
+  progress line every 10 s; `VerifierUnavailable` after that)."""
   if cfg.judge != "verifier":
     return rollout_lib.load_function_judge(cfg.judge)
   from dice_jax.verifier_client import ThreadedVerifier
+  from verifier.api.waiting import VERIFIER_WAIT_S
 
   if not endpoints:
     raise ValueError("judge 'verifier' needs verifier endpoints (--verifier=HOST:PORT or local)")
   client = ThreadedVerifier(endpoints, options=cfg.verifier.options, retry=cfg.verifier.retry)
-  client.wait_ready(cfg.verifier.ready_timeout_s)
+  try:
+    client.wait_ready(verifier_wait_s or VERIFIER_WAIT_S)
+  except BaseException:
+    client.close()
+    raise
   return client
 
 
@@ -132,12 +141,12 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt) -> _Trainer:
   else:
     model, mcfg, inherited = build_model(cfg, mesh)
   tok = run_setup.load_tokenizer(inherited or cfg.run.tokenizer)
-  if distributed.is_primary():
+  check_compatible(tok, mcfg, where="rl")
+  cfg, plan = plan_update(cfg, mcfg, mesh)  # refuses a setting that does not fit, before sampling
+  if distributed.is_primary():  # written once the run is known to fit
     run_setup.save_tokenizer(cfg.run, workdir, inherited)
     if not resuming:
       ckpt_lib.save_model_config(mcfg, workdir)
-  check_compatible(tok, mcfg, where="rl")
-  cfg, plan = plan_update(cfg, mcfg, mesh)  # refuses a setting that does not fit, before sampling
   logging.info(
     "model %.2fM params (block %d, %s), mesh %s",
     mcfg.num_params() / 1e6,
@@ -274,10 +283,26 @@ def evaluate(t: _Trainer, judge, step: int) -> dict:
 
 def stop_ids(cfg: RLConfig, tok) -> tuple[int, ...]:
   """The ids that end a response: the tokenizer's stop ids (`chat`: `<|im_end|>` and
-  `<|endoftext|>` for SDAR) or its eos only (`eos`: DICE's JetEngine stops at `<|endoftext|>`)."""
+  `<|endoftext|>` for SDAR), its eos only (`eos`), or `<|im_end|>` only (`im_end`: DICE's
+  JetEngine stops at its SFT checkpoint's eos, which LLaMA-Factory's qwen3 template makes
+  `<|im_end|>`; docs/dice_recipe.md, item 4)."""
   if cfg.stop_tokens == "eos":
     return (int(tok.eos_token_id),)
+  if cfg.stop_tokens == "im_end":
+    if tok.im_end_token_id is None:
+      raise ValueError("stop_tokens='im_end': the tokenizer has no <|im_end|> token")
+    return (int(tok.im_end_token_id),)
   return tuple(tok.stop_token_ids)
+
+
+def training_view(traj: Trajectory, cfg: RLConfig, stop_ids, pad_id: int) -> Trajectory:
+  """`traj` as the update trains it: without its final stop token unless `train_stop_token`,
+  without the tokens equal to `pad_id` unless `train_pad_tokens` (DICE's `post_num: 0`)."""
+  if not cfg.train_stop_token:
+    traj = traj.without_stop_token(stop_ids)
+  if not cfg.train_pad_tokens:
+    traj = traj.without_token(pad_id)
+  return traj
 
 
 def make_backend(cfg: RLConfig, scfg) -> rollout_lib.SamplerBackend:
@@ -343,28 +368,31 @@ def run_rl(
   *,
   endpoints: list[str] | None = None,
   max_steps: int | None = None,
+  verifier_wait_s: float | None = None,
 ) -> dict:
   """Runs RL steps up to `cfg.num_steps` (or `max_steps` more), resuming from `workdir`.
 
+  The judge comes first: nothing is written to `workdir` until the verifier at `endpoints` answers
+  (`make_judge`; an unreachable one raises `VerifierUnavailable` and leaves `workdir` as it was).
   SIGINT or SIGTERM during an RL step finishes it, saves it and returns with `preempted` True;
   during start-up, or a second signal, returns at once (`train/stop.py`).
   """
   return stop_lib.run_stoppable(
-    lambda stop: _run(cfg, workdir, stop, endpoints, max_steps),
+    lambda stop: _run(cfg, workdir, stop, endpoints, max_steps, verifier_wait_s),
     rl_step=None,
   )
 
 
-def _run(cfg, workdir, stop, endpoints, max_steps) -> dict:
-  os.makedirs(workdir, exist_ok=True)
-  ckpt = run_setup.make_checkpointer(cfg.run, workdir, keep_period=cfg.snapshot_every or None)
-  judge = None
+def _run(cfg, workdir, stop, endpoints, max_steps, verifier_wait_s) -> dict:
+  judge = make_judge(cfg, endpoints, verifier_wait_s)
+  ckpt = None
   last, preempted, done = {}, False, None
   try:
+    os.makedirs(workdir, exist_ok=True)
+    ckpt = run_setup.make_checkpointer(cfg.run, workdir, keep_period=cfg.snapshot_every or None)
     t = _prepare(cfg, workdir, ckpt)
     end = cfg.num_steps if max_steps is None else min(cfg.num_steps, t.start + max_steps)
     logging.info("RL steps %d -> %d (of %d)", t.start, end, cfg.num_steps)
-    judge = make_judge(cfg, endpoints)
     writer = metrics_lib.MetricWriter(workdir)
     config_json = cfg.to_json()
     done = t.start
@@ -400,8 +428,9 @@ def _run(cfg, workdir, stop, endpoints, max_steps) -> dict:
       stop.training = False  # a signal from here on stops at once
       writer.close()
   finally:
-    ckpt.wait()
-    ckpt.close()
+    if ckpt is not None:
+      ckpt.wait()
+      ckpt.close()
     if hasattr(judge, "close"):
       judge.close()
   if distributed.is_primary() and last:
@@ -426,7 +455,7 @@ def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
   for traj, a, keep in zip(ro.trajectories, adv.values, adv.keep):
     traj.advantage = float(a)
     if keep:
-      kept.append(traj if cfg.train_stop_token else traj.without_stop_token(t.backend.cfg.stop_ids))
+      kept.append(training_view(traj, cfg, t.backend.cfg.stop_ids, t.tokenizer.pad_token_id))
   if cfg.reset_optimizer:  # DICE: a new AdamW every RL step (one process per step)
     state = dict(state, opt_state=t.init_opt(state["params"]))
   batches = tracerl.build_batches(
@@ -438,7 +467,8 @@ def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
     pad_id=mcfg.pad_token_id or 0,
     length_multiple=cfg.length_multiple,
     rng=np.random.default_rng([cfg.run.seed, rl_step]) if cfg.shuffle else None,
-    drop_partial=cfg.tail_rows == "drop",
+    tail=cfg.tail_rows,
+    even_batches_rows=cfg.even_batches_rows,
   )
   t_build = time.perf_counter()
   rows = ts.local_rows(mesh, cfg.rows_per_update, cfg.accum_steps)  # this process's rows

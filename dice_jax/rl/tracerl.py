@@ -50,6 +50,7 @@ from dice_jax.train import train_step as ts
 
 NORMALIZATIONS = ("dice", "tokens")
 LAYOUTS = ("packed", "per_round")
+TAIL_ROWS = ("apply", "drop", "even_batches")  # `tail_units`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,15 +246,16 @@ def build_batches(
   pad_id: int = 0,
   length_multiple: int = 128,
   rng: Optional[np.random.Generator] = None,
-  drop_partial: bool = False,
+  tail: str = "apply",
+  even_batches_rows: int = 8,
 ) -> list[dict[str, np.ndarray]]:
   """Host mini-batches of TraceRL rows, one per optimizer step, for `train_step.shard_batch`.
 
   `rows_per_batch`: responses per batch (packed) or (response, round) rows (per_round); the last
   batch is filled with empty rows (segment 0, no rounds). Each batch's length is the longest row
   rounded up by `bucket_length` (few distinct shapes, few compiles). `rng` shuffles the units
-  (responses or rows) before batching; None keeps their order. `drop_partial`: the units after
-  the last full batch are left out (DICE's tail rows: back-propagated, never applied).
+  (responses or rows) before batching; None keeps their order. `tail` says what becomes of the
+  units after the last full batch (`tail_units`; `even_batches_rows` is used by "even_batches").
 
   Batch fields: `[B, T]` tokens, positions, segment_ids (1 / 0 = padding), block_ids, round_ids
   (0 = prompt / clean, r = noisy copy of round r), targets (the clean token at noisy positions),
@@ -275,8 +277,7 @@ def build_batches(
   if rng is not None:
     units = [units[i] for i in rng.permutation(len(units))]
   norm_length = float(max(t.response_ids.size for t in trajs))
-  if drop_partial:
-    units = units[: len(units) - len(units) % rows_per_batch]
+  units = tail_units(units, rows_per_batch, tail, even_batches_rows)
   batches = []
   for at in range(0, len(units), rows_per_batch):
     chunk = units[at : at + rows_per_batch]
@@ -286,6 +287,27 @@ def build_batches(
     if cfg.gather_trained:
       batches[-1]["trained_index"] = trained_index(batches[-1]["p_mask"], length_multiple)
   return batches
+
+
+def tail_units(units: list, rows_per_batch: int, tail: str, even_batches_rows: int = 8) -> list:
+  """The units (rows or responses, in batching order) that the optimizer steps take, under `tail`:
+
+  apply         all of them; the last batch is completed with empty rows (ours).
+  drop          those of the whole batches only.
+  even_batches  DICE's: accelerate's `even_batches=True` sharding completes the last round of
+                `even_batches_rows` (processes x per-device batch; DICE: 8 x 1) with copies of
+                the first units, cyclically; DeepSpeed then steps only at its accumulation
+                boundaries, every `rows_per_batch` units, and never applies what is left. So the
+                tail is trained, plus copies of the first units, exactly when the padding
+                completes a batch: n mod 256 in 249..255 for DICE (docs/dice_recipe.md, item 3).
+  """
+  if tail not in TAIL_ROWS:
+    raise ValueError(f"tail must be one of {TAIL_ROWS}, got {tail!r}")
+  if tail == "even_batches" and units:
+    units = units + [units[i % len(units)] for i in range(-len(units) % even_batches_rows)]
+  if tail != "apply":
+    units = units[: len(units) - len(units) % rows_per_batch]
+  return units
 
 
 def trained_index(p_mask: np.ndarray, multiple: int) -> np.ndarray:

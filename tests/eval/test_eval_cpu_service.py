@@ -50,7 +50,10 @@ def test_known_candidates_give_exactly_the_expected_metrics(cpu_verifier, tmp_pa
   out = tmp_path / "run"
   r = _eval(out, cpu_verifier)
   assert r.returncode == 0, r.stderr[-3000:]
-  assert "verified 6 now, 0 resumed, 1 without a candidate" in r.stdout
+  assert (
+    "6 verified now, 0 without a code block (failures, not sent), 0 resumed, 1 skipped (no "
+    "candidate given)" in r.stdout
+  )
   m = json.loads((out / "metrics.json").read_text())["eager"]["1"]
   n = 7
   assert (m["problems"], m["with_results"]) == (7, 6)

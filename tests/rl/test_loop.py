@@ -82,6 +82,9 @@ def test_config_json_round_trip_and_dice_presets():
 
   cfg = apply_overrides(small_config(), ["verifier.options.measure_performance=True"])
   assert RLConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+  saved = json.loads(json.dumps(cfg.to_json()))
+  saved["verifier"]["ready_timeout_s"] = 300.0  # saved before --verifier_wait_s replaced it
+  assert RLConfig.from_json(saved) == cfg
   infill, e2e = rl_dice_infill.get_config(), rl_dice_e2e.get_config()
   for c in (infill, e2e):
     s = c.sampler
@@ -112,6 +115,26 @@ def test_config_json_round_trip_and_dice_presets():
   assert (infill.phase, infill.num_steps, infill.max_prompt_len) == ("infill", 20, 2000)
   assert (e2e.phase, e2e.num_steps, e2e.max_prompt_len) == ("e2e", 100, 1500)
   assert rl_tiny.get_config().stream.elements_per_step == 64
+
+
+def test_run_waits_for_its_verifier_before_writing_anything(tmp_path, caplog):
+  """An unreachable verifier: progress lines naming it, then VerifierUnavailable, and no workdir
+  (no checkpoints/, model_config.json or tokenizer/ as before the wait came first)."""
+  import logging
+  import socket
+
+  from dice_jax.rl.loop import run_rl
+  from verifier.api.client import VerifierUnavailable
+
+  cfg = small_config(judge="verifier")
+  with socket.socket() as s, caplog.at_level(logging.INFO):
+    s.bind(("127.0.0.1", 0))  # a bound port nobody listens on: connections are refused
+    address = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(VerifierUnavailable, match=f"not ready after 0.5 s: {address} "):
+      run_rl(cfg, str(tmp_path / "run"), endpoints=[address], verifier_wait_s=0.5)
+  waits = [r.getMessage() for r in caplog.records if "waiting for the verifier" in r.getMessage()]
+  assert waits and waits[0].startswith(f"waiting for the verifier at {address}: 0 s of 0.5 s")
+  assert not os.path.exists(tmp_path / "run")
 
 
 def test_run_writes_metrics_samples_and_checkpoints(tmp_path):

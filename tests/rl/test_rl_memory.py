@@ -4,6 +4,8 @@ rollout."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,6 +199,10 @@ def test_a_setting_that_does_not_fit_is_refused_before_the_rollout(tmp_path, mon
   assert "does not fit" in msg and "layout=packed micro_rows=8 remat=none" in msg, msg
   assert "GiB" in msg and "(0.0 GiB)" in msg
   assert not sampled
+  # written once the plan fits: no tokenizer or model config (the checkpoint folder is empty)
+  assert os.listdir(tmp_path / "a") == ["checkpoints"] and not os.listdir(
+    tmp_path / "a/checkpoints"
+  )
   auto = small_config(memory_limit_gb=0.001)  # the same check, every setting tried
   with pytest.raises(ValueError, match="no setting of the update fits") as e:
     loop.plan_update(
