@@ -100,8 +100,9 @@ def attention_lengths(program: str, recipe: Recipe, block_size: int = 4) -> tupl
 
 def estimate_bytes(program: str, mcfg, recipe: Recipe, chips: int) -> float | None:
   """The project's own per-chip estimate: the RL planner for the update (parameters and rows over
-  the chips); the sampler's check (`diffusion.memory.estimate`, one device's: the GPU sampler's)
-  for prefill and decode on one chip. None otherwise (SFT has no estimate in the code)."""
+  the chips); for prefill and decode the sampler's check (`diffusion.memory.estimate`, the GPU
+  sampler's) divided over the chips, as `diffusion/placement.py` splits weights, cache and rows
+  on an fsdp mesh. None for SFT (no estimate in the code)."""
   if program == "rl":
     est = rl_memory.update_estimate(
       mcfg,
@@ -112,7 +113,7 @@ def estimate_bytes(program: str, mcfg, recipe: Recipe, chips: int) -> float | No
       row_shards=chips,
     )
     return est["total"]
-  if program in ("prefill", "decode") and chips == 1:
+  if program in ("prefill", "decode"):
     scfg = recipe.sampler_config(mcfg)
     est = sampler_memory.estimate(
       mcfg,
@@ -124,7 +125,7 @@ def estimate_bytes(program: str, mcfg, recipe: Recipe, chips: int) -> float | No
       decode_weights=scfg.splits_weights(mcfg),
       cache_dtype=scfg.cache_dtype(mcfg),
     )
-    return est["total"]
+    return est["total"] / chips
   return None
 
 
