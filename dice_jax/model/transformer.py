@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from dice_jax.model import masks as masks_lib
 from dice_jax.model import platform as platform_lib
@@ -34,6 +35,7 @@ from dice_jax.model.config import ModelConfig
 from dice_jax.model.kv_cache import KVCache
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
+ATTENTION_OUT = "attention_out"  # the attention's output, for the `_attn` remat policies
 
 
 def rms_norm(x, weight, eps):
@@ -310,7 +312,9 @@ def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk
       impl=cfg.attention_impl,
       flash_tiles=cfg.flash_tiles,
       flash_tpu_tiles=cfg.flash_tpu_tiles,
+      flash_live_only=cfg.flash_live_only,
     )
+    o = checkpoint_name(o, ATTENTION_OUT)
   else:
     o = cached_attention(
       q,
@@ -336,15 +340,23 @@ def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk
 def remat_layer(layer_fn, policy: str):
   """`layer_fn` under the rematerialisation `policy` (config.REMAT_POLICIES): unchanged for
   "none", `jax.checkpoint` keeping only its inputs for "full", keeping the weight matmuls'
-  outputs for "dots". The values are the same; only what the backward pass stores differs."""
+  outputs for "dots", and with `_attn` also the attention's output (and the flash kernel's
+  log-sum-exp). The values are the same; only what the backward pass stores differs."""
   if policy == "none":
     return layer_fn
-  if policy == "full":
-    return jax.checkpoint(layer_fn, prevent_cse=False)
-  if policy == "dots":
-    keep = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    return jax.checkpoint(layer_fn, prevent_cse=False, policy=keep)
-  raise ValueError(f"unknown remat policy {policy!r}")
+  from dice_jax.model import flash_bd
+
+  cp = jax.checkpoint_policies
+  attention = cp.save_only_these_names(ATTENTION_OUT, flash_bd.OUT_NAME, flash_bd.LSE_NAME)
+  keep = {
+    "full": None,
+    "dots": cp.dots_with_no_batch_dims_saveable,
+    "dots_attn": cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, attention),
+    "full_attn": attention,
+  }
+  if policy not in keep:
+    raise ValueError(f"unknown remat policy {policy!r}")
+  return jax.checkpoint(layer_fn, prevent_cse=False, policy=keep[policy])
 
 
 def _grouped(q, num_kv):
@@ -365,11 +377,20 @@ def dense_attention(q, k, v, mask):
 
 
 def self_attention(
-  q, k, v, spec, positions, *, impl="dense", flash_tiles=None, flash_tpu_tiles=(512, 512)
+  q,
+  k,
+  v,
+  spec,
+  positions,
+  *,
+  impl="dense",
+  flash_tiles=None,
+  flash_tpu_tiles=(512, 512),
+  flash_live_only=True,
 ):
   """Attention of a cache-free forward by `impl` (`platform.check` refuses one the target
   platform has no kernel for). `flash` on TPU is `flash_tpu` (`flash_tpu_tiles`), else `flash_bd`
-  (`flash_tiles`)."""
+  (`flash_tiles`, `flash_live_only`)."""
   tgt = platform_lib.check(impl, q.shape[1], k.shape[1])
   if impl == "flash" and tgt.platform == "tpu":
     from dice_jax.model import flash_tpu
@@ -384,7 +405,9 @@ def self_attention(
     tiles = (
       {} if flash_tiles is None else dict(zip(("block_q", "block_k", "block_bwd"), flash_tiles))
     )
-    return flash_bd.attention(q, k, v, spec, positions, interpret=tgt.interpret, **tiles)
+    return flash_bd.attention(
+      q, k, v, spec, positions, interpret=tgt.interpret, live_only=flash_live_only, **tiles
+    )
   mask = masks_lib.dense_mask(spec, positions)
   if impl == "dense":
     return dense_attention(q, k, v, mask)
