@@ -178,7 +178,8 @@ def compile_row(model: str, mcfg, slice_, program: str, prog, recipe: Recipe) ->
     text = compiled.as_text()
     kernels = tpu_topology.attention_kernels(text)
     b = recipe.sampler_config(mcfg).block_size
-    scores = tpu_topology.score_shapes(text, *attention_lengths(program, recipe, b))
+    lengths = attention_lengths(program, recipe, b)
+    scores = tpu_topology.score_shapes(text, *lengths, width=mcfg.hidden_size)
   return Row(
     model=model,
     slice=slice_,

@@ -136,14 +136,18 @@ def attention_kernels(hlo_text: str) -> dict[str, int]:
 _SHAPE = re.compile(r"\b(?:f32|bf16|f16)\[([\d,]+)\]")
 
 
-def score_shapes(hlo_text: str, q_len: int, k_len: int) -> list[str]:
+def score_shapes(hlo_text: str, q_len: int, k_len: int, width: int | None = None) -> list[str]:
   """Floating-point array shapes of rank >= 3 in the HLO whose last two dimensions are
   `(q_len, k_len)` (either order): the `[.., T, S]` scores and probabilities a dense attention
   materialises (not the TPU kernels' int32 mask vectors, e.g. `s32[rows, 8, S]`: k vectors on 8
-  sublanes)."""
+  sublanes). With the model's `width`, rank-3 `[rows, T, width]` shapes are activations, not
+  scores (a prompt as long as the model is wide: sdar_1p7b's 2,048); the dense path's scores keep
+  their head axes (`[B, K, G, T, S]`)."""
   found = set()
   for dims in _SHAPE.findall(hlo_text):
     d = tuple(int(x) for x in dims.split(","))
+    if len(d) == 3 and d[-1] == width:
+      continue
     if len(d) >= 3 and d[-2:] in ((q_len, k_len), (k_len, q_len)):
       found.add(dims)
   return sorted(found)

@@ -62,7 +62,7 @@ def test_rl_update_of_sdar_1p7b_fits_a_v5p_8_and_the_planner_is_above_it_by_unde
   row = rows("sdar_1p7b", "v5p-8", "rl")
   _assert_compiled_within_hbm(row)
   assert set(row.kernels) == FLASH_TRAIN
-  # jax 0.10.2 / libtpu 0.0.42.1: planner 16.65 GiB, compiler 13.10 GiB (x1.27); the planner's
+  # jax 0.10.2 / libtpu 0.0.42.1: planner 16.66 GiB, compiler 13.10 GiB (x1.27); the planner's
   # parts are calibrated on CPU (rl/memory.py)
   assert row.memory.peak <= row.estimate <= 1.3 * row.memory.peak
 
@@ -81,8 +81,11 @@ def test_the_score_check_finds_a_dense_attention():
   mesh = tpu_topology.mesh(tpu_topology.get_slice("v5e-8"))
   compiled = tpu_lowering.sft_step(mcfg, mesh, batch=8, seq_len=384).lower().compile()
   text = compiled.as_text()
-  assert tpu_topology.score_shapes(text, 768, 768)
+  assert tpu_topology.score_shapes(text, 768, 768, width=mcfg.hidden_size)
   assert tpu_topology.attention_kernels(text) == {}
+  # a prompt as long as the model is wide: [rows, T, width] activations are not scores
+  hlo = "bf16[2,2048,2048] f32[2,8,2,2048,2048]"
+  assert tpu_topology.score_shapes(hlo, 2048, 2048, width=2048) == ["2,8,2,2048,2048"]
 
 
 def test_two_slices_keep_the_fsdp_collectives_inside_a_slice():
