@@ -21,7 +21,7 @@ DICE_VERIFY_OPTIONS = {"num_correct_trials": 1, "strictness": "off", "seed": 42,
 
 # field -> (ours, dice); the comment is the item of docs/dice_recipe.md
 RL_FIELDS: dict[str, tuple[Any, Any]] = {
-  "tracerl.layout": ("packed", "per_round"),  # 1: rows_per_update counts (response, round) rows
+  "tracerl.batch_units": ("rows", "rounds"),  # 1: rows_per_update counts (response, round) rows
   "shuffle": (True, False),  # 1: DICE's rows in file order
   "reset_optimizer": (False, True),  # 2: a new AdamW every RL step
   "optim.grad_scale": (1.0, 1.0 / DICE_RL_GAS),  # 3: 1/GAS^2 per row, then clip at 1.0

@@ -7,6 +7,8 @@ journal (a rerun skips pairs already measured). Nothing is written before the ve
 waits up to --verifier_wait_s, with a progress line every 10 s). See dice_jax/data/cuke.py.
 """
 
+import os
+
 from absl import flags, logging
 
 from dice_jax.data.cuke import CukeConfig, build_cuke
@@ -42,6 +44,8 @@ def main(argv):
   from dice_jax.verifier_client import ThreadedVerifier
   from verifier.api.client import VerifierUnavailable
 
+  if not os.path.isfile(_PAIRS.value):  # said before waiting for the verifier
+    raise UserError(f"--pairs {_PAIRS.value}: no such file")
   wait_s = _cli.verifier_wait_s()
   options = {"measure_performance": True, "num_perf_trials": _TRIALS.value}
   if _DEVICE.value:

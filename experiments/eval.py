@@ -240,15 +240,26 @@ def _check_flags() -> None:
   if not FLAGS.verifier:
     raise UserError("--verifier is required (HOST:PORT[,HOST:PORT...] or local)")
   if FLAGS.verifier != "local":
-    for a in FLAGS.verifier.split(","):
-      host, _, port = a.rpartition(":")
-      if not host or not port.isdigit():
-        raise UserError(f"--verifier: {a!r} is not HOST:PORT")
+    _cli.verifier_endpoints(FLAGS.verifier)
   if FLAGS.candidates and not os.path.isfile(FLAGS.candidates):
     raise UserError(f"--candidates {FLAGS.candidates}: no such file")
   if FLAGS.review_speedup <= 1:
     raise UserError(f"--review_speedup must be > 1, got {FLAGS.review_speedup}")
+  if FLAGS.samples < 1:
+    raise UserError(f"--samples must be >= 1, got {FLAGS.samples}")
+  _pass_at_k()
   _cli.verifier_wait_s()
+
+
+def _pass_at_k() -> list[int]:
+  """The k values of --pass_at_k (none for one sample); a UserError unless each is an integer >= 1."""
+  try:
+    ks = sorted({int(k) for k in FLAGS.pass_at_k})
+  except ValueError:
+    raise UserError(f"--pass_at_k must be integers, got {FLAGS.pass_at_k}") from None
+  if ks and ks[0] < 1:
+    raise UserError(f"--pass_at_k values must be >= 1, got {FLAGS.pass_at_k}")
+  return ks if FLAGS.samples > 1 else []
 
 
 def run() -> str:
@@ -265,10 +276,7 @@ def run() -> str:
   tasks = load_problems()
   dec = None if FLAGS.candidates else decoding()
   opts = verify_options()
-  try:
-    ks = sorted({int(k) for k in FLAGS.pass_at_k}) if FLAGS.samples > 1 else []
-  except ValueError:
-    raise UserError(f"--pass_at_k must be integers, got {FLAGS.pass_at_k}") from None
+  ks = _pass_at_k()
   if FLAGS.candidates:
     try:
       source = FileCandidates(FLAGS.candidates, tasks)
@@ -312,7 +320,7 @@ def run() -> str:
       review_speedup=FLAGS.review_speedup,
       progress=FLAGS.progress,
     ).run(tasks, FLAGS.samples)
-  print(f"eval: verified {s.done_now} now, {s.resumed} resumed, {s.missing} without a candidate")
+  print(f"eval: {s.line()}")
   return report.write_report(FLAGS.out)
 
 

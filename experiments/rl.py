@@ -53,19 +53,15 @@ _cli.define_verifier_wait_flag()
 def load_config(name: str):
   from experiments import configs
 
-  return configs.load(name, "rl_")
+  return configs.load(name, "rl")
 
 
 def resolve_config():
   import dataclasses
 
-  from dice_jax.rl.config import RLConfig
   from dice_jax.train.config import recipe_then_overrides
 
-  cfg = load_config(FLAGS.config)
-  if not isinstance(cfg, RLConfig):
-    raise UserError(f"--config {FLAGS.config}: get_config() returned a {type(cfg).__name__}")
-  cfg = recipe_then_overrides(cfg, FLAGS.set)
+  cfg = recipe_then_overrides(load_config(FLAGS.config), FLAGS.set)
   if FLAGS.phase:
     cfg = dataclasses.replace(cfg, phase=FLAGS.phase)
   with_init = {k: getattr(FLAGS, k) for k in ("init_hf", "init_checkpoint") if getattr(FLAGS, k)}
@@ -91,6 +87,8 @@ def resolve_config():
     evaluation.load_eval_tasks(cfg)
   if cfg.judge == "verifier" and not FLAGS.verifier:
     raise UserError("--verifier is required (HOST:PORT[,HOST:PORT] or local)")
+  if cfg.judge == "verifier" and FLAGS.verifier != "local":
+    _cli.verifier_endpoints(FLAGS.verifier)
   _cli.verifier_wait_s()
   return cfg
 
@@ -105,11 +103,10 @@ def _local_device(cfg) -> str:
 
 def run(cfg) -> dict:
   from dice_jax.rl.loop import run_rl
-  from verifier.api.client import parse_endpoints
 
   kwargs = dict(max_steps=FLAGS.max_steps, verifier_wait_s=_cli.verifier_wait_s())
   if cfg.judge != "verifier" or FLAGS.verifier != "local":
-    endpoints = parse_endpoints(FLAGS.verifier) if cfg.judge == "verifier" else None
+    endpoints = _cli.verifier_endpoints(FLAGS.verifier) if cfg.judge == "verifier" else None
     return run_rl(cfg, FLAGS.workdir, endpoints=endpoints, **kwargs)
   import jax
 

@@ -458,4 +458,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from experiments import _cli
+
+  _cli.quiet_missing_tpu()
   app.run(main)

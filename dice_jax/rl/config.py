@@ -108,7 +108,8 @@ class RLConfig:
   advantage: str = "group_zscore"
   verifier: VerifierConfig = VerifierConfig()
   # policy update
-  tracerl: TraceRLConfig = TraceRLConfig(layout="packed")
+  # old log-probs from the rollout (no second forward; tracerl.py docstring)
+  tracerl: TraceRLConfig = TraceRLConfig(layout="packed", old_logp="sampler")
   optim: OptimizerConfig = DICE_OPTIMIZER
   rows_per_update: int = 256  # TraceRL rows (responses when packed) per optimizer step
   shuffle: bool = True  # shuffle the rows of an RL step before batching (DICE: file order)

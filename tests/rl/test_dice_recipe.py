@@ -24,12 +24,13 @@ B = 4  # block size
 
 def test_recipes_fill_their_fields_and_an_explicit_set_wins():
   dice = recipe_lib.apply_recipe(RLConfig(), "dice")
-  assert (dice.recipe, dice.tracerl.layout, dice.shuffle, dice.reset_optimizer) == (
+  assert (dice.recipe, dice.tracerl.batch_units, dice.shuffle, dice.reset_optimizer) == (
     "dice",
-    "per_round",
+    "rounds",
     False,
     True,
   )
+  assert dice.tracerl.layout == "packed"  # DICE's steps, on packed rows
   assert (dice.optim.grad_scale, dice.optim.clip_norm) == (1 / 32, 1.0)
   assert (dice.tail_rows, dice.even_batches_rows) == ("even_batches", 8)
   assert (dice.stop_tokens, dice.train_stop_token, dice.train_pad_tokens) == ("im_end", True, False)
@@ -103,24 +104,35 @@ def test_dice_optimizer_steps_count_response_round_rows_in_file_order_and_pad_th
   kw = dict(block_size=B, mask_token_id=99, rows_per_batch=4, length_multiple=8)
   cfg = recipe_lib.apply_recipe(RLConfig(), "dice")
 
-  def steps(processes):  # DICE on `processes` x 1 row: rows_per_batch / processes accumulation
+  def steps(processes, layout="per_round"):  # DICE on `processes` x 1 row
     batches = tracerl.build_batches(
       trajs,
-      cfg.tracerl,
+      dataclasses.replace(cfg.tracerl, layout=layout),
       **kw,
       rng=None if not cfg.shuffle else np.random.default_rng(0),
       tail=cfg.tail_rows,
       even_batches_rows=processes,
     )
     order = [b["traj_index"][:, 0].tolist() for b in batches]
-    return order, [b["round_ids"].max(axis=1).tolist() for b in batches]
+    return order, [b["round_ids"].max(axis=1).tolist() for b in batches], batches
 
-  # 2 processes: 9 rows padded to 10 with row 1; 2 steps in file order, rows 9-10 never applied
-  assert steps(2) == ([[0, 0, 0, 1], [1, 2, 2, 2]], [[1, 2, 3, 1], [2, 1, 2, 3]])
+  # DICE's own (response, round) rows. 2 processes: 9 rows padded to 10 with row 1; 2 steps in
+  # file order, rows 9-10 never applied
+  assert steps(2)[:2] == ([[0, 0, 0, 1], [1, 2, 2, 2]], [[1, 2, 3, 1], [2, 1, 2, 3]])
   # 4 processes: padded to 12 with rows 1-3, which complete a third step
-  order, rounds = steps(4)
+  order, rounds, _ = steps(4)
   assert order == [[0, 0, 0, 1], [1, 2, 2, 2], [2, 0, 0, 0]]
   assert rounds == [[1, 2, 3, 1], [2, 1, 2, 3], [4, 1, 2, 3]]  # each response's rounds in order
+  # recipe=dice trains the same steps on packed rows: a response's pairs in one step share a row
+  order, _, batches = steps(4, cfg.tracerl.layout)
+  assert order == [[0, 1, -1, -1], [1, 2, -1, -1], [2, 0, -1, -1]]
+  assert [b["norm_rounds"][:, 0].tolist() for b in batches] == [
+    [3, 1, 0, 0],
+    [1, 3, 0, 0],
+    [1, 3, 0, 0],
+  ]
+  rounds = [[sorted(set(r[r > 0].tolist())) for r in b["round_ids"][:2]] for b in batches]
+  assert rounds == [[[1, 2, 3], [1]], [[2], [1, 2, 3]], [[4], [1, 2, 3]]]
   # ours: one step per 4 responses with all their rounds, shuffled, every row used
   ours = recipe_lib.apply_recipe(RLConfig(), "ours")
   (b,) = tracerl.build_batches(trajs, ours.tracerl, **kw, rng=np.random.default_rng(0))
@@ -390,12 +402,14 @@ def test_a_506_row_step_moves_the_parameters_as_dices_even_batches_rule():
     t.group = i // 2
   rewards = np.asarray([(i + i // 2) % 2 for i in range(128)], np.float32)  # every group 1 / 0
 
-  # the project: the RL loop's update under recipe=dice (and with the tail dropped)
+  # the project: the RL loop's update under recipe=dice (and with the tail dropped); the old
+  # log-probs by a trainer forward, as DICE's (the trajectories here have no sampler log-probs)
   cfg = recipe_lib.apply_recipe(
     RLConfig(
       optim=OptimizerConfig(learning_rate=lr, schedule="constant", warmup_ratio=0.0),
       accum_steps=1,
       length_multiple=16,
+      tracerl=tracerl.TraceRLConfig(layout="packed", old_logp="trainer"),
     ),
     "dice",
   )
@@ -414,17 +428,19 @@ def test_a_506_row_step_moves_the_parameters_as_dices_even_batches_rule():
     init_opt=jax.jit(tx.init, out_shardings=shardings["opt_state"]),
     backend=SimpleNamespace(cfg=SimpleNamespace(stop_ids=(mcfg.eos_token_id,))),
     tokenizer=SimpleNamespace(pad_token_id=mcfg.pad_token_id),
+    row_len=None,
   )
 
   def ours(**overrides):
     trainer.cfg = dataclasses.replace(cfg, **overrides)
     trainer.state = jax.device_put(start, shardings)
     rollout = SimpleNamespace(trajectories=trajs, rewards=rewards)
-    state, m = loop._learn(trainer, rollout, 0)
+    state, m = loop.learn(trainer, rollout, 0)
     return jax.device_get(state["params"]), m
 
   got, m = ours()
-  assert (m["updates"], m["groups"], m["rows"]) == (2, 64, 512)
+  # 512 (response, round) pairs; on packed rows: 64 responses, then 64 + copies of responses 0-1
+  assert (m["updates"], m["groups"], m["trace_rounds"], m["rows"]) == (2, 64, 512, 130)
   dropped, m_drop = ours(tail_rows="drop")
   assert m_drop["updates"] == 1
 

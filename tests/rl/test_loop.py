@@ -13,6 +13,7 @@ import pytest
 from dice_jax.data.rl_stream import RLStreamConfig
 from dice_jax.rl.config import DICE_SAMPLER, RLConfig, VerifierConfig
 from dice_jax.model.config import get_config
+from dice_jax.rl.tracerl import TraceRLConfig
 from dice_jax.train.config import apply_overrides
 from dice_jax.train.optimizer import OptimizerConfig
 from dice_jax.train.run_config import RunConfig
@@ -141,7 +142,8 @@ def test_run_writes_metrics_samples_and_checkpoints(tmp_path):
   from dice_jax.rl.loop import run_rl
   from dice_jax.train.metrics import read_metrics
 
-  out = run_rl(small_config(), str(tmp_path))
+  trainer = TraceRLConfig(layout="packed", old_logp="trainer")  # a forward for the old log-probs
+  out = run_rl(small_config(tracerl=trainer), str(tmp_path))
   recs = read_metrics(str(tmp_path / "metrics.jsonl"))
   assert list(recs) == [1, 2] and out["rl_step"] == 2
   for r in recs.values():
@@ -156,7 +158,7 @@ def test_run_writes_metrics_samples_and_checkpoints(tmp_path):
   assert len(samples) == 8 and {s["step"] for s in samples} == {1, 2}
   assert os.path.exists(tmp_path / "rl.png")
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
-  again = run_rl(small_config(), str(tmp_path))  # finished: resumes at the end, does nothing
+  again = run_rl(small_config(tracerl=trainer), str(tmp_path))  # finished: resumes, does nothing
   assert again["rl_step"] == 2
   # the run directory initialises a next phase (--init_checkpoint): its params and tokenizer
   import jax

@@ -1,6 +1,6 @@
 """The static check in processes of its own, off the service's event loop and under a deadline.
 
-``check_candidate`` is bounded by construction (``static_check.SourceLimits``), but it reads hostile text
+``check_candidate`` is bounded by construction (``source.SourceLimits``), but it reads hostile text
 with C code (the parser, regexes) that holds the GIL, so it runs here, never in the service process: a
 small pool of long-lived ``python -m verifier.static.static_worker`` processes, each with an address-space
 limit, no capabilities and no new sockets, serving one check at a time over its stdin/stdout (a
@@ -20,6 +20,7 @@ import sys
 
 from verifier.api.contract import FailureKind, Strictness
 from verifier.sandbox.import_path import child_pythonpath
+from verifier.static.source import too_complex
 from verifier.static.static_check import LIMITS, StaticVerdict, check_candidate
 
 FRAME = struct.Struct("!Q")
@@ -54,12 +55,6 @@ def verdict_from_dict(d: dict) -> StaticVerdict:
     tuple(str(w) for w in d["warnings"]),
     tuple(str(k) for k in d["kernel_names"]),
     tuple(str(f) for f in d["functions"]),
-  )
-
-
-def too_complex(what: str) -> StaticVerdict:
-  return StaticVerdict(
-    FailureKind.SOURCE_TOO_COMPLEX, f"candidate source is beyond the static check's limits: {what}"
   )
 
 
