@@ -69,6 +69,24 @@ def _redirect_output(scratch: str) -> None:
   os.close(log)
 
 
+def _forget_the_repository() -> None:
+  """In a worker that runs candidate code, nothing of Python's state names where the verifier's source
+  lives (its modules are imported; its files are unreadable once confined): no ``PYTHONPATH``, no
+  ``sys.path`` entry for the checkout (an installation's site-packages stays: torch imports lazily),
+  ``sys.argv`` just the role."""
+  package = os.path.realpath(confine.PACKAGE_ROOT)
+  checkout = {package, os.path.dirname(package)}
+  prefixes = [os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)]
+
+  def names_checkout(p: str) -> bool:
+    q = os.path.realpath(p or ".")
+    return q in checkout and not any(confine.beneath(q, x) for x in prefixes)
+
+  os.environ.pop("PYTHONPATH", None)
+  sys.path[:] = [p for p in sys.path if not names_checkout(p)]
+  sys.argv[:] = ["worker"]
+
+
 def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str], report_fd: int):
   """In the child the fork server just forked. Never returns."""
   mark = StartupClock()
@@ -80,10 +98,16 @@ def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str
     _redirect_output(req.scratch)
     confine.close_inherited_fds(keep=(chan_fd, report_fd))
     confine.die_with_parent()
-    notes = list(base_notes) + confine.enter_pid_namespace(report_fd, child_only=(chan_fd,))
+    notes = list(base_notes)
+    if req.nproc_limit > 0:
+      notes += confine.own_user_namespace(req.nproc_limit)
+    notes += confine.enter_pid_namespace(report_fd, child_only=(chan_fd,))
     faulthandler.enable()
     os.environ.clear()
     os.environ.update(req.env)
+    if req.role != "compile":
+      _forget_the_repository()
+    confine.blank_process_strings()  # /proc/self/cmdline and environ: the fork server's, once
     if req.role != "candidate":
       os.setpriority(os.PRIO_PROCESS, 0, BACKGROUND_NICE)
     if req.mem_mb > 0 and not (req.role == "candidate" and device == "cuda"):
@@ -95,6 +119,7 @@ def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str
       landlock=req.landlock,
       scratch=req.scratch,
       scratch_mb=req.scratch_mb,
+      max_tasks=req.max_tasks,
     )
     notes += confine.confine(spec)
     os.chdir(req.scratch)  # after the remount: the writable bind, not the read-only original
@@ -102,6 +127,9 @@ def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str
     chan = Channel(socket.socket(fileno=chan_fd))
     if req.role == "candidate":
       warm_device(device, req.warm_profiler, mark)
+      from verifier.candidate import candidate_main
+
+      candidate_main.start_mapper()  # the runtime's threads all exist before the job (task_limits)
     if req.block_sockets:  # after the CUDA context: the driver may open sockets while it starts
       notes += confine.block_sockets()
     chan.send(WorkerReady(os.getpid(), dict(mark.phases), tuple(notes), time.monotonic()))

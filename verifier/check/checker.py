@@ -26,8 +26,9 @@ import time
 
 import torch
 
-from verifier.api.contract import FailureKind
+from verifier.api.contract import FailureKind, candidate_text
 from verifier.check import correctness, runtime_check, timing
+from verifier.check.cpu_clock import CpuClock
 from verifier.check.reference import ReferenceTask, TrialStream
 from verifier.ipc import channel, exchange, tensors
 from verifier.ipc.channel import Channel, ChannelClosed, ChannelTimeout, ProtocolError
@@ -57,7 +58,8 @@ GRACE_S = (
 )
 # pairs of round trips (the reference, then no model) before the load; the later half counts
 CALIBRATION_CALLS = 16
-CHECKED_TIMED_FRACTION = 0.1  # of the timed calls, compared like the trials (at least one)
+# each timed call is compared like the trials with this chance (one at least)
+CHECKED_TIMED_FRACTION = 0.1
 RECALIBRATE_EVERY = 4  # during the timing, a round trip with no model after every 4th timed one
 # Timed calls go in bursts: up to MAX_BURST forwards per round trip, each on its own fresh inputs, so the
 # exchange's cost and its jitter are shared by the burst's forwards; at most BURST_BYTES (on a GPU, a
@@ -98,6 +100,15 @@ def burst_calls(nbytes: int, nbuffers: int, budget: int = BURST_BYTES) -> int:
   by_bytes = budget // max(nbytes, 1)
   by_fds = exchange.FDS_PER_MESSAGE // max(nbuffers, 1)
   return max(1, min(MAX_BURST, by_bytes, by_fds))
+
+
+def checked_calls(n: int, rng) -> set[int]:
+  """Which of ``n`` timed calls are compared: each independently with probability
+  ``CHECKED_TIMED_FRACTION`` (one drawn at random if none was), so what the candidate saw of earlier
+  calls says nothing about the next ones (a fixed count would tell it when the compared ones are
+  used up)."""
+  checked = {j for j in range(n) if rng.random() < CHECKED_TIMED_FRACTION}
+  return checked or {rng.randrange(n)}
 
 
 def _fits(*id_lists) -> bool:
@@ -148,6 +159,25 @@ class Check:
     }
     self.stage_name = ""
     self.t_last = time.monotonic()
+    self.cpu_clock = self._cpu_clock()
+    self.cpu_last: int | None = None  # the candidate's CPU time (ns) when its last round trip ended
+
+  def _cpu_clock(self) -> CpuClock | None:
+    """On the CPU backend the candidate's calls are timed by its CPU time (``cpu_clock``); the wall
+    clock where the service found no way to read it (a warning)."""
+    if self.device.type != "cpu" or not self.opts.measure_performance:
+      return None
+    try:
+      return CpuClock(self.job.cpu_clock)
+    except (OSError, ValueError) as e:
+      self.report["warnings"].append(
+        f"timed on the wall clock: the candidate's CPU time cannot be read ({e})"
+      )
+      return None
+
+  @property
+  def clock(self) -> str:
+    return "cpu" if self.cpu_clock is not None else "wall"
 
   # ---- plumbing ---------------------------------------------------------------------------------
   def stage(self, name: str) -> None:
@@ -192,7 +222,7 @@ class Check:
         raise Verdict(
           FailureKind.CRASH, f"the candidate's process reported {msg.kind.value} about itself"
         )
-      raise Verdict(msg.kind, msg.reason)
+      raise Verdict(msg.kind, candidate_text(msg.reason))
     return msg
 
   # ---- the check --------------------------------------------------------------------------------
@@ -347,6 +377,7 @@ class Check:
       burst=tuple(BurstCall(call + 1 + k, sd, s.args, s.outs) for k, (s, sd) in enumerate(burst)),
     )
     data = channel.frame(req, len(fds))  # encoded before the clock starts
+    c0 = self.cpu_clock.ns() if self.cpu_clock is not None and self.cpu_last is None else 0
     t1 = time.monotonic()
     try:
       p0 = time.perf_counter()
@@ -360,11 +391,17 @@ class Check:
     finally:
       for fd in fds:
         os.close(fd)
-    self.round_trip_s = p1 - p0
+    self.round_trip_s = self.wall_round_trip_s = p1 - p0
+    if self.cpu_clock is not None:
+      # Everything the candidate's tasks ran since its previous round trip ended, the gap before this
+      # one included: work it did between calls (on inputs it saw staged) counts like work inside.
+      now = self.cpu_clock.ns()
+      self.round_trip_s = (now - (self.cpu_last if self.cpu_last is not None else c0)) * 1e-9
+      self.cpu_last = now
     # Diagnostics: the wake-ups on either side (the candidate's stamps, on the host's one monotonic
     # clock, clamped to the round trip; never part of a verdict or a time).
-    self._acc("exchange_rt_wake_in", _reported(done.received_at - p0, self.round_trip_s))
-    self._acc("exchange_rt_wake_out", _reported(p1 - done.replying_at, self.round_trip_s))
+    self._acc("exchange_rt_wake_in", _reported(done.received_at - p0, self.wall_round_trip_s))
+    self._acc("exchange_rt_wake_out", _reported(p1 - done.replying_at, self.wall_round_trip_s))
     if done.call != call or len(done.burst_outputs) != len(burst):
       raise Verdict(
         FailureKind.CRASH,
@@ -523,13 +560,15 @@ class Check:
     self.flush = timing.CacheFlush(self.device)
     self.burst = self._burst_size()
     cached = self.job.calibration
-    if cached is not None and cached.burst_calls == self.burst:
+    if cached is not None and cached.burst_calls == self.burst and cached.clock == self.clock:
       self.calibration = self.report["calibration"] = cached
       return
     self.stage("calibration")
-    init, used = self.init
-    self._send(CalibrationModel(self.job.reference_source, self.task.seed, init), used)
-    why = self._recv(CalibrationReady).error[:300]
+    why = "cpu"  # the CPU clock counts no waiting and no GPU switch: null round trips alone
+    if self.cpu_clock is None:
+      init, used = self.init
+      self._send(CalibrationModel(self.job.reference_source, self.task.seed, init), used)
+      why = self._recv(CalibrationReady).error[:300]
     rng = random.SystemRandom()
     template = self.trials.trial(0)[1]
     k = self.burst
@@ -551,6 +590,7 @@ class Check:
       self._forward(calls, null=True)
       nulls.append(self.round_trip_s)
     null_ms = timing.exchange_cost_s(nulls) * 1e3
+    spread_ms = timing.spread_s(nulls[len(nulls) // 2 :]) * 1e3
     if refs:
       in_process_ms = self._reference_in_process_ms()
       half = len(refs) // 2
@@ -564,14 +604,21 @@ class Check:
         reference_in_process_ms=in_process_ms,
         calls=len(refs) - half,
         burst_calls=k,
+        null_spread_ms=spread_ms,
       )
     else:
-      self.report["warnings"].append(
-        "the exchange was calibrated with no model: the reference could not run in the candidate's "
-        f"process ({why})"
-      )
+      if why != "cpu":
+        self.report["warnings"].append(
+          "the exchange was calibrated with no model: the reference could not run in the "
+          f"candidate's process ({why})"
+        )
       self.calibration = TimingCalibration(
-        null_ms=null_ms, excess_ms=0.0, source="null", burst_calls=k
+        null_ms=null_ms,
+        excess_ms=0.0,
+        source="null",
+        burst_calls=k,
+        clock=self.clock,
+        null_spread_ms=spread_ms,
       )
     self.report["calibration"] = self.calibration
     self.report["calibration_measured"] = True
@@ -596,7 +643,7 @@ class Check:
     warm, timed = math.ceil(opts.num_warmup / k), math.ceil(opts.num_perf_trials / k)
     n = (warm + timed) * k
     rng = random.SystemRandom()
-    checked = set(rng.sample(range(n), max(1, math.ceil(n * CHECKED_TIMED_FRACTION))))
+    checked = checked_calls(n, rng)
     lockstep = self.trials.lockstep_model()
     template = self.trials.trial(0)[1]
     times, nulls = [], []
@@ -607,9 +654,17 @@ class Check:
         nulls.append(self._null_round_trip(b))
     overhead_ms = self._overhead_ms(nulls)
     candidate = timing.candidate_runtime(times[warm:], overhead_ms / 1e3, k)
-    self.report["candidate"] = candidate
-    self.report["phases"]["timed_calls_checked"] = float(len(checked))
-    self.report["phases"]["timing_burst_calls"] = float(k)
+    resolution = timing.resolution_ms(times[warm:], k, nulls, self.calibration.null_spread_ms)
+    if self.clock == "cpu":
+      resolution = max(resolution, timing.CPU_OVERHEAD_RESOLUTION * overhead_ms)
+    phases = self.report["phases"]
+    phases["timed_calls_checked"] = float(len(checked))
+    phases["timing_burst_calls"] = float(k)
+    phases["timing_resolution_ms"] = resolution
+    phases["timing_cpu_clock"] = float(self.clock == "cpu")
+    self.report["candidate"] = dataclasses.replace(
+      candidate, median_ms=max(candidate.median_ms, 0.0), mean_ms=max(candidate.mean_ms, 0.0)
+    )
     # Re-check trial 0 after the timing loop (state- or cache-based cheats), in lock-step.
     self.stage("recheck")
     inputs0, golden0 = self.trials.trial(0)
@@ -617,8 +672,15 @@ class Check:
     staged = self._stage(inputs0, expected)
     done = self._forward([(staged, self.task.seeds[0])])
     self._judge(staged, done.outputs, self.copied[0], "trial 0 re-checked after timing")
-    mean = candidate.mean_ms
-    speedup = self.report["baseline"].mean_ms / mean if mean > 0 else 0.0
+    if timing.measured(candidate, resolution) is None:
+      phases["timing_unmeasurable"] = 1.0
+      self.report["warnings"].append(
+        f"timing: the candidate's {candidate.mean_ms:.4f} ms a call ({self.clock} clock) is at or "
+        f"under what this measurement resolves ({resolution:.4f} ms): no speedup reported"
+      )
+      self.report["speedup"] = 0.0
+      return
+    speedup = self.report["baseline"].mean_ms / candidate.mean_ms
     self.report["speedup"] = speedup if math.isfinite(speedup) else 0.0
 
   def _null_round_trip(self, b: int) -> float:
@@ -655,21 +717,26 @@ class Check:
 
   def _timed_burst(self, b: int, calls, checked: set[int], rng, lockstep, template) -> float:
     """Timed burst ``b``: ``calls`` forwards, each on fresh inputs, in one round trip (returned, in
-    seconds); those in ``checked`` compared with the reference (which steps on every call when it
-    keeps state)."""
+    seconds); those in ``checked`` compared with the reference (which steps on every call, before the
+    burst, when it keeps state). Before the round trip every call is staged alike, compared or not:
+    the golden outputs of the compared calls of a stateless reference are computed after it, from the
+    checker's private inputs, so the host's schedule the candidate can observe before a burst (its
+    gaps, order and buffers) does not depend on which of its calls are compared."""
     t0 = time.monotonic()
     stage_s = 0.0
-    burst = []
+    burst, kept = [], {}
     for i, j in enumerate(calls):
       seed = rng.randrange(2**31 - 1)
       inputs = self.task.inputs_for(seed)
       golden = template
-      if j in checked or self.task.stateful:
+      if self.task.stateful:
         golden = self.task.forward_seeded(lockstep, inputs, seed)
       t = time.monotonic()
       s = self._stage(inputs, golden, release=i == 0)
-      if j not in checked:
-        s.pairs = []  # the private inputs are needed only to judge a compared call
+      if j in checked:
+        kept[i] = inputs  # the private inputs: the golden output and the mutation check
+      else:
+        s.pairs = []
       stage_s += time.monotonic() - t
       burst.append((s, seed))
       del inputs, golden
@@ -682,7 +749,10 @@ class Check:
     specs = (done.outputs,) + done.burst_outputs
     for i, j in enumerate(calls):
       if j in checked:
-        self._judge(burst[i][0], specs[i], self.copied[i], f"timed call {j}")
+        staged, seed = burst[i]
+        if not self.task.stateful:
+          staged.golden = self.task.forward_seeded(lockstep, kept.pop(i), seed)
+        self._judge(staged, specs[i], self.copied[i], f"timed call {j}")
     self._acc("timing_inputs", t2 - t0 - stage_s)
     self._acc("timing_stage", stage_s)
     self._acc("timing_flush", t3 - t2)
