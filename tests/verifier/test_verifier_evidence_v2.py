@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import os
 import signal
-import time
 
 import pytest
 
@@ -36,7 +35,7 @@ from verifier.sandbox import confine, task_limits  # noqa: E402
 
 OPTS = VerifyOptions(device="cpu", timeout_s=60, num_correct_trials=2, strictness="off")
 MAX_PROCESSES = 64
-QUANTUM_S = 2.0
+QUANTUM_S = 1.5
 
 EXTENSION = r"""
 #include <pybind11/pybind11.h>
@@ -182,15 +181,17 @@ def test_thousands_of_sleeping_threads_fail_at_the_limit(service):
   assert r.failure_kind is FailureKind.RESOURCE_LIMIT and r.reward == 0.0, r.reason
 
 
-MARKER = "vt-outlive-marker-5521"
+COMM = (
+  "vt-outlive-5521"  # a task name (15 characters at most): /proc shows it until the task is gone
+)
 
 
-def _marked() -> list[int]:
+def _named() -> list[int]:
   found = []
   for d in os.listdir("/proc"):
     try:
-      with open(f"/proc/{d}/cmdline", "rb") as f:
-        if MARKER.encode() in f.read():
+      with open(f"/proc/{d}/comm") as f:
+        if f.read().strip() == COMM:
           found.append(int(d))
     except (OSError, ValueError):
       pass
@@ -198,28 +199,42 @@ def _marked() -> list[int]:
 
 
 def test_nothing_the_candidate_started_outlives_its_verdict(service):
-  # c10e1a8 answered once the worker's waiter was gone, while the kernel was still killing its
-  # namespace: processes of the candidate's ran after its verdict.
+  # c10e1a8 answered once the worker's waiter was gone, while the kernel was still tearing its
+  # namespace down: a process of the candidate's holding 1 GB was still exiting after the verdict.
   src = candidate(
     "        import os\n"
     "        if not self.started:\n"
     "            self.started = True\n"
-    "            for _ in range(24):\n"
-    "                if os.fork() == 0:\n"
-    "                    os.setsid()\n"
-    "                    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-    f"                    os.execv('/bin/sh', ['sh', '-c', 'while :; do :; done; : {MARKER}'])\n"
+    "            if os.fork() == 0:\n"
+    "                os.setsid()\n"
+    "                with open('/proc/self/comm', 'w') as f:\n"
+    f"                    f.write({COMM!r})\n"
+    "                held = b'x' * (1 << 30)\n"
+    "                time.sleep(600)\n"
+    "            time.sleep(2)\n"
     "        return good(a, b, self.scale)",
-    module="import signal",
+    module="import time",
     init="        self.started = False",
   )
   (r,) = _verify(service, _req("outlive", src))
-  left = _marked()
-  for pid in left:  # never leave them spinning on a shared box, whatever the verdict
+  left = _named()
+  for pid in left:  # never leave it on a shared box, whatever the verdict
     os.kill(pid, signal.SIGKILL)
   assert not left, (
     f"{len(left)} of the candidate's processes outlived its verdict ({r.failure_kind})"
   )
+
+
+def _spawn_sleepers(n: int) -> list[int]:
+  """Up to ``n`` sleeping processes, until the kernel refuses one (spawned without copying this
+  process: a fork of the test process takes tens of milliseconds)."""
+  kids = []
+  try:
+    for _ in range(n):
+      kids.append(os.posix_spawn("/bin/sleep", ["sleep", "30"], {}))
+  except OSError:
+    pass
+  return kids
 
 
 def test_rlimit_nproc_in_the_workers_own_user_namespace_stops_a_fork_bomb():
@@ -235,16 +250,7 @@ def test_rlimit_nproc_in_the_workers_own_user_namespace_stops_a_fork_bomb():
         os.setresuid(65534, 65534, 65534)
         confine._libc.prctl(confine.PR_SET_DUMPABLE, 1, 0, 0, 0)  # a uid change cleared it
       notes = confine.own_user_namespace(16)
-      kids = []
-      try:
-        for _ in range(500):
-          k = os.fork()
-          if k == 0:
-            time.sleep(30)
-            os._exit(0)
-          kids.append(k)
-      except OSError:
-        pass
+      kids = _spawn_sleepers(500)
       for k in kids:
         os.kill(k, signal.SIGKILL)
       os.write(w, f"{len(kids)} {'; '.join(notes)}".encode())
@@ -267,16 +273,7 @@ def test_a_workers_pid_namespace_holds_a_bounded_number_of_tasks():
       assert confine.isolate_network() == []
       confine.enter_pid_namespace()
       notes = confine.read_only_filesystem((), max_tasks=40)
-      kids = []
-      try:
-        for _ in range(1000):
-          k = os.fork()
-          if k == 0:
-            time.sleep(30)
-            os._exit(0)
-          kids.append(k)
-      except OSError:
-        pass
+      kids = _spawn_sleepers(1000)
       os.write(w, f"{len(kids)} {'; '.join(n for n in notes if 'pid_max' in n)}".encode())
     finally:
       os._exit(0)
@@ -359,7 +356,7 @@ def test_the_norm_rule_keeps_the_verdicts_of_honest_rounding_on_dice_references(
   # docs/verifier-security.md): their own rounding error, and ten times it, still pass.
   from experiments import tolerance_survey
 
-  ids = {"74", "7278", "3020", "8204", "5756"}
+  ids = {"74", "7278", "5756"}
   judged = 0
   for _, name, src in tolerance_survey.references(["dice"], 64, 2):
     if name in ids:
@@ -433,19 +430,19 @@ SLOW_REFERENCE = holes.REFERENCE.replace(
 def test_a_candidate_cannot_tell_compared_bursts_by_the_gap_before_them(service):
   # c10e1a8 computed a compared call's golden output before its burst: a long host gap announced it,
   # and a candidate that worked only after long gaps skipped the uncompared bursts (reward 1).
+  # The first forward of a round trip works on the same buffer every time (the checker's buffers are
+  # reused in order); the host's gap before it decides the whole round trip.
   src = candidate(
-    "        now = time.perf_counter()\n"
-    "        gap = now - self.last\n"
     "        key = a.flatten()[:8].tolist()\n"
     "        if self.first is None:\n"
-    "            self.first = key\n"
-    "        if gap > 0.003:  # a new round trip: the host's gap before it decides the mode\n"
-    "            self.honest = gap > 0.08 or key == self.first\n"
+    "            self.first, self.p0 = key, a.data_ptr()\n"
+    "        if a.data_ptr() == self.p0:\n"
+    "            self.honest = time.perf_counter() - self.last > 0.08\n"
     "        out = good(a, b, self.scale) if self.honest or key == self.first else torch.zeros_like(a)\n"
     "        self.last = time.perf_counter()\n"
     "        return out",
     module="import time",
-    init="        self.last, self.first, self.honest = 0.0, None, True",
+    init="        self.last, self.first, self.p0, self.honest = 0.0, None, 0, True",
   )
   timed = dict(measure_performance=True, num_warmup=1, num_perf_trials=24)
   (r,) = _verify(service, _req("gap-watcher", src, reference=SLOW_REFERENCE, **timed))
@@ -490,11 +487,14 @@ def test_an_honest_build_is_answered_before_two_hostile_builds_ahead_of_it(servi
 
   async def go():
     return await asyncio.gather(
-      one(0.0, _req("sleeper-1", _sleeping_initialiser("1"), timeout_s=8)),
-      one(0.2, _req("sleeper-2", _sleeping_initialiser("2"), timeout_s=8)),
+      one(0.0, _req("sleeper-1", _sleeping_initialiser("1"), timeout_s=6)),
+      one(0.2, _req("sleeper-2", _sleeping_initialiser("2"), timeout_s=6)),
       one(1.0, _req("honest", GOOD + "\n# a build of its own\n", timeout_s=60)),
     )
 
+  _ok(
+    _verify(service, _req("warm", GOOD))[0]
+  )  # the extension in the cache: the honest build imports
   s1, s2, honest = loop.run(go())
   _ok(honest)
   assert s1.failure_kind is s2.failure_kind is FailureKind.TIMEOUT, (s1.reason, s2.reason)
@@ -522,7 +522,10 @@ def test_fair_slots_serve_the_least_served_build_first():
     assert budget.left() == before  # a suspended build's budget stands still
     slots.finish(short)
     await asyncio.sleep(0.05)
-    assert long_a.state == "running" and log[:3] == ["stop a", "stop b", "go a"], log
+    # the one of a and b that ran less goes on
+    resumed = min((long_a, long_b), key=lambda t: (t.attained, t.seq))
+    assert resumed.state == "running" and log[:2] == ["stop a", "stop b"], log
+    assert log[2] == ("go a" if resumed is long_a else "go b"), log
     slots.finish(long_a)
     slots.finish(long_b)
     assert slots.free == 1 and not slots.waiting
