@@ -321,3 +321,40 @@ def test_split_build_on_lean_torch_headers_falls_back_to_extension_h(tmp_path, l
     assert "main.cpp" in event["lean_error"] and "nn" in event["lean_error"], event["lean_error"]
   x = torch.randn(4099, device="cuda")
   torch.testing.assert_close(module.twice(x), 2 * (x if lean else x.relu()))
+
+
+def test_a_kernel_under_a_tenth_of_a_millisecond_is_timed_like_cuda_events(gpu_service):
+  """Issue 37, item 9's accuracy target: a float4 ReLU over 32M floats (~0.07 ms, as fast as aten's: an
+  independent CUDA-event timing in one process measured it 1.01-1.03x torch's) reported within 10 % of
+  that, the median of three runs (c10e1a8: 0.22, 0.28, 0.32: ~0.25 ms a call charged to it)."""
+  runs = _verify(
+    gpu_service,
+    *[
+      _req(f"relu4-{i}", g.RELU_REFERENCE, g.GOOD_RELU4 + f"\n# {i}\n", measure_performance=True)
+      for i in range(3)
+    ],
+  )
+  for r in runs:
+    assert r.failure_kind is FailureKind.OK, (r.reason, r.logs[-2000:])
+  speedups = sorted(r.speedup for r in runs)
+  assert 0.9 <= speedups[1] <= 1.15, (speedups, [r.candidate for r in runs], runs[0].baseline)
+
+
+def test_nothing_a_candidate_started_runs_on_the_gpu_after_its_verdict(gpu_service):
+  """Issue 37, item 3: a kernel left spinning for a minute on a non-blocking stream of the candidate's:
+  once the verdict is out, its process (and with it its CUDA context and the kernel) is gone (c10e1a8
+  answered when the worker's waiter had died, before the kernel finished tearing the namespace down)."""
+  (r,) = _verify(
+    gpu_service, _req("spin-after", g.RELU_REFERENCE, g.SPINS_AFTER_ITS_VERDICT, strictness="off")
+  )
+  left = []
+  for d in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{d}/comm") as f:
+        if f.read().strip() == g.COMM_GPU:
+          left.append(int(d))
+    except (OSError, ValueError):
+      pass
+  for pid in left:
+    os.kill(pid, 9)
+  assert not left, (r.failure_kind, r.reason)

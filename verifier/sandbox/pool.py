@@ -46,7 +46,8 @@ class PoolConfig:
   checker_cache_mb: int = 2048
   checker_max_jobs: int = 500  # a checker is replaced after this many jobs (0: never)
   scratch_mb: int = 1024  # each worker's scratch quota (a private tmpfs: counts as host memory)
-  max_processes: int = 256  # processes in a worker's PID namespace (polled; 0: no limit)
+  max_processes: int = 256  # tasks a job may start (a cgroup, RLIMIT_NPROC or pid_max; 0: no limit)
+  cpu_clock: bool = True  # the CPU backend times candidates by their CPU time (check/cpu_clock.py)
 
 
 class Slots:

@@ -114,6 +114,11 @@ async def _ended(worker) -> int | None:
   return await worker.returncode()
 
 
+# What a candidate whose tasks the kernel refused ends with when it does not shrug the refusal off
+# (``fork`` or ``pthread_create`` failing with EAGAIN): the refusal is the verdict's reason.
+REFUSALS_EXPLAIN = frozenset({FailureKind.RUNTIME_ERROR, FailureKind.CRASH, FailureKind.INIT_ERROR})
+
+
 def _cpu_clock(tasks: JobTasks, worker) -> str:
   """Where the checker reads the candidate's CPU time (``verifier.check.cpu_clock``): its job's cgroup,
   else the threads of its process (the namespace's PID 2, a child of PID 1)."""
@@ -148,7 +153,8 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
     tasks = await asyncio.to_thread(
       JobTasks.open, tree, worker.tree_pids(), pool.candidates.cfg.max_processes
     )
-    job = dataclasses.replace(job, cpu_clock=_cpu_clock(tasks, worker))
+    if pool.cfg.cpu_clock:
+      job = dataclasses.replace(job, cpu_clock=_cpu_clock(tasks, worker))
     counts: dict = {}
     t_check = time.monotonic()
     try:
@@ -210,7 +216,8 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
       kind, reason, infra = report.kind, report.reason, report.infrastructure
       healthy = not report.infrastructure
       broken = tasks_verdict(counts, opts.strict.forbid_threads_streams, job.options.device)
-      if kind is FailureKind.OK and broken is not None:
+      refused = broken is not None and broken[0] == FailureKind.RESOURCE_LIMIT.value
+      if broken is not None and (kind is FailureKind.OK or (refused and kind in REFUSALS_EXPLAIN)):
         kind, reason = FailureKind(broken[0]), broken[1]
     if not healthy:
       logs += "\n[checker]\n" + checker.read_log()[-2000:]

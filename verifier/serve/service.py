@@ -83,7 +83,10 @@ class ServiceConfig:
   scratch_root: str = "/tmp/dice_verifier"
   mem_mb: int = dataclasses.field(default_factory=default_mem_mb)  # host memory per worker tree
   scratch_mb: int = 1024  # scratch quota per worker (a private tmpfs, on top of mem_mb)
-  max_processes: int = 256  # processes per worker's PID namespace
+  max_processes: int = 256  # tasks (processes and threads) a job may start beyond its runtime's
+  # the CPU backend's clock for timed calls: "cpu" (the candidate's CPU time, check/cpu_clock.py) or
+  # "wall" (the round trip, as on a GPU)
+  cpu_timing_clock: str = "cpu"
   gpu_memory_fraction: float = 0.0  # caching-allocator cap per candidate process (0: none)
   build_timeout_s: float = (
     900.0  # cap on a build's deadline (the request's timeout_s, from its slot)
@@ -194,6 +197,8 @@ def _oom(outcome: RunOutcome) -> bool:
 
 class VerifierService:
   def __init__(self, cfg: ServiceConfig):
+    if cfg.cpu_timing_clock not in ("cpu", "wall"):
+      raise ValueError(f"cpu_timing_clock must be 'cpu' or 'wall', got {cfg.cpu_timing_clock!r}")
     self.cfg = cfg
     self.metrics = Metrics()
     self.build_stage: BuildStage | None = None
@@ -229,6 +234,7 @@ class VerifierService:
       checker_cache_mb=c.checker_cache_mb,
       scratch_mb=c.scratch_mb,
       max_processes=c.max_processes,
+      cpu_clock=c.cpu_timing_clock == "cpu",
     )
 
   async def start(self) -> None:
