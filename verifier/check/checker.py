@@ -533,7 +533,7 @@ class Check:
     if opts.compile_baseline:
       model = torch.compile(model)
     self.report["baseline"] = timing.time_forward(
-      model, inputs0, self.device, opts.num_perf_trials, opts.num_warmup
+      model, inputs0, self.device, opts.num_perf_trials, opts.num_warmup, self.clock
     )
     self.report["baseline_measured"] = True
 
@@ -630,7 +630,7 @@ class Check:
       return self.report["baseline"].median_ms
     inputs0, _ = self.trials.trial(0)
     return timing.time_forward(
-      self.task.fresh_model(), inputs0, self.device, CALIBRATION_CALLS, 3
+      self.task.fresh_model(), inputs0, self.device, CALIBRATION_CALLS, 3, self.clock
     ).median_ms
 
   def _timing(self) -> None:

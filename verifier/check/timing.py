@@ -5,7 +5,8 @@ The reference (in the checker, which never runs candidate code): CUDA events aro
 on other streams is counted; a 256 MB write flushes L2 before every call (KernelBench main's
 ``clear_l2_cache``); warm-up calls first; fresh input clones each call (defeats caches keyed on
 ``data_ptr``; KernelBench v0.1's timing notes). CPU: the process's CPU time (``process_time``), like the
-candidate's (``cpu_clock``), with a 64 MB write to flush caches.
+candidate's (``cpu_clock``; ``perf_counter`` where the candidate is timed by the wall clock), with a 64 MB
+write to flush caches.
 
 A candidate is never timed by its own process: the checker times each of its calls on the checker's
 clock around the round trip through the exchange and subtracts the exchange's own cost, measured before
@@ -55,7 +56,13 @@ def summarize(trial_ms) -> Runtime:
   )
 
 
-def time_calls(model, inputs: list, device: torch.device, trials: int, warmup: int) -> TimedCalls:
+def time_calls(
+  model, inputs: list, device: torch.device, trials: int, warmup: int, clock: str = "cpu"
+) -> TimedCalls:
+  """``warmup`` then ``trials`` calls of ``model`` on fresh clones of ``inputs``, each timed (module
+  docstring); on the CPU by ``clock``: "cpu" (this process's CPU time) or "wall" (``perf_counter``),
+  whichever the candidate's calls are timed by."""
+  cpu_time = time.process_time if clock == "cpu" else time.perf_counter
   flush = torch.empty(L2_FLUSH_BYTES[device.type] // 4, dtype=torch.int32, device=device)
   times: list[float] = []
   with torch.no_grad():
@@ -71,16 +78,18 @@ def time_calls(model, inputs: list, device: torch.device, trials: int, warmup: i
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-      else:  # CPU time, like the candidate's on this backend (cpu_clock)
-        t0 = time.process_time()
+      else:
+        t0 = cpu_time()
         model(*args)
-        times.append((time.process_time() - t0) * 1e3)
+        times.append((cpu_time() - t0) * 1e3)
       del args
   return TimedCalls(tuple(times[:warmup]), tuple(times[warmup:]))
 
 
-def time_forward(model, inputs: list, device: torch.device, trials: int, warmup: int) -> Runtime:
-  return time_calls(model, inputs, device, trials, warmup).runtime
+def time_forward(
+  model, inputs: list, device: torch.device, trials: int, warmup: int, clock: str = "cpu"
+) -> Runtime:
+  return time_calls(model, inputs, device, trials, warmup, clock).runtime
 
 
 def candidate_runtime(round_trips_s, exchange_s: float, calls_per_trip: int = 1) -> Runtime:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 
@@ -205,8 +206,13 @@ class CgroupTree:
   def _sweep(self) -> None:
     self.leftover = [j for j in self.leftover if not j.close()]
 
-  def close(self) -> None:
+  def close(self, wait_s: float = 5.0) -> None:
+    """Remove every job's cgroup and the service's (waiting up to ``wait_s`` for killed tasks to go)."""
+    deadline = time.monotonic() + wait_s
     self._sweep()
+    while self.leftover and time.monotonic() < deadline:
+      time.sleep(0.05)
+      self._sweep()
     _remove(self.pids, self.cpu)
 
 
@@ -254,7 +260,10 @@ class JobTasks:
     now plus ``limit`` (no cap where there is no tree)."""
     if tree is None:
       return cls(None, tree_tasks(pids), limit, tuple(pids))
-    cg = tree.job()
+    try:
+      cg = tree.job()
+    except OSError:
+      return cls(None, tree_tasks(pids), limit, tuple(pids))
     try:
       cg.adopt(pids)
       base = cg.current()
