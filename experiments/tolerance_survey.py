@@ -25,12 +25,12 @@ import collections
 import json
 import math
 import pathlib
+import signal
 import sys
 import time
 
 import torch
 
-from verifier.api.contract import FailureKind
 from verifier.check import correctness
 
 DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -148,6 +148,10 @@ def references(sets: list[str], max_dim: int, max_batch: int):
       raise SystemExit(f"tolerance_survey: error: unknown set {s!r} (dice, kb1, kb2, kb3)")
 
 
+def _too_slow(signum, frame):
+  raise TimeoutError("over --limit_s on this CPU")
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="tolerance_survey")
   p.add_argument("--sets", default="dice,kb1,kb2,kb3")
@@ -155,18 +159,23 @@ def main(argv=None) -> int:
   p.add_argument("--max_batch", type=int, default=2)
   p.add_argument("--atol", type=float, default=1e-2)
   p.add_argument("--rtol", type=float, default=1e-2)
+  p.add_argument("--limit_s", type=int, default=30, help="seconds per reference")
   p.add_argument("--json", default="")
   a = p.parse_args(argv)
   torch.set_num_threads(1)
   results, failed = [], []
   table = collections.Counter()
   t0 = time.monotonic()
+  signal.signal(signal.SIGALRM, _too_slow)
   for s, name, src in references(a.sets.split(","), a.max_dim, a.max_batch):
+    signal.alarm(a.limit_s)
     try:
       r = survey_one(src, a.atol, a.rtol)
     except Exception as e:  # noqa: BLE001 - a reference that does not run shrunk (or on CPU)
       failed.append((s, name, f"{type(e).__name__}: {str(e)[:120]}"))
       continue
+    finally:
+      signal.alarm(0)
     results.append({"set": s, "name": name, **r})
     for case, (now, before) in r["verdicts"].items():
       table[(s, case, before, now)] += 1
