@@ -8,8 +8,9 @@ checker's private tensors into buffers, expected outputs as poisoned buffers; th
 the runtime check), then the timed calls and a re-check of trial 0 in lock-step with the reference.
 
 Timed calls are forwards like the trials: fresh inputs written into the same kind of buffer for each, the
-duration taken on this process's clock around the round trip less the calibrated exchange cost, and a
-secret random subset of them compared like the trials. Every message from the candidate is untrusted:
+duration taken on this process's clock around the round trip (on the CPU backend, the candidate's CPU
+time as the kernel counts it) less the calibrated exchange cost, no time at all at or under what that
+resolves, and a secret random subset of them compared like the trials, staged like the others. Every message from the candidate is untrusted:
 outputs are copied out of the shared buffers into this process before they are compared with the golden
 outputs here; the candidate's self-reported failures are limited to kinds that can only hurt it, and
 no duration it reports counts.
@@ -164,9 +165,9 @@ class Check:
 
   def _cpu_clock(self) -> CpuClock | None:
     """On the CPU backend the candidate's calls are timed by its CPU time (``cpu_clock``); the wall
-    clock where the service found no way to read it (a warning)."""
-    if self.device.type != "cpu" or not self.opts.measure_performance:
-      return None
+    clock where the service asks for it, or (a warning) where that CPU time cannot be read."""
+    if self.device.type != "cpu" or not self.opts.measure_performance or not self.job.cpu_clock:
+      return None  # a GPU, untimed, or a service that times by the wall clock
     try:
       return CpuClock(self.job.cpu_clock)
     except (OSError, ValueError) as e:

@@ -235,8 +235,8 @@ def tree_tasks(pids) -> int:
   return n
 
 
-# Tasks the candidate process's own runtime may start and end during a job beyond those it held when
-# the job started (the kernel's peak is compared with that count plus these). CPU: none (the exchange's
+# Tasks the candidate process's own runtime may start during a job beyond those it held when the job
+# started (the kernel's peak and the count at the end are compared with that count plus these). CPU: none (the exchange's
 # mapping thread is started before the worker says it is ready). GPU: the profiler's CUPTI threads of the
 # profiled trial, to be confirmed on the H200 (experiments/gpu/evidence_v2_h200.sh prints each honest
 # job's peak over its start).
@@ -312,12 +312,11 @@ def tasks_verdict(counts: dict, forbid_threads: bool, device: str):
     )
   if not forbid_threads:
     return None
-  extra_end = counts.get("end", base) - base
-  extra_peak = counts.get("peak", base) - base - RUNTIME_TRANSIENT_TASKS.get(device, 0)
-  if extra_end > 0 or extra_peak > 0:
+  extra = max(counts.get("end", base), counts.get("peak", base)) - base
+  if extra > RUNTIME_TRANSIENT_TASKS.get(device, 0):
     return (
       "THREAD_OR_STREAM",
-      f"the candidate started threads or processes: {max(extra_end, extra_peak)} beyond the "
-      f"{base} tasks its process's runtime held when the job began (the kernel's count)",
+      f"the candidate started threads or processes: {extra} beyond the {base} tasks its process's "
+      "runtime held when the job began (the kernel's count)",
     )
   return None
