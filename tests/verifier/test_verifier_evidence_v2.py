@@ -424,7 +424,7 @@ def test_landlock_rules_leave_out_an_installed_verifier_and_the_venv_configurati
 
 # ---- 6. compared calls indistinguishable ----------------------------------------------------------------
 SLOW_REFERENCE = holes.REFERENCE.replace(
-  "    def forward(self, a, b):\n", "    def forward(self, a, b):\n        time.sleep(0.12)\n"
+  "    def forward(self, a, b):\n", "    def forward(self, a, b):\n        time.sleep(0.25)\n"
 ).replace("import torch\n", "import time\nimport torch\n", 1)
 
 
@@ -438,14 +438,14 @@ def test_a_candidate_cannot_tell_compared_bursts_by_the_gap_before_them(service)
     "        if self.first is None:\n"
     "            self.first, self.p0 = key, a.data_ptr()\n"
     "        if a.data_ptr() == self.p0:\n"
-    "            self.honest = time.perf_counter() - self.last > 0.08\n"
+    "            self.honest = time.perf_counter() - self.last > 0.15\n"
     "        out = good(a, b, self.scale) if self.honest or key == self.first else torch.zeros_like(a)\n"
     "        self.last = time.perf_counter()\n"
     "        return out",
     module="import time",
     init="        self.last, self.first, self.p0, self.honest = 0.0, None, 0, True",
   )
-  timed = dict(measure_performance=True, num_warmup=1, num_perf_trials=24)
+  timed = dict(measure_performance=True, num_warmup=1, num_perf_trials=16)
   (r,) = _verify(service, _req("gap-watcher", src, reference=SLOW_REFERENCE, **timed))
   assert r.failure_kind is FailureKind.WRONG_OUTPUT and r.reward == 0.0, r.reason
   assert "timed call" in r.reason
