@@ -58,13 +58,15 @@ def shrink_sizes(source: str, max_dim: int, max_batch: int) -> str:
   return "\n".join(lines)
 
 
-def _outputs(source: str, seed: int, dtype: torch.dtype):
+def _outputs(source: str, seed: int, dtype: torch.dtype, perturb: bool = False):
   ns = {"__name__": "reference"}
   exec(compile(source, "reference", "exec"), ns)
   torch.manual_seed(seed)
   init = ns["get_init_inputs"]()
   torch.manual_seed(seed + 1)
   inputs = ns["get_inputs"]()
+  if perturb:
+    inputs = correctness.perturbed(inputs, seed)
 
   def cast(v):
     if torch.is_tensor(v) and v.is_floating_point():
@@ -86,9 +88,12 @@ def _leaves(out) -> list[torch.Tensor]:
   return []
 
 
-def judge(ref: torch.Tensor, out: torch.Tensor, atol: float, rtol: float) -> tuple[str, str]:
-  """(verdict now, verdict without the norm rule)."""
-  now = correctness.compare_outputs(ref, out, atol, rtol, "t").kind.value
+def judge(
+  ref: torch.Tensor, out: torch.Tensor, atol: float, rtol: float, norm: bool = True
+) -> tuple[str, str]:
+  """(verdict now, verdict without the norm rule); ``norm``: whether the reference determines this
+  output (``correctness.determined``)."""
+  now = correctness.compare_outputs(ref, out, atol, rtol, "t", (norm,)).kind.value
   keep = correctness.NORM_RTOL
   correctness.NORM_RTOL = math.inf
   try:
@@ -102,11 +107,15 @@ def survey_one(source: str, atol: float, rtol: float, seed: int = 0) -> dict:
   r32 = _leaves(_outputs(source, seed, torch.float32))
   again = _leaves(_outputs(source, seed, torch.float32))
   r64 = _leaves(_outputs(source, seed, torch.float64))
+  moved = _leaves(_outputs(source, seed, torch.float32, perturb=True))
+  norm_rule = correctness.determined(r32, moved)
   row = {c: [] for c in CASES}
   stats = {"rel_err": 0.0, "rms": 0.0, "n": 0}
-  for a, b, c in zip(r32, again, r64):
+  stats["noise_outputs"] = 0
+  for a, b, c, norm in zip(r32, again, r64, norm_rule):
     if not a.is_floating_point():  # integers and booleans are compared exactly
       continue
+    stats["noise_outputs"] += not norm
     err = c.to(a.dtype) - a
     fin = torch.isfinite(a)
     n = int(fin.sum())
@@ -122,7 +131,7 @@ def survey_one(source: str, atol: float, rtol: float, seed: int = 0) -> dict:
       ("zeros", torch.zeros_like(a)),
       ("mean", torch.full_like(a, float(mean))),
     ):
-      row[case].append(judge(a, out, atol, rtol))
+      row[case].append(judge(a, out, atol, rtol, norm))
   if not any(row.values()):
     raise ValueError("no floating-point output")
   verdicts = {}

@@ -518,7 +518,9 @@ class Check:
         return correctness.Comparison(
           FailureKind.SHAPE_MISMATCH, f"{label}: output of type {spec.type_name} cannot be compared"
         )
-    return correctness.compare_outputs(refs, leaves, self.opts.atol, self.opts.rtol, where)
+    return correctness.compare_outputs(
+      refs, leaves, self.opts.atol, self.opts.rtol, where, self.task.norm_rule
+    )
 
   # ---- timing -----------------------------------------------------------------------------------
   def _baseline(self) -> None:
