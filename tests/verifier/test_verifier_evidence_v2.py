@@ -341,15 +341,21 @@ def test_the_norm_rule_passes_rounding_and_noise_outputs():
   )
   honest = ref * (1 + 1e-3 * torch.randn_like(ref))  # a half-precision-like kernel
   assert correctness.compare_outputs(ref, honest, 1e-2, 1e-2, "t").kind is FailureKind.OK
-  # An output that is rounding noise itself (KernelBench L2-23: mean ~ 0, std ~ 1e-9): any other
-  # noise, or zeros, is as right as the reference.
-  noise = 1e-9 * torch.randn(128, 16)
-  assert correctness.compare_outputs(noise, 1e-9 * torch.randn(128, 16), 1e-2, 1e-2, "t").kind is (
-    FailureKind.OK
+  # An output that is rounding noise itself (KernelBench L2-23: mean ~ 0 after a GroupNorm): perturbed
+  # inputs move it by ~100 %, so the reference does not determine it and atol/rtol alone judge it
+  # (zeros as right as the reference, as before).
+  x = torch.randn(128, 64)
+  noise = lambda v: (v - v.mean(dim=1, keepdim=True)).sum(dim=1)  # noqa: E731
+  ref_noise = noise(x)
+  rule = correctness.determined(ref_noise, noise(correctness.perturbed([x], 0)[0]))
+  assert rule == (False,)
+  zeros = torch.zeros_like(ref_noise)
+  assert correctness.compare_outputs(ref_noise, zeros, 1e-2, 1e-2, "t", rule).kind is FailureKind.OK
+  x16 = torch.randn(16, 16384)
+  rule = correctness.determined(
+    torch.softmax(x16, 1), torch.softmax(correctness.perturbed([x16], 0)[0], 1)
   )
-  assert correctness.compare_outputs(noise, torch.zeros_like(noise), 1e-2, 1e-2, "t").kind is (
-    FailureKind.OK
-  )
+  assert rule == (True,)  # a softmax is determined: the norm rule judges it
 
 
 def test_the_norm_rule_keeps_the_verdicts_of_honest_rounding_on_dice_references(shared_data):
