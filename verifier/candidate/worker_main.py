@@ -98,6 +98,8 @@ def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str
     _redirect_output(req.scratch)
     confine.close_inherited_fds(keep=(chan_fd, report_fd))
     confine.die_with_parent()
+    # the fork server's command line, as /proc/<pid>/cmdline shows it here and in the namespace's init
+    confine.blank_process_strings(environment=False)
     notes = list(base_notes)
     if req.nproc_limit > 0:
       notes += confine.own_user_namespace(req.nproc_limit)
@@ -107,7 +109,7 @@ def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str
     os.environ.update(req.env)
     if req.role != "compile":
       _forget_the_repository()
-    confine.blank_process_strings()  # /proc/self/cmdline and environ: the fork server's, once
+    confine.blank_process_strings(arguments=False)  # /proc/self/environ: the fork server's, once
     if req.role != "candidate":
       os.setpriority(os.PRIO_PROCESS, 0, BACKGROUND_NICE)
     if req.mem_mb > 0 and not (req.role == "candidate" and device == "cuda"):

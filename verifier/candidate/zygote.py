@@ -158,7 +158,6 @@ def main(argv=None) -> int:
     help="do not import the profiler's dependencies here (set when they started a thread)",
   )
   args = p.parse_args(argv)
-  confine.blank_process_strings(environment=False)  # every worker's /proc/<pid>/cmdline is blank
 
   confine.apply_limits(0, limit_address_space=False)  # RLIMIT_AS is set per worker
   notes = confine.isolate_network() if args.isolate_network else []
