@@ -665,6 +665,7 @@ class Check:
     phases["timing_burst_calls"] = float(k)
     phases["timing_resolution_ms"] = resolution
     phases["timing_cpu_clock"] = float(self.clock == "cpu")
+    phases["timing_unmeasurable"] = 0.0
     self.report["candidate"] = dataclasses.replace(
       candidate, median_ms=max(candidate.median_ms, 0.0), mean_ms=max(candidate.mean_ms, 0.0)
     )
