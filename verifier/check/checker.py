@@ -329,11 +329,17 @@ class Check:
     self.report["warnings"].append(why + "; tensors staged through host shared memory")
 
   def _stage(
-    self, call_args: list, golden, keep: set[int] = frozenset(), release: bool = True
+    self,
+    call_args: list,
+    golden,
+    keep: set[int] = frozenset(),
+    release: bool = True,
+    sync: bool = True,
   ) -> "_Staged":
     """Fill buffers for one forward: the inputs (copied from the checker's private tensors) and poisoned
     output buffers shaped like ``golden``'s tensors (in buffers other than those staged since the last
-    ``release``: a burst's forwards each have their own)."""
+    ``release``: a burst's forwards each have their own). ``sync=False``: the caller synchronises (a
+    burst's cache flush does, once for all its forwards)."""
     t0 = time.monotonic()
     alloc0 = self.buffers.alloc_s
     if release:
@@ -345,7 +351,7 @@ class Check:
       exchange.output_buffer(g, self.buffers, used) if isinstance(g, torch.Tensor) else None
       for g in tensors.flatten(golden)
     )
-    if self.device.type == "cuda":
+    if sync and self.device.type == "cuda":
       torch.cuda.synchronize()
     self._acc("exchange_stage", time.monotonic() - t0)
     self._acc("exchange_stage_alloc", self.buffers.alloc_s - alloc0)
@@ -581,7 +587,7 @@ class Check:
       for i in range(k):
         seed = rng.randrange(2**31 - 1)
         inputs = self.task.inputs_for(seed)
-        calls.append((self._stage(inputs, template, keep=keep, release=i == 0), seed))
+        calls.append((self._stage(inputs, template, keep=keep, release=i == 0, sync=False), seed))
       if not why:
         self.flush(j)
         try:
@@ -736,7 +742,7 @@ class Check:
       if self.task.stateful:
         golden = self.task.forward_seeded(lockstep, inputs, seed)
       t = time.monotonic()
-      s = self._stage(inputs, golden, release=i == 0)
+      s = self._stage(inputs, golden, release=i == 0, sync=False)  # the flush synchronises
       if j in checked:
         kept[i] = inputs  # the private inputs: the golden output and the mutation check
       else:
