@@ -406,7 +406,7 @@ def test_a_verdict_carries_nothing_of_the_host(service):
     "TORCH_EXTENSIONS_DIR=",
     "PYTHONPATH",
     REPO_SOURCE_MARK,
-    confine.PACKAGE_ROOT,
+    os.path.join(confine.IMPORT_ROOT, "verifier"),
   ):
     assert leak not in text, leak
   assert r.reason.startswith(CANDIDATE_TEXT_LABEL), r.reason[:200]
