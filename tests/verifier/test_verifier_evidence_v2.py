@@ -29,7 +29,8 @@ from verifier.api.contract import (  # noqa: E402
   VerifyOptions,
   VerifyRequest,
 )
-from verifier.build.fair_slots import Budget, FairSlots, Turn  # noqa: E402
+from verifier.build.build_stage import BuildStage  # noqa: E402
+from verifier.build.fair_slots import TICK_S, Budget, FairSlots, Turn  # noqa: E402
 from verifier.check import checker, correctness, timing  # noqa: E402
 from verifier.sandbox import confine, task_limits  # noqa: E402
 
@@ -536,6 +537,53 @@ def test_fair_slots_serve_the_least_served_build_first():
     slots.finish(long_a)
     slots.finish(long_b)
     assert slots.free == 1 and not slots.waiting
+
+  asyncio.run(go())
+
+
+def test_builds_of_one_extension_compile_it_once_and_wait_for_it_without_a_slot():
+  """Three builds of one extension, one slot: the first compiles it; the others wait for that compile
+  suspended, their slot given up and their budget standing still, then find it built (round-robin
+  slots had them compile it three times over, 150 s where one build at a time took 54 s)."""
+
+  async def go():
+    stage = BuildStage.__new__(BuildStage)  # only its slots and the compiles in flight
+    stage.slots, stage.compiling, stage.split_build = FairSlots(1, quantum_s=0.05), {}, True
+    busy, calls = [], []
+
+    async def compile(params, budget, procs=None):
+      calls.append(len(busy))  # compiles running beside this one
+      busy.append(1)
+      await asyncio.sleep(2.0 if len(calls) == 1 else 0.0)  # later ones find it in the cache
+      busy.pop()
+      return {"cached": len(calls) > 1}
+
+    stage.compile = compile
+    log = []
+    turns = [
+      Turn(lambda i=i: log.append(f"stop {i}"), lambda i=i: log.append(f"go {i}")) for i in range(3)
+    ]
+    budgets = [Budget(10.0, t) for t in turns]
+    params = {"name": "ext", "cpp_sources": "int f();", "functions": ["f"]}
+
+    async def build(i):
+      await stage.slots.acquire(turns[i])
+      event = await stage._compile_once(params, budgets[i], [], turns[i])
+      stage.slots.finish(turns[i])
+      return event
+
+    first = asyncio.ensure_future(build(0))
+    await asyncio.sleep(0.01)
+    rest = [asyncio.ensure_future(build(i)) for i in (1, 2)]
+    # the slots' first look (TICK_S) preempts the first; the others find its compile running
+    await asyncio.sleep(TICK_S + 0.25)
+    assert turns[0].state == "running" and {t.state for t in turns[1:]} == {"suspended"}, log
+    left = [b.left() for b in budgets[1:]]
+    await asyncio.sleep(0.2)
+    assert [b.left() for b in budgets[1:]] == left  # waiting for another's compile costs nothing
+    events = await asyncio.wait_for(asyncio.gather(first, *rest), 5)
+    assert calls == [0, 0, 0] and [e["cached"] for e in events] == [False, True, True]
+    assert stage.slots.free == 1 and not stage.compiling
 
   asyncio.run(go())
 

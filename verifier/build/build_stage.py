@@ -114,6 +114,7 @@ class BuildStage:
       lambda o: o.kind in (FailureKind.OK, FailureKind.COMPILE_ERROR), max_entries
     )
     self.in_build = 0
+    self.compiling: dict[str, asyncio.Future] = {}  # build key -> done, for compiles in flight
 
   async def build(self, req: VerifyRequest) -> BuildOutcome:
     key = build_key(req.candidate_source, self.arch_list, self.device)
@@ -179,7 +180,7 @@ class BuildStage:
         try:
           msg = await _receive(worker, watch, budget, BuildProgress, BuildReport, CompileNeeded)
           if isinstance(msg, CompileNeeded):
-            event = await self.compile(msg.params, budget, procs)
+            event = await self._compile_once(msg.params, budget, procs, turn if slotted else None)
             trusted.append(event)
             if watch.done():  # killed on a limit while its compile ran
               raise _LimitHit(watch.result())
@@ -261,6 +262,27 @@ class BuildStage:
       logs=worker.read_log() if report.kind is not FailureKind.OK else "",
       seconds=time.monotonic() - t0,
     )
+
+  async def _compile_once(
+    self, params: dict, budget: Budget, procs: list, turn: Turn | None
+  ) -> dict:
+    """``compile``, but where another build is compiling the same extension, first wait for that
+    (this build suspended without its slot, its budget standing still), then ask again: a cache hit
+    unless that compile failed without a cached result."""
+    key = build_cache.build_key(params, self.split_build)
+    while (other := self.compiling.get(key)) is not None:
+      if turn is not None:
+        self.slots.pause(turn)
+      await asyncio.shield(other)  # cancelled: run_job's finally ends the turn
+      if turn is not None:
+        await self.slots.acquire(turn)
+    done = asyncio.get_running_loop().create_future()
+    self.compiling[key] = done
+    try:
+      return await self.compile(params, budget, procs)
+    finally:
+      del self.compiling[key]
+      done.set_result(None)
 
   async def compile(self, params: dict, budget: Budget | float, procs: list | None = None) -> dict:
     """One load_inline call built and published by a compile worker within ``budget`` (seconds of
