@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import subprocess
 
 import pytest
 
@@ -262,6 +263,22 @@ def test_rlimit_nproc_in_the_workers_own_user_namespace_stops_a_fork_bomb():
   os.waitpid(pid, 0)
   forked, _, notes = out.partition(" ")
   assert notes == "" and int(forked) < 16 + confine.RUNTIME_TASKS, out
+
+
+def test_cgroups_of_services_that_died_are_swept(tmp_path):
+  gone = subprocess.Popen(["true"])
+  gone.wait()  # a pid no process has now
+  dead = tmp_path / task_limits.service_name(gone.pid, "a1")
+  (dead / "job-3").mkdir(parents=True)
+  alive = tmp_path / task_limits.service_name(os.getpid(), "b2")
+  (alive / "job-1").mkdir(parents=True)
+  (tmp_path / "dice-verifier-probe-1").mkdir()  # not a service's name: left alone
+  assert task_limits.sweep_dead(str(tmp_path)) == [str(dead)]
+  assert (
+    not dead.exists()
+    and (alive / "job-1").is_dir()
+    and (tmp_path / "dice-verifier-probe-1").is_dir()
+  )
 
 
 def test_a_workers_pid_namespace_holds_a_bounded_number_of_tasks():

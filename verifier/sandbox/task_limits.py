@@ -130,9 +130,42 @@ class JobCgroup:
     return ok
 
 
+# A service's cgroup is named SERVICE_PREFIX + its pid + "-" + more (``service_name``): those of services
+# that died without closing theirs (SIGKILL) are removed by the next one to start (``sweep_dead``).
+SERVICE_PREFIX = "dice-verifier-"
+
+
+def service_name(pid: int, suffix: str) -> str:
+  return f"{SERVICE_PREFIX}{pid}-{suffix}"
+
+
+def sweep_dead(parent: str) -> list[str]:
+  """Remove the empty cgroups (and their empty job cgroups) that services no longer running left in
+  ``parent``; returns what was removed. A cgroup that still holds tasks refuses (left as it is)."""
+  removed = []
+  try:
+    names = os.listdir(parent)
+  except OSError:
+    return removed
+  for name in names:
+    pid = name[len(SERVICE_PREFIX) :].partition("-")[0]
+    if not name.startswith(SERVICE_PREFIX) or not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+      continue
+    top = os.path.join(parent, name)
+    try:
+      jobs = [os.path.join(top, d) for d in os.listdir(top) if d.startswith("job-")]
+    except OSError:
+      continue
+    _remove(*jobs, top)
+    if not os.path.exists(top):
+      removed.append(top)
+  return removed
+
+
 class CgroupTree:
   """A cgroup of the service's own under which each job gets one (``job``). ``create`` returns None
-  with the reason in ``CgroupTree.why`` where no cgroup file system is writable here."""
+  with the reason in ``CgroupTree.why`` where no cgroup file system is writable here; it first removes
+  what services that died left (``sweep_dead``)."""
 
   why = ""
 
@@ -151,6 +184,8 @@ class CgroupTree:
       pids = os.path.join(v1["pids"], own.get("pids", "/").lstrip("/"), name)
       cpu_mount = v1.get("cpuacct")
       cpu = os.path.join(cpu_mount, own.get("cpuacct", "/").lstrip("/"), name) if cpu_mount else ""
+      for parent in dict.fromkeys(os.path.dirname(d) for d in (pids, cpu) if d):
+        sweep_dead(parent)
       try:
         os.makedirs(pids)
         if cpu and cpu != pids:
@@ -178,6 +213,7 @@ class CgroupTree:
         errors.append("cgroup v2: the pids controller is not available to this service's cgroup")
         return None
       _write(os.path.join(base, "cgroup.subtree_control"), "+pids")
+      sweep_dead(base)
       os.makedirs(top)
       _write(os.path.join(top, "cgroup.subtree_control"), "+pids")
       return cls(top, top, 2)

@@ -241,7 +241,9 @@ class VerifierService:
     c = self.cfg
     os.makedirs(c.cache_dir, exist_ok=True)
     await self.static.start()
-    self.cgroups = task_limits.CgroupTree.create(f"dice-verifier-{os.getpid()}-{id(self):x}")
+    self.cgroups = task_limits.CgroupTree.create(
+      task_limits.service_name(os.getpid(), f"{id(self):x}")
+    )
     builds = WorkerPool(self._pool_config("build", "cpu", "", c.compile_workers, c.compile_workers))
     builds.use_cgroups(self.cgroups)
     compiles = WorkerPool(
