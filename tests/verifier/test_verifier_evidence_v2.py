@@ -168,12 +168,15 @@ def test_a_brief_burst_of_processes_fails_at_the_limit(service):
 
 def test_threads_started_through_dlsym_are_refused_under_strict(service):
   # c10e1a8: two threads through a dlsym'd pthread_create, strict preset: reward 1.
+  beyond = service[1].metrics.tasks_beyond_baseline  # jobs by their tasks beyond the runtime's
+  before = beyond.copy()
   good_strict = _verify(service, _req("strict-good", GOOD, strictness="strict"))[0]
   _ok(good_strict)
   src = candidate("        return good(a, b, self.scale)", init="        ops.start_threads(2)\n")
   (r,) = _verify(service, _req("dlsym-threads", src, strictness="strict"))
   assert r.failure_kind is FailureKind.THREAD_OR_STREAM and r.reward == 0.0, r.reason
   assert "kernel's count" in r.reason
+  assert beyond - before == {0: 1, 2: 1}  # the honest job held none, the hostile one its two
 
 
 def test_thousands_of_sleeping_threads_fail_at_the_limit(service):

@@ -334,6 +334,13 @@ class JobTasks:
       tree.release(self.cgroup)
 
 
+def tasks_beyond_baseline(counts: dict) -> int:
+  """How many more tasks the job held at its peak (or at its end, where no peak is counted) than its
+  runtime held when it began."""
+  base = counts.get("baseline", 0)
+  return max(counts.get("end", base), counts.get("peak", base)) - base
+
+
 def tasks_verdict(counts: dict, forbid_threads: bool, device: str):
   """(kind name, reason) for a job whose tasks broke a rule, else None: task creations refused at the
   limit (RESOURCE_LIMIT, any strictness: a fork bomb that shrugs off EAGAIN is still one); under a
@@ -348,7 +355,7 @@ def tasks_verdict(counts: dict, forbid_threads: bool, device: str):
     )
   if not forbid_threads:
     return None
-  extra = max(counts.get("end", base), counts.get("peak", base)) - base
+  extra = tasks_beyond_baseline(counts)
   if extra > RUNTIME_TRANSIENT_TASKS.get(device, 0):
     return (
       "THREAD_OR_STREAM",

@@ -134,6 +134,11 @@ class Metrics:
   build_s: list = dataclasses.field(default_factory=list)
   pch_builds: list = dataclasses.field(default_factory=list)
   transports: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  # jobs by how many tasks they held beyond their runtime's at the start (task_limits): what the
+  # runtime itself starts later shows here (RUNTIME_TRANSIENT_TASKS)
+  tasks_beyond_baseline: collections.Counter = dataclasses.field(
+    default_factory=collections.Counter
+  )
 
   def snapshot(self) -> dict:
     up = time.monotonic() - self.started
@@ -530,6 +535,8 @@ class VerifierService:
     phases = dict(report.phases if report else {})
     phases.update(outcome.startup_phases, worker_startup_wait=outcome.startup_wait_s)
     phases.update({f"tasks_{k}": float(v) for k, v in outcome.tasks.items()})
+    if "baseline" in outcome.tasks:
+      self.metrics.tasks_beyond_baseline[task_limits.tasks_beyond_baseline(outcome.tasks)] += 1
     for phase, sec in phases.items():
       self.metrics.run_phase_s[phase] += sec
       self.metrics.run_phase_n[phase] += 1
