@@ -272,10 +272,11 @@ def tree_tasks(pids) -> int:
 
 
 # Tasks the candidate process's own runtime may start during a job beyond those it held when the job
-# started (the kernel's peak and the count at the end are compared with that count plus these). CPU: none (the exchange's
-# mapping thread is started before the worker says it is ready). GPU: the profiler's CUPTI threads of the
-# profiled trial, to be confirmed on the H200 (experiments/gpu/evidence_v2_h200.sh prints each honest
-# job's peak over its start).
+# started (the kernel's peak and the count at the end are compared with that count plus these). CPU:
+# none (the exchange's mapping thread is started before the worker says it is ready). GPU: the CUPTI
+# collector starts before the job (``worker_main.warm_device``); where it cannot, torch's profiler of the
+# last trial may start CUPTI's threads then. To be confirmed on the H200: experiments/gpu/evidence_h200.sh
+# prints DICE's jobs by their tasks beyond the start (``Metrics.tasks_beyond_baseline``).
 RUNTIME_TRANSIENT_TASKS = {"cpu": 0, "cuda": 2}
 
 
