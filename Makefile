@@ -35,7 +35,7 @@ lint: setup
 	$(BIN)/ruff check .
 
 test: lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
