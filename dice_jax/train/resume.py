@@ -24,6 +24,7 @@ FREE_TO_CHANGE = frozenset(
     "run.mesh_data",
     "run.mesh_fsdp",
     "run.mesh_tensor",
+    "run.mesh_slices",
     "run.init_hf",  # where the weights started: a resumed run restores its own
     "run.init_checkpoint",
   }
