@@ -32,6 +32,11 @@ Runs (in the order given; each writes rows to DIR/results.jsonl and rewrites DIR
                 beside `long`'s no-stop rate, and the host time.
   mixed_static  the first `--batch` requests of `mixed` as one static batch (`sampler.decode`,
                 cache sized for `--mixed_max`): waits for its longest row.
+  options_forward, options_exact, options_rates  the `--decode_options` variants of the decode
+                forward (`DecodeTiles`: splits, fold_new, fp8_widen, halves) against the default:
+                per-kernel forward account, tokens on a small model, full-size rates of
+                `--rate_options`; experiments/decode_options.py. They start nothing past
+                `--deadline_s`.
   mixed_longest_first  `mixed` with the queue ordered longest budget first (the budgets are the
                 lengths here). Mixed rows carry `schedule_bound`: the slot occupancy the order allows
                 (`diffusion.schedule.occupancy`), beside the measured `tok_per_row_fwd`.
@@ -58,7 +63,7 @@ from dice_jax.diffusion import memory, sampler, schedule
 from dice_jax.diffusion.placement import Placement
 from dice_jax.model import AttentionSpec, KVCache, Transformer, flash_decode, get_config
 from dice_jax.model.transformer import DecodeWeights
-from experiments import trace_summary
+from experiments import decode_forward, decode_options, trace_summary
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "sdar_4b", "Model preset.")
@@ -95,6 +100,12 @@ flags.DEFINE_list(
 )
 flags.DEFINE_string("attention_impl", "flash", "Model attention implementation.")
 flags.DEFINE_string(
+  "decode_tiles",
+  "",
+  "DecodeTiles of every run, as JSON or a JSON file's path (e.g. the best_tiles.json of "
+  "experiments.decode_profile); empty: the default.",
+)
+flags.DEFINE_string(
   "option_sets",
   json.dumps(
     {
@@ -107,7 +118,34 @@ flags.DEFINE_string(
   "JSON {name: {XLA option: value}}: the compile options the `options` run tries.",
 )
 
+flags.DEFINE_list(
+  "decode_options",
+  [
+    "base",
+    "splits=3",
+    "fold_new=1",
+    "halves=1",
+    "splits=3+fold_new=1+halves=1",
+    "cache=fp8",
+    "cache=fp8+fp8_widen=asm",
+  ],
+  "Variants of the options_* runs (experiments/decode_forward.py); the first of each cache type "
+  "is the others' reference.",
+)
+flags.DEFINE_list(
+  "rate_options", ["base", "best"], "Variants options_rates measures (`best`: decode_options.py)."
+)
+flags.DEFINE_list(
+  "rate_strategies", ["dynamic", "static"], "Strategies of options_rates, in order."
+)
+flags.DEFINE_integer("exact_layers", 2, "Layers of options_exact's model (the preset's shapes).")
+flags.DEFINE_integer("exact_rows", 16, "Prompts of options_exact.")
+flags.DEFINE_integer("exact_tokens", 64, "Prompt and new tokens of each options_exact row.")
+flags.DEFINE_float("deadline_s", 1e9, "The options_* runs start nothing after this many seconds.")
+flags.DEFINE_integer("compile_threads", 8, "Programs the options_* runs compile at once.")
+
 DSF = {"xla_gpu_enable_dynamic_slice_fusion": True}
+_T0 = time.perf_counter()
 
 
 class Bench:
@@ -122,7 +160,7 @@ class Bench:
     self.model = sharding.create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)), mesh)
     jax.block_until_ready(nnx.state(self.model))
     self.build_s = time.perf_counter() - t0
-    self.tiles = flash_decode.DecodeTiles()
+    self.tiles = decode_tiles(FLAGS.decode_tiles)
     self.options = {}
     self.rows = []
     self.rates = {}
@@ -148,20 +186,20 @@ class Bench:
     rs = np.random.RandomState(0)  # the same prompts in every run: runs compare like with like
     return rs.randint(2, hi, (rows, FLAGS.prompt_len)).tolist()
 
-  def scfg(self, new, strategy="low_confidence_static", **kw):
+  def scfg(self, new, strategy="low_confidence_static", tiles=None, **kw):
     return sampler.SamplerConfig(
       steps=FLAGS.steps,
       strategy=strategy,
       threshold=FLAGS.threshold,
       max_new_tokens=new,
       prefill_chunk=FLAGS.prefill_chunk,
-      decode_tiles=self.tiles,
+      decode_tiles=tiles or self.tiles,
       **kw,
     ).for_model(self.model.cfg)  # the model's block size
 
   # --- static batch -------------------------------------------------------------------------
 
-  def static(
+  def prepare(
     self,
     name,
     new,
@@ -170,41 +208,55 @@ class Bench:
     prompts=None,
     ragged=None,
     kv_cache_dtype=None,
-  ):
+    tiles=None,
+    weights=None,
+  ) -> dict:
+    """One static-sampler call, lowered (not compiled): {name, scfg, args, est, lowered,
+    lower_s}. `weights`: the split weights to decode on (default: split now)."""
     model = self.model
     mcfg = model.cfg
-    scfg = self.scfg(new, strategy, ragged=ragged, kv_cache_dtype=kv_cache_dtype)
+    scfg = self.scfg(new, strategy, tiles=tiles, ragged=ragged, kv_cache_dtype=kv_cache_dtype)
     prompts = prompts or self.prompts(FLAGS.batch)
     layout = sampler.layout_prompts(prompts, scfg, mcfg.mask_token_id, budgets)
     est = sampler.memory_estimate(model, layout, scfg)
     memory.check_fits(est, what=name)
     layout = jax.tree.map(jnp.asarray, layout)
     graphdef, state = nnx.split(model)
-    weights = sampler.split_weights(graphdef, state) if scfg.splits_weights(mcfg) else None
+    if weights is None and scfg.splits_weights(mcfg):
+      weights = sampler.split_weights(graphdef, state)
     keys = sampler.row_keys(jax.random.key(0), len(prompts))
     lay = Placement.of(state)
     options = tuple(sorted((self.options or {}).items()))
     fn = sampler.compiled_decode(graphdef, scfg, lay, options)
     t0 = time.perf_counter()
     with lay.context():
-      compiled = fn.lower(state, weights, layout, keys).compile()
-    compile_s = time.perf_counter() - t0
+      lowered = fn.lower(state, weights, layout, keys)
+    args = (state, weights, layout, keys)
+    return dict(
+      name=name, scfg=scfg, args=args, est=est, lowered=lowered, lower_s=time.perf_counter() - t0
+    )
+
+  def measure(self, p: dict, compiled, compile_s: float) -> tuple[dict, tuple]:
+    """Runs a `prepare`d call once on its `compiled` program: (its row, not yet recorded; (the
+    tokens, the step map) on the host)."""
+    mcfg, scfg = self.model.cfg, p["scfg"]
     ma = compiled.memory_analysis()
     t0 = time.perf_counter()
-    out = compiled(state, weights, layout, keys)
+    out = compiled(*p["args"])
     jax.block_until_ready(out.tokens)
     run_s = time.perf_counter() - t0
     generated = int(np.asarray(out.response_lengths).sum())
     forwards = int(out.forwards)
-    rows = len(prompts)
+    decoded = (np.asarray(out.tokens), np.asarray(out.step_map))
+    rows, new = decoded[0].shape[0], scfg.max_new_tokens
     roof = roofline_fwd_s(mcfg, rows, FLAGS.prompt_len + new / 2, FLAGS.steps)
     row = dict(
-      run=name,
+      run=p["name"],
       rows=rows,
       prompt=FLAGS.prompt_len,
       new=new,
-      strategy=strategy,
-      tiles=dataclasses.asdict(self.tiles),
+      strategy=scfg.strategy,
+      tiles=dataclasses.asdict(scfg.decode_tiles),
       options=self.options,
       ragged=scfg.ragged,
       kv_cache_dtype=str(scfg.cache_dtype(mcfg)),
@@ -222,13 +274,21 @@ class Bench:
         / FLAGS.peak_tflops,
         3,
       ),
-      est_gib=round(est["total"] / memory.GIB, 1),
-      kv_cache_gib=round(est["kv_cache"] / memory.GIB, 1),
+      est_gib=round(p["est"]["total"] / memory.GIB, 1),
+      kv_cache_gib=round(p["est"]["kv_cache"] / memory.GIB, 1),
       compiled_temp_gib=round(ma.temp_size_in_bytes / memory.GIB, 2),
       compiled_args_gib=round(ma.argument_size_in_bytes / memory.GIB, 2),
       generated=generated,
     )
-    del out, compiled, weights
+    return row, decoded
+
+  def static(self, name, new, strategy="low_confidence_static", **kw):
+    """`prepare` (same keywords), compile and `measure` one call; recorded, with `vs_static`."""
+    p = self.prepare(name, new, strategy, **kw)
+    t0 = time.perf_counter()
+    compiled = p["lowered"].compile()
+    row, _ = self.measure(p, compiled, p["lower_s"] + time.perf_counter() - t0)
+    del p, compiled
     if name != "static" and "static" in self.rates:
       row["vs_static"] = round(row["tok_s"] / self.rates["static"], 3)
     self.rates[name] = row["tok_s"]
@@ -600,6 +660,17 @@ class Bench:
     self.dynamic(ragged=False)
 
 
+def decode_tiles(spec: str) -> flash_decode.DecodeTiles:
+  """`--decode_tiles`: JSON, a JSON file's path, or empty (the default tiles)."""
+  if not spec:
+    return flash_decode.DecodeTiles()
+  text = open(spec).read() if os.path.exists(spec) else spec
+  try:
+    return flash_decode.DecodeTiles(**json.loads(text))
+  except (ValueError, TypeError) as e:
+    raise app.UsageError(f"--decode_tiles: {e}") from e
+
+
 def kv_bytes(mcfg, rows, fill):
   return 2 * mcfg.num_layers * rows * fill * mcfg.num_kv_heads * mcfg.head_dim * 2
 
@@ -631,13 +702,7 @@ def sample_flops(cfg, rows, prompt, new, forwards, block=4):
 
 
 def time_fn(fn, *args, iters=5):
-  out = fn(*args)
-  jax.block_until_ready(out)
-  t0 = time.perf_counter()
-  for _ in range(iters):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - t0) / iters
+  return decode_forward.time_fn(fn, *args, iters=iters)[0]
 
 
 def markdown(rows) -> str:
@@ -651,9 +716,42 @@ def markdown(rows) -> str:
   return dev + head + body
 
 
+def option_settings() -> decode_options.Settings:
+  """The options_* runs' settings from the flags; a UsageError naming a bad one."""
+  try:
+    variants = decode_forward.parse_variants(FLAGS.decode_options)
+  except ValueError as e:
+    raise app.UsageError(f"--decode_options: {e}") from e
+  names = {v.name for v in variants} | {"best"}
+  if set(FLAGS.rate_options) - names:
+    raise app.UsageError(f"--rate_options: not in --decode_options: {FLAGS.rate_options}")
+  if set(FLAGS.rate_strategies) - set(decode_options.STRATEGIES):
+    raise app.UsageError(f"--rate_strategies: static, dynamic; got {FLAGS.rate_strategies}")
+  if min(FLAGS.exact_layers, FLAGS.exact_rows, FLAGS.exact_tokens, FLAGS.compile_threads) < 1:
+    raise app.UsageError("--exact_layers, --exact_rows, --exact_tokens, --compile_threads: >= 1")
+  return decode_options.Settings(
+    config=FLAGS.config,
+    variants=tuple(variants),
+    rate_options=tuple(FLAGS.rate_options),
+    rate_strategies=tuple(FLAGS.rate_strategies),
+    exact_layers=FLAGS.exact_layers,
+    exact_rows=FLAGS.exact_rows,
+    exact_tokens=FLAGS.exact_tokens,
+    lm_head_scale=FLAGS.lm_head_scale,
+    deadline_s=FLAGS.deadline_s,
+    t0=_T0,
+    compile_threads=FLAGS.compile_threads,
+    out=FLAGS.out,
+  )
+
+
 def main(argv):
   del argv
+  settings = option_settings()
+  if FLAGS.out:
+    os.makedirs(FLAGS.out, exist_ok=True)
   bench = Bench()
+  opts = decode_options.OptionRuns(bench, settings)
   print(
     f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}; "
     f"{FLAGS.config} bf16 random weights built in {bench.build_s:.1f} s; runs {FLAGS.runs}",
@@ -683,6 +781,12 @@ def main(argv):
       elif run == "best":
         if bench.tiles != flash_decode.DecodeTiles() or bench.options:
           bench.static("best", FLAGS.new_tokens)
+      elif run == "options_forward":
+        opts.forward(FLAGS.batch, FLAGS.prompt_len, FLAGS.new_tokens)
+      elif run == "options_exact":
+        opts.exact(FLAGS.steps, FLAGS.threshold)
+      elif run == "options_rates":
+        opts.rates(FLAGS.batch, FLAGS.new_tokens)
       elif run in (
         "breakdown",
         "profile",

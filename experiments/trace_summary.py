@@ -6,6 +6,8 @@ r"""Where a compiled call's device time goes: a table of kernels from a `jax.pro
 Reads the newest `perfetto_trace.json.gz` under DIR, keeps the device's kernel events (processes
 named `/device:GPU...`; on a CPU host, XLA's own threads), and sums their durations by kernel name
 and by a coarse kind (matmul, attention kernel, dynamic-slice / copy, fusion, other), per call.
+Given the compiled program's per-instruction counts (`experiments.hlo_costs`), each kernel also
+gets the bytes and FLOPs it moves and computes per call and its achieved GB/s and TFLOP/s.
 Plain JSON; no TensorBoard needed.
 """
 
@@ -55,9 +57,28 @@ def device_events(events: list) -> list:
   return [e for e in events if e.get("ph") == "X" and keep(e)]
 
 
-def summarize(trace_dir: str, calls: int = 1, top: int = 25) -> dict:
+def _cost_of(name: str, op: str, costs: dict, overrides: dict):
+  """The counts of a kernel: an override whose pattern matches its name or HLO op, else the HLO
+  instruction it names (`hlo_op`, else the kernel name, `_N` read as `.N`)."""
+  for pattern, cost in (overrides or {}).items():
+    if re.search(pattern, name) or re.search(pattern, op):
+      return cost
+  op = op.lstrip("%").split(" ")[0]
+  for key in (op, name, re.sub(r"_(\d+)$", r".\1", name)):
+    if key in costs:
+      return costs[key]
+  return None
+
+
+def summarize(
+  trace_dir: str, calls: int = 1, top: int = 25, costs: dict | None = None, overrides=None
+) -> dict:
   """{'device_ms_per_call', 'by_kind': {kind: ms per call}, 'top': [[name, kind, ms per call,
-  launches per call]], 'trace': path}."""
+  launches per call]], 'trace': path}; with `costs` (`hlo_costs.instruction_costs` of the
+  compiled program; `overrides`: {regex: Cost per launch} for kernels the HLO cannot count, such
+  as a Pallas kernel that reads part of its operands) also 'rates': [[name, kind, ms, launches,
+  GB per call, GFLOP per call, GB/s, TFLOP/s]] and 'kind_rates': {kind: [ms, GB, GFLOP, GB/s,
+  TFLOP/s]} over the kernels that could be counted."""
   path = newest_trace(trace_dir)
   with gzip.open(path) as f:
     data = json.load(f)
@@ -70,18 +91,38 @@ def summarize(trace_dir: str, calls: int = 1, top: int = 25) -> dict:
     row[1] += 1
     row[2] = row[2] or str(args.get("hlo_op", "") or args.get("long_name", ""))
   by_kind = collections.Counter()
-  table = []
+  table, rates = [], []
+  kind_sum = collections.defaultdict(lambda: [0.0, 0.0, 0.0])
   for name, (ms, n, op) in by_name.items():
     kind = kind_of(name, op)
     by_kind[kind] += ms / calls
     table.append([name[:120], kind, round(ms / calls, 3), round(n / calls, 1)])
+    cost = _cost_of(name, op, costs, overrides) if costs is not None else None
+    if cost is not None:
+      gb, gflop = cost.bytes * n / calls / 1e9, cost.flops * n / calls / 1e9
+      t = ms / calls / 1e3
+      rates.append(
+        [name[:120], kind, round(ms / calls, 3), round(n / calls, 1), round(gb, 4),
+         round(gflop, 4), round(gb / t if t else 0.0, 1), round(gflop / t / 1e3 if t else 0.0, 1)]
+      )  # fmt: skip
+      acc = kind_sum[kind]
+      acc[0], acc[1], acc[2] = acc[0] + ms / calls, acc[1] + gb, acc[2] + gflop
   table.sort(key=lambda r: -r[2])
-  return dict(
+  rates.sort(key=lambda r: -r[2])
+  out = dict(
     device_ms_per_call=round(sum(by_kind.values()), 3),
     by_kind={k: round(v, 3) for k, v in by_kind.most_common()},
     top=table[:top],
     trace=path,
   )
+  if costs is not None:
+    out["rates"] = rates[:top]
+    out["kind_rates"] = {
+      k: [round(ms, 3), round(gb, 3), round(gf, 1), round(gb / ms * 1e3, 1), round(gf / ms, 1)]
+      for k, (ms, gb, gf) in kind_sum.items()
+      if ms > 0
+    }
+  return out
 
 
 def markdown(summary: dict) -> str:
@@ -90,6 +131,13 @@ def markdown(summary: dict) -> str:
   lines += [f"| {k} | {v} |" for k, v in summary["by_kind"].items()]
   lines += ["", "| kernel | kind | ms per call | launches per call |", "| --- | --- | --- | --- |"]
   lines += [f"| `{n}` | {k} | {ms} | {c} |" for n, k, ms, c in summary["top"]]
+  if "kind_rates" in summary:
+    lines += ["", "| kind (counted kernels) | ms | GB | GFLOP | GB/s | TFLOP/s |"]
+    lines += ["| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {k} | {' | '.join(map(str, v))} |" for k, v in summary["kind_rates"].items()]
+    lines += ["", "| kernel | kind | ms | launches | GB | GFLOP | GB/s | TFLOP/s |"]
+    lines += ["| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| `{r[0]}` | {' | '.join(map(str, r[1:]))} |" for r in summary["rates"]]
   return "\n".join(lines) + "\n"
 
 

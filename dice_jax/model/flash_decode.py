@@ -3,18 +3,19 @@
 The dense `cached_attention` writes `[B, K, G, T, S]` float32 scores for the whole cache buffer and
 reads them back several times; at decode shapes (T = 4..8 new tokens per row, S = thousands of
 slots) that traffic is as large as reading the cache itself. Here one program per (row, K/V head,
-query tile, cache split) streams its split of the cache in `block_k` tiles with an online softmax,
-and returns the split's output and log-sum-exp; the splits are merged by log-sum-exp
+query tile, cache split) streams its share of the cache in `block_k` tiles with an online softmax,
+and returns the share's output and log-sum-exp; the shares are merged by log-sum-exp
 (flash-decoding). A program visits only the tiles below its row's fill (`KVCache.length`), and
 none when the row has no live query (a finished or empty slot). The new tokens' own keys (a few)
-are attended densely and merged the same way, so the result is the joint softmax over (cache
-slots, new tokens) of `transformer.cached_attention`.
+are attended densely and merged the same way, or (`DecodeTiles.fold_new`) as one more tile of the
+row's first program, so the result is the joint softmax over (cache slots, new tokens) of
+`transformer.cached_attention`.
 
 Only block-causal / full / causal masks of the cache part are needed: visibility is
 `seg_q == seg_k > 0 and rank_k <= rank_q`, with rank = block id (block_causal), position (causal)
 or 0 (full). The cache is in the queries' dtype or float8_e4m3fn (`SamplerConfig.kv_cache_dtype`: each
-tile is widened as it is read, so the kernel reads half the bytes). Triton on GPU, the Pallas
-interpreter elsewhere. Tile sizes are a `DecodeTiles`
+tile is widened as it is read, so the kernel reads half the bytes; `DecodeTiles.fp8_widen` says
+how). Triton on GPU, the Pallas interpreter elsewhere. Tile sizes are a `DecodeTiles`
 value carried by the cache (`KVCache.tiles`), so a benchmark can sweep them without globals.
 """
 
@@ -38,10 +39,17 @@ except ImportError:  # pragma: no cover
   plgpu = None
 
 
+FP8_WIDENS = ("cast", "asm", "bits")
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeTiles:
-  """Tiling of the cache-attention kernel: cache slots per program (`split`), slots per inner
-  tile (`block_k`), and the Triton launch parameters. `split` is a multiple of `block_k`."""
+  """Tiling of the cache-attention kernel (cache slots per program `split`, or programs per row
+  `splits`; slots per inner tile `block_k`; the Triton launch parameters) and the options of the
+  decode forward's attention measured in docs/performance.md ("Sampler: one decode forward").
+  Every option is off by default and exact: it changes where the work runs, not its values (the
+  `fp8_widen` variants give the same bf16 values; `fold_new` the same softmax, summed in another
+  order)."""
 
   # H200 tile sweep (docs/log.md, "Sampler: H200, issue 13 measurements"; sdar_4b, 128 rows, fill 1536): split 1024 / block_k 64
   # reads the cache at 3.76 TB/s, 8% faster than 512 / 128.
@@ -50,6 +58,22 @@ class DecodeTiles:
   num_warps: int = 4
   num_stages: int = 2
   dynamic_loop: bool = True  # loop over the live tiles only; False: over all, skipping dead ones
+  # > 0: that many programs per (row, K/V head), each an equal share of the row's live tiles (no
+  # program runs above the fill; none does twice another's work); 0: one program per `split` slots.
+  splits: int = 0
+  # The new tokens' own keys as one more tile of each row's first program, instead of a dense
+  # self part merged by a second log-sum-exp pass (a handful of small XLA kernels a layer).
+  fold_new: bool = False
+  # How a float8_e4m3fn tile becomes bf16: "cast" (Triton's convert: 1.5 cvt instructions per
+  # value on sm_90, whose conversion pipe issues 16 a clock per SM), "asm" (byte permutes, masks
+  # and one bf16x2 multiply by 2^120 per two values: no cvt; GPU only, the interpreter runs
+  # "bits"), "bits" (integer ops for normal values, a float conversion for subnormal ones: the
+  # portable reference of "asm"). All give the same bf16 values.
+  fp8_widen: str = "cast"
+  # Schedule: the decode forward in two row halves, each half's cache attention on a second GPU
+  # stream (`compute_on("gpu_stream:1")`), so one half's attention (HBM-bound) can run beside the
+  # other half's matmuls (tensor cores). `transformer.Transformer._unrolled_halves`.
+  halves: bool = False
 
   def __post_init__(self):
     for name in ("split", "block_k", "num_warps", "num_stages"):
@@ -61,10 +85,68 @@ class DecodeTiles:
         f"DecodeTiles: block_k ({self.block_k}) must be a power of two >= 16 dividing split "
         f"({self.split})"
       )
+    if not isinstance(self.splits, int) or isinstance(self.splits, bool) or self.splits < 0:
+      raise ValueError(f"DecodeTiles.splits must be an int >= 0, got {self.splits!r}")
+    if self.fp8_widen not in FP8_WIDENS:
+      raise ValueError(f"DecodeTiles.fp8_widen must be one of {FP8_WIDENS}, got {self.fp8_widen!r}")
+    for name in ("dynamic_loop", "fold_new", "halves"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"DecodeTiles.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 EMPTY_LSE = -1e30  # log-sum-exp of a row that sees no key
+NEW_TILE = 16  # the new tokens' keys are padded to this many (a dot's smallest side on Triton)
+
+# float8_e4m3fn -> bf16, four values per instance (Triton's own e5m2 -> bf16 sequence, with e4m3's
+# shift): each byte to the high byte of a 16-bit lane (prmt), sign off, exponent and mantissa
+# shifted into bf16's fields (>> 4), sign back (lop3), then x 2^120 (the biases differ by 120;
+# fp8 subnormals land on bf16 subnormals, which the bf16 multiply keeps). No cvt instruction.
+_E4M3_TO_BF16_ASM = """{
+.reg .b32 a<2>, b<2>, s;
+mov.b32 s, 0x7b807b80;
+prmt.b32 a0, 0, $2, 0x5140;
+prmt.b32 a1, 0, $2, 0x7362;
+and.b32 b0, a0, 0x7fff7fff;
+and.b32 b1, a1, 0x7fff7fff;
+shr.b32 b0, b0, 4;
+shr.b32 b1, b1, 4;
+lop3.b32 b0, b0, 0x80008000, a0, 0xf8;
+lop3.b32 b1, b1, 0x80008000, a1, 0xf8;
+mul.rn.bf16x2 $0, b0, s;
+mul.rn.bf16x2 $1, b1, s;
+}"""
+
+
+def e4m3_bits_to_bf16(u):
+  """float8_e4m3fn bytes `u` (uint8) as bf16 without a float conversion of normal values: sign to
+  bit 15, exponent and mantissa into bf16's fields with the bias difference (120) added to the
+  exponent. Subnormal bytes (|x| < 2^-6, exponent field 0) are m * 2^-9, made in float32 (exact;
+  `_E4M3_TO_BF16_ASM` gets them from bf16 subnormals instead, which XLA's CPU flushes). The values
+  of `_E4M3_TO_BF16_ASM` and of a cast; NaN bytes (0x7f, 0xff) are not mapped: the cache never
+  holds them (`kv_cache.to_cache_dtype` saturates)."""
+  w = u.astype(jnp.uint16)
+  mag, sign = w & 0x7F, (w & 0x80) << 8
+  normal = lax.bitcast_convert_type(((mag << 4) + (120 << 7)) | sign, jnp.bfloat16)
+  sub = jnp.where(sign > 0, -1.0, 1.0) * mag.astype(jnp.float32) * 2.0**-9
+  return jnp.where(mag < 8, sub.astype(jnp.bfloat16), normal)
+
+
+def _widen(x, dtype, how: str):
+  """A cache tile in the queries' dtype (`DecodeTiles.fp8_widen`; other dtypes: a plain cast)."""
+  if x.dtype != jnp.float8_e4m3fn or how == "cast" or jnp.dtype(dtype) != jnp.bfloat16:
+    return x.astype(dtype)
+  u = lax.bitcast_convert_type(x, jnp.uint8)
+  if how == "asm":
+    (y,) = plgpu.elementwise_inline_asm(
+      _E4M3_TO_BF16_ASM,
+      args=[u],
+      constraints="=r,=r,r",
+      pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)],
+    )
+    return y
+  return e4m3_bits_to_bf16(u)
 
 
 def _dot(a, b):
@@ -73,8 +155,30 @@ def _dot(a, b):
   )
 
 
+def _visible(q_seg, q_rank, k_seg, k_rank):
+  return (
+    (q_seg[:, None] == k_seg[None, :]) & (q_seg[:, None] > 0) & (k_rank[None, :] <= q_rank[:, None])
+  )
+
+
+def _online_tile(carry, q, k, load_v, vis, qk_scale):
+  """One tile of the online softmax (base 2): (o, m, l) after keys `k` `[N, H]` visible where
+  `vis` `[R, N]`; `load_v()` reads the tile's values (after the scores, as the loop always did)."""
+  o_prev, m_prev, l_prev = carry
+  qk = _dot(q, k.T) * qk_scale
+  qk = jnp.where(vis, qk, MASK_VALUE)
+  m_next = jnp.maximum(m_prev, jnp.max(qk, axis=-1))
+  corr = jnp.exp2(m_prev - m_next)
+  p = jnp.where(vis, jnp.exp2(qk - m_next[:, None]), 0.0)
+  l_next = corr * l_prev + p.sum(axis=-1)
+  v = load_v()
+  o_next = corr[:, None] * o_prev + _dot(p.astype(v.dtype), v)
+  return o_next, m_next, l_next
+
+
 def _kernel(
   layer_ref,
+  lo_ref,
   ntiles_ref,
   q_ref,
   k_ref,
@@ -83,42 +187,31 @@ def _kernel(
   qrank_ref,
   kseg_ref,
   krank_ref,
-  o_ref,
-  lse_ref,
-  *,
+  *refs,
   scale,
-  split,
   block_k,
+  max_tiles,
   dynamic_loop,
+  fold_new,
+  widen,
 ):
-  """One (row, K/V head, query tile, cache split): online softmax over the split's live tiles
-  (`ntiles_ref`: how many of its `block_k` tiles lie below the row's fill; 0 = none)."""
+  """One (row, K/V head, query tile, program): online softmax over the program's live tiles
+  (`block_k` slots each, from tile `lo_ref` on, `ntiles_ref` of them; 0 = none), then with
+  `fold_new` the row's new keys (`refs[:4]`: k, v, segments, ranks) as one more tile of program 0."""
+  o_ref, lse_ref = refs[-2:]
   layer = layer_ref[0]
   q = q_ref[...]  # [BQ, H]
   q_seg, q_rank = qseg_ref[...], qrank_ref[...]
   rows, h = q.shape
   qk_scale = scale * math.log2(math.e)
-  base = pl.program_id(3) * split
+  base = lo_ref[0] * block_k
 
   def tile(j, carry):
-    o_prev, m_prev, l_prev = carry
     sl = pl.ds(pl.multiple_of(base + j * block_k, block_k), block_k)
-    k_seg, k_rank = kseg_ref[sl], krank_ref[sl]
-    k = k_ref[layer, sl, :].astype(q.dtype)  # a float8 cache is widened tile by tile
-    qk = _dot(q, k.T) * qk_scale
-    vis = (
-      (q_seg[:, None] == k_seg[None, :])
-      & (q_seg[:, None] > 0)
-      & (k_rank[None, :] <= q_rank[:, None])
-    )
-    qk = jnp.where(vis, qk, MASK_VALUE)
-    m_next = jnp.maximum(m_prev, jnp.max(qk, axis=-1))
-    corr = jnp.exp2(m_prev - m_next)
-    p = jnp.where(vis, jnp.exp2(qk - m_next[:, None]), 0.0)
-    l_next = corr * l_prev + p.sum(axis=-1)
-    v = v_ref[layer, sl, :].astype(q.dtype)
-    o_next = corr[:, None] * o_prev + _dot(p.astype(v.dtype), v)
-    return o_next, m_next, l_next
+    k = _widen(k_ref[layer, sl, :], q.dtype, widen)  # a float8 cache is widened tile by tile
+    vis = _visible(q_seg, q_rank, kseg_ref[sl], krank_ref[sl])
+    load_v = lambda: _widen(v_ref[layer, sl, :], q.dtype, widen)
+    return _online_tile(carry, q, k, load_v, vis, qk_scale)
 
   init = (
     jnp.zeros((rows, h), jnp.float32),
@@ -127,10 +220,15 @@ def _kernel(
   )
   n_live = ntiles_ref[0]
   if dynamic_loop:  # a dynamic-bound scf.for on Triton
-    o, m, l = lax.fori_loop(0, n_live, tile, init)
+    carry = lax.fori_loop(0, n_live, tile, init)
   else:
     skip = lambda j, carry: lax.cond(j < n_live, tile, lambda _, c: c, j, carry)
-    o, m, l = lax.fori_loop(0, split // block_k, skip, init)
+    carry = lax.fori_loop(0, max_tiles, skip, init)
+  if fold_new:
+    kn_ref, vn_ref, nseg_ref, nrank_ref = refs[:4]
+    vis = _visible(q_seg, q_rank, nseg_ref[...], nrank_ref[...]) & (pl.program_id(3) == 0)
+    carry = _online_tile(carry, q, kn_ref[...], lambda: vn_ref[...], vis, qk_scale)
+  o, m, l = carry
   empty = l == 0.0
   o_ref[...] = jnp.where(empty[:, None], 0.0, o / jnp.where(empty, 1.0, l)[:, None])
   lse_ref[...] = jnp.where(empty, EMPTY_LSE, (m + jnp.log2(jnp.where(empty, 1.0, l))) * math.log(2))
@@ -138,6 +236,7 @@ def _kernel(
 
 def _pallas_cache_part(
   layer,
+  lo,
   ntiles,
   q_bkrh,
   k_lbskh,
@@ -146,37 +245,52 @@ def _pallas_cache_part(
   q_rank,
   k_seg,
   k_rank,
-  *,
+  *new,
   tiles,
   block_q,
+  max_tiles,
+  row_offset,
   interpret,
 ):
-  """The kernel launch on (local) arrays; returns per-split (o, lse)."""
+  """The kernel launch on (local) arrays; returns per-program (o, lse). `new`: the padded new
+  keys, values, segments and ranks when `tiles.fold_new`. Row i of q reads cache row
+  `row_offset + i`."""
   b, kh, rp, h = q_bkrh.shape
   n_layers, s = k_lbskh.shape[0], k_lbskh.shape[2]
-  n_split = ntiles.shape[1]
+  n_prog = ntiles.shape[1]
   params = (
     plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if plgpu is not None
     else None
   )
+  per_prog = pl.BlockSpec((None, 1), lambda i, j, t, c: (i, c))
   qrow = pl.BlockSpec((None, block_q), lambda i, j, t, c: (i, t))
   krow = pl.BlockSpec((None, s), lambda i, j, t, c: (i, 0))
-  kv = pl.BlockSpec((n_layers, None, s, None, h), lambda i, j, t, c: (0, i, 0, j, 0))
+  kv = pl.BlockSpec((n_layers, None, s, None, h), lambda i, j, t, c: (0, i + row_offset, 0, j, 0))
+  new_specs = []
+  if new:
+    tp = new[0].shape[1]
+    new_kv = pl.BlockSpec((None, tp, None, h), lambda i, j, t, c: (i, 0, j, 0))
+    new_row = pl.BlockSpec((None, tp), lambda i, j, t, c: (i, 0))
+    new_specs = [new_kv, new_kv, new_row, new_row]
   out_o = pl.BlockSpec((None, None, None, block_q, h), lambda i, j, t, c: (i, j, c, t, 0))
   out_l = pl.BlockSpec((None, None, None, block_q), lambda i, j, t, c: (i, j, c, t))
+  widen = "bits" if interpret and tiles.fp8_widen == "asm" else tiles.fp8_widen
   return pl.pallas_call(
     functools.partial(
       _kernel,
       scale=h**-0.5,
-      split=tiles.split,
       block_k=tiles.block_k,
+      max_tiles=max_tiles,
       dynamic_loop=tiles.dynamic_loop,
+      fold_new=bool(new),
+      widen=widen,
     ),
-    grid=(b, kh, rp // block_q, n_split),
+    grid=(b, kh, rp // block_q, n_prog),
     in_specs=[
       pl.BlockSpec((1,), lambda i, j, t, c: (0,)),
-      pl.BlockSpec((None, 1), lambda i, j, t, c: (i, c)),
+      per_prog,
+      per_prog,
       pl.BlockSpec((None, None, block_q, h), lambda i, j, t, c: (i, j, t, 0)),
       kv,
       kv,
@@ -184,30 +298,38 @@ def _pallas_cache_part(
       qrow,
       krow,
       krow,
+      *new_specs,
     ],
     out_specs=[out_o, out_l],
     out_shape=[
-      jax.ShapeDtypeStruct((b, kh, n_split, rp, h), jnp.float32),
-      jax.ShapeDtypeStruct((b, kh, n_split, rp), jnp.float32),
+      jax.ShapeDtypeStruct((b, kh, n_prog, rp, h), jnp.float32),
+      jax.ShapeDtypeStruct((b, kh, n_prog, rp), jnp.float32),
     ],
     compiler_params=params,
     interpret=interpret,
     name="flash_decode_cache",
-  )(layer, ntiles, q_bkrh, k_lbskh, v_lbskh, q_seg, q_rank, k_seg, k_rank)
+  )(layer, lo, ntiles, q_bkrh, k_lbskh, v_lbskh, q_seg, q_rank, k_seg, k_rank, *new)
 
 
-def _shard_mapped(fn, rows: int, kv_heads: int):
+def _mesh_size() -> int:
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh is None or mesh.empty else mesh.size
+
+
+def _shard_mapped(fn, rows: int, kv_heads: int, fold_new: bool = False):
   """Under a mesh context (`jax.set_mesh`), launch the kernel per shard: rows over data/fsdp and
   K/V heads over `tensor` where they divide (a Pallas call has no partitioning rule; without this
   XLA would gather the whole cache onto every device). Mirrors `flash_bd._shard_mapped`."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty or mesh.size == 1:
+  if _mesh_size() == 1:
     return fn
+  mesh = jax.sharding.get_abstract_mesh()
   P = jax.sharding.PartitionSpec
   row, head = sharding_lib.kernel_axes(mesh, rows, (kv_heads,))
   vec = P(row, None)
+  new_kv = P(row, None, head, None)
   in_specs = (
     P(None),
+    vec,
     vec,
     P(row, head, None, None),
     P(None, row, None, head, None),
@@ -216,19 +338,41 @@ def _shard_mapped(fn, rows: int, kv_heads: int):
     vec,
     vec,
     vec,
+    *((new_kv, new_kv, vec, vec) if fold_new else ()),
   )
   out_specs = (P(row, head, None, None, None), P(row, head, None, None))
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
+def tile_plan(fill_b, row_live_b, max_len: int, tiles: DecodeTiles):
+  """Where each of a row's programs reads: (first tile `[B, P]`, number of tiles `[B, P]`, the
+  most tiles any program can get). `block_k` tiles below the row's fill (`fill_b` slots) are
+  live; rows with no live query get none. P = `tiles.splits` programs sharing the live tiles
+  equally, else one program per `tiles.split` slots."""
+  n_tiles = max_len // tiles.block_k
+  live = -(-jnp.clip(fill_b, 0, max_len) // tiles.block_k)
+  if tiles.splits:
+    n_prog, most = tiles.splits, -(-n_tiles // tiles.splits)
+    per = -(-live // n_prog)
+    lo = jnp.arange(n_prog, dtype=jnp.int32)[None, :] * per[:, None]
+    n = jnp.clip(live[:, None] - lo, 0, per[:, None])
+  else:
+    n_prog, most = -(-max_len // tiles.split), tiles.split // tiles.block_k
+    lo = jnp.broadcast_to(jnp.arange(n_prog, dtype=jnp.int32) * most, (fill_b.shape[0], n_prog))
+    n = jnp.clip(live[:, None] - lo, 0, most)
+  n = jnp.where(row_live_b[:, None], n, 0)
+  return lo.astype(jnp.int32), n.astype(jnp.int32), most
+
+
 def live_tiles(fill_b, row_live_b, max_len: int, tiles: DecodeTiles):
-  """`[B, n_split]` int32: per row and cache split, the `block_k` tiles below the row's fill
-  (`fill_b` slots), 0 for rows with no live query."""
-  n_split = -(-max_len // tiles.split)
-  lo = jnp.arange(n_split, dtype=jnp.int32) * tiles.split
-  fill = jnp.clip(jnp.minimum(fill_b, max_len)[:, None] - lo[None, :], 0, tiles.split)
-  n = -(-fill // tiles.block_k)
-  return jnp.where(row_live_b[:, None], n, 0).astype(jnp.int32)
+  """`[B, P]` int32: per row and program, the `block_k` tiles it reads (`tile_plan`)."""
+  return tile_plan(fill_b, row_live_b, max_len, tiles)[1]
+
+
+def _pad_rows(x, to: int, axis: int):
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, to - x.shape[axis])
+  return jnp.pad(x, pad) if to > x.shape[axis] else x
 
 
 def cache_part(
@@ -244,15 +388,19 @@ def cache_part(
   *,
   tiles: DecodeTiles = DecodeTiles(),
   interpret=None,
+  new_kv=None,
+  row_offset: int = 0,
 ):
   """Softmax attention of query rows over the cache slots of one layer.
 
-  q `[B, K, R, H]` (R query rows per K/V head); k/v the stacked cache `[L, B, S, K, H]` and the
+  q `[B, K, R, H]` (R query rows per K/V head); k/v the stacked cache `[L, B', S, K, H]` and the
   layer index `layer` (scalar): the kernel reads that layer in place, so no per-layer copy of the
-  cache is made. int32 vectors: query rows `[B, R]`, slots `[B, S]` (segment 0 = invisible);
-  `fill_b [B]`: slots at or above it are never read. S must be a multiple of `tiles.block_k`.
-  Returns (o `[B, K, R, H]` f32, lse `[B, K, R]` f32, natural log; EMPTY_LSE where no slot is
-  visible).
+  cache is made; query row b reads cache row `row_offset + b` (a part of the rows, on one device).
+  int32 vectors: query rows `[B, R]`, slots `[B, S]` (segment 0 = invisible); `fill_b [B]`: slots
+  at or above it are never read. S must be a multiple of `tiles.block_k`. `new_kv`: (keys, values
+  `[B, T, K, H]`, segments, ranks `[B, T]`) of the new tokens, attended in the kernel under the
+  same rule (`tiles.fold_new`). Returns (o `[B, K, R, H]` f32, lse `[B, K, R]` f32, natural log;
+  EMPTY_LSE where no slot is visible).
   """
   b, kh, r, _ = q_bkrh.shape
   s = k_lbskh.shape[2]
@@ -260,6 +408,8 @@ def cache_part(
     raise ValueError(
       f"flash_decode: cache length {s} must be a multiple of block_k {tiles.block_k}"
     )
+  if row_offset and _mesh_size() > 1:
+    raise ValueError("flash_decode: row_offset (DecodeTiles.halves) needs a single-device mesh")
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   block_q = 16
@@ -270,10 +420,21 @@ def cache_part(
     q_bkrh = jnp.pad(q_bkrh, ((0, 0), (0, 0), (0, pad), (0, 0)))
     q_seg_br = jnp.pad(q_seg_br, ((0, 0), (0, pad)))
     q_rank_br = jnp.pad(q_rank_br, ((0, 0), (0, pad)))
-  ntiles = live_tiles(fill_b, jnp.any(q_seg_br > 0, axis=-1), s, tiles)
+  lo, ntiles, most = tile_plan(fill_b, jnp.any(q_seg_br > 0, axis=-1), s, tiles)
   layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+  new = ()
+  if new_kv is not None:
+    kn, vn, nseg, nrank = new_kv
+    tp = -(-kn.shape[1] // NEW_TILE) * NEW_TILE
+    new = (
+      _pad_rows(kn, tp, 1),
+      _pad_rows(vn, tp, 1),
+      _pad_rows(nseg.astype(jnp.int32), tp, 1),
+      _pad_rows(nrank.astype(jnp.int32), tp, 1),
+    )
   args = (
     layer,
+    lo,
     ntiles,
     q_bkrh,
     k_lbskh,
@@ -282,11 +443,19 @@ def cache_part(
     q_rank_br.astype(jnp.int32),
     k_seg_bs.astype(jnp.int32),
     k_rank_bs.astype(jnp.int32),
+    *new,
   )
-  call = functools.partial(_pallas_cache_part, tiles=tiles, block_q=block_q, interpret=interpret)
-  o, lse = _shard_mapped(call, b, kh)(*args)
+  call = functools.partial(
+    _pallas_cache_part,
+    tiles=tiles,
+    block_q=block_q,
+    max_tiles=most,
+    row_offset=row_offset,
+    interpret=interpret,
+  )
+  o, lse = _shard_mapped(call, b, kh, bool(new))(*args)
   o, lse = o[..., :r, :], lse[..., :r]
-  # Merge the splits by log-sum-exp.
+  # Merge the programs by log-sum-exp.
   m = jnp.max(lse, axis=2)
   w = jnp.exp(lse - m[:, :, None])
   total = jnp.sum(w, axis=2)
@@ -294,11 +463,28 @@ def cache_part(
   return o, m + jnp.log(total)
 
 
+def _rows(x, start: int, n: int):
+  return x if start == 0 and n == x.shape[0] else x[start : start + n]
+
+
 def cached_attention(
-  q, k, v, layer, spec, positions, seg, blk, cache, *, interpret=None, cache_part_fn=None
+  q,
+  k,
+  v,
+  layer,
+  spec,
+  positions,
+  seg,
+  blk,
+  cache,
+  *,
+  interpret=None,
+  cache_part_fn=None,
+  row_offset: int = 0,
 ):
   """`transformer.cached_attention` for layer `layer` of `cache` (its stacked `[L,B,S,K,H]` K/V
-  are read in place): q `[B,T,N,H]`, k/v `[B,T,K,H]` (new tokens) -> `[B,T,N,H]`.
+  are read in place): q `[B,T,N,H]`, k/v `[B,T,K,H]` (new tokens) -> `[B,T,N,H]`, for cache rows
+  [row_offset, row_offset + B) (`DecodeTiles.halves`; all rows by default).
   `cache_part_fn`: another kernel with `cache_part`'s contract (`flash_tpu.cache_part` on TPU)."""
   from dice_jax.model import masks as masks_lib  # local: avoids an import cycle
 
@@ -307,16 +493,19 @@ def cached_attention(
   b, t, n, h = q.shape
   kh = k.shape[2]
   g = n // kh
-  filled = jnp.arange(cache.max_len)[None, :] < cache.length[:, None]
-  k_seg = jnp.where(filled, cache.segment_ids, 0)
+  if cache_part_fn is not None and row_offset:
+    raise ValueError("flash_decode: row_offset is a Triton-kernel option (DecodeTiles.halves)")
+  length = _rows(cache.length, row_offset, b)
+  filled = jnp.arange(cache.max_len)[None, :] < length[:, None]
+  k_seg = jnp.where(filled, _rows(cache.segment_ids, row_offset, b), 0)
   if spec.kind == "causal":
-    q_rank, k_rank = positions, cache.positions
+    q_rank, k_rank = positions, _rows(cache.positions, row_offset, b)
     m_self = masks_lib.causal_mask(positions, positions, seg, seg)
   elif spec.kind == "block_causal":
-    q_rank, k_rank = blk, cache.block_ids
+    q_rank, k_rank = blk, _rows(cache.block_ids, row_offset, b)
     m_self = masks_lib.block_causal_mask(blk, blk, seg, seg)
   else:
-    q_rank, k_rank = jnp.zeros_like(blk), jnp.zeros_like(cache.block_ids)
+    q_rank, k_rank = jnp.zeros_like(blk), jnp.zeros_like(cache.block_ids[:b])
     m_self = masks_lib.full_mask(seg, seg)
   # Query rows per K/V head, ordered (t, g).
   qg = q.reshape(b, t, kh, g, h)
@@ -326,7 +515,11 @@ def cached_attention(
     raise ValueError(
       f"flash_decode: cache dtype {cache.k.dtype} is neither the queries' {q.dtype} nor float8_e4m3fn"
     )
+  fold = cache.tiles.fold_new and cache_part_fn is None
   part = cache_part if cache_part_fn is None else cache_part_fn
+  extra = dict(new_kv=(k, v, seg, q_rank)) if fold else {}
+  if row_offset:
+    extra["row_offset"] = row_offset
   o_c, lse_c = part(
     q_rows,
     cache.k,
@@ -336,11 +529,14 @@ def cached_attention(
     rep(q_rank),
     k_seg,
     k_rank,
-    cache.length,
+    length,
     tiles=cache.tiles,
     interpret=interpret,
+    **extra,
   )
   o_c = o_c.reshape(b, kh, t, g, h)
+  if fold:  # the kernel's softmax already covers the new keys
+    return o_c.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h).astype(q.dtype)
   lse_c = lse_c.reshape(b, kh, t, g)
   # The new tokens' own keys, dense.
   s_self = jnp.einsum("btkgh,bskh->bktgs", qg, k, preferred_element_type=jnp.float32) * h**-0.5

@@ -198,6 +198,14 @@ class Transformer(nnx.Module):
       h, kv = layer_fn(h, w, ck, cv, layer)
       return h, kv
 
+    halves = cache is not None and cache.tiles.halves and cfg.attention_impl == "flash"
+    if halves and (weights is not None or not cfg.scan_layers):
+      per_layer = weights.layers if weights is not None else None
+      return self._unrolled_halves(x, per_layer, cache, attention, positions, seg, blk)
+    if halves:
+      raise ValueError(
+        "DecodeTiles.halves needs the unrolled decode forward (decode weights, or scan_layers=False)"
+      )
     if weights is not None:
       return self._unrolled(x, weights.layers, cache, layer_fn)
     layer_ids = jnp.arange(cfg.num_layers)
@@ -224,6 +232,37 @@ class Transformer(nnx.Module):
         kv = jax.lax.optimization_barrier(kv)
       kvs.append(kv)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *kvs)
+
+  def _unrolled_halves(self, x, per_layer, cache, attention, positions, seg, blk):
+    """The cached forward on two row halves (`DecodeTiles.halves`): each layer runs its
+    projections and MLP on each half on the main stream, and each half's cache attention as a
+    call on GPU stream 1, so XLA may run one half's attention beside the other half's matmuls.
+    Rows are independent, so each row's values are those of `_unrolled` (a half's matmuls have
+    half the rows). `per_layer`: the decode weights' layers, None for slices of the stacked
+    parameters."""
+    cfg = self.cfg
+    b = x.shape[0]
+    if b % 2:
+      raise ValueError(f"DecodeTiles.halves needs an even number of rows, got {b}")
+    if per_layer is None:
+      stacked = self.layers.weights()
+      per_layer = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(cfg.num_layers)]
+    n = b // 2
+    attend = _side_stream_attention(masks_lib.AttentionSpec(attention.kind, attention.block_size))
+    halves = (slice(0, n), slice(n, b))
+    xs = [x[sl] for sl in halves]
+    kvs = ([], [])
+    for i, w in enumerate(per_layer):
+      for h, sl in enumerate(halves):
+        q, k, v = _attention_inputs(xs[h], w, cfg, positions[sl])
+        o = attend(
+          q, k, v, jnp.asarray(i, jnp.int32), positions[sl], seg[sl], blk[sl], cache, sl.start
+        )
+        xs[h] = _layer_output(xs[h], o, w, cfg)
+        kvs[h].append((k, v))
+    stack = lambda half: jax.tree.map(lambda *a: jnp.stack(a), *half)
+    kv = jax.tree.map(lambda a, c: jnp.concatenate([a, c], axis=1), stack(kvs[0]), stack(kvs[1]))
+    return jnp.concatenate(xs, axis=0), kv
 
   def logits_from_hidden(self, hidden, weights: DecodeWeights | None = None):
     cfg = self.cfg
@@ -295,13 +334,29 @@ def _gate_up(h, w, cfg):
   return g, u
 
 
-def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk, cache):
-  """One pre-norm decoder layer. Returns (x, (k, v)) with this call's keys/values."""
-  dt = cfg.compute_dtype
+def _attention_inputs(x, w, cfg, positions):
+  """A layer's pre-norm and projections: queries `[B,T,N,H]`, keys and values `[B,T,K,H]`
+  (q/k RMS-normed, RoPE at `positions`)."""
   h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
   q, k, v = _qkv(h, w, cfg)
   q = rope(rms_norm(q, w["q_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
   k = rope(rms_norm(k, w["k_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
+  return q, k, v
+
+
+def _layer_output(x, o, w, cfg):
+  """The rest of a layer after attention `o` `[B,T,N,H]`: output projection, residual, the
+  SwiGLU MLP and its residual."""
+  dt = cfg.compute_dtype
+  x = x + jnp.einsum("btnh,nhd->btd", o, w["o_proj"].astype(dt))
+  h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
+  g, u = _gate_up(h, w, cfg)
+  return x + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, w["down_proj"].astype(dt))
+
+
+def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk, cache):
+  """One pre-norm decoder layer. Returns (x, (k, v)) with this call's keys/values."""
+  q, k, v = _attention_inputs(x, w, cfg, positions)
   if cache is None:
     o = self_attention(
       q,
@@ -330,11 +385,36 @@ def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk
       impl=cfg.attention_impl,
       layer=layer,
     )
-  x = x + jnp.einsum("btnh,nhd->btd", o, w["o_proj"].astype(dt))
-  h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
-  g, u = _gate_up(h, w, cfg)
-  x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, w["down_proj"].astype(dt))
-  return x, (k, v)
+  return _layer_output(x, o, w, cfg), (k, v)
+
+
+def _side_stream_attention(spec: masks_lib.AttentionSpec):
+  """The flash cached attention of some rows as a call on GPU stream 1 (`jax.experimental.
+  compute_on`; XLA runs it asynchronously beside the main stream, other backends ignore the
+  annotation): `(q, k, v, layer, positions, seg, blk, cache, row_offset) -> o`."""
+  from jax.experimental.compute_on import compute_on
+
+  from dice_jax.model import flash_decode
+
+  def attend(q, k, v, layer, positions, seg, blk, cache, row_offset):
+    tgt = platform_lib.check("flash", q.shape[1], cache.max_len + k.shape[1])
+    if tgt.platform == "tpu":
+      raise ValueError("DecodeTiles.halves is a GPU schedule (its row offset is a Triton option)")
+    return flash_decode.cached_attention(
+      q,
+      k,
+      v,
+      layer,
+      spec,
+      positions,
+      seg,
+      blk,
+      cache,
+      interpret=tgt.interpret,
+      row_offset=row_offset,
+    )
+
+  return compute_on("gpu_stream:1")(jax.jit(attend, static_argnames=("row_offset",)))
 
 
 def remat_layer(layer_fn, policy: str):

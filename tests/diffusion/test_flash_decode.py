@@ -1,5 +1,7 @@
 """The Pallas cached-attention kernel (interpreted on CPU) equals the dense cached attention."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -140,3 +142,119 @@ def test_sampler_and_engine_decode_on_a_float8_cache_of_half_the_bytes():
     sampler.generate(transformer.Transformer(get_config("tiny"), rngs=nnx.Rngs(0)), prompts, fp8)
   with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
     sampler.SamplerConfig(kv_cache_dtype="int4")
+
+
+def _attention_case(seed, b=4, t=8, s=64, n=4, k=2, h=16, dtype=jnp.float32, fp8=False):
+  """Queries and new keys over a two-layer cache whose rows fill 37/20/64/3 slots (left padding
+  in rows 0 and 1; row 3 sees only its new tokens' block); layer 1 is attended."""
+  r = np.random.RandomState(seed)
+  f = lambda *shape: jnp.asarray(r.randn(*shape), jnp.float32)
+  q, kn, vn = (
+    f(b, t, n, h).astype(dtype),
+    f(b, t, k, h).astype(dtype),
+    f(b, t, k, h).astype(dtype),
+  )
+  cdt = jnp.float8_e4m3fn if fp8 else dtype
+  ck, cv = (f(2, b, s, k, h) * 3).astype(cdt), f(2, b, s, k, h).astype(cdt)
+  cseg = np.ones((b, s), np.int32)
+  cseg[0, :5] = 0
+  cseg[1, :20] = 0
+  cpos = np.tile(np.arange(s) - 20, (b, 1)).astype(np.int32)
+  cache = KVCache(
+    k=ck,
+    v=cv,
+    positions=jnp.asarray(cpos),
+    segment_ids=jnp.asarray(cseg),
+    block_ids=jnp.asarray(cpos // 4),
+    length=jnp.asarray([37, 20, 64, 3][:b], jnp.int32),
+  )
+  pos = jnp.asarray(np.tile(np.arange(17, 17 + t), (b, 1)), jnp.int32)
+  seg = jnp.ones((b, t), jnp.int32).at[2, :4].set(0)  # row 2's first block is invisible
+  spec = masks.AttentionSpec("block_causal", 4, seg, pos // 4)
+  return q, kn, vn, cache, spec, pos, seg
+
+
+def test_kernel_options_equal_the_dense_attention():
+  """Balanced programs (`splits`), the new keys folded into the kernel (`fold_new`), the masked
+  loop, and a part of the rows read at a row offset (`halves`) give the dense cached attention."""
+  q, kn, vn, cache, spec, pos, seg = _attention_case(2)
+  ck, cv = cache.k, cache.v
+  live = np.asarray(seg > 0)[:, :, None, None]  # the dense result of an invisible query is noise
+  want = np.asarray(
+    transformer.cached_attention(q, kn, vn, ck[1], cv[1], spec, pos, seg, pos // 4, cache)
+  )
+  want = np.where(live, want, 0.0)  # the kernel returns 0 there
+  base = flash_decode.DecodeTiles(split=32, block_k=16)
+  for opts in (dict(splits=3), dict(splits=2, fold_new=True, dynamic_loop=False)):
+    c = dataclasses.replace(cache, tiles=dataclasses.replace(base, **opts))
+    got = flash_decode.cached_attention(q, kn, vn, 1, spec, pos, seg, pos // 4, c)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=str(opts))
+  c = dataclasses.replace(cache, tiles=dataclasses.replace(base, splits=2, fold_new=True))
+  half = slice(2, 4)
+  got = flash_decode.cached_attention(
+    q[half], kn[half], vn[half], 1, spec, pos[half], seg[half], pos[half] // 4, c, row_offset=2
+  )
+  np.testing.assert_allclose(np.asarray(got), want[half], rtol=1e-5, atol=1e-5)
+  # Balanced programs: equal shares of each row's live tiles, none above the fill.
+  lo, n, most = flash_decode.tile_plan(
+    jnp.asarray([37, 20, 64, 3]),
+    jnp.asarray([True, True, True, False]),
+    64,
+    base.__class__(split=32, block_k=16, splits=3),
+  )
+  np.testing.assert_array_equal(np.asarray(n), [[1, 1, 1], [1, 1, 0], [2, 2, 0], [0, 0, 0]])
+  np.testing.assert_array_equal(np.asarray(lo)[:3], [[0, 1, 2], [0, 1, 2], [0, 2, 4]])
+  assert most == 2
+
+
+def test_float8_widening_without_cvt_gives_the_cast_values():
+  """`fp8_widen='bits'` (and 'asm', which the interpreter runs as 'bits') reads a float8 cache as
+  exactly the bf16 values of a cast: every finite e4m3fn byte, and the kernel's output bit for bit."""
+  u = np.arange(256, dtype=np.uint8)
+  u = u[(u & 0x7F) != 0x7F]  # e4m3fn's two NaNs (never in the cache: writes saturate)
+  want = jnp.asarray(u).view(jnp.float8_e4m3fn).astype(jnp.bfloat16)
+  got = flash_decode.e4m3_bits_to_bf16(jnp.asarray(u))
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+  # The PTX of fp8_widen='asm', step by step on 32-bit words of four bytes (numpy's bf16 multiply
+  # keeps subnormals, as mul.rn.bf16x2 does).
+  words = np.concatenate([u, np.zeros((-len(u)) % 4, np.uint8)]).view(np.uint32)
+  prmt = lambda w, b0, b1: ((w >> (8 * b0)) & 0xFF) << 8 | ((w >> (8 * b1)) & 0xFF) << 24
+  lanes = []
+  for a in (prmt(words, 0, 1), prmt(words, 2, 3)):
+    b = ((a & 0x7FFF7FFF) >> 4) | (a & 0x80008000)
+    pair = b.astype(np.uint32).view(np.uint16).reshape(-1, 2).view(want.dtype)
+    lanes.append(pair * np.asarray(2.0**120, want.dtype))
+  asm = np.stack(lanes, axis=1).reshape(-1)[: len(u)]
+  np.testing.assert_array_equal(asm.view(np.uint16), np.asarray(want).view(np.uint16))
+  q, kn, vn, cache, spec, pos, seg = _attention_case(3, b=2, t=4, dtype=jnp.bfloat16, fp8=True)
+  outs = {}
+  for how in flash_decode.FP8_WIDENS:
+    tiles = flash_decode.DecodeTiles(split=32, block_k=16, fp8_widen=how)
+    c = dataclasses.replace(cache, tiles=tiles)
+    outs[how] = np.asarray(
+      flash_decode.cached_attention(q, kn, vn, 1, spec, pos, seg, pos // 4, c).astype(jnp.float32)
+    )
+  np.testing.assert_array_equal(outs["bits"], outs["cast"])
+  np.testing.assert_array_equal(outs["asm"], outs["cast"])
+  with pytest.raises(ValueError, match="fp8_widen must be one of"):
+    flash_decode.DecodeTiles(fp8_widen="cvt")
+
+
+def test_sampler_with_every_decode_option_decodes_what_the_dense_sampler_decodes():
+  """Exactness: the forward in two row halves (attention on a second stream), balanced programs
+  and the new keys folded into the kernel decode the dense sampler's tokens and step map (the
+  fused 8-token first forward of each block and its 4-token forwards)."""
+  prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20, 21] * 5, [30, 31, 32, 33]]
+  cfg = sampler.SamplerConfig(strategy="low_confidence_static", max_new_tokens=8)
+  sharpen = lambda m: m.lm_head.set_value(m.lm_head[...] * 60.0)
+  dense = transformer.Transformer(get_config("tiny", dtype="float32"), rngs=nnx.Rngs(0))
+  sharpen(dense)
+  want = sampler.generate(dense, prompts, cfg)
+  flash = transformer.Transformer(
+    get_config("tiny", dtype="float32", attention_impl="flash"), rngs=nnx.Rngs(0)
+  )
+  sharpen(flash)
+  tiles = flash_decode.DecodeTiles(split=32, block_k=16, splits=2, fold_new=True, halves=True)
+  got = sampler.generate(flash, prompts, dataclasses.replace(cfg, decode_tiles=tiles))
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_array_equal(np.asarray(got.step_map), np.asarray(want.step_map))

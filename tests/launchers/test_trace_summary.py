@@ -57,3 +57,40 @@ def test_bad_arguments_are_one_line_and_exit_2(capsys, argv, line):
     trace_summary.main(argv)
   err = capsys.readouterr().err
   assert e.value.code == 2 and err.count("\n") == 1 and err.endswith(f"error: {line}\n"), err
+
+
+def test_kernels_get_the_bytes_and_flops_of_the_hlo_they_run(tmp_path):
+  """`hlo_costs` counts a compiled program's instructions (a dot's FLOPs, whole operands and
+  result, an in-place update's update only); joined with a trace, each kernel gets its rates."""
+  from experiments import hlo_costs
+
+  x, w, c = jnp.ones((16, 32)), jnp.ones((32, 64)), jnp.zeros((16, 128))
+
+  def f(x, w, c):
+    y = jnp.tanh(x @ w)
+    return y.sum(0), c.at[:, 3:11].set(y[:, :8])
+
+  costs = hlo_costs.instruction_costs(
+    jax.jit(f, donate_argnums=2).lower(x, w, c).compile().as_text()
+  )
+  dots = [v for v in costs.values() if v.flops]
+  assert dots and all(v.flops == 2 * 16 * 64 * 32 for v in dots)
+  assert any(v.opcode == "dot" and v.bytes == (16 * 32 + 32 * 64 + 16 * 64) * 4 for v in dots)
+  updates = [v for v in costs.values() if "dynamic-update-slice" in v.opcode]
+  assert updates and all(v.bytes < 16 * 128 * 4 for v in updates)  # not the whole buffer
+  assert hlo_costs.shape_bytes("(bf16[4,8]{1,0}, s32[2])") == 4 * 8 * 2 + 2 * 4
+  g = jax.jit(lambda a: jnp.tanh(a @ a).sum())
+  a = jnp.ones((256, 256))
+  costs = hlo_costs.instruction_costs(g.lower(a).compile().as_text())
+  g(a).block_until_ready()
+  with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
+    g(a).block_until_ready()
+  s = trace_summary.summarize(str(tmp_path), costs=costs)
+  assert sum(r[5] for r in s["rates"]) == pytest.approx(2 * 256**3 / 1e9, rel=1e-2)
+  assert (
+    "| kernel | kind | ms | launches | GB | GFLOP | GB/s | TFLOP/s |" in trace_summary.markdown(s)
+  )
+  over = trace_summary.summarize(
+    str(tmp_path), costs=costs, overrides={".": hlo_costs.Cost("x", 10**9, 0)}
+  )
+  assert over["rates"] and all(r[4] == r[3] for r in over["rates"])  # 1 GB a launch

@@ -1,0 +1,135 @@
+"""The pieces of the decode-option runs that need no model: variants, byte counts, the rates plan,
+the pick of the fastest forward, token agreement, compiling together."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dice_jax.model import flash_decode, get_config
+from experiments import decode_forward as df
+from experiments import decode_options
+
+
+def test_a_variant_names_tiles_and_cache_type():
+  assert df.parse_variant("base") == df.Variant("base", flash_decode.DecodeTiles(), False)
+  v = df.parse_variant("splits=3+fold_new=1+halves=true+cache=fp8+fp8_widen=asm")
+  assert v.tiles == flash_decode.DecodeTiles(splits=3, fold_new=True, halves=True, fp8_widen="asm")
+  assert v.fp8 and v.kv_cache_dtype == "float8_e4m3fn"
+  assert df.parse_variant("cache=bf16+block_k=32").kv_cache_dtype is None
+
+
+@pytest.mark.parametrize(
+  "spec, message",
+  [
+    ("splits", "is not key=value"),
+    ("warps=8", "unknown variant key 'warps'"),
+    ("cache=int4", "cache must be bf16 or fp8"),
+    ("splits=three", "splits must be an int"),
+    ("block_k=48", "must be a power of two"),
+    ("fp8_widen=cvt", "fp8_widen must be one of"),
+  ],
+)
+def test_a_bad_variant_is_named(spec, message):
+  with pytest.raises(ValueError, match=message):
+    df.parse_variant(spec)
+
+
+def test_each_variant_is_compared_with_the_first_of_its_cache_type():
+  variants = df.parse_variants(["base", "splits=3", "cache=fp8", "cache=fp8+fp8_widen=asm"])
+  assert df.references(variants) == {
+    "base": "base",
+    "splits=3": "base",
+    "cache=fp8": "cache=fp8",
+    "cache=fp8+fp8_widen=asm": "cache=fp8",
+  }
+  with pytest.raises(ValueError, match="distinct"):
+    df.parse_variants(["base", "base"])
+
+
+def test_attention_counts_follow_the_options():
+  cfg = get_config("sdar_4b")
+  count = lambda spec: df.attention_counts(
+    cfg, 128, 1536, 4, df.parse_variant(spec).tiles, df.parse_variant(spec).fp8, 2112
+  )
+  base, fp8, fold, halves = (count(s) for s in ("base", "cache=fp8", "fold_new=1", "halves=1"))
+  # 36 layers x 128 rows x 1536 slots x 8 heads x 128 x (K and V) x 2 bytes: the 29.0 GB of the
+  # H200 analysis (docs/performance.md); float8 reads half.
+  assert base["kv"] == 36 * 128 * 1536 * 8 * 128 * 2 * 2 == 2 * fp8["kv"]
+  assert base["flops"] == fp8["flops"] and base["launches"] == 36 and halves["launches"] == 72
+  assert fold["total"] < base["total"] and fold["kv"] == base["kv"]
+
+
+def test_token_agreement_counts_the_reference_decoded_positions():
+  ref = (np.array([[1, 2, 3, 4]]), np.array([[-1, 0, 1, 1]]))
+  same = decode_options.token_agreement(ref, ref)
+  assert same == dict(tokens_equal=True, step_map_equal=True, token_agreement=1.0)
+  got = (np.array([[9, 2, 3, 5]]), np.array([[-1, 0, 1, 2]]))
+  assert decode_options.token_agreement(got, ref) == dict(
+    tokens_equal=False, step_map_equal=False, token_agreement=round(2 / 3, 5)
+  )
+
+
+class _Bench:
+  def __init__(self):
+    self.rows = []
+
+  def record(self, row):
+    self.rows.append(row)
+
+
+def _runs(deadline_s, variants=("base", "splits=3", "cache=fp8")):
+  settings = decode_options.Settings(
+    config="tiny",
+    variants=tuple(df.parse_variants(list(variants))),
+    rate_options=("base", "best"),
+    rate_strategies=("dynamic", "static"),
+    exact_layers=1,
+    exact_rows=2,
+    exact_tokens=4,
+    lm_head_scale=40.0,
+    deadline_s=deadline_s,
+    t0=time.perf_counter(),
+  )
+  return decode_options.OptionRuns(_Bench(), settings)
+
+
+def test_rates_plan_only_what_fits_before_the_deadline():
+  runs = _runs(100.0)
+  items = [("dynamic", "base"), ("dynamic", "splits=3"), ("static", "base"), ("static", "x")]
+  # each program at full size: 12 s lowering, 23.8 s running, 45 s compiling them together
+  assert runs.plan(items, 128, 1024) == items[:1]
+  assert [(r["strategy"], r["variant"], r["skipped"]) for r in runs.bench.rows] == [
+    (s, n, "deadline") for s, n in items[1:]
+  ]
+  assert _runs(1e9).plan(items, 128, 1024) == items
+
+
+def test_best_is_the_fastest_exact_bf16_forward():
+  runs = _runs(1e9)
+  assert runs.rate_names() == ["base"]  # nothing measured: `best` is nobody
+  runs.forward_rows = {
+    "base": dict(wall_ms=16.0),
+    "splits=3": dict(wall_ms=14.0, argmax_agree=1.0),
+    "cache=fp8": dict(wall_ms=9.0),
+  }
+  assert runs.rate_names() == ["base", "splits=3"]
+  runs.inexact.add("splits=3")  # its tokens differed on the small model
+  assert runs.rate_names() == ["base"]
+  runs.inexact.clear()
+  runs.forward_rows["splits=3"]["argmax_agree"] = 0.9
+  assert runs.rate_names() == ["base"]
+
+
+def test_programs_compile_together_and_a_failure_is_returned():
+  lowered = [jax.jit(lambda x, i=i: x + i).lower(jnp.ones(3)) for i in range(3)]
+
+  class Broken:
+    def compile(self):
+      raise RuntimeError("no kernel")
+
+  out = df.compile_all(lowered + [Broken()], threads=2)
+  assert [float(p(jnp.ones(3))[0]) for p in out[:3]] == [1.0, 2.0, 3.0]
+  assert isinstance(out[3], RuntimeError)
