@@ -27,7 +27,6 @@ stops at once (`train/stop.py`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from typing import Any
@@ -55,7 +54,7 @@ from dice_jax.rl.config import RLConfig
 from dice_jax.train import checkpoint as ckpt_lib
 from dice_jax.train import metrics as metrics_lib
 from dice_jax.train import optimizer as optim_lib
-from dice_jax.train import run_setup
+from dice_jax.train import resume, run_setup
 from dice_jax.train import stop as stop_lib
 from dice_jax.train import train_step as ts
 
@@ -121,14 +120,14 @@ class _Trainer:
   eval_groups: list = dataclasses.field(default_factory=list)
 
 
-def _prepare(cfg: RLConfig, workdir: str, ckpt) -> _Trainer:
+def _prepare(cfg: RLConfig, workdir: str, ckpt, allow_config_change: bool = False) -> _Trainer:
   """Model (fresh, imported, or restored with the stream position), optimizer, jitted steps."""
   mesh = run_setup.make_mesh(cfg.run)
   resuming = ckpt.latest_step() is not None
   if resuming:
+    _check_resume(ckpt, cfg, workdir, allow_config_change)
     mcfg = ckpt_lib.read_model_config(workdir)
     inherited = _existing_dir(os.path.join(workdir, "tokenizer"))
-    _warn_config_changes(ckpt.restore_config(), cfg.to_json())
   else:
     model, mcfg, inherited = build_model(cfg, mesh)
   tok = run_setup.load_tokenizer(inherited or cfg.run.tokenizer)
@@ -162,8 +161,8 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt) -> _Trainer:
   sched = SequentialSchedule(sort_by_stage=cfg.schedule == "sequential_by_stage")
   stream = iter(rl_stream.make_rl_stream(tasks, tok, cfg.stream, sched))
   start = 0
-  if resuming:
-    state, data, _ = ckpt.restore(target)
+  if resuming:  # the newest intact step; damaged newer ones are moved aside
+    _, state, data, _ = ckpt.restore_intact(target, set_aside=True)
     stream.set_state(data["iterator"])
     start = int(data["rl_step"])
   logging.info(
@@ -238,11 +237,12 @@ def plan_update(cfg: RLConfig, mcfg: ModelConfig, mesh):
     param_shards=shape.get("fsdp", 1) * shape.get("tensor", 1),
     row_shards=shape.get("data", 1) * shape.get("fsdp", 1),
   )
-  logging.info(
-    "RL update: %s (limit %s)",
-    plan.describe(),
-    "unknown" if limit is None else f"{limit / update_memory.GIB:.1f} GiB",
-  )
+  if limit is None:
+    of = "memory limit unknown"
+  else:
+    where = "memory_limit_gb" if cfg.memory_limit_gb else device_memory.limit_name()
+    of = f"of {limit / update_memory.GIB:.1f} GiB {where}"
+  logging.info("RL update: %s (%s)", plan.describe(), of)
   return cfg, plan
 
 
@@ -286,15 +286,18 @@ def make_backend(cfg: RLConfig, scfg) -> rollout_lib.SamplerBackend:
   return rollout_lib.StaticBatches(scfg, cfg.groups_per_batch, cfg.run.seed)
 
 
-def _warn_config_changes(saved: dict, now: dict) -> None:
+def _check_resume(ckpt, cfg: RLConfig, workdir: str, allow_change: bool) -> None:
+  """`train/resume.check_resume` against the newest intact step's config (logs the changes)."""
+  step, saved = ckpt.newest_intact_config()
   try:  # a config saved before today's sections, read as today's code reads it
-    saved = json.loads(json.dumps(RLConfig.from_json(saved).to_json()))
+    saved = RLConfig.from_json(saved).to_json()
   except (TypeError, ValueError, KeyError):
     pass
-  now = json.loads(json.dumps(now))  # as saved (tuples become lists)
-  changed = sorted(k for k in now if saved.get(k) != now[k])
-  if changed:
-    logging.warning("resuming with config fields changed since the checkpoint: %s", changed)
+  changes = resume.check_resume(
+    saved, cfg.to_json(), workdir=workdir, step=step, allow_change=allow_change
+  )
+  if changes:
+    logging.warning("resuming step %d with config changes: %s", step, resume.describe(changes))
 
 
 def run_one_step(t: _Trainer, judge, step: int):
@@ -343,25 +346,27 @@ def run_rl(
   *,
   endpoints: list[str] | None = None,
   max_steps: int | None = None,
+  allow_config_change: bool = False,
 ) -> dict:
-  """Runs RL steps up to `cfg.num_steps` (or `max_steps` more), resuming from `workdir`.
+  """Runs RL steps up to `cfg.num_steps` (or `max_steps` more), resuming from `workdir` (a changed
+  config as `train/resume.py` says: fields beyond the safe ones need `allow_config_change`).
 
   SIGINT or SIGTERM during an RL step finishes it, saves it and returns with `preempted` True;
   during start-up, or a second signal, returns at once (`train/stop.py`).
   """
   return stop_lib.run_stoppable(
-    lambda stop: _run(cfg, workdir, stop, endpoints, max_steps),
+    lambda stop: _run(cfg, workdir, stop, endpoints, max_steps, allow_config_change),
     rl_step=None,
   )
 
 
-def _run(cfg, workdir, stop, endpoints, max_steps) -> dict:
+def _run(cfg, workdir, stop, endpoints, max_steps, allow_config_change) -> dict:
   os.makedirs(workdir, exist_ok=True)
   ckpt = run_setup.make_checkpointer(cfg.run, workdir, keep_period=cfg.snapshot_every or None)
   judge = None
   last, preempted, done = {}, False, None
   try:
-    t = _prepare(cfg, workdir, ckpt)
+    t = _prepare(cfg, workdir, ckpt, allow_config_change)
     end = cfg.num_steps if max_steps is None else min(cfg.num_steps, t.start + max_steps)
     logging.info("RL steps %d -> %d (of %d)", t.start, end, cfg.num_steps)
     judge = make_judge(cfg, endpoints)

@@ -66,14 +66,14 @@ def batch_summary(host_batch: dict, rows, stop_requested: bool) -> tuple[float, 
 
 
 def _saved_run(workdir: str):
-  """(step, config) of the latest checkpoint in `workdir`, or None; creates nothing."""
+  """(step, config) of the newest intact checkpoint in `workdir`, or None; creates nothing. Raises
+  DamagedCheckpointError when every saved step is damaged."""
   directory = os.path.join(workdir, "checkpoints")
   if not os.path.isdir(directory):
     return None
   probe = ckpt_lib.Checkpointer(directory, save_every=1, async_save=False)
   try:
-    step = probe.latest_step()
-    return None if step is None else (step, probe.restore_config(step))
+    return probe.newest_intact_config()
   finally:
     probe.close()
 
@@ -190,8 +190,10 @@ def _run(cfg, workdir, stop, export_hf, allow_config_change) -> dict:
       cfg.data_shards,
     )
   ckpt = run_setup.make_checkpointer(cfg.run, workdir)
-  if ckpt.latest_step() is not None:
-    state, data_state, _ = ckpt.restore(ts.abstract_state(state, shardings))
+  if ckpt.latest_step() is not None:  # damaged newer steps are moved aside
+    _, state, data_state, _ = ckpt.restore_intact(
+      ts.abstract_state(state, shardings), set_aside=True
+    )
     it.set_state(data_state)
   start = int(jax.device_get(state["step"]))
 
