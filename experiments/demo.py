@@ -126,8 +126,8 @@ def rl_step_line(r: dict) -> str:
     f"verifier, verdicts {shown}; reward {r['reward_mean']:.3f}; groups kept "
     f"{int(r['groups'] - r['groups_dropped'])}/{int(r['groups'])}, updates {int(r['updates'])}"
   )
-  if r.get("updates"):
-    line += f" (loss {r['loss']:.4f}, kl {r['kl']:.1e})"
+  if r.get("updates"):  # one AdamW step per update, on the tokens of the kept groups
+    line += f" ({int(r['trained_tokens'])} tokens trained, grad norm {r['grad_norm']:.3g})"
   return line
 
 

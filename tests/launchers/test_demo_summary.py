@@ -72,10 +72,10 @@ def test_the_demo_prints_each_rl_steps_verdicts_and_updates():
     "groups": 1.0,
     "groups_dropped": 0.0,
     "updates": 1.0,
-    "loss": -0.0123,
-    "kl": 2e-4,
+    "trained_tokens": 3208.0,
+    "grad_norm": 0.1234,
   }
   assert demo.rl_step_line(record) == (
     "  RL step 2: 8 samples, 2 candidates to the verifier, verdicts ok 5, wrong_output 2, "
-    "syntax_error 1; reward 0.625; groups kept 1/1, updates 1 (loss -0.0123, kl 2.0e-04)"
+    "syntax_error 1; reward 0.625; groups kept 1/1, updates 1 (3208 tokens trained, grad norm 0.123)"
   )
