@@ -92,9 +92,17 @@ def host_memory() -> Optional[int]:
 
 
 def peak_bytes() -> Optional[int]:
-  """Peak bytes in use on the first local device so far (None where unknown)."""
-  stats = jax.local_devices()[0].memory_stats() or {}
-  return stats.get("peak_bytes_in_use")
+  """Peak bytes in use on the first local device so far; on CPU the process's peak resident
+  memory (`ru_maxrss`); None where unknown."""
+  device = jax.local_devices()[0]
+  stats = device.memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    return stats["peak_bytes_in_use"]
+  if device.platform != "cpu":
+    return None
+  import resource
+
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def check_fits(est: dict, device_bytes: Optional[int] = None, *, what: str = "sampler") -> None:

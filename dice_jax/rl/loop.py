@@ -41,6 +41,7 @@ from dice_jax.data import rl_stream
 from dice_jax.data import tasks as tasks_lib
 from dice_jax.data.curriculum import SequentialSchedule
 from dice_jax.data.tokenizer import check_compatible
+from dice_jax.diffusion import memory as device_memory
 from dice_jax.model.config import ModelConfig
 from dice_jax.model.transformer import Transformer
 from dice_jax.rl import advantages as advantages_lib
@@ -223,8 +224,6 @@ def plan_update(cfg: RLConfig, mcfg: ModelConfig, mesh):
   """(cfg with the update's layout / accum_steps / remat concrete, its `memory.UpdatePlan`):
   `rl/memory.resolve_update` against `memory_limit_gb` or the device's limit (raises, naming the
   setting and its estimate, when it does not fit)."""
-  from dice_jax.diffusion import memory as device_memory
-
   if cfg.memory_limit_gb:
     limit = int(cfg.memory_limit_gb * update_memory.GIB)
   else:
@@ -334,6 +333,9 @@ def run_one_step(t: _Trainer, judge, step: int):
   m["sample_fingerprint"] = reporting.fingerprint([tr.response_ids for tr in ro.trajectories])
   m["optimizer_step"] = float(distributed.to_host(t.state["step"]))
   m["time/step_s"] = time.perf_counter() - t0
+  peak = device_memory.peak_bytes()  # what the plan's worst-case estimate bounds
+  if peak:
+    m["memory/peak_gib"] = peak / update_memory.GIB
   for k, v in m.items():
     if not np.isfinite(v):
       raise FloatingPointError(f"RL step {step + 1}: metric {k} is {v}")

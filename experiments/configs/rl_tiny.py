@@ -10,9 +10,10 @@ reach the verifier, some pass, and groups of unequal rewards give TraceRL update
       --init_checkpoint=/tmp/demo/sft
 
 Sized for a 2-core machine: 2 tasks x 8 samples per RL step, up to 512 new tokens, the last 16
-characters of the end-to-end user message as the prompt (what the demo's SFT rows use;
-`experiments.rl_signal` sets its own), 16 packed TraceRL rows per optimizer step, a learning rate
-for a small model trained from scratch rather than DICE's 1e-6 fine-tuning rate.
+characters of the end-to-end user message as the prompt (~35 tokens with the chat template; what
+the demo's SFT rows use; `experiments.rl_signal` sets its own and a longer `max_prompt_len`),
+16 packed TraceRL rows per optimizer step, a learning rate for a small model trained from scratch
+rather than DICE's 1e-6 fine-tuning rate.
 """
 
 import dataclasses
@@ -33,7 +34,7 @@ def get_config() -> RLConfig:
     phase="e2e",
     e2e_tasks=os.path.normpath(TASKS),
     stream=RLStreamConfig(group_size=8, tasks_per_step=2, num_steps=12, prompt_style="chat"),
-    max_prompt_len=512,
+    max_prompt_len=128,
     prompt_tail_chars=16,
     sampler=dataclasses.replace(DICE_SAMPLER, max_new_tokens=512),
     groups_per_batch=2,

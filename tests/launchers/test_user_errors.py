@@ -221,10 +221,10 @@ def test_rl_resume_refuses_a_changed_learning_rate_and_a_changed_group_size(rl_r
     "optim.learning_rate 0.0001 -> 0.5; pass --allow_config_change to continue it with the new "
     "values, or use a new --workdir"
   )
-  proc = launch("rl", *args, "--set=stream.group_size=8", "--allow_config_change")
+  proc = launch("rl", *args, "--set=stream.group_size=4", "--allow_config_change")
   assert error_line(proc, "rl") == (
     f"rl: error: {rl_run} holds a run (step 3) whose config cannot change in these fields, even "
-    "with --allow_config_change: stream.group_size 16 -> 8 (the saved RL-stream position counts "
+    "with --allow_config_change: stream.group_size 8 -> 4 (the saved RL-stream position counts "
     "samples of this layout); use a new --workdir"
   )
   assert tree(rl_run) == before

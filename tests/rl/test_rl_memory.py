@@ -218,6 +218,7 @@ def test_on_cpu_the_plan_is_made_against_the_hosts_memory_and_says_so(caplog):
   host = device_memory.host_memory()
   assert host and host <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   assert device_memory.device_limit() == host and device_memory.limit_name() == "host memory"
+  assert 0 < device_memory.peak_bytes() < host  # this process's peak resident memory
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
   cfg = rl_tiny.get_config()
   with caplog.at_level(logging.INFO):
