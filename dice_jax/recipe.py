@@ -21,14 +21,14 @@ DICE_VERIFY_OPTIONS = {"num_correct_trials": 1, "strictness": "off", "seed": 42,
 
 # field -> (ours, dice); the comment is the item of docs/dice_recipe.md
 RL_FIELDS: dict[str, tuple[Any, Any]] = {
-  "tracerl.layout": ("packed", "per_round"),  # 1: rows_per_update counts (response, round) rows
+  "tracerl.batch_units": ("rows", "rounds"),  # 1: rows_per_update counts (response, round) rows
   "shuffle": (True, False),  # 1: DICE's rows in file order
   "reset_optimizer": (False, True),  # 2: a new AdamW every RL step
   "optim.grad_scale": (1.0, 1.0 / DICE_RL_GAS),  # 3: 1/GAS^2 per row, then clip at 1.0
   "optim.clip_norm": (1.0, 1.0),  # 3
-  "tail_rows": ("apply", "drop"),  # 3: rows after the last full update are never applied
-  "stop_tokens": ("chat", "eos"),  # 4: DICE stops only at the tokenizer's eos (<|endoftext|>)
-  "train_stop_token": (True, False),  # 4: DICE never trains the eos (= pad) token
+  "tail_rows": ("apply", "even_batches"),  # 3: accelerate's even_batches, DeepSpeed's boundaries
+  "stop_tokens": ("chat", "im_end"),  # 4: DICE stops at its SFT tokenizer's eos, <|im_end|>
+  "train_pad_tokens": (True, False),  # 4: DICE never trains a pad (<|endoftext|>) token
   "verifier.options": ({"num_correct_trials": 1}, DICE_VERIFY_OPTIONS),  # 5
   "eval_every": (0, 10),  # 7: DICE evaluates every 10 RL steps
   "snapshot_every": (0, 10),  # 8: DICE's save_every permanent snapshots

@@ -146,15 +146,20 @@ def create_sharded(model_fn, mesh: Mesh, rules: dict = RULES):
   return nnx.merge(graphdef, state)
 
 
+def named(mesh: Mesh, logical: Sequence[str | None], shape: Sequence[int], rules=RULES):
+  """`NamedSharding` of an array of `shape` whose dimensions have these logical names."""
+  return NamedSharding(mesh, logical_to_spec(logical, shape, mesh, rules))
+
+
 def kernel_axes(mesh, rows: int, heads: Sequence[int]):
   """(row axis, head axis) for running a custom kernel per shard under `shard_map`.
 
-  Rows go over the data/fsdp axes that are larger than 1 when they divide `rows`; heads over
-  `tensor` when it divides every count in `heads`. None where an axis does not apply.
+  Rows go where the rules put a `batch` axis of `rows` (data x fsdp, else the one of them that
+  divides `rows`: the layout of the sampler's cache rows and of training batches, so a kernel
+  reads its shard in place); heads over `tensor` when it divides every count in `heads`. None
+  where an axis does not apply.
   """
-  names = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
-  n = math.prod(mesh.shape[a] for a in names)
-  row = (names if len(names) > 1 else names[0]) if names and rows % n == 0 else None
+  row = logical_to_spec(("batch",), (rows,), mesh)[0]
   tp = mesh.shape.get("tensor", 1)
   head = "tensor" if tp > 1 and all(h % tp == 0 for h in heads) else None
   return row, head

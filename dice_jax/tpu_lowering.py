@@ -20,11 +20,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dice_jax.diffusion import engine as engine_lib
 from dice_jax.diffusion import objective as objective_lib
-from dice_jax.diffusion import sampler as sampler_lib
-from dice_jax.diffusion import slots as slots_lib
+from dice_jax.diffusion import placement as placement_lib
 from dice_jax.model import platform
-from dice_jax.model.kv_cache import KVCache
 from dice_jax.model.transformer import Transformer
 from dice_jax.rl import tracerl
 from dice_jax.train import optimizer as optim_lib
@@ -90,57 +89,51 @@ def export_rl_step(mcfg, mesh, *, batch: int, row_len: int) -> jax.export.Export
   return _train_step_export(mcfg, mesh, loss, tracerl.METRIC_MEANS, fields)
 
 
-def export_sampler_steps(
+def sampler_programs(
   mcfg, mesh, scfg, *, slots: int, prompt_width: int, prefill_rows: int
-) -> dict[str, jax.export.Exported]:
+) -> dict[str, tuple[Callable, tuple]]:
   """{'prefill': admit `prefill_rows` prompts of `prompt_width` tokens, 'decode': one block of
-  every slot} of the continuous-batching engine, weights sharded by the rules, the state and
-  cache on the model's mesh (as `engine.ContinuousSampler` holds them)."""
+  every slot}: each (the engine's jitted step, its abstract arguments). The steps are the
+  continuous-batching engine's (`engine.build_steps`): weights and their decode copy sharded by
+  the rules, the slots and cache split over the mesh's data axes (`placement.Placement`), as
+  `engine.ContinuousSampler` holds them. Lower under `jax.set_mesh(mesh)` (the kernels split
+  themselves by it): `export_sampler_steps`, or `fn.lower(*args).compile()` on a TPU topology."""
   scfg = scfg.for_model(mcfg)
   graphdef, params, p_sh = abstract_model(mcfg, mesh)
   st = jax.tree.map(_sds, params, p_sh)
-  repl = NamedSharding(mesh, P())
+  lay = placement_lib.Placement(mesh)
   weights = None
   if scfg.splits_weights(mcfg):
-    weights = jax.eval_shape(lambda s: nnx.merge(graphdef, s).decode_weights(), st)
-    weights = jax.tree.map(lambda x: _sds(x, repl), weights)
+    model = nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)))
+    split = lambda s: nnx.merge(graphdef, s).decode_weights(lay.fuses_projections)
+    weights = jax.eval_shape(split, st)
+    weights = jax.tree.map(_sds, weights, lay.decode_weights(model, weights))
   b = scfg.block_size
   cache_len = -(-(prompt_width + b + scfg.max_new_tokens + b) // 512) * 512
-  width = slots_lib.out_width(b, scfg.max_new_tokens)
-  sl, cache = jax.eval_shape(
-    lambda: (
-      slots_lib.empty_slots(slots, b, width, scfg.return_logprobs, mcfg.mask_token_id),
-      KVCache.empty(mcfg, slots, cache_len, dtype=scfg.cache_dtype(mcfg), tiles=scfg.decode_tiles),
-    )
-  )
-  sl, cache = jax.tree.map(lambda x: _sds(x, repl), (sl, cache))
+  steps = engine_lib.build_steps(graphdef, mcfg, scfg, lay, slots, cache_len)
+  sl, cache = jax.eval_shape(steps.init)
+  sl, cache = jax.tree.map(_sds, (sl, cache), (lay.row_tree(sl), lay.cache(cache)))
+  repl = lay.replicated
   vec = lambda dt, *s: jax.ShapeDtypeStruct(s, dt, sharding=repl)
-  keys = _sds(jax.eval_shape(lambda: jax.random.split(jax.random.key(0), prefill_rows)), repl)
+  r = prefill_rows
+  keys = _sds(jax.eval_shape(lambda: jax.random.split(jax.random.key(0), r)), repl)
+  host = (vec(jnp.int32, r), vec(jnp.int32, r, prompt_width), vec(jnp.int32, r))
+  host += (vec(jnp.int32, r), keys)
+  return {
+    "prefill": (steps.admit, (st, weights, sl, cache) + host),
+    "decode": (steps.advance, (st, weights, sl, cache)),
+  }
 
-  def advance(st, weights, sl, cache):
-    model = sampler_lib.decoding_model(graphdef, st, weights)
-    return slots_lib.advance(model, sl, cache, scfg)
 
-  def admit(st, weights, sl, cache, rows, prompts, n, new, keys):
-    model = sampler_lib.decoding_model(graphdef, st, weights)
-    return slots_lib.admit(model, sl, cache, rows, prompts, n, new, keys, scfg)
-
+def export_sampler_steps(
+  mcfg, mesh, scfg, *, slots: int, prompt_width: int, prefill_rows: int
+) -> dict[str, jax.export.Exported]:
+  """`sampler_programs`, exported for TPU."""
+  programs = sampler_programs(
+    mcfg, mesh, scfg, slots=slots, prompt_width=prompt_width, prefill_rows=prefill_rows
+  )
   with jax.set_mesh(mesh), platform.lowering_for("tpu"):
-    r = prefill_rows
-    prefill = _export(
-      jax.jit(admit, donate_argnums=(3,)),
-      st,
-      weights,
-      sl,
-      cache,
-      vec(jnp.int32, r),
-      vec(jnp.int32, r, prompt_width),
-      vec(jnp.int32, r),
-      vec(jnp.int32, r),
-      keys,
-    )
-    decode = _export(jax.jit(advance, donate_argnums=(3,)), st, weights, sl, cache)
-  return {"prefill": prefill, "decode": decode}
+    return {k: _export(fn, *args) for k, (fn, args) in programs.items()}
 
 
 def summary(exported: jax.export.Exported) -> dict:

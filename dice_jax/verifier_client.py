@@ -5,7 +5,7 @@ background event-loop thread and offers ``submit`` (a ``concurrent.futures.Futur
 client's (see its docstring).
 
   with ThreadedVerifier("127.0.0.1:50051", options={"measure_performance": True}) as verifier:
-    verifier.wait_ready()
+    verifier.wait_ready()   # up to verifier.api.waiting.VERIFIER_WAIT_S, logging progress lines
     fut = verifier.submit(task_id, reference, candidate)   # returns at once
     result = fut.result()
     results = verifier.verify_batch([(task_id, reference, candidate), ...])
@@ -16,9 +16,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from absl import logging
 
 from verifier.api.client import VerifierClient
+from verifier.api.waiting import VERIFIER_WAIT_S
 from verifier.api.contract import VerifyResult
 
 
@@ -71,8 +74,12 @@ class ThreadedVerifier:
     """Results in item order for (task_id, reference, candidate) items (the CuKe builder's call)."""
     return self._call(self.client.verify_many(list(items)))
 
-  def wait_ready(self, timeout_s: float = 60.0) -> None:
-    self._call(self.client.wait_ready(timeout_s))
+  def wait_ready(
+    self, timeout_s: float = VERIFIER_WAIT_S, report: Callable[[str], None] = logging.info
+  ) -> None:
+    """Blocks until every endpoint answers (``VerifierClient.wait_ready``: a progress line to
+    ``report`` while it waits; ``VerifierUnavailable`` after ``timeout_s``)."""
+    self._call(self.client.wait_ready(timeout_s, report))
 
   def health(self) -> list[dict]:
     return self._call(_value(self.client.health))

@@ -14,7 +14,9 @@ bug and keeps its traceback. `user_errors_from(ValueError)` marks a block whose 
 types are the user's (e.g. building a config from `--set` overrides).
 
 A launcher that runs as several JAX processes calls `define_multiprocess_flags()` where it
-defines its flags and `join_processes()` first thing in `main`.
+defines its flags and `join_processes()` first thing in `main`. A launcher that talks to a verifier
+defines `--verifier_wait_s` with `define_verifier_wait_flag()` and reads it with `verifier_wait_s()`;
+`verifier_endpoints()` reads its `--verifier` addresses.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from absl import app, flags, logging
 
 from dice_jax.errors import UserError
 
+JAX_BACKEND_LOGGER = "jax._src.xla_bridge"  # where JAX logs the backends it could not start
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 USER_ERRORS = (
@@ -82,11 +85,31 @@ def guarded(main):
 
 
 def run(main) -> None:
-  """`absl.app.run(main)` with `guarded`; every launcher takes `--data_root` (data_root.py)."""
+  """`absl.app.run(main)` with `guarded`; every launcher takes `--data_root` (data_root.py) and
+  keeps JAX's note about a missing TPU off the console (`quiet_missing_tpu`)."""
   from experiments import data_root
 
   data_root.define_flag()
+  quiet_missing_tpu()
   app.run(guarded(main))
+
+
+class _NoMissingTpu(std_logging.Filter):
+  """Drops JAX's INFO line `Unable to initialize backend 'tpu': ... libtpu.so ...` (JAX tries every
+  backend it knows when JAX_PLATFORMS is unset, and logs each one that is not there)."""
+
+  def filter(self, record):
+    return not (
+      record.levelno < std_logging.WARNING
+      and str(record.msg).startswith("Unable to initialize backend 'tpu'")
+    )
+
+
+def quiet_missing_tpu() -> None:
+  """Unless the user asked for a TPU (JAX_PLATFORMS names tpu), JAX's note that it found none is
+  not printed. A filter on JAX's backend logger only: other JAX lines, and errors, still pass."""
+  if "tpu" not in os.environ.get("JAX_PLATFORMS", "").lower():
+    std_logging.getLogger(JAX_BACKEND_LOGGER).addFilter(_NoMissingTpu())
 
 
 @contextlib.contextmanager
@@ -142,3 +165,36 @@ def join_processes() -> None:
     distributed.primary_logs_only()
   elif f.num_processes is not None or f.process_id is not None:
     raise UserError("--num_processes/--process_id need --coordinator_address (or --distributed)")
+
+
+def define_verifier_wait_flag() -> None:
+  """`--verifier_wait_s`: how long to wait at start for the verifier to answer (the same flag and
+  default in every launcher and `python -m verifier check`: `verifier.api.waiting`)."""
+  from verifier.api import waiting
+
+  flags.DEFINE_float(
+    waiting.WAIT_FLAG.lstrip("-"),
+    waiting.VERIFIER_WAIT_S,
+    "seconds to wait at start for the verifier to answer (a progress line every "
+    f"{waiting.WAIT_PROGRESS_EVERY_S:g} s meanwhile); --verifier=local: for it to start",
+  )
+
+
+def verifier_endpoints(value: str) -> list[str]:
+  """`--verifier`'s HOST:PORT[,HOST:PORT...] as addresses; a UserError naming a malformed one."""
+  from verifier.api.client import parse_endpoints
+
+  try:
+    return parse_endpoints(value)
+  except ValueError as e:
+    raise UserError(f"--verifier: {e}") from None
+
+
+def verifier_wait_s() -> float:
+  """The value of `--verifier_wait_s`; a UserError when it is not > 0."""
+  from verifier.api import waiting
+
+  try:
+    return waiting.check_wait_s(flags.FLAGS.verifier_wait_s)
+  except ValueError as e:
+    raise UserError(str(e)) from None

@@ -12,20 +12,24 @@ not needed) and a model with random weights:
     its static check at once, so the verifier's share is the gRPC round trip, not compilation);
   * random weights earn reward 0 everywhere, so every group would be dropped: the update is timed
     on the same rollouts with SYNTHETIC advantages (standard normal per response).
-The update is DICE's: 256 TraceRL rows per optimizer step, old log-probs of a mini-batch before
-its update; layout, micro_rows and the remat policy are chosen by the update's memory estimate
+The update is DICE's: 256 TraceRL rows per optimizer step; old log-probs the rollout's
+(`--old_logp=sampler`, the RL loop's default) or a forward of a mini-batch before its update
+(`trainer`); layout, micro_rows and the remat policy are chosen by the update's memory estimate
 (`dice_jax/rl/memory.py`, as the RL loop does) unless given, before anything is sampled: a setting
-that does not fit stops the benchmark there. The estimate is recorded beside the measured peak; only `--update_steps` optimizer steps are run (the first includes compiling),
-and the time of all of them is extrapolated from the steady ones; the host-side row building
-(`build_batches`) runs on those mini-batches' responses only and is extrapolated by count.
+that does not fit stops the benchmark there. The estimate is recorded beside the measured peak;
+only `--update_steps` optimizer steps are run (the first includes compiling), and the time of all
+of them is extrapolated from the steady ones; the host-side row building (`build_batches`) runs on
+those mini-batches' responses only and is extrapolated by count. The update's MFU counts the
+useful FLOPs of `dice_jax/rl/flops.py` (no recomputation, no masked attention, no padding) over
+the chip's peak (`train/metrics.peak_flops`, as bench_train). `--profile_dir`: one more optimizer
+step, all but `--profile_micro_steps` of its micro-batches emptied (skipped), under
+`jax.profiler`, summarised by `experiments/trace_summary.py` per micro-step.
 Results go to DIR/bench_rl.json as each phase finishes.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import threading
 import time
 
 import jax
@@ -33,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from flax import nnx
+
+from experiments import bench_common
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "sdar_1p7b", "model preset (random weights)")
@@ -58,13 +64,19 @@ flags.DEFINE_string(
 flags.DEFINE_string(
   "layout", "packed", "TraceRL layout: packed | per_round | auto (by the estimate)"
 )
-flags.DEFINE_bool("gather_trained", False, "LM head on the trained positions only (TraceRLConfig)")
-flags.DEFINE_string("remat", "auto", "the update's remat policy: auto | none | full | dots")
+flags.DEFINE_bool("gather_trained", True, "LM head on the trained positions only (TraceRLConfig)")
+flags.DEFINE_string("old_logp", "sampler", "old log-probs: sampler (the rollout's) | trainer")
+flags.DEFINE_string("batch_units", "rows", "what rows_per_update counts: rows | rounds (DICE)")
+flags.DEFINE_bool("flash_live_only", True, "flash kernel: loop over live tiles only (ModelConfig)")
+flags.DEFINE_string("remat", "auto", "the update's remat policy: auto or a REMAT_POLICIES name")
 flags.DEFINE_float("memory_limit_gb", 0.0, "device memory for the update plan (0: the device's)")
 flags.DEFINE_integer("update_steps", 2, "optimizer steps actually run (the rest extrapolated)")
 flags.DEFINE_integer("seed", 0, "seed")
 flags.DEFINE_string("out", "", "directory for bench_rl.json")
-flags.DEFINE_float("peak_tflops", 790.0, "bf16 matmul TFLOP/s of the device (measured H200)")
+flags.DEFINE_float("peak_tflops", 0.0, "bf16 peak TFLOP/s for the MFU (0: metrics.peak_flops)")
+flags.DEFINE_string("profile_dir", "", "trace one more optimizer step here (module docstring)")
+flags.DEFINE_integer("profile_micro_steps", 3, "micro-batches left in the profiled step")
+flags.DEFINE_string("compilation_cache", "", "persistent JAX compilation cache directory")
 
 REFERENCE = """import torch
 import torch.nn as nn
@@ -91,85 +103,62 @@ class IdText:
     return " ".join(map(str, ids))
 
 
-class Report:
-  def __init__(self, out_dir: str):
-    self.path = os.path.join(out_dir, "bench_rl.json") if out_dir else ""
-    self.data = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "jax": jax.__version__}
-
-  def update(self, **kw):
-    self.data.update(kw)
-    print("bench_rl: " + json.dumps(kw), flush=True)
-    if self.path:
-      os.makedirs(os.path.dirname(self.path), exist_ok=True)
-      with open(self.path + ".tmp", "w") as f:
-        json.dump(self.data, f, indent=2)
-      os.replace(self.path + ".tmp", self.path)
-
-
-def start_verifier(report: Report):
-  """A local verifier started in a thread (it overlaps model set-up); returns (thread, holder)."""
-  holder = {}
-
-  def run():
-    from verifier.serve.local import LocalVerifier
-
-    device = FLAGS.verifier_device or ("cuda" if jax.default_backend() == "gpu" else "cpu")
-    t0 = time.perf_counter()
-    v = LocalVerifier(
-      os.path.join(FLAGS.out or "/tmp", "bench_rl_verifier"),
-      device=device,
-      extra_args=tuple(FLAGS.verifier_args),
-    )
-    holder["server"] = v.__enter__()
-    holder["start_s"] = time.perf_counter() - t0
-    holder["device"] = device
-
-  t = threading.Thread(target=run, daemon=True)
-  t.start()
+def start_verifier():
+  """The local verifier, started in a thread (`bench_common.start_local_verifier`)."""
+  device = FLAGS.verifier_device or ("cuda" if jax.default_backend() == "gpu" else "cpu")
+  t, holder = bench_common.start_local_verifier(
+    os.path.join(FLAGS.out or "/tmp", "bench_rl_verifier"), device, FLAGS.verifier_args
+  )
+  holder["device"] = device
   return t, holder
 
 
+def local_verifier(thread, holder: dict, report) -> str:
+  """The address of the verifier `start_verifier` started; its start-up error, reported and
+  raised, when it did not start."""
+  thread.join()
+  if "error" in holder:
+    e = holder["error"]
+    report.update(verifier_error=f"{type(e).__name__}: {e}"[-4000:])
+    raise e
+  report.update(verifier_start_s=round(holder["start_s"], 1), verifier_device=holder["device"])
+  return holder["server"].address
+
+
 def synthetic_rollout(mcfg, rng):
-  """What random weights' rollouts look like, without sampling: `--tasks` x `--group_size`
-  responses of `--new_tokens` random tokens, one token unmasked per forward (random weights pass
-  no 0.9 threshold), every token trained. For the update's time and peak memory alone."""
+  """`--tasks` x `--group_size` worst-case responses without sampling (`experiments/rl_shapes.py`):
+  for the update's time and peak memory alone."""
   from types import SimpleNamespace
 
-  from dice_jax.rl.trajectory import Trajectory
+  from experiments.rl_shapes import synthetic_trajectories
 
-  n, trajs = FLAGS.new_tokens, []
-  for g in range(FLAGS.tasks):
-    prompt = rng.integers(2, min(mcfg.vocab_size - 2, 151_643), FLAGS.prompt_len)
-    for i in range(FLAGS.group_size):
-      order = np.concatenate([rng.permutation(4) for _ in range(n // 4)])
-      trajs.append(
-        Trajectory(
-          prompt_ids=prompt,
-          response_ids=rng.integers(2, min(mcfg.vocab_size - 2, 151_643), n),
-          step_map=np.arange(n) // 4 * 4 + order,
-          loss_mask=np.ones(n, bool),
-          sampler_logp=np.zeros(n, np.float32),
-          task_id=f"synthetic/{g}",
-          group=g,
-          member=i,
-        )
-      )
+  trajs = synthetic_trajectories(
+    rng,
+    tasks=FLAGS.tasks,
+    group_size=FLAGS.group_size,
+    prompt_len=FLAGS.prompt_len,
+    new_tokens=FLAGS.new_tokens,
+    vocab_size=mcfg.vocab_size,
+    block_size=mcfg.block_size,
+  )
   return SimpleNamespace(trajectories=trajs, sample_s=0.0, verify_wait_s=0.0)
 
 
-def update_mfu(mcfg, batch, step_s: float) -> dict:
-  """The optimizer step's matmul FLOP rate: 6 x (layer weights) per input token (padding rows
-  included) + 6 x D x V per trained token (the LM head that must run), over `--peak_tflops`.
-  Attention and rematerialised work are not counted: a lower bound of the model FLOPs
-  utilisation."""
-  c = mcfg
-  layer = c.num_params() - c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-  flops = 6 * layer * batch["tokens"].size
-  flops += 6 * c.hidden_size * c.vocab_size * int(batch["p_mask"].sum())
-  tflops = flops / step_s / 1e12
+def update_mfu(mcfg, batches, step_s: float) -> dict:
+  """The optimizer step's useful FLOPs (`rl/flops.update_flops`, mean over `batches`) per second
+  of `step_s`, and over the chip's peak."""
+  from dice_jax.rl import flops
+  from dice_jax.train import metrics
+
+  useful = [flops.update_flops(mcfg, b) for b in batches]
+  total = float(np.mean([u["total"] for u in useful]))
+  peak = FLAGS.peak_tflops * 1e12 or metrics.peak_flops() or float("nan")
   return dict(
-    update_matmul_tflops_per_s=round(tflops, 1),
-    update_mfu_matmuls=round(tflops / FLAGS.peak_tflops, 3),
+    update_useful_tflop_per_step=round(total / 1e12, 1),
+    update_useful_split={k: round(useful[0][k] / useful[0]["total"], 3) for k in flops.PARTS},
+    update_useful_tflops_per_s=round(total / step_s / 1e12, 1),
+    update_mfu=round(flops.mfu(total, step_s, peak), 4),
+    peak_tflops=round(peak / 1e12, 1),
   )
 
 
@@ -237,15 +226,23 @@ def main(argv):
   from dice_jax.train import optimizer
   from dice_jax.train import train_step as ts
 
-  report = Report(FLAGS.out)
+  report = bench_common.Report(
+    os.path.join(FLAGS.out, "bench_rl.json") if FLAGS.out else "", "bench_rl"
+  )
   t_all = time.perf_counter()
   server_thread = holder = None
   if FLAGS.verifier == "local" and FLAGS.rollout == "sample":
-    server_thread, holder = start_verifier(report)
+    server_thread, holder = start_verifier()
 
+  if FLAGS.compilation_cache:
+    report.update(compilation_cache=bench_common.use_compilation_cache(FLAGS.compilation_cache))
   mesh = sharding.make_mesh()
   mcfg = get_config(
-    FLAGS.config, dtype="bfloat16", param_dtype="float32", attention_impl=FLAGS.attention_impl
+    FLAGS.config,
+    dtype="bfloat16",
+    param_dtype="float32",
+    attention_impl=FLAGS.attention_impl,
+    flash_live_only=FLAGS.flash_live_only,
   )
   t0 = time.perf_counter()
   model = sharding.create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(FLAGS.seed)), mesh)
@@ -306,16 +303,14 @@ def main(argv):
     report.update(sampler_compile_and_first_call_s=round(time.perf_counter() - t0, 1))
 
     if FLAGS.verifier == "local":
-      server_thread.join()
-      address = holder["server"].address
-      report.update(verifier_start_s=round(holder["start_s"], 1), verifier_device=holder["device"])
+      address = local_verifier(server_thread, holder, report)
     else:
       address = None if FLAGS.verifier == "none" else FLAGS.verifier
     if address:
       from dice_jax.verifier_client import ThreadedVerifier
 
       judge = ThreadedVerifier(address, options={"num_correct_trials": 1}, token="")
-      judge.wait_ready(300)
+      judge.wait_ready()
     else:
       judge = rollout.FunctionJudge(lambda *a: False)
 
@@ -362,7 +357,12 @@ def main(argv):
   for t in ro.trajectories:
     t.advantage = float(rng.standard_normal())
   report.update(peak_mem_gib_after_rollout=round(_peak() / 2**30, 1))
-  tcfg = tracerl.TraceRLConfig(layout=plan.layout, gather_trained=FLAGS.gather_trained)
+  tcfg = tracerl.TraceRLConfig(
+    layout=plan.layout,
+    gather_trained=FLAGS.gather_trained,
+    old_logp=FLAGS.old_logp,
+    batch_units=FLAGS.batch_units,
+  )
   run_trajs = ro.trajectories[: max(1, FLAGS.update_steps) * FLAGS.rows_per_update]
   t0 = time.perf_counter()
   batches = tracerl.build_batches(
@@ -374,6 +374,7 @@ def main(argv):
     pad_id=mcfg.pad_token_id or 0,
     length_multiple=128,
     rng=np.random.default_rng(FLAGS.seed),
+    max_length=plan.row_len,
   )
   # packed: one row per response; per_round: one per (response, round), more batches
   n_batches = -(-len(batches) * len(ro.trajectories) // len(run_trajs))
@@ -387,11 +388,14 @@ def main(argv):
     row_len=int(batches[0]["tokens"].shape[1]),
     trained_tokens_run=int(sum(b["p_mask"].sum() for b in batches)),
     input_tokens_run=int(sum(b["tokens"].size for b in batches)),
+    real_tokens_run=int(sum((b["segment_ids"] > 0).sum() for b in batches)),
     accum_steps=accum,
     micro_rows=plan.micro_rows,
     rows_per_update=FLAGS.rows_per_update,
     estimate_row_len=plan.row_len,
     gather_trained=FLAGS.gather_trained,
+    old_logp=FLAGS.old_logp,
+    flash_live_only=FLAGS.flash_live_only,
     lm_head_positions=int(batches[0]["trained_index"].shape[1]) if FLAGS.gather_trained else None,
   )
   loss_fn = lambda m, b, r: tracerl.tracerl_loss(m, b, r, tcfg)  # noqa: E731
@@ -400,29 +404,38 @@ def main(argv):
     nnx.Param,
   )
   step_fn = ts.jit_train_step(
-    ts.make_train_step(train_graphdef, tx, loss_fn, accum_steps=accum, means=tracerl.METRIC_MEANS),
+    ts.make_train_step(
+      train_graphdef,
+      tx,
+      loss_fn,
+      accum_steps=accum,
+      means=tracerl.METRIC_MEANS,
+      is_empty=tracerl.is_empty,
+    ),
     shardings,
     mesh,
     accum,
   )
-  old_fn = tracerl.jit_token_logprobs(graphdef, shardings["params"], mesh, accum)
   key = jax.random.key(FLAGS.seed)
   run = batches
   old_s, step_s, losses = [], [], []
-  sharded = []
-  for b in run:  # old log-probs of every mini-batch first, as the loop does
-    sb = ts.shard_batch(b, mesh, accum)
-    t0 = time.perf_counter()
-    sb["old_logp"] = jax.block_until_ready(old_fn(state["params"], sb))
-    old_s.append(time.perf_counter() - t0)
-    sharded.append(sb)
+  sharded = [ts.shard_batch(b, mesh, accum) for b in run]
+  if FLAGS.old_logp == "trainer":  # old log-probs of every mini-batch first, as the loop does
+    old_fn = tracerl.jit_token_logprobs(graphdef, shardings["params"], mesh, accum)
+    for sb in sharded:
+      t0 = time.perf_counter()
+      sb["old_logp"] = jax.block_until_ready(old_fn(state["params"], sb))
+      old_s.append(time.perf_counter() - t0)
   for sb in sharded:
     t0 = time.perf_counter()
     state, m = step_fn(state, sb, key)
     m = jax.device_get(m)
     step_s.append(time.perf_counter() - t0)
     losses.append(float(m["loss"]))
-  steady = lambda xs: float(np.mean(xs[1:])) if len(xs) > 1 else float(xs[0])  # noqa: E731
+
+  def steady(xs):  # the mean after the first (compiling) call
+    return (float(np.mean(xs[1:])) if len(xs) > 1 else float(xs[0])) if xs else 0.0
+
   n = n_batches
   report.update(
     old_logp_s=[round(x, 2) for x in old_s],
@@ -435,10 +448,15 @@ def main(argv):
       build_s * len(ro.trajectories) / len(run_trajs) + n * (steady(old_s) + steady(step_s)), 1
     ),
     update_input_tok_per_s=round(run[0]["tokens"].size / steady(step_s), 1),
-    **update_mfu(mcfg, run[-1], steady(step_s)),
+    **update_mfu(mcfg, run, steady(step_s)),
     peak_mem_gib=round(_peak() / 2**30, 1),
     update_estimate_gib=plan_gib(plan),
   )
+  if FLAGS.profile_dir:
+    state, prof = bench_common.profile_step(
+      step_fn, state, run[0], mesh, accum, key, FLAGS.profile_dir, FLAGS.profile_micro_steps
+    )
+    report.update(profile=prof)
   build_all = build_s * len(ro.trajectories) / len(run_trajs)
   update_all = build_all + n * (steady(old_s) + steady(step_s))
   if FLAGS.rollout == "synthetic":
@@ -457,4 +475,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from experiments import _cli
+
+  _cli.quiet_missing_tpu()
   app.run(main)

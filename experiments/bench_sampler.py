@@ -55,6 +55,7 @@ from flax import nnx
 from dice_jax import sharding
 from dice_jax.diffusion import engine as engine_lib
 from dice_jax.diffusion import memory, sampler, schedule
+from dice_jax.diffusion.placement import Placement
 from dice_jax.model import AttentionSpec, KVCache, Transformer, flash_decode, get_config
 from dice_jax.model.transformer import DecodeWeights
 from experiments import trace_summary
@@ -181,22 +182,16 @@ class Bench:
     graphdef, state = nnx.split(model)
     weights = sampler.split_weights(graphdef, state) if scfg.splits_weights(mcfg) else None
     keys = sampler.row_keys(jax.random.key(0), len(prompts))
-    fn = jax.jit(
-      sampler._decode,
-      static_argnames=("graphdef", "cfg"),
-      donate_argnames=("canvas",),
-      compiler_options=self.options or None,
-    )
+    lay = Placement.of(state)
+    options = tuple(sorted((self.options or {}).items()))
+    fn = sampler.compiled_decode(graphdef, scfg, lay, options)
     t0 = time.perf_counter()
-    compiled = fn.lower(
-      graphdef, state, weights, layout, jnp.array(layout.tokens), keys, cfg=scfg
-    ).compile()
+    with lay.context():
+      compiled = fn.lower(state, weights, layout, keys).compile()
     compile_s = time.perf_counter() - t0
     ma = compiled.memory_analysis()
-    canvas = jnp.array(layout.tokens)
-    jax.block_until_ready(canvas)
     t0 = time.perf_counter()
-    out = compiled(state, weights, layout, canvas, keys)
+    out = compiled(state, weights, layout, keys)
     jax.block_until_ready(out.tokens)
     run_s = time.perf_counter() - t0
     generated = int(np.asarray(out.response_lengths).sum())
@@ -708,4 +703,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from experiments import _cli
+
+  _cli.quiet_missing_tpu()
   app.run(main)

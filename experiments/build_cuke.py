@@ -3,8 +3,11 @@
   python -m experiments.build_cuke --pairs=pairs.jsonl --verifier=HOST:PORT[,HOST:PORT] --min_speedup=2.0 --out=DIR
 
 Writes DIR/cuke.jsonl (atomic), DIR/summary.json, DIR/speedup_hist.png; DIR/measurements.jsonl is the resume
-journal (a rerun skips pairs already measured). See dice_jax/data/cuke.py.
+journal (a rerun skips pairs already measured). Nothing is written before the verifier answers (it
+waits up to --verifier_wait_s, with a progress line every 10 s). See dice_jax/data/cuke.py.
 """
+
+import os
 
 from absl import flags, logging
 
@@ -32,9 +35,7 @@ _TRIALS = flags.DEFINE_integer("num_perf_trials", 100, "timing trials per candid
 _DEVICE = flags.DEFINE_string(
   "device", None, "verifier device ('cuda' | 'cpu'); default: the server's"
 )
-_CONNECT = flags.DEFINE_float(
-  "connect_timeout_s", 30.0, "seconds to wait for the verifier at --verifier to answer"
-)
+_cli.define_verifier_wait_flag()
 flags.mark_flags_as_required(["pairs", "verifier", "out"])
 
 
@@ -43,6 +44,9 @@ def main(argv):
   from dice_jax.verifier_client import ThreadedVerifier
   from verifier.api.client import VerifierUnavailable
 
+  if not os.path.isfile(_PAIRS.value):  # said before waiting for the verifier
+    raise UserError(f"--pairs {_PAIRS.value}: no such file")
+  wait_s = _cli.verifier_wait_s()
   options = {"measure_performance": True, "num_perf_trials": _TRIALS.value}
   if _DEVICE.value:
     options["device"] = _DEVICE.value
@@ -51,12 +55,9 @@ def main(argv):
   with client:
     logging.info("connecting to the verifier at %s ...", _VERIFIER.value)
     try:
-      client.wait_ready(timeout_s=_CONNECT.value)
-    except VerifierUnavailable:
-      raise UserError(
-        f"--verifier {_VERIFIER.value}: no verifier answered within {_CONNECT.value:g} s "
-        "(is `python -m verifier serve` running there, and is the port right?)"
-      ) from None
+      client.wait_ready(wait_s)
+    except VerifierUnavailable as e:
+      raise UserError(f"--verifier {_VERIFIER.value}: {e}") from None
     s = build_cuke(
       _PAIRS.value,
       client,

@@ -241,6 +241,7 @@ def main(argv):
   from verifier.serve.local import LocalVerifier
 
   _cli.quiet_orbax()
+  _cli.quiet_missing_tpu()
 
   unknown = [n for n in FLAGS.steps if n not in STEPS]
   if unknown:

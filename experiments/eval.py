@@ -12,7 +12,8 @@ after 3 warm-ups, atol = rtol = 1e-2, eager PyTorch baseline (and torch.compile 
 --compile_baseline); the verifier caches reference timings per reference and GPU, and each record names
 its GPU. RUN/records.jsonl gets one line per (problem, sample) as it is verified; a rerun with the same
 flags resumes. RUN/report.md (+ metrics.json, PNGs) is written at the end. --verifier=local starts a
-verifier service as a child process (device: --verifier_device). Speedups above --review_speedup are
+verifier service as a child process (device: --verifier_device). Nothing is written to RUN before the
+verifier answers (up to --verifier_wait_s, a progress line every 10 s; --verifier=local: RUN/verifier/). Speedups above --review_speedup are
 flagged, not counted in fast_p > 0 until accepted in RUN/reviews.json (see dice_jax/eval/metrics.py).
 On a GPU host that also generates, give the verifier memory: XLA_PYTHON_CLIENT_MEM_FRACTION=0.4.
 """
@@ -50,7 +51,6 @@ flags.DEFINE_string(
   "verifier", None, "Verifier address HOST:PORT[,HOST:PORT...] or 'local' (a child service)."
 )
 flags.DEFINE_enum("verifier_device", "cuda", ["cuda", "cpu"], "Device of --verifier=local.")
-flags.DEFINE_float("verifier_wait_s", 60.0, "Seconds to wait for the verifier to answer at start.")
 flags.DEFINE_string("out", None, "Run directory (records, report).")
 flags.DEFINE_bool("allow_config_change", False, "Resume --out even if its settings differ.")
 flags.DEFINE_bool("report_only", False, "Only rebuild the report of --out.")
@@ -92,6 +92,7 @@ flags.DEFINE_enum(
 flags.DEFINE_string("device", None, "Verifier device for the requests (default: the server's).")
 flags.DEFINE_bool("compile_baseline", False, "Also time correct kernels against torch.compile.")
 flags.DEFINE_float("review_speedup", 10.0, "Flag speedups above this for review (KernelBench: 10).")
+_cli.define_verifier_wait_flag()
 
 
 def _kernelbench() -> str:
@@ -239,14 +240,26 @@ def _check_flags() -> None:
   if not FLAGS.verifier:
     raise UserError("--verifier is required (HOST:PORT[,HOST:PORT...] or local)")
   if FLAGS.verifier != "local":
-    for a in FLAGS.verifier.split(","):
-      host, _, port = a.rpartition(":")
-      if not host or not port.isdigit():
-        raise UserError(f"--verifier: {a!r} is not HOST:PORT")
+    _cli.verifier_endpoints(FLAGS.verifier)
   if FLAGS.candidates and not os.path.isfile(FLAGS.candidates):
     raise UserError(f"--candidates {FLAGS.candidates}: no such file")
   if FLAGS.review_speedup <= 1:
     raise UserError(f"--review_speedup must be > 1, got {FLAGS.review_speedup}")
+  if FLAGS.samples < 1:
+    raise UserError(f"--samples must be >= 1, got {FLAGS.samples}")
+  _pass_at_k()
+  _cli.verifier_wait_s()
+
+
+def _pass_at_k() -> list[int]:
+  """The k values of --pass_at_k (none for one sample); a UserError unless each is an integer >= 1."""
+  try:
+    ks = sorted({int(k) for k in FLAGS.pass_at_k})
+  except ValueError:
+    raise UserError(f"--pass_at_k must be integers, got {FLAGS.pass_at_k}") from None
+  if ks and ks[0] < 1:
+    raise UserError(f"--pass_at_k values must be >= 1, got {FLAGS.pass_at_k}")
+  return ks if FLAGS.samples > 1 else []
 
 
 def run() -> str:
@@ -263,10 +276,7 @@ def run() -> str:
   tasks = load_problems()
   dec = None if FLAGS.candidates else decoding()
   opts = verify_options()
-  try:
-    ks = sorted({int(k) for k in FLAGS.pass_at_k}) if FLAGS.samples > 1 else []
-  except ValueError:
-    raise UserError(f"--pass_at_k must be integers, got {FLAGS.pass_at_k}") from None
+  ks = _pass_at_k()
   if FLAGS.candidates:
     try:
       source = FileCandidates(FLAGS.candidates, tasks)
@@ -310,8 +320,12 @@ def run() -> str:
       review_speedup=FLAGS.review_speedup,
       progress=FLAGS.progress,
     ).run(tasks, FLAGS.samples)
-  print(f"eval: verified {s.done_now} now, {s.resumed} resumed, {s.missing} without a candidate")
+  print(f"eval: {s.line()}")
   return report.write_report(FLAGS.out)
+
+
+def _say(line: str) -> None:
+  print(f"eval: {line}", flush=True)
 
 
 class _VerifierSession:
@@ -331,6 +345,8 @@ class _VerifierSession:
         os.path.join(FLAGS.out, "verifier"),
         device=FLAGS.verifier_device,
         compile_workers=max(1, (os.cpu_count() or 2) // 2),
+        start_timeout_s=_cli.verifier_wait_s(),
+        report=_say,
       )
       print(f"eval: starting a local {FLAGS.verifier_device} verifier ...", flush=True)
       try:
@@ -343,7 +359,8 @@ class _VerifierSession:
         addresses,
         self.opts,
         token=None if not self.local else "",
-        ready_timeout_s=FLAGS.verifier_wait_s,
+        ready_timeout_s=_cli.verifier_wait_s(),
+        report=_say,
       )
     except ConnectionError as e:
       self.__exit__(None, None, None)

@@ -186,12 +186,14 @@ def main(argv):
   del argv
   if FLAGS.check:
     if not FLAGS.expected:
-      sys.exit("eval_known: error: --check needs --expected")
+      raise app.UsageError("--check needs --expected")
     sys.exit(0 if check(FLAGS.check, FLAGS.expected) else 1)
   if not (FLAGS.kernelbench and FLAGS.out):
-    sys.exit("eval_known: error: pass --kernelbench and --out (or --check and --expected)")
+    raise app.UsageError("pass --kernelbench and --out (or --check and --expected)")
   write(FLAGS.kernelbench, _ids(FLAGS.problems), FLAGS.out)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from experiments import _cli
+
+  _cli.run(main)

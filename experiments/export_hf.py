@@ -15,7 +15,7 @@ from experiments import _cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("init", "random", ["random", "hf", "checkpoint"], "Where the weights come from.")
-flags.DEFINE_string("config", "tiny", "Model preset for --init=random.")
+flags.DEFINE_string("config", "tiny", "Model preset for --init=random (dice_jax.model PRESETS).")
 flags.DEFINE_integer("seed", 0, "Seed for --init=random.")
 flags.DEFINE_string("hf_dir", None, "Source HF directory for --init=hf.")
 flags.DEFINE_string("workdir", None, "Training run directory for --init=checkpoint.")
@@ -60,6 +60,11 @@ def check_args():
     raise UserError(f"--out {FLAGS.out} already exists (pass --overwrite to replace it)")
   if FLAGS.tokenizer_dir is not None and not os.path.isdir(FLAGS.tokenizer_dir):
     raise UserError(f"--tokenizer_dir {FLAGS.tokenizer_dir}: no such directory")
+  if FLAGS.init == "random":
+    from dice_jax.model.config import PRESETS
+
+    if FLAGS.config not in PRESETS:
+      raise UserError(f"--config: unknown model preset {FLAGS.config!r}; known: {sorted(PRESETS)}")
 
 
 def main(argv):

@@ -30,7 +30,8 @@ from dice_jax import (
 )
 from dice_jax.diffusion import memory  # noqa: E402
 from dice_jax.diffusion.sampler import SamplerConfig  # noqa: E402
-from dice_jax.model.config import get_config  # noqa: E402
+from dice_jax.errors import UserError  # noqa: E402
+from dice_jax.model.config import PRESETS, get_config  # noqa: E402
 from dice_jax.model.flash_decode import DecodeTiles  # noqa: E402
 from experiments import _cli  # noqa: E402
 
@@ -165,6 +166,9 @@ def _memory_table():
 
 def main(argv):
   del argv
+  unknown = [name for name in FLAGS.configs if name not in PRESETS]
+  if unknown:
+    raise UserError(f"--configs: unknown model preset(s) {unknown}; known: {sorted(PRESETS)}")
   if FLAGS.memory:
     _memory_table()
     return

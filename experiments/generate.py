@@ -78,6 +78,8 @@ def main(argv):
   del argv
   if (FLAGS.prompt is None) == (FLAGS.prompt_ids is None):
     raise app.UsageError("pass exactly one of --prompt and --prompt_ids")
+  if FLAGS.num_samples < 1:
+    raise UserError(f"--num_samples must be >= 1, got {FLAGS.num_samples}")
   if not os.path.isdir(FLAGS.hf_dir):
     raise UserError(f"--hf_dir {FLAGS.hf_dir}: no such directory")
   if FLAGS.tokenizer_dir is not None and not os.path.isdir(FLAGS.tokenizer_dir):
@@ -97,11 +99,34 @@ def main(argv):
     )
     prompt = tok.encode(text)
   else:
-    with _cli.user_errors_from(ValueError):
-      prompt = [int(i) for i in FLAGS.prompt_ids]
+    not_ids = [i for i in FLAGS.prompt_ids if not i.strip().isdigit()]
+    if not_ids:
+      raise UserError(f"--prompt_ids: {not_ids[0]!r} is not a token id (a number >= 0)")
+    prompt = [int(i) for i in FLAGS.prompt_ids]
     bad = [i for i in prompt if not 0 <= i < mcfg.vocab_size]
     if bad:
       raise UserError(f"--prompt_ids {bad} outside the model's vocabulary [0, {mcfg.vocab_size})")
+  if tok is not None:
+    stop = tok.stop_token_ids
+  else:
+    eos = mcfg.eos_token_id
+    stop = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
+  with _cli.user_errors_from(ValueError):  # a setting the sampler or this model cannot use
+    scfg = sampler.SamplerConfig(
+      block_size=FLAGS.block_size,  # 0: the model's (the sampler resolves and checks it)
+      steps=FLAGS.steps,
+      strategy=FLAGS.strategy,
+      threshold=FLAGS.threshold,
+      eb_threshold=FLAGS.eb_threshold,
+      temperature=FLAGS.temperature,
+      top_k=FLAGS.top_k,
+      top_p=FLAGS.top_p,
+      confidence=FLAGS.confidence,
+      max_new_tokens=FLAGS.max_new_tokens,
+      stop_ids=tuple(stop),
+      block_alignment=FLAGS.block_alignment,
+      pad_id=mcfg.pad_token_id if mcfg.pad_token_id is not None else 0,
+    ).for_model(mcfg)  # the model's block size, or the one check of --block_size
 
   t0 = time.perf_counter()
   model, cfg = checkpoint.import_hf(
@@ -111,27 +136,6 @@ def main(argv):
     attention_impl=FLAGS.attention_impl,
   )
   logging.info("loaded %s in %.1f s", FLAGS.hf_dir, time.perf_counter() - t0)
-  if tok is not None:
-    stop = tok.stop_token_ids
-  else:
-    eos = cfg.eos_token_id
-    stop = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
-  scfg = sampler.SamplerConfig(
-    block_size=FLAGS.block_size,  # 0: the model's (the sampler resolves and checks it)
-    steps=FLAGS.steps,
-    strategy=FLAGS.strategy,
-    threshold=FLAGS.threshold,
-    eb_threshold=FLAGS.eb_threshold,
-    temperature=FLAGS.temperature,
-    top_k=FLAGS.top_k,
-    top_p=FLAGS.top_p,
-    confidence=FLAGS.confidence,
-    max_new_tokens=FLAGS.max_new_tokens,
-    stop_ids=tuple(stop),
-    block_alignment=FLAGS.block_alignment,
-    pad_id=cfg.pad_token_id if cfg.pad_token_id is not None else 0,
-  )
-  scfg = scfg.for_model(cfg)  # the model's block size, or the one check of --block_size
   prompts = [prompt] * FLAGS.num_samples
   rng = jax.random.key(FLAGS.seed)
   t0 = time.perf_counter()

@@ -6,11 +6,14 @@ r"""BiC-RL launcher (TraceRL on block diffusion as in DICE `training/RL/`; docs/
 
 `--config` names a module of experiments/configs with `get_config()` (or a .py path);
 `--phase` overrides its phase; `--verifier=local` starts `python -m verifier serve` on 127.0.0.1
-as a child (CPU backend on a machine without a GPU) with its build cache in RUN/verifier.
+as a child (CPU backend on a machine without a GPU) with its log and build cache in RUN/verifier.
+The run waits up to `--verifier_wait_s` for the verifier to answer, with a progress
+line every 10 s, before it writes anything to RUN (with `--verifier=local`, RUN/verifier/ only).
 Re-running with the same workdir resumes from its newest intact checkpoint (exact: same tasks,
 samples and losses). The config may change in its step count, logging, checkpoint and evaluation
 cadence; other changed fields need `--allow_config_change`, and a few (group size, tasks per step,
-the seeds, the model's shapes) cannot change at all (dice_jax/train/resume.py). Outputs: RUN/metrics.jsonl, RUN/tb/, RUN/samples.jsonl, RUN/rl.png, RUN/checkpoints/.
+the seeds, the model's shapes) cannot change at all (dice_jax/train/resume.py).
+Outputs: RUN/metrics.jsonl, RUN/tb/, RUN/samples.jsonl, RUN/rl.png, RUN/checkpoints/.
 Ctrl-C (SIGINT) or SIGTERM finishes the current RL step, saves it and exits 0 (a second one
 stops at once); rerun the command to resume.
 A bad flag, config value or input file is one line on stderr and exit status 2.
@@ -50,24 +53,21 @@ flags.DEFINE_bool(
   "allow_config_change", False, "resume a run whose saved config differs from this one"
 )
 _cli.define_multiprocess_flags()
+_cli.define_verifier_wait_flag()
 
 
 def load_config(name: str):
   from experiments import configs
 
-  return configs.load(name, "rl_")
+  return configs.load(name, "rl")
 
 
 def resolve_config():
   import dataclasses
 
-  from dice_jax.rl.config import RLConfig
   from dice_jax.train.config import recipe_then_overrides
 
-  cfg = load_config(FLAGS.config)
-  if not isinstance(cfg, RLConfig):
-    raise UserError(f"--config {FLAGS.config}: get_config() returned a {type(cfg).__name__}")
-  cfg = recipe_then_overrides(cfg, FLAGS.set)
+  cfg = recipe_then_overrides(load_config(FLAGS.config), FLAGS.set)
   if FLAGS.phase:
     cfg = dataclasses.replace(cfg, phase=FLAGS.phase)
   with_init = {k: getattr(FLAGS, k) for k in ("init_hf", "init_checkpoint") if getattr(FLAGS, k)}
@@ -93,6 +93,9 @@ def resolve_config():
     evaluation.load_eval_tasks(cfg)
   if cfg.judge == "verifier" and not FLAGS.verifier:
     raise UserError("--verifier is required (HOST:PORT[,HOST:PORT] or local)")
+  if cfg.judge == "verifier" and FLAGS.verifier != "local":
+    _cli.verifier_endpoints(FLAGS.verifier)
+  _cli.verifier_wait_s()
   return cfg
 
 
@@ -106,11 +109,14 @@ def _local_device(cfg) -> str:
 
 def run(cfg) -> dict:
   from dice_jax.rl.loop import run_rl
-  from verifier.api.client import parse_endpoints
 
-  kwargs = dict(max_steps=FLAGS.max_steps, allow_config_change=FLAGS.allow_config_change)
+  kwargs = dict(
+    max_steps=FLAGS.max_steps,
+    allow_config_change=FLAGS.allow_config_change,
+    verifier_wait_s=_cli.verifier_wait_s(),
+  )
   if cfg.judge != "verifier" or FLAGS.verifier != "local":
-    endpoints = parse_endpoints(FLAGS.verifier) if cfg.judge == "verifier" else None
+    endpoints = _cli.verifier_endpoints(FLAGS.verifier) if cfg.judge == "verifier" else None
     return run_rl(cfg, FLAGS.workdir, endpoints=endpoints, **kwargs)
   import jax
 
@@ -124,7 +130,10 @@ def run(cfg) -> dict:
     args = ("--compile-workers", str(cfg.verifier.local_compile_workers))
   device = _local_device(cfg)
   logging.info("starting a local %s verifier (log: %s/verifier.log)", device, directory)
-  with LocalVerifier(directory, device=device, extra_args=args) as server:
+  wait_s = kwargs["verifier_wait_s"]
+  with LocalVerifier(
+    directory, device=device, extra_args=args, start_timeout_s=wait_s, report=logging.info
+  ) as server:
     logging.info("local verifier at %s", server.address)
     return run_rl(cfg, FLAGS.workdir, endpoints=[server.address], **kwargs)
 

@@ -161,7 +161,7 @@ def step_check(workdir: str) -> dict:
   out = {}
   with LocalVerifier(os.path.join(paths(workdir)["rl_dir"], "verifier"), device="cpu") as v:
     with ThreadedVerifier(v.address, options={"num_correct_trials": 1}, token="") as client:
-      client.wait_ready(120)
+      client.wait_ready()
       results = client.verify_batch([it[:3] for it in items])
   for (name, _, _, variant), r in zip(items, results):
     print(
@@ -271,7 +271,7 @@ def evaluate(run_dir: str, workdir: str, label: str) -> dict:
   )
   with LocalVerifier(os.path.join(paths(workdir)["rl_dir"], "verifier"), device="cpu") as v:
     with ThreadedVerifier(v.address, options={"num_correct_trials": 1}, token="") as client:
-      client.wait_ready(120)
+      client.wait_ready()
       ro = rollout.collect(
         model,
         groups,
@@ -459,4 +459,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from experiments import _cli
+
+  _cli.quiet_missing_tpu()
   app.run(main)

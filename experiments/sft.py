@@ -47,7 +47,7 @@ flags.mark_flag_as_required("workdir")
 def load_config(name: str):
   from experiments import configs
 
-  return configs.load(name)
+  return configs.load(name, "sft")
 
 
 def main(argv):

@@ -26,6 +26,7 @@ from dice_jax.data.tasks import (
   load_sft_samples,
 )
 from dice_jax.data.tokenizer import Tokenizer
+from dice_jax.errors import UserError
 from dice_jax.diffusion.blocks import BlockGrid
 from experiments import _cli
 from experiments.data_root import data_path
@@ -88,7 +89,10 @@ def _rl(tok: Tokenizer, infill: bool) -> None:
   else:
     tasks, rep = load_e2e_tasks(path, on_error="skip")
     reports = [rep]
-  print(f"{len(tasks)} tasks from {path} ({sum(len(r.skipped) for r in reports)} bad rows skipped)")
+  skipped = sum(len(r.skipped) for r in reports)
+  if not tasks:
+    raise UserError(f"{path}: no tasks ({skipped} bad rows skipped)")
+  print(f"{len(tasks)} tasks from {path} ({skipped} bad rows skipped)")
   cfg = RLStreamConfig(
     group_size=2, tasks_per_step=max(1, _N.value), num_steps=1, prompt_style=_STYLE.value
   )
@@ -130,6 +134,8 @@ def _sft_samples():
 
 def _sft(tok: Tokenizer) -> None:
   samples = _sft_samples()
+  if not samples:
+    raise UserError(f"{_SFT.value or _infill_path()}: no SFT samples")
   print(f"{len(samples)} SFT samples")
   for s in samples[: _N.value]:
     p, r = sft_texts(s, tok)
@@ -137,13 +143,14 @@ def _sft(tok: Tokenizer) -> None:
       f"\n===== {s.sample_id}: prompt_tokens={len(tok.encode(p))} response_tokens={len(tok.encode(r))}"
     )
     print(_clip(p + r))
-  cfg = SFTPipelineConfig(
-    seq_len=_SEQ.value,
-    grid=BlockGrid(_block_size()),
-    batch_size=_BATCH.value,
-    num_packing_bins=_BINS.value,
-    drop_remainder=False,
-  )
+  with _cli.user_errors_from(ValueError):  # --seq_len, --block_size, --batch_size, --packing_bins
+    cfg = SFTPipelineConfig(
+      seq_len=_SEQ.value,
+      grid=BlockGrid(_block_size()),
+      batch_size=_BATCH.value,
+      num_packing_bins=_BINS.value,
+      drop_remainder=False,
+    )
   stats = PackingStats()
   rows = used = loss = 0
   batches = make_sft_dataset(samples, tok, cfg, stats)

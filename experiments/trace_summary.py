@@ -94,16 +94,25 @@ def markdown(summary: dict) -> str:
 
 
 def main(argv: list[str]) -> None:
+  """Bad arguments or a directory without a trace: one line on stderr, exit status 2."""
+  from experiments import _cli
+
   calls = 1
   dirs = []
   for a in argv:
     if a.startswith("--calls="):
-      calls = int(a.split("=", 1)[1])
+      calls = a.split("=", 1)[1]
+      if not calls.isdigit() or int(calls) < 1:
+        _cli.fail(f"--calls must be a number >= 1, got {calls!r}")
+      calls = int(calls)
     else:
       dirs.append(a)
   if len(dirs) != 1:
-    raise SystemExit("usage: python -m experiments.trace_summary TRACE_DIR [--calls=N]")
-  print(markdown(summarize(dirs[0], calls)))
+    _cli.fail("usage: python -m experiments.trace_summary TRACE_DIR [--calls=N]")
+  try:
+    print(markdown(summarize(dirs[0], calls)))
+  except FileNotFoundError as e:
+    _cli.fail(_cli.message(e))
 
 
 if __name__ == "__main__":

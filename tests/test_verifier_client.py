@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import re
 import signal
 import socket
 import threading
@@ -179,14 +180,17 @@ def test_dead_endpoint_is_marked_down_and_the_live_one_answers(scripted, caplog)
     assert any(dead in r.getMessage() for r in caplog.records)
 
 
-def test_all_endpoints_down_gives_up_after_max_wait_naming_the_address():
+def test_all_endpoints_down_gives_up_after_max_wait_naming_the_address(record_property):
   dead = f"127.0.0.1:{_free_port()}"
   policy = vc.RetryPolicy(initial_backoff_s=0.05, max_backoff_s=0.1, max_wait_s=0.6)
   with ThreadedVerifier(dead, retry=policy, token="") as client:
     t0 = time.monotonic()
-    with pytest.raises(vc.VerifierUnavailable, match=dead):
-      client.verify("t", "ref", "cand")
-    assert time.monotonic() - t0 < 10
+    answer = client.submit("t", "ref", "cand")
+    with pytest.raises(vc.VerifierUnavailable, match=dead) as e:
+      answer.result(timeout=300)  # a hang guard only: it gives up after max_wait_s (0.6 s)
+    record_property("seconds", time.monotonic() - t0)  # experiments/bench_bounds.py reads it
+  attempts = int(re.search(r"after (\d+) attempts", str(e.value)).group(1))
+  assert attempts >= 2  # it retried before giving up
 
 
 def test_token_is_sent_and_a_wrong_one_is_refused(scripted):

@@ -12,9 +12,11 @@ Inputs (``load_candidates``):
 KernelBench references (by problem id) come from ``--kernelbench``: ``level{N}.jsonl`` rows
 ``{level, problem_id, name, code}``, a directory of them, or a KernelBench checkout (``level{N}/*.py``).
 
-The batch goes to a ``VerifierService`` started in this process, or to running services through
-``verifier.api.client.VerifierClient``. Progress goes to stderr as verdicts arrive, with a heartbeat
-(what is building or running, elapsed time) while a long build is under way.
+Each candidate keeps an ``id``: its JSONL row's ``id`` (its 1-based line number when it has none) or
+its file's name. The batch goes to a ``VerifierService`` started in this process, or to running
+services through ``verifier.api.client.VerifierClient`` once they answer (``--verifier_wait_s``).
+Verdicts are handed on as they arrive (``verdict_file`` writes them); progress goes to stderr, with a
+heartbeat (what is building or running, elapsed time) whenever ``HEARTBEAT_S`` passes without a line.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ import time
 from collections.abc import Sequence
 
 from verifier.api.contract import VerifyOptions, VerifyRequest, VerifyResult
+from verifier.api.waiting import VERIFIER_WAIT_S
 
 _KB_FILE = re.compile(r"level_(\d+)_problem_(\d+)_sample_(\d+)_kernel\.py$")
 _TASK_ID = re.compile(r"(?:kernelbench/)?L(\d+)/(\d+)$")
+HEARTBEAT_S = 15.0  # off a terminal, a progress line at least this often
 
 
 class InputError(ValueError):
@@ -47,6 +51,7 @@ class Candidate:
   task_id: str
   reference: str
   candidate: str
+  id: str | int = ""  # the input row's "id" (its 1-based line without one), or the file's name
 
 
 def read_source(path: str, what: str) -> str:
@@ -163,7 +168,8 @@ def _from_jsonl(path: str, kernelbench: str | None) -> tuple[list[Candidate], in
       ref = kb.get(level, pid, where)
     sample = row.get("sample")
     name = str(row.get("id") or task_id) + (f"#{sample}" if sample is not None else "")
-    out.append(Candidate(name, task_id, ref, cand))
+    row_id = row.get("id")
+    out.append(Candidate(name, task_id, ref, cand, n if row_id is None else row_id))
   return out, skipped
 
 
@@ -173,8 +179,8 @@ def _from_dir(path: str, reference: str | None, kernelbench: str | None) -> list
   if reference is not None:
     ref = read_source(reference, "reference")
     return [
-      Candidate(os.path.basename(f), os.path.basename(f)[:-3], ref, read_source(f, "candidate"))
-      for f in files
+      Candidate(b, b[:-3], ref, read_source(f, "candidate"), b)
+      for f, b in ((f, os.path.basename(f)) for f in files)
     ]
   if any(m for _, m in kb_files):
     kb = _problems(kernelbench, path)
@@ -184,18 +190,16 @@ def _from_dir(path: str, reference: str | None, kernelbench: str | None) -> list
         level, pid, sample = map(int, m.groups())
         task = f"kernelbench/L{level}/{pid}"
         ref = kb.get(level, pid, f)
-        out.append(Candidate(f"{task}#{sample}", task, ref, read_source(f, "candidate")))
+        name = os.path.basename(f)
+        out.append(Candidate(f"{task}#{sample}", task, ref, read_source(f, "candidate"), name))
     return out
   pairs = sorted(glob.glob(os.path.join(path, "*", "candidate.py")))
-  return [
-    Candidate(
-      os.path.basename(os.path.dirname(c)),
-      os.path.basename(os.path.dirname(c)),
-      read_source(os.path.join(os.path.dirname(c), "reference.py"), "reference"),
-      read_source(c, "candidate"),
-    )
-    for c in pairs
-  ]
+  out = []
+  for c in pairs:
+    name = os.path.basename(os.path.dirname(c))
+    ref = read_source(os.path.join(os.path.dirname(c), "reference.py"), "reference")
+    out.append(Candidate(name, name, ref, read_source(c, "candidate"), name))
+  return out
 
 
 def load_candidates(
@@ -210,7 +214,8 @@ def load_candidates(
       raise InputError("pass a directory or JSONL of candidates, or --reference and --candidate")
     ref, cand = read_source(reference, "reference"), read_source(candidate, "candidate")
     name = os.path.basename(candidate)
-    return [Candidate(name, os.path.splitext(os.path.basename(reference))[0], ref, cand)], 0
+    task = os.path.splitext(os.path.basename(reference))[0]
+    return [Candidate(name, task, ref, cand, name)], 0
   if candidate:
     raise InputError("pass either a directory/JSONL of candidates or --candidate, not both")
   if not os.path.exists(path):
@@ -238,39 +243,44 @@ def request_id(c: Candidate, opts: VerifyOptions) -> str:
 
 
 class Progress:
-  """One status line on stderr: done / total, passed, elapsed, and what the service is doing
-  (a heartbeat every ``every_s`` when stderr is not a terminal)."""
+  """Progress on stderr: done / total, passed, elapsed, and what the service is doing. Off a
+  terminal: a line per verdict, and a heartbeat line whenever ``every_s`` passed without a line; on
+  a terminal: one live line. ``clock`` is injectable (tests use a fake one)."""
 
-  def __init__(self, total: int, stream=None, every_s: float = 15.0):
+  def __init__(self, total: int, stream=None, every_s: float = HEARTBEAT_S, clock=time.monotonic):
     self.total, self.done, self.passed = total, 0, 0
     self.stream = stream or sys.stderr
     self.tty = self.stream.isatty()
     self.every_s = every_s
-    self.t0 = time.monotonic()
-    self.last = 0.0
+    self.clock = clock
+    self.t0 = clock()
+    self.last_line = self.t0  # when a line was last written (off a terminal)
     self.status = ""
 
   def line(self) -> str:
-    el = time.monotonic() - self.t0
+    el = self.clock() - self.t0
     s = f"check: {self.done}/{self.total} verified, {self.passed} passed, {el:.0f} s"
     return s + (f" ({self.status})" if self.status else "")
 
+  def _write(self, text: str) -> None:
+    self.stream.write(text)
+    self.stream.flush()
+    self.last_line = self.clock()
+
   def show(self, force: bool = False) -> None:
-    now = time.monotonic()
+    """The live line on a terminal; off one, the status line when forced or a heartbeat is due."""
     if self.tty:
-      self.stream.write("\r\033[K" + self.line())
-      self.stream.flush()
-    elif force or now - self.last >= self.every_s:
-      self.stream.write(self.line() + "\n")
-      self.stream.flush()
-    self.last = now
+      self._write("\r\033[K" + self.line())
+    elif force or self.clock() - self.last_line >= self.every_s:
+      self._write(self.line() + "\n")
 
   def result(self, c: Candidate, r: VerifyResult) -> None:
     self.done += 1
     self.passed += r.reward > 0
-    if not self.tty:
-      self.stream.write(f"check: [{self.done}/{self.total}] {c.name}: {r.failure_kind.value}\n")
-    self.show(force=False)
+    if self.tty:
+      self.show()
+    else:
+      self._write(f"check: [{self.done}/{self.total}] {c.name}: {r.failure_kind.value}\n")
 
   def close(self) -> None:
     if self.tty:
@@ -278,9 +288,10 @@ class Progress:
       self.stream.flush()
 
 
-async def _heartbeat(progress: Progress, status) -> None:
+async def heartbeat(progress: Progress, status, sleep=asyncio.sleep, tick_s: float = 1.0) -> None:
+  """Refreshes ``progress`` with ``status()`` every ``tick_s`` until cancelled."""
   while True:
-    await asyncio.sleep(1.0)
+    await sleep(tick_s)
     progress.status = status()
     progress.show()
 
@@ -293,19 +304,41 @@ async def verify_batch(
   addresses: Sequence[str] = (),
   token: str = "",
   progress: Progress | None = None,
-) -> list[VerifyResult]:
+  on_result=None,
+  wait_s: float = VERIFIER_WAIT_S,
+  report=None,
+) -> list[VerifyResult | None]:
   """Verdicts in candidate order, from a service started here (``service_config``) or from the
-  services at ``addresses``."""
+  services at ``addresses``; ``on_result(i, result)`` is called as each arrives. Remote services
+  must answer within ``wait_s`` (progress lines to ``report``) or ``VerifierUnavailable`` is raised;
+  a candidate that no service answered later (the retry policy gave up) is None."""
   reqs = [
     VerifyRequest(request_id(c, opts), c.task_id, c.reference, c.candidate, opts)
     for c in candidates
   ]
   if addresses:
-    from verifier.api.client import RetryPolicy, VerifierClient
+    from verifier.api.client import VerifierClient, VerifierUnavailable
 
-    retry = RetryPolicy(call_timeout_s=900.0, max_attempts=5)
-    client = VerifierClient(list(addresses), token=token, retry=retry)
-    verify, status, close = client.verify, (lambda: "waiting for the service"), client.close
+    client = VerifierClient(list(addresses), token=token)
+    try:
+      await client.wait_ready(wait_s, report)
+    except BaseException:
+      await client.close()
+      raise
+
+    async def verify(req):
+      try:
+        return await client.verify_answered(req)
+      except VerifierUnavailable as e:
+        if report is not None:
+          report(f"no verdict for {req.task_id}: {e}")
+        return None
+
+    def status():
+      n = sum(e["outstanding"] for e in client.health())
+      return f"{n} in flight at {', '.join(addresses)}"
+
+    close = client.close
   else:
     from verifier.serve.service import VerifierService
 
@@ -321,7 +354,7 @@ async def verify_batch(
 
     verify, close = service.verify, service.close
   results: list[VerifyResult | None] = [None] * len(reqs)
-  beat = asyncio.create_task(_heartbeat(progress, status)) if progress is not None else None
+  beat = asyncio.create_task(heartbeat(progress, status)) if progress is not None else None
 
   async def one(i: int):
     return i, await verify(reqs[i])
@@ -329,14 +362,18 @@ async def verify_batch(
   try:
     for fut in asyncio.as_completed([one(i) for i in range(len(reqs))]):
       i, r = await fut
+      if r is None:
+        continue
       results[i] = r
+      if on_result is not None:
+        on_result(i, r)
       if progress is not None:
         progress.result(candidates[i], r)
   finally:
     if beat is not None:
       beat.cancel()
     await close()
-  return results  # type: ignore[return-value]
+  return results
 
 
 def summary(candidates: Sequence[Candidate], results: Sequence[VerifyResult]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -11,21 +12,12 @@ import pathlib
 import signal
 import sys
 
-from verifier import batch
-from verifier.api.contract import VerifyOptions
+from verifier import batch, verdict_file
+from verifier.api import waiting
+from verifier.api.client import VerifierUnavailable, parse_endpoints
+from verifier.api.contract import VerifyOptions, VerifyResult
 from verifier.serve.service import ServiceConfig, default_compile_workers, default_mem_mb
-
-
-def _detect_arch() -> str:
-  try:
-    import torch
-
-    if torch.cuda.is_available():
-      major, minor = torch.cuda.get_device_capability(0)
-      return f"{major}.{minor}"
-  except Exception:  # noqa: BLE001
-    pass
-  return ""
+from verifier.serve.torch_build import TorchBuild, cuda_refusal
 
 
 def _service_args(p: argparse.ArgumentParser) -> None:
@@ -35,7 +27,12 @@ def _service_args(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     "--device", choices=("cuda", "cpu"), default=None, help="default: cuda if a GPU is visible"
   )
-  p.add_argument("--gpus", default="0", help="comma-separated GPU indices, e.g. 0,1")
+  p.add_argument(
+    "--gpus",
+    default=None,
+    help="comma-separated GPU indices, e.g. 0,1 (default 0 when a GPU is visible); refused, like "
+    "--device cuda, where torch has no CUDA",
+  )
   p.add_argument(
     "--slots-per-gpu", type=int, default=4, help="concurrent reward-mode candidates per GPU"
   )
@@ -133,12 +130,18 @@ def _service_args(p: argparse.ArgumentParser) -> None:
   )
 
 
-def _config(a) -> ServiceConfig:
-  device = a.device or ("cuda" if _detect_arch() else "cpu")
-  arch = a.arch if a.arch is not None else (_detect_arch() if device == "cuda" else "")
+def _config(a, serving_here: bool = True) -> ServiceConfig:
+  """The service config of the flags; ``serving_here``: a service runs in this process, so a CUDA
+  request that this host's torch cannot serve is refused (ValueError, one line)."""
+  build = TorchBuild.detect()
+  refusal = cuda_refusal(a.device, a.gpus, build) if serving_here else ""
+  if refusal:
+    raise ValueError(refusal)
+  device = a.device or ("cuda" if build.gpu_visible else "cpu")
+  arch = a.arch if a.arch is not None else (build.arch if device == "cuda" else "")
   return ServiceConfig(
     device=device,
-    gpus=tuple(g for g in a.gpus.split(",") if g),
+    gpus=tuple(g for g in (a.gpus or "0").split(",") if g),
     slots_per_gpu=a.slots_per_gpu,
     compile_workers=a.compile_workers,
     cache_dir=a.cache_dir,
@@ -167,7 +170,11 @@ async def _serve(a) -> int:
   if bool(a.tls_cert) != bool(a.tls_key):
     print("error: --tls-cert and --tls-key go together", file=sys.stderr)
     return 2
-  cfg = _config(a)
+  try:
+    cfg = _config(a)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   cfg.build_only = a.build_only
   tls = TlsFiles(a.tls_cert, a.tls_key) if a.tls_cert else None
   try:
@@ -225,45 +232,130 @@ def _print_one(r) -> None:
     print("logs:\n" + r.logs)
 
 
-async def _check(a) -> int:
-  """Verifies one candidate or a batch (verifier/batch.py); 0 when every candidate passed."""
-  try:
+# `verifier check` exit statuses
+EXIT_PASSED, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NO_VERIFIER = 0, 1, 2, 3
+EXIT_STATUSES = (
+  "exit status: 0 every candidate passed; 1 some did not; 2 bad input (one line); 3 no verifier "
+  "answered (at start within --verifier_wait_s, or for some candidates later: with --out, a rerun "
+  "judges only those)"
+)
+
+
+def _say(text: str) -> None:
+  print(f"check: {text}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass
+class _CheckRun:
+  """What ``check`` judges and where, read from its flags (bad ones raise, naming the flag)."""
+
+  cands: list[batch.Candidate]
+  skipped: int  # JSONL rows without a candidate
+  cfg: ServiceConfig  # of the service started here (no --verifier)
+  opts: VerifyOptions
+  addresses: list[str]  # --verifier
+  token: str
+  wait_s: float
+  judged: dict[str, dict]  # request_id -> record already in --out
+  writer: verdict_file.VerdictWriter | None
+
+  @classmethod
+  def from_flags(cls, a) -> "_CheckRun":
     cands, skipped = batch.load_candidates(a.path, a.reference, a.candidate, a.kernelbench)
     token = os.environ.get("VERIFIER_TOKEN", "")
     if a.token_file:
       token = batch.read_source(a.token_file, "--token-file").strip()
-    cfg = _config(a)
+    addresses = parse_endpoints(a.verifier) if a.verifier else []
+    cfg = _config(a, serving_here=not addresses)
+    wait_s = waiting.check_wait_s(a.verifier_wait_s)
+    judged, keep = verdict_file.load(a.out) if a.out else ({}, 0)
+    writer = verdict_file.VerdictWriter(a.out, keep) if a.out else None
     opts = _check_options(a, cfg.device)
+    return cls(cands, skipped, cfg, opts, addresses, token, wait_s, judged, writer)
+
+
+async def _check(a) -> int:
+  """Verifies one candidate or a batch (verifier/batch.py); exit status as ``EXIT_STATUSES``."""
+  try:
+    run = _CheckRun.from_flags(a)
   except (batch.InputError, ValueError) as e:
     print(f"check: error: {e}", file=sys.stderr)
-    return 2
-  addresses = [x for x in (a.verifier or "").split(",") if x]
-  if not addresses:
+    return EXIT_BAD_INPUT
+  ids = [batch.request_id(c, run.opts) for c in run.cands]
+  results = [VerifyResult.from_dict(run.judged[i]) if i in run.judged else None for i in ids]
+  todo = [k for k, r in enumerate(results) if r is None]
+  if len(todo) < len(results):
+    _say(
+      f"{len(results) - len(todo)} of {len(results)} candidate(s) already judged in {a.out}: "
+      "skipped (another --out judges them again)"
+    )
+  if todo:
+    try:
+      await _verify(run, todo, results)
+    except VerifierUnavailable as e:
+      print(f"check: error: {e}", file=sys.stderr)
+      return EXIT_NO_VERIFIER
+    except PermissionError as e:  # the service refused the token
+      print(f"check: error: {e}", file=sys.stderr)
+      return EXIT_BAD_INPUT
+    finally:
+      if run.writer is not None:
+        run.writer.close()
+  _print_results(a, run.cands, results)
+  missing = sum(r is None for r in results)
+  if missing:
+    again = f"; rerun with --out {a.out} to judge only those" if a.out else ""
+    _say(f"{missing} candidate(s) got no verdict: no verifier answered them{again}")
+    return EXIT_NO_VERIFIER
+  return EXIT_PASSED if all(r.reward > 0 for r in results) else EXIT_FAILED
+
+
+async def _verify(run: _CheckRun, todo: list[int], results: list) -> None:
+  """Judges the candidates at indices ``todo`` into ``results`` (None where no verifier answered),
+  each verdict to ``--out`` as it arrives."""
+  cfg, cands = run.cfg, [run.cands[k] for k in todo]
+  if not run.addresses:
     cfg.pch_background = False  # a one-shot run would kill it before it is done
     cfg.prewarm = len(cands) > 1
     cfg.compile_workers = min(cfg.compile_workers, len(cands))
-  note = f" ({skipped} without a candidate skipped)" if skipped else ""
-  where = ", ".join(addresses) or f"a {cfg.device} verifier started here"
-  print(
-    f"check: {len(cands)} candidate(s){note} on {where}; a cold C++/CUDA build takes 10-150 s",
-    file=sys.stderr,
-    flush=True,
-  )
+  note = f" ({run.skipped} without a candidate skipped)" if run.skipped else ""
+  where = ", ".join(run.addresses) or f"a {cfg.device} verifier started here"
+  _say(f"{len(cands)} candidate(s){note} on {where}; a cold C++/CUDA build takes 10-150 s")
+
+  def on_result(i: int, r: VerifyResult) -> None:
+    results[todo[i]] = r
+    if run.writer is not None:
+      run.writer.write(cands[i], r)
+
   progress = batch.Progress(len(cands))
   try:
-    results = await batch.verify_batch(
-      cands, opts, service_config=cfg, addresses=addresses, token=token, progress=progress
+    await batch.verify_batch(
+      cands,
+      run.opts,
+      service_config=cfg,
+      addresses=run.addresses,
+      token=run.token,
+      progress=progress,
+      on_result=on_result,
+      wait_s=run.wait_s,
+      report=_say,
     )
   finally:
     progress.close()
+
+
+def _print_results(a, cands, results) -> None:
+  """The verdicts on stdout: JSON (--json), one candidate's details, or the summary table."""
+  pairs = [(c, r) for c, r in zip(cands, results) if r is not None]
+  if not pairs:
+    return
   if a.json:
-    out = [dict(r.to_dict(), name=c.name) for c, r in zip(cands, results)]
+    out = [verdict_file.record(c, r) for c, r in pairs]
     print(json.dumps(out[0] if a.candidate else out, indent=2))
-  elif len(results) == 1 and a.candidate:
-    _print_one(results[0])
+  elif len(pairs) == 1 and a.candidate:
+    _print_one(pairs[0][1])
   else:
-    print(batch.summary(cands, results))
-  return 0 if all(r.reward > 0 for r in results) else 1
+    print(batch.summary(*zip(*pairs)))
 
 
 def expand_flagfiles(argv: list[str]) -> list[str]:
@@ -337,6 +429,7 @@ def main(argv=None) -> int:
     "check",
     help="verify candidates against references: one pair, or a batch from a directory or JSONL",
     description=batch.__doc__.split("\n\n")[1].replace("``", "") if batch.__doc__ else None,
+    epilog=EXIT_STATUSES,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   c.add_argument(
@@ -361,7 +454,24 @@ def main(argv=None) -> int:
   c.add_argument(
     "--token-file", default="", help="file holding the bearer token (or set VERIFIER_TOKEN)"
   )
-  c.add_argument("--json", action="store_true", help="print the full results as JSON")
+  c.add_argument(
+    waiting.WAIT_FLAG,
+    "--verifier-wait-s",
+    dest="verifier_wait_s",
+    type=float,
+    default=waiting.VERIFIER_WAIT_S,
+    metavar="SECONDS",
+    help="with --verifier: how long to wait for the services to answer at start, in seconds (a "
+    f"progress line every {waiting.WAIT_PROGRESS_EVERY_S:g} s meanwhile; then exit status 3)",
+  )
+  c.add_argument("--json", action="store_true", help="print the full results as JSON at the end")
+  c.add_argument(
+    "--out",
+    default="",
+    metavar="FILE",
+    help="append each verdict to FILE as one JSON line as it arrives (with the input row's id); a "
+    "rerun with the same FILE skips the candidates already judged there",
+  )
   c.add_argument(
     "--trials", type=int, default=5, help="correctness trials, each with new random inputs"
   )
@@ -435,7 +545,17 @@ def main(argv=None) -> int:
   if a.cmd == "serve":
     return asyncio.run(_serve(a))
   if a.cmd == "check":
-    return asyncio.run(_check(a))
+    try:
+      return asyncio.run(_check(a))
+    except KeyboardInterrupt:
+      kept = f"; the verdicts so far are in {a.out}, a rerun resumes" if a.out else ""
+      _say(f"interrupted{kept}")
+      return 130
   from verifier import bench
 
-  return asyncio.run(bench.run(a, _config(a)))
+  try:
+    cfg = _config(a)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return asyncio.run(bench.run(a, cfg))

@@ -101,7 +101,7 @@ def read_measurements(path: str) -> dict[str, dict]:
       if i == len(lines) - 1:
         logging.warning("%s: ignoring a torn last line (will re-measure that pair)", path)
         continue
-      raise ValueError(f"{path}:row {i}: corrupt measurement journal line")
+      raise ValueError(f"{path}:{i + 1}: corrupt measurement journal line")
     out[rec["key"]] = rec
   return out
 

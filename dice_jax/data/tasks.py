@@ -8,7 +8,9 @@ Sources (facts from KernelBench, ScalingIntelligence/KernelBench, and DICE's RL 
     ``[{id, pytorch_code, cuda_code, prefix, middle, suffix}]`` with ``prefix + middle + suffix == cuda_code``.
   * ConCuR-style pairs: ``{pytorch_code, cuda_code, reasoning?, speedup?, level?, id?}`` (JSON list or JSONL).
 
-Every bad row is reported as ``file:row: problem``. ``on_error="raise"`` stops at the first bad row;
+Every bad row is reported as ``file:LINE: problem`` (JSONL, lines from 1, as ``verifier check`` and
+the candidates file report them) or ``file: record N: problem`` (a JSON list or parquet table, records
+from 1). ``on_error="raise"`` stops at the first bad row;
 ``on_error="skip"`` skips it, logs it and records it in the returned ``LoadReport`` -- nothing is dropped silently.
 """
 
@@ -41,6 +43,12 @@ class DataError(UserError):
   """A data row or file does not match its schema; the message names the file and row."""
 
 
+def where(path: str, row: int) -> str:
+  """Where row `row` (0-based: a JSONL line index, or a record's index in a JSON list or table) is,
+  as a reader counts: ``file:LINE`` for JSONL, ``file: record N`` otherwise (both from 1)."""
+  return f"{path}:{row + 1}" if path.endswith(".jsonl") else f"{path}: record {row + 1}"
+
+
 @dataclasses.dataclass(frozen=True)
 class RowIssue:
   path: str
@@ -48,7 +56,7 @@ class RowIssue:
   message: str
 
   def __str__(self) -> str:
-    return f"{self.path}:row {self.row}: {self.message}"
+    return f"{where(self.path, self.row)}: {self.message}"
 
 
 @dataclasses.dataclass
@@ -80,7 +88,7 @@ class KernelTask:
   middle: str | None = None
   suffix: str | None = None
   cuda_code: str | None = None
-  origin: str = ""  # "file:row"
+  origin: str = ""  # where it was read (`where`), or its file
 
   @property
   def stage(self) -> int:
@@ -222,7 +230,7 @@ def load_e2e_tasks(
       reference_code=code,
       name=str(rec.get("name", "")),
       kind="e2e",
-      origin=f"{path}:{row}",
+      origin=where(path, row),
     )
 
   return _load(path, on_error, parse)
@@ -254,7 +262,7 @@ def load_infilling_tasks(
       middle=middle,
       suffix=suffix,
       cuda_code=cuda,
-      origin=f"{path}:{row}",
+      origin=where(path, row),
     )
 
   return _load(path, on_error, parse)
@@ -283,7 +291,7 @@ def load_kernelbench(
         level=level,
         reference_code=code,
         name=name,
-        origin=f"{origin_path}:{row}",
+        origin=where(origin_path, row),
       )
 
     return parse
@@ -393,7 +401,7 @@ def load_pairs(path: str, on_error: OnError = "raise") -> tuple[list[KernelPair]
       reasoning=reasoning,
       speedup=None if sp is None else float(sp),
       level=level,
-      origin=f"{path}:{row}",
+      origin=where(path, row),
     )
 
   return _load(path, on_error, parse)

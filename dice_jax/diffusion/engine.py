@@ -15,6 +15,12 @@ and step map it gets alone.
 The host loop is pipelined: it dispatches block k+1 before it reads which rows finished at block k,
 so the device never waits for the host (a finished row idles for one block before its refill).
 `stats` reports forwards, blocks, prefills, and the host time spent outside device waits.
+
+On a mesh (`placement.py`) the slots and their cache are split over the data axes: each device
+decodes its slots, and an admission gives every row shard its own rows (`FreeSlots`), which that
+device prefills and writes. Several processes run the same host loop on the same requests (the
+same decisions everywhere: the finished flags come back replicated), each process's devices
+decoding their share of the slots; finished rows are gathered to every process.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Hashable, Iterable, Iterator, Optional, Sequence
+from typing import Callable, Hashable, Iterable, Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +39,7 @@ from dice_jax import distributed
 from dice_jax.diffusion import memory
 from dice_jax.diffusion import sampler as sampler_lib
 from dice_jax.diffusion import slots as slots_lib
+from dice_jax.diffusion.placement import Placement
 from dice_jax.diffusion.sampler import SamplerConfig
 from dice_jax.model import platform
 from dice_jax.model.kv_cache import KVCache
@@ -78,20 +85,47 @@ class Completion:
     return self.response_ids[: self.response_length]
 
 
-def _replicated_on_model_mesh(state):
-  """`NamedSharding(mesh, P())` on the mesh the model's parameters live on, else None."""
-  for leaf in jax.tree.leaves(state):
-    sh = getattr(leaf, "sharding", None)
-    if isinstance(sh, jax.sharding.NamedSharding):
-      return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
-  return None
+def empty_state(model_cfg, cfg: SamplerConfig, slots: int, cache_len: int):
+  """(Slots, KVCache) of an engine holding no request: every slot done, the cache empty."""
+  b = cfg.block_size
+  width = slots_lib.out_width(b, cfg.max_new_tokens)
+  return (
+    slots_lib.empty_slots(slots, b, width, cfg.return_logprobs, model_cfg.mask_token_id),
+    KVCache.empty(
+      model_cfg, slots, cache_len, dtype=cfg.cache_dtype(model_cfg), tiles=cfg.decode_tiles
+    ),
+  )
 
 
-@functools.lru_cache(maxsize=16)
-def _compiled_steps(graphdef, cfg: SamplerConfig, options: tuple):
-  """The engine's two jitted steps for one (model graph, config, XLA options): shared by every
-  engine built on them, so a new engine per RL step (new weights, same graph) reuses the
-  compiled programs instead of compiling again."""
+@dataclasses.dataclass(frozen=True)
+class Steps:
+  """The engine's compiled programs: `init` () -> (slots, cache); `advance` (state, weights,
+  slots, cache) -> (slots, cache, finished, forwards, lengths); `admit` (state, weights, slots,
+  cache, rows, prompts, prompt_len, max_new, keys) -> (slots, cache). Slots and cache in and out
+  on `placement` (rows over the data axes), the cache donated; host inputs as they come (split
+  over the rows inside); the per-row outputs the host reads replicated."""
+
+  init: Callable
+  advance: Callable
+  admit: Callable
+
+
+def build_steps(
+  graphdef,
+  model_cfg,
+  cfg: SamplerConfig,
+  placement: Placement,
+  slots: int,
+  cache_len: int,
+  options: tuple = (),
+) -> Steps:
+  """The engine's jitted steps for one (model graph and config, sampler config, placement, shape,
+  XLA options `((name, value), ...)`), freshly made (`compiled_steps` shares them; a fresh one is
+  what tracing for another platform needs: `platform.lowering_for` is read at trace time)."""
+  init = functools.partial(empty_state, model_cfg, cfg, slots, cache_len)
+  sl, cache = jax.eval_shape(init)
+  sl_sh, cache_sh = placement.row_tree(sl), placement.cache(cache)
+  repl = placement.replicated
 
   def advance(st, weights, sl, cache):
     model = sampler_lib.decoding_model(graphdef, st, weights)
@@ -100,17 +134,74 @@ def _compiled_steps(graphdef, cfg: SamplerConfig, options: tuple):
 
   def admit(st, weights, sl, cache, rows, prompts, n, new, keys):
     model = sampler_lib.decoding_model(graphdef, st, weights)
-    return slots_lib.admit(model, sl, cache, rows, prompts, n, new, keys, cfg)
+    return slots_lib.admit(model, sl, cache, rows, prompts, n, new, keys, cfg, placement)
 
   opts = dict(options) or None
-  return (
-    jax.jit(advance, donate_argnums=(3,), compiler_options=opts),
-    jax.jit(admit, donate_argnums=(3,), compiler_options=opts),
+  return Steps(
+    init=jax.jit(init, out_shardings=(sl_sh, cache_sh)),
+    advance=jax.jit(
+      advance,
+      in_shardings=(None, None, sl_sh, cache_sh),
+      out_shardings=(sl_sh, cache_sh, repl, repl, repl),
+      donate_argnums=(3,),
+      compiler_options=opts,
+    ),
+    admit=jax.jit(
+      admit,
+      in_shardings=(None, None, sl_sh, cache_sh) + (None,) * 5,
+      out_shardings=(sl_sh, cache_sh),
+      donate_argnums=(3,),
+      compiler_options=opts,
+    ),
   )
+
+
+@functools.lru_cache(maxsize=16)
+def compiled_steps(*key) -> Steps:
+  """`build_steps(*key)`, shared by every engine built on the same key, so a new engine per RL
+  step (new weights, the same graph) reuses the compiled programs instead of compiling again."""
+  return build_steps(*key)
 
 
 def _bucket(n: int, multiple: int) -> int:
   return max(multiple, -(-n // multiple) * multiple)
+
+
+class FreeSlots:
+  """The engine's free slots by row shard (shard j holds slots `[j * S/n, (j + 1) * S/n)`), and the
+  rows of an admission call: `width` per shard, the j-th block in shard j's slots
+  (`slots.admit` with a placement: each device prefills the rows it decodes), the slot count
+  (padding, nothing admitted) where a shard has no free slot or no request is left."""
+
+  def __init__(self, slots: int, shards: int):
+    self.slots, self.shards, per = slots, shards, slots // shards
+    self._free = [list(range(j * per, (j + 1) * per)) for j in range(shards)]
+
+  def __len__(self) -> int:
+    return sum(map(len, self._free))
+
+  def release(self, slot: int) -> None:
+    self._free[slot // (self.slots // self.shards)].append(slot)
+
+  def _placed(self, width: int, requests: int) -> int:
+    return min(requests, sum(min(width, len(f)) for f in self._free))
+
+  def take(self, requests: int, prefill_rows: int) -> list[int]:
+    """The rows of the next admission of (some of) `requests` waiting requests: `prefill_rows`
+    rows in all (rounded up to the shards) when that many can be placed, else one per shard
+    (two compiled shapes, as prefilling one by one on one device)."""
+    width = -(-prefill_rows // self.shards)
+    if self._placed(width, requests) < width * self.shards:
+      width = 1
+    rows, placed = [], 0
+    for f in self._free:
+      for _ in range(width):
+        if f and placed < requests:
+          rows.append(f.pop(0))
+          placed += 1
+        else:
+          rows.append(self.slots)
+    return rows
 
 
 class ContinuousSampler:
@@ -154,6 +245,9 @@ class ContinuousSampler:
       multiple,
     )
     self.out_width = slots_lib.out_width(b, cfg.max_new_tokens)
+    graphdef, self._state = nnx.split(model)
+    self.placement = Placement.of(self._state)
+    split = cfg.splits_weights(model.cfg)
     self.estimate = memory.estimate(
       model.cfg,
       rows=slots,
@@ -161,32 +255,29 @@ class ContinuousSampler:
       block_size=b,
       prefill_rows=self.prefill_rows,
       prefill_width=_bucket(max_prompt_len, self.prompt_bucket),
-      decode_weights=cfg.splits_weights(model.cfg),
+      decode_weights=split,
       cache_dtype=cfg.cache_dtype(model.cfg),
+      **self.placement.shards(model.cfg, slots),
     )
     memory.check_fits(self.estimate, device_bytes, what=f"ContinuousSampler(slots={slots})")
-    graphdef, self._state = nnx.split(model)
-    split = cfg.splits_weights(model.cfg)
     self._weights = sampler_lib.split_weights(graphdef, self._state) if split else None
     options = tuple(sorted((compiler_options or {}).items()))
-    self._advance, self._admit = _compiled_steps(graphdef, cfg, options)
-    # The initial state is made with the sharding the steps' outputs have (replicated on the
-    # model's mesh), so that the steps see one kind of input and compile once per shape.
-    mask_id = model.cfg.mask_token_id
-
-    def init():
-      return (
-        slots_lib.empty_slots(slots, b, self.out_width, cfg.return_logprobs, mask_id),
-        KVCache.empty(
-          model.cfg, slots, self.cache_len, dtype=cfg.cache_dtype(model.cfg), tiles=cfg.decode_tiles
-        ),
-      )
-
-    self._init = jax.jit(init, out_shardings=_replicated_on_model_mesh(self._state))
+    self._steps = compiled_steps(
+      graphdef, model.cfg, cfg, self.placement, slots, self.cache_len, options
+    )
     self.stats = {}
 
-  def _request_arrays(self, reqs: Sequence[Request]):
+  def _call(self, step, *args):
+    """A compiled step, dispatched (and traced, the first time) under the placement's mesh."""
+    with self.placement.context():
+      return step(*args)
+
+  def _request_arrays(self, group: Sequence[Optional[Request]]):
+    """Host arrays of an admission: (prompts `[R, width]`, lengths, budgets, keys); a None entry
+    (a padding row) gets a one-token prompt that is written nowhere."""
     cfg = self.cfg
+    pad = Request(None, [0], max_new_tokens=1)
+    reqs = [pad if r is None else r for r in group]
     lens = [len(r.prompt_ids) for r in reqs]
     for r, n in zip(reqs, lens):
       if not 1 <= n <= self.max_prompt_len:
@@ -229,9 +320,9 @@ class ContinuousSampler:
 
   def run(self, requests: Iterable[Request]) -> Iterator[Completion]:
     """Decodes every request, yielding each `Completion` as soon as its row has stopped."""
-    sl, cache = self._init()
+    sl, cache = self._call(self._steps.init)
     queue = iter(requests)
-    free = list(range(self.num_slots))
+    free = FreeSlots(self.num_slots, self.placement.shard_rows(self.num_slots))
     owner: dict[int, Request] = {}
     pending = None  # (slots after block k, finished flags of block k)
     stats = dict(blocks=0, forwards=0, prefill_calls=0, admitted=0, completed=0)
@@ -248,11 +339,11 @@ class ContinuousSampler:
         except StopIteration:
           exhausted = True
       while new_reqs:
-        take = self.prefill_rows if len(new_reqs) >= self.prefill_rows else 1
-        group, new_reqs = new_reqs[:take], new_reqs[take:]
-        rows = [free.pop(0) for _ in group]
+        rows = free.take(len(new_reqs), self.prefill_rows)
+        group = [new_reqs.pop(0) if r < self.num_slots else None for r in rows]
         prompts, lens, new, keys = self._request_arrays(group)
-        sl, cache = self._admit(
+        sl, cache = self._call(
+          self._steps.admit,
           self._state,
           self._weights,
           sl,
@@ -263,14 +354,16 @@ class ContinuousSampler:
           new,
           keys,
         )
-        owner.update(zip(rows, group))
+        owner.update((r, q) for r, q in zip(rows, group) if q is not None)
         stats["prefill_calls"] += 1
-        stats["admitted"] += len(group)
+        stats["admitted"] += sum(q is not None for q in group)
       if not owner:
         host_s += time.perf_counter() - t0
         break
       # Dispatch the next block, then harvest the rows that finished at the previous one.
-      sl, cache, finished, fw, lengths = self._advance(self._state, self._weights, sl, cache)
+      sl, cache, finished, fw, lengths = self._call(
+        self._steps.advance, self._state, self._weights, sl, cache
+      )
       stats["blocks"] += 1
       host_s += time.perf_counter() - t0
       if pending is not None:
@@ -305,7 +398,7 @@ class ContinuousSampler:
       )
       for slot in rows:
         req = owner.pop(slot)
-        free.append(slot)
+        free.release(slot)
         stats["completed"] += 1
         yield self._completion(req, slot, {k: v[slot] for k, v in host.items()})
     return waited

@@ -31,11 +31,18 @@ def estimate(
   prefill_width: int,
   decode_weights: bool = False,
   cache_dtype=None,
+  row_shards: int = 1,
+  head_shards: int = 1,
+  param_shards: int = 1,
 ) -> dict:
-  """Bytes by part: `weights` (the parameters, plus their per-layer compute-dtype copy when
-  `decode_weights`: `transformer.DecodeWeights`), `kv_cache` (of `cache_dtype`, default the compute
-  dtype), `activations`, and their `total`."""
+  """Bytes by part on one device: `weights` (the parameters, plus their per-layer compute-dtype
+  copy when `decode_weights`: `transformer.DecodeWeights`), `kv_cache` (of `cache_dtype`, default
+  the compute dtype), `activations`, and their `total`. On a mesh (`placement.Placement.shards`)
+  the weights are split `param_shards` ways, the cache over `row_shards` x `head_shards` and the
+  activations over `row_shards` (rows that do not divide count whole: `-(-rows // row_shards)`)."""
   c = model_cfg
+  rows = -(-rows // row_shards)
+  prefill_rows = -(-prefill_rows // row_shards)
   act = jnp.dtype(c.compute_dtype).itemsize
   weights = c.num_params() * jnp.dtype(c.weight_dtype).itemsize
   if decode_weights:  # every layer and the LM head; not the embedding (gathered in place)
@@ -51,6 +58,7 @@ def estimate(
   kv_layers = 2 * c.num_layers * pre_tokens * c.num_kv_heads * c.head_dim * act
   prefill = pre_tokens * per_token + 2 * kv_layers
   activations = max(decode, prefill)
+  weights, cache = -(-weights // param_shards), -(-cache // head_shards)
   return dict(
     weights=weights, kv_cache=cache, activations=activations, total=weights + cache + activations
   )

@@ -39,9 +39,13 @@ Layout (what `SampleOutput` holds; the RL engineer builds the TraceRL mask from 
 Randomness: row i draws from its own key (`keys[i]`, default `fold_in(rng, i)`) folded with its
 step id, so a request decodes the same alone, batched, or in the continuous engine.
 
-Compilation: one jit per (model graph, config, batch size, canvas width); blocks and steps are
-`lax.while_loop`s. The KV cache is created inside the call, exactly once (no copy: the loops
-carry it), and the canvas passed in is donated to the output.
+Compilation: one jit per (model graph, config, mesh, batch size, canvas width); blocks and steps
+are `lax.while_loop`s. The KV cache is created inside the call, exactly once (no copy: the loops
+carry it).
+
+Mesh (`placement.py`): rows and their KV cache are split over the mesh's data axes, K/V heads over
+`tensor`, the weights as training shards them; each device prefills and decodes its own rows, so
+N devices hold ~1/N of the cache each and a row decodes the same tokens on any mesh.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from flax import nnx
 from dice_jax.diffusion import blocks as blocks_lib
 from dice_jax.diffusion import memory, remasking
 from dice_jax.diffusion import slots as slots_lib
+from dice_jax.diffusion.placement import Placement
 from dice_jax.model import platform
 from dice_jax.model.flash_decode import DecodeTiles
 from dice_jax.model.kv_cache import KVCache
@@ -307,10 +312,12 @@ def _prefill_rows(cfg: SamplerConfig, rows: int) -> int:
   return cfg.prefill_chunk if cfg.prefill_chunk and rows % cfg.prefill_chunk == 0 else rows
 
 
-def memory_estimate(model, layout: Layout, cfg: SamplerConfig) -> dict:
-  """`memory.estimate` of `decode(model, layout, cfg)` (bytes by part)."""
+def memory_estimate(model, layout: Layout, cfg: SamplerConfig, placement=None) -> dict:
+  """`memory.estimate` of `decode(model, layout, cfg)` (bytes by part, per device of the model's
+  mesh or `placement`)."""
   rows, total = layout.tokens.shape
   prefill = _prefill_width(model, layout, cfg)
+  placement = placement or Placement.of(nnx.state(model))
   return memory.estimate(
     model.cfg,
     rows=rows,
@@ -320,13 +327,24 @@ def memory_estimate(model, layout: Layout, cfg: SamplerConfig) -> dict:
     prefill_width=prefill,
     decode_weights=cfg.splits_weights(model.cfg),
     cache_dtype=cfg.cache_dtype(model.cfg),
+    **placement.shards(model.cfg, rows),
   )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def split_weights(graphdef, state) -> DecodeWeights:
-  """`Transformer.decode_weights()` of the model `(graphdef, state)`, compiled: one pass of copies."""
-  return nnx.merge(graphdef, state).decode_weights()
+@functools.partial(jax.jit, static_argnames=("graphdef", "placement"))
+def _split_weights(graphdef, state, placement: Placement) -> DecodeWeights:
+  model = nnx.merge(graphdef, state)
+  weights = model.decode_weights(placement.fuses_projections)
+  return jax.lax.with_sharding_constraint(weights, placement.decode_weights(model, weights))
+
+
+def split_weights(graphdef, state, placement: Optional[Placement] = None) -> DecodeWeights:
+  """`Transformer.decode_weights()` of the model `(graphdef, state)`, compiled (one pass of
+  copies), laid out on the model's mesh (or `placement`) as the training rules lay out the
+  parameters (`Placement.decode_weights`): each device holds its share."""
+  placement = placement or Placement.of(state)
+  with placement.context():
+    return _split_weights(graphdef, state, placement)
 
 
 def decoding_model(graphdef, state, weights: Optional[DecodeWeights]):
@@ -335,8 +353,17 @@ def decoding_model(graphdef, state, weights: Optional[DecodeWeights]):
   return model if weights is None else DecodeView(model, weights)
 
 
-def _decode(graphdef, state, weights, layout: Layout, canvas, keys, *, cfg: SamplerConfig):
+def _chunk_rows(rows: int, chunk: int, shards: int, i):
+  """The rows prefill chunk `i` admits: `chunk / shards` of every row shard's `rows / shards`
+  (row shard j's in the j-th block: each device prefills rows it holds; `slots.admit`)."""
+  per, c = rows // shards, chunk // shards
+  ids = jnp.arange(shards)[:, None] * per + i * c + jnp.arange(c)[None, :]
+  return ids.reshape(-1).astype(jnp.int32)
+
+
+def _decode(graphdef, state, weights, layout: Layout, keys, *, cfg: SamplerConfig, placement):
   model = decoding_model(graphdef, state, weights)
+  layout, keys = placement.constrain_rows((layout, keys))
   b = cfg.block_size
   rows, total = layout.tokens.shape
   width = slots_lib.out_width(b, total)
@@ -348,16 +375,29 @@ def _decode(graphdef, state, weights, layout: Layout, canvas, keys, *, cfg: Samp
     dtype=cfg.cache_dtype(model.cfg),
     tiles=cfg.decode_tiles,
   )
+  cache = placement.constrain_cache(cache)
   sl = slots_lib.empty_slots(rows, b, width, cfg.return_logprobs, model.cfg.mask_token_id)
+  sl = placement.constrain_rows(sl)
   prompts, n = _prompt_rows(layout, prefill)
   chunk = _prefill_rows(cfg, rows)
+  shards = placement.shard_rows(rows)
+  shards = shards if chunk % shards == 0 else 1
 
   def admit_chunk(i, carry):
     sl_, cache_ = carry
-    pick = lambda x: jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=0)
-    ids = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
+    ids = _chunk_rows(rows, chunk, shards, i)
+    pick = lambda x: jnp.take(x, ids, axis=0)
     return slots_lib.admit(
-      model, sl_, cache_, ids, pick(prompts), pick(n), pick(layout.max_new_tokens), pick(keys), cfg
+      model,
+      sl_,
+      cache_,
+      ids,
+      pick(prompts),
+      pick(n),
+      pick(layout.max_new_tokens),
+      pick(keys),
+      cfg,
+      placement,
     )
 
   sl, cache = jax.lax.fori_loop(0, rows // chunk, admit_chunk, (sl, cache))
@@ -383,7 +423,7 @@ def _decode(graphdef, state, weights, layout: Layout, canvas, keys, *, cfg: Samp
   steps = jnp.take_along_axis(sl.out_steps, jj, axis=1)
   decoded = gen & (j >= 0) & (j < width) & (steps >= 0)
   tokens = jnp.take_along_axis(sl.out_tokens, jj, axis=1)
-  canvas = jnp.where(gen, jnp.where(decoded, tokens, cfg.pad_id), canvas)
+  canvas = jnp.where(gen, jnp.where(decoded, tokens, cfg.pad_id), layout.tokens)
   logp = None
   if cfg.return_logprobs:
     logp = jnp.where(decoded, jnp.take_along_axis(sl.out_logp, jj, axis=1), 0.0)
@@ -399,7 +439,18 @@ def _decode(graphdef, state, weights, layout: Layout, canvas, keys, *, cfg: Samp
   )
 
 
-_decode_jit = jax.jit(_decode, static_argnames=("graphdef", "cfg"), donate_argnames=("canvas",))
+@functools.lru_cache(maxsize=16)
+def compiled_decode(graphdef, cfg: SamplerConfig, placement: Placement, options: tuple = ()):
+  """The static sampler for one (model graph, config, placement, XLA options `((name, value),
+  ...)`), jitted: (state, weights, layout, keys) -> SampleOutput. The parameters and their
+  decode copy as they are laid out; the layout and keys as they come (host values, the same on
+  every process, or arrays on the mesh), split over the rows inside; the outputs row-split. The
+  KV cache is made inside, row-split, exactly once (the loops carry it). Call (and lower) it
+  under `placement.context()`."""
+  return jax.jit(
+    functools.partial(_decode, graphdef, cfg=cfg, placement=placement),
+    compiler_options=dict(options) or None,
+  )
 
 
 def row_keys(rng, rows: int):
@@ -418,20 +469,20 @@ def decode(
   limit), with a clear error when it cannot fit.
   """
   cfg = cfg.for_model(model.cfg)
+  graphdef, state = nnx.split(model)
+  placement = Placement.of(state)
   memory.check_fits(
-    memory_estimate(model, layout, cfg),
+    memory_estimate(model, layout, cfg, placement),
     device_bytes,
     what=f"sampler.decode (batch {layout.tokens.shape[0]}, {layout.tokens.shape[1]} columns)",
   )
-  graphdef, state = nnx.split(model)
   rows = layout.tokens.shape[0]
   keys = row_keys(rng, rows) if keys is None else keys
   if keys.shape != (rows,):
     raise ValueError(f"decode: keys must be {rows} typed PRNG keys, got shape {keys.shape}")
-  layout = jax.tree.map(jnp.asarray, layout)
-  canvas = jnp.array(layout.tokens)  # a fresh buffer, donated to the output tokens
-  weights = split_weights(graphdef, state) if cfg.splits_weights(model.cfg) else None
-  return _decode_jit(graphdef, state, weights, layout, canvas, keys, cfg=cfg)
+  weights = split_weights(graphdef, state, placement) if cfg.splits_weights(model.cfg) else None
+  with placement.context():
+    return compiled_decode(graphdef, cfg, placement)(state, weights, layout, keys)
 
 
 def generate(

@@ -38,6 +38,7 @@ for the compiled-memory check.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -118,15 +119,34 @@ def empty_slots(rows: int, block_size: int, width: int, want_logp: bool, mask_id
 
 def _set_rows(slots: Slots, rows, **values) -> Slots:
   return dataclasses.replace(
-    slots, **{k: getattr(slots, k).at[rows].set(v) for k, v in values.items()}
+    slots, **{k: getattr(slots, k).at[rows].set(v, mode="drop") for k, v in values.items()}
   )
 
 
-def admit(model, slots: Slots, cache: KVCache, rows, prompts, prompt_len, max_new, keys, cfg):
+def admit(
+  model,
+  slots: Slots,
+  cache: KVCache,
+  rows,
+  prompts,
+  prompt_len,
+  max_new,
+  keys,
+  cfg,
+  placement=None,
+):
   """Starts sequences in slots `rows` `[R]`: prompts `[R, P]` (token ids from column 0, any
   padding after `prompt_len [R]`), budgets `max_new [R]`, PRNG keys `[R]`. Prefills their cache
   rows (positions [0, first block - b)) and resets their state. P is static (a width bucket);
-  `b + P` must fit the cache."""
+  `b + P` must fit the cache. A row index >= the slot count admits nothing (padding).
+
+  With a `placement` (`placement.Placement`), the admitted rows are split over its row shards
+  like the slots, in order (the j-th block of R/n rows in shard j's slots, or padding), and each
+  device prefills and writes its own (`Placement.write_rows`)."""
+  if placement is not None:
+    rows, prompts, prompt_len, max_new, keys = placement.constrain_rows(
+      (rows, prompts, prompt_len, max_new, keys)
+    )
   grid, b = cfg.grid, cfg.block_size
   mask_id = model.cfg.mask_token_id
   r, width = prompts.shape
@@ -142,7 +162,8 @@ def admit(model, slots: Slots, cache: KVCache, rows, prompts, prompt_len, max_ne
   slot_pos = jnp.broadcast_to(
     jnp.arange(cache.max_len, dtype=jnp.int32)[None] - b, (r, cache.max_len)
   )
-  cache = cache.write_rows(
+  write = cache.write_rows if placement is None else functools.partial(placement.write_rows, cache)
+  cache = write(
     rows,
     k,
     v,

@@ -23,9 +23,21 @@ from dice_jax.eval.verifying import CandidateVerifier, Verdict
 
 @dataclasses.dataclass(frozen=True)
 class RunSummary:
-  done_now: int
+  done_now: int  # records written by this run: verified, or failures without a code block
   resumed: int
-  missing: int  # pairs the source had no candidate for
+  missing: int  # pairs the source had no candidate for (no record)
+  no_code_block: int = 0  # of `done_now`: responses without a code block (failures, not verified)
+
+  @property
+  def verified(self) -> int:
+    return self.done_now - self.no_code_block
+
+  def line(self) -> str:
+    """What the run did, each pair counted once."""
+    return (
+      f"{self.verified} verified now, {self.no_code_block} without a code block (failures, not "
+      f"sent), {self.resumed} resumed, {self.missing} skipped (no candidate given)"
+    )
 
 
 def _problem_id(task: KernelTask) -> int:
@@ -143,7 +155,7 @@ class Evaluator:
     bar = _Progress(len(todo), self.log, self.progress)
     pool = concurrent.futures.ThreadPoolExecutor(2 * bs, thread_name_prefix="verify")
     pending: set[concurrent.futures.Future] = set()
-    done = missing = 0
+    done = missing = no_code = 0
 
     def add(rec: EvalRecord) -> None:
       nonlocal done
@@ -167,6 +179,7 @@ class Evaluator:
             missing += 1
             bar.update([], skipped=1)
           elif not g.candidate:  # no code block: nothing to verify
+            no_code += 1
             add(make_record(t, s, g, None, None, self.review_speedup))
           else:
             pending.add(pool.submit(self._verify, t, s, g))
@@ -178,4 +191,4 @@ class Evaluator:
     finally:
       pool.shutdown(wait=False, cancel_futures=True)
       bar.close()
-    return RunSummary(done_now=done, resumed=resumed, missing=missing)
+    return RunSummary(done_now=done, resumed=resumed, missing=missing, no_code_block=no_code)

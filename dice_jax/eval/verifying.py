@@ -9,10 +9,13 @@ that knows it).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from absl import logging
+
 from verifier.api.contract import VerifyResult
+from verifier.api.waiting import VERIFIER_WAIT_S
 
 # KernelBench's evaluation settings (eval_from_generations.py: 5 correctness trials, 100 timing
 # trials, 180 s timeout; 3 warm-ups) with DICE's tolerance (atol = rtol = 1e-2).
@@ -75,14 +78,16 @@ def _verdict(o: VerifyResult) -> Verdict:
 
 class GrpcCandidateVerifier:
   """Verifies batches through ``dice_jax.verifier_client.ThreadedVerifier`` (several endpoints,
-  retries, content-hash request ids)."""
+  retries, content-hash request ids), once the endpoints answer (up to ``ready_timeout_s``, with
+  progress lines to ``report``, default the log; ``ConnectionError`` after that)."""
 
   def __init__(
     self,
     addresses: Sequence[str],
     options: Mapping[str, Any],
     token: str | None = None,
-    ready_timeout_s: float = 60.0,
+    ready_timeout_s: float = VERIFIER_WAIT_S,
+    report: Callable[[str], None] = logging.info,
   ):
     from dice_jax.verifier_client import ThreadedVerifier
     from verifier.api.client import VerifierUnavailable
@@ -97,7 +102,7 @@ class GrpcCandidateVerifier:
         self._clients[compile_baseline] = ThreadedVerifier(
           list(addresses), options=opts, token=token
         )
-      self._clients[False].wait_ready(ready_timeout_s)
+      self._clients[False].wait_ready(ready_timeout_s, report)
     except VerifierUnavailable as e:
       self.close()
       raise ConnectionError(str(e)) from None

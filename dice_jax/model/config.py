@@ -19,7 +19,12 @@ ATTENTION_IMPLS = ("dense", "xla", "cudnn", "flash")
 #   dots  the outputs of the weight matmuls (q/k/v/o, gate/up/down projections: dot products
 #         without batch dimensions, jax.checkpoint_policies.dots_with_no_batch_dims_saveable);
 #         norms, RoPE, attention and the SwiGLU product are recomputed
-REMAT_POLICIES = ("none", "full", "dots")
+#   dots_attn  dots, and the flash attention kernel's output and log-sum-exp (flash_bd.OUT_NAME,
+#         LSE_NAME): the backward pass does not run the attention forward again
+#   full_attn  the layer's input and the flash kernel's output and log-sum-exp: everything but
+#         the attention forward is recomputed
+# (With a non-flash attention the `_attn` policies save the attention output only.)
+REMAT_POLICIES = ("none", "full", "dots", "dots_attn", "full_attn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +62,9 @@ class ModelConfig:
     64,
     64,
   )  # flash kernel tiles: block_q, block_k, block_bwd
+  # flash_bd: each program loops over its live tiles only (a schedule made before the launch);
+  # False: over every tile, skipping the all-false ones (the earlier kernel, for comparison)
+  flash_live_only: bool = True
   # TPU flash kernel tiles (flash_tpu): block_q (a multiple of 8), block_k (of 128); each the
   # largest such size <= it dividing the length. Forward and backward share them.
   flash_tpu_tiles: tuple[int, int] = (512, 512)
@@ -100,6 +108,10 @@ class ModelConfig:
     need(
       isinstance(self.remat, bool) or self.remat in REMAT_POLICIES,
       f"remat must be True, False or one of {REMAT_POLICIES}, got {self.remat!r}",
+    )
+    need(
+      isinstance(self.flash_live_only, bool),
+      f"flash_live_only must be True or False, got {self.flash_live_only!r}",
     )
     need(
       self.attention_impl in ATTENTION_IMPLS,

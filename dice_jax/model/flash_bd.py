@@ -1,8 +1,13 @@
 """Flash attention for the block-diffusion masks (Pallas; Triton on GPU, interpreter on CPU).
 
 Adapted from `jax.experimental.pallas.ops.gpu.attention` (Apache-2.0): the causal/segment mask is
-replaced by a mask computed per tile from three int32 vectors per row, and tiles whose mask is
-all-false are skipped (`lax.cond`), so the work follows the mask, not the (2T)^2 square.
+replaced by a mask computed per tile from three int32 vectors per row, and the work follows the
+mask, not the (2T)^2 square: before the launch, `live_schedule` lists for every query tile the key
+tiles whose mask may hold a true (`live_tiles`, from per-tile bounds of the vectors; for the
+backward's dK/dV also the transpose), and each program loops over its list only (a dynamic-bound
+loop). `live_only=False` is the earlier kernel: every program visits every tile and skips the
+all-false ones with `lax.cond` (at TraceRL's 24,576-token rows ~89 % of the visits are skips, each
+loading three index vectors).
 
 Rank encoding (for the 2L `[x_t ; x_0]` input; `half` = 0 on x_t, 1 on x_0):
   rank = 2 * block + half            (queries and keys)
@@ -31,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from dice_jax import sharding as sharding_lib
@@ -86,6 +92,38 @@ def _tile_live(q_seg, q_rank, k_seg, k_rank, k_lo):
   )
 
 
+def live_tiles(seg, rank, klo, block_q: int, block_k: int):
+  """`[B, S / block_q, S / block_k]` bool: the (query tile, key tile) pairs `_tile_live` keeps
+  (those whose mask may hold a true), from per-tile bounds of the `[B, S]` vectors."""
+  b = seg.shape[0]
+
+  def bounds(x, block):
+    x = x.reshape(b, -1, block)
+    return x.min(-1), x.max(-1)
+
+  qs_lo, qs_hi = bounds(seg, block_q)
+  qr_lo, qr_hi = bounds(rank, block_q)
+  ks_lo, ks_hi = bounds(seg, block_k)
+  kr_lo, _ = bounds(rank, block_k)
+  _, kl_hi = bounds(klo, block_k)
+  q = lambda x: x[:, :, None]  # noqa: E731
+  k = lambda x: x[:, None, :]  # noqa: E731
+  return (
+    (k(kr_lo) <= q(qr_hi))
+    & (k(kl_hi) >= q(qr_lo))
+    & (k(ks_hi) >= q(qs_lo))
+    & (k(ks_lo) <= q(qs_hi))
+    & (q(qs_hi) > 0)
+  )
+
+
+def live_schedule(live):
+  """(index, count) of a `[B, N, M]` live matrix: `index[b, n]` lists the live columns of row n
+  in ascending order, then the dead ones; `count[b, n]` how many are live. int32."""
+  index = jnp.argsort(~live, axis=-1, stable=True).astype(jnp.int32)
+  return index, live.sum(-1).astype(jnp.int32)
+
+
 def _dot(a, b):
   """a @ b with float32 accumulation (what the removed `pl.dot` did)."""
   return lax.dot_general(
@@ -94,7 +132,21 @@ def _dot(a, b):
 
 
 def _fwd_kernel(
-  q_ref, k_ref, v_ref, seg_ref, rank_ref, klo_ref, o_ref, lse_ref, *, scale, block_q, block_k
+  q_ref,
+  k_ref,
+  v_ref,
+  seg_ref,
+  rank_ref,
+  klo_ref,
+  kidx_ref,
+  kcnt_ref,
+  o_ref,
+  lse_ref,
+  *,
+  scale,
+  block_q,
+  block_k,
+  live_only,
 ):
   seq_len = k_ref.shape[0]
   start_q = pl.program_id(0)
@@ -104,35 +156,52 @@ def _fwd_kernel(
   h = q.shape[-1]
   qk_scale = scale * math.log2(math.e)
 
-  def body(start_k, carry):
-    k_slice = pl.ds(start_k * block_k, block_k)
+  def compute(start_k, carry):
+    k_slice = pl.ds(pl.multiple_of(start_k * block_k, block_k), block_k)
     k_seg, k_rank, k_lo = seg_ref[k_slice], rank_ref[k_slice], klo_ref[k_slice]
-
-    def compute(carry):
-      o_prev, m_prev, l_prev = carry
-      k = k_ref[k_slice, :]
-      qk = _dot(q, k.T) * qk_scale
-      qk = jnp.where(_tile_mask(q_seg, q_rank, k_seg, k_rank, k_lo), qk, MASK_VALUE)
-      m_next = jnp.maximum(m_prev, jnp.max(qk, axis=-1))
-      corr = jnp.exp2(m_prev - m_next)
-      s = jnp.exp2(qk - m_next[:, None])
-      l_next = corr * l_prev + s.sum(axis=-1)
-      v = v_ref[k_slice, :]
-      o_next = corr[:, None] * o_prev + _dot(s.astype(v.dtype), v)
-      return o_next, m_next, l_next
-
-    live = _tile_live(q_seg, q_rank, k_seg, k_rank, k_lo)
-    return lax.cond(live, compute, lambda c: c, carry)
+    o_prev, m_prev, l_prev = carry
+    k = k_ref[k_slice, :]
+    qk = _dot(q, k.T) * qk_scale
+    qk = jnp.where(_tile_mask(q_seg, q_rank, k_seg, k_rank, k_lo), qk, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, jnp.max(qk, axis=-1))
+    corr = jnp.exp2(m_prev - m_next)
+    s = jnp.exp2(qk - m_next[:, None])
+    l_next = corr * l_prev + s.sum(axis=-1)
+    v = v_ref[k_slice, :]
+    o_next = corr[:, None] * o_prev + _dot(s.astype(v.dtype), v)
+    return o_next, m_next, l_next
 
   o = jnp.zeros((block_q, h), jnp.float32)
   m = jnp.full((block_q,), -jnp.inf, jnp.float32)
   l = jnp.zeros((block_q,), jnp.float32)
-  o, m, l = lax.fori_loop(0, pl.cdiv(seq_len, block_k), body, (o, m, l))
+  o, m, l = _tile_loop(
+    compute,
+    (o, m, l),
+    kidx_ref,
+    kcnt_ref,
+    pl.cdiv(seq_len, block_k),
+    live_only,
+    lambda start_k: _tile_live(
+      q_seg, q_rank, *(r[pl.ds(start_k * block_k, block_k)] for r in (seg_ref, rank_ref, klo_ref))
+    ),
+  )
   empty = l == 0.0  # rows with no visible key (padding): output 0, finite lse
   l = jnp.where(empty, 1.0, l)
   m = jnp.where(empty, 0.0, m)
   o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
   lse_ref[...] = m + jnp.log2(l)  # base-2 log-sum-exp of the scaled scores
+
+
+def _tile_loop(compute, carry, idx_ref, cnt_ref, n_tiles, live_only, is_live):
+  """`compute(tile, carry)` over the program's live tiles: the `cnt_ref[0]` first entries of
+  `idx_ref` (`live_schedule`), or (live_only=False) every tile, skipping those `is_live` rejects."""
+  if live_only:
+    return lax.fori_loop(0, cnt_ref[0], lambda i, c: compute(idx_ref[i], c), carry)
+
+  def visit(tile, c):
+    return lax.cond(is_live(tile), lambda c: compute(tile, c), lambda c: c, c)
+
+  return lax.fori_loop(0, n_tiles, visit, carry)
 
 
 def _bwd_kernel(
@@ -145,6 +214,10 @@ def _bwd_kernel(
   do_ref,
   lse_ref,
   delta_ref,
+  qidx_ref,
+  qcnt_ref,
+  kidx_ref,
+  kcnt_ref,
   dq_ref,
   dk_ref,
   dv_ref,
@@ -152,11 +225,16 @@ def _bwd_kernel(
   scale,
   block_q,
   block_k,
+  live_only,
 ):
-  """dK/dV for one k tile (loop over q tiles), then dQ for one q tile (loop over k tiles)."""
+  """dK/dV for one k tile (loop over its live q tiles), then dQ for one q tile (loop over its
+  live k tiles)."""
   q_len = q_ref.shape[0]
   qk_scale = scale * math.log2(math.e)
   h = q_ref.shape[-1]
+  vectors = lambda tile, block: tuple(  # noqa: E731
+    r[pl.ds(pl.multiple_of(tile * block, block), block)] for r in (seg_ref, rank_ref, klo_ref)
+  )
 
   def p_and_ds(q, k, v, do, lse, di, mask):
     qk = jnp.where(mask, _dot(q, k.T) * qk_scale, MASK_VALUE)
@@ -170,23 +248,27 @@ def _bwd_kernel(
   k, v = k_ref[k_slice, :], v_ref[k_slice, :]
   k_seg, k_rank, k_lo = seg_ref[k_slice], rank_ref[k_slice], klo_ref[k_slice]
 
-  def dkdv_body(start_q, carry):
-    q_slice = pl.ds(start_q * block_q, block_q)
+  def dkdv(start_q, carry):
+    dk, dv = carry
+    q_slice = pl.ds(pl.multiple_of(start_q * block_q, block_q), block_q)
     q_seg, q_rank = seg_ref[q_slice], rank_ref[q_slice]
-
-    def compute(carry):
-      dk, dv = carry
-      q, do = q_ref[q_slice, :], do_ref[q_slice, :]
-      mask = _tile_mask(q_seg, q_rank, k_seg, k_rank, k_lo)
-      p, ds = p_and_ds(q, k, v, do, lse_ref[q_slice], delta_ref[q_slice], mask)
-      dv = dv + _dot(p.astype(do.dtype).T, do)
-      dk = dk + _dot(ds.astype(q.dtype).T, q)
-      return dk, dv
-
-    return lax.cond(_tile_live(q_seg, q_rank, k_seg, k_rank, k_lo), compute, lambda c: c, carry)
+    q, do = q_ref[q_slice, :], do_ref[q_slice, :]
+    mask = _tile_mask(q_seg, q_rank, k_seg, k_rank, k_lo)
+    p, ds = p_and_ds(q, k, v, do, lse_ref[q_slice], delta_ref[q_slice], mask)
+    dv = dv + _dot(p.astype(do.dtype).T, do)
+    dk = dk + _dot(ds.astype(q.dtype).T, q)
+    return dk, dv
 
   zeros = jnp.zeros((block_k, h), jnp.float32)
-  dk, dv = lax.fori_loop(0, pl.cdiv(q_len, block_q), dkdv_body, (zeros, zeros))
+  dk, dv = _tile_loop(
+    dkdv,
+    (zeros, zeros),
+    qidx_ref,
+    qcnt_ref,
+    pl.cdiv(q_len, block_q),
+    live_only,
+    lambda start_q: _tile_live(*vectors(start_q, block_q)[:2], k_seg, k_rank, k_lo),
+  )
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -197,19 +279,21 @@ def _bwd_kernel(
   lse, di = lse_ref[q_slice], delta_ref[q_slice]
   q_seg, q_rank = seg_ref[q_slice], rank_ref[q_slice]
 
-  def dq_body(start_k, dq):
-    k_slice = pl.ds(start_k * block_k, block_k)
+  def dq_tile(start_k, dq):
+    k_slice = pl.ds(pl.multiple_of(start_k * block_k, block_k), block_k)
     k_seg, k_rank, k_lo = seg_ref[k_slice], rank_ref[k_slice], klo_ref[k_slice]
+    k, v = k_ref[k_slice, :], v_ref[k_slice, :]
+    _, ds = p_and_ds(q, k, v, do, lse, di, _tile_mask(q_seg, q_rank, k_seg, k_rank, k_lo))
+    return dq + _dot(ds.astype(k.dtype), k)
 
-    def compute(dq):
-      k, v = k_ref[k_slice, :], v_ref[k_slice, :]
-      _, ds = p_and_ds(q, k, v, do, lse, di, _tile_mask(q_seg, q_rank, k_seg, k_rank, k_lo))
-      return dq + _dot(ds.astype(k.dtype), k)
-
-    return lax.cond(_tile_live(q_seg, q_rank, k_seg, k_rank, k_lo), compute, lambda d: d, dq)
-
-  dq = lax.fori_loop(
-    0, pl.cdiv(k_ref.shape[0], block_k), dq_body, jnp.zeros((block_q, h), jnp.float32)
+  dq = _tile_loop(
+    dq_tile,
+    jnp.zeros((block_q, h), jnp.float32),
+    kidx_ref,
+    kcnt_ref,
+    pl.cdiv(k_ref.shape[0], block_k),
+    live_only,
+    lambda start_k: _tile_live(q_seg, q_rank, *vectors(start_k, block_k)),
   )
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
@@ -220,13 +304,17 @@ def _params(num_warps, num_stages):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _forward(q, k, v, seg, rank, klo, scale, block_q, block_k, interpret):
+def _forward(q, k, v, seg, rank, klo, scale, block_q, block_k, interpret, live_only=True):
   b, s, n, h = q.shape
   g = n // k.shape[2]
+  nq, nk = s // block_q, s // block_k
+  kidx, kcnt = live_schedule(live_tiles(seg, rank, klo, block_q, block_k))
   row = pl.BlockSpec((None, s), lambda i, j, hh: (j, 0))
   out, lse = pl.pallas_call(
-    functools.partial(_fwd_kernel, scale=scale, block_q=block_q, block_k=block_k),
-    grid=(s // block_q, b, n),
+    functools.partial(
+      _fwd_kernel, scale=scale, block_q=block_q, block_k=block_k, live_only=live_only
+    ),
+    grid=(nq, b, n),
     in_specs=[
       pl.BlockSpec((None, block_q, None, h), lambda i, j, hh: (j, i, hh, 0)),
       pl.BlockSpec((None, s, None, h), lambda i, j, hh: (j, 0, hh // g, 0)),
@@ -234,6 +322,8 @@ def _forward(q, k, v, seg, rank, klo, scale, block_q, block_k, interpret):
       row,
       row,
       row,
+      pl.BlockSpec((None, None, nk), lambda i, j, hh: (j, i, 0)),  # this q tile's key tiles
+      pl.BlockSpec((None, 1), lambda i, j, hh: (j, i)),  # how many are live
     ],
     out_specs=[
       pl.BlockSpec((None, block_q, None, h), lambda i, j, hh: (j, i, hh, 0)),
@@ -246,24 +336,31 @@ def _forward(q, k, v, seg, rank, klo, scale, block_q, block_k, interpret):
     compiler_params=_params(8 if h > 64 else 4, 2),
     interpret=interpret,
     name="bd_flash_fwd",
-  )(q, k, v, seg, rank, klo)
+  )(q, k, v, seg, rank, klo, kidx, kcnt)
   return out, lse
 
 
-def _backward(q, k, v, seg, rank, klo, out, lse, do, scale, block, interpret):
+def _backward(q, k, v, seg, rank, klo, out, lse, do, scale, block, interpret, live_only=True):
   b, s, n, h = q.shape
   kh = k.shape[2]
   g = n // kh
+  nt = s // block
+  live = live_tiles(seg, rank, klo, block, block)  # [B, q tile, k tile]
+  kidx, kcnt = live_schedule(live)  # per q tile: its key tiles (dQ)
+  qidx, qcnt = live_schedule(live.swapaxes(1, 2))  # per k tile: its query tiles (dK, dV)
   delta = jnp.einsum("bsnh,bsnh->bns", out.astype(jnp.float32), do.astype(jnp.float32))
   full_q = pl.BlockSpec((None, s, None, h), lambda i, j, t: (i, 0, j, 0))
   full_kv = pl.BlockSpec((None, s, None, h), lambda i, j, t: (i, 0, j // g, 0))
   row = pl.BlockSpec((None, s), lambda i, j, t: (i, 0))
   stat = pl.BlockSpec((None, None, s), lambda i, j, t: (i, j, 0))
   tile = pl.BlockSpec((None, block, None, h), lambda i, j, t: (i, t, j, 0))
+  index = pl.BlockSpec((None, None, nt), lambda i, j, t: (i, t, 0))
+  count = pl.BlockSpec((None, 1), lambda i, j, t: (i, t))
   dq, dk, dv = pl.pallas_call(
-    functools.partial(_bwd_kernel, scale=scale, block_q=block, block_k=block),
-    grid=(b, n, s // block),
-    in_specs=[full_q, full_kv, full_kv, row, row, row, full_q, stat, stat],
+    functools.partial(_bwd_kernel, scale=scale, block_q=block, block_k=block, live_only=live_only),
+    grid=(b, n, nt),
+    in_specs=[full_q, full_kv, full_kv, row, row, row, full_q, stat, stat]
+    + [index, count, index, count],
     out_specs=[tile, tile, tile],
     out_shape=[
       jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -273,29 +370,48 @@ def _backward(q, k, v, seg, rank, klo, out, lse, do, scale, block, interpret):
     compiler_params=_params(4 if block <= 64 else 8, 2),
     interpret=interpret,
     name="bd_flash_bwd",
-  )(q, k, v, seg, rank, klo, do, lse, delta)
+  )(q, k, v, seg, rank, klo, do, lse, delta, qidx, qcnt, kidx, kcnt)
   # Query heads sharing a K/V head: sum their dK/dV.
   dk = dk.reshape(b, s, kh, g, h).sum(3).astype(k.dtype)
   dv = dv.reshape(b, s, kh, g, h).sum(3).astype(v.dtype)
   return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
 def flash_attention(
-  q, k, v, seg, rank, klo, scale, block_q=128, block_k=64, block_bwd=64, interpret=False
+  q,
+  k,
+  v,
+  seg,
+  rank,
+  klo,
+  scale,
+  block_q=128,
+  block_k=64,
+  block_bwd=64,
+  interpret=False,
+  live_only=True,
 ):
   """q `[B,S,N,H]`, k/v `[B,S,K,H]`, int32 vectors `[B,S]` (see module doc) -> `[B,S,N,H]`."""
-  return _forward(q, k, v, seg, rank, klo, scale, block_q, block_k, interpret)[0]
+  return _forward(q, k, v, seg, rank, klo, scale, block_q, block_k, interpret, live_only)[0]
 
 
-def _fa_fwd(q, k, v, seg, rank, klo, scale, block_q, block_k, block_bwd, interpret):
-  out, lse = _forward(q, k, v, seg, rank, klo, scale, block_q, block_k, interpret)
+# Names of the forward's residuals: a remat policy that saves them (model/config.py `dots_attn`,
+# `full_attn`) keeps the backward pass from running the forward kernel again.
+OUT_NAME, LSE_NAME = "flash_out", "flash_lse"
+
+
+def _fa_fwd(q, k, v, seg, rank, klo, scale, block_q, block_k, block_bwd, interpret, live_only):
+  out, lse = _forward(q, k, v, seg, rank, klo, scale, block_q, block_k, interpret, live_only)
+  out, lse = checkpoint_name(out, OUT_NAME), checkpoint_name(lse, LSE_NAME)
   return out, (q, k, v, seg, rank, klo, out, lse)
 
 
-def _fa_bwd(scale, block_q, block_k, block_bwd, interpret, res, do):
+def _fa_bwd(scale, block_q, block_k, block_bwd, interpret, live_only, res, do):
   q, k, v, seg, rank, klo, out, lse = res
-  dq, dk, dv = _backward(q, k, v, seg, rank, klo, out, lse, do, scale, block_bwd, interpret)
+  dq, dk, dv = _backward(
+    q, k, v, seg, rank, klo, out, lse, do, scale, block_bwd, interpret, live_only
+  )
   return dq, dk, dv, None, None, None
 
 
@@ -316,11 +432,24 @@ def mask_vectors(spec, positions):
   return seg.astype(jnp.int32), rank, jnp.full_like(rank, BIG)
 
 
-def attention(q, k, v, spec, positions, *, block_q=128, block_k=64, block_bwd=64, interpret=None):
+def attention(
+  q,
+  k,
+  v,
+  spec,
+  positions,
+  *,
+  block_q=128,
+  block_k=64,
+  block_bwd=64,
+  interpret=None,
+  live_only=True,
+):
   """Flash attention for an `AttentionSpec` (the `attention_impl='flash'` path).
 
   `block_q`/`block_k` are the forward tiles, `block_bwd` the backward one (ModelConfig.flash_tiles);
-  each is clipped to the input length, which must be a multiple of it.
+  each is clipped to the input length, which must be a multiple of it. `live_only`: loop over the
+  live tiles only (module docstring; ModelConfig.flash_live_only).
   """
   s = q.shape[1]
   if interpret is None:
@@ -338,6 +467,7 @@ def attention(q, k, v, spec, positions, *, block_q=128, block_k=64, block_bwd=64
     block_k=bk,
     block_bwd=bb,
     interpret=interpret,
+    live_only=live_only,
   )
   return _shard_mapped(fn, q, k)(q, k, v, seg, rank, klo)
 

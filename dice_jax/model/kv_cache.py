@@ -21,6 +21,19 @@ from dice_jax.model.flash_decode import DecodeTiles
 
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 
+# Logical axes of each field (`dice_jax.sharding.RULES`): rows over the data axes, K/V heads over
+# `tensor`; a row's slots stay on the device that decodes the row.
+_KV_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+_SLOT_AXES = ("batch", "cache_length")
+LOGICAL_AXES = dict(
+  k=_KV_AXES,
+  v=_KV_AXES,
+  positions=_SLOT_AXES,
+  segment_ids=_SLOT_AXES,
+  block_ids=_SLOT_AXES,
+  length=("batch",),
+)
+
 
 def to_cache_dtype(x, dtype):
   """`x` stored as `dtype`; a float8 cache saturates at its largest finite value (a plain cast
@@ -98,15 +111,17 @@ class KVCache:
   def write_rows(self, rows, k, v, offset: int, positions, segment_ids, block_ids, length):
     """Replaces rows `rows` `[R]` (int32, distinct): K/V `[L,R,T,K,H]` go to slots
     [offset, offset + T); the rows' metadata become `positions/segment_ids/block_ids [R, S]`
-    (whole rows: stale slots of a previous sequence must get segment 0) and `length [R]`."""
+    (whole rows: stale slots of a previous sequence must get segment 0) and `length [R]`.
+    A row index >= the cache's rows writes nothing (a padding row of an admission)."""
     t = k.shape[2]
     sl = slice(offset, offset + t)
+    put = lambda buf, idx, new: buf.at[idx].set(to_cache_dtype(new, buf.dtype), mode="drop")
     return dataclasses.replace(
       self,
-      k=self.k.at[:, rows, sl].set(to_cache_dtype(k, self.k.dtype)),
-      v=self.v.at[:, rows, sl].set(to_cache_dtype(v, self.v.dtype)),
-      positions=self.positions.at[rows].set(positions),
-      segment_ids=self.segment_ids.at[rows].set(segment_ids),
-      block_ids=self.block_ids.at[rows].set(block_ids),
-      length=self.length.at[rows].set(length),
+      k=put(self.k, (slice(None), rows, sl), k),
+      v=put(self.v, (slice(None), rows, sl), v),
+      positions=put(self.positions, rows, positions),
+      segment_ids=put(self.segment_ids, rows, segment_ids),
+      block_ids=put(self.block_ids, rows, block_ids),
+      length=put(self.length, rows, length),
     )

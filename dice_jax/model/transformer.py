@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from dice_jax.model import masks as masks_lib
 from dice_jax.model import platform as platform_lib
@@ -34,6 +35,7 @@ from dice_jax.model.config import ModelConfig
 from dice_jax.model.kv_cache import KVCache
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
+ATTENTION_OUT = "attention_out"  # the attention's output, for the `_attn` remat policies
 
 
 def rms_norm(x, weight, eps):
@@ -98,7 +100,10 @@ class DecodeWeights:
   Projections that read the same input are stored fused, as one matrix per layer: `qkv_proj`
   `[D, (N + 2K) H]` and `gate_up_proj` `[D, 2F]`. Given separate weights, XLA's GPU dot merger
   concatenates them on every forward before one GEMM (2.3 of an 18.2 ms sdar_4b forward on an
-  H200, session 9 profile); fused once here, the forward runs the same GEMMs without the copies."""
+  H200, session 9 profile); fused once here, the forward runs the same GEMMs without the copies.
+  On a mesh with a `tensor` axis they stay apart (`decode_weights(fuse=False)`), each sharded by
+  head / MLP column as the stacked parameters are (a fused matrix's column shards would mix q with
+  k/v and gate with up)."""
 
   layers: tuple  # one dict per layer: `DecoderLayers.weights()` keys, q/k/v and gate/up fused
   head: jax.Array  # [D, V] LM head (the embedding's transpose when tied)
@@ -152,14 +157,31 @@ class Transformer(nnx.Module):
     _, (k, v) = self._layers(tokens, positions, attention, seg, blk, None, weights)
     return k, v
 
-  def decode_weights(self) -> DecodeWeights:
+  def decode_weights(self, fuse: bool = True) -> DecodeWeights:
     """The layers' weights split per layer and the LM head, in the compute dtype (`DecodeWeights`);
-    pass them as `weights=` (or use `DecodeView`). Call it under `jax.jit`: one pass of copies."""
+    pass them as `weights=` (or use `DecodeView`). Call it under `jax.jit`: one pass of copies.
+    `fuse=False` keeps q/k/v and gate/up apart (each stays head/column-shardable over `tensor`)."""
     cfg, dt = self.cfg, self.cfg.compute_dtype
     stacked = self.layers.weights()
-    layers = tuple(_fuse_projections(stacked, i, dt) for i in range(cfg.num_layers))
+    layers = tuple(_layer_weights(stacked, i, dt, fuse) for i in range(cfg.num_layers))
     head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
     return DecodeWeights(layers=layers, head=head.astype(dt))
+
+  def decode_weight_axes(self, fuse: bool = True) -> tuple[dict, tuple]:
+    """(logical axes of each per-layer weight of `decode_weights(fuse)` by name, of the LM head):
+    the stacked parameters' axes without `layers`; a fused matrix keeps `embed` and leaves its
+    concatenated columns unnamed (replicated: its parts' column shards would not line up)."""
+    axes = {
+      k: tuple(v.get_metadata()["logical_axes"])[1:]
+      for k, v in vars(self.layers).items()
+      if isinstance(v, nnx.Param)
+    }
+    if fuse:
+      for parts, name in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), _GATE_UP):
+        for p in parts:
+          del axes[p]
+        axes[name] = ("embed", None)
+    return axes, ("embed", "vocab")
 
   def _layers(self, tokens, positions, attention, seg, blk, cache, weights=None):
     """Embedding and the decoder layers: (hidden `[B,T,D]`, stacked (k, v) `[L,B,T,K,H]`). With
@@ -231,10 +253,15 @@ class DecodeView:
     return self.model.logits_from_hidden(hidden, self.weights)
 
 
-def _fuse_projections(stacked: dict, i: int, dt) -> dict:
-  """Layer `i` of the stacked weights in dtype `dt`, with q/k/v fused into `qkv_proj` `[D, (N +
-  2K) H]` and gate/up into `gate_up_proj` `[D, 2F]` (`DecodeWeights`)."""
+_GATE_UP = (("gate_proj", "up_proj"), "gate_up_proj")
+
+
+def _layer_weights(stacked: dict, i: int, dt, fuse: bool) -> dict:
+  """Layer `i` of the stacked weights in dtype `dt`; with `fuse`, q/k/v fused into `qkv_proj`
+  `[D, (N + 2K) H]` and gate/up into `gate_up_proj` `[D, 2F]` (`DecodeWeights`)."""
   w = {name: a[i].astype(dt) for name, a in stacked.items()}
+  if not fuse:
+    return w
   q, k, v = (w.pop(n) for n in ("q_proj", "k_proj", "v_proj"))
   flat = lambda a: a.reshape(a.shape[0], -1)
   w["qkv_proj"] = jnp.concatenate([flat(q), flat(k), flat(v)], axis=1)
@@ -285,7 +312,9 @@ def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk
       impl=cfg.attention_impl,
       flash_tiles=cfg.flash_tiles,
       flash_tpu_tiles=cfg.flash_tpu_tiles,
+      flash_live_only=cfg.flash_live_only,
     )
+    o = checkpoint_name(o, ATTENTION_OUT)
   else:
     o = cached_attention(
       q,
@@ -311,15 +340,23 @@ def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk
 def remat_layer(layer_fn, policy: str):
   """`layer_fn` under the rematerialisation `policy` (config.REMAT_POLICIES): unchanged for
   "none", `jax.checkpoint` keeping only its inputs for "full", keeping the weight matmuls'
-  outputs for "dots". The values are the same; only what the backward pass stores differs."""
+  outputs for "dots", and with `_attn` also the attention's output (and the flash kernel's
+  log-sum-exp). The values are the same; only what the backward pass stores differs."""
   if policy == "none":
     return layer_fn
-  if policy == "full":
-    return jax.checkpoint(layer_fn, prevent_cse=False)
-  if policy == "dots":
-    keep = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    return jax.checkpoint(layer_fn, prevent_cse=False, policy=keep)
-  raise ValueError(f"unknown remat policy {policy!r}")
+  from dice_jax.model import flash_bd
+
+  cp = jax.checkpoint_policies
+  attention = cp.save_only_these_names(ATTENTION_OUT, flash_bd.OUT_NAME, flash_bd.LSE_NAME)
+  keep = {
+    "full": None,
+    "dots": cp.dots_with_no_batch_dims_saveable,
+    "dots_attn": cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, attention),
+    "full_attn": attention,
+  }
+  if policy not in keep:
+    raise ValueError(f"unknown remat policy {policy!r}")
+  return jax.checkpoint(layer_fn, prevent_cse=False, policy=keep[policy])
 
 
 def _grouped(q, num_kv):
@@ -340,11 +377,20 @@ def dense_attention(q, k, v, mask):
 
 
 def self_attention(
-  q, k, v, spec, positions, *, impl="dense", flash_tiles=None, flash_tpu_tiles=(512, 512)
+  q,
+  k,
+  v,
+  spec,
+  positions,
+  *,
+  impl="dense",
+  flash_tiles=None,
+  flash_tpu_tiles=(512, 512),
+  flash_live_only=True,
 ):
   """Attention of a cache-free forward by `impl` (`platform.check` refuses one the target
   platform has no kernel for). `flash` on TPU is `flash_tpu` (`flash_tpu_tiles`), else `flash_bd`
-  (`flash_tiles`)."""
+  (`flash_tiles`, `flash_live_only`)."""
   tgt = platform_lib.check(impl, q.shape[1], k.shape[1])
   if impl == "flash" and tgt.platform == "tpu":
     from dice_jax.model import flash_tpu
@@ -359,7 +405,9 @@ def self_attention(
     tiles = (
       {} if flash_tiles is None else dict(zip(("block_q", "block_k", "block_bwd"), flash_tiles))
     )
-    return flash_bd.attention(q, k, v, spec, positions, interpret=tgt.interpret, **tiles)
+    return flash_bd.attention(
+      q, k, v, spec, positions, interpret=tgt.interpret, live_only=flash_live_only, **tiles
+    )
   mask = masks_lib.dense_mask(spec, positions)
   if impl == "dense":
     return dense_attention(q, k, v, mask)

@@ -21,17 +21,16 @@ from dice_jax.model.config import REMAT_POLICIES
 from dice_jax.model.flash_decode import DecodeTiles
 from dice_jax.rl import advantages as advantages_lib
 from dice_jax.rl import rewards as rewards_lib
-from dice_jax.rl.tracerl import TraceRLConfig
+from dice_jax.rl.tracerl import TAIL_ROWS, TraceRLConfig
 from dice_jax.train.optimizer import OptimizerConfig
-from verifier.api.client import RetryPolicy
+from verifier.api.waiting import RetryPolicy
 from dice_jax.train.run_config import FIELDS as RUN_FIELDS
 from dice_jax.train.run_config import RunConfig, nest_flat_fields
 
 PHASES = ("infill", "e2e")
 BACKENDS = ("static", "continuous")
 SCHEDULES = ("sequential", "sequential_by_stage")
-TAIL_ROWS = ("apply", "drop")
-STOP_TOKENS = ("chat", "eos")
+STOP_TOKENS = ("chat", "eos", "im_end")
 
 DICE_SAMPLER = SamplerConfig(
   block_size=0,  # the model's (SDAR's 4): resolved at start-up, the one check with it
@@ -52,13 +51,13 @@ DICE_OPTIMIZER = OptimizerConfig(
 @dataclasses.dataclass(frozen=True)
 class VerifierConfig:
   """How candidates are judged. `options` are `VerifyOptions` fields sent with every request
-  (DICE: one correctness trial, atol = rtol = 1e-2, no timing); endpoints come from the launcher."""
+  (DICE: one correctness trial, atol = rtol = 1e-2, no timing); endpoints and how long to wait for
+  them at start (`--verifier_wait_s`) come from the launcher."""
 
   options: dict = dataclasses.field(default_factory=lambda: {"num_correct_trials": 1})
   retry: RetryPolicy = RetryPolicy()
   local_device: str = ""  # --verifier=local: "cpu" | "cuda" ("" = cuda when a GPU is visible)
   local_compile_workers: int = 0  # 0: the service's default
-  ready_timeout_s: float = 300.0
 
   def __post_init__(self):
     if not isinstance(self.options, dict):
@@ -109,14 +108,22 @@ class RLConfig:
   advantage: str = "group_zscore"
   verifier: VerifierConfig = VerifierConfig()
   # policy update
-  tracerl: TraceRLConfig = TraceRLConfig(layout="packed")
+  # old log-probs from the rollout (no second forward; tracerl.py docstring)
+  tracerl: TraceRLConfig = TraceRLConfig(layout="packed", old_logp="sampler")
   optim: OptimizerConfig = DICE_OPTIMIZER
   rows_per_update: int = 256  # TraceRL rows (responses when packed) per optimizer step
   shuffle: bool = True  # shuffle the rows of an RL step before batching (DICE: file order)
   reset_optimizer: bool = False  # a fresh optimizer state at every RL step (DICE: new AdamW)
-  tail_rows: str = "apply"  # "drop": a last, partial update is not applied (DICE)
-  stop_tokens: str = "chat"  # "chat": the tokenizer's stop ids; "eos": its eos only (DICE)
-  train_stop_token: bool = True  # False: the stop token is not trained (DICE: eos = pad)
+  # rows after the last whole update: "apply" (a last, partial update), "drop", or "even_batches"
+  # (DICE: padded to a multiple of `even_batches_rows` with the first rows, then as "drop";
+  # tracerl.tail_units)
+  tail_rows: str = "apply"
+  even_batches_rows: int = 8  # DICE's 8 processes x 1 row per device
+  # "chat": the tokenizer's stop ids; "eos": its eos only; "im_end": <|im_end|> only (DICE: its
+  # SFT checkpoint's eos, set by LLaMA-Factory's qwen3 template)
+  stop_tokens: str = "chat"
+  train_stop_token: bool = True  # False: the final stop token is not trained
+  train_pad_tokens: bool = True  # False: tokens equal to the pad id are not trained (DICE)
   # micro-batches per optimizer step; 0: chosen by the update's memory estimate (rl/memory.py),
   # with `tracerl.layout='auto'` and `update_remat='auto'` (1 where the device limit is unknown)
   accum_steps: int = 0
@@ -144,7 +151,7 @@ class RLConfig:
       self.stop_tokens in STOP_TOKENS,
       f"stop_tokens must be one of {STOP_TOKENS}, got {self.stop_tokens!r}",
     )
-    for name in ("shuffle", "reset_optimizer", "train_stop_token"):
+    for name in ("shuffle", "reset_optimizer", "train_stop_token", "train_pad_tokens"):
       need(isinstance(getattr(self, name), bool), f"{name} must be True or False")
     need(self.phase in PHASES, f"phase must be one of {PHASES}, got {self.phase!r}")
     need(self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
@@ -183,6 +190,7 @@ class RLConfig:
       "slots",
       "rows_per_update",
       "length_multiple",
+      "even_batches_rows",
     ):
       v = getattr(self, name)
       need(isinstance(v, int) and v >= 1, f"{name} must be a positive int, got {v!r}")
@@ -206,6 +214,11 @@ class RLConfig:
     need(
       isinstance(self.memory_limit_gb, (int, float)) and self.memory_limit_gb >= 0,
       f"memory_limit_gb must be >= 0 (0: the device's), got {self.memory_limit_gb!r}",
+    )
+    need(
+      self.tail_rows != "even_batches" or self.rows_per_update % self.even_batches_rows == 0,
+      f"rows_per_update ({self.rows_per_update}) must be a multiple of even_batches_rows "
+      f"({self.even_batches_rows}) with tail_rows='even_batches'",
     )
     need(
       self.accum_steps == 0 or self.rows_per_update % self.accum_steps == 0,
@@ -254,6 +267,7 @@ class RLConfig:
     d["tracerl"] = TraceRLConfig(**d["tracerl"])
     d["optim"] = OptimizerConfig(**d["optim"])
     v = dict(d["verifier"])
+    v.pop("ready_timeout_s", None)  # configs saved before --verifier_wait_s
     v["retry"] = RetryPolicy(**v["retry"])
     d["verifier"] = VerifierConfig(**v)
     return cls(**d)

@@ -4,15 +4,16 @@ Per RL step s:
   1. the step's tasks from the RL stream (DICE's sequential file order by default), G per group;
   2. rollout: the block sampler on every group, each group judged as soon as it is sampled;
   3. rewards -> group advantages (equal-reward groups dropped);
-  4. TraceRL mini-batches of `rows_per_update` rows; the old log-probs of every mini-batch with
-     the rollout parameters, before any update; one optimizer step per mini-batch (one epoch);
+  4. TraceRL mini-batches of `rows_per_update` rows; the old log-probs (the rollout's, or with
+     `tracerl.old_logp='trainer'` a forward of every mini-batch with the rollout parameters,
+     before any update); one optimizer step per mini-batch (one epoch);
   5. metrics, samples, and an orbax checkpoint at the step boundary.
 
 Several JAX processes (one mesh over all their devices) run the same steps: each draws the whole
-RL stream and samples every group (the sampler is one computation over the global mesh, so the
-processes must make the same calls anyway), judges every n-th distinct request and receives the
-others' verdicts, so rewards, advantages and TraceRL batches are equal everywhere; each then feeds
-its devices' rows of every mini-batch. Process 0 writes metrics, samples, the plot
+RL stream and makes the same sampler calls, in which its devices decode their share of the rows
+(rows over the mesh's data axes: `rollout.py`); the sampled rows are gathered to every process;
+each judges every n-th distinct request and receives the others' verdicts, so rewards, advantages
+and TraceRL batches are equal everywhere; each then feeds its devices' rows of every mini-batch. Process 0 writes metrics, samples, the plot
 (`reporting.py`), the tokenizer and the model config; all write the orbax checkpoints together.
 The stream state is the same on every process, so a checkpoint resumes on any process count.
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -52,6 +53,7 @@ from dice_jax.rl import rewards as rewards_lib
 from dice_jax.rl import rollout as rollout_lib
 from dice_jax.rl import tracerl
 from dice_jax.rl.config import RLConfig
+from dice_jax.rl.trajectory import Trajectory
 from dice_jax.train import checkpoint as ckpt_lib
 from dice_jax.train import metrics as metrics_lib
 from dice_jax.train import optimizer as optim_lib
@@ -88,40 +90,59 @@ def load_tasks(cfg: RLConfig) -> list[tasks_lib.KernelTask]:
 
 
 # ------------------------------------------------------------------ the loop
-def make_judge(cfg: RLConfig, endpoints: list[str] | None):
+def make_judge(cfg: RLConfig, endpoints: list[str] | None, verifier_wait_s: float | None = None):
+  """The run's judge: a python function, or a client of the verifier at `endpoints` once every
+  endpoint answers (waits up to `verifier_wait_s`, default `waiting.VERIFIER_WAIT_S`, logging a
+  progress line every 10 s; `VerifierUnavailable` after that)."""
   if cfg.judge != "verifier":
     return rollout_lib.load_function_judge(cfg.judge)
   from dice_jax.verifier_client import ThreadedVerifier
+  from verifier.api.waiting import VERIFIER_WAIT_S
 
   if not endpoints:
     raise ValueError("judge 'verifier' needs verifier endpoints (--verifier=HOST:PORT or local)")
   client = ThreadedVerifier(endpoints, options=cfg.verifier.options, retry=cfg.verifier.retry)
-  client.wait_ready(cfg.verifier.ready_timeout_s)
+  try:
+    client.wait_ready(verifier_wait_s or VERIFIER_WAIT_S)
+  except BaseException:
+    client.close()
+    raise
   return client
 
 
-@dataclasses.dataclass
-class _Trainer:
-  """Everything one run holds between RL steps (built by `_prepare`)."""
+class Update(NamedTuple):
+  """The jitted TraceRL update of a run (`make_update`)."""
 
-  cfg: RLConfig
+  step_fn: Any  # (state, sharded mini-batch, rng) -> (state, metrics): one optimizer step
+  old_logp_fn: Any  # (params, sharded mini-batch) -> old_logp; None: the rollout's are used
+  init_opt: Any  # params -> a fresh optimizer state (reset_optimizer)
+  row_len: int  # the longest TraceRL row the run can make (rl/memory.row_length)
+
+
+@dataclasses.dataclass
+class Trainer:
+  """Everything one run holds between RL steps (built by `_prepare`; `learn` reads the first
+  group of fields only)."""
+
+  cfg: RLConfig  # with the update's plan resolved (`plan_update`)
   mesh: Any
   mcfg: ModelConfig
-  tokenizer: Any
-  graphdef: Any
   state: dict
   step_fn: Any
   old_logp_fn: Any
-  init_opt: Any  # params -> a fresh optimizer state (reset_optimizer)
-  backend: rollout_lib.SamplerBackend
-  reward_fn: Any
-  stream: Any  # the RL-stream iterator
-  start: int  # RL steps already done
+  init_opt: Any
+  row_len: int
+  backend: rollout_lib.SamplerBackend  # its stop ids end responses (train_stop_token)
+  tokenizer: Any = None
+  graphdef: Any = None
+  reward_fn: Any = None
+  stream: Any = None  # the RL-stream iterator
+  start: int = 0  # RL steps already done
   eval_backend: Any = None  # in-loop evaluation (eval_every > 0)
   eval_groups: list = dataclasses.field(default_factory=list)
 
 
-def _prepare(cfg: RLConfig, workdir: str, ckpt, allow_config_change: bool = False) -> _Trainer:
+def _prepare(cfg: RLConfig, workdir: str, ckpt, allow_config_change: bool = False) -> Trainer:
   """Model (fresh, imported, or restored with the stream position), optimizer, jitted steps."""
   mesh = run_setup.make_mesh(cfg.run)
   resuming = ckpt.latest_step() is not None
@@ -132,12 +153,12 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, allow_config_change: bool = Fals
   else:
     model, mcfg, inherited = build_model(cfg, mesh)
   tok = run_setup.load_tokenizer(inherited or cfg.run.tokenizer)
-  if distributed.is_primary():
+  check_compatible(tok, mcfg, where="rl")
+  cfg, plan = plan_update(cfg, mcfg, mesh)  # refuses a setting that does not fit, before sampling
+  if distributed.is_primary():  # written once the run is known to fit
     run_setup.save_tokenizer(cfg.run, workdir, inherited)
     if not resuming:
       ckpt_lib.save_model_config(mcfg, workdir)
-  check_compatible(tok, mcfg, where="rl")
-  cfg, plan = plan_update(cfg, mcfg, mesh)  # refuses a setting that does not fit, before sampling
   logging.info(
     "model %.2fM params (block %d, %s), mesh %s",
     mcfg.num_params() / 1e6,
@@ -174,7 +195,39 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, allow_config_change: bool = Fals
     cfg.stream.local_tasks_per_step,
     cfg.stream.group_size,
   )
-  loss_fn = lambda model, batch, rng: tracerl.tracerl_loss(model, batch, rng, cfg.tracerl)
+  update = make_update(cfg, mcfg, mesh, graphdef, shardings, tx, total_updates, plan)
+  scfg = dataclasses.replace(
+    cfg.sampler,
+    stop_ids=cfg.sampler.stop_ids or stop_ids(cfg, tok),
+    pad_id=mcfg.pad_token_id if mcfg.pad_token_id is not None else tok.pad_token_id,
+  ).for_model(mcfg)  # the model's block size unless sampler.block_size says otherwise
+  return Trainer(
+    cfg=cfg,
+    mesh=mesh,
+    mcfg=mcfg,
+    tokenizer=tok,
+    graphdef=graphdef,
+    state=state,
+    **update._asdict(),
+    backend=make_backend(cfg, scfg),
+    reward_fn=rewards_lib.make_reward(cfg.reward, **cfg.reward_options),
+    stream=stream,
+    start=start,
+    eval_backend=make_backend(cfg, eval_lib.eval_sampler(scfg)) if eval_groups else None,
+    eval_groups=eval_groups,
+  )
+
+
+def make_update(
+  cfg: RLConfig, mcfg: ModelConfig, mesh, graphdef, shardings, tx, total_updates, plan
+):
+  """The jitted update (`Update`) of `cfg` (resolved by `plan_update`, with its `plan`): the train
+  step on the TraceRL loss under the plan's remat policy, empty micro-batches skipped; the old
+  log-prob forward when `tracerl.old_logp='trainer'`; the optimizer's initialiser."""
+
+  def loss_fn(model, batch, rng):
+    return tracerl.tracerl_loss(model, batch, rng, cfg.tracerl)
+
   train_graphdef, _ = nnx.split(  # the same parameters; the update's remat policy
     nnx.eval_shape(lambda: Transformer(mcfg.replace(remat=plan.remat), rngs=nnx.Rngs(0))),
     nnx.Param,
@@ -187,37 +240,19 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt, allow_config_change: bool = Fals
       accum_steps=cfg.accum_steps,
       schedule=optim_lib.make_schedule(cfg.optim, total_updates),
       means=tracerl.METRIC_MEANS,
+      is_empty=tracerl.is_empty,
     ),
     shardings,
     mesh,
     cfg.accum_steps,
   )
-  old_logp_fn = tracerl.jit_token_logprobs(
-    graphdef, shardings["params"], mesh, cfg.accum_steps, chunk=cfg.tracerl.logit_chunk
-  )
+  old_logp_fn = None
+  if cfg.tracerl.old_logp == "trainer":
+    old_logp_fn = tracerl.jit_token_logprobs(
+      graphdef, shardings["params"], mesh, cfg.accum_steps, chunk=cfg.tracerl.logit_chunk
+    )
   init_opt = jax.jit(tx.init, out_shardings=shardings["opt_state"])
-  scfg = dataclasses.replace(
-    cfg.sampler,
-    stop_ids=cfg.sampler.stop_ids or stop_ids(cfg, tok),
-    pad_id=mcfg.pad_token_id if mcfg.pad_token_id is not None else tok.pad_token_id,
-  ).for_model(mcfg)  # the model's block size unless sampler.block_size says otherwise
-  return _Trainer(
-    cfg=cfg,
-    mesh=mesh,
-    mcfg=mcfg,
-    tokenizer=tok,
-    graphdef=graphdef,
-    state=state,
-    step_fn=step_fn,
-    old_logp_fn=old_logp_fn,
-    init_opt=init_opt,
-    backend=make_backend(cfg, scfg),
-    reward_fn=rewards_lib.make_reward(cfg.reward, **cfg.reward_options),
-    stream=stream,
-    start=start,
-    eval_backend=make_backend(cfg, eval_lib.eval_sampler(scfg)) if eval_groups else None,
-    eval_groups=eval_groups,
-  )
+  return Update(step_fn, old_logp_fn, init_opt, plan.row_len)
 
 
 def plan_update(cfg: RLConfig, mcfg: ModelConfig, mesh):
@@ -253,7 +288,7 @@ def check_eval(cfg: RLConfig) -> None:
     )
 
 
-def evaluate(t: _Trainer, judge, step: int) -> dict:
+def evaluate(t: Trainer, judge, step: int) -> dict:
   """DICE's in-loop evaluation with the current parameters (`rl/evaluation.py`)."""
   params = rollout_lib.sampling_params(t.state["params"], t.mcfg.compute_dtype)
   with jax.set_mesh(t.mesh):
@@ -273,10 +308,26 @@ def evaluate(t: _Trainer, judge, step: int) -> dict:
 
 def stop_ids(cfg: RLConfig, tok) -> tuple[int, ...]:
   """The ids that end a response: the tokenizer's stop ids (`chat`: `<|im_end|>` and
-  `<|endoftext|>` for SDAR) or its eos only (`eos`: DICE's JetEngine stops at `<|endoftext|>`)."""
+  `<|endoftext|>` for SDAR), its eos only (`eos`), or `<|im_end|>` only (`im_end`: DICE's
+  JetEngine stops at its SFT checkpoint's eos, which LLaMA-Factory's qwen3 template makes
+  `<|im_end|>`; docs/dice_recipe.md, item 4)."""
   if cfg.stop_tokens == "eos":
     return (int(tok.eos_token_id),)
+  if cfg.stop_tokens == "im_end":
+    if tok.im_end_token_id is None:
+      raise ValueError("stop_tokens='im_end': the tokenizer has no <|im_end|> token")
+    return (int(tok.im_end_token_id),)
   return tuple(tok.stop_token_ids)
+
+
+def training_view(traj: Trajectory, cfg: RLConfig, stop_ids, pad_id: int) -> Trajectory:
+  """`traj` as the update trains it: without its final stop token unless `train_stop_token`,
+  without the tokens equal to `pad_id` unless `train_pad_tokens` (DICE's `post_num: 0`)."""
+  if not cfg.train_stop_token:
+    traj = traj.without_stop_token(stop_ids)
+  if not cfg.train_pad_tokens:
+    traj = traj.without_token(pad_id)
+  return traj
 
 
 def make_backend(cfg: RLConfig, scfg) -> rollout_lib.SamplerBackend:
@@ -299,7 +350,7 @@ def _check_resume(ckpt, cfg: RLConfig, workdir: str, allow_change: bool) -> None
     logging.warning("resuming step %d with config changes: %s", step, resume.describe(changes))
 
 
-def run_one_step(t: _Trainer, judge, step: int):
+def run_one_step(t: Trainer, judge, step: int):
   """One RL step (0-based `step`): (metrics, stream state after its tasks, rollout)."""
   cfg = t.cfg
   t0 = time.perf_counter()
@@ -323,7 +374,7 @@ def run_one_step(t: _Trainer, judge, step: int):
     )
   del params
   m = reporting.rollout_metrics(ro)
-  t.state, update_m = _learn(t, ro, step)
+  t.state, update_m = learn(t, ro, step)
   m.update(update_m)
   if t.eval_groups and eval_lib.due(step + 1, cfg.eval_every):
     m.update(evaluate(t, judge, step))
@@ -349,29 +400,34 @@ def run_rl(
   endpoints: list[str] | None = None,
   max_steps: int | None = None,
   allow_config_change: bool = False,
+  verifier_wait_s: float | None = None,
 ) -> dict:
   """Runs RL steps up to `cfg.num_steps` (or `max_steps` more), resuming from `workdir` (a changed
   config as `train/resume.py` says: fields beyond the safe ones need `allow_config_change`).
 
+  The judge comes first: nothing is written to `workdir` until the verifier at `endpoints` answers
+  (`make_judge`; an unreachable one raises `VerifierUnavailable` and leaves `workdir` as it was).
   SIGINT or SIGTERM during an RL step finishes it, saves it and returns with `preempted` True;
   during start-up, or a second signal, returns at once (`train/stop.py`).
   """
   return stop_lib.run_stoppable(
-    lambda stop: _run(cfg, workdir, stop, endpoints, max_steps, allow_config_change),
+    lambda stop: _run(
+      cfg, workdir, stop, endpoints, max_steps, allow_config_change, verifier_wait_s
+    ),
     rl_step=None,
   )
 
 
-def _run(cfg, workdir, stop, endpoints, max_steps, allow_config_change) -> dict:
-  os.makedirs(workdir, exist_ok=True)
-  ckpt = run_setup.make_checkpointer(cfg.run, workdir, keep_period=cfg.snapshot_every or None)
-  judge = None
+def _run(cfg, workdir, stop, endpoints, max_steps, allow_config_change, verifier_wait_s) -> dict:
+  judge = make_judge(cfg, endpoints, verifier_wait_s)
+  ckpt = None
   last, preempted, done = {}, False, None
   try:
+    os.makedirs(workdir, exist_ok=True)
+    ckpt = run_setup.make_checkpointer(cfg.run, workdir, keep_period=cfg.snapshot_every or None)
     t = _prepare(cfg, workdir, ckpt, allow_config_change)
     end = cfg.num_steps if max_steps is None else min(cfg.num_steps, t.start + max_steps)
     logging.info("RL steps %d -> %d (of %d)", t.start, end, cfg.num_steps)
-    judge = make_judge(cfg, endpoints)
     writer = metrics_lib.MetricWriter(workdir)
     config_json = cfg.to_json()
     done = t.start
@@ -407,8 +463,9 @@ def _run(cfg, workdir, stop, endpoints, max_steps, allow_config_change) -> dict:
       stop.training = False  # a signal from here on stops at once
       writer.close()
   finally:
-    ckpt.wait()
-    ckpt.close()
+    if ckpt is not None:
+      ckpt.wait()
+      ckpt.close()
     if hasattr(judge, "close"):
       judge.close()
   if distributed.is_primary() and last:
@@ -422,8 +479,10 @@ def _existing_dir(path: str) -> str | None:
   return path if os.path.isdir(path) else None
 
 
-def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
-  """Advantages -> TraceRL mini-batches -> old log-probs for all -> one update per mini-batch."""
+def learn(t: Trainer, ro: rollout_lib.Rollout, rl_step: int, on_batches=None):
+  """Advantages -> TraceRL mini-batches -> old log-probs (the rollout's, or a forward of every
+  mini-batch before any update) -> one update per mini-batch. `on_batches(host_batches)`, when
+  given, sees the mini-batches before they are trained (benchmarks count their FLOPs)."""
   cfg, mcfg, mesh, state = t.cfg, t.mcfg, t.mesh, t.state
   t0 = time.perf_counter()
   adv = advantages_lib.compute(
@@ -433,7 +492,7 @@ def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
   for traj, a, keep in zip(ro.trajectories, adv.values, adv.keep):
     traj.advantage = float(a)
     if keep:
-      kept.append(traj if cfg.train_stop_token else traj.without_stop_token(t.backend.cfg.stop_ids))
+      kept.append(training_view(traj, cfg, t.backend.cfg.stop_ids, t.tokenizer.pad_token_id))
   if cfg.reset_optimizer:  # DICE: a new AdamW every RL step (one process per step)
     state = dict(state, opt_state=t.init_opt(state["params"]))
   batches = tracerl.build_batches(
@@ -445,25 +504,39 @@ def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
     pad_id=mcfg.pad_token_id or 0,
     length_multiple=cfg.length_multiple,
     rng=np.random.default_rng([cfg.run.seed, rl_step]) if cfg.shuffle else None,
-    drop_partial=cfg.tail_rows == "drop",
+    tail=cfg.tail_rows,
+    even_batches_rows=cfg.even_batches_rows,
+    max_length=t.row_len,
   )
+  if on_batches is not None:
+    on_batches(batches)
   t_build = time.perf_counter()
   rows = ts.local_rows(mesh, cfg.rows_per_update, cfg.accum_steps)  # this process's rows
-  sharded = [
-    ts.shard_batch({k: v[rows] for k, v in b.items()}, mesh, cfg.accum_steps) for b in batches
-  ]
-  gap_sum, gap_n = 0.0, 0.0
-  for host, b in zip(batches, sharded):  # old log-probs with the rollout parameters, for all first
-    b["old_logp"] = t.old_logp_fn(state["params"], b)
-    old = distributed.to_host(b["old_logp"]).reshape(host["p_mask"].shape)
-    mask = host["p_mask"]
-    gap_sum += float(np.abs(old - host["sampler_logp"])[mask].sum())
-    gap_n += float(mask.sum())
+
+  def shard(b):
+    return ts.shard_batch({k: v[rows] for k, v in b.items()}, mesh, cfg.accum_steps)
+
+  gap = {}
+  if t.old_logp_fn is not None:  # old log-probs with the rollout parameters, for all first
+    sharded = [shard(b) for b in batches]
+    gap_sum, gap_n = 0.0, 0.0
+    for host, b in zip(batches, sharded):
+      b["old_logp"] = t.old_logp_fn(state["params"], b)
+      old = distributed.to_host(b["old_logp"]).reshape(host["p_mask"].shape)
+      mask = host["p_mask"]
+      gap_sum += float(np.abs(old - host["sampler_logp"])[mask].sum())
+      gap_n += float(mask.sum())
+    gap = {"sampler_logp_gap": gap_sum / max(gap_n, 1.0)}
+  else:  # the rollout's log-probs: each mini-batch goes to the devices when its update is queued
+    sharded = map(shard, batches)
   t_old = time.perf_counter() - t_build
-  stats = reporting.UpdateStats()
   rng = jax.random.key(cfg.run.seed)  # the TraceRL loss draws nothing; the step folds in its count
-  for b in sharded:
+  step_metrics = []
+  for b in sharded:  # queued without waiting; the metrics are read once, at the end
     state, m = t.step_fn(state, b, rng)
+    step_metrics.append(m)
+  stats = reporting.UpdateStats()
+  for m in step_metrics:
     stats.add({k: float(v) for k, v in distributed.tree_to_host(m).items()})
   out = stats.metrics()
   out.update(
@@ -471,7 +544,7 @@ def _learn(t: _Trainer, ro: rollout_lib.Rollout, rl_step: int):
       "groups": float(adv.groups),
       "groups_dropped": float(adv.dropped_groups),
       "rows": float(sum(int((b["traj_index"] >= 0).sum()) for b in batches)),
-      "sampler_logp_gap": gap_sum / max(gap_n, 1.0),
+      **gap,
       "time/build_rows_s": t_build - t0,
       "time/old_logp_s": t_old,
       "time/update_s": time.perf_counter() - t0,

@@ -13,6 +13,8 @@ The update (`train_step.make_train_step` on `tracerl.tracerl_loss`) holds, per d
               jaxpr residuals of `transformer._layer`):
                 full  the layer input (a D)
                 dots  the input, the q/k/v/o and gate/up matmul outputs (a (2D + Nq + 2Kv + 2F))
+                *_attn  full or dots, and the attention output (a Nq) with the flash kernel's
+                      log-sum-exp (4 N, f32)
                 none  every intermediate: f32 norm inputs and outputs, the compute-dtype copies
                       of the layer's weights, RoPE tables, the MLP's six [F] vectors and, with a
                       dense attention, the [N, S] mask, scores, exponentials and probabilities
@@ -49,8 +51,10 @@ OPT_TEMPS = 1  # fp32 parameter-sized temporaries of clip + AdamW (the scaled gr
 LOGIT_TEMPS = 3  # f32 [rows, chunk, V] buffers of one LM-head chunk (logits, exp/probs, cotangent)
 BATCH_BYTES_PER_TOKEN = 40  # int32/f32/bool token fields of a TraceRL batch, with old_logp
 FLASH_IMPLS = ("flash", "cudnn")  # attention kernels that keep no [T, S] matrix
-# Fastest first: less recomputation before more rows per micro-batch.
-REMAT_ORDER = ("none", "dots", "full")
+# Fastest first: less recomputation before more rows per micro-batch. Keeping the attention's
+# output saves its forward kernel in the backward pass (dots_attn before dots); recomputing the
+# attention is cheaper than recomputing the layer's matmuls (dots before full_attn).
+REMAT_ORDER = ("none", "dots_attn", "dots", "full_attn", "full")
 MAX_MICRO_TOKENS = 65_536  # more tokens per micro-batch buy no speed, only memory
 
 
@@ -63,12 +67,13 @@ def row_length(
   shrink: int = 1,
   length_multiple: int = 128,
 ) -> int:
-  """The longest TraceRL row of `layout` (module docstring), bucketed as `build_batches` does."""
+  """The longest TraceRL row of `layout` (module docstring), rounded up to `length_multiple`: the
+  longest batch `build_batches` makes with this as `max_length`."""
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
   rounds = -(-steps // shrink)
   n = prompt_len + new_tokens * (2 if layout == "per_round" else 1 + rounds)
-  return bucket_length(n, length_multiple)
+  return bucket_length(n, length_multiple, cap=n)
 
 
 def layer_residual_bytes(c, policy: str, seq_len: int) -> tuple[float, float]:
@@ -77,10 +82,12 @@ def layer_residual_bytes(c, policy: str, seq_len: int) -> tuple[float, float]:
   a = jnp.dtype(c.compute_dtype).itemsize
   d, f = c.hidden_size, c.intermediate_size
   nq, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-  if policy == "full":
-    return float(a * d), 0.0
-  if policy == "dots":
-    return float(a * (2 * d + nq + 2 * kv + 2 * f)), 0.0
+  attention = a * nq + (4 * c.num_heads if c.attention_impl in FLASH_IMPLS else 0)
+  if policy in ("full", "full_attn"):
+    return float(a * d + (attention if policy == "full_attn" else 0)), 0.0
+  if policy in ("dots", "dots_attn"):
+    dots = a * (2 * d + nq + 2 * kv + 2 * f)
+    return float(dots + (attention if policy == "dots_attn" else 0)), 0.0
   if policy != "none":
     raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {policy!r}")
   f32_compute = a == 4  # the casts to float32 (norm inputs, probabilities) then copy nothing

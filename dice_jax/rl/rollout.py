@@ -21,10 +21,14 @@ Two seams:
 * `Judge` -- `submit(task_id, reference, candidate) -> Future[VerifyResult]`:
   `dice_jax.verifier_client.ThreadedVerifier` or `FunctionJudge`.
 
-Several JAX processes: the sampler is one computation over the global mesh, so every process
-samples every group (same keys, same tokens); verification is split: the i-th distinct request
-of the step goes to the judge of process i mod n, and the verdicts are merged across processes
-(`exchange_verdicts`), so every process ends with the same outcomes and rewards.
+Several JAX processes make the same sampler calls (one computation over the global mesh) on the
+same groups and keys; the rows and their KV cache are split over the mesh's data axes
+(`diffusion/placement.py`), so each process's devices decode their share of the rows, and the
+finished rows are gathered to every process: each ends with every group's trajectories (the
+group-normalised advantages and the update's batches need them all). Verification is split: the
+i-th distinct request of the step goes to the judge of process i mod n, and the verdicts are
+merged across processes (`exchange_verdicts`), so every process ends with the same outcomes and
+rewards.
 """
 
 from __future__ import annotations

@@ -28,8 +28,17 @@ with D = L1 × (rows of the step counted as (response, round) pairs) for `dice` 
 the per-round layout (R rows) give the same D. `tracerl_loss` returns (Σ_j ..., metrics with D as
 `denominator`) for `train/train_step.make_train_step`, which divides once per optimizer step.
 
-Old log-probs (`logp_old`) come from `token_logprobs` with the pre-update parameters, computed
-once per RL step for every mini-batch before the first update (`jit_token_logprobs`).
+Mini-batches (`build_batches`): `rows_per_update` counts rows of the layout (`batch_units='rows'`:
+responses when packed) or (response, round) pairs (`'rounds'`: DICE's rows, whatever the layout).
+With `rounds` and the packed layout, the rounds of a response that fall in one mini-batch share
+one packed row: DICE's optimizer steps (the same pairs in each, the same D) on packed rows.
+
+Old log-probs (`logp_old`, `TraceRLConfig.old_logp`): `sampler` takes the rollout's own
+(`Trajectory.sampler_logp`: the log-prob of each token under the unfiltered model at the forward
+that unmasked it, i.e. at the state its row replays, with the rollout parameters: the same value
+a trainer forward gives, to float rounding; tests/rl/test_tracerl.py); `trainer` computes them
+with `token_logprobs` and the pre-update parameters, once per RL step for every mini-batch before
+the first update (`jit_token_logprobs`), as DICE does (its sampler returns no log-probs).
 """
 
 from __future__ import annotations
@@ -50,6 +59,9 @@ from dice_jax.train import train_step as ts
 
 NORMALIZATIONS = ("dice", "tokens")
 LAYOUTS = ("packed", "per_round")
+BATCH_UNITS = ("rows", "rounds")
+OLD_LOGP = ("sampler", "trainer")
+TAIL_ROWS = ("apply", "drop", "even_batches")  # `tail_units`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +76,11 @@ class TraceRLConfig:
   # Gather the trained positions (`trained_index`, built on the host) before the LM head: the
   # vocabulary projection then runs on them only, not on every position of a chunk that holds
   # one (packed rows: ~1 in 4 noisy positions is trained). Same values and gradients.
-  gather_trained: bool = False
+  gather_trained: bool = True
+  batch_units: str = "rows"  # what rows_per_update counts: layout rows | (response, round) pairs
+  # old log-probs: "trainer" (a forward with the rollout parameters; exact at any precision) or
+  # "sampler" (the rollout's own; the RL loop's default, RLConfig.tracerl): module docstring
+  old_logp: str = "trainer"
 
   def __post_init__(self):
     if self.normalization not in NORMALIZATIONS:
@@ -89,6 +105,18 @@ class TraceRLConfig:
     if not isinstance(self.gather_trained, bool):
       raise ValueError(
         f"TraceRLConfig.gather_trained must be True or False, got {self.gather_trained!r}"
+      )
+    if self.batch_units not in BATCH_UNITS:
+      raise ValueError(
+        f"TraceRLConfig.batch_units must be one of {BATCH_UNITS}, got {self.batch_units!r}"
+      )
+    if self.old_logp not in OLD_LOGP:
+      raise ValueError(f"TraceRLConfig.old_logp must be one of {OLD_LOGP}, got {self.old_logp!r}")
+    if self.old_logp == "sampler" and self.shrink != 1:
+      raise ValueError(
+        f"TraceRLConfig.old_logp='sampler' needs shrink=1 (got {self.shrink}): a merged step "
+        f"group trains from its earliest state, the sampler's log-probs are of later ones; "
+        f"use old_logp='trainer'"
       )
 
 
@@ -156,40 +184,63 @@ def _concat(parts: Sequence[dict]) -> dict:
   return {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
 
 
-def trajectory_rows(
-  t: Trajectory, cfg: TraceRLConfig, *, block_size: int, mask_token_id: int
-) -> list[tuple[dict, int]]:
-  """The rows of one response under `cfg.layout`, each with the number of rounds it holds.
-
-  Rounds that train no token are left out; a response with no trained token gives no row.
-  On the absolute grid the rows are those of the same rollout seen on the response grid with
-  the prompt's tail at the front of the first block (`Trajectory.on_response_grid`), visible in
-  every round: the states the sampler saw.
-  """
-  if cfg.layout not in LAYOUTS:
-    raise ValueError(
-      f"TraceRL layout {cfg.layout!r}: build rows with a concrete layout {LAYOUTS} (the RL loop "
-      f"resolves 'auto' with rl/memory.resolve_update)"
-    )
+def _round_table(t: Trajectory, cfg: TraceRLConfig, block_size: int):
+  """(t on the response grid, each token's round, trains[r, b]: round r of block b trains a token)."""
   t.check_grid(block_size)
   fixed = t.fixed_prefix(block_size)
   t = t.on_response_grid(block_size)
   rounds = trace.token_rounds(t.step_map, block_size, cfg.shrink)
   rounds[:fixed] = 0  # the prompt's tail: never masked, never trained
   n_blocks = t.response_ids.size // block_size
-  # trains[r, b]: round r of block b trains at least one token
   trains = np.zeros((int(rounds.max(initial=0)) + 1, n_blocks), bool)
   trains[rounds[t.loss_mask], np.nonzero(t.loss_mask)[0] // block_size] = True
+  return t, rounds, trains
+
+
+def trained_rounds(t: Trajectory, cfg: TraceRLConfig, *, block_size: int) -> list[int]:
+  """The rounds of a response that train at least one token, in order (its per_round rows)."""
+  return [int(r) for r in np.nonzero(_round_table(t, cfg, block_size)[2].any(axis=1))[0]]
+
+
+def trajectory_rows(
+  t: Trajectory,
+  cfg: TraceRLConfig,
+  *,
+  block_size: int,
+  mask_token_id: int,
+  rounds: Optional[Sequence[int]] = None,
+) -> list[tuple[dict, int]]:
+  """The rows of one response under `cfg.layout`, each with the number of rounds it holds.
+
+  Rounds that train no token are left out, and with `rounds` given, every round not in it; a
+  response with no trained token gives no row. On the absolute grid the rows are those of the
+  same rollout seen on the response grid with the prompt's tail at the front of the first block
+  (`Trajectory.on_response_grid`), visible in every round: the states the sampler saw.
+  """
+  if cfg.layout not in LAYOUTS:
+    raise ValueError(
+      f"TraceRL layout {cfg.layout!r}: build rows with a concrete layout {LAYOUTS} (the RL loop "
+      f"resolves 'auto' with rl/memory.resolve_update)"
+    )
+  t, token_round, trains = _round_table(t, cfg, block_size)
+  if rounds is not None:
+    keep = np.zeros(trains.shape[0], bool)
+    keep[[r for r in rounds if r < keep.size]] = True
+    trains &= keep[:, None]
   live = np.nonzero(trains.any(axis=1))[0]
   if not live.size:
     return []
+  n_blocks = trains.shape[1]
   clean = _clean_part(t, block_size)
   blocks = np.arange(n_blocks * block_size).reshape(n_blocks, block_size)
   if cfg.layout == "per_round":
     return [
       (
         _concat(
-          [clean, _noisy_part(t, rounds, np.full(n_blocks, r), blocks, block_size, mask_token_id)]
+          [
+            clean,
+            _noisy_part(t, token_round, np.full(n_blocks, r), blocks, block_size, mask_token_id),
+          ]
         ),
         1,
       )
@@ -198,17 +249,21 @@ def trajectory_rows(
   # Block-major (block 0's rounds, then block 1's, ...): a tile of noisy queries then spans few
   # blocks, so the flash kernel's rank bounds skip the noisy keys of other blocks.
   pair_block, pair_round = np.nonzero(trains.T)
-  noisy = _noisy_part(t, rounds, pair_round, blocks[pair_block], block_size, mask_token_id)
+  noisy = _noisy_part(t, token_round, pair_round, blocks[pair_block], block_size, mask_token_id)
   return [(_concat([clean, noisy]), int(live.size))]
 
 
-def bucket_length(n: int, multiple: int) -> int:
-  """`n` rounded up to `multiple` x {1, 2, 3, 4, 6, 8, 12, 16, ...} (two lengths per octave)."""
+def bucket_length(n: int, multiple: int, cap: Optional[int] = None) -> int:
+  """`n` rounded up to `multiple` x {1, 2, 3, 4, 6, 8, 12, 16, ...} (two lengths per octave), but
+  not past `cap` rounded up to `multiple` (the longest row there can be: padding to the next
+  bucket would be pure waste; `n` above `cap` is rounded up to `multiple`)."""
   if multiple < 1:
     raise ValueError(f"length_multiple must be >= 1, got {multiple}")
   units, size = max(1, -(-n // multiple)), 1
   while size < units:
     size = size // 3 * 4 if size % 3 == 0 else max(2, size * 3 // 2)
+  if cap is not None:
+    size = min(size, max(units, -(-cap // multiple)))
   return size * multiple
 
 
@@ -245,47 +300,101 @@ def build_batches(
   pad_id: int = 0,
   length_multiple: int = 128,
   rng: Optional[np.random.Generator] = None,
-  drop_partial: bool = False,
+  tail: str = "apply",
+  even_batches_rows: int = 8,
+  max_length: Optional[int] = None,
 ) -> list[dict[str, np.ndarray]]:
   """Host mini-batches of TraceRL rows, one per optimizer step, for `train_step.shard_batch`.
 
-  `rows_per_batch`: responses per batch (packed) or (response, round) rows (per_round); the last
-  batch is filled with empty rows (segment 0, no rounds). Each batch's length is the longest row
-  rounded up by `bucket_length` (few distinct shapes, few compiles). `rng` shuffles the units
-  (responses or rows) before batching; None keeps their order. `drop_partial`: the units after
-  the last full batch are left out (DICE's tail rows: back-propagated, never applied).
+  Units (what `rows_per_batch` counts, `cfg.batch_units`): rows of the layout (responses when
+  packed) or (response, round) pairs. `rng` shuffles the units (None keeps their order), `tail`
+  says what becomes of the units after the last full batch (`tail_units`; `even_batches_rows` is
+  used by "even_batches"), then every `rows_per_batch` consecutive units make a mini-batch. A
+  batch's rows are its units' rows (packed: a response's rounds in the batch share one row, so a
+  batch of pairs may hold fewer rows), filled up to `rows_per_batch` with empty rows (segment 0,
+  no rounds) at the end. Each batch's length is the longest row rounded up by `bucket_length`
+  (few distinct shapes, few compiles), never past `max_length` (the longest row the run can
+  make) rounded up.
 
   Batch fields: `[B, T]` tokens, positions, segment_ids (1 / 0 = padding), block_ids, round_ids
   (0 = prompt / clean, r = noisy copy of round r), targets (the clean token at noisy positions),
   p_mask (trained positions), advantages (the response's advantage at p_mask), sampler_logp (the
   rollout's log-prob at p_mask); `[B, 1]` norm_rounds (rounds the row holds), norm_length (L1,
-  the longest response of `trajs`), traj_index (index into `trajs`, -1 for an empty row).
-  The loop adds `old_logp` (`[B, T]`, from `token_logprobs`) before training on a batch.
+  the longest response of `trajs`), traj_index (index into `trajs`, -1 for an empty row);
+  `[B, K]` trained_index with `cfg.gather_trained`. With `cfg.old_logp='trainer'` the loop adds
+  `old_logp` (`[B, T]`, from `token_logprobs`) before training on a batch.
   """
   if rows_per_batch < 1:
     raise ValueError(f"rows_per_batch must be >= 1, got {rows_per_batch}")
-  units = []
+  units = []  # (trajectory index, the rounds of one row; None: all of its trained rounds)
   for i, t in enumerate(trajs):
-    for fields, rounds in trajectory_rows(
-      t, cfg, block_size=block_size, mask_token_id=mask_token_id
-    ):
-      units.append((fields, rounds, i))
+    live = trained_rounds(t, cfg, block_size=block_size)
+    if cfg.batch_units == "rounds" or cfg.layout == "per_round":
+      units += [(i, (r,)) for r in live]
+    elif live:
+      units.append((i, None))
   if not units:
     return []
   if rng is not None:
     units = [units[i] for i in rng.permutation(len(units))]
   norm_length = float(max(t.response_ids.size for t in trajs))
-  if drop_partial:
-    units = units[: len(units) - len(units) % rows_per_batch]
+  units = tail_units(units, rows_per_batch, tail, even_batches_rows)
   batches = []
   for at in range(0, len(units), rows_per_batch):
-    chunk = units[at : at + rows_per_batch]
-    length = bucket_length(max(u[0]["tokens"].size for u in chunk), length_multiple)
-    chunk = chunk + [None] * (rows_per_batch - len(chunk))
-    batches.append(_pad_batch(chunk, length, pad_id, norm_length))
+    rows = []
+    for i, rounds in _rows_of(units[at : at + rows_per_batch], cfg.layout):
+      for fields, n in trajectory_rows(
+        trajs[i], cfg, block_size=block_size, mask_token_id=mask_token_id, rounds=rounds
+      ):
+        rows.append((fields, n, i))
+    longest = max(r[0]["tokens"].size for r in rows)
+    length = bucket_length(longest, length_multiple, max_length)
+    rows = rows + [None] * (rows_per_batch - len(rows))
+    batches.append(_pad_batch(rows, length, pad_id, norm_length))
     if cfg.gather_trained:
       batches[-1]["trained_index"] = trained_index(batches[-1]["p_mask"], length_multiple)
   return batches
+
+
+def _rows_of(units: list, layout: str) -> list:
+  """A batch's units as rows: (trajectory index, rounds). Packed: the units of one response share
+  a row (in the order of its first unit; a round met twice starts another row); per_round: one
+  row per unit."""
+  if layout == "per_round":
+    return list(units)
+  rows: list = []
+  open_row: dict = {}  # trajectory index -> its row (an index into rows) still taking rounds
+  for i, rounds in units:
+    if rounds is None:
+      rows.append((i, None))
+      continue
+    at = open_row.get(i)
+    if at is None or set(rounds) & set(rows[at][1]):
+      open_row[i] = at = len(rows)
+      rows.append((i, ()))
+    rows[at] = (i, rows[at][1] + tuple(rounds))
+  return rows
+
+
+def tail_units(units: list, rows_per_batch: int, tail: str, even_batches_rows: int = 8) -> list:
+  """The units (rows or responses, in batching order) that the optimizer steps take, under `tail`:
+
+  apply         all of them; the last batch is completed with empty rows (ours).
+  drop          those of the whole batches only.
+  even_batches  DICE's: accelerate's `even_batches=True` sharding completes the last round of
+                `even_batches_rows` (processes x per-device batch; DICE: 8 x 1) with copies of
+                the first units, cyclically; DeepSpeed then steps only at its accumulation
+                boundaries, every `rows_per_batch` units, and never applies what is left. So the
+                tail is trained, plus copies of the first units, exactly when the padding
+                completes a batch: n mod 256 in 249..255 for DICE (docs/dice_recipe.md, item 3).
+  """
+  if tail not in TAIL_ROWS:
+    raise ValueError(f"tail must be one of {TAIL_ROWS}, got {tail!r}")
+  if tail == "even_batches" and units:
+    units = units + [units[i % len(units)] for i in range(-len(units) % even_batches_rows)]
+  if tail != "apply":
+    units = units[: len(units) - len(units) % rows_per_batch]
+  return units
 
 
 def trained_index(p_mask: np.ndarray, multiple: int) -> np.ndarray:
@@ -407,6 +516,11 @@ def policy_terms(logp_new, logp_old, advantages, p_mask, *, clip_eps: float, rat
   return dict(pg=pg, kl=kl, ratio=ratio, clipped=clipped)
 
 
+def is_empty(batch) -> jax.Array:
+  """True when a (micro-)batch holds no row (padding only): `train_step`'s `is_empty`."""
+  return ~jnp.any(jnp.asarray(batch["segment_ids"]) > 0)
+
+
 def normalizer(batch, normalization: str, p_mask=None) -> jax.Array:
   """D of the module docstring for one (micro-)batch: L1 x rounds (`dice`) or trained tokens."""
   if normalization == "dice":
@@ -421,17 +535,20 @@ def normalizer(batch, normalization: str, p_mask=None) -> jax.Array:
 def tracerl_loss(model, batch, rng, cfg: TraceRLConfig) -> tuple[jax.Array, dict]:
   """(loss_sum, metrics) of one (micro-)batch; the loss is loss_sum / metrics["denominator"].
 
-  `batch["old_logp"]` (from `token_logprobs` with the rollout parameters) must be present.
+  The old log-probs are `batch["sampler_logp"]` (`cfg.old_logp='sampler'`) or `batch["old_logp"]`
+  (`'trainer'`: from `token_logprobs` with the rollout parameters), which must then be present.
   Metrics are sums (exact under accumulation) except `ratio_max`; see `METRIC_MEANS`.
   """
   del rng  # the objective is deterministic
-  if "old_logp" not in batch:
+  old_key = "sampler_logp" if cfg.old_logp == "sampler" else "old_logp"
+  if old_key not in batch:
     raise KeyError(
-      "tracerl_loss: batch has no 'old_logp'; compute it with token_logprobs (or "
-      "jit_token_logprobs) before the first update of the RL step"
+      f"tracerl_loss: batch has no {old_key!r} (old_logp={cfg.old_logp!r}); with 'trainer', "
+      f"compute it with token_logprobs (or jit_token_logprobs) before the first update of the RL "
+      f"step"
     )
   logp, ent, p_mask = _logprobs_and_entropy(model, batch, cfg.logit_chunk)
-  old = jnp.asarray(batch["old_logp"], jnp.float32)
+  old = jnp.asarray(batch[old_key], jnp.float32)
   adv = jnp.asarray(batch["advantages"], jnp.float32)
   terms = policy_terms(logp, old, adv, p_mask, clip_eps=cfg.clip_eps, ratio_clamp=cfg.ratio_clamp)
   pg_sum, kl_sum = jnp.sum(terms["pg"]), jnp.sum(terms["kl"])
@@ -456,8 +573,8 @@ def jit_token_logprobs(graphdef, param_shardings, mesh: Mesh, accum_steps: int =
   """`run(params, batch) -> old_logp`, jitted and sharded like the train step's batch.
 
   `batch` is what `train_step.shard_batch(b, mesh, accum_steps)` returns (`[B, T]`, or
-  `[accum, micro, T]` processed one micro-batch at a time); the result has the same layout, ready
-  to be stored as `batch["old_logp"]`.
+  `[accum, micro, T]` processed one micro-batch at a time, empty ones skipped); the result has the
+  same layout, ready to be stored as `batch["old_logp"]`.
   """
   batch_sh = ts.batch_shardings(mesh, accum_steps)
 
@@ -466,7 +583,12 @@ def jit_token_logprobs(graphdef, param_shardings, mesh: Mesh, accum_steps: int =
     batch = {k: v for k, v in batch.items() if k != "old_logp"}
     if accum_steps == 1:
       return token_logprobs(model, batch, chunk=chunk)
-    return jax.lax.map(lambda mb: token_logprobs(model, mb, chunk=chunk), batch)
+
+    def one(mb):
+      zeros = lambda: jnp.zeros(mb["tokens"].shape, jnp.float32)  # noqa: E731
+      return jax.lax.cond(is_empty(mb), zeros, lambda: token_logprobs(model, mb, chunk=chunk))
+
+    return jax.lax.map(one, batch)
 
   jitted = jax.jit(fn, in_shardings=(param_shardings, batch_sh), out_shardings=batch_sh)
 

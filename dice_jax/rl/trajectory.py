@@ -110,13 +110,21 @@ class Trajectory:
 
   def without_stop_token(self, stop_ids) -> "Trajectory":
     """A copy whose final stop token (the last trained token, when it is one of `stop_ids`) is
-    not trained: DICE never trains the `<|endoftext|>` that ends a response (it is the pad id)."""
+    not trained."""
     trained = np.nonzero(self.loss_mask)[0]
     if not trained.size or int(self.response_ids[trained[-1]]) not in set(stop_ids):
       return self
     loss_mask = self.loss_mask.copy()
     loss_mask[trained[-1]] = False
     return dataclasses.replace(self, loss_mask=loss_mask)
+
+  def without_token(self, token_id: int) -> "Trajectory":
+    """A copy in which no token equal to `token_id` is trained (DICE's `post_num: 0` drops every
+    pad token, `<|endoftext|>` for SDAR, from the loss: dLLM-RL `train/rl_sdar.py`)."""
+    hit = self.loss_mask & (self.response_ids == int(token_id))
+    if not hit.any():
+      return self
+    return dataclasses.replace(self, loss_mask=self.loss_mask & ~hit)
 
   @property
   def trained_tokens(self) -> int:

@@ -18,7 +18,13 @@ from dice_jax.train.run_config import RunConfig
 
 
 def make_mesh(run: RunConfig):
-  return sharding_lib.make_mesh(run.mesh_data, run.mesh_fsdp, run.mesh_tensor)
+  """The run's mesh; a UserError naming `run.mesh_*` when it does not fit this host's devices."""
+  try:
+    return sharding_lib.make_mesh(run.mesh_data, run.mesh_fsdp, run.mesh_tensor)
+  except ValueError as e:
+    raise UserError(
+      f"run.mesh_data/mesh_fsdp/mesh_tensor = {run.mesh_data}/{run.mesh_fsdp}/{run.mesh_tensor}: {e}"
+    ) from None
 
 
 def model_config(run: RunConfig) -> ModelConfig:

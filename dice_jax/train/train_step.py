@@ -13,7 +13,8 @@ names ending in `_max` / `_min` (combined by max / min).
 Gradient accumulation (`accum_steps > 1`): the batch arrives as `[accum, micro, T]` and the step
 scans over micro-batches, summing the gradients of each micro-batch's `loss_sum` and its metrics,
 then divides once by the summed denominator. The result equals the gradient of the whole batch's
-loss_sum / denominator, whatever the micro-batch split.
+loss_sum / denominator, whatever the micro-batch split. With `is_empty`, a micro-batch it marks
+(rows of padding only) is skipped (`lax.cond`): its gradient and metrics are zero anyway.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def make_train_step(
   accum_steps: int = 1,
   schedule: optax.Schedule | None = None,
   means: Mapping[str, tuple[str, str]] | None = None,
+  is_empty: Callable[[dict], jax.Array] | None = None,
 ):
   """`step(state, batch, rng) -> (state, metrics)`; pure, to be wrapped by `jit_train_step`.
 
@@ -129,7 +131,8 @@ def make_train_step(
   sum(loss_sum) / sum(denominator) over the micro-batches. Metrics: the combined sums, `loss`
   (= loss_sum / denominator), `grad_norm` (of that gradient), `param_norm` (after the update),
   `lr` when a `schedule` is given, and for each `name: (numerator, count)` of `means` the ratio
-  of the two summed metrics (e.g. SFT's `masked_ce`, TraceRL's `kl`).
+  of the two summed metrics (e.g. SFT's `masked_ce`, TraceRL's `kl`). `is_empty(micro_batch)`
+  -> bool scalar: micro-batches with nothing to train, skipped under accumulation.
   """
   if accum_steps < 1:
     raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
@@ -153,12 +156,6 @@ def make_train_step(
     if accum_steps == 1:
       grads, m = micro(params, batch, rng)
     else:
-
-      def body(carry, xs):
-        i, mb = xs
-        g, m = micro(params, mb, jax.random.fold_in(rng, i))
-        return (jax.tree.map(jnp.add, carry[0], g), combine_metrics(carry[1], m)), None
-
       g_shape, m_shape = jax.eval_shape(
         lambda: micro(params, jax.tree.map(lambda x: x[0], batch), rng)
       )
@@ -166,6 +163,13 @@ def make_train_step(
         jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), g_shape),
         _identity_metrics(m_shape),
       )
+
+      def body(carry, xs):
+        i, mb = xs
+        run = lambda: micro(params, mb, jax.random.fold_in(rng, i))  # noqa: E731
+        g, m = run() if is_empty is None else jax.lax.cond(is_empty(mb), lambda: zeros, run)
+        return (jax.tree.map(jnp.add, carry[0], g), combine_metrics(carry[1], m)), None
+
       (grads, m), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), batch))
     den = m["denominator"]
     n = jnp.where(den > 0, den, 1.0)

@@ -39,7 +39,7 @@ def get_config() -> RLConfig:
     sampler=dataclasses.replace(DICE_SAMPLER, max_new_tokens=512),
     groups_per_batch=2,
     verifier=VerifierConfig(local_device="cpu"),
-    tracerl=TraceRLConfig(layout="packed"),
+    tracerl=TraceRLConfig(layout="packed", old_logp="sampler"),
     optim=OptimizerConfig(learning_rate=1e-4, schedule="constant", warmup_ratio=0.0),
     rows_per_update=16,
     length_multiple=64,

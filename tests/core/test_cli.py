@@ -55,3 +55,83 @@ def test_user_errors_from_marks_a_block():
   with pytest.raises(KeyError):
     with _cli.user_errors_from(ValueError):
       raise KeyError("x")
+
+
+def _jax_backend_lines(monkeypatch, platforms):
+  """What reaches a handler on JAX's backend logger after `quiet_missing_tpu` with JAX_PLATFORMS."""
+  import logging
+
+  logger = logging.getLogger(_cli.JAX_BACKEND_LOGGER)
+  monkeypatch.setattr(logger, "filters", [])  # this test's filters only, dropped afterwards
+  if platforms is None:
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+  else:
+    monkeypatch.setenv("JAX_PLATFORMS", platforms)
+  _cli.quiet_missing_tpu()
+  seen = []
+  handler = logging.Handler(logging.DEBUG)
+  handler.emit = lambda record: seen.append(record.getMessage())
+  logger.addHandler(handler)
+  level = logger.level
+  logger.setLevel(logging.DEBUG)
+  try:
+    logger.info("Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so")
+    logger.info("Unable to initialize backend 'cuda': no CUDA")
+    logger.warning("Unable to initialize backend 'tpu': asked for, and broken")
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+  return seen
+
+
+def test_the_missing_tpu_note_is_quiet_unless_a_tpu_was_asked_for(monkeypatch):
+  assert _jax_backend_lines(monkeypatch, None) == [
+    "Unable to initialize backend 'cuda': no CUDA",
+    "Unable to initialize backend 'tpu': asked for, and broken",
+  ]
+  assert _jax_backend_lines(monkeypatch, "cpu") == _jax_backend_lines(monkeypatch, None)
+  assert len(_jax_backend_lines(monkeypatch, "tpu,cpu")) == 3
+
+
+def test_a_launcher_refuses_a_config_of_the_other_kind_naming_its_own():
+  from experiments import configs
+
+  with pytest.raises(UserError) as e:
+    configs.load("rl_tiny", "sft")
+  assert str(e.value) == (
+    "--config rl_tiny is an RL config (for `python -m experiments.rl`); experiments.sft takes one "
+    f"of {configs.known('sft')}"
+  )
+  assert "rl_tiny" not in configs.known("sft") and configs.known("rl") == [
+    "rl_dice_e2e",
+    "rl_dice_infill",
+    "rl_tiny",
+  ]
+  with pytest.raises(UserError, match=r"unknown config 'nope'; known: \['sdar_1p7b', "):
+    configs.load("nope", "sft")
+  with pytest.raises(
+    UserError, match=r"^--config tiny is an SFT config \(for `python -m experiments"
+  ):
+    configs.load("tiny", "rl")
+
+
+def test_a_mesh_that_does_not_fit_the_devices_names_the_run_fields():
+  import jax
+
+  from dice_jax.train import run_setup
+  from dice_jax.train.run_config import RunConfig
+
+  n = len(jax.devices())
+  with pytest.raises(UserError) as e:  # was a ValueError traceback from the launchers
+    run_setup.make_mesh(RunConfig(mesh_data=1, mesh_fsdp=n + 1, mesh_tensor=1))
+  assert str(e.value) == (
+    f"run.mesh_data/mesh_fsdp/mesh_tensor = 1/{n + 1}/1: mesh: data*fsdp*tensor = {n + 1} != {n} "
+    "devices"
+  )
+
+
+def test_verifier_addresses_are_read_once_for_every_launcher():
+  assert _cli.verifier_endpoints("h:1, h:2") == ["h:1", "h:2"]
+  with pytest.raises(UserError) as e:  # rl printed a ValueError traceback for this
+    _cli.verifier_endpoints("bogus")
+  assert str(e.value) == "--verifier: verifier endpoint 'bogus' is not HOST:PORT"

@@ -20,7 +20,7 @@ only lower layers (never its own layer's neighbours), so packages form no cycle:
   5  candidate  the untrusted processes (fork server, worker, candidate runner)
   5  check      the trusted checker: references, comparison, timing, runtime verdict
   6  serve      service, server, admission, request table, local launcher
-  7  top        cli, batch, bench, __main__
+  7  top        cli, batch, verdict_file, bench, __main__
 ``python -m tests.core.test_import_graph [VERIFIER_DIR]`` prints the verifier's module layers and arrows.
 """
 
@@ -56,7 +56,7 @@ LAYERS = {
   "serve": 6,
   "top": 7,
 }
-TOP = ("cli", "batch", "bench", "__main__", "__init__")
+TOP = ("cli", "batch", "verdict_file", "bench", "__main__", "__init__")
 
 
 def imports(path: pathlib.Path, package: str) -> list[tuple[int, str]]:

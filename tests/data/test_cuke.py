@@ -109,7 +109,7 @@ def test_build_keeps_correct_fast_pairs_and_writes_summary(tmp_path, umask_022):
   ]  # dup not re-measured
   assert (s.pairs_in, s.duplicates, s.unique, s.correct, s.kept) == (7, 1, 5, 4, 3)
   assert len(s.invalid_rows) == 1 and s.invalid_rows[0].endswith(
-    "pairs.jsonl:row 5: missing field 'cuda_code'"
+    "pairs.jsonl:6: missing field 'cuda_code'"  # line 6: lines count from 1
   )
   assert s.kept_by_level == {"1": 1, "2": 1, "3": 1}
   assert s.failure_kinds == {"below_min_speedup": 1, "wrong_output": 1}
@@ -168,7 +168,7 @@ def test_torn_journal_line_is_remeasured(tmp_path):
 def test_bad_rows_fatal_when_asked(tmp_path):
   from dice_jax.data.tasks import DataError
 
-  with pytest.raises(DataError, match=r"row 5: missing field 'cuda_code'"):
+  with pytest.raises(DataError, match=r"pairs\.jsonl:6: missing field 'cuda_code'"):
     build_cuke(
       _pairs(tmp_path, ROWS), FakeVerifier(), str(tmp_path / "o"), CukeConfig(on_error="raise")
     )

@@ -99,15 +99,15 @@ def test_bad_pairs_reported_with_file_and_row_when_skipping(tmp_path):
   assert rep.accepted == 2 and rep.total == len(BAD_PAIRS)  # nothing silently dropped
   msgs = {i.row: str(i) for i in rep.skipped}
   assert sorted(msgs) == [1, 2, 3, 4, 5, 6]
-  assert msgs[1] == f"{p}:row 1: missing field 'cuda_code'"
-  assert msgs[2] == f"{p}:row 2: field 'cuda_code' must be a string, got int"
-  assert msgs[3] == f"{p}:row 3: field 'pytorch_code' is empty"
+  assert msgs[1] == f"{p}: record 2: missing field 'cuda_code'"
+  assert msgs[2] == f"{p}: record 3: field 'cuda_code' must be a string, got int"
+  assert msgs[3] == f"{p}: record 4: field 'pytorch_code' is empty"
   assert "speedup" in msgs[4] and "JSON object" in msgs[5] and "level" in msgs[6]
 
 
 def test_bad_row_is_fatal_by_default(tmp_path):
   p = _write(tmp_path, "pairs.json", BAD_PAIRS)
-  with pytest.raises(DataError, match=r"pairs\.json:row 1: missing field 'cuda_code'"):
+  with pytest.raises(DataError, match=r"pairs\.json: record 2: missing field 'cuda_code'"):
     tasks.load_pairs(p)
 
 
@@ -137,7 +137,7 @@ def test_bad_infilling_and_e2e_rows(tmp_path):
   bad = dict(good, id=2, cuda_code="abX")
   p = _write(tmp_path, "infill.json", [good, bad])
   with pytest.raises(
-    DataError, match=r"infill\.json:row 1: prefix \+ middle \+ suffix != cuda_code"
+    DataError, match=r"infill\.json: record 2: prefix \+ middle \+ suffix != cuda_code"
   ):
     tasks.load_infilling_tasks(p)
   p = _write(
@@ -145,7 +145,7 @@ def test_bad_infilling_and_e2e_rows(tmp_path):
     "e2e.json",
     [{"idx": 0, "level": "1", "pytorch_code": "m"}, {"idx": 1, "pytorch_code": "m"}],
   )
-  with pytest.raises(DataError, match=r"e2e\.json:row 1: missing field 'level'"):
+  with pytest.raises(DataError, match=r"e2e\.json: record 2: missing field 'level'"):
     tasks.load_e2e_tasks(p)
   t, _ = tasks.load_e2e_tasks(p, default_level=1)
   assert [x.level for x in t] == [1, 1]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dice_jax.diffusion import engine, sampler, slots
+from dice_jax.diffusion import engine, placement, sampler
 from dice_jax.model import KVCache
 from dice_jax.model.config import get_config
 from dice_jax.model.transformer import Transformer
@@ -128,28 +128,17 @@ def test_no_copy_of_the_kv_cache_in_compiled_samplers(ragged):
   graphdef, state = nnx.split(m)
   keys = sampler.row_keys(None, 8)
   assert cfg.splits_weights(mc) == (impl == "flash")
-  stats = (
-    sampler._decode_jit.lower(
-      graphdef,
-      state,
-      sampler.split_weights(graphdef, state) if impl == "flash" else None,
-      layout,
-      jnp.array(layout.tokens),
-      keys,
-      cfg=cfg,
-    )
-    .compile()
-    .memory_analysis()
-  )
+  decode = sampler.compiled_decode(graphdef, cfg, placement.Placement.of(state))
+  weights = sampler.split_weights(graphdef, state) if impl == "flash" else None
+  stats = decode.lower(state, weights, layout, keys).compile().memory_analysis()
   one_kv = KVCache.num_bytes(mc, 8, 2048) // 2  # K or V alone
   cache_len = sampler._cache_len(m, cfg, layout.tokens.shape[1], 64)
   cache_bytes = KVCache.num_bytes(mc, 8, cache_len)
   assert cache_bytes <= stats.temp_size_in_bytes < cache_bytes + one_kv // 2, stats
 
   eng = engine.ContinuousSampler(m, cfg, slots=8, max_prompt_len=64)
-  sl = slots.empty_slots(8, 4, eng.out_width, False, mc.mask_token_id)
-  cache = KVCache.empty(mc, 8, eng.cache_len, tiles=cfg.decode_tiles)
-  step = eng._advance.lower(eng._state, eng._weights, sl, cache).compile().memory_analysis()
+  sl, cache = eng._steps.init()
+  step = eng._steps.advance.lower(eng._state, eng._weights, sl, cache).compile().memory_analysis()
   assert step.temp_size_in_bytes < one_kv // 2, step
   assert step.alias_size_in_bytes >= KVCache.num_bytes(mc, 8, eng.cache_len) - 8 * 4
 
@@ -161,11 +150,11 @@ def test_engines_on_one_model_graph_share_their_compiled_steps(model):
   b = engine.ContinuousSampler(
     Transformer(model.cfg, rngs=nnx.Rngs(5)), cfg, slots=2, max_prompt_len=4
   )
-  assert a._advance is b._advance and a._admit is b._admit
+  assert a._steps is b._steps
   other = engine.ContinuousSampler(
     model, sampler.SamplerConfig(max_new_tokens=16), slots=2, max_prompt_len=4
   )
-  assert other._advance is not a._advance
+  assert other._steps is not a._steps
 
 
 def test_engine_refuses_a_setting_that_cannot_fit_and_a_wrong_block_size(model):

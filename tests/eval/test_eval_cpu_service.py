@@ -50,7 +50,11 @@ def test_known_candidates_give_exactly_the_expected_metrics(cpu_verifier, tmp_pa
   out = tmp_path / "run"
   r = _eval(out, cpu_verifier)
   assert r.returncode == 0, r.stderr[-3000:]
-  assert "verified 6 now, 0 resumed, 1 without a candidate" in r.stdout
+  assert (
+    "5 verified now, 1 without a code block (failures, not sent), 0 resumed, 1 skipped (no "
+    "candidate given)" in r.stdout  # the no-code-block candidate is a failure, not sent
+
+  )
   m = json.loads((out / "metrics.json").read_text())["eager"]["1"]
   n = 7
   assert (m["problems"], m["with_results"]) == (7, 6)
@@ -85,7 +89,7 @@ def test_known_candidates_give_exactly_the_expected_metrics(cpu_verifier, tmp_pa
 
   # a rerun resumes: nothing is verified again
   again = _eval(out, cpu_verifier)
-  assert again.returncode == 0 and "verified 0 now, 6 resumed" in again.stdout
+  assert again.returncode == 0 and "0 verified now, 0 without a code block (failures, not sent), 6 resumed" in again.stdout
   # other settings are refused in one line, and nothing is written
   before = (out / "records.jsonl").read_text()
   changed = _eval(out, cpu_verifier, "--num_perf_trials=20")

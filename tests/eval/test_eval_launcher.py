@@ -34,6 +34,10 @@ def _eval(*args):
     ),
     ([f"--candidates={CANDIDATES}", "--verifier=nohost", "--out=OUT"], "'nohost' is not HOST:PORT"),
     (
+      [f"--candidates={CANDIDATES}", "--verifier=local", "--out=OUT", "--samples=0"],
+      "--samples must be >= 1, got 0",
+    ),
+    (
       ["--candidates=missing.jsonl", "--verifier=local", "--out=OUT"],
       "missing.jsonl: no such file",
     ),

@@ -42,3 +42,18 @@ def test_kernels_are_sorted_into_kinds(name, op, kind):
 def test_a_folder_without_a_trace_is_named(tmp_path):
   with pytest.raises(FileNotFoundError, match="no perfetto_trace"):
     trace_summary.summarize(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+  "argv, line",
+  [
+    (["/no/such/dir"], "no perfetto_trace.json.gz under /no/such/dir (profiler trace failed?)"),
+    (["d", "--calls=x"], "--calls must be a number >= 1, got 'x'"),
+    ([], "usage: python -m experiments.trace_summary TRACE_DIR [--calls=N]"),
+  ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(capsys, argv, line):
+  with pytest.raises(SystemExit) as e:  # was a FileNotFoundError traceback, or exit status 1
+    trace_summary.main(argv)
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.count("\n") == 1 and err.endswith(f"error: {line}\n"), err

@@ -17,8 +17,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SFT_SETS = ["--set=data_source=cuke", "--set=seq_len=256", "--set=batch_size=4"]
 
 
-def launch(module, *args, timeout=300):
+def launch(module, *args, timeout=300, platforms="cpu"):
+  """`python -m experiments.<module> args` with JAX_PLATFORMS=`platforms` (None: unset)."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  if platforms is None:
+    del env["JAX_PLATFORMS"]
   env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
   return subprocess.run(
     [sys.executable, "-m", f"experiments.{module}", *args],
@@ -81,6 +84,22 @@ def test_sft_with_a_missing_data_file_or_a_bad_override(tmp_path):
   assert error_line(proc, "sft") == f"sft: error: {tmp_path}/no.jsonl: file not found"
   proc = launch("sft", f"--workdir={workdir}", "--set=seq_len=25x")
   assert error_line(proc, "sft") == "sft: error: override seq_len: expected int, got '25x'"
+  assert not workdir.exists()
+
+
+def test_sft_refuses_an_rl_config_and_names_a_bad_data_line_counting_from_1(tmp_path):
+  workdir = tmp_path / "run"
+  proc = launch("sft", f"--workdir={workdir}", "--config=rl_tiny")  # was an AttributeError
+  assert error_line(proc, "sft").startswith(
+    "sft: error: --config rl_tiny is an RL config (for `python -m experiments.rl`); "
+    "experiments.sft takes one of ['sdar_1p7b', "
+  )
+  data = tmp_path / "cuke.jsonl"
+  data.write_text('{"prompt": "p", "response": "r"}\n{"prompt": 3, "response": "r"}\n')
+  proc = launch("sft", f"--workdir={workdir}", f"--set=data_path={data}", *SFT_SETS)
+  assert error_line(proc, "sft") == (  # was "row 1", where `verifier check` says line 2
+    f"sft: error: {data}:2: field 'prompt' must be a string, got int"
+  )
   assert not workdir.exists()
 
 
@@ -262,13 +281,23 @@ def test_export_refuses_a_tokenizer_that_does_not_fit(tmp_path, byte_tokenizer_d
   assert os.listdir(tmp_path) == []
 
 
+def test_export_names_an_unknown_model_preset(tmp_path):
+  proc = launch("export_hf", "--init=random", "--config=huge", f"--out={tmp_path}/out")
+  assert error_line(proc, "export_hf") == (  # was a traceback
+    "export_hf: error: --config: unknown model preset 'huge'; known: ['sdar_1p7b', 'sdar_4b', "
+    "'sdar_8b', 'tiny']"
+  )
+  assert os.listdir(tmp_path) == []
+
+
 @pytest.fixture(scope="module")
 def random_export(tmp_path_factory):
-  """`export_hf --init=random` without a tokenizer, under the usual umask."""
+  """`export_hf --init=random` without a tokenizer, under the usual umask, with JAX_PLATFORMS unset
+  (JAX then tries every backend it knows, TPU included)."""
   out = tmp_path_factory.mktemp("export") / "tiny_hf"
   old = os.umask(0o022)
   try:
-    proc = launch("export_hf", "--init=random", "--config=tiny", f"--out={out}")
+    proc = launch("export_hf", "--init=random", "--config=tiny", f"--out={out}", platforms=None)
   finally:
     os.umask(old)
   return proc, out
@@ -278,6 +307,7 @@ def test_random_export_says_it_has_no_tokenizer_and_is_readable(random_export):
   proc, out = random_export
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f"wrote {out} WITHOUT a tokenizer (pass --tokenizer_dir=DIR" in proc.stderr
+  assert "Unable to initialize backend 'tpu'" not in proc.stderr  # nobody asked for a TPU
   assert stat.S_IMODE(os.stat(out).st_mode) == 0o755  # was 0700
   assert {stat.S_IMODE(os.stat(out / f).st_mode) for f in os.listdir(out)} == {0o644}
   proc = launch("export_hf", "--init=random", f"--out={out}")
@@ -318,13 +348,48 @@ def test_build_cuke_names_an_unreachable_verifier(tmp_path):
       f"--pairs={REPO}/experiments/demo_data/pairs.jsonl",
       f"--verifier={address}",
       f"--out={tmp_path}/cuke",
-      "--connect_timeout_s=1",
+      "--verifier_wait_s=1",
     )
-  assert error_line(proc, "build_cuke") == (
-    f"build_cuke: error: --verifier {address}: no verifier answered within 1 s "
-    "(is `python -m verifier serve` running there, and is the port right?)"
+  line = error_line(proc, "build_cuke")
+  assert line.startswith(f"build_cuke: error: --verifier {address}: verifier not ready after 1 s: ")
+  assert line.endswith(
+    "is `python -m verifier serve` running there? (--verifier_wait_s waits longer)"
   )
+  assert f"waiting for the verifier at {address}: 0 s of 1 s (--verifier_wait_s)" in proc.stderr
   assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+  "launcher, args, line",
+  [
+    (
+      "show_data",
+      ["--pipeline=infill", "--infill_tasks={tmp}/junk.jsonl", "--tokenizer={tok}"],
+      "{tmp}/junk.jsonl: no tasks (1 bad rows skipped)",
+    ),
+    (
+      "export_tpu",
+      ["--configs=huge"],
+      "--configs: unknown model preset(s) ['huge']; known: ['sdar_1p7b', 'sdar_4b', 'sdar_8b', "
+      "'tiny']",
+    ),
+  ],
+)
+def test_other_bad_inputs_that_used_to_end_in_a_traceback(
+  tmp_path, byte_tokenizer_dir, launcher, args, line
+):
+  (tmp_path / "junk.jsonl").write_text("not json\n")
+  fill = lambda s: s.format(tmp=tmp_path, tok=byte_tokenizer_dir)  # noqa: E731
+  proc = launch(launcher, *map(fill, args))
+  assert error_line(proc, launcher) == f"{launcher}: error: {fill(line)}"
+
+
+def test_generate_refuses_sampler_settings_before_loading_the_model(random_export):
+  proc = launch("generate", f"--hf_dir={random_export[1]}", "--prompt_ids=1,2", "--steps=0")
+  assert error_line(proc, "generate") == (  # was a ValueError traceback
+    "generate: error: SamplerConfig.steps must be >= 1, got 0"
+  )
+  assert "loaded" not in proc.stderr
 
 
 def test_show_data_shows_progress_while_tokenising(tmp_path, byte_tokenizer_dir):

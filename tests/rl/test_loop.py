@@ -13,6 +13,7 @@ import pytest
 from dice_jax.data.rl_stream import RLStreamConfig
 from dice_jax.rl.config import DICE_SAMPLER, RLConfig, VerifierConfig
 from dice_jax.model.config import get_config
+from dice_jax.rl.tracerl import TraceRLConfig
 from dice_jax.train.config import apply_overrides
 from dice_jax.train.optimizer import OptimizerConfig
 from dice_jax.train.run_config import RunConfig
@@ -82,6 +83,9 @@ def test_config_json_round_trip_and_dice_presets():
 
   cfg = apply_overrides(small_config(), ["verifier.options.measure_performance=True"])
   assert RLConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+  saved = json.loads(json.dumps(cfg.to_json()))
+  saved["verifier"]["ready_timeout_s"] = 300.0  # saved before --verifier_wait_s replaced it
+  assert RLConfig.from_json(saved) == cfg
   infill, e2e = rl_dice_infill.get_config(), rl_dice_e2e.get_config()
   for c in (infill, e2e):
     s = c.sampler
@@ -114,11 +118,32 @@ def test_config_json_round_trip_and_dice_presets():
   assert rl_tiny.get_config().stream.elements_per_step == 16
 
 
+def test_run_waits_for_its_verifier_before_writing_anything(tmp_path, caplog):
+  """An unreachable verifier: progress lines naming it, then VerifierUnavailable, and no workdir
+  (no checkpoints/, model_config.json or tokenizer/ as before the wait came first)."""
+  import logging
+  import socket
+
+  from dice_jax.rl.loop import run_rl
+  from verifier.api.client import VerifierUnavailable
+
+  cfg = small_config(judge="verifier")
+  with socket.socket() as s, caplog.at_level(logging.INFO):
+    s.bind(("127.0.0.1", 0))  # a bound port nobody listens on: connections are refused
+    address = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(VerifierUnavailable, match=f"not ready after 0.5 s: {address} "):
+      run_rl(cfg, str(tmp_path / "run"), endpoints=[address], verifier_wait_s=0.5)
+  waits = [r.getMessage() for r in caplog.records if "waiting for the verifier" in r.getMessage()]
+  assert waits and waits[0].startswith(f"waiting for the verifier at {address}: 0 s of 0.5 s")
+  assert not os.path.exists(tmp_path / "run")
+
+
 def test_run_writes_metrics_samples_and_checkpoints(tmp_path):
   from dice_jax.rl.loop import run_rl
   from dice_jax.train.metrics import read_metrics
 
-  out = run_rl(small_config(), str(tmp_path))
+  trainer = TraceRLConfig(layout="packed", old_logp="trainer")  # a forward for the old log-probs
+  out = run_rl(small_config(tracerl=trainer), str(tmp_path))
   recs = read_metrics(str(tmp_path / "metrics.jsonl"))
   assert list(recs) == [1, 2] and out["rl_step"] == 2
   for r in recs.values():
@@ -133,7 +158,7 @@ def test_run_writes_metrics_samples_and_checkpoints(tmp_path):
   assert len(samples) == 8 and {s["step"] for s in samples} == {1, 2}
   assert os.path.exists(tmp_path / "rl.png")
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
-  again = run_rl(small_config(), str(tmp_path))  # finished: resumes at the end, does nothing
+  again = run_rl(small_config(tracerl=trainer), str(tmp_path))  # finished: resumes, does nothing
   assert again["rl_step"] == 2
   # the run directory initialises a next phase (--init_checkpoint): its params and tokenizer
   import jax

@@ -4,6 +4,8 @@ rollout."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,7 +48,7 @@ def test_every_remat_policy_gives_the_same_loss_and_gradients(layout):
     jax.jit(lambda p, b: tracerl.token_logprobs(nnx.merge(graphdef0, p), b))(old, batch)
   )
   out = {}
-  for policy in (False, "full", "dots"):  # "none" is remat=False's code path
+  for policy in (False, "full", "dots", "dots_attn", "full_attn"):  # "none" is remat=False's
     graphdef = nnx.split(
       Transformer(get_config("tiny", dtype="float32", remat=policy), rngs=nnx.Rngs(0)), nnx.Param
     )[0]
@@ -61,7 +63,7 @@ def test_every_remat_policy_gives_the_same_loss_and_gradients(layout):
   want_loss, want_g = out[False]  # today's path: remat off
   assert want_loss != 0.0
   scale = max(float(jnp.abs(x).max()) for x in jax.tree.leaves(want_g))
-  for policy in ("full", "dots"):
+  for policy in ("full", "dots", "dots_attn", "full_attn"):
     loss, g = out[policy]
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=policy)
     jax.tree.map(
@@ -84,7 +86,14 @@ def _xla_bytes(mcfg, rows, row_len, accum, chunk):
   )
   cfg = tracerl.TraceRLConfig(layout="packed", logit_chunk=chunk)
   loss_fn = lambda m, b, r: tracerl.tracerl_loss(m, b, r, cfg)  # noqa: E731
-  step = ts.make_train_step(graphdef, tx, loss_fn, accum_steps=accum, means=tracerl.METRIC_MEANS)
+  step = ts.make_train_step(  # as the RL loop's (loop.make_update): empty micro-batches skipped
+    graphdef,
+    tx,
+    loss_fn,
+    accum_steps=accum,
+    means=tracerl.METRIC_MEANS,
+    is_empty=tracerl.is_empty,
+  )
   lead = (rows,) if accum == 1 else (accum, rows)
   tok = lambda dt: jax.ShapeDtypeStruct(lead + (row_len,), dt)  # noqa: E731
   batch = {
@@ -114,6 +123,8 @@ XLA_SHAPES = [
   ("none", 2, 512, 1, 2048, "bfloat16"),
   ("full", 2, 1024, 2, 256, "bfloat16"),
   ("dots", 2, 512, 1, 2048, "bfloat16"),
+  ("dots_attn", 2, 512, 1, 2048, "bfloat16"),
+  ("full_attn", 2, 1024, 2, 256, "bfloat16"),
   ("none", 2, 512, 1, 2048, "float32"),
 ]
 
@@ -145,30 +156,33 @@ def test_the_estimate_is_within_15_percent_of_xla_memory_analysis(
 
 
 def test_row_lengths_and_plans_at_dices_shape():
-  # 896 + 4,096 packed: 896 + 5 x 4,096 -> bucket 24,576 (issue 30's measured row length)
-  assert memory.row_length("packed", prompt_len=896, new_tokens=4096, steps=4) == 24576
-  assert memory.row_length("per_round", prompt_len=896, new_tokens=4096, steps=4) == 12288
+  # 896 + 4,096 packed: 896 + 5 x 4,096 = 21,376 (bucketed to 24,576 before rows were capped at
+  # the longest there can be); per round 896 + 2 x 4,096 = 9,088 (then 12,288)
+  assert memory.row_length("packed", prompt_len=896, new_tokens=4096, steps=4) == 21376
+  assert memory.row_length("per_round", prompt_len=896, new_tokens=4096, steps=4) == 9088
   mcfg = get_config("sdar_1p7b", dtype="bfloat16", attention_impl="flash")
   kw = dict(rows_per_update=256, prompt_len=896, steps=4)
-  # issue 30: 896 + 2,048 with 2 rows OOMed without remat, 1 row fitted (peak 90.8 GiB) and
-  # 4,096 with full remat peaked at 43.7 GiB on an H200 (139.8 GiB)
+  # issue 30: rows of 12,288 (896 + 2,048 bucketed) with 2 rows OOMed without remat, 1 row
+  # fitted (peak 90.8 GiB) and rows of 24,576 (896 + 4,096) with full remat peaked at 43.7 GiB on
+  # an H200 (139.8 GiB)
   h200 = int(139.8 * GIB)
-  est = lambda m, rm, n: memory.estimate_plan(  # noqa: E731
-    mcfg, layout="packed", micro_rows=m, remat=rm, new_tokens=n, **kw
-  ).estimate["total"]
+  est = lambda m, rm, n: memory.update_estimate(  # noqa: E731
+    mcfg, micro_rows=m, remat=rm, row_len={2048: 12288, 4096: 24576}[n], accum_steps=256 // m
+  )["total"]
   assert est(2, "none", 2048) > h200 > est(1, "none", 2048)
   assert 0.9 < est(1, "none", 2048) / (90.8 * GIB) < 1.15
   assert 0.9 < est(1, "full", 4096) / (43.7 * GIB) < 1.15
+  limit = 0.9 * h200  # XLA_PYTHON_CLIENT_MEM_FRACTION=0.90 of the GPU scripts
   plan, _ = memory.choose_plan(
     mcfg,
-    h200,
+    limit,
     layouts=["packed"],
     micro_rows=memory.micro_row_options(256),
     remats=memory.REMAT_ORDER,
     new_tokens=4096,
     **kw,
   )
-  assert plan.remat != "none" and plan.estimate["total"] <= h200
+  assert (plan.remat, plan.micro_rows) == ("dots_attn", 2) and plan.estimate["total"] <= limit
 
 
 def test_auto_settings_keep_todays_defaults_where_the_limit_is_unknown():
@@ -197,6 +211,10 @@ def test_a_setting_that_does_not_fit_is_refused_before_the_rollout(tmp_path, mon
   assert "does not fit" in msg and "layout=packed micro_rows=8 remat=none" in msg, msg
   assert "GiB" in msg and "(0.0 GiB)" in msg
   assert not sampled
+  # written once the plan fits: no tokenizer or model config (the checkpoint folder is empty)
+  assert os.listdir(tmp_path / "a") == ["checkpoints"] and not os.listdir(
+    tmp_path / "a/checkpoints"
+  )
   auto = small_config(memory_limit_gb=0.001)  # the same check, every setting tried
   with pytest.raises(ValueError, match="no setting of the update fits") as e:
     loop.plan_update(

@@ -191,6 +191,15 @@ def test_batches_are_bucketed_padded_and_carry_the_normalisers():
     1024,
     2048,
   ]
+  # never past the longest row there can be (rounded up): 21,376 -> 21,376, not 24,576
+  assert tracerl.bucket_length(21_376, 128) == 24_576
+  assert tracerl.bucket_length(21_376, 128, cap=21_376) == 21_376
+  assert tracerl.bucket_length(9_000, 128, cap=21_376) == 12_288  # below the cap: the bucket
+  assert tracerl.bucket_length(300, 128, cap=200) == 384  # a row past the cap still fits
+  capped = tracerl.build_batches(
+    trajs, cfg, block_size=B, mask_token_id=M, rows_per_batch=2, length_multiple=16, max_length=31
+  )
+  assert capped[0]["tokens"].shape[1] == 32 and capped[1]["tokens"].shape[1] == 32
 
 
 def test_policy_terms_by_hand():
@@ -312,6 +321,37 @@ def test_one_update_moves_the_sampled_tokens_log_probs_with_the_advantages_sign(
     assert float(metrics["kl"]) == pytest.approx(0.0, abs=1e-7)
     assert float(metrics["clip_fraction"]) == 0.0
     assert float(metrics["loss"]) == pytest.approx(-sign * p_mask.sum() / metrics["denominator"])
+
+
+def test_the_rollouts_old_log_probs_give_the_trainers_loss_and_gradients(rollout, model):
+  """tracerl.old_logp='sampler' (no second forward) == 'trainer' (token_logprobs with the rollout
+  parameters), in fp32, on advantages of both signs and a policy moved off the rollout's."""
+  _, _, trajs = rollout
+  rng = np.random.default_rng(0)
+  trajs = [dataclasses.replace(t, advantage=float(rng.normal())) for t in trajs]
+  batch, trainer = _batch(trajs, "packed")
+  batch["old_logp"] = np.asarray(_logprobs(model, batch))
+  sampler_cfg = dataclasses.replace(trainer, old_logp="sampler")
+  graphdef, params = nnx.split(model, nnx.Param)
+  keys = iter(jax.random.split(jax.random.key(5), 64))
+  moved = jax.tree.map(
+    lambda x: x + 0.05 * x.std() * jax.random.normal(next(keys), x.shape), params
+  )
+  out = {}
+  for name, cfg in (("trainer", trainer), ("sampler", sampler_cfg)):
+    b = batch if name == "trainer" else {k: v for k, v in batch.items() if k != "old_logp"}
+    loss = lambda p, b, cfg=cfg: tracerl.tracerl_loss(nnx.merge(graphdef, p), b, None, cfg)  # noqa: E731
+    out[name] = jax.jit(jax.value_and_grad(loss, has_aux=True))(moved, b)
+  (lt, mt), gt = out["trainer"]
+  (ls, ms), gs = out["sampler"]
+  assert float(mt["kl_sum"]) > 0 and float(mt["ratio_max"]) != 1.0  # the policy moved
+  np.testing.assert_allclose(float(ls), float(lt), rtol=1e-5)
+  for k in ("kl_sum", "ratio_sum", "ratio_max", "clipped_tokens", "denominator"):
+    np.testing.assert_allclose(float(ms[k]), float(mt[k]), rtol=1e-5, err_msg=k)
+  scale = max(float(jnp.abs(x).max()) for x in jax.tree.leaves(gt))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale), gs, gt)
+  with pytest.raises(ValueError, match="shrink=1"):
+    tracerl.TraceRLConfig(old_logp="sampler", shrink=2)
 
 
 @pytest.fixture(scope="module")

@@ -149,22 +149,32 @@ def _rl_step(cfg, mesh, model, accum, lr=0.1):
   tx = optax.sgd(lr)
   graphdef, state, shardings = ts.init_train_state(model, tx, mesh)
   loss_fn = lambda m, b, r: tracerl.tracerl_loss(m, b, r, cfg)
-  step = ts.make_train_step(graphdef, tx, loss_fn, accum_steps=accum, means=tracerl.METRIC_MEANS)
+  step = ts.make_train_step(
+    graphdef,
+    tx,
+    loss_fn,
+    accum_steps=accum,
+    means=tracerl.METRIC_MEANS,
+    is_empty=tracerl.is_empty,
+  )
   return ts.jit_train_step(step, shardings, mesh, accum), state
 
 
 def test_accumulation_over_micro_batches_with_different_rounds_is_exact(models):
+  """4 rows and 4 empty ones: one pass over all 8 == 4 micro-batches of 2, the last two (empty)
+  skipped."""
   model, old_model = models
-  batch, cfg = _one_batch(trajectories(2), "packed", 1, rows=4)
-  assert len(set(batch["norm_rounds"].ravel().tolist())) > 1  # micro-batches weigh differently
+  batch, cfg = _one_batch(trajectories(2), "packed", 1, rows=8)
+  assert (batch["traj_index"][:4, 0] >= 0).all() and (batch["traj_index"][4:, 0] < 0).all()
+  assert len(set(batch["norm_rounds"][:4].ravel().tolist())) > 1  # micro-batches weigh differently
   batch["old_logp"] = np.asarray(_old_logp(old_model, batch))
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   out = {}
-  for accum in (1, 2):
+  for accum in (1, 4):
     step, state = _rl_step(cfg, mesh, nnx.clone(model), accum)
     state, m = step(state, ts.shard_batch(batch, mesh, accum), jax.random.key(0))
     out[accum] = (jax.device_get(state["params"]), {k: float(v) for k, v in m.items()})
-  (p1, m1), (p2, m2) = out[1], out[2]
+  (p1, m1), (p2, m2) = out[1], out[4]
   for k in ("loss", "denominator", "trained_tokens", "kl", "clip_fraction", "ratio_max", "pg_loss"):
     np.testing.assert_allclose(m2[k], m1[k], rtol=1e-5, err_msg=k)
   assert m1["ratio_max"] > 1.0 and m1["kl"] > 0 and m1["grad_norm"] > 0
@@ -176,6 +186,50 @@ def test_accumulation_over_micro_batches_with_different_rounds_is_exact(models):
     s, hm = tracerl.tracerl_loss(old_model, h, None, cfg)
     per_half.append(float(hm["denominator"]))
   assert per_half[0] != per_half[1]
+
+
+def _pairs(batch):
+  """The (response, round) pairs a batch trains, from its rows."""
+  out = []
+  for row, i in enumerate(batch["traj_index"][:, 0]):
+    rounds = np.unique(batch["round_ids"][row][batch["p_mask"][row]])
+    out += [(int(i), int(r)) for r in rounds]
+  return sorted(out)
+
+
+def test_dices_round_units_on_packed_rows_give_the_per_round_optimizer_steps(models):
+  """batch_units='rounds': mini-batches of 7 (response, round) pairs in file order (DICE's rows).
+  Packed rows (a response's pairs in one batch share a row; a response is split across two
+  batches) train the same pairs with the same loss and gradients as per-round rows, batch by
+  batch, on fewer tokens. The old log-probs are the rollout's (old_logp='sampler')."""
+  model, _ = models
+  rng = np.random.default_rng(7)
+  trajs = []
+  for t in trajectories(4):
+    t.sampler_logp = -np.abs(rng.normal(size=t.response_ids.size)).astype(np.float32)
+    trajs.append(t)
+  out = {}
+  for layout in ("packed", "per_round"):
+    cfg = tracerl.TraceRLConfig(layout=layout, batch_units="rounds", old_logp="sampler")
+    batches = tracerl.build_batches(
+      trajs, cfg, block_size=B, mask_token_id=M, rows_per_batch=7, length_multiple=16
+    )
+    out[layout] = batches, [_loss_sum_and_grads(model, b, cfg) for b in batches]
+  (packed, rp), (per_round, rr) = out["packed"], out["per_round"]
+  assert len(packed) == len(per_round) == -(-len(per_round_rows_of(trajs, 1)) // 7) == 2
+  for bp, br, (lp, mp, gp), (lr, mr, gr) in zip(packed, per_round, rp, rr):
+    assert _pairs(bp) == _pairs(br)
+    assert (bp["traj_index"] >= 0).sum() <= (br["traj_index"] >= 0).sum()  # no more rows ...
+    assert bp["segment_ids"].sum() < br["segment_ids"].sum()  # ... and fewer tokens
+    for k in ("denominator", "trained_tokens", "rounds", "clipped_tokens"):
+      assert float(mp[k]) == float(mr[k]), k
+    np.testing.assert_allclose(lp, lr, rtol=1e-5)
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(gr))
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale), gp, gr
+    )
+  firsts = [set(b["traj_index"][:, 0].tolist()) - {-1} for b in packed]
+  assert firsts[0] & firsts[1]  # a response whose rounds straddle two optimizer steps
 
 
 def test_old_log_probs_on_a_sharded_mesh_with_accumulation_equal_one_device(models):

@@ -119,3 +119,58 @@ def test_model_config_flash_tiles_reach_the_kernel(tiny_cfg):
   np.testing.assert_allclose(
     np.asarray(fits(tokens, positions, spec)), np.asarray(dense(tokens, positions, spec)), atol=1e-4
   )
+
+
+def _trace_rows():
+  """Packed TraceRL rows of four random responses (several rounds per block, stop ids)."""
+  from dice_jax.rl import tracerl
+  from tests.rl.test_tracerl_layouts import trajectories
+
+  cfg = tracerl.TraceRLConfig(layout="packed")
+  (batch,) = tracerl.build_batches(
+    trajectories(), cfg, block_size=4, mask_token_id=255, rows_per_batch=4, length_multiple=32
+  )
+  spec = tracerl.trace_spec(batch, 4)
+  return spec, jnp.asarray(batch["positions"]), jnp.asarray(batch["segment_ids"]) > 0
+
+
+def test_live_tile_loops_equal_the_skipping_loops_and_dense_on_trace_rows():
+  spec, positions, valid = _trace_rows()
+  b, t = positions.shape
+  q, kk, v = _qkv(b, t, 4, 2, 16, seed=2)
+  ct = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.float32)
+  ct = ct * valid[:, :, None, None]
+  mask = masks.dense_mask(spec, positions)
+  tiles = dict(block_q=16, block_k=8, block_bwd=16)
+
+  def run(live_only):
+    f = lambda *a: (  # noqa: E731
+      flash_bd.attention(*a, spec, positions, live_only=live_only, **tiles) * ct
+    ).sum()
+    return jax.jit(jax.value_and_grad(f, (0, 1, 2)))(q, kk, v)
+
+  (val, grads), (val0, grads0) = run(True), run(False)
+  # the same tiles in the same order: the same numbers
+  np.testing.assert_array_equal(np.asarray(val), np.asarray(val0))
+  for g, g0 in zip(grads, grads0):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(g0))
+  ref = lambda *a: (dense_attention(*a, mask) * ct).sum()  # noqa: E731
+  np.testing.assert_allclose(val, ref(q, kk, v), rtol=1e-5)
+  for g_ref, g in zip(jax.grad(ref, (0, 1, 2))(q, kk, v), grads):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), atol=2e-5)
+
+
+def test_the_live_schedule_lists_every_tile_with_a_visible_pair_and_few_others():
+  spec, positions, _ = _trace_rows()
+  seg, rank, klo = flash_bd.mask_vectors(spec, positions)
+  live = np.asarray(flash_bd.live_tiles(seg, rank, klo, 16, 8))
+  dense = np.asarray(flash_bd.mask_from_vectors(seg, rank, klo))  # [B, S, S]
+  b, s, _ = dense.shape
+  has_pair = dense.reshape(b, s // 16, 16, s // 8, 8).any(axis=(2, 4))
+  assert (live >= has_pair).all()  # no tile with a visible pair is left out
+  assert not live.all()  # and some are not visited
+  index, count = (np.asarray(x) for x in flash_bd.live_schedule(jnp.asarray(live)))
+  for r in range(b):
+    for i in range(live.shape[1]):
+      listed = index[r, i, : count[r, i]]
+      np.testing.assert_array_equal(listed, np.nonzero(live[r, i])[0])  # ascending, live only

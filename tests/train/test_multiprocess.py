@@ -48,23 +48,23 @@ def test_local_cluster_starts_each_process_with_its_id_address_and_devices(tmp_p
     assert s["platforms"] == "cpu" and s["gpus"] == f"{2 * i},{2 * i + 1}"
 
 
-def test_local_cluster_prefixes_output_and_stops_the_others_when_one_fails():
+def test_local_cluster_prefixes_output_and_stops_the_others_when_one_fails(record_property):
   code = (
     "import sys, time; i = int(sys.argv[-1].split('=')[1]); print('hello', i, flush=True); "
-    "sys.exit(3) if i == 1 else time.sleep(120)"
+    "sys.exit(3) if i == 1 else time.sleep(3600)"
   )
   t0 = time.monotonic()
-  out = subprocess.run(
+  out = subprocess.run(  # process 0 sleeps for an hour: ending before the timeout, it was killed
     [sys.executable, "-m", "experiments.local_cluster", "--num_processes=2", "--grace_s=1"]
     + ["--", sys.executable, "-c", code],
     cwd=REPO,
     env=_env(),
     capture_output=True,
     text=True,
-    timeout=100,
+    timeout=600,  # a hang guard: the cluster ends in seconds
   )
+  record_property("seconds", time.monotonic() - t0)  # experiments/bench_bounds.py reads it
   assert out.returncode == 3, out.stderr[-2000:]
-  assert time.monotonic() - t0 < 60  # process 0 was killed, not waited for
   assert sorted(out.stdout.splitlines()) == ["[0] hello 0", "[1] hello 1"]
   assert "process 1 exited with status 3" in out.stderr
 
@@ -123,7 +123,7 @@ def _data_state(workdir, step):
 
 
 @pytest.mark.slow  # three launcher runs (one of them two processes twice): ~2-3 min on 2 cores
-def test_two_processes_train_like_one_survive_a_kill_and_export_once(tmp_path):
+def test_two_processes_train_like_one_survive_a_kill_and_export_once(tmp_path, record_property):
   data = write_cuke_file(tmp_path / "cuke.jsonl")
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
   env = _env(  # a restart reuses the first start's compiled programs
@@ -147,8 +147,9 @@ def test_two_processes_train_like_one_survive_a_kill_and_export_once(tmp_path):
   killed_at = _wait_for_step(procs[0], two, 3)
   procs[1].kill()  # kill -9 of process 1 while process 0 trains
   t0 = time.monotonic()
-  survivor = procs[0].wait(timeout=120)
-  assert survivor != 0 and time.monotonic() - t0 < 60, "process 0 did not exit on its own"
+  survivor = procs[0].wait(timeout=600)  # a hang guard: it exits after --heartbeat_timeout_s=10
+  record_property("seconds", time.monotonic() - t0)  # experiments/bench_bounds.py reads it
+  assert survivor != 0, "process 0 finished its run instead of stopping with its peer"
   procs[1].wait()
   assert killed_at < STEPS and not os.path.exists(two + "_hf")
 

@@ -2,6 +2,9 @@
 model (head width 128, the TPU lane width) export for TPU from this CPU host, on a mesh of 8 fake
 devices with fsdp and tensor axes and abstract shapes, with the Pallas TPU kernels inside."""
 
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from dice_jax import sharding, tpu_lowering
 from dice_jax.diffusion.sampler import SamplerConfig
 from dice_jax.model.config import get_config
@@ -31,7 +34,7 @@ def test_sft_and_rl_steps_export_for_tpu_with_the_mosaic_kernels():
   assert [a.shape for a in sft.in_avals[-5:-1]] == [(4, 256)] * 4  # the batch, abstract
 
 
-def test_sampler_prefill_and_decode_export_for_tpu_with_the_cache_kernel():
+def test_sampler_prefill_and_decode_export_for_tpu_with_the_cache_kernel_and_a_split_cache():
   mesh, mcfg = _mesh_and_config()
   scfg = SamplerConfig(max_new_tokens=64)
   out = tpu_lowering.export_sampler_steps(
@@ -42,3 +45,13 @@ def test_sampler_prefill_and_decode_export_for_tpu_with_the_cache_kernel():
   assert set(prefill["mosaic_kernels"]) == {"bd_flash_tpu_fwd"}
   # each decode forward reads each layer's cache through the kernel (2 layers x 2 forwards)
   assert decode["mosaic_kernels"] == {"bd_flash_tpu_fwd": 4}
+  # the K/V cache comes in and goes out split over the rows (fsdp) and K/V heads (tensor), donated
+  split = NamedSharding(mesh, P(None, ("data", "fsdp"), None, "tensor", None))
+  for name, exported in out.items():
+    for avals, shardings in (
+      (exported.in_avals, exported.in_shardings_jax(mesh)),
+      (exported.out_avals, exported.out_shardings_jax(mesh)),
+    ):
+      kv = [s for a, s in zip(avals, shardings) if a.ndim == 5]
+      assert len(kv) == 2 and all(s.is_equivalent_to(split, 5) for s in kv), (name, kv)
+    assert "tf.aliasing_output" in exported.mlir_module(), name

@@ -2,15 +2,24 @@
 real service (CPU backend)."""
 
 import argparse
+import asyncio
 import io
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
-from verifier import batch, cli
+from verifier import batch, cli, verdict_file
+from verifier.api import waiting
+from verifier.api.contract import VerifyResult
+from verifier.serve.torch_build import TorchBuild, cuda_refusal
+
+from tests.test_verifier_client import _ScriptedService, _ServerThread
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "experiments", "demo_data")
@@ -146,14 +155,84 @@ def test_candidates_from_directory_layouts(tmp_path):
     batch.load_candidates(str(tmp_path / "empty"))
 
 
-def test_progress_heartbeat_while_nothing_finishes():
-  stream = io.StringIO()
-  p = batch.Progress(3, stream=stream, every_s=0.0)
-  p.status = "1 building, 0 running, 2 waiting"
-  p.show()
-  assert (
-    stream.getvalue() == "check: 0/3 verified, 0 passed, 0 s (1 building, 0 running, 2 waiting)\n"
+class FakeClock:
+  """Time that moves only when a test (or its fake sleep) moves it."""
+
+  def __init__(self):
+    self.t = 1000.0
+
+  def __call__(self) -> float:
+    return self.t
+
+  async def sleep(self, s: float) -> None:
+    self.t += s
+
+
+def _beats(stream) -> list[str]:
+  return stream.getvalue().splitlines()
+
+
+def test_heartbeat_fires_off_a_terminal_at_its_cadence():
+  """Regression: the heartbeat ticked every second and each tick reset its timer, so off a terminal it
+  never printed (110 s of silence seen). Now a line is due 15 s after the last line of any kind."""
+  clock, stream = FakeClock(), io.StringIO()
+  progress = batch.Progress(3, stream=stream, every_s=15.0, clock=clock)
+
+  async def run(ticks, status):
+    async def sleep(s):
+      await clock.sleep(s)
+      if clock.t - start >= ticks:
+        raise asyncio.CancelledError
+
+    start = clock.t
+    with pytest.raises(asyncio.CancelledError):
+      await batch.heartbeat(progress, lambda: status, sleep=sleep)
+
+  asyncio.run(run(46, "1 building, 0 running, 2 waiting"))
+  assert _beats(stream) == [
+    f"check: 0/3 verified, 0 passed, {t} s (1 building, 0 running, 2 waiting)" for t in (15, 30, 45)
+  ]
+  clock.t += 4  # 50 s: a verdict line; the next heartbeat is due 15 s after it
+  progress.result(batch.Candidate("a", "t", "r", "c"), VerifyResult(reward=1.0))
+  asyncio.run(run(20, "0 building, 1 running, 1 waiting"))  # to 70 s
+  assert _beats(stream)[3:] == [
+    "check: [1/3] a: INTERNAL_ERROR",
+    "check: 1/3 verified, 1 passed, 65 s (0 building, 1 running, 1 waiting)",
+  ]
+
+
+def test_waiting_for_a_verifier_says_so_every_10_s_and_gives_up_at_its_limit():
+  clock, lines, timeouts = FakeClock(), [], []
+  answers_at = {"t": None}
+
+  async def probe(call_s):
+    timeouts.append((clock.t, call_s))
+    await clock.sleep(min(call_s, 3.0))  # an unroutable host: each health check hangs 3 s
+    if answers_at["t"] is not None and clock.t >= answers_at["t"]:
+      return []
+    return ["h:1 (UNAVAILABLE: down)"]
+
+  def wait(limit):
+    return asyncio.run(
+      waiting.wait_for(probe, ["h:1"], limit, lines.append, clock=clock, sleep=clock.sleep)
+    )
+
+  start = clock.t
+  assert wait(35.0) == ["h:1 (UNAVAILABLE: down)"]
+  waited = [float(x.split(": ")[1].split(" s of")[0]) for x in lines]
+  assert waited == [3.0, 13.0, 23.0, 33.0]  # the first failure, then every 10 s
+  assert lines[0] == (
+    "waiting for the verifier at h:1: 3 s of 35 s (--verifier_wait_s); not answering: h:1 "
+    "(UNAVAILABLE: down)"
   )
+  assert clock.t - start == pytest.approx(35.0)
+  # no health check runs past the next progress line or the limit
+  assert all(t + c <= start + 35.0 + 1e-9 for t, c in timeouts)
+  lines.clear()
+  answers_at["t"] = clock.t + 20.0  # a verifier that comes up after 20 s: two lines, then ready
+  assert wait(120.0) == [] and len(lines) == 2
+  with pytest.raises(ValueError, match="--verifier_wait_s must be > 0 seconds, got 0"):
+    waiting.check_wait_s(0)
 
 
 @pytest.mark.slow
@@ -192,3 +271,174 @@ def test_cuda_candidates_get_the_socket_filter_unless_lifted(flag, blocked):
   cli._service_args(p)
   cfg = cli._config(p.parse_args(["--device", "cpu", *flag]))
   assert cfg.block_sockets_cuda is blocked
+
+
+# ------------------------------------------------------------------ CUDA asked of a torch without it
+CPU_TORCH = TorchBuild("2.13.0+cpu", None, False)
+
+
+@pytest.mark.parametrize(
+  "device, gpus, build, refused",
+  [
+    (
+      "cuda",
+      None,
+      CPU_TORCH,
+      "--device cuda needs CUDA, but this torch is a CPU-only build "
+      "(torch 2.13.0+cpu, torch.version.cuda None)",
+    ),
+    (None, "0,1", CPU_TORCH, "--gpus 0,1 needs CUDA, but this torch is a CPU-only build"),
+    (
+      None,
+      "0",
+      TorchBuild("2.11.0+cu130", "13.0", False),
+      "--gpus 0 needs a GPU, but torch sees "
+      "none (torch 2.11.0+cu130, torch.version.cuda 13.0, torch.cuda.is_available() False)",
+    ),
+    ("cpu", "0,1", CPU_TORCH, ""),  # asked for the CPU
+    (None, None, CPU_TORCH, ""),  # nothing asked: the CPU
+    ("cuda", "0,1", TorchBuild("2.11.0+cu130", "13.0", True, "9.0"), ""),
+  ],
+)
+def test_cuda_requests_a_torch_cannot_serve_are_refused_naming_its_build(
+  device, gpus, build, refused
+):
+  got = cuda_refusal(device, gpus, build)
+  assert got.startswith(refused) if refused else got == ""
+
+
+@pytest.mark.parametrize("args", [["--gpus", "0,1"], ["--device", "cuda"]])
+def test_serve_asked_for_cuda_on_this_cpu_torch_exits_2_with_one_line(args, capsys):
+  import torch
+
+  if torch.version.cuda is not None:
+    pytest.skip(f"needs a CPU-only torch; this one is {torch.__version__}")
+  assert cli.main(["serve", "--port", "0", *args]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(f"error: {' '.join(args)} needs CUDA")
+  assert f"torch {torch.__version__}, torch.version.cuda None" in err[0]
+
+
+# ------------------------------------------------------------------ --out: verdicts as they arrive
+def _cand(i, row_id):
+  return batch.Candidate(f"c{i}", f"t{i}", "REF", f"CAND {i}", row_id)
+
+
+def test_verdict_file_keeps_whole_lines_and_drops_one_cut_short(tmp_path):
+  out = tmp_path / "v.jsonl"
+  assert verdict_file.load(str(out)) == ({}, 0)
+  w = verdict_file.VerdictWriter(str(out))
+  w.close()
+  assert not out.exists()  # nothing judged: nothing written
+  w = verdict_file.VerdictWriter(str(out))
+  for i, row_id in ((1, "a"), (2, 2)):
+    w.write(_cand(i, row_id), VerifyResult(f"r{i}", f"t{i}", reward=float(i == 1)))
+  w.close()
+  lines = out.read_text().splitlines()
+  assert [(json.loads(x)["id"], json.loads(x)["name"]) for x in lines] == [("a", "c1"), (2, "c2")]
+  whole = out.stat().st_size
+  with open(out, "a") as f:
+    f.write('{"id": 3, "request_id": "r3", "rew')  # killed while writing this line
+  records, keep = verdict_file.load(str(out))
+  assert sorted(records) == ["r1", "r2"] and keep == whole
+  assert VerifyResult.from_dict(records["r1"]).reward == 1.0
+  w = verdict_file.VerdictWriter(str(out), keep)
+  w.write(_cand(3, 3), VerifyResult("r3", "t3"))
+  w.close()
+  assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["a", 2, 3]
+  out.write_text(lines[0] + "\nnot json\n")
+  with pytest.raises(batch.InputError, match=r"v.jsonl:2: not a `verifier check` verdict line"):
+    verdict_file.load(str(out))
+  with pytest.raises(batch.InputError, match="no such directory"):
+    verdict_file.VerdictWriter(str(tmp_path / "nope" / "v.jsonl"))
+
+
+class _HangingService(_ScriptedService):
+  """The scripted service, except that a candidate containing 'HANG' is never answered."""
+
+  async def Verify(self, request, context):
+    if "HANG" in request.candidate_source:
+      self.calls[request.request_id] += 1
+      await asyncio.Event().wait()
+    return await super().Verify(request, context)
+
+
+def _lines(path) -> list[dict]:
+  return [json.loads(x) for x in open(path)] if os.path.exists(path) else []
+
+
+def test_check_streams_verdicts_to_out_keeps_them_when_stopped_and_resumes(tmp_path):
+  rows = [
+    {"id": "a", "reference": REF, "candidate": "GOOD a"},
+    {"reference": REF, "candidate": "bad b"},  # no id: its line number
+    {"id": 7, "reference": REF, "candidate": "HANG c"},
+  ]
+  path, out = tmp_path / "c.jsonl", tmp_path / "verdicts.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  server = _ServerThread(_HangingService()).start()
+  try:
+    cmd = [sys.executable, "-m", "verifier", "check", str(path), "--verifier", server.address]
+    env = {**os.environ, "PYTHONPATH": REPO, "VERIFIER_TOKEN": ""}
+    proc = subprocess.Popen(
+      [*cmd, "--out", str(out)], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True
+    )
+    for _ in range(600):  # a hang guard, not a timing claim
+      if len(_lines(out)) == 2 or proc.poll() is not None:
+        break
+      time.sleep(0.1)
+    got = _lines(out)  # two verdicts are on disk while the third is still out
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+  finally:
+    server.close()
+  assert {(r["id"], r["failure_kind"]) for r in got} == {("a", "OK"), (2, "WRONG_OUTPUT")}
+  assert proc.returncode == 130, err
+  assert f"check: interrupted; the verdicts so far are in {out}, a rerun resumes" in err
+  server = _ServerThread(_ScriptedService()).start()  # a service that answers everything
+  try:
+    r = subprocess.run(
+      [*cmd[:-1], server.address, "--out", str(out), "--json"],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=120,
+    )
+    calls = dict(server.service.calls)
+  finally:
+    server.close()
+  assert r.returncode == 1, r.stderr  # one candidate failed
+  assert f"check: 2 of 3 candidate(s) already judged in {out}: skipped" in r.stderr
+  assert "check: 1 candidate(s) on" in r.stderr and len(calls) == 1  # only the third was sent
+  assert [(x["id"], x["failure_kind"]) for x in _lines(out)][2:] == [(7, "WRONG_OUTPUT")]
+  printed = json.loads(r.stdout)  # --json: every candidate, resumed ones included, with its id
+  assert [x["id"] for x in printed] == ["a", 2, 7]
+
+
+def test_check_without_a_verifier_exits_3_after_saying_where_it_waited(tmp_path, capsys):
+  (tmp_path / "r.py").write_text(REF)
+  (tmp_path / "c.py").write_text(REF.replace("Model", "ModelNew"))
+  with socket.socket() as s:  # a bound port nobody listens on: connections are refused
+    s.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{s.getsockname()[1]}"
+    r = _check(
+      "--reference",
+      str(tmp_path / "r.py"),
+      "--candidate",
+      str(tmp_path / "c.py"),
+      "--verifier",
+      address,
+      "--verifier_wait_s",
+      "1",
+      "--out",
+      str(tmp_path / "v.jsonl"),
+    )
+  assert r.returncode == 3, r.stderr
+  lines = r.stderr.strip().splitlines()
+  assert lines[1].startswith(f"check: waiting for the verifier at {address}: 0 s of 1 s")
+  assert lines[-1].startswith(f"check: error: verifier not ready after 1 s: {address} (")
+  assert "Traceback" not in r.stderr and not (tmp_path / "v.jsonl").exists()
+  ref, cand = str(tmp_path / "r.py"), str(tmp_path / "c.py")
+  args = ["check", "--reference", ref, "--candidate", cand, "--verifier", address]
+  assert cli.main([*args, "--verifier_wait_s", "0"]) == 2
+  assert capsys.readouterr().err == "check: error: --verifier_wait_s must be > 0 seconds, got 0\n"

@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import verifier_gpu_cases as g  # noqa: E402
+import verifier_gpu_evidence_cases as ev  # noqa: E402
 from verifier_loop import BackgroundLoop  # noqa: E402
 
 from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
@@ -152,6 +153,53 @@ def test_adversarial_kernel_is_rejected_and_pool_recovers(gpu_service, name, ref
   )
 
 
+# Issue 37: every call judged from CUPTI records (and the host's CPU time sampled from outside). Each of
+# these got reward 1 under strict at c10e1a8 (the issue's table; verifier_gpu_evidence_cases says how).
+EVIDENCE = [
+  ("operator_matmul", g.MATMUL_REFERENCE, ev.OPERATOR_MATMUL, FailureKind.FOREIGN_KERNELS),
+  ("cublas_dlsym", g.MATMUL_REFERENCE, ev.CUBLAS_DLSYM, FailureKind.FOREIGN_KERNELS),
+  ("aten_relu_dlsym", ev.RELU_REFERENCE, ev.ATEN_RELU_DLSYM, FailureKind.FOREIGN_KERNELS),
+  ("numpy_host", ev.RELU_REFERENCE, ev.NUMPY_HOST, FailureKind.HOST_COMPUTE),
+  ("zero_copy_host", ev.RELU_REFERENCE, ev.ZERO_COPY_HOST, FailureKind.HOST_COMPUTE),
+  ("graph_dlsym", ev.RELU_REFERENCE, ev.GRAPH_DLSYM, FailureKind.THREAD_OR_STREAM),
+  ("side_stream", ev.RELU_REFERENCE, ev.SIDE_STREAM, FailureKind.THREAD_OR_STREAM),
+  ("second_context", ev.RELU_REFERENCE, ev.SECOND_CONTEXT, FailureKind.THREAD_OR_STREAM),
+]
+
+
+@pytest.mark.parametrize("name,ref,cand,kind", EVIDENCE, ids=[e[0] for e in EVIDENCE])
+def test_work_not_done_by_the_candidates_own_kernels_gets_no_reward(
+  gpu_service, name, ref, cand, kind
+):
+  bad, good = _verify(
+    gpu_service,
+    _req(f"ev-{name}", ref, cand, num_correct_trials=ev.TRIALS),
+    _req(f"ev-good-after-{name}", ev.RELU_REFERENCE, ev.GOOD_RELU, num_correct_trials=ev.TRIALS),
+  )
+  if name == "zero_copy_host" and any("host evidence unavailable" in w for w in bad.warnings):
+    pytest.skip(f"this host refuses to sample the worker: {bad.warnings}")
+  assert bad.failure_kind is kind and bad.reward == 0.0, (
+    bad.failure_kind,
+    bad.reason,
+    bad.logs[-2000:],
+  )
+  assert good.failure_kind is FailureKind.OK and good.reward == 1.0, (good.reason, good.warnings)
+
+
+def test_every_call_is_judged_from_device_records_with_the_timing_on(gpu_service):
+  (r,) = _verify(
+    gpu_service,
+    _req(
+      "ev-good-timed", ev.RELU_REFERENCE, ev.GOOD_RELU + "\n# timed\n", measure_performance=True
+    ),
+  )
+  assert r.failure_kind is FailureKind.OK and r.reward == 1.0 and r.speedup > 0, (
+    r.reason,
+    r.warnings,
+  )
+  assert not [w for w in r.warnings if "unavailable" in w or "incomplete" in w], r.warnings
+
+
 def test_tensors_cross_through_device_buffers_and_the_worker_is_confined(gpu_service):
   (r,) = _verify(
     gpu_service, _req("transport-add", g.ADD_REFERENCE, g.GOOD_ADD + "\n# transport\n")
@@ -258,6 +306,7 @@ def test_dice_known_good_solutions(gpu_service, tmp_path):
         "kernelbench_kind": kb.failure_kind.value if kb else "OK",
         "kernelbench_reason": kb.reason[:600] if kb else "",
         "logs": r.logs[-1500:] if r.failure_kind is not FailureKind.OK else "",
+        "warnings": [w[:300] for w in r.warnings],
       }
     )
   out = pathlib.Path(os.environ.get("VERIFIER_REPORT_DIR", tmp_path))

@@ -8,6 +8,7 @@ One module-scoped service; the candidates share one pybind11-only extension (bui
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import signal
 import time
@@ -170,20 +171,25 @@ def test_candidate_is_contained_no_file_outside_no_secrets_no_survivors(service,
   (r,) = _verify(service, _req("escape", holes.escape(str(outside))))
   assert r.failure_kind is FailureKind.OK and r.reward == 1.0, (r.reason, r.logs[-2000:])
   assert not outside.exists()
-  deadline = time.monotonic() + 5
+  deadline = time.monotonic() + 120  # a hang guard: the kill reaches them at once
   while _processes_with(holes.MARKER) and time.monotonic() < deadline:
     time.sleep(0.1)
   assert _processes_with(holes.MARKER) == [], "a setsid'd child outlived the check"
 
 
 def test_init_that_never_returns_times_out_under_the_request_limit_and_frees_the_compile_slot(
-  service,
+  service, record_property
 ):
   loop, svc, _ = service
+  # The spinner's build is a cache hit of the shared extension that takes as long as this one's: its
+  # limit leaves room for it, so the spinner reaches its __init__ on a loaded machine too.
+  (warm,) = _verify(service, _req("good-before-spin", holes.GOOD))
+  assert warm.failure_kind is FailureKind.OK, warm.reason
+  limit = max(6, math.ceil(3 * warm.compile_s))
 
   async def go():
     t0 = time.monotonic()
-    spin = asyncio.ensure_future(svc.verify(_req("spin-init", holes.SPIN_INIT, timeout_s=6)))
+    spin = asyncio.ensure_future(svc.verify(_req("spin-init", holes.SPIN_INIT, timeout_s=limit)))
     await asyncio.sleep(0.5)
     # A different candidate needs the (single) compile slot while the spinner instantiates.
     good = await svc.verify(_req("good-during-spin", holes.GOOD + "\n# another build\n"))
@@ -192,8 +198,12 @@ def test_init_that_never_returns_times_out_under_the_request_limit_and_frees_the
     return bad, good, t_good, time.monotonic() - t0
 
   bad, good, t_good, t_bad = loop.run(go())
+  record_property("good_seconds", t_good)  # experiments/bench_bounds.py reads them
+  record_property("seconds", t_bad)
+  record_property("limit_seconds", limit)
+  record_property("seconds_over_limit", t_bad / limit)
   assert bad.failure_kind is FailureKind.TIMEOUT and "instantiating" in bad.reason, bad.reason
-  assert t_bad < 60, t_bad  # the request's 6 s (plus start-up), not the 300 s build limit
+  assert f"limit of {limit} s" in bad.reason, bad.reason  # the request's, not the 300 s build limit
   assert good.failure_kind is FailureKind.OK, good.reason + good.logs
 
 

@@ -1,6 +1,8 @@
 """Issue 24 through the real gRPC service on the CPU backend: blame where it belongs (item 5) and
-liveness (item 6: the health check answers within 1 s while hostile candidates are in flight, and a
-correct candidate submitted after them gets OK within its own timeout plus a small margin).
+liveness (item 6: the health check keeps answering SERVING while hostile candidates are in flight, and
+a correct candidate submitted after them gets OK; how fast each answers is recorded for
+experiments/bench_bounds.py, which holds the bounds: health within 1 s, the candidate within its own
+timeout plus a small margin).
 
 The candidates need no C++ build (the ``off`` preset checks correctness only), except the compile bomb,
 which never finishes building. Hostile sizes are bounded (``FLOOD_MIB``, ``FORK_DOUBLINGS``,
@@ -32,8 +34,8 @@ from verifier.serve.service import ServiceConfig  # noqa: E402
 OFF = VerifyOptions(device="cpu", timeout_s=15, num_correct_trials=2, strictness="off")
 HOSTILE_TIMEOUT_S = 3.0
 GOOD_TIMEOUT_S = 15.0
-MARGIN_S = 5.0
-HEALTH_LIMIT_S = 1.0
+HEALTH_GUARD_S = 60.0  # a health check unanswered this long: the service is stuck (answers take ms;
+# how many ms, under hostile load, is measured by experiments/bench_bounds.py)
 FLOOD_MIB = 256
 FORK_DOUBLINGS = 7  # 128 processes
 MEMFD_MIB = 1024
@@ -182,14 +184,14 @@ async def _watch_health(port: int, stop: asyncio.Event, answers: list) -> None:
     while not stop.is_set():
       t0 = time.monotonic()
       try:
-        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=5 * HEALTH_LIMIT_S)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_GUARD_S)
         answers.append((time.monotonic() - t0, reply.status))
       except grpc.aio.AioRpcError as e:
         answers.append((time.monotonic() - t0, e.code()))
       await asyncio.sleep(0.1)
 
 
-def test_the_alias_stall_gets_a_verdict_and_the_health_check_answers(server):
+def test_the_alias_stall_gets_a_verdict_and_the_health_check_answers(server, record_property):
   async def go():
     stop, answers = asyncio.Event(), []
     watcher = asyncio.ensure_future(_watch_health(server.port, stop, answers))
@@ -197,7 +199,9 @@ def test_the_alias_stall_gets_a_verdict_and_the_health_check_answers(server):
     try:
       t0 = time.monotonic()
       stalls = [_req(f"stall-{i}", ALIAS_STALL, strictness="strict") for i in range(4)]
-      results = await asyncio.wait_for(asyncio.gather(*(client.verify(r) for r in stalls)), 60)
+      results = await asyncio.wait_for(  # a hang guard: the verdicts come at once
+        asyncio.gather(*(client.verify(r) for r in stalls)), 600
+      )
       return results, time.monotonic() - t0, answers
     finally:
       stop.set()
@@ -205,10 +209,10 @@ def test_the_alias_stall_gets_a_verdict_and_the_health_check_answers(server):
       await client.close()
 
   results, seconds, answers = asyncio.run(go())
+  record_property("seconds", seconds)  # experiments/bench_bounds.py reads them
+  record_property("health_max_seconds", max(a for a, _ in answers))
   assert [r.failure_kind for r in results] == [FailureKind.NO_KERNEL] * 4, results[0].reason
-  assert seconds < 30
-  assert answers and max(a for a, _ in answers) < HEALTH_LIMIT_S, answers
-  assert {s for _, s in answers} == {health_pb2.HealthCheckResponse.SERVING}
+  assert answers and {s for _, s in answers} == {health_pb2.HealthCheckResponse.SERVING}, answers
 
 
 HOSTILE = {
@@ -221,8 +225,8 @@ HOSTILE = {
 }
 
 
-def test_health_answers_within_a_second_and_a_correct_candidate_passes_while_hostile_ones_run(
-  server,
+def test_health_answers_and_a_correct_candidate_passes_while_hostile_ones_run(
+  server, record_property
 ):
   async def go():
     stop, answers = asyncio.Event(), []
@@ -241,7 +245,7 @@ def test_health_answers_within_a_second_and_a_correct_candidate_passes_while_hos
       t0 = time.monotonic()
       good = await client.verify(_req("good-after-hostile", GOOD, timeout_s=GOOD_TIMEOUT_S))
       good_s = time.monotonic() - t0
-      done, _ = await asyncio.wait(hostile.values(), timeout=5)
+      done, _ = await asyncio.wait(hostile.values(), timeout=300)  # a hang guard: 3-s limits
       verdicts = {n: f.result().failure_kind for n, f in hostile.items() if f in done}
       return good, good_s, verdicts, answers
     finally:
@@ -250,13 +254,11 @@ def test_health_answers_within_a_second_and_a_correct_candidate_passes_while_hos
       await client.close()
 
   good, good_s, verdicts, answers = asyncio.run(go())
-  print(f"\nliveness: good candidate {good_s:.1f} s, hostile verdicts {verdicts}")
-  latencies = sorted(a for a, _ in answers)
-  print(f"health: {len(latencies)} checks, max {latencies[-1]:.3f} s")
-  assert latencies[-1] < HEALTH_LIMIT_S, [a for a in answers if a[0] >= HEALTH_LIMIT_S]
-  assert {s for _, s in answers} == {health_pb2.HealthCheckResponse.SERVING}
+  record_property("good_seconds", good_s)  # experiments/bench_bounds.py reads them
+  record_property("health_max_seconds", max(a for a, _ in answers))
+  record_property("health_checks", len(answers))
+  assert answers and {s for _, s in answers} == {health_pb2.HealthCheckResponse.SERVING}, answers
   assert good.failure_kind is FailureKind.OK and good.reward == 1.0, good.reason + good.logs
-  assert good_s < GOOD_TIMEOUT_S + MARGIN_S
   assert verdicts.get("alias_stall") is FailureKind.NO_KERNEL
   assert verdicts.get("sleeping_init") is FailureKind.TIMEOUT
 

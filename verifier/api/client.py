@@ -20,21 +20,21 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import hashlib
 import json
 import logging
 import os
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
 
-from verifier.api import wire
+from verifier.api import waiting, wire
 from verifier.api.contract import FailureKind, VerifyRequest, VerifyResult
 from verifier.api.proto import health_pb2, health_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from verifier.api.waiting import RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -65,32 +65,6 @@ class VerifierRejected(RuntimeError):
   def __init__(self, message: str, code: str = ""):
     super().__init__(message)
     self.code = code
-
-
-@dataclasses.dataclass(frozen=True)
-class RetryPolicy:
-  """Waiting on unreachable or busy endpoints: backoff doubles from ``initial_backoff_s`` to at most
-  ``max_backoff_s`` (+-25% jitter); a request gives up after ``max_wait_s`` without an answer or after
-  ``max_attempts`` calls (0: no limit on calls)."""
-
-  initial_backoff_s: float = 0.5
-  max_backoff_s: float = 30.0
-  max_wait_s: float = 1800.0
-  call_timeout_s: float = 3600.0  # one RPC; the service has its own build/run limits
-  max_attempts: int = 0
-
-  def __post_init__(self):
-    for name in ("initial_backoff_s", "max_backoff_s", "max_wait_s", "call_timeout_s"):
-      if not getattr(self, name) > 0:
-        raise ValueError(f"RetryPolicy.{name} must be > 0, got {getattr(self, name)}")
-    if self.max_backoff_s < self.initial_backoff_s:
-      raise ValueError("RetryPolicy.max_backoff_s must be >= initial_backoff_s")
-    if self.max_attempts < 0:
-      raise ValueError(f"RetryPolicy.max_attempts must be >= 0, got {self.max_attempts}")
-
-  def backoff_s(self, failures: int) -> float:
-    base = min(self.max_backoff_s, self.initial_backoff_s * 2 ** max(0, failures - 1))
-    return base * random.uniform(0.75, 1.25)
 
 
 def request_id(
@@ -210,15 +184,17 @@ class VerifierClient:
     *,
     options: Mapping[str, Any] | None = None,
     token: str | None = None,
-    retry: RetryPolicy = RetryPolicy(),
+    retry: RetryPolicy | None = None,
     max_in_flight: int = 1024,
     cache_size: int = 100_000,
     root_certificates: bytes | None = None,
   ):
-    self.retry = retry
+    self.retry = retry or RetryPolicy()
     self.options = dict(options or {})
     verifier_pb2.VerifyOptions(**self.options)  # a bad option name or type fails here
-    self.endpoints = [_Endpoint(a, retry, root_certificates) for a in parse_endpoints(endpoints)]
+    self.endpoints = [
+      _Endpoint(a, self.retry, root_certificates) for a in parse_endpoints(endpoints)
+    ]
     tok = os.environ.get("VERIFIER_TOKEN", "") if token is None else token
     self._metadata = (("authorization", f"Bearer {tok}"),) if tok else ()
     self._limit = asyncio.Semaphore(max_in_flight)
@@ -299,11 +275,18 @@ class VerifierClient:
     """One request as given (its id and options); when the retry policy gives up or the service rejects
     it, an OVERLOADED (busy) or INTERNAL_ERROR result names why. A refused token raises PermissionError."""
     try:
+      return await self.verify_answered(request)
+    except VerifierUnavailable as e:
+      return _error_result(request, e)
+
+  async def verify_answered(self, request: VerifyRequest) -> VerifyResult:
+    """``verify``, but raising ``VerifierUnavailable`` when no endpoint answered within the retry
+    policy (no verdict exists) instead of answering a result for it."""
+    try:
       async with self._limit:
         return await self._call_until_answered("Verify", wire.request_to_proto(request))
-    except (VerifierUnavailable, VerifierRejected) as e:
-      kind = FailureKind.OVERLOADED if e.code == _BUSY.name else FailureKind.INTERNAL_ERROR
-      return VerifyResult(request.request_id, request.task_id, failure_kind=kind, reason=str(e))
+    except VerifierRejected as e:
+      return _error_result(request, e)
 
   async def verify_batch(self, requests: Sequence[VerifyRequest]) -> list[VerifyResult]:
     """Results in request order."""
@@ -405,42 +388,47 @@ class VerifierClient:
       return wire.result_from_proto(reply)
 
   # ---- service state -------------------------------------------------------------------------------
-  async def wait_ready(self, timeout_s: float = 60.0) -> None:
-    """Waits until every endpoint's health service says SERVING; raises naming those that don't."""
-    deadline = time.monotonic() + timeout_s
+  async def wait_ready(
+    self,
+    timeout_s: float = waiting.VERIFIER_WAIT_S,
+    report: Callable[[str], None] | None = None,
+  ) -> None:
+    """Waits until every endpoint's health service says SERVING; ``report`` gets a progress line
+    (addresses, time waited) when the first check fails and then every
+    ``waiting.WAIT_PROGRESS_EVERY_S``. Raises ``VerifierUnavailable`` naming those that never did."""
 
-    async def one(ep: _Endpoint):
-      while True:
-        try:
-          r = await ep.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
-          if r.status == health_pb2.HealthCheckResponse.SERVING:
-            return None
-          err = f"status {r.status}"
-        except grpc.aio.AioRpcError as e:
-          err = f"{e.code().name}: {e.details()}"
-        if time.monotonic() > deadline:
-          return f"{ep.address} ({err})"
-        await asyncio.sleep(0.5)
+    async def probe(call_s: float) -> list[str]:
+      errors = await asyncio.gather(*(self._not_serving(e, call_s) for e in self.endpoints))
+      return [f"{e.address} ({err})" for e, err in zip(self.endpoints, errors) if err]
 
-    bad = [b for b in await asyncio.gather(*(one(e) for e in self.endpoints)) if b]
+    bad = await waiting.wait_for(probe, self.addresses, timeout_s, report)
     if bad:
-      raise VerifierUnavailable(f"verifier not ready after {timeout_s:.0f} s: {', '.join(bad)}")
+      raise VerifierUnavailable(
+        f"verifier not ready after {timeout_s:g} s: {', '.join(bad)}; is `python -m verifier "
+        f"serve` running there? ({waiting.WAIT_FLAG} waits longer)",
+        grpc.StatusCode.UNAVAILABLE.name,
+      )
+
+  async def _not_serving(self, ep: _Endpoint, call_s: float) -> str:
+    """'' when the endpoint's health service says SERVING, else why not."""
+    try:
+      r = await ep.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=call_s)
+    except grpc.aio.AioRpcError as e:
+      return f"{e.code().name}: {e.details()}"
+    if r.status == health_pb2.HealthCheckResponse.SERVING:
+      return ""
+    return f"status {health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)}"
 
   async def healthy(self) -> list[bool]:
     """Whether each endpoint's health service says SERVING now (one check each)."""
-    res = []
-    for e in self.endpoints:
-      try:
-        r = await e.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
-        res.append(r.status == health_pb2.HealthCheckResponse.SERVING)
-      except grpc.aio.AioRpcError:
-        res.append(False)
-    return res
+    return [not await self._not_serving(e, waiting.HEALTH_CALL_S) for e in self.endpoints]
 
   async def metrics(self) -> list[dict]:
     out = []
     for e in self.endpoints:
-      m = await e.stub.Metrics(verifier_pb2.MetricsRequest(), timeout=10, metadata=self._metadata)
+      m = await e.stub.Metrics(
+        verifier_pb2.MetricsRequest(), timeout=waiting.METRICS_CALL_S, metadata=self._metadata
+      )
       out.append(
         {
           "endpoint": e.address,
@@ -458,6 +446,13 @@ class VerifierClient:
       t.cancel()
     await asyncio.gather(*self._tasks, return_exceptions=True)
     await asyncio.gather(*(e.channel.close() for e in self.endpoints))
+
+
+def _error_result(
+  request: VerifyRequest, e: VerifierUnavailable | VerifierRejected
+) -> VerifyResult:
+  kind = FailureKind.OVERLOADED if e.code == _BUSY.name else FailureKind.INTERNAL_ERROR
+  return VerifyResult(request.request_id, request.task_id, failure_kind=kind, reason=str(e))
 
 
 def _failed(fut: asyncio.Future) -> bool:

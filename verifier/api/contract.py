@@ -33,6 +33,10 @@ class FailureKind(str, enum.Enum):
   FRAME_INTROSPECTION = "FRAME_INTROSPECTION"
   DIRECT_ATEN_CALL = "DIRECT_ATEN_CALL"
   TIMING_MISMATCH = "TIMING_MISMATCH"
+  HOST_COMPUTE = (
+    "HOST_COMPUTE"  # the work ran outside the candidate's own compiled code (library, host)
+  )
+  EVIDENCE_MISSING = "EVIDENCE_MISSING"  # records the verifier must see on every call did not come
   COMPILE_ERROR = "COMPILE_ERROR"
   IMPORT_ERROR = "IMPORT_ERROR"
   INIT_ERROR = "INIT_ERROR"
@@ -83,6 +87,8 @@ DECEPTIVE_KINDS = frozenset(
     FailureKind.FRAME_INTROSPECTION,
     FailureKind.DIRECT_ATEN_CALL,
     FailureKind.TIMING_MISMATCH,
+    FailureKind.HOST_COMPUTE,
+    FailureKind.EVIDENCE_MISSING,
   }
 )
 

@@ -28,21 +28,26 @@ import torch
 
 from verifier.api.contract import FailureKind
 from verifier.build import build_cache
-from verifier.candidate import evidence
+from verifier.candidate import device_records, evidence
 from verifier.ipc import exchange, tensors
 from verifier.ipc.channel import Channel, ChannelClosed
 from verifier.ipc.records import (
+  MARKER_MAX_BYTES,
   CalibrationModel,
   CalibrationReady,
   CandidateFailure,
   CandidateJob,
   CandidateStarting,
+  DeviceRecords,
   ForwardDone,
   ForwardRequest,
   Loaded,
   OutputSpec,
   ProbeReply,
+  ProfileEvidence,
   ProbeRequest,
+  RecordsQuery,
+  RecordsStatus,
   Shutdown,
 )
 
@@ -98,11 +103,15 @@ class CandidateRuntime:
     self.cache: build_cache.CachedLoadInline | None = None
     # Bound before any candidate code runs: replacing the module attribute later changes nothing here.
     self.collect_evidence = evidence.collect_evidence
+    collector = device_records.COLLECTOR
+    self.records = collector if collector is not None and collector.active else None
+    self.markers = None  # (source, destination) device buffers of the marker copies
 
   # ---- messages ---------------------------------------------------------------------------------
   def serve(self) -> None:
     handlers = {
       ProbeRequest: self.probe,
+      RecordsQuery: self.records_status,
       CalibrationModel: self.calibration_model,
       CandidateJob: self.load,
       ForwardRequest: self.forward,
@@ -120,6 +129,8 @@ class CandidateRuntime:
       except _Failed as f:
         reply = CandidateFailure(f.kind, f.reason)
       self.chan.send(reply)
+      if self.records is not None and isinstance(reply, (ForwardDone, Loaded)):
+        self.chan.send(self._device_records(reply, getattr(msg, "marker", 0)))
 
   def _map(self, refs, fds) -> None:
     _check_announced(refs, fds)
@@ -134,6 +145,37 @@ class CandidateRuntime:
       return ProbeReply(value, req.probe.kind)
     except Exception as e:  # noqa: BLE001 - the checker falls back to host buffers
       return ProbeReply(0.0, "", short(e, 600))
+
+  def records_status(self, req: RecordsQuery, fds) -> RecordsStatus:
+    """Before any candidate code: whether device records are collected here; allocates the marker
+    copies' buffers."""
+    if self.records is None:
+      collector = device_records.COLLECTOR
+      return RecordsStatus(collector.error if collector is not None else "no collector started")
+    try:
+      n = MARKER_MAX_BYTES
+      self.markers = tuple(torch.zeros(n, dtype=torch.uint8, device=self.device) for _ in range(2))
+    except Exception as e:  # noqa: BLE001 - no records then: the checker profiles in process
+      self.records = None
+      return RecordsStatus(f"marker buffers: {short(e, 300)}")
+    return RecordsStatus()
+
+  def _marker(self, n: int) -> None:
+    """A device-to-device copy of ``n`` bytes, on the current stream (its record vouches for the
+    records of this request)."""
+    if n and self.markers is not None:
+      src, dst = self.markers
+      dst[:n].copy_(src[:n])
+
+  def _device_records(self, reply, marker: int) -> DeviceRecords:
+    """What ran on the device since the last records (after a load: its work, once finished)."""
+    call = reply.call if isinstance(reply, ForwardDone) else -1
+    try:
+      if call < 0:
+        torch.cuda.synchronize()
+      return self.records.take(call, marker if call >= 0 else 0)
+    except Exception as e:  # noqa: BLE001 - reported as missing evidence
+      return DeviceRecords(call, error=short(e, 300))
 
   def calibration_model(self, req: CalibrationModel, fds) -> CalibrationReady:
     """Before any candidate code: build the task's reference (trusted task data) as the workload of the
@@ -253,6 +295,7 @@ class CandidateRuntime:
       self._map(req.new_buffers, fds)
       t_stage = time.monotonic()
       staged = [self._args(args) for _, args, _ in calls]
+      self._marker(req.marker)
       t0 = t1 = self._sync()
       specs = []
       for k, ((seed, _, targets), (views, args)) in enumerate(zip(calls, staged)):
@@ -262,6 +305,10 @@ class CandidateRuntime:
             out = self.calibration(*args)
         elif req.calibrate:
           out = _null_outputs(targets, self.device)
+        elif req.profile and k == 0 and self.records is not None:
+          before = sum(self.cache.calls.values())  # the device records judge the rest
+          out = self._call(args)
+          evidence = ProfileEvidence(sum(self.cache.calls.values()) - before, {}, ())
         elif req.profile and k == 0:
           evidence, out = self.collect_evidence(
             lambda: self._call(args), self.device, self.cache.calls
@@ -273,6 +320,7 @@ class CandidateRuntime:
         specs.append(self._publish(out, targets, args))
         _copy_back(views, args)
         del out
+      self._marker(req.marker)
       t2 = self._sync()
       if len(calls) > 1:
         t1 = t2

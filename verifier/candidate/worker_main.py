@@ -38,25 +38,37 @@ class StartupClock:
     self.phases[name], self.last = now - self.last, now
 
 
-def warm_device(device: str, profiler: bool, mark: StartupClock) -> None:
-  """Create the CUDA context (and start the profiler, CUPTI on a GPU) before the job arrives."""
+def warm_device(device: str, profiler: bool, mark: StartupClock) -> list[str]:
+  """Create the CUDA context and start the device records (CUPTI, ``device_records``) before the job
+  arrives; where those cannot run, start the in-process profiler instead (which then takes CUPTI).
+  Returns notes."""
   import torch
   from torch.profiler import ProfilerActivity, profile
 
   activities = [ProfilerActivity.CPU]
   x = torch.ones(16)
+  notes = []
   if device == "cuda":
+    from verifier.candidate import device_records
+
     torch.cuda.init()
+    # before the first module loads, so that every module's kernel names are seen (device_evidence)
+    why = device_records.start_collector()
+    mark("startup_device_records")
     x = x.cuda()
     (torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")).sum().item()  # loads cuBLAS
     torch.cuda.synchronize()
     activities.append(ProfilerActivity.CUDA)
     mark("startup_device_context")
+    if not why:
+      return notes  # torch's profiler would compete for CUPTI: never started here
+    notes.append(f"device records unavailable: {why[:300]}")
   if profiler:
     with profile(activities=activities) as prof:
       (x + 1).sum().item()
     prof.events()
     mark("startup_profiler")
+  return notes
 
 
 def _redirect_output(scratch: str) -> None:
@@ -101,9 +113,11 @@ def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str
     mark("startup_fork")
     chan = Channel(socket.socket(fileno=chan_fd))
     if req.role == "candidate":
-      warm_device(device, req.warm_profiler, mark)
+      notes += warm_device(device, req.warm_profiler, mark)
     if req.block_sockets:  # after the CUDA context: the driver may open sockets while it starts
       notes += confine.block_sockets()
+    if req.role == "candidate":  # the checker's samplers stay on (host_sampler)
+      notes += confine.protect_evidence()
     chan.send(WorkerReady(os.getpid(), dict(mark.phases), tuple(notes), time.monotonic()))
     if req.role == "candidate":
       from verifier.candidate import candidate_main

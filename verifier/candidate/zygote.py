@@ -36,6 +36,7 @@ WORKER_MODULES = (
   "verifier.ipc.cuda_driver",  # imported lazily by exchange on a GPU
   "verifier.build.pch",
   "verifier.build.split_build",
+  "verifier.candidate.device_records",
 )
 
 
@@ -200,6 +201,15 @@ def main(argv=None) -> int:
       file=sys.stderr,
       flush=True,
     )
+  if (
+    args.device == "cuda"
+  ):  # built and loaded here: confined workers can read neither the source nor it
+    from verifier.candidate import device_records
+
+    why = device_records.prepare(os.getcwd())
+    if why:
+      print(why, file=sys.stderr, flush=True)
+      notes.append(why[:300])
   chan = Channel(socket.socket(fileno=args.fd))
   ForkServer(chan, args.device, notes).serve()
   return 0

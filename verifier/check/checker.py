@@ -28,6 +28,7 @@ import torch
 
 from verifier.api.contract import FailureKind
 from verifier.check import correctness, runtime_check, timing
+from verifier.check.call_evidence import CallEvidence
 from verifier.check.reference import ReferenceTask, TrialStream
 from verifier.ipc import channel, exchange, tensors
 from verifier.ipc.channel import Channel, ChannelClosed, ChannelTimeout, ProtocolError
@@ -41,11 +42,14 @@ from verifier.ipc.records import (
   CandidateJob,
   CandidateStarting,
   CheckReport,
+  DeviceRecords,
   ForwardDone,
   ForwardRequest,
   Loaded,
   ProbeReply,
   ProbeRequest,
+  RecordsQuery,
+  RecordsStatus,
   RunJob,
   Shutdown,
   TensorRef,
@@ -57,6 +61,9 @@ GRACE_S = (
 )
 # pairs of round trips (the reference, then no model) before the load; the later half counts
 CALIBRATION_CALLS = 16
+# round trips with no model before the load, on the first trial's buffers, when the host is sampled:
+# what the verifier's own exchange work costs there (host_evidence); the first only warms up
+NULL_CALLS = 4
 CHECKED_TIMED_FRACTION = 0.1  # of the timed calls, compared like the trials (at least one)
 RECALIBRATE_EVERY = 4  # during the timing, a round trip with no model after every 4th timed one
 # Timed calls go in bursts: up to MAX_BURST forwards per round trip, each on its own fresh inputs, so the
@@ -148,6 +155,10 @@ class Check:
     }
     self.stage_name = ""
     self.t_last = time.monotonic()
+    self.evidence = CallEvidence(
+      self.device.type, job.build_root, self.opts.strict, job.kernel_names
+    )
+    self.in_bytes: int | None = None
 
   # ---- plumbing ---------------------------------------------------------------------------------
   def stage(self, name: str) -> None:
@@ -211,7 +222,10 @@ class Check:
       self.report["stage"] = self.stage_name
       self.stage("")
       self.buffers.close()
+      self.evidence.close()
       self.report["phases"].update(self.report.pop("costs", {}))
+      self.report["phases"].update(self.evidence.phases())
+      self.report["warnings"] += self.evidence.warnings
     try:
       self.cand.send(Shutdown())
     except (ChannelClosed, OSError):
@@ -220,8 +234,11 @@ class Check:
 
   def _run(self) -> None:
     self.stage("candidate_load")
+    self.evidence.attach(self.job.worker_pid)  # before any candidate code
     self._probe()
     self.report["transport"] = self.buffers.transport
+    self.evidence.device_buffers = self.buffers.use_device_memory
+    self._records_query()
     used: list[int] = []
     init = tuple(exchange.send_value(a, self.buffers, used) for a in self.task.init_args)
     self.init = (init, used)
@@ -233,6 +250,9 @@ class Check:
       self._baseline()
       self._calibrate(set(used) | set(first.used if first else ()))
       self.stage("candidate_load")
+    if first is not None and self.evidence.host_on:
+      for _ in range(NULL_CALLS):
+        self._forward([(first, self.task.seeds[0])], null=True)
     self._send(
       CandidateJob(
         candidate_source=self.job.candidate_source,
@@ -252,6 +272,8 @@ class Check:
     self._recv(CandidateStarting)  # the runtime's work is done; the candidate's code runs next
     self.report["candidate_started"] = True
     loaded = self._recv(Loaded)
+    if self.evidence.records_on:
+      self.evidence.load = self._recv(DeviceRecords)
     self.report.update(compiled=True, build_cached=loaded.build_cached)
     self.report["phases"]["candidate_build_load"] = loaded.load_s
     self._acc("exchange_load_map_wait", _reported(loaded.map_wait_s, self.opts.timeout_s))
@@ -270,8 +292,29 @@ class Check:
     self.report.update(correct=True, strict_correct=strict_ok, max_abs_diff=max_abs)
     if runtime is not None and runtime.kind is not FailureKind.OK:
       raise Verdict(runtime.kind, runtime.reason)
+    self._judge_evidence()
     if self.opts.measure_performance:
       self._timing()
+      self._judge_evidence()
+
+  def _judge_evidence(self) -> None:
+    """Every call so far judged from the evidence below the dispatcher (``call_evidence``)."""
+    v = self.evidence.verdict()
+    if v.kind is not FailureKind.OK:
+      raise Verdict(v.kind, v.reason)
+
+  def _records_query(self) -> None:
+    """On a GPU, before any candidate code: does the candidate's process collect device records? If not
+    (no CUPTI there), its last trial is profiled in process as before, with a warning."""
+    if self.device.type != "cuda":
+      return
+    self._send(RecordsQuery())
+    why = self._recv(RecordsStatus).error
+    self.evidence.records_on = not why
+    if why:
+      self.report["warnings"].append(
+        f"device records unavailable ({why[:300]}): the last trial was profiled in process instead"
+      )
 
   def _probe(self) -> None:
     """Before any candidate code runs: a tiny device buffer must map in the candidate's process."""
@@ -330,10 +373,12 @@ class Check:
     """Forwards in the candidate on staged buffers, one per (staged, seed) of ``calls``, in one round
     trip (more than one: a timed burst); ``self.round_trip_s`` is the round trip on this process's clock
     (the only duration of a candidate call that counts), ``self.copied[k]`` call ``k``'s outputs copied
-    out in it."""
+    out in it. The round trip is a window of evidence (``call_evidence``): host samples in it and, after
+    the clock, the device records the candidate's process sends."""
     call = self.calls
     (staged, seed), burst = calls[0], calls[1:]
     self.calls += 0 if calibrate or null else len(calls)
+    marker = self.evidence.marker()
     refs, fds = self.buffers.new_refs([i for s, _ in calls for i in s.used])
     req = ForwardRequest(
       call,
@@ -345,9 +390,11 @@ class Check:
       calibrate=calibrate or null,
       null=null,
       burst=tuple(BurstCall(call + 1 + k, sd, s.args, s.outs) for k, (s, sd) in enumerate(burst)),
+      marker=marker,
     )
     data = channel.frame(req, len(fds))  # encoded before the clock starts
     t1 = time.monotonic()
+    w0 = time.monotonic_ns()
     try:
       p0 = time.perf_counter()
       try:
@@ -360,7 +407,25 @@ class Check:
     finally:
       for fd in fds:
         os.close(fd)
+    w1 = time.monotonic_ns()
+    t_done = time.monotonic()
     self.round_trip_s = p1 - p0
+    records = self._recv(DeviceRecords) if self.evidence.records_on else None
+    # the in-process profiler's own work is no evidence (with device records it does not run)
+    kind = "profiled" if profile and not self.evidence.records_on else "call"
+    if calibrate or null:
+      kind = "null_after" if self.report.get("candidate_started") else "null"
+      kind = "reference" if calibrate and not null else kind
+    self.evidence.window(
+      kind,
+      len(calls),
+      w0,
+      w1,
+      f"{self.stage_name} call {call}" + (f"-{call + len(burst)}" if burst else ""),
+      records,
+      marker,
+      self._input_bytes(),
+    )
     # Diagnostics: the wake-ups on either side (the candidate's stamps, on the host's one monotonic
     # clock, clamped to the round trip; never part of a verdict or a time).
     self._acc("exchange_rt_wake_in", _reported(done.received_at - p0, self.round_trip_s))
@@ -374,13 +439,22 @@ class Check:
     # What the separation costs: staging buffers (``_stage``), and everything around the candidate's
     # forward in its process (mapping, staging, publishing outputs, messages) beyond the forward itself.
     # The candidate's own split of that (``parts_s``) is only a diagnostic: clamped, known names only.
-    round_trip = time.monotonic() - t1
+    round_trip = t_done - t1
     forward = _reported(done.wall_s, round_trip)
     self._acc("exchange_round_trip", round_trip - forward)
     self._acc("candidate_forward", forward)
     for part in CANDIDATE_EXCHANGE_PARTS:
       self._acc(f"exchange_rt_{part}", _reported(done.parts_s.get(part, 0.0), round_trip))
     return done
+
+  def _input_bytes(self) -> int:
+    """Bytes of one forward's tensor inputs (trial 0's: every call has the same shapes)."""
+    if self.in_bytes is None:
+      inputs, _ = self.trials.trial(0)
+      self.in_bytes = sum(
+        exchange.nbytes_of(t) for t in tensors.flatten(inputs) if torch.is_tensor(t)
+      )
+    return self.in_bytes
 
   def _copy_outputs(self, outs_per_call) -> list[list]:
     """Every expected output of every call copied out of its buffer into this process, before the clock
@@ -427,7 +501,11 @@ class Check:
         )
       else:
         runtime = runtime_check.judge(
-          done.evidence, self.device.type, self.job.kernel_names, strictness
+          done.evidence,
+          self.device.type,
+          self.job.kernel_names,
+          strictness,
+          device_records=self.evidence.records_on,
         )
     return c, runtime
 

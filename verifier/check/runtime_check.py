@@ -1,7 +1,10 @@
-"""Runtime anti-cheating: profile one candidate forward and see where the work went.
+"""Runtime anti-cheating from one profiled forward: see where the work went.
 
 The forward runs in the candidate's process, so the evidence is collected there (``collect_evidence``) and
 judged in the checker (``judge``). Native code could forge that evidence; docs/verifier-security.md, "Evidence the candidate cannot forge", says so.
+Since issue 37 every call is also judged from evidence below the dispatcher (``call_evidence``: host samples
+taken from outside the process, CUPTI device records); on a GPU with device records only the extension-call
+count of this profile is used.
 
 The candidate must call its own extension; on GPU, at least one of its own ``__global__`` kernels must
 run, and GPU time in other kernels (aten, cuBLAS, cuDNN) beyond allocation/copy/fill kernels must stay
@@ -32,14 +35,22 @@ class RuntimeVerdict:
 
 
 def judge(
-  evidence: ProfileEvidence, device_type: str, kernel_names: tuple[str, ...], strictness: Strictness
+  evidence: ProfileEvidence,
+  device_type: str,
+  kernel_names: tuple[str, ...],
+  strictness: Strictness,
+  device_records: bool = False,
 ) -> RuntimeVerdict:
-  """The runtime verdict from a profiled forward's evidence (rules in the module docstring)."""
+  """The runtime verdict from a profiled forward's evidence (rules in the module docstring). With
+  ``device_records`` (a GPU whose every call is judged from CUPTI records, ``device_evidence``) the
+  forward was not profiled: only its calls into the candidate's extension are judged here."""
   if evidence.extension_calls <= 0:
     return RuntimeVerdict(
       FailureKind.KERNEL_NOT_LAUNCHED,
       "forward never called a function of the candidate's own extension",
     )
+  if device_records:
+    return RuntimeVerdict(FailureKind.OK)
   own_patterns = [re.compile(rf"\b{re.escape(k)}\b") for k in kernel_names]
   own_us = foreign_us = 0.0
   for name, t in evidence.gpu_kernels.items():

@@ -280,6 +280,14 @@ class ForwardRequest:
   calibrate: bool = False
   null: bool = False  # with ``calibrate``: no model, even when a calibration model is built
   burst: tuple[BurstCall, ...] = ()
+  # device records on (GPU): bytes of the two marker copies the worker makes before and after the
+  # forwards, drawn by the checker; they must come back in this request's ``DeviceRecords``
+  marker: int = 0
+
+
+@record
+class RecordsQuery:
+  """Before any candidate code: are device records collected in this process (``RecordsStatus``)?"""
 
 
 @record
@@ -293,6 +301,57 @@ class ProbeReply:
   value: float
   transport: str  # the transport the candidate could use ("cuda_vmm", "memfd")
   error: str = ""
+
+
+@record
+class RecordsStatus:
+  error: str = ""  # why no device records are collected here ("" when they are)
+
+
+@record
+class KernelRun:
+  """Kernels of one name that ran in one context and stream (from a CUDA graph or not): how many and
+  their device nanoseconds (``DeviceRecords``); ``modules``: how many modules loaded since the collector
+  started define that (mangled) name (0: none seen, e.g. one loaded before)."""
+
+  name: str
+  context: int
+  stream: int
+  graph: bool
+  count: int
+  ns: int
+  modules: int = 0
+
+
+@record
+class CopyRun:
+  """Copies (``kind`` "HtoD", "DtoH", "DtoD", ...) or memsets ("memset") of ``bytes`` each."""
+
+  kind: str
+  bytes: int
+  context: int
+  stream: int
+  graph: bool
+  count: int
+  ns: int
+
+
+@record
+class DeviceRecords:
+  """What CUPTI recorded in the candidate's process since the previous ``DeviceRecords``: sent after every
+  ``ForwardDone`` (``call``) and after ``Loaded`` (``call`` -1: the load's and ``__init__``'s work).
+  Judged by ``device_evidence``; made in the candidate's process, so only what its markers vouch for."""
+
+  call: int
+  kernels: tuple[KernelRun, ...] = ()
+  copies: tuple[CopyRun, ...] = ()
+  contexts_created: int = 0
+  streams_created: int = 0
+  graph_launches: int = 0
+  modules_loaded: int = 0
+  lost: int = 0  # records CUPTI dropped or the collector could not keep
+  truncated: bool = False  # more distinct runs than one message carries
+  error: str = ""  # the collector failed while flushing
 
 
 @record
@@ -333,6 +392,9 @@ class ProfileEvidence:
   aten_ops: tuple[str, ...]
   profiler_error: str = ""
 
+
+# Largest marker copy (``ForwardRequest.marker``) the checker draws, in bytes.
+MARKER_MAX_BYTES = 4096
 
 # The candidate's split of its exchange work (``ForwardDone.parts_s``), reported as exchange_rt_<part>.
 CANDIDATE_EXCHANGE_PARTS = ("map", "stage_in", "publish")
@@ -387,6 +449,9 @@ class RunJob:
   split_build: bool = True
   use_pch: bool = True
   gpu_memory_fraction: float = 0.0
+  # the candidate worker's sandbox (PID 1 of its namespace, as the service sees it): the checker samples
+  # the process tree under it (host_sampler); 0: not known
+  worker_pid: int = 0
 
 
 @record

@@ -32,6 +32,8 @@ import signal
 import struct
 import sys
 
+from verifier.sandbox.import_path import IMPORT_ROOT
+
 CLONE_NEWNS = 0x00020000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
@@ -292,7 +294,6 @@ LOADER_FILES = (
   "/etc/nvidia",
 )
 SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/opt")
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _beneath(path: str, root: str) -> bool:
@@ -300,7 +301,8 @@ def _beneath(path: str, root: str) -> bool:
 
 
 def _repository() -> str:
-  return os.path.realpath(PACKAGE_ROOT)
+  """The checkout the service runs from (where ``verifier`` is imported from)."""
+  return os.path.realpath(IMPORT_ROOT)
 
 
 def toolchain_paths() -> list[str]:
@@ -489,6 +491,64 @@ def block_sockets() -> list[str]:
   if rc != 0:
     return ["new sockets not blocked (" + _errno_text("seccomp") + ")"]
   return []
+
+
+# Switching off the verifier's view of a process: arch -> (perf_event_open, prctl). ``prctl`` options
+# PR_TASK_PERF_EVENTS_DISABLE/ENABLE (31, 32) act on every perf event attached to the caller, including
+# the checker's samplers (host_sampler).
+_EVIDENCE_SYSCALLS = {"x86_64": (298, 157), "aarch64": (241, 167)}
+PR_TASK_PERF_EVENTS_DISABLE, PR_TASK_PERF_EVENTS_ENABLE = 31, 32
+
+
+def evidence_filter_program(
+  audit_arch: int, perf_event_open: int, prctl: int
+) -> list[tuple[int, int, int, int]]:
+  """A classic-BPF seccomp program: ``perf_event_open``, ``prctl(PR_TASK_PERF_EVENTS_DISABLE or
+  _ENABLE)``, any x32 syscall and any syscall of another architecture return EPERM; everything else
+  (other ``prctl`` options included) is allowed."""
+  deny = _SECCOMP_RET_ERRNO | 1  # EPERM
+  allow = _SECCOMP_RET_ALLOW
+  return [
+    (_BPF_LD_W_ABS, 0, 0, 4),  # 0: seccomp_data.arch
+    (_BPF_JEQ_K, 0, 9, audit_arch),  # 1: another arch -> deny (11)
+    (_BPF_LD_W_ABS, 0, 0, 0),  # 2: seccomp_data.nr
+    (_BPF_JGE_K, 7, 0, _X32_SYSCALL_BIT),  # 3: x32 -> deny
+    (_BPF_JEQ_K, 6, 0, perf_event_open),  # 4: -> deny
+    (_BPF_JEQ_K, 1, 0, prctl),  # 5: -> 7
+    (_BPF_RET_K, 0, 0, allow),  # 6
+    (_BPF_LD_W_ABS, 0, 0, 16),  # 7: args[0], low 32 bits (little-endian)
+    (_BPF_JEQ_K, 2, 0, PR_TASK_PERF_EVENTS_DISABLE),  # 8: -> deny
+    (_BPF_JEQ_K, 1, 0, PR_TASK_PERF_EVENTS_ENABLE),  # 9: -> deny
+    (_BPF_RET_K, 0, 0, allow),  # 10
+    (_BPF_RET_K, 0, 0, deny),  # 11
+  ]
+
+
+def _install_filter(
+  prog: list[tuple[int, int, int, int]], sys_seccomp: int, what: str
+) -> list[str]:
+  filters = (_SockFilter * len(prog))(*[_SockFilter(*ins) for ins in prog])
+  fprog = _SockFprog(len(prog), filters)
+  _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+  rc = _libc.syscall(
+    sys_seccomp, _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC, ctypes.byref(fprog)
+  )
+  if rc != 0:
+    return [f"{what} (" + _errno_text("seccomp") + ")"]
+  return []
+
+
+def protect_evidence() -> list[str]:
+  """For every thread of this process: no ``perf_event_open`` and no switching off the perf events
+  attached to it (the checker's host sampler). Candidate workers, before any candidate code."""
+  import platform
+
+  arch = platform.machine()
+  if arch not in _EVIDENCE_SYSCALLS:
+    return [f"host evidence not protected: no seccomp filter for {arch}"]
+  audit_arch, sys_seccomp, _ = _SOCKET_SYSCALLS[arch]
+  prog = evidence_filter_program(audit_arch, *_EVIDENCE_SYSCALLS[arch])
+  return _install_filter(prog, sys_seccomp, "host evidence not protected")
 
 
 def close_inherited_fds(keep: tuple[int, ...]) -> None:

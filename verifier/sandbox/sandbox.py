@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import pathlib
 import shutil
 import signal
 import socket
@@ -26,6 +25,7 @@ import time
 from verifier.api.contract import truncate_log
 from verifier.ipc.channel import AsyncChannel, ChannelClosed, ProtocolError
 from verifier.ipc.records import Exited, Forked, ForkFailed, ForkRequest, WorkerReady
+from verifier.sandbox.import_path import child_pythonpath
 
 # Variables a build or run needs; everything else (tokens, credentials, proxies, cloud keys) is dropped.
 ENV_ALLOW = (
@@ -47,7 +47,6 @@ ENV_ALLOW = (
   "TORCH_SYMM_MEM_DISABLE_MULTICAST",
   "NVSHMEM_DISABLE_NVLS",
 )
-PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 LOG_FILE = "worker.log"
 
 
@@ -60,14 +59,13 @@ def scrubbed_env(
   extra: dict[str, str] | None = None,
 ) -> dict[str, str]:
   env = {k: os.environ[k] for k in ENV_ALLOW if k in os.environ}
-  paths = [PACKAGE_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
   env.update(
     {
       "HOME": scratch,
       "TMPDIR": scratch,
       "USER": "verifier",
       "LOGNAME": "verifier",
-      "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
+      "PYTHONPATH": child_pythonpath(),
       "PYTHONDONTWRITEBYTECODE": "1",
       "PYTHONUNBUFFERED": "1",
       "PYTHONHASHSEED": "0",

@@ -136,6 +136,7 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
     t_check = time.monotonic()
     try:
       sock = worker.chan.detach()
+      job = dataclasses.replace(job, worker_pid=worker.sandbox_pid)  # the checker samples its tree
       check = asyncio.ensure_future(checker.check(job, sock, lambda name: stage.update(name=name)))
       watch = asyncio.ensure_future(watch_resources(worker, pool.candidates.limits))
       done, _ = await asyncio.wait(

@@ -1,6 +1,6 @@
 """The static check in processes of its own, off the service's event loop and under a deadline.
 
-``check_candidate`` is bounded by construction (``static_check.SourceLimits``), but it reads hostile text
+``check_candidate`` is bounded by construction (``source.SourceLimits``), but it reads hostile text
 with C code (the parser, regexes) that holds the GIL, so it runs here, never in the service process: a
 small pool of long-lived ``python -m verifier.static.static_worker`` processes, each with an address-space
 limit, no capabilities and no new sockets, serving one check at a time over its stdin/stdout (a
@@ -19,6 +19,8 @@ import struct
 import sys
 
 from verifier.api.contract import FailureKind, Strictness
+from verifier.sandbox.import_path import child_pythonpath
+from verifier.static.source import too_complex
 from verifier.static.static_check import LIMITS, StaticVerdict, check_candidate
 
 FRAME = struct.Struct("!Q")
@@ -53,12 +55,6 @@ def verdict_from_dict(d: dict) -> StaticVerdict:
     tuple(str(w) for w in d["warnings"]),
     tuple(str(k) for k in d["kernel_names"]),
     tuple(str(f) for f in d["functions"]),
-  )
-
-
-def too_complex(what: str) -> StaticVerdict:
-  return StaticVerdict(
-    FailureKind.SOURCE_TOO_COMPLEX, f"candidate source is beyond the static check's limits: {what}"
   )
 
 
@@ -109,14 +105,10 @@ def serve(stdin, stdout, mem_mb: int) -> None:
 
 
 # ---- the service's side --------------------------------------------------------------------------
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def _environment() -> dict[str, str]:
   """A minimal environment that still imports this ``verifier`` package."""
-  paths = [PACKAGE_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
   env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL") if k in os.environ}
-  env.update(PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)), PYTHONDONTWRITEBYTECODE="1")
+  env.update(PYTHONPATH=child_pythonpath(), PYTHONDONTWRITEBYTECODE="1")
   return env
 
 

@@ -28,6 +28,7 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_KIND_DIRECT_ATEN_CALL: _ClassVar[FailureKind]
     FAILURE_KIND_TIMING_MISMATCH: _ClassVar[FailureKind]
     FAILURE_KIND_SOURCE_TOO_COMPLEX: _ClassVar[FailureKind]
+    FAILURE_KIND_HOST_COMPUTE: _ClassVar[FailureKind]
     FAILURE_KIND_COMPILE_ERROR: _ClassVar[FailureKind]
     FAILURE_KIND_IMPORT_ERROR: _ClassVar[FailureKind]
     FAILURE_KIND_INIT_ERROR: _ClassVar[FailureKind]
@@ -37,6 +38,7 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_KIND_TIMEOUT: _ClassVar[FailureKind]
     FAILURE_KIND_OUT_OF_MEMORY: _ClassVar[FailureKind]
     FAILURE_KIND_RESOURCE_LIMIT: _ClassVar[FailureKind]
+    FAILURE_KIND_EVIDENCE_MISSING: _ClassVar[FailureKind]
     FAILURE_KIND_SHAPE_MISMATCH: _ClassVar[FailureKind]
     FAILURE_KIND_DTYPE_MISMATCH: _ClassVar[FailureKind]
     FAILURE_KIND_WRONG_OUTPUT: _ClassVar[FailureKind]
@@ -65,6 +67,7 @@ FAILURE_KIND_FRAME_INTROSPECTION: FailureKind
 FAILURE_KIND_DIRECT_ATEN_CALL: FailureKind
 FAILURE_KIND_TIMING_MISMATCH: FailureKind
 FAILURE_KIND_SOURCE_TOO_COMPLEX: FailureKind
+FAILURE_KIND_HOST_COMPUTE: FailureKind
 FAILURE_KIND_COMPILE_ERROR: FailureKind
 FAILURE_KIND_IMPORT_ERROR: FailureKind
 FAILURE_KIND_INIT_ERROR: FailureKind
@@ -74,6 +77,7 @@ FAILURE_KIND_CRASH: FailureKind
 FAILURE_KIND_TIMEOUT: FailureKind
 FAILURE_KIND_OUT_OF_MEMORY: FailureKind
 FAILURE_KIND_RESOURCE_LIMIT: FailureKind
+FAILURE_KIND_EVIDENCE_MISSING: FailureKind
 FAILURE_KIND_SHAPE_MISMATCH: FailureKind
 FAILURE_KIND_DTYPE_MISMATCH: FailureKind
 FAILURE_KIND_WRONG_OUTPUT: FailureKind

@@ -1,0 +1,586 @@
+"""Issue 37: the pieces of the evidence on every judged call that run without a GPU, each against values
+worked out by hand: perf records parsed and attributed to modules, the host-compute rule, the device
+rule over records of every hostile class (cuBLAS, aten, another context, a graph, a side stream, host
+round trips, a switched-off collector), the collector's record layout against CUPTI's header, and the
+seccomp filter that keeps a candidate from switching the sampler off. The sampler itself runs on a real
+child process. The service-level tests are in test_verifier_evidence.py (CPU) and
+test_verifier_gpu_evidence.py (GPU).
+"""
+
+import ctypes
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from verifier.api.contract import FailureKind
+from verifier.check import device_evidence, host_evidence, host_sampler
+from verifier.ipc.records import CopyRun, DeviceRecords, KernelRun
+from verifier.sandbox import confine
+
+ROOT = "/cache"
+OWN = f"{ROOT}/{'ab' * 16}/vt_compute.so"
+TORCH = "/venv/torch/lib/libtorch_cpu.so"
+NUMPY = "/venv/numpy/_core/_multiarray_umath.so"
+PYTHON = "/usr/lib/libpython3.11.so"
+
+
+# ---- perf records -----------------------------------------------------------------------------------
+def _rec(kind: int, body: bytes, misc: int = 0) -> bytes:
+  return struct.pack("<IHH", kind, misc, 8 + len(body)) + body
+
+
+def _trailer(pid: int, t: int) -> bytes:
+  return struct.pack("<IIQ", pid, pid, t)
+
+
+def _mmap2(pid, start, length, path, t):
+  name = path.encode() + b"\0"
+  name += b"\0" * (-len(name) % 8)
+  body = struct.pack("<IIQQQ", pid, pid, start, length, 0) + b"\0" * 24 + struct.pack("<II", 5, 2)
+  return _rec(host_sampler.PERF_RECORD_MMAP2, body + name + _trailer(pid, t))
+
+
+def test_perf_records_are_parsed_and_cut():
+  sample = _rec(host_sampler.PERF_RECORD_SAMPLE, struct.pack("<QIIQ", 0x1234, 7, 8, 99))
+  mapping = _mmap2(7, 0x1000, 0x2000, OWN, 50)
+  fork = _rec(
+    host_sampler.PERF_RECORD_FORK, struct.pack("<IIIIQ", 9, 7, 9, 7, 60) + _trailer(9, 60)
+  )
+  exe = _rec(
+    host_sampler.PERF_RECORD_COMM,
+    struct.pack("<II", 9, 9) + b"python\0\0" + _trailer(9, 70),
+    misc=host_sampler.PERF_RECORD_MISC_COMM_EXEC,
+  )
+  lost = _rec(host_sampler.PERF_RECORD_LOST, struct.pack("<QQ", 1, 5) + _trailer(7, 80))
+  raw = sample + mapping + fork + exe + lost
+  recs = [host_sampler.parse_record(r) for r in host_sampler.split_records(raw + b"\x01\x00")]
+  assert recs == [
+    host_sampler.Sample(99, 7, 0x1234),
+    host_sampler.Mapping(50, 7, 0x1000, 0x3000, OWN),
+    host_sampler.Fork(60, 9, 7),
+    host_sampler.Exec(70, 9),
+    host_sampler.Lost(80, 5),
+  ]
+  anon = host_sampler.parse_record(_mmap2(7, 0x9000, 0x1000, "//anon", 1))
+  assert anon.path == host_sampler.ANON
+
+
+def test_the_attr_asks_for_inherited_user_space_samples_on_the_checkers_clock():
+  attr = host_sampler.event_attr(100_000)
+  kind, size, config, period, sample_type, _, flags = struct.unpack_from("<IIQQQQQ", attr)
+  assert (kind, size, config, period) == (1, host_sampler.PERF_ATTR_SIZE, 0, 100_000)
+  assert sample_type == 1 | 2 | 4  # ip, tid, time
+  for bit in (1, 5, 6, 8, 13, 18, 23, 24, 25):  # inherit, exclude_kernel, ..., use_clockid
+    assert flags >> bit & 1, bit
+  assert not flags & 1  # enabled from the start
+  assert struct.unpack_from("<i", attr, 92)[0] == 1  # CLOCK_MONOTONIC
+
+
+def test_addresses_resolve_to_the_mapping_there_at_the_time():
+  space = host_sampler.AddressSpace([(0x1000, 0x5000, 1), (0x8000, 0x9000, 2)])
+  assert [space.find(a) for a in (0xFFF, 0x1000, 0x4FFF, 0x5000, 0x8800)] == [-1, 1, 1, -1, 2]
+  space.add(0x2000, 0x3000, 3)  # MAP_FIXED over the middle of module 1
+  assert [space.find(a) for a in (0x1800, 0x2800, 0x3800)] == [1, 3, 1]
+  table = host_sampler.ModuleTable()
+  table.seed(
+    7,
+    f"00400000-00500000 r-xp 00000000 08:01 1 {OWN}\n"
+    f"00600000-00700000 rw-p 00000000 08:01 1 {OWN}\n"
+    "00800000-00900000 r-xp 00000000 00:00 0 \n",
+  )
+  for rec in (
+    host_sampler.Sample(10, 7, 0x400010),
+    host_sampler.Sample(11, 7, 0x600010),  # not executable: no module there
+    host_sampler.Sample(12, 7, 0x800010),  # anonymous executable memory (JIT)
+    host_sampler.Mapping(13, 7, 0x400000, 0x500000, TORCH),  # the candidate's range remapped
+    host_sampler.Sample(14, 7, 0x400010),
+    host_sampler.Fork(15, 8, 7),
+    host_sampler.Sample(16, 8, 0x400010),  # the child inherited the parent's mappings
+    host_sampler.Exec(17, 8),
+    host_sampler.Sample(18, 8, 0x400010),  # ... until it exec'd
+  ):
+    table.apply(rec)
+  assert table.count(10, 12) == {OWN: 1, host_sampler.UNKNOWN: 1, host_sampler.ANON: 1}
+  assert table.count(13, 18) == {TORCH: 2, host_sampler.UNKNOWN: 1}
+  assert host_sampler.online_cpus("0-3,6\n") == [0, 1, 2, 3, 6]
+
+
+def test_the_sampler_sees_a_child_process_compute_in_numpy_from_outside():
+  pytest.importorskip("numpy")
+  go_r, go_w = os.pipe()
+  ready_r, ready_w = os.pipe()
+  code = (
+    "import os, time, numpy as np\n"
+    "a = np.random.rand(1 << 18).astype('float32')\n"
+    f"os.write({ready_w}, b'r')\n"
+    f"os.read({go_r}, 1)\n"
+    "t = time.process_time()\n"
+    "while time.process_time() - t < 0.15:\n"
+    "    np.sqrt(a, out=a)\n"
+  )
+  child = subprocess.Popen([sys.executable, "-c", code], pass_fds=(go_r, ready_w))
+  try:
+    os.read(ready_r, 1)  # imported: the sampler attaches to an idle process, as to a worker
+    try:
+      sampler = host_sampler.HostSampler.attach(child.pid)
+    except host_sampler.SamplerUnavailable as e:
+      pytest.skip(f"this host refuses perf_event_open: {e}")
+    t0 = time.monotonic_ns()
+    os.write(go_w, b"x")
+    child.wait(60)
+    counts = sampler.count(t0, time.monotonic_ns())
+    sampler.close()
+  finally:
+    child.kill()
+    for fd in (go_r, go_w, ready_r, ready_w):
+      os.close(fd)
+  total = sum(counts.values())
+  numpy_share = sum(n for p, n in counts.items() if "numpy" in p) / max(total, 1)
+  # 0.15 s of its CPU time at 10 kHz; the loop's time is mostly numpy's
+  assert total >= 750 and numpy_share > 0.5, counts
+
+
+# ---- the host rule ----------------------------------------------------------------------------------
+def _w(forwards=1, size=1, **counts):
+  names = {"own": OWN, "torch": TORCH, "numpy": NUMPY, "python": PYTHON, "lost": "[lost samples]"}
+  return host_evidence.HostWindow({names[k]: v for k, v in counts.items()}, forwards, size)
+
+
+def _judge(calls, nulls, device="cpu"):
+  return host_evidence.judge_host(calls, nulls, 100_000, ROOT, device)
+
+
+def test_module_classes():
+  assert host_evidence.module_class(OWN, ROOT, "cpu") == "own"
+  for path in (
+    f"{ROOT}/not-an-entry/x.so",
+    f"{ROOT}/x.so",
+    "/elsewhere" + OWN,
+    TORCH,
+    "[unmapped]",
+  ):
+    assert host_evidence.module_class(path, ROOT, "cpu") == "foreign", path
+  assert host_evidence.module_class(f"{ROOT}/{'ab' * 16}/../../etc/x.so", ROOT, "cpu") == "foreign"
+  cuda = "/usr/lib/x86_64-linux-gnu/libcuda.so.1"
+  assert host_evidence.module_class(cuda, ROOT, "cuda") == "runtime"
+  assert host_evidence.module_class(cuda, ROOT, "cpu") == "foreign"
+
+
+def test_an_honest_kernel_passes_with_the_verifiers_own_work_subtracted():
+  nulls = [_w(0, torch=20, python=10) for _ in range(3)]
+  calls = [_w(own=300, torch=22, python=14) for _ in range(4)]
+  v = _judge(calls, nulls)
+  assert v.kind is FailureKind.OK and v.own_ms == pytest.approx(120.0), v
+  assert v.excess_ms == pytest.approx(2.4)  # (22 + 14 - 30) samples x 4 calls x 0.1 ms
+
+
+def test_work_in_a_library_or_numpy_is_host_compute_and_named():
+  nulls = [_w(0, torch=20, python=10) for _ in range(3)]
+  for lib in ("torch", "numpy"):
+    calls = [_w(own=1, python=12, **{lib: 250 + (20 if lib == "torch" else 0)}) for _ in range(4)]
+    v = _judge(calls, nulls)
+    assert v.kind is FailureKind.HOST_COMPUTE, (lib, v)
+    assert v.top[0][0] == (TORCH if lib == "torch" else NUMPY) and v.top[0][1] == pytest.approx(
+      100.0
+    )
+    assert "beyond the verifier's own exchange work" in v.reason
+
+
+def test_a_kernel_that_also_zero_fills_its_output_in_torch_passes():
+  # as much foreign work as its own: within the ratio
+  v = _judge([_w(own=200, torch=170) for _ in range(3)], [_w(0, torch=20)] * 3)
+  assert v.kind is FailureKind.OK, v
+
+
+def test_noise_below_the_floor_and_the_margin_is_not_a_verdict():
+  # tiny forwards: a few samples of interpreter and allocation each, nothing of its own sampled
+  v = _judge([_w(python=3, torch=1) for _ in range(3)], [_w(0, python=2)] * 3)
+  assert v.kind is FailureKind.OK, v
+  # the same excess with many more samples behind it is significant
+  v = _judge([_w(python=3000, torch=1000) for _ in range(3)], [_w(0, python=2000)] * 3)
+  assert v.kind is FailureKind.HOST_COMPUTE, v
+
+
+def test_lost_samples_count_against_the_candidate():
+  v = _judge([_w(own=5, lost=400)] * 2, [_w(0)] * 2)
+  assert v.kind is FailureKind.HOST_COMPUTE and "[lost samples]" in v.reason
+
+
+def test_a_burst_is_judged_against_null_bursts_of_its_size_or_scaled_ones():
+  nulls = [_w(0, size=1, torch=10)] * 2
+  calls = [_w(forwards=8, size=8, own=800, torch=80)] * 2  # exactly 8 x the single null
+  v = _judge(calls, nulls)
+  assert v.kind is FailureKind.OK and v.excess_ms == pytest.approx(0.0), v
+  v = _judge(calls, nulls + [_w(0, size=8, torch=40)] * 2)
+  assert v.excess_ms == pytest.approx(2 * 40 * 0.1), v
+  # null bursts the candidate's process answered after it loaded may only lower what is subtracted
+  after = [_w(0, size=8, torch=200)]
+  inflated = host_evidence.judge_host(calls, nulls, 100_000, ROOT, "cpu", nulls_after=after)
+  assert inflated.excess_ms == pytest.approx(0.0), inflated
+  after = [_w(0, size=8, torch=60)]
+  lower = host_evidence.judge_host(calls, nulls, 100_000, ROOT, "cpu", nulls_after=after)
+  assert lower.excess_ms == pytest.approx(2 * 20 * 0.1), lower
+
+
+def test_on_a_gpu_the_device_runtimes_host_code_is_set_aside():
+  cuda = "/usr/lib/libcuda.so.1"
+  calls = [host_evidence.HostWindow({cuda: 5000, PYTHON: 20}, 1, 1)] * 3  # synchronize spins there
+  assert _judge(calls, [_w(0, python=10)] * 2, "cuda").kind is FailureKind.OK
+  assert _judge(calls, [_w(0, python=10)] * 2, "cpu").kind is FailureKind.HOST_COMPUTE
+
+
+# ---- the device rule --------------------------------------------------------------------------------
+OWN_KERNELS = ("relu_kernel", "touch_kernel")
+HOME = (1, 7)
+
+
+def _k(name, ns=1000, count=1, context=HOME[0], stream=HOME[1], graph=False):
+  return KernelRun(name, context, stream, graph, count, ns)
+
+
+def _c(kind, nbytes, count=1, context=HOME[0], stream=HOME[1]):
+  return CopyRun(kind, nbytes, context, stream, False, count, 10)
+
+
+def _records(*runs, marker=33, call=0, **kw):
+  kernels = tuple(r for r in runs if isinstance(r, KernelRun))
+  copies = (_c("DtoD", marker, 2),) + tuple(r for r in runs if isinstance(r, CopyRun))
+  return DeviceRecords(call, kernels, copies, **kw)
+
+
+def _window(records, label="trial 1", forwards=1, marker=33, fraction=True):
+  return device_evidence.DeviceWindow(records, label, forwards, marker, 16 << 20, fraction)
+
+
+def _device(*windows, load=None, max_foreign=0.1, device_buffers=True):
+  return device_evidence.judge_device(
+    list(windows), load, OWN_KERNELS, max_foreign, True, device_buffers
+  )
+
+
+FILL = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, ...>"
+SGEMM = "sm90_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize128x128x32_cublas"
+ATEN_RELU = (
+  "void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous)::clamp_min...>"
+)
+
+
+def test_own_kernels_with_copies_and_fills_pass():
+  good = _records(
+    _k("relu_kernel(float const*, float*, long)", 5000),
+    _k(FILL, 800),
+    _c("DtoD", 16 << 20),
+    _c("memset", 64),
+    _c("HtoD", 8),
+    _c("DtoH", 4),
+  )
+  v = _device(_window(good), _window(good, "trial 2"))
+  assert v.kind is FailureKind.OK and v.own_gpu_us == pytest.approx(10.0), v
+
+
+def test_foreign_kernels_on_every_call_are_counted_on_every_call():
+  cublas = _records(_k(SGEMM, 90_000), _k("touch_kernel(float*)", 2000))
+  v = _device(*[_window(cublas, f"trial {i}") for i in range(3)])
+  assert v.kind is FailureKind.FOREIGN_KERNELS and SGEMM[:40] in v.reason, v
+  aten = _records(_k(ATEN_RELU, 9000), _k("touch_kernel(float*)", 100))
+  assert _device(_window(aten)).kind is FailureKind.FOREIGN_KERNELS
+
+
+def test_one_call_of_foreign_work_among_honest_ones_is_enough():
+  honest = _records(_k("relu_kernel", 9000))
+  cublas = _records(_k(SGEMM, 5000), _k("touch_kernel(float*)", 100))
+  windows = [_window(honest, f"trial {i}") for i in range(1, 4)] + [_window(cublas, "timed call 9")]
+  v = _device(*windows)
+  assert v.kind is FailureKind.FOREIGN_KERNELS and v.reason.startswith("timed call 9"), v
+
+
+def test_the_first_trials_lazy_initialisation_does_not_count_towards_the_fraction():
+  first = _records(_k(SGEMM, 90_000), _k("relu_kernel", 1000))
+  later = _records(_k("relu_kernel", 1000))
+  assert _device(_window(first, "trial 0", fraction=False), _window(later)).kind is FailureKind.OK
+  assert _device(_window(first, "trial 0"), _window(later)).kind is FailureKind.FOREIGN_KERNELS
+  # the only call is judged all the same
+  alone = _device(_window(first, "trial 0", fraction=False))
+  assert alone.kind is FailureKind.FOREIGN_KERNELS
+
+
+def test_a_call_without_its_own_kernel_is_not_launched():
+  v = _device(_window(_records(_k("relu_kernel"))), _window(_records(_k(FILL)), "timed call 7"))
+  assert v.kind is FailureKind.KERNEL_NOT_LAUNCHED and "timed call 7" in v.reason, v
+  burst = _records(_k("relu_kernel", count=7))
+  assert _device(_window(burst, forwards=8)).kind is FailureKind.KERNEL_NOT_LAUNCHED
+
+
+@pytest.mark.parametrize(
+  "records,words",
+  [
+    (_records(_k("relu_kernel"), _k("spin_kernel", context=2)), "another CUDA context"),
+    (_records(_k("relu_kernel"), contexts_created=1), "context(s) created"),
+    (_records(_k("relu_kernel", graph=True)), "CUDA graph"),
+    (_records(_k("relu_kernel"), graph_launches=1), "CUDA graph"),
+    (_records(_k("relu_kernel", stream=13)), "another stream"),
+  ],
+  ids=["other_context", "context_created", "graph_kernel", "graph_launch", "side_stream"],
+)
+def test_contexts_graphs_and_streams_the_rules_forbid(records, words):
+  v = _device(_window(records))
+  assert v.kind is FailureKind.THREAD_OR_STREAM and words in v.reason, v
+
+
+def test_a_context_created_while_loading_is_refused_but_inits_torch_work_is_not():
+  init = DeviceRecords(-1, (_k(FILL), _k(SGEMM)), (_c("HtoD", 1 << 20),))
+  ok = _window(_records(_k("relu_kernel")))
+  assert _device(ok, load=init).kind is FailureKind.OK
+  spun = DeviceRecords(-1, (), (), contexts_created=1)
+  assert _device(ok, load=spun).kind is FailureKind.THREAD_OR_STREAM
+
+
+def test_inputs_copied_to_the_host_are_host_compute():
+  host = _records(_k("touch_kernel"), _c("DtoH", 16 << 20), _c("HtoD", 16 << 20))
+  v = _device(_window(host))
+  assert v.kind is FailureKind.HOST_COMPUTE and str(16 << 20) in v.reason, v
+  # staged through the host by the verifier itself: its own copies, not judged
+  assert _device(_window(host), device_buffers=False).kind is FailureKind.OK
+
+
+@pytest.mark.parametrize(
+  "records,words",
+  [
+    (None, "no device records"),
+    (DeviceRecords(0, (_k("relu_kernel"),), (_c("DtoD", 33, 1),)), "marker copies"),
+    (DeviceRecords(0, (_k("relu_kernel"),), (_c("DtoD", 34, 2),)), "marker copies"),
+    (_records(_k("relu_kernel"), lost=3), "dropped"),
+    (_records(_k("relu_kernel"), truncated=True), "one record carries"),
+    (DeviceRecords(0, error="cuptiActivityFlushAll failed"), "collector failed"),
+  ],
+  ids=["none", "one_marker", "wrong_size", "lost", "truncated", "error"],
+)
+def test_a_switched_off_or_altered_collector_is_missing_evidence(records, words):
+  v = _device(_window(records))
+  assert v.kind is FailureKind.EVIDENCE_MISSING and words in v.reason, v
+
+
+# ---- the collector's records ------------------------------------------------------------------------
+def _collector_lib(tmp_path):
+  if shutil.which("cc") is None and shutil.which("gcc") is None:
+    pytest.skip("needs a C compiler")
+  from verifier.candidate import device_records
+
+  return device_records, device_records.load(device_records.build(str(tmp_path)))
+
+
+def test_the_collector_builds_and_reads_cupti_records_at_the_documented_offsets(tmp_path):
+  device_records, lib = _collector_lib(tmp_path)
+  name = ctypes.create_string_buffer(b"_Z11relu_kernelPKfPfl")
+  kernel = bytearray(216)
+  struct.pack_into("<I", kernel, 0, 10)  # CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL
+  struct.pack_into("<QQ", kernel, 16, 1000, 4000)
+  struct.pack_into("<II", kernel, 44, 3, 7)  # context, stream
+  struct.pack_into("<Q", kernel, 104, ctypes.addressof(name))
+  struct.pack_into("<I", kernel, 156, 5)  # graphId
+  copy = bytearray(96)
+  struct.pack_into("<IB", copy, 0, 1, 2)  # MEMCPY, DtoH
+  struct.pack_into("<QQQ", copy, 8, 4096, 10, 30)
+  struct.pack_into("<II", copy, 36, 3, 7)
+  entries = []
+  for raw in (kernel, copy):
+    buf = (ctypes.c_char * len(raw)).from_buffer(raw)
+    e = device_records.Entry()
+    assert lib.vc_record_entry(ctypes.addressof(buf), ctypes.byref(e)) == 1
+    entries.append(e)
+  got = device_records.summarise(
+    entries, 4, lambda p: device_records.demangle(ctypes.string_at(p).decode())
+  )
+  assert got.kernels == (KernelRun("relu_kernel(float const*, float*, long)", 3, 7, True, 1, 3000),)
+  assert got.copies == (CopyRun("DtoH", 4096, 3, 7, False, 1, 20),)
+  # without a GPU driver the collector does not start, and says why
+  assert lib.vc_start(b"") != 0 and lib.vc_error()
+
+
+def _elf_with_functions(names: list[str], local: str = "helper") -> bytes:
+  """A minimal ELF64 image (a cubin's shape): a symbol table of global functions ``names`` and one local
+  function, its string table, section headers."""
+  strtab = b"\0" + b"".join(n.encode() + b"\0" for n in [*names, local])
+  syms = b"\0" * 24
+  offset = 1
+  for n in [*names, local]:
+    info = 0x02 if n == local else 0x12  # (binding << 4) | STT_FUNC: LOCAL for the helper
+    syms += struct.pack("<IBBHQQ", offset, info, 0x10, 1, 0, 0)
+    offset += len(n) + 1
+  str_off, sym_off = 64, 64 + len(strtab)
+  sh_off = sym_off + len(syms)
+  sections = b"\0" * 64  # SHN_UNDEF
+  sections += struct.pack("<IIQQQQIIQQ", 0, 2, 0, 0, sym_off, len(syms), 2, 1, 8, 24)  # .symtab
+  sections += struct.pack("<IIQQQQIIQQ", 0, 3, 0, 0, str_off, len(strtab), 0, 0, 1, 0)  # .strtab
+  header = b"\x7fELF" + bytes([2, 1, 1]) + b"\0" * 9
+  header += struct.pack("<HHIQQQIHHHHHH", 2, 190, 1, 0, 0, sh_off, 0, 64, 0, 0, 64, 3, 0)
+  return header + strtab + syms + sections
+
+
+def test_the_collector_lists_the_functions_a_loaded_module_defines(tmp_path):
+  device_records, lib = _collector_lib(tmp_path)
+  image = _elf_with_functions(["_Z11relu_kernelPKfPfl", "sm90_xmma_gemm_f32f32"])
+  assert lib.vc_cubin_functions(image, len(image), 5) == 2  # the local helper is not listed
+  buf = (device_records.Entry * 8)()
+  n = lib.vc_take(buf, 8)
+  got = [(ctypes.string_at(buf[i].name).decode(), buf[i].graph) for i in range(n)]
+  assert got == [("_Z11relu_kernelPKfPfl", 5), ("sm90_xmma_gemm_f32f32", 5)]
+  # hostile images are refused or read within bounds
+  for bad in (b"", b"\x7fELF" + b"\0" * 60, image[:100], image[:-10], b"\x7fELF" + b"\xff" * 200):
+    assert lib.vc_cubin_functions(bad, len(bad), 6) <= 2
+  lib.vc_take(buf, 8)
+
+
+def test_a_kernel_named_like_a_library_kernel_is_not_the_candidates():
+  # its own kernel named exactly like cuBLAS's, launching cuBLAS's: two loaded modules define the name
+  twin = _records(KernelRun("relu_kernel", *HOME, False, 1, 50_000, 2), _k("touch_kernel", 100))
+  v = _device(_window(twin))
+  assert v.kind is FailureKind.FOREIGN_KERNELS, v
+  alone = _records(KernelRun("relu_kernel", *HOME, False, 1, 50_000, 1))
+  assert _device(_window(alone)).kind is FailureKind.OK
+
+
+def test_the_collectors_offsets_match_cuptis_header(tmp_path):
+  cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+  include = next(
+    (
+      d
+      for d in (f"{cuda}/include", f"{cuda}/extras/CUPTI/include")
+      if os.path.exists(f"{d}/cupti.h")
+    ),
+    None,
+  )
+  if include is None or shutil.which("cc") is None:
+    pytest.skip("no CUPTI header or no C compiler here")
+  fields = {
+    "CUpti_ActivityKernel10": ["start", "end", "contextId", "streamId", "name", "graphId"],
+    "CUpti_ActivityMemcpy6": [
+      "copyKind",
+      "bytes",
+      "start",
+      "end",
+      "contextId",
+      "streamId",
+      "graphId",
+    ],
+    "CUpti_ActivityMemset4": ["bytes", "start", "end", "contextId", "streamId", "graphId"],
+    "CUpti_CallbackData": ["callbackSite"],
+    "CUpti_ResourceData": ["resourceDescriptor"],
+    "CUpti_ModuleResourceData": ["cubinSize", "pCubin"],
+  }
+  lines = [f'printf("{t}.{f} %zu\\n", offsetof({t}, {f}));' for t, fs in fields.items() for f in fs]
+  (tmp_path / "o.c").write_text(
+    "#include <stdio.h>\n#include <stddef.h>\n#include <cupti.h>\nint main(void){"
+    + "".join(lines)
+    + "return 0;}\n"
+  )
+  subprocess.run(
+    ["cc", f"-I{include}", "-o", str(tmp_path / "o"), str(tmp_path / "o.c")], check=True
+  )
+  out = dict(
+    line.split() for line in subprocess.check_output([str(tmp_path / "o")], text=True).splitlines()
+  )
+  expected = {
+    "CUpti_ActivityKernel10.start": 16,
+    "CUpti_ActivityKernel10.end": 24,
+    "CUpti_ActivityKernel10.contextId": 44,
+    "CUpti_ActivityKernel10.streamId": 48,
+    "CUpti_ActivityKernel10.name": 104,
+    "CUpti_ActivityKernel10.graphId": 156,
+    "CUpti_ActivityMemcpy6.copyKind": 4,
+    "CUpti_ActivityMemcpy6.bytes": 8,
+    "CUpti_ActivityMemcpy6.start": 16,
+    "CUpti_ActivityMemcpy6.end": 24,
+    "CUpti_ActivityMemcpy6.contextId": 36,
+    "CUpti_ActivityMemcpy6.streamId": 40,
+    "CUpti_ActivityMemcpy6.graphId": 72,
+    "CUpti_ActivityMemset4.bytes": 8,
+    "CUpti_ActivityMemset4.start": 16,
+    "CUpti_ActivityMemset4.end": 24,
+    "CUpti_ActivityMemset4.contextId": 36,
+    "CUpti_ActivityMemset4.streamId": 40,
+    "CUpti_ActivityMemset4.graphId": 72,
+    "CUpti_CallbackData.callbackSite": 0,
+    "CUpti_ResourceData.resourceDescriptor": 16,
+    "CUpti_ModuleResourceData.cubinSize": 8,
+    "CUpti_ModuleResourceData.pCubin": 16,
+  }
+  assert {k: int(v) for k, v in out.items()} == expected
+
+
+# ---- the sampler cannot be switched off from inside -------------------------------------------------
+def test_a_candidate_can_neither_open_perf_events_nor_switch_off_the_checkers():
+  r, w = os.pipe()
+  pid = os.fork()
+  if pid == 0:
+    os.close(r)
+    notes = confine.protect_evidence()
+    libc = ctypes.CDLL(None, use_errno=True)
+    out = [len(notes)]
+    for option in (confine.PR_TASK_PERF_EVENTS_DISABLE, confine.PR_TASK_PERF_EVENTS_ENABLE):
+      out.append(libc.prctl(option, 0, 0, 0, 0) == -1 and ctypes.get_errno() == 1)
+    out.append(libc.prctl(3, 0, 0, 0, 0))  # PR_GET_DUMPABLE: other options still work
+    try:
+      host_sampler._perf_event_open(host_sampler.event_attr(100_000), 0, -1)
+      out.append(False)
+    except OSError as e:
+      out.append(e.errno == 1)
+    os.write(w, repr(out).encode())
+    os._exit(0)
+  os.close(w)
+  got = os.read(r, 200).decode()
+  os.close(r)
+  os.waitpid(pid, 0)
+  assert got == "[0, True, True, 1, True]", got
+
+
+def test_the_evidence_filter_jumps_land_inside_the_program():
+  prog = confine.evidence_filter_program(0xC000003E, 298, 157)
+  for i, (code, jt, jf, _) in enumerate(prog):
+    if code in (0x15, 0x35):
+      assert i + 1 + jt < len(prog) and i + 1 + jf < len(prog)
+  assert prog[-1][3] == 0x00050001  # EPERM
+
+
+# ---- windows as the checker records them -------------------------------------------------------------
+class _FakeSampler:
+  """Samples per window from a table keyed by the window's start (what HostSampler.count returns)."""
+
+  period_ns = 100_000
+  error = ""
+
+  def __init__(self, counts):
+    self.counts = counts
+
+  def count(self, t0, t1):
+    return self.counts[t0]
+
+  def close(self):
+    pass
+
+
+def test_the_checkers_windows_drop_warm_ups_and_the_profiled_trial():
+  from verifier.api.contract import Strictness
+  from verifier.check.call_evidence import CallEvidence
+
+  e = CallEvidence("cpu", ROOT, Strictness.preset("strict"), ("relu_kernel",))
+  heavy = {TORCH: 900}  # what a library call looks like
+  e.sampler = _FakeSampler(
+    {0: heavy, 1: {TORCH: 5}, 2: {TORCH: 5}, 3: heavy, 4: {OWN: 500}, 5: heavy}
+  )
+  e.window("null", 1, 0, 0, "null 0")  # the process's first round trip: dropped
+  e.window("null", 1, 1, 1, "null 1")
+  e.window("null", 1, 2, 2, "null 2")
+  e.window("call", 1, 3, 3, "trial 0")  # warm-up: not judged by the host rule
+  e.window("call", 1, 4, 4, "trial 1")
+  e.window("profiled", 1, 5, 5, "trial 2")  # the in-process profiler's own work
+  assert [k for k, *_ in e.host] == ["null_first", "null", "null", "warmup", "call", "profiled"]
+  assert e.verdict().kind is FailureKind.OK
+  assert e.phases()["host_excess_ms"] == pytest.approx(-0.5)  # nothing but the null's 5 samples
+  e.window("call", 1, 5, 5, "trial 3")
+  assert e.verdict().kind is FailureKind.HOST_COMPUTE

@@ -1,0 +1,309 @@
+"""The device records of a candidate process (GPU): what ran on the device during each request, from
+CUPTI (``verifier_cupti.c``), summarised into a ``DeviceRecords`` record for the checker.
+
+The fork server builds and loads the collector (``prepare``) before it forks any worker; a worker starts it
+(``Collector.start``) once its CUDA context exists and before any candidate code. It lives in the
+candidate's process (CUPTI only records the process it runs in), so the checker never believes it
+blindly: every request carries two marker copies of a size the checker drew at random, which must come
+back in the records (``device_evidence``), and records that CUPTI dropped make the evidence incomplete.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import time
+
+from verifier.ipc.records import CopyRun, DeviceRecords, KernelRun
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verifier_cupti.c")
+VC_KERNEL, VC_MEMCPY, VC_MEMSET, VC_CONTEXT, VC_STREAM, VC_GRAPH_LAUNCH, VC_MODULE, VC_SYMBOL = (
+  range(1, 9)
+)
+COPY_KINDS = {
+  1: "HtoD",
+  2: "DtoH",
+  3: "HtoA",
+  4: "AtoH",
+  5: "AtoA",
+  6: "AtoD",
+  7: "DtoA",
+  8: "DtoD",
+  9: "HtoH",
+  10: "PtoP",
+}
+MAX_NAME = 512
+MAX_RUNS = 2048  # distinct kernel/copy summaries per message; more is reported as truncated
+TAKE = 65536
+MARKER_WAIT_S = 0.2
+
+
+class Entry(ctypes.Structure):
+  """``vc_entry`` (verifier_cupti.c)."""
+
+  _fields_ = [
+    ("type", ctypes.c_uint32),
+    ("context", ctypes.c_uint32),
+    ("stream", ctypes.c_uint32),
+    ("copy_kind", ctypes.c_uint32),
+    ("start", ctypes.c_uint64),
+    ("end", ctypes.c_uint64),
+    ("bytes", ctypes.c_uint64),
+    ("graph", ctypes.c_uint64),
+    ("name", ctypes.c_void_p),
+  ]
+
+
+_LIB: ctypes.CDLL | None = None  # loaded by the fork server, inherited by its workers
+_WHY = "the device-record collector was not built"
+COLLECTOR: "Collector | None" = None  # this worker's, started by ``start_collector``
+SELF_TEST_BYTES = 7
+
+
+def build(directory: str, cc: str | None = None) -> str:
+  """Compile ``verifier_cupti.c`` into ``directory`` (named by its source's hash); returns the path."""
+  with open(SOURCE, "rb") as f:
+    digest = hashlib.sha256(f.read()).hexdigest()[:16]
+  out = os.path.join(directory, f"verifier_cupti_{digest}.so")
+  if os.path.exists(out):
+    return out
+  cc = cc or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
+  tmp = f"{out}.tmp{os.getpid()}"
+  cmd = [cc, "-O2", "-shared", "-fPIC", "-o", tmp, SOURCE, "-ldl", "-lpthread"]
+  done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+  if done.returncode != 0:
+    raise RuntimeError(f"{' '.join(cmd)}: {done.stderr[-1000:]}")
+  os.replace(tmp, out)
+  return out
+
+
+def load(path: str) -> ctypes.CDLL:
+  lib = ctypes.CDLL(path)
+  lib.vc_start.argtypes = [ctypes.c_char_p]
+  lib.vc_start.restype = ctypes.c_int
+  lib.vc_error.restype = ctypes.c_char_p
+  lib.vc_flush.restype = ctypes.c_long
+  lib.vc_take.argtypes = [ctypes.POINTER(Entry), ctypes.c_long]
+  lib.vc_take.restype = ctypes.c_long
+  lib.vc_lost.restype = ctypes.c_uint64
+  lib.vc_version.restype = ctypes.c_uint32
+  lib.vc_entry_size.restype = ctypes.c_size_t
+  lib.vc_record_entry.argtypes = [ctypes.c_void_p, ctypes.POINTER(Entry)]
+  lib.vc_record_entry.restype = ctypes.c_int
+  lib.vc_stop.restype = ctypes.c_int
+  lib.vc_cubin_functions.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint64]
+  lib.vc_cubin_functions.restype = ctypes.c_long
+  if lib.vc_entry_size() != ctypes.sizeof(Entry):
+    raise RuntimeError("verifier_cupti entry size does not match device_records.Entry")
+  return lib
+
+
+def prepare(directory: str) -> str:
+  """In the fork server, before any fork: build and load the collector. Returns "" or why not."""
+  global _LIB, _WHY
+  try:
+    _LIB = load(build(directory))
+    _WHY = ""
+  except Exception as e:  # noqa: BLE001 - workers then fall back to the in-process profiler
+    _LIB, _WHY = None, f"device-record collector not built: {type(e).__name__}: {str(e)[:500]}"
+  return _WHY
+
+
+def start_collector() -> str:
+  """In a GPU worker, once its CUDA context exists and before any candidate code: start recording and
+  check that a kernel and a device-to-device copy of the verifier's own come back. Returns "" or why
+  not (then the collector is stopped, so the in-process profiler can take CUPTI)."""
+  global COLLECTOR
+  import torch
+
+  COLLECTOR = Collector()
+  why = COLLECTOR.start()
+  if why:
+    return why
+  try:
+    x = torch.ones(16, device="cuda")
+    y = x + 1
+    buf = torch.zeros(2 * SELF_TEST_BYTES, dtype=torch.uint8, device="cuda")
+    buf[SELF_TEST_BYTES:].copy_(buf[:SELF_TEST_BYTES])
+    torch.cuda.synchronize()
+    got = COLLECTOR.take(-2, SELF_TEST_BYTES)
+    del x, y, buf
+  except Exception as e:  # noqa: BLE001
+    got, why = None, f"self-test raised {type(e).__name__}: {e}"
+  if got is not None:
+    copies = [c for c in got.copies if c.kind == "DtoD" and c.bytes == SELF_TEST_BYTES]
+    if not got.kernels or not copies:
+      why = (
+        f"self-test: {len(got.kernels)} kernel run(s), {len(copies)} marker copy run(s) recorded "
+        f"(CUPTI {COLLECTOR.lib.vc_version()})"
+      )
+  if why:
+    COLLECTOR.stop(why)
+  return why
+
+
+def cupti_paths() -> list[str]:
+  """Where libcupti may be (torch's CUDA wheels, then the toolkit)."""
+  import torch
+
+  lib = os.path.dirname(torch.__file__)
+  site = os.path.dirname(lib)
+  home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+  found = []
+  for d in (
+    os.path.join(site, "nvidia", "cu13", "lib"),
+    os.path.join(site, "nvidia", "cuda_cupti", "lib"),
+    os.path.join(home, "extras", "CUPTI", "lib64"),
+    os.path.join(home, "lib64"),
+    os.path.join(home, "lib"),
+  ):
+    for name in ("libcupti.so.13", "libcupti.so"):
+      if os.path.exists(os.path.join(d, name)):
+        found.append(os.path.join(d, name))
+  return found
+
+
+def demangle(name: str) -> str:
+  """A C++ symbol demangled (``__cxa_demangle``), or the name itself. Runs in the candidate's process:
+  its names are its own input."""
+  if not name.startswith("_Z"):
+    return name
+  try:
+    lib = ctypes.CDLL("libstdc++.so.6")
+    fn = lib.__cxa_demangle
+  except (OSError, AttributeError):
+    return name
+  fn.restype = ctypes.c_void_p
+  fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+  status = ctypes.c_int(1)
+  ptr = fn(name.encode(), None, None, ctypes.byref(status))
+  if not ptr or status.value != 0:
+    return name
+  try:
+    return ctypes.string_at(ptr).decode(errors="replace")
+  finally:
+    ctypes.CDLL(None).free(ctypes.c_void_p(ptr))
+
+
+class Collector:
+  """The running collector of this process: ``start`` once, then ``take(call)`` after each request."""
+
+  def __init__(self):
+    self.lib = _LIB
+    self.error = _WHY
+    self.names: dict[int, tuple[str, str]] = {}  # CUPTI's name pointer -> (as recorded, demangled)
+    self.defined: dict[str, set[int]] = {}  # a function name -> the loaded modules that define it
+    self.buf = (Entry * TAKE)()
+    self.lost_seen = 0
+
+  def start(self) -> str:
+    """Start recording; returns "" or why not (then the worker uses the in-process profiler)."""
+    if self.lib is None:
+      return self.error
+    paths = cupti_paths()
+    rc = self.lib.vc_start((paths[0] if paths else "").encode())
+    if rc != 0:
+      self.error = self.lib.vc_error().decode(errors="replace")
+      self.lib = None
+    return self.error
+
+  def stop(self, why: str) -> None:
+    if self.lib is not None:
+      self.lib.vc_stop()
+    self.lib, self.error = None, why
+
+  @property
+  def active(self) -> bool:
+    return self.lib is not None
+
+  def entries(self) -> list[Entry]:
+    """Everything recorded since the last call (a forced flush first)."""
+    out: list[Entry] = []
+    if self.lib.vc_flush() < 0:
+      raise RuntimeError(self.lib.vc_error().decode(errors="replace"))
+    while True:
+      n = self.lib.vc_take(self.buf, TAKE)
+      out += [Entry.from_buffer_copy(self.buf[i]) for i in range(n)]
+      if n < TAKE:
+        return out
+
+  def take(self, call: int, marker: int = 0) -> DeviceRecords:
+    """Everything recorded since the last ``take``; with ``marker``, flushed again (for up to
+    ``MARKER_WAIT_S``) until both marker copies of that size are in (CUPTI may still be writing the
+    records of finished work)."""
+    entries = self.entries()
+    deadline = time.monotonic() + MARKER_WAIT_S
+    while marker and _markers(entries, marker) < 2 and time.monotonic() < deadline:
+      time.sleep(0.001)
+      entries += self.entries()
+    for e in entries:
+      if e.type == VC_SYMBOL and e.name:
+        name = ctypes.string_at(e.name).decode(errors="replace")
+        self.defined.setdefault(name, set()).add(int(e.graph))
+    lost = int(self.lib.vc_lost())
+    records = summarise(entries, call, self._name, lost - self.lost_seen, self._modules)
+    self.lost_seen = lost
+    return records
+
+  def _names(self, ptr: int) -> tuple[str, str]:
+    if ptr not in self.names:
+      raw = ctypes.string_at(ptr).decode(errors="replace") if ptr else "?"
+      self.names[ptr] = (raw, demangle(raw[: 4 * MAX_NAME])[:MAX_NAME])
+    return self.names[ptr]
+
+  def _name(self, ptr: int) -> str:
+    return self._names(ptr)[1]
+
+  def _modules(self, ptr: int) -> int:
+    """How many loaded modules define the kernel CUPTI named at ``ptr``."""
+    return len(self.defined.get(self._names(ptr)[0], ()))
+
+
+def _markers(entries, nbytes: int) -> int:
+  return sum(1 for e in entries if e.type == VC_MEMCPY and e.copy_kind == 8 and e.bytes == nbytes)
+
+
+def summarise(
+  entries, call: int, name_of, lost: int = 0, modules_of=lambda ptr: 0
+) -> DeviceRecords:
+  """Entries folded into runs: kernels by (name, context, stream, from a graph, how many loaded modules
+  define that name), copies and memsets by (kind, bytes, context, stream, from a graph), with counts and
+  device nanoseconds."""
+  kernels: dict[tuple, list[int]] = {}
+  copies: dict[tuple, list[int]] = {}
+  counts = {VC_CONTEXT: 0, VC_STREAM: 0, VC_GRAPH_LAUNCH: 0, VC_MODULE: 0}
+  for e in entries:
+    ns = max(int(e.end) - int(e.start), 0)
+    if e.type == VC_KERNEL:
+      key = (name_of(e.name), e.context, e.stream, bool(e.graph), modules_of(e.name))
+      run = kernels.setdefault(key, [0, 0])
+    elif e.type in (VC_MEMCPY, VC_MEMSET):
+      kind = "memset" if e.type == VC_MEMSET else COPY_KINDS.get(e.copy_kind, f"copy{e.copy_kind}")
+      run = copies.setdefault((kind, int(e.bytes), e.context, e.stream, bool(e.graph)), [0, 0])
+    elif e.type == VC_SYMBOL:
+      continue
+    else:
+      counts[e.type] = counts.get(e.type, 0) + 1
+      continue
+    run[0] += 1
+    run[1] += ns
+  truncated = len(kernels) > MAX_RUNS or len(copies) > MAX_RUNS
+  return DeviceRecords(
+    call=call,
+    kernels=tuple(
+      KernelRun(n, c, s, g, k, t, m) for (n, c, s, g, m), (k, t) in list(kernels.items())[:MAX_RUNS]
+    ),
+    copies=tuple(
+      CopyRun(kind, b, c, s, g, k, t)
+      for (kind, b, c, s, g), (k, t) in list(copies.items())[:MAX_RUNS]
+    ),
+    contexts_created=counts[VC_CONTEXT],
+    streams_created=counts[VC_STREAM],
+    graph_launches=counts[VC_GRAPH_LAUNCH],
+    modules_loaded=counts[VC_MODULE],
+    lost=lost,
+    truncated=truncated,
+  )

@@ -1,0 +1,186 @@
+"""Host compute: whose code the candidate process's CPU time was spent in, judged from samples taken from
+outside it (``host_sampler``). Pure functions; the checker feeds them windows of samples.
+
+Each judged round trip (a correctness trial after the first, a timed burst) is a window of samples per
+module; null round trips (the verifier's own exchange work with no model: staging, publishing outputs)
+give what the verifier itself spends per request, measured before any candidate code ran. A module is the
+candidate's own if it is a file of the verifier's build cache (``<build root>/<entry>/<name>.so``: only
+honest builds of candidate sources land there); everything else is foreign: torch (``libtorch_cpu``),
+numpy, BLAS, the interpreter, JIT code in anonymous memory, unknown addresses and lost samples alike. On a
+GPU the device runtime's host code (the CUDA driver, where a synchronize spins, cuBLAS's launch paths,
+...) is set aside: what those do on the device is judged from the device records instead.
+
+The rule (in samples of ``period_ns`` of CPU time): the foreign time the candidate's forwards add over
+null round trips, ``E = C - sum(null per request)``, fails (HOST_COMPUTE) when
+``E > max(floor * forwards, ratio * own) + Z * sigma`` with ``sigma^2 = C + sum(n_w^2) * var(null mean)``
+(counts taken as Poisson: sampling at fixed CPU-time intervals varies less, so this errs for the
+candidate). So a forward may spend up to ``floor`` of CPU time outside its own code (interpreter,
+dispatch, allocation) and as much again as its own code spends (an honest kernel that also zero-fills its
+output); a candidate whose work is done by a library or the interpreter does not pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+
+from verifier.api.contract import FailureKind
+
+ENTRY = re.compile(r"^[0-9a-f]{32}$")
+# Host code of device runtimes (the device work they start is judged from the device records).
+DEVICE_RUNTIME = re.compile(
+  r"^(libcuda\.so|libcudart|libcupti|libnvrtc|libnvJitLink|libnvidia-|libcublas|libcublasLt|libcudnn"
+  r"|libcusparse|libcufft|libcurand|libcusolver|libnccl|libnvToolsExt|libtorch_cuda|libc10_cuda"
+  r"|libcaffe2_nvrtc|verifier_cupti)"
+)
+FLOOR_MS = {"cpu": 0.1, "cuda": 2.0}  # foreign CPU time a forward may spend beside its own code
+OWN_RATIO = 1.0
+Z = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class HostWindow:
+  """One round trip's samples per module path. ``forwards``: candidate forwards it ran (0 for a null
+  round trip); ``size``: the forwards its request carried (a null round trip mirrors a burst's size)."""
+
+  counts: dict[str, int]
+  forwards: int
+  size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HostVerdict:
+  kind: FailureKind
+  reason: str = ""
+  own_ms: float = 0.0
+  foreign_ms: float = 0.0  # in the judged windows, before the null round trips are subtracted
+  excess_ms: float = 0.0  # foreign time beyond the null round trips'
+  allowed_ms: float = 0.0  # what the rule allowed (before the significance margin)
+  sigma_ms: float = 0.0
+  top: tuple[tuple[str, float], ...] = ()  # foreign modules by excess milliseconds
+
+
+def module_class(path: str, own_root: str, device: str) -> str:
+  """``own`` (a file of the build cache: ``<own_root>/<entry>/...``), ``runtime`` (a device runtime's host
+  code, on a GPU only) or ``foreign``."""
+  if own_root and path.startswith("/"):
+    rel = os.path.relpath(path, own_root)
+    parts = rel.split(os.sep)
+    if len(parts) >= 2 and ENTRY.match(parts[0]) and not rel.startswith(".."):
+      return "own"
+  if device == "cuda" and DEVICE_RUNTIME.match(os.path.basename(path)):
+    return "runtime"
+  return "foreign"
+
+
+def _split(counts: dict[str, int], classes: dict[str, str]) -> tuple[int, dict[str, int]]:
+  own, foreign = 0, {}
+  for path, n in counts.items():
+    c = classes[path]
+    if c == "own":
+      own += n
+    elif c == "foreign":
+      foreign[path] = foreign.get(path, 0) + n
+  return own, foreign
+
+
+def _null_rates(nulls: list[HostWindow], classes: dict[str, str]) -> dict:
+  """size -> (mean foreign samples per module, their total, number of round trips)."""
+  by_size: dict[int, list[dict[str, int]]] = {}
+  for w in nulls:
+    by_size.setdefault(w.size, []).append(_split(w.counts, classes)[1])
+  rates = {}
+  for size, splits in by_size.items():
+    per: dict[str, float] = {}
+    for s in splits:
+      for p, n in s.items():
+        per[p] = per.get(p, 0.0) + n / len(splits)
+    rates[size] = (per, sum(per.values()), len(splits))
+  return rates
+
+
+def judge_host(
+  windows: list[HostWindow],
+  nulls: list[HostWindow],
+  period_ns: int,
+  own_root: str,
+  device: str,
+  nulls_after: list[HostWindow] = (),
+  floor_ms: float | None = None,
+  ratio: float = OWN_RATIO,
+  z: float = Z,
+) -> HostVerdict:
+  """The host-compute verdict over judged ``windows``. ``nulls``: the verifier-only round trips made
+  before any candidate code; ``nulls_after``: those made since, which the candidate's process answered
+  (so they may only lower what is subtracted: per size, the smaller of the two estimates counts).
+  Rule in the module docstring."""
+  if not windows:
+    return HostVerdict(FailureKind.OK, "no judged round trips")
+  floor_ms = FLOOR_MS.get(device, FLOOR_MS["cpu"]) if floor_ms is None else floor_ms
+  every = {p for w in (*windows, *nulls, *nulls_after) for p in w.counts}
+  root = os.path.realpath(own_root) if own_root else ""
+  classes = {p: module_class(p, root, device) for p in every}
+  before, after = _null_rates(nulls, classes), _null_rates(nulls_after, classes)
+  own = foreign = 0
+  excess_by: dict[str, float] = {}
+  sizes: dict[int, int] = {}  # size -> judged windows of that size
+  forwards = 0
+  for w in windows:
+    o, f = _split(w.counts, classes)
+    own += o
+    foreign += sum(f.values())
+    forwards += w.forwards
+    sizes[w.size] = sizes.get(w.size, 0) + 1
+    for p, n in f.items():
+      excess_by[p] = excess_by.get(p, 0.0) + n
+  subtracted = null_var = 0.0
+  for size, count in sizes.items():  # windows of one size share one null mean: its variance adds up
+    per, total, n_null = _null_for(before, size)
+    if size in after and after[size][1] < total:
+      per, total, n_null = after[size]
+    subtracted += count * total
+    null_var += count * count * total / max(n_null, 1)
+    for p, n in per.items():
+      excess_by[p] = excess_by.get(p, 0.0) - count * n
+  ms = period_ns / 1e6
+  excess = foreign - subtracted
+  sigma = math.sqrt(foreign + null_var)
+  allowed = max(floor_ms * forwards / ms, ratio * own)
+  top = tuple(
+    (p, round(n * ms, 3)) for p, n in sorted(excess_by.items(), key=lambda kv: -kv[1])[:3] if n > 0
+  )
+  verdict = dict(
+    own_ms=own * ms,
+    foreign_ms=foreign * ms,
+    excess_ms=excess * ms,
+    allowed_ms=allowed * ms,
+    sigma_ms=sigma * ms,
+    top=top,
+  )
+  if excess > allowed + z * sigma:
+    names = ", ".join(f"{os.path.basename(p)} {t:.1f} ms" for p, t in top) or "-"
+    where = "interpreter, libraries or unknown code" if device == "cpu" else "host code"
+    return HostVerdict(
+      FailureKind.HOST_COMPUTE,
+      f"the forwards spent {excess * ms:.1f} ms of CPU time in {where} beyond the verifier's own "
+      f"exchange work, against {own * ms:.1f} ms in the candidate's compiled code over {forwards} "
+      f"forward(s) (allowed: {allowed * ms:.1f} ms); most in: {names}",
+      **verdict,
+    )
+  return HostVerdict(FailureKind.OK, "", **verdict)
+
+
+def _null_for(null_rate: dict, size: int) -> tuple[dict[str, float], float, int]:
+  """The null round trip's foreign samples for a request of ``size`` forwards: measured at that size,
+  else scaled from the nearest smaller size measured (none: nothing subtracted)."""
+  if size in null_rate:
+    return null_rate[size]
+  smaller = [s for s in null_rate if s < size]
+  if not smaller:
+    return {}, 0.0, 1
+  s = max(smaller)
+  per, total, n = null_rate[s]
+  k = size / s
+  return {p: v * k for p, v in per.items()}, total * k, n
