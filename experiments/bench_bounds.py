@@ -31,6 +31,7 @@ def define_flags() -> None:
   flags.DEFINE_list("groups", ["static", "client"], "groups of BOUNDS to run (see --helpfull)")
   flags.DEFINE_string("out", None, "also write the rows as JSON here")
 
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVICE_DEADLINE_S = 10.0  # verifier.static.static_worker.DEFAULT_TIMEOUT_S
 

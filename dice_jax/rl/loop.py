@@ -43,6 +43,7 @@ from dice_jax.data import tasks as tasks_lib
 from dice_jax.data.curriculum import SequentialSchedule
 from dice_jax.data.tokenizer import check_compatible
 from dice_jax.diffusion import memory as device_memory
+from dice_jax.errors import UserError
 from dice_jax.model.config import ModelConfig
 from dice_jax.model.transformer import Transformer
 from dice_jax.rl import advantages as advantages_lib
@@ -142,12 +143,12 @@ class Trainer:
   eval_groups: list = dataclasses.field(default_factory=list)
 
 
-def _prepare(cfg: RLConfig, workdir: str, ckpt, allow_config_change: bool = False) -> Trainer:
-  """Model (fresh, imported, or restored with the stream position), optimizer, jitted steps."""
+def _prepare(cfg: RLConfig, workdir: str, ckpt) -> Trainer:
+  """Model (fresh, imported, or restored with the stream position), optimizer, jitted steps (the
+  resume's config already checked: `check_start`)."""
   mesh = run_setup.make_mesh(cfg.run)
   resuming = ckpt.latest_step() is not None
   if resuming:
-    _check_resume(ckpt, cfg, workdir, allow_config_change)
     mcfg = ckpt_lib.read_model_config(workdir)
     inherited = _existing_dir(os.path.join(workdir, "tokenizer"))
   else:
@@ -336,18 +337,28 @@ def make_backend(cfg: RLConfig, scfg) -> rollout_lib.SamplerBackend:
   return rollout_lib.StaticBatches(scfg, cfg.groups_per_batch, cfg.run.seed)
 
 
-def _check_resume(ckpt, cfg: RLConfig, workdir: str, allow_change: bool) -> None:
-  """`train/resume.check_resume` against the newest intact step's config (logs the changes)."""
-  step, saved = ckpt.newest_intact_config()
-  try:  # a config saved before today's sections, read as today's code reads it
-    saved = RLConfig.from_json(saved).to_json()
+def _in_current_layout(saved: dict) -> dict:
+  """A saved RL config as today's code reads it (fields added since take their defaults)."""
+  try:
+    return RLConfig.from_json(saved).to_json()
   except (TypeError, ValueError, KeyError):
-    pass
-  changes = resume.check_resume(
-    saved, cfg.to_json(), workdir=workdir, step=step, allow_change=allow_change
+    return saved
+
+
+def check_start(cfg: RLConfig, workdir: str, allow_config_change: bool = False) -> int | None:
+  """What can be checked of the run's checkpoints before anything is built, written or waited for:
+  a resume's config (`train/resume.check_run`) or, for a new run, that `run.init_checkpoint` has
+  an intact step. The step a resume starts from, or None. Raises a UserError naming the problem."""
+  step = resume.check_run(
+    workdir,
+    cfg.to_json(),
+    allow_change=allow_config_change,
+    in_current_layout=_in_current_layout,
   )
-  if changes:
-    logging.warning("resuming step %d with config changes: %s", step, resume.describe(changes))
+  init = cfg.run.init_checkpoint
+  if step is None and init and ckpt_lib.newest_saved_config(init) is None:
+    raise UserError(f"run.init_checkpoint {init}: no checkpoint under {init}/checkpoints")
+  return step
 
 
 def run_one_step(t: Trainer, judge, step: int):
@@ -405,8 +416,9 @@ def run_rl(
   """Runs RL steps up to `cfg.num_steps` (or `max_steps` more), resuming from `workdir` (a changed
   config as `train/resume.py` says: fields beyond the safe ones need `allow_config_change`).
 
-  The judge comes first: nothing is written to `workdir` until the verifier at `endpoints` answers
-  (`make_judge`; an unreachable one raises `VerifierUnavailable` and leaves `workdir` as it was).
+  The checkpoints come first (`check_start`: a refused config change, no intact step), then the
+  judge: nothing is written to `workdir` until the verifier at `endpoints` answers (`make_judge`;
+  an unreachable one raises `VerifierUnavailable` and leaves `workdir` as it was).
   SIGINT or SIGTERM during an RL step finishes it, saves it and returns with `preempted` True;
   during start-up, or a second signal, returns at once (`train/stop.py`).
   """
@@ -419,13 +431,14 @@ def run_rl(
 
 
 def _run(cfg, workdir, stop, endpoints, max_steps, allow_config_change, verifier_wait_s) -> dict:
+  check_start(cfg, workdir, allow_config_change)
   judge = make_judge(cfg, endpoints, verifier_wait_s)
   ckpt = None
   last, preempted, done = {}, False, None
   try:
     os.makedirs(workdir, exist_ok=True)
     ckpt = run_setup.make_checkpointer(cfg.run, workdir, keep_period=cfg.snapshot_every or None)
-    t = _prepare(cfg, workdir, ckpt, allow_config_change)
+    t = _prepare(cfg, workdir, ckpt)
     end = cfg.num_steps if max_steps is None else min(cfg.num_steps, t.start + max_steps)
     logging.info("RL steps %d -> %d (of %d)", t.start, end, cfg.num_steps)
     writer = metrics_lib.MetricWriter(workdir)

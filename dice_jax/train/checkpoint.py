@@ -14,7 +14,7 @@ writes each step to a temporary directory and renames it when complete, so a kil
 the previous checkpoint as the latest one.
 
 A step damaged afterwards (a file removed, cut short or overwritten; `checkpoint_files.py`) is named
-in one warning line and skipped: `restore_intact` and `newest_intact_config` fall back to the newest
+in one warning line and skipped: `restore_intact` and `newest_saved_config` fall back to the newest
 intact step, and a resumed run moves the damaged newer steps aside (`<directory>.damaged/<step>`)
 so that it can save those step numbers again. With no intact step they raise
 `DamagedCheckpointError` (a UserError: one line, exit status 2 in the launchers).
@@ -57,6 +57,11 @@ def _key_name(key) -> str:
     if hasattr(key, attr):
       return str(getattr(key, attr))
   return str(key)
+
+
+def _none_intact(directory: str, problems) -> DamagedCheckpointError:
+  listed = "; ".join(f"step {s}: {p}" for s, p in problems)
+  return DamagedCheckpointError(f"no intact checkpoint in {directory}: {listed}")
 
 
 class Checkpointer:
@@ -145,20 +150,6 @@ class Checkpointer:
     """What is wrong with the files of `step` (`checkpoint_files.damage`), or None."""
     return checkpoint_files.damage(self.step_dir(step))
 
-  def newest_intact_config(self) -> tuple[int, dict] | None:
-    """(step, config) of the newest step whose files look whole (what a resume will restore,
-    unless its arrays turn out damaged too); None when nothing is saved. Reads no arrays. Raises
-    DamagedCheckpointError when every step is damaged."""
-    problems = []
-    for step in sorted(self.all_steps(), reverse=True):
-      problem = self.damage(step)
-      if problem is None:
-        return step, self.restore_config(step)
-      problems.append((step, problem))
-    if problems:
-      raise self._none_intact(problems)
-    return None
-
   def restore_intact(self, abstract_state: Any, *, set_aside: bool = False):
     """(step, state, data_state, config) of the newest step that restores, trying older steps when
     a step's files are damaged or its restore fails (each named in one warning line).
@@ -179,7 +170,7 @@ class Checkpointer:
         self._set_aside([s for s, _ in problems])
       return (step, *restored)
     if problems:
-      raise self._none_intact(problems)
+      raise _none_intact(self.directory, problems)
     raise FileNotFoundError(f"no checkpoint in {self.directory}")
 
   def restore_step(self, step: int, abstract_state: Any):
@@ -233,10 +224,6 @@ class Checkpointer:
         step,
       )
 
-  def _none_intact(self, problems) -> DamagedCheckpointError:
-    listed = "; ".join(f"step {s}: {p}" for s, p in problems)
-    return DamagedCheckpointError(f"no intact checkpoint in {self.directory}: {listed}")
-
   def _set_aside(self, steps: list[int]) -> None:
     """Moves damaged `steps` to `<directory>.damaged/<step>` (process 0; all then re-read)."""
     aside = f"{self.directory}.damaged"
@@ -264,6 +251,24 @@ class Checkpointer:
 
 
 MODEL_CONFIG = "model_config.json"
+
+
+def newest_saved_config(run_dir: str) -> tuple[int, dict] | None:
+  """(step, config) of the newest step of the SFT or RL run in `run_dir` whose files look whole
+  (`checkpoint_files.damage`), or None when it has none. Reads files only, without an orbax manager:
+  no collective among processes, nothing created or cleaned up (a run's other processes may be
+  starting beside it). Raises DamagedCheckpointError when every saved step is damaged."""
+  directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+  problems = []
+  for step in reversed(checkpoint_files.saved_steps(directory)):
+    step_dir = os.path.join(directory, str(step))
+    problem = checkpoint_files.damage(step_dir)
+    if problem is None:
+      return step, checkpoint_files.read_config(step_dir)
+    problems.append((step, problem))
+  if problems:
+    raise _none_intact(directory, problems)
+  return None
 
 
 def save_model_config(mcfg: ModelConfig, workdir: str) -> None:

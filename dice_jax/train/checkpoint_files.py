@@ -39,6 +39,27 @@ def damage(step_dir: str) -> str | None:
   return None
 
 
+def saved_steps(directory: str) -> list[int]:
+  """The steps saved under a checkpoint `directory`, read from its listing alone (no orbax manager,
+  so no collective and nothing created): orbax names a step's directory by its number once the
+  step is complete (until then it carries a temporary suffix)."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(
+    int(name)
+    for name in os.listdir(directory)
+    if name.isdigit() and os.path.isdir(os.path.join(directory, name))
+  )
+
+
+def read_config(step_dir: str) -> dict:
+  """The run config saved with a step (`config/metadata`); ValueError naming what is wrong."""
+  config, problem = _read_json(step_dir, "config/metadata")
+  if problem:
+    raise ValueError(problem)
+  return config
+
+
 def _read_json(step_dir: str, rel: str):
   path = os.path.join(step_dir, rel)
   if not os.path.isfile(path):

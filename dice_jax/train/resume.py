@@ -14,14 +14,19 @@ kinds:
   other     changes what is trained (learning rate, data, objective, sampler, ...): refused,
             naming each field `old -> new`, unless the caller allows it (`--allow_config_change`
             of `experiments.sft` and `experiments.rl`).
+`check_run` applies the rule to a run directory (its newest intact checkpoint's config); both
+loops call it before they build or write anything (RL: before it waits for the verifier).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
+
+from absl import logging
 
 from dice_jax.errors import UserError
+from dice_jax.train import checkpoint as ckpt_lib
 
 # May differ on resume (SFT and RL field names; a name only one config has never matches the other).
 SAFE = frozenset(
@@ -155,3 +160,26 @@ def check_resume(
       "pass --allow_config_change to continue it with the new values, or use a new --workdir"
     )
   return changes
+
+
+def check_run(
+  workdir: str,
+  current: dict,
+  *,
+  allow_change: bool = False,
+  in_current_layout: Callable[[dict], dict] = lambda saved: saved,
+) -> int | None:
+  """`check_resume` of `current` against the config of the newest intact checkpoint in `workdir`
+  (read as today's code reads it: `in_current_layout`); logs the accepted changes. The step the run
+  resumes from, or None for a new run. Reads files only (no arrays); raises
+  `checkpoint.DamagedCheckpointError` when every saved step is damaged."""
+  saved = ckpt_lib.newest_saved_config(workdir)
+  if saved is None:
+    return None
+  step, config = saved
+  changes = check_resume(
+    in_current_layout(config), current, workdir=workdir, step=step, allow_change=allow_change
+  )
+  if changes:
+    logging.warning("resuming step %d with config changes: %s", step, describe(changes))
+  return step

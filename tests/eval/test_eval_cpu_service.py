@@ -53,7 +53,6 @@ def test_known_candidates_give_exactly_the_expected_metrics(cpu_verifier, tmp_pa
   assert (
     "5 verified now, 1 without a code block (failures, not sent), 0 resumed, 1 skipped (no "
     "candidate given)" in r.stdout  # the no-code-block candidate is a failure, not sent
-
   )
   m = json.loads((out / "metrics.json").read_text())["eager"]["1"]
   n = 7
@@ -89,7 +88,10 @@ def test_known_candidates_give_exactly_the_expected_metrics(cpu_verifier, tmp_pa
 
   # a rerun resumes: nothing is verified again
   again = _eval(out, cpu_verifier)
-  assert again.returncode == 0 and "0 verified now, 0 without a code block (failures, not sent), 6 resumed" in again.stdout
+  assert (
+    again.returncode == 0
+    and "0 verified now, 0 without a code block (failures, not sent), 6 resumed" in again.stdout
+  )
   # other settings are refused in one line, and nothing is written
   before = (out / "records.jsonl").read_text()
   changed = _eval(out, cpu_verifier, "--num_perf_trials=20")

@@ -214,6 +214,13 @@ def test_a_run_whose_every_checkpoint_is_damaged_is_one_error_for_sft_export_and
   )
   assert error_line(proc, "rl").startswith(f"rl: error: {damaged}")
   assert tree(finished_run) == before
+  empty = tmp_path / "no_checkpoints"
+  empty.mkdir()
+  proc = launch("rl", f"--workdir={rl}", f"--init_checkpoint={empty}", "--verifier=127.0.0.1:1")
+  assert error_line(proc, "rl") == (
+    f"rl: error: run.init_checkpoint {empty}: no checkpoint under {empty}/checkpoints"
+  )
+  assert not rl.exists()
 
 
 @pytest.fixture
@@ -231,9 +238,14 @@ def rl_run(tmp_path):
 
 def test_rl_resume_refuses_a_changed_learning_rate_and_a_changed_group_size(rl_run):
   """Was: a changed learning rate only warned (naming sections) and trained on; a changed group
-  size crashed in grain (`next_index 256 is out of range`)."""
+  size crashed in grain (`next_index 256 is out of range`). The config is checked before the run
+  waits for its verifier; training longer passes the check (and then waits)."""
   before = tree(rl_run)
-  args = [f"--workdir={rl_run}", "--verifier=127.0.0.1:1"]
+  args = [f"--workdir={rl_run}", "--verifier=127.0.0.1:1", "--verifier_wait_s=1"]
+  proc = launch("rl", *args, "--set=stream.num_steps=20", "--set=run.checkpoint_every=5")
+  changes = "run.checkpoint_every 1 -> 5, stream.num_steps 12 -> 20"
+  assert f"resuming step 3 with config changes: {changes}" in proc.stderr
+  assert error_line(proc, "rl").startswith("rl: error: verifier not ready after 1 s: 127.0.0.1:1")
   proc = launch("rl", *args, "--set=optim.learning_rate=0.5")
   assert error_line(proc, "rl") == (
     f"rl: error: {rl_run} holds a run (step 3) started with another config: "

@@ -27,6 +27,7 @@ from dice_jax.train.checkpoint import (
 from dice_jax.train.optimizer import OptimizerConfig, make_optimizer
 
 STEPS = (1, 2, 3)
+CONFIG = {"optim": dataclasses.asdict(OptimizerConfig()), "run": {"tokenizer": "byte"}}
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +42,12 @@ def saved(tmp_path_factory):
   run = tmp_path_factory.mktemp("run")
   ckpt_lib.save_model_config(cfg, str(run))
   ck = Checkpointer(str(run / "checkpoints"), save_every=1, keep=5, async_save=False)
-  config = {"optim": dataclasses.asdict(OptimizerConfig()), "run": {"tokenizer": "byte"}}
   embeds = {}
   for step in STEPS:
     state["params"]["embed"] = state["params"]["embed"] + 1.0
     state["step"] = state["step"] + 1
     embeds[step] = np.asarray(state["params"]["embed"])
-    ck.save(step, state, {"next_index": 10 * step}, config, force=True)
+    ck.save(step, state, {"next_index": 10 * step}, CONFIG, force=True)
   ck.close()
   return run, ts.abstract_state(state, shardings), embeds
 
@@ -122,6 +122,10 @@ def test_a_damaged_newest_step_is_named_and_the_resume_falls_back_and_moves_it_a
   else:
     assert found in problem, problem
   assert ck.damage(2) is None
+  # what a resume checks before it builds anything: the files only (bytes overwritten inside an
+  # array are found by the restore)
+  newest = 3 if found is None else 2
+  assert ckpt_lib.newest_saved_config(str(run)) == (newest, json.loads(json.dumps(CONFIG)))
   with caplog.at_level(logging.WARNING):
     step, state, data, config = ck.restore_intact(target, set_aside=True)
   assert (step, data) == (2, {"next_index": 20}) and int(state["step"]) == 2
@@ -150,8 +154,9 @@ def test_every_step_damaged_is_one_error_naming_each_and_moves_nothing(saved, ru
   assert msg.startswith(f"no intact checkpoint in {run}/checkpoints: step 3: state/_METADATA ")
   assert "; step 2: state (the OCDBT database) is unreadable" in msg
   assert "; step 1: state: " in msg and "\n" not in msg
-  with pytest.raises(DamagedCheckpointError, match="no intact checkpoint"):
-    ck.newest_intact_config()
+  with pytest.raises(DamagedCheckpointError) as config_error:
+    ckpt_lib.newest_saved_config(str(run))  # what a resume checks first: the same one line
+  assert str(config_error.value) == msg
   assert ck.all_steps() == [1, 2, 3] and not (run / "checkpoints.damaged").exists()
   ck.close()
 
@@ -192,3 +197,13 @@ def test_export_and_init_checkpoint_restore_the_newest_intact_step(saved, run):
   with pytest.raises(DamagedCheckpointError, match=r"checkpoint step 3 in .*: state: the data"):
     ckpt_lib.restore_model(str(run), step=3)
   json.loads((run / "model_config.json").read_text())  # untouched
+
+
+def test_a_run_without_a_complete_step_has_no_saved_config_and_nothing_is_touched(tmp_path):
+  """The check every process makes before a run starts: no orbax manager, so nothing is created
+  and a step still being written (orbax's temporary directory) is neither counted nor removed."""
+  assert ckpt_lib.newest_saved_config(str(tmp_path / "new")) is None
+  assert not (tmp_path / "new").exists()
+  writing = tmp_path / "run" / "checkpoints" / "4.orbax-checkpoint-tmp-1796293684"
+  writing.mkdir(parents=True)
+  assert ckpt_lib.newest_saved_config(str(tmp_path / "run")) is None and writing.is_dir()

@@ -189,10 +189,14 @@ def test_damaged_newest_checkpoints_are_skipped_and_the_run_resumes_exactly(
     assert resumed[step]["data_fingerprint"] == reference[step]["data_fingerprint"]
 
 
-def test_training_longer_is_a_rerun_and_another_learning_rate_is_refused(reference_run, data_file):
-  """Runs last: it extends the uninterrupted run by two steps (was: num_steps 30 -> 32 needed
+def test_training_longer_is_a_rerun_and_another_learning_rate_is_refused(
+  tmp_path, reference_run, data_file
+):
+  """A copy of the uninterrupted run is extended by two steps (was: num_steps 30 -> 32 needed
   --allow_config_change)."""
-  longer = [a for a in _cmd(reference_run, data_file) if "num_steps" not in a]
+  workdir = str(tmp_path / "run")
+  shutil.copytree(reference_run, workdir)
+  longer = [a for a in _cmd(workdir, data_file) if "num_steps" not in a]
   longer.append(f"--set=num_steps={NUM_STEPS + 2}")
   run = lambda cmd: subprocess.run(  # noqa: E731
     cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600
@@ -200,15 +204,15 @@ def test_training_longer_is_a_rerun_and_another_learning_rate_is_refused(referen
   refused = run(longer + ["--set=optim.learning_rate=0.5"])
   assert refused.returncode == 2 and "Traceback" not in refused.stderr
   assert refused.stderr.strip().splitlines()[-1] == (
-    f"sft: error: {reference_run} holds a run (step {NUM_STEPS}) started with another config: "
+    f"sft: error: {workdir} holds a run (step {NUM_STEPS}) started with another config: "
     "optim.learning_rate 0.003 -> 0.5; pass --allow_config_change to continue it with "
     "the new values, or use a new --workdir"
   )
-  assert _saved_steps(reference_run)[-1] == NUM_STEPS
+  assert _saved_steps(workdir)[-1] == NUM_STEPS
   longer_run = run(longer)
   assert longer_run.returncode == 0, longer_run.stderr[-3000:]
   assert (
     f"resuming step {NUM_STEPS} with config changes: num_steps {NUM_STEPS} -> {NUM_STEPS + 2}"
     in longer_run.stderr
   )
-  assert max(_metrics(reference_run)) == NUM_STEPS + 2
+  assert max(_metrics(workdir)) == NUM_STEPS + 2
