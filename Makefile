@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# CPU wheel of torch (a plain `torch` would pull a multi-GB CUDA build).
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,tpu-compile]'
 	touch $@
 
 setup: $(BIN)/.installed
@@ -36,7 +36,7 @@ lint: setup
 	$(BIN)/ruff check .
 
 test: lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -40,8 +40,18 @@ RULES: dict[str, tuple[Any, ...]] = {
 }
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
-  """A `(data, fsdp, tensor)` mesh; one axis may be -1 to take the remaining devices."""
+def make_mesh(
+  data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None, *, slices: int = 1
+) -> Mesh:
+  """A `(data, fsdp, tensor)` mesh; one axis may be -1 to take the remaining devices.
+
+  With `slices` > 1 (a multi-slice pod: ICI links inside a slice, the slower DCN between slices)
+  the data axis is the one that crosses slices: its outer factor `slices` runs over the slices
+  and its inner `data / slices`, fsdp and tensor over the chips of one slice (`slice_groups`),
+  as `mesh_utils.create_hybrid_device_mesh(ici, dcn=(slices, 1, 1))` lays them out. Only the
+  gradient all-reduce of the data replicas then crosses DCN; the fsdp gathers and the tensor
+  collectives stay on ICI.
+  """
   devices = list(devices if devices is not None else jax.devices())
   shape = [data, fsdp, tensor]
   if shape.count(-1) > 1:
@@ -55,8 +65,40 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     shape[shape.index(-1)] = len(devices) // known
   if math.prod(shape) != len(devices):
     raise ValueError(f"mesh: data*fsdp*tensor = {math.prod(shape)} != {len(devices)} devices")
-  arr = np.asarray(devices).reshape(shape)
+  if slices == 1:
+    arr = np.asarray(devices).reshape(shape)
+  elif slices < 1 or shape[0] % slices:
+    raise ValueError(
+      f"mesh: the data axis ({shape[0]}) must be a multiple of the number of slices ({slices}): "
+      "data is the axis that crosses slices"
+    )
+  else:
+    ici = (shape[0] // slices, *shape[1:])
+    arr = np.concatenate([np.asarray(g).reshape(ici) for g in slice_groups(devices, slices)])
   return Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def slice_groups(devices, slices: int) -> list[list]:
+  """The devices of each of `slices` slices, in device order: by `slice_index` where devices
+  have one (TPU), else `slices` equal runs of the devices ordered by process (hosts or host
+  groups joined over DCN, e.g. GPU nodes)."""
+  if all(hasattr(d, "slice_index") for d in devices):
+    by_slice: dict[int, list] = {}
+    for d in devices:
+      by_slice.setdefault(d.slice_index, []).append(d)
+    groups = [by_slice[k] for k in sorted(by_slice)]
+  else:
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    n = len(ordered) // slices
+    groups = (
+      [ordered[i * n : (i + 1) * n] for i in range(slices)] if n * slices == len(ordered) else []
+    )
+  if len(groups) != slices or len({len(g) for g in groups}) != 1:
+    sizes = [len(g) for g in groups] or [len(devices)]
+    raise ValueError(
+      f"mesh: {len(devices)} devices do not form {slices} equal slices (slice sizes {sizes})"
+    )
+  return groups
 
 
 def _axis_size(mesh: Mesh, axis) -> int:

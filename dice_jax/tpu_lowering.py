@@ -1,23 +1,27 @@
-"""The learner's compiled programs lowered for a TPU pod from any host (`jax.export`).
+"""The learner's compiled programs lowered for a TPU pod from any host.
 
 The SFT train step, the TraceRL update and the sampler's prefill (`slots.admit`) and decode step
-(`slots.advance`) are traced on abstract shapes (`nnx.eval_shape`, `jax.ShapeDtypeStruct` with the
-project's shardings: no weights are materialised) under `platform.lowering_for('tpu')`, so that
-`attention_impl='flash'` lowers to the Pallas TPU kernels (`flash_tpu`), and exported with
-`platforms=['tpu']` on the given mesh. A CPU host with fake devices proves the whole program
-(partitioning included) lowers for a pod: the Mosaic kernels appear as `tpu_custom_call`s.
+(`slots.advance`) are built as `Program`s: the jitted function (its shardings and donation, as the
+launchers jit it) and abstract arguments (`nnx.eval_shape`, `jax.ShapeDtypeStruct` with the
+project's shardings: no weights are materialised) on a mesh. They are traced under
+`platform.lowering_for('tpu')`, so that `attention_impl='flash'` lowers to the Pallas TPU kernels
+(`flash_tpu`), and either exported with `platforms=['tpu']` (`Program.export`: any host, fake CPU
+devices; the Mosaic kernels appear as `tpu_custom_call`s) or lowered for the mesh's devices and
+compiled (`Program.lower().compile()`: a mesh of TPU devices, e.g. the compile-only devices of a
+named topology, `tpu_topology`, which gives the compiler's per-chip memory).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dice_jax.diffusion import engine as engine_lib
@@ -43,11 +47,27 @@ def abstract_model(mcfg, mesh):
   return graphdef, params, ts.param_shardings(state, mesh)
 
 
-def _export(fn, *args) -> jax.export.Exported:
-  return jax.export.export(fn, platforms=["tpu"])(*args)
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """A jitted program (`fn`: shardings and donation as the learner jits it) and its abstract
+  arguments on `mesh`, traced for TPU."""
+
+  fn: Any
+  args: tuple
+  mesh: Mesh
+
+  def lower(self) -> jax.stages.Lowered:
+    """Lowered for TPU on the mesh's devices (compilable where they are TPU devices)."""
+    with jax.set_mesh(self.mesh), platform.lowering_for("tpu"):
+      return self.fn.trace(*self.args).lower(lowering_platforms=("tpu",))
+
+  def export(self) -> jax.export.Exported:
+    """Serialised for TPU with `jax.export` (any host)."""
+    with jax.set_mesh(self.mesh), platform.lowering_for("tpu"):
+      return jax.export.export(self.fn, platforms=["tpu"])(*self.args)
 
 
-def _train_step_export(mcfg, mesh, loss_fn, means, batch: dict):
+def _train_step_program(mcfg, mesh, loss_fn, means, batch: dict) -> Program:
   graphdef, params, p_sh = abstract_model(mcfg, mesh)
   tx = optim_lib.make_optimizer(optim_lib.OptimizerConfig(), 1000)
   shardings = ts.state_shardings(tx, params, p_sh, mesh)
@@ -61,21 +81,20 @@ def _train_step_export(mcfg, mesh, loss_fn, means, batch: dict):
   rows = ts.batch_shardings(mesh)
   batch = {k: _sds(v, rows) for k, v in batch.items()}
   rng = _sds(jax.eval_shape(lambda: jax.random.key(0)), NamedSharding(mesh, P()))
-  with jax.set_mesh(mesh), platform.lowering_for("tpu"):
-    return _export(step.jitted, state, batch, rng)
+  return Program(step.jitted, (state, batch, rng), mesh)
 
 
-def export_sft_step(mcfg, mesh, *, batch: int, seq_len: int) -> jax.export.Exported:
+def sft_step(mcfg, mesh, *, batch: int, seq_len: int) -> Program:
   """The block-diffusion SFT train step on `[batch, seq_len]` rows (a `2 * seq_len` 2L input)."""
   ocfg = objective_lib.ObjectiveConfig()
   loss = lambda model, b, rng: objective_lib.block_diffusion_loss(model, b, rng, ocfg)
   i32 = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
   fields = {k: i32 for k in ("tokens", "positions", "segment_ids")}
   fields["loss_mask"] = jax.ShapeDtypeStruct((batch, seq_len), jnp.bool_)
-  return _train_step_export(mcfg, mesh, loss, objective_lib.METRIC_MEANS, fields)
+  return _train_step_program(mcfg, mesh, loss, objective_lib.METRIC_MEANS, fields)
 
 
-def export_rl_step(mcfg, mesh, *, batch: int, row_len: int) -> jax.export.Exported:
+def rl_step(mcfg, mesh, *, batch: int, row_len: int) -> Program:
   """The TraceRL update on `[batch, row_len]` `[prompt | x_0 | x_t rounds]` rows."""
   cfg = tracerl.TraceRLConfig()
   loss = lambda model, b, rng: tracerl.tracerl_loss(model, b, rng, cfg)
@@ -86,7 +105,7 @@ def export_rl_step(mcfg, mesh, *, batch: int, row_len: int) -> jax.export.Export
     fields[k] = tok(jnp.float32)
   for k in tracerl.ROW_FIELDS:
     fields[k] = jax.ShapeDtypeStruct((batch, 1), jnp.int32 if k == "traj_index" else jnp.float32)
-  return _train_step_export(mcfg, mesh, loss, tracerl.METRIC_MEANS, fields)
+  return _train_step_program(mcfg, mesh, loss, tracerl.METRIC_MEANS, fields)
 
 
 def sampler_programs(
@@ -125,15 +144,27 @@ def sampler_programs(
   }
 
 
-def export_sampler_steps(
+def sampler_steps(
   mcfg, mesh, scfg, *, slots: int, prompt_width: int, prefill_rows: int
-) -> dict[str, jax.export.Exported]:
-  """`sampler_programs`, exported for TPU."""
+) -> dict[str, Program]:
+  """`sampler_programs` as `Program`s."""
   programs = sampler_programs(
     mcfg, mesh, scfg, slots=slots, prompt_width=prompt_width, prefill_rows=prefill_rows
   )
-  with jax.set_mesh(mesh), platform.lowering_for("tpu"):
-    return {k: _export(fn, *args) for k, (fn, args) in programs.items()}
+  return {k: Program(fn, args, mesh) for k, (fn, args) in programs.items()}
+
+
+def export_sft_step(mcfg, mesh, **shape) -> jax.export.Exported:
+  return sft_step(mcfg, mesh, **shape).export()
+
+
+def export_rl_step(mcfg, mesh, **shape) -> jax.export.Exported:
+  return rl_step(mcfg, mesh, **shape).export()
+
+
+def export_sampler_steps(mcfg, mesh, scfg, **shape) -> dict[str, jax.export.Exported]:
+  """`sampler_programs`, exported for TPU."""
+  return {k: p.export() for k, p in sampler_steps(mcfg, mesh, scfg, **shape).items()}
 
 
 def summary(exported: jax.export.Exported) -> dict:
@@ -156,3 +187,4 @@ EXPORTS: dict[str, Callable] = {
   "rl": export_rl_step,
   "sampler": export_sampler_steps,
 }
+PROGRAMS: dict[str, Callable] = {"sft": sft_step, "rl": rl_step, "sampler": sampler_steps}

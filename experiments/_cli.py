@@ -16,7 +16,9 @@ types are the user's (e.g. building a config from `--set` overrides).
 A launcher that runs as several JAX processes calls `define_multiprocess_flags()` where it
 defines its flags and `join_processes()` first thing in `main`. A launcher that talks to a verifier
 defines `--verifier_wait_s` with `define_verifier_wait_flag()` and reads it with `verifier_wait_s()`;
-`verifier_endpoints()` reads its `--verifier` addresses.
+`verifier_endpoints()` reads its `--verifier` addresses. A launcher that compiles calls
+`define_compile_cache_flag()` with its flags and `use_compile_cache(run_dir)` before anything is
+compiled (JAX's persistent compilation cache, `dice_jax/compile_cache.py`).
 """
 
 from __future__ import annotations
@@ -198,3 +200,24 @@ def verifier_wait_s() -> float:
     return waiting.check_wait_s(flags.FLAGS.verifier_wait_s)
   except ValueError as e:
     raise UserError(str(e)) from None
+
+
+def define_compile_cache_flag() -> None:
+  """`--compile_cache` (read by `use_compile_cache`)."""
+  flags.DEFINE_string(
+    "compile_cache",
+    "",
+    "JAX's persistent compilation cache: a directory (shared by runs that use it), 'off', or "
+    "empty for RUN_DIR/compile_cache (a restart of the run reads its programs back)",
+  )
+
+
+def use_compile_cache(run_dir: str):
+  """Turns on the compilation cache `--compile_cache` names (default `run_dir/compile_cache`);
+  returns its `CacheLog` (None when off). Call before anything is compiled."""
+  where = flags.FLAGS.compile_cache
+  if where == "off":
+    return None
+  from dice_jax import compile_cache
+
+  return compile_cache.enable(where or os.path.join(run_dir, "compile_cache"))

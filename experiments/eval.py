@@ -55,6 +55,7 @@ flags.DEFINE_string("out", None, "Run directory (records, report).")
 flags.DEFINE_bool("allow_config_change", False, "Resume --out even if its settings differ.")
 flags.DEFINE_bool("report_only", False, "Only rebuild the report of --out.")
 flags.DEFINE_bool("progress", True, "Show a progress bar.")
+_cli.define_compile_cache_flag()
 # decoding (DICE's evaluation decoding by default)
 flags.DEFINE_integer("block_size", 0, "Block size (0: the model's; another is refused).")
 flags.DEFINE_integer("steps", 4, "Denoising steps per block.")
@@ -274,6 +275,7 @@ def run() -> str:
     except records.RunError as e:
       raise UserError(str(e)) from None
   tasks = load_problems()
+  cache = None
   dec = None if FLAGS.candidates else decoding()
   opts = verify_options()
   ks = _pass_at_k()
@@ -284,6 +286,7 @@ def run() -> str:
       raise UserError(str(e)) from None
     model_desc = {"source": os.path.abspath(FLAGS.candidates), "num_params": 0}
   else:
+    cache = _cli.use_compile_cache(FLAGS.out)  # before the model's programs compile
     model, tok, model_desc = load_model()
     try:
       source = ModelCandidates(model, tok, dec, FLAGS.batch_size, FLAGS.seed)
@@ -321,6 +324,8 @@ def run() -> str:
       progress=FLAGS.progress,
     ).run(tasks, FLAGS.samples)
   print(f"eval: {s.line()}")
+  if cache:
+    print(f"eval: {cache.summary()}", flush=True)
   return report.write_report(FLAGS.out)
 
 

@@ -1,7 +1,8 @@
 r"""Lowers the learner's programs for a TPU pod from this host and prints what was exported.
 
   python -m experiments.export_tpu --configs=sdar_1p7b,sdar_8b --programs=sft,rl,sampler
-  python -m experiments.export_tpu --memory   # the per-chip memory table of docs/tpu.md
+  python -m experiments.export_tpu --memory   # a per-chip memory formula (docs/tpu.md's table
+                                              # is the compiler's: experiments.tpu_memory_table)
 
 For each preset: the SFT train step (rows of --sft_seq_len tokens, a 2L input of twice that), the
 TraceRL update (rows of --rl_row_len tokens) and the sampler's prefill and decode step
@@ -157,8 +158,10 @@ def _memory_table():
       samp = est["total"] / tp
       hbm = HBM_GIB[gen]
       cell = lambda x: f"{x / gib:>6.1f}{'!' if x / gib > 0.9 * hbm else ' '}"
+      # Cloud TPU names count TensorCores for v5p (2 per chip: v5p-16 is 8 chips), chips for v5e/v6e
+      slice_name = f"{gen}-{2 * chips if gen == 'v5p' else chips}"
       print(
-        f"{name:<10} {gen}-{chips:<5} {chips:>5} {hbm:>5}  {cell(sft)} {cell(rl)} {cell(samp)} "
+        f"{name:<10} {slice_name:<9} {chips:>5} {hbm:>5}  {cell(sft)} {cell(rl)} {cell(samp)} "
         f"(tp {tp})",
         flush=True,
       )

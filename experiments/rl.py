@@ -54,6 +54,7 @@ flags.DEFINE_bool(
 )
 _cli.define_multiprocess_flags()
 _cli.define_verifier_wait_flag()
+_cli.define_compile_cache_flag()
 
 
 def load_config(name: str):
@@ -142,6 +143,7 @@ def main(argv):
   del argv
   _cli.quiet_orbax()
   _cli.join_processes()
+  cache = _cli.use_compile_cache(FLAGS.workdir)
   from verifier.api.client import VerifierUnavailable
   from verifier.serve.local import VerifierStartError
 
@@ -152,6 +154,8 @@ def main(argv):
   with _cli.user_errors_from(VerifierUnavailable, VerifierStartError):
     summary = run(cfg)
   logging.info("done: %s", summary)
+  if cache:
+    logging.info("%s", cache.summary())
 
 
 if __name__ == "__main__":

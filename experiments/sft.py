@@ -41,6 +41,7 @@ flags.DEFINE_bool(
   "allow_config_change", False, "resume a run whose saved config differs from this one"
 )
 _cli.define_multiprocess_flags()
+_cli.define_compile_cache_flag()
 flags.mark_flag_as_required("workdir")
 
 
@@ -54,6 +55,7 @@ def main(argv):
   del argv
   _cli.quiet_orbax()
   _cli.join_processes()
+  cache = _cli.use_compile_cache(FLAGS.workdir)
   from dice_jax.train.config import recipe_then_overrides
   from dice_jax.train.loop import run_sft
 
@@ -70,6 +72,8 @@ def main(argv):
   )
   if not summary["preempted"]:  # a stopped run has said so in one line (train/loop.py)
     logging.info("done: %s", summary)
+  if cache:
+    logging.info("%s", cache.summary())
 
 
 if __name__ == "__main__":

@@ -391,6 +391,7 @@ class Bench:
         **{k: sum(1 for e in builds if e.get(k)) for k in ("split", "lean", "pch", "lean_error")},
       },
       "run_phase_mean_s": svc.metrics.snapshot()["run_phase_mean_s"],
+      "tasks_beyond_baseline": dict(svc.metrics.tasks_beyond_baseline),
       "separation": self.separation(svc, rate, self.cfg.slots_per_gpu),
       "transports": dict(svc.metrics.transports),
       "failures": [
@@ -513,6 +514,7 @@ class Bench:
         "kinds": dict(collections.Counter(r.failure_kind.value for r in res)),
         "median_run_s": statistics.median(r.run_s for r in res),
         "run_phase_mean_s": svc.metrics.snapshot()["run_phase_mean_s"],
+        "tasks_beyond_baseline_so_far": dict(svc.metrics.tasks_beyond_baseline),
         "oom_retries_so_far": svc.metrics.oom_retries,
         "baselines_measured_so_far": svc.metrics.baselines_measured,
         "failures": [

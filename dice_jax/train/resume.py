@@ -44,6 +44,7 @@ SAFE = frozenset(
     "run.mesh_data",
     "run.mesh_fsdp",
     "run.mesh_tensor",
+    "run.mesh_slices",
     "run.shard_tolerance",
     "run.init_hf",  # where the weights started: a resumed run restores its own
     "run.init_checkpoint",

@@ -23,6 +23,9 @@ class RunConfig:
   mesh_data: int = 1
   mesh_fsdp: int = -1
   mesh_tensor: int = 1
+  # slices of a multi-slice pod (DCN between them): the data axis crosses them, its outer factor
+  # mesh_slices; fsdp, tensor and data / mesh_slices stay inside a slice (sharding.make_mesh)
+  mesh_slices: int = 1
   shard_tolerance: float = 0.02  # max fraction of unsharded params on a multi-device mesh
   # checkpoints (steps: SFT steps or RL steps)
   checkpoint_every: int = 100
@@ -42,6 +45,15 @@ class RunConfig:
     for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
       v = getattr(self, name)
       need(isinstance(v, int) and (v >= 1 or v == -1), f"run.{name} must be >= 1 or -1, got {v!r}")
+    need(
+      isinstance(self.mesh_slices, int) and self.mesh_slices >= 1,
+      f"run.mesh_slices must be a positive int, got {self.mesh_slices!r}",
+    )
+    need(
+      self.mesh_slices == 1 or (self.mesh_data != -1 and self.mesh_data % self.mesh_slices == 0),
+      f"run.mesh_data ({self.mesh_data}) must be a multiple of run.mesh_slices "
+      f"({self.mesh_slices}): data is the axis that crosses slices",
+    )
     need(isinstance(self.async_checkpoint, bool), "run.async_checkpoint must be True or False")
     need(
       not (self.init_hf and self.init_checkpoint),

@@ -20,10 +20,13 @@ from dice_jax.train.run_config import RunConfig
 def make_mesh(run: RunConfig):
   """The run's mesh; a UserError naming `run.mesh_*` when it does not fit this host's devices."""
   try:
-    return sharding_lib.make_mesh(run.mesh_data, run.mesh_fsdp, run.mesh_tensor)
+    return sharding_lib.make_mesh(
+      run.mesh_data, run.mesh_fsdp, run.mesh_tensor, slices=run.mesh_slices
+    )
   except ValueError as e:
     raise UserError(
-      f"run.mesh_data/mesh_fsdp/mesh_tensor = {run.mesh_data}/{run.mesh_fsdp}/{run.mesh_tensor}: {e}"
+      f"run.mesh_data/mesh_fsdp/mesh_tensor/mesh_slices = {run.mesh_data}/{run.mesh_fsdp}/"
+      f"{run.mesh_tensor}/{run.mesh_slices}: {e}"
     ) from None
 
 

@@ -6,8 +6,9 @@ fixed by construction, so an evaluation of them has exactly known metrics:
 
   1 ReLU            correct, deliberately slow (repeats its loop 8 times): speedup << 0.5
   2 Repeated_axpy   correct; the reference makes 20,000 tiny torch calls, the kernel one: speedup >> 10
-                    (about 50x on a 2-core VM, so CPU timing noise cannot bring it under 10),
-                    flagged for review
+                    (about 45x in CPU time on a 2-core VM: 41 ms against 0.9 ms, so timing noise cannot
+                    bring it under 10; over 64 elements its 0.3 ms a call was too near what the CPU clock
+                    resolves through the exchange), flagged for review
   3 Sigmoid         wrong: computes relu                        -> WRONG_OUTPUT
   4 Tanh            computes with torch in forward              -> TORCH_COMPUTE (deceptive)
   5 Square          not valid Python                            -> SYNTAX_ERROR
@@ -57,7 +58,7 @@ PROBLEMS = [  # (name, doc, forward body, input shape)
     "Repeated_axpy",
     "Adds 0.001 * x to y = x ten thousand times (many tiny torch calls).",
     "        y = x\n        for _ in range(10000):\n            y = y + x * 0.001\n        return y",
-    "64",
+    "256",
   ),
   ("Sigmoid", "Applies sigmoid element-wise.", "        return torch.sigmoid(x)", "256, 256"),
   ("Tanh", "Applies tanh element-wise.", "        return torch.tanh(x)", "256, 256"),

@@ -1,7 +1,9 @@
 """Issue 37 probe on a GPU host, before any service: can this process record its device work with the
-verifier's CUPTI collector, and may a process sample another one's CPU time (perf_event_open)? Prints one
-JSON object: the CUPTI version, the collector's self-test, what one ReLU, one matmul (cuBLAS), one marker
-copy and one device-to-host copy were recorded as, the host sampler's view of a child computing in numpy.
+verifier's CUPTI collector, may a process sample another one's CPU time (perf_event_open), and which
+kernel limit caps a worker's tasks here? Prints one JSON object: the CUPTI version, the collector's
+self-test, what one ReLU, one matmul (cuBLAS), one marker copy and one device-to-host copy were recorded
+as, the host sampler's view of a child computing in numpy, and the task cap (``task_limits``: a cgroup
+per job, else ``RLIMIT_NPROC`` in a user namespace, else ``pid_max`` of the PID namespace).
 
   PYTHONPATH=$PWD python3 -m experiments.gpu.device_records_probe
 """
@@ -80,9 +82,25 @@ def _host() -> dict:
   return out
 
 
+def _tasks() -> dict:
+  from verifier.sandbox import confine
+  from verifier.sandbox.task_limits import CgroupTree
+
+  tree = CgroupTree.create(f"dice-verifier-probe-{os.getpid()}")
+  out = {
+    "uid": os.geteuid(),
+    "kernel": os.uname().release,
+    "cgroup": f"v{tree.version} at {tree.pids}" if tree else f"none ({CgroupTree.why})",
+    "pid_max_per_namespace": confine._kernel_at_least(6, 14),
+  }
+  if tree is not None:
+    tree.close()
+  return out
+
+
 if __name__ == "__main__":
   report = {}
-  for name, fn in (("host", _host), ("device", _device)):
+  for name, fn in (("tasks", _tasks), ("host", _host), ("device", _device)):
     try:
       report[name] = fn()
     except Exception as e:  # noqa: BLE001 - reported

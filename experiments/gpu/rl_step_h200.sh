@@ -7,6 +7,9 @@
 #   OUT=/some/dir bash experiments/gpu/rl_step_h200.sh                   # PARTS="step": ~8 min
 #   PARTS="attn u1p7b sft1p7b u4b sft4b" OUT=/some/dir bash experiments/gpu/rl_step_h200.sh
 #
+# The GPU host has no grain: carry its wheels (grain, array_record, portpicker for Python 3.12, in
+# an ignored .whl/) and install them first to a --target put on PYTHONPATH (the script keeps it).
+#
 # All parts together get BUDGET seconds (585): each part's limit is cut to what is left, and a
 # part with less than 30 s left is skipped (status.txt says so).
 #

@@ -125,8 +125,8 @@ def test_a_mesh_that_does_not_fit_the_devices_names_the_run_fields():
   with pytest.raises(UserError) as e:  # was a ValueError traceback from the launchers
     run_setup.make_mesh(RunConfig(mesh_data=1, mesh_fsdp=n + 1, mesh_tensor=1))
   assert str(e.value) == (
-    f"run.mesh_data/mesh_fsdp/mesh_tensor = 1/{n + 1}/1: mesh: data*fsdp*tensor = {n + 1} != {n} "
-    "devices"
+    f"run.mesh_data/mesh_fsdp/mesh_tensor/mesh_slices = 1/{n + 1}/1/1: mesh: data*fsdp*tensor = "
+    f"{n + 1} != {n} devices"
   )
 
 

@@ -2,13 +2,15 @@
 
 Floors of the learner, lowest first; a module may import its own floor and the floors below:
   0  dice_jax.sharding, dice_jax.distributed, dice_jax.atomic, dice_jax.errors, dice_jax.recipe
-     (helpers every floor uses; recipe: DICE's and our field defaults), and dice_jax.verifier_client (the learner's thread face of verifier.api's one client: the CuKe builder,
+     (helpers every floor uses; recipe: DICE's and our field defaults), dice_jax.compile_cache
+     (JAX's persistent compilation cache for the launchers), and dice_jax.verifier_client (the learner's thread face of verifier.api's one client: the CuKe builder,
      RL and eval use it)
   1  dice_jax.model
   2  dice_jax.hf, dice_jax.diffusion, dice_jax.data
   3  dice_jax.train
   4  dice_jax.rl, dice_jax.eval
-  5  dice_jax.tpu_lowering (whole programs of every floor exported for TPU)
+  5  dice_jax.tpu_lowering (whole programs of every floor exported for TPU), dice_jax.tpu_topology
+     and dice_jax.tpu_memory (those programs compiled for named TPU slices)
 The verifier (a separate deployable service) never imports the learner or JAX, and the learner imports
 only ``verifier.api`` (no torch there). The verifier's packages, lowest first (``LAYERS``); a package imports
 only lower layers (never its own layer's neighbours), so packages form no cycle:
@@ -35,6 +37,7 @@ FLOORS = {
   "errors": 0,
   "recipe": 0,
   "verifier_client": 0,
+  "compile_cache": 0,
   "model": 1,
   "hf": 2,
   "diffusion": 2,
@@ -43,6 +46,8 @@ FLOORS = {
   "rl": 4,
   "eval": 4,
   "tpu_lowering": 5,
+  "tpu_topology": 5,
+  "tpu_memory": 5,
 }
 LEARNER_ONLY = ("dice_jax", "jax", "jaxlib", "flax", "optax", "orbax", "grain")
 LAYERS = {

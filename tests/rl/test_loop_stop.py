@@ -1,13 +1,16 @@
 """Ctrl-C (SIGINT) during an RL step: the launcher finishes that step, saves it, exits 0, and the
-rerun resumes from it (subprocesses; the tiny config with a toy judge, no verifier)."""
+rerun resumes from it, reading its compiled programs back from the run's compilation cache
+(subprocesses; the tiny config with a toy judge, no verifier)."""
 
 import os
+import re
 import signal
 import subprocess
 import time
 
 import pytest
 
+from dice_jax import compile_cache
 from dice_jax.train.checkpoint import Checkpointer
 
 from .launch import REPO, rl_cmd
@@ -46,6 +49,11 @@ def test_ctrl_c_during_an_rl_step_saves_that_step_and_the_rerun_resumes_from_it(
   assert 1 <= stopped_at < 50
   assert f"SIGINT: stopped after RL step {stopped_at}, checkpoint saved" in stderr
   assert _latest_checkpoint(workdir) == stopped_at
+  cache_dir = os.path.join(workdir, "compile_cache")
+  stored = compile_cache.entries(cache_dir)
+  assert f"compilation cache {cache_dir}: 0 programs stored" in stderr
+  assert f"compilation cache {cache_dir}: 0 programs read back" in stderr
+  assert stored >= 2  # at least the sampler and the update (each compiles for over a second)
 
   rerun = subprocess.run(
     cmd + ["--max_steps=1"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900
@@ -54,3 +62,10 @@ def test_ctrl_c_during_an_rl_step_saves_that_step_and_the_rerun_resumes_from_it(
   assert f"restored step {stopped_at}" in rerun.stderr
   assert f"RL steps {stopped_at} -> {stopped_at + 1}" in rerun.stderr
   assert max(_metrics(workdir)) == stopped_at + 1
+  # the second start reads the programs the first compiled back (the sampler, the update, ...)
+  assert f"compilation cache {cache_dir}: {stored} programs stored" in rerun.stderr
+  hits = re.search(
+    rf"compilation cache {re.escape(cache_dir)}: (\d+) programs read back", rerun.stderr
+  )
+  assert hits and int(hits.group(1)) >= 2, rerun.stderr[-4000:]
+  assert "compilation cache hit 1: a compiled program read back" in rerun.stderr

@@ -314,7 +314,10 @@ def test_dice_known_good_solutions(gpu_service, tmp_path):
   (out / "dice_known_good.json").write_text(json.dumps(report, indent=1))
   strict = collections.Counter(x["kind"] for x in report)
   kb = collections.Counter(x["kernelbench_kind"] for x in report)
-  print("strict:", dict(strict), "kernelbench:", dict(kb))
+  # jobs by the tasks they held beyond their runtime's own at the start (task_limits: the CUDA
+  # runtime's later threads; RUNTIME_TRANSIENT_TASKS["cuda"] allows 2 under strict)
+  beyond = dict(sorted(gpu_service[1].metrics.tasks_beyond_baseline.items()))
+  print("strict:", dict(strict), "kernelbench:", dict(kb), "tasks beyond baseline:", beyond)
   assert strict["INTERNAL_ERROR"] == 0 and kb["INTERNAL_ERROR"] == 0
   assert kb["OK"] >= 60, dict(kb)
 
@@ -370,3 +373,84 @@ def test_split_build_on_lean_torch_headers_falls_back_to_extension_h(tmp_path, l
     assert "main.cpp" in event["lean_error"] and "nn" in event["lean_error"], event["lean_error"]
   x = torch.randn(4099, device="cuda")
   torch.testing.assert_close(module.twice(x), 2 * (x if lean else x.relu()))
+
+
+def _kernelbench_times(
+  reference: str, candidate: str, build_root: str, scratch: str, device: str = "cuda"
+) -> tuple:
+  """The candidate's and the reference's mean times (ms) in this process, timed KernelBench's way
+  (main's ``time_execution_with_cuda_event``: CUDA events on the current stream, L2 flushed before
+  each call, warm-up first; ``timing.time_calls``, which the checker's baseline uses too), 100 calls
+  each, on the same inputs. The candidate's extension comes from the service's build cache (read-only:
+  a miss builds under ``scratch``)."""
+  import torch.utils.cpp_extension as cpp_extension
+
+  from verifier.build import build_cache
+  from verifier.check import timing
+
+  ref, cand = {"__name__": "reference"}, {"__name__": "candidate"}
+  exec(compile(reference, "reference", "exec"), ref)
+  real = cpp_extension.load_inline
+  build_cache.install(build_root, split=True, publish=False, scratch=scratch)
+  try:
+    exec(compile(candidate, "candidate", "exec"), cand)
+  finally:
+    cpp_extension.load_inline = real
+  device = torch.device(device)
+  torch.manual_seed(0)
+  inputs = [x.to(device) for x in ref["get_inputs"]()]
+  init = ref["get_init_inputs"]()
+  models = cand["ModelNew"](*init).to(device), ref["Model"](*init).to(device)
+  return tuple(timing.time_forward(m, inputs, device, trials=100, warmup=3).mean_ms for m in models)
+
+
+def test_a_kernel_under_a_tenth_of_a_millisecond_is_timed_like_cuda_events(
+  gpu_service, tmp_path, monkeypatch
+):
+  """Issue 37, item 9's accuracy target: a float4 ReLU over 32M floats (~0.07 ms, about as fast as
+  aten's) reported within 10 % of an independent KernelBench-style timing of the same pair in this
+  process, the median of three runs (c10e1a8: 0.22, 0.28, 0.32 where that timing said 1.01-1.03: ~0.25
+  ms a call charged to the candidate)."""
+  runs = _verify(
+    gpu_service,
+    *[
+      _req(f"relu4-{i}", g.RELU_REFERENCE, g.GOOD_RELU4 + f"\n# {i}\n", measure_performance=True)
+      for i in range(3)
+    ],
+  )
+  for r in runs:
+    assert r.failure_kind is FailureKind.OK, (r.reason, r.logs[-2000:])
+  _, svc = gpu_service
+  monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", svc.cfg.arch_list)  # the service's build key
+  cand_ms, ref_ms = _kernelbench_times(
+    g.RELU_REFERENCE, g.GOOD_RELU4, svc.cfg.cache_dir, str(tmp_path)
+  )
+  speedups = sorted(r.speedup for r in runs)
+  independent = ref_ms / cand_ms
+  print(
+    f"relu4: verifier speedups {[round(x, 3) for x in speedups]}, candidate ms "
+    f"{[round(r.candidate.mean_ms, 4) for r in runs]}, baseline ms {runs[0].baseline.mean_ms:.4f}; "
+    f"KernelBench-style in process: candidate {cand_ms:.4f} ms, reference {ref_ms:.4f} ms, "
+    f"speedup {independent:.3f}; ratio {speedups[1] / independent:.3f}"
+  )
+  assert 0.9 <= speedups[1] / independent <= 1.1, (speedups, independent, cand_ms, ref_ms)
+
+
+def test_nothing_a_candidate_started_runs_on_the_gpu_after_its_verdict(gpu_service):
+  """Issue 37, item 3: a kernel left spinning for a minute on a non-blocking stream of the candidate's:
+  once the verdict is out, its process (and with it its CUDA context and the kernel) is gone (c10e1a8
+  answered when the worker's waiter had died, before the kernel finished tearing the namespace down)."""
+  (r,) = _verify(
+    gpu_service, _req("spin-after", g.RELU_REFERENCE, g.SPINS_AFTER_ITS_VERDICT, strictness="off")
+  )
+  left = []
+  for d in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{d}/comm") as f:
+        if f.read().strip() == g.COMM_GPU:
+          left.append(int(d))
+    except (OSError, ValueError):
+      pass
+  for pid in left:
+    os.kill(pid, 9)
+  assert not left, (r.failure_kind, r.reason)

@@ -162,8 +162,10 @@ def test_stateful_reference_timed_and_rechecked_in_lock_step(service):
     ),
   )
   assert r.failure_kind is FailureKind.OK, (r.reason, r.logs[-2000:])
-  # 7 timed calls rounded up to one burst (MAX_BURST for tensors this small)
-  assert r.candidate.num_trials == MAX_BURST and r.speedup > 0
+  # 7 timed calls rounded up to one burst (MAX_BURST for tensors this small); a call this small may be
+  # under what the CPU clock resolves (no speedup then, said so)
+  assert r.candidate.num_trials == MAX_BURST
+  assert r.speedup > 0 or any("no speedup reported" in w for w in r.warnings), r.warnings
 
 
 def test_candidate_is_contained_no_file_outside_no_secrets_no_survivors(service, tmp_path):

@@ -92,10 +92,10 @@ def test_local_verifier_starts_from_a_relative_pythonpath_without_the_project_in
 def test_bench_rl_reports_why_the_local_verifier_did_not_start(tmp_path):
   """Was `KeyError: 'server'`: the start-up error is now raised and written to bench_rl.json."""
   code = (
-    "import sys\nfrom absl import flags\nfrom experiments import bench_rl\n"
+    "import os, sys\nfrom absl import flags\nfrom experiments import bench_common, bench_rl\n"
     "flags.FLAGS(['bench_rl', '--out=' + sys.argv[1], '--verifier_args=--no-such-option'])\n"
-    "report = bench_rl.Report(sys.argv[1])\n"
-    "thread, holder = bench_rl.start_verifier(report)\n"
+    "report = bench_common.Report(os.path.join(sys.argv[1], 'bench_rl.json'), 'bench_rl')\n"
+    "thread, holder = bench_rl.start_verifier()\n"
     "bench_rl.local_verifier(thread, holder, report)\n"
   )
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))

@@ -236,7 +236,12 @@ def test_fork_sleepers_hit_the_process_limit(service):
   """Row 5: 200 forked sleepers against a limit of 64 processes (was reward 1, 589 host processes)."""
   ((res, _),) = _timed(service, _req("fork-sleepers", FORK_SLEEPERS))
   assert res.failure_kind is FailureKind.RESOURCE_LIMIT and res.reward == 0.0, res.reason
-  assert f"processes exceeded the limit of {MAX_PROCESSES}" in res.reason, res.reason
+  # the kernel refuses the fork past the limit (issue 37: a cgroup per job, RLIMIT_NPROC or pid_max);
+  # the poll kills the worker where none of those caps it exactly
+  assert (
+    "the kernel refused" in res.reason
+    or f"processes exceeded the limit of {MAX_PROCESSES}" in res.reason
+  ), res.reason
 
 
 def test_scratch_flood_stops_at_the_quota(service):
@@ -257,7 +262,9 @@ def test_repository_is_not_readable_from_a_toolchain_path():
     paths
   )
   assert not [p for p in paths if inside(repo, os.path.realpath(p))], paths  # nor a folder above it
-  assert prefix in paths
+  # the interpreter's installation is readable, all of it but a virtual environment's pyvenv.cfg
+  names = [n for n in os.listdir(prefix) if n != "pyvenv.cfg"]
+  assert all(any(inside(os.path.join(prefix, n), p) for p in paths) for n in names), paths
 
 
 def test_candidate_cannot_print_a_repository_file(service):

@@ -64,4 +64,6 @@ def test_timed_runs_of_one_reference_share_a_single_baseline_measurement(tmp_pat
   baselines = {dataclasses.astuple(r.baseline) for r in results}
   assert len(baselines) == 1 and results[0].baseline.num_trials == 5
   # the timed calls go in bursts of MAX_BURST for tensors this small: 5 rounded up to one burst
-  assert all(r.speedup > 0 and r.candidate.num_trials == MAX_BURST for r in results)
+  assert all(r.candidate.num_trials == MAX_BURST for r in results)
+  # a speedup, or a time under what the CPU clock resolves (said so)
+  assert all(r.speedup > 0 or any("no speedup" in w for w in r.warnings) for r in results)

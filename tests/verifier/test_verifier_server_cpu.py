@@ -95,10 +95,15 @@ def test_good_cpp_candidate_gets_reward_one_and_a_speedup(server):
   assert (r.reward, r.compiled, r.correct, r.deceptive) == (1.0, True, True, False)
   assert r.strict_correct and r.max_abs_diff < 1e-4
   # 5 timed calls, rounded up to one burst (MAX_BURST forwards per round trip for tensors this small)
-  assert r.speedup > 0 and r.candidate.num_trials == MAX_BURST and r.baseline.num_trials == 5
-  assert r.candidate.median_ms > 0 and r.baseline.mean_ms > 0
-  assert abs(r.speedup - r.baseline.mean_ms / r.candidate.mean_ms) < 1e-6
-  assert r.shaped_reward >= 0.0 and r.device_name == "cpu"
+  assert r.candidate.num_trials == MAX_BURST and r.baseline.num_trials == 5
+  assert r.baseline.mean_ms > 0 and r.device_name == "cpu"
+  if r.speedup > 0:
+    assert r.candidate.median_ms > 0
+    assert abs(r.speedup - r.baseline.mean_ms / r.candidate.mean_ms) < 1e-6
+    assert r.shaped_reward >= 0.0
+  else:  # a call this small may be under what the CPU clock resolves: said so, no bonus
+    assert any("no speedup reported" in w for w in r.warnings), r.warnings
+    assert r.shaped_reward == 1.0
 
 
 BAD = [

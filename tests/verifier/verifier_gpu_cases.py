@@ -258,3 +258,90 @@ def get_init_inputs():
 VANILLA_RNN_IDENTITY = VANILLA_RNN_REFERENCE.replace("Model(", "ModelNew(").replace(
   "super(Model,", "super(ModelNew,"
 )
+
+
+# Issue 37, item 9: a ReLU over 32M floats, float4 loads (~0.07 ms on an H200, as fast as aten's).
+RELU_REFERENCE = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x):
+        return torch.relu(x)
+
+
+def get_inputs():
+    return [torch.randn(4096, 8192)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+_RELU_SOURCE = r"""
+#include <torch/extension.h>
+__global__ void relu4_kernel(const float4* x, float4* y, int64_t n4) {
+    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (i < n4) {
+        float4 v = x[i];
+        y[i] = make_float4(fmaxf(v.x, 0.f), fmaxf(v.y, 0.f), fmaxf(v.z, 0.f), fmaxf(v.w, 0.f));
+    }
+}
+torch::Tensor relu(torch::Tensor x) {
+    auto y = torch::empty_like(x);
+    int64_t n4 = x.numel() / 4;
+    relu4_kernel<<<(n4 + 255) / 256, 256>>>(reinterpret_cast<const float4*>(x.data_ptr<float>()),
+                                            reinterpret_cast<float4*>(y.data_ptr<float>()), n4);
+    return y;
+}
+"""
+
+
+def relu_candidate(extra_cuda: str = "", init: str = "", name: str = "relu4") -> str:
+  return f'''
+import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+src = r"""{_RELU_SOURCE}
+{extra_cuda}"""
+ext = load_inline(name="{name}", cpp_sources="torch::Tensor relu(torch::Tensor x);{"void spin_on_the_side(long long cycles);" if extra_cuda else ""}",
+                  cuda_sources=src, functions=["relu"{', "spin_on_the_side"' if extra_cuda else ""}])
+
+
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+{init}
+    def forward(self, x):
+        return ext.relu(x)
+'''
+
+
+GOOD_RELU4 = relu_candidate()
+
+# Issue 37, item 3: leaves a kernel spinning for a minute on a stream of its own, and names its process
+# (COMM_GPU) so the test can look for it once the verdict is out.
+COMM_GPU = "vt-gpu-spin-37"
+SPINS_AFTER_ITS_VERDICT = relu_candidate(
+  r"""
+__global__ void spin_kernel(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}
+void spin_on_the_side(long long cycles) {
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    spin_kernel<<<1, 1, 0, s>>>(cycles);
+}
+""",
+  init=f"""        with open("/proc/self/comm", "w") as f:
+            f.write({COMM_GPU!r})
+        ext.spin_on_the_side(60 * 2_000_000_000)
+""",
+  name="relu4_spin",
+)

@@ -294,6 +294,19 @@ _RESULT_FIELDS = {f.name for f in dataclasses.fields(VerifyResult)}
 LOG_LIMIT = 8000
 
 
+CANDIDATE_TEXT_LIMIT = 2000
+CANDIDATE_TEXT_LABEL = "[text from the candidate's process]"
+
+
+def candidate_text(text: str, limit: int = CANDIDATE_TEXT_LIMIT) -> str:
+  """Text the candidate's process wrote (the exception it raised, a failure it reported about itself)
+  as a verdict carries it: cut to ``limit`` characters and labelled, so it is never read as the
+  verifier's own words."""
+  if len(text) > limit:
+    text = text[:limit] + f" ... [{len(text) - limit} characters cut]"
+  return f"{CANDIDATE_TEXT_LABEL} {text}"
+
+
 def truncate_log(text: str, limit: int = LOG_LIMIT) -> str:
   """Keep the head and the tail of a long log (compiler errors are usually at the start)."""
   if len(text) <= limit:

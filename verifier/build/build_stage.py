@@ -18,15 +18,18 @@ import asyncio
 import dataclasses
 import hashlib
 import os
+import signal
 import time
 
-from verifier.api.contract import FailureKind, VerifyRequest
+from verifier.api.contract import FailureKind, VerifyRequest, candidate_text
 from verifier.build import build_cache
+from verifier.build.fair_slots import TICK_S, Budget, FairSlots, Turn
 from verifier.build.single_flight import SingleFlight
 from verifier.ipc.channel import ChannelClosed, ProtocolError
 from verifier.ipc.records import BuildJob, BuildProgress, BuildReport, CompileNeeded, CompileResult
-from verifier.sandbox.pool import Slots, WorkerPool
+from verifier.sandbox.pool import WorkerPool
 from verifier.sandbox.sandbox import WorkerStartError, describe_exit, watch_resources
+from verifier.sandbox.task_limits import JobTasks, tasks_verdict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,26 +59,29 @@ class _LimitHit(Exception):
   """The watchdog killed the build worker on a limit (memory, processes)."""
 
 
-def _left(deadline: float) -> float:
-  return max(0.0, deadline - asyncio.get_running_loop().time())
-
-
-async def _receive(worker, watch: asyncio.Future, deadline: float, *kinds):
-  """The worker's next message of ``kinds``; TimeoutError at ``deadline``, _LimitHit once ``watch``
-  killed the worker."""
+async def _receive(worker, watch: asyncio.Future, budget: Budget, *kinds):
+  """The worker's next message of ``kinds``; TimeoutError once ``budget`` is spent (looked at again every
+  ``TICK_S``: a suspended build's budget stands still), _LimitHit once ``watch`` killed the worker."""
   recv = asyncio.ensure_future(worker.chan.recv(*kinds))
-  done, _ = await asyncio.wait(
-    {recv, watch}, timeout=_left(deadline), return_when=asyncio.FIRST_COMPLETED
-  )
-  if watch in done:
-    recv.cancel()
-    await asyncio.gather(recv, return_exceptions=True)
-    raise _LimitHit(watch.result())
-  if recv in done:
-    return recv.result()
-  recv.cancel()
-  await asyncio.gather(recv, return_exceptions=True)
-  raise asyncio.TimeoutError
+  try:
+    while budget.left() > 0:
+      done, _ = await asyncio.wait(
+        {recv, watch}, timeout=min(budget.left(), TICK_S), return_when=asyncio.FIRST_COMPLETED
+      )
+      if watch in done:
+        raise _LimitHit(watch.result())
+      if recv in done:
+        return recv.result()
+    raise asyncio.TimeoutError
+  finally:
+    if not recv.done():
+      recv.cancel()
+      await asyncio.gather(recv, return_exceptions=True)
+
+
+def _signal_all(workers: list, sig: int) -> None:
+  for w in list(workers):
+    w.signal_tree(sig)
 
 
 class BuildStage:
@@ -93,8 +99,10 @@ class BuildStage:
     use_pch: bool,
     mem_mb: int,
     max_entries: int = 20000,
+    slot_quantum_s: float = 10.0,
   ):
-    self.pool, self.compile_pool, self.slots = pool, compile_pool, Slots(slots)
+    self.pool, self.compile_pool = pool, compile_pool
+    self.slots = FairSlots(slots, slot_quantum_s)
     self.build_root, self.arch_list, self.device = build_root, arch_list, device
     self.build_timeout_s, self.split_build, self.use_pch, self.mem_mb = (
       build_timeout_s,
@@ -106,6 +114,7 @@ class BuildStage:
       lambda o: o.kind in (FailureKind.OK, FailureKind.COMPILE_ERROR), max_entries
     )
     self.in_build = 0
+    self.compiling: dict[str, asyncio.Future] = {}  # build key -> done, for compiles in flight
 
   async def build(self, req: VerifyRequest) -> BuildOutcome:
     key = build_key(req.candidate_source, self.arch_list, self.device)
@@ -137,33 +146,41 @@ class BuildStage:
 
   async def run_job(self, job: BuildJob, timeout_s: float, slotted: bool) -> BuildOutcome:
     """One build worker for ``job`` under one deadline: the request's ``timeout_s`` (at most
-    ``build_timeout_s``), counted from the moment it holds a compile slot, bounds the compiles it asks
-    for, the module's import (its extensions' static initialisers included) and ``ModelNew``'s
-    instantiation. The slot is held until the module imported, never past the deadline; the worker is
-    watched for memory and processes like a run worker."""
+    ``build_timeout_s``) of running, counted from the moment it holds a compile slot (its suspensions,
+    ``FairSlots``, do not count), bounds the compiles it asks for, the module's import (its
+    extensions' static initialisers included) and ``ModelNew``'s instantiation. The slot is held until
+    the module imported, never past the deadline; the worker is watched for memory and processes like
+    a run worker."""
     t0 = time.monotonic()
-    holding = slotted
+    procs: list = []  # the build worker and its compile worker of the moment: what a suspension stops
+    turn = Turn(
+      lambda: _signal_all(procs, signal.SIGSTOP), lambda: _signal_all(procs, signal.SIGCONT)
+    )
     if slotted:
-      await self.slots.acquire(1)
-    worker = watch = None
+      await self.slots.acquire(turn)
+    worker = watch = tasks = None
     limit = min(timeout_s, self.build_timeout_s)
-    deadline = asyncio.get_running_loop().time() + limit
+    budget = Budget(limit, turn if slotted else None)
     phase = "compiling the module"
     try:
       try:
         worker = await self.pool.take()
-        await worker.wait_ready(min(120.0, _left(deadline)))
+        procs.append(worker)
+        await worker.wait_ready(min(120.0, budget.left()))
       except WorkerStartError as e:
         return BuildOutcome(FailureKind.INTERNAL_ERROR, f"build stage: no build worker: {e}")
+      tasks = await asyncio.to_thread(
+        JobTasks.open, self.pool.cgroups, worker.tree_pids(), self.pool.cfg.max_processes
+      )
       await worker.chan.send(job)
-      watch = asyncio.ensure_future(watch_resources(worker, self.pool.limits))
+      watch = asyncio.ensure_future(watch_resources(worker, tasks.polled(self.pool.limits)))
       report = None
       trusted: list[dict] = []  # the compile workers' events
       while report is None:
         try:
-          msg = await _receive(worker, watch, deadline, BuildProgress, BuildReport, CompileNeeded)
+          msg = await _receive(worker, watch, budget, BuildProgress, BuildReport, CompileNeeded)
           if isinstance(msg, CompileNeeded):
-            event = await self.compile(msg.params, _left(deadline))
+            event = await self._compile_once(msg.params, budget, procs, turn if slotted else None)
             trusted.append(event)
             if watch.done():  # killed on a limit while its compile ran
               raise _LimitHit(watch.result())
@@ -198,20 +215,26 @@ class BuildStage:
             t0,
           )
         if isinstance(msg, BuildProgress):
-          if holding:
-            await self.slots.release(1)
-            holding = False
+          if slotted:
+            self.slots.release(turn)
           phase = "instantiating ModelNew"
         else:
           report = msg
-      return self._reported(worker, report, trusted, t0)
+      broken = tasks_verdict(await asyncio.to_thread(tasks.counts), False, "cpu")
+      outcome = self._reported(worker, report, trusted, t0)
+      if broken is not None and outcome.kind is FailureKind.OK:
+        outcome = dataclasses.replace(outcome, kind=FailureKind(broken[0]), reason=broken[1])
+      return outcome
     finally:
       if watch is not None:
         watch.cancel()
-      if holding:
-        await self.slots.release(1)
+      if slotted:
+        self.slots.finish(turn)
+      procs.clear()
       if worker is not None:
         worker.discard()
+      if tasks is not None:
+        tasks.close(self.pool.cgroups)
 
   @staticmethod
   def _failed(worker, kind: FailureKind, reason: str, t0: float) -> BuildOutcome:
@@ -233,27 +256,53 @@ class BuildStage:
     events = tuple(trusted) + tuple(hits)
     return BuildOutcome(
       report.kind,
-      report.reason,
+      candidate_text(report.reason) if report.reason else "",
       events,
       bool(events) and all(ev.get("cached") for ev in events),
       logs=worker.read_log() if report.kind is not FailureKind.OK else "",
       seconds=time.monotonic() - t0,
     )
 
-  async def compile(self, params: dict, timeout_s: float) -> dict:
-    """One load_inline call built and published by a compile worker within ``timeout_s`` (its start-up
-    included; the worker is killed then); its event (``error`` set when the compiler failed or the
-    arguments were refused)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
+  async def _compile_once(
+    self, params: dict, budget: Budget, procs: list, turn: Turn | None
+  ) -> dict:
+    """``compile``, but where another build is compiling the same extension, first wait for that
+    (this build suspended without its slot, its budget standing still), then ask again: a cache hit
+    unless that compile failed without a cached result."""
+    key = build_cache.build_key(params, self.split_build)
+    while (other := self.compiling.get(key)) is not None:
+      if turn is not None:
+        self.slots.pause(turn)
+      await asyncio.shield(other)  # cancelled: run_job's finally ends the turn
+      if turn is not None:
+        await self.slots.acquire(turn)
+    done = asyncio.get_running_loop().create_future()
+    self.compiling[key] = done
+    try:
+      return await self.compile(params, budget, procs)
+    finally:
+      del self.compiling[key]
+      done.set_result(None)
+
+  async def compile(self, params: dict, budget: Budget | float, procs: list | None = None) -> dict:
+    """One load_inline call built and published by a compile worker within ``budget`` (seconds of
+    running, or a ``Budget``; its start-up included; the worker is killed then); its event (``error``
+    set when the compiler failed or the arguments were refused). The compile worker joins ``procs``
+    (what a suspension of the build that asked stops) while it runs."""
+    if not isinstance(budget, Budget):
+      budget = Budget(budget)
+    procs = [] if procs is None else procs
     try:
       worker = await self.compile_pool.take()
     except WorkerStartError as e:
       raise _CompileWorkerLost(f"no compile worker: {e}") from e
+    procs.append(worker)
     try:
-      await worker.wait_ready(min(120.0, _left(deadline)))
+      await worker.wait_ready(min(120.0, budget.left()))
       job = BuildJob("", "", self.build_root, 0, self.split_build, self.use_pch)
       await worker.chan.send(dataclasses.replace(job, compile_request=params))
-      report = await asyncio.wait_for(worker.chan.recv(BuildReport), _left(deadline))
+      never = asyncio.get_running_loop().create_future()  # a compile worker has no watchdog
+      report = await _receive(worker, never, budget, BuildReport)
     except asyncio.TimeoutError:
       worker.kill("timeout")
       raise
@@ -261,6 +310,8 @@ class BuildStage:
       rc = await worker.ended(grace_s=2.0)
       raise _CompileWorkerLost(f"the compile worker ended ({describe_exit(rc)})") from e
     finally:
+      if worker in procs:
+        procs.remove(worker)
       worker.discard()
     event = dict(report.build_events[0]) if report.build_events else {}
     event.setdefault("cached", False)

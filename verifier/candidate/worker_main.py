@@ -16,6 +16,7 @@ import time
 from verifier.ipc.channel import Channel, ChannelClosed
 from verifier.ipc.records import INTERNAL_EXIT, ForkRequest, WorkerReady
 from verifier.sandbox import confine
+from verifier.sandbox.import_path import IMPORT_ROOT
 
 LOG_FILE = "worker.log"
 # Build and compile workers (and the compilers they start) run at the lowest CPU priority. A timed run
@@ -81,6 +82,24 @@ def _redirect_output(scratch: str) -> None:
   os.close(log)
 
 
+def _forget_the_repository() -> None:
+  """In a worker that runs candidate code, nothing of Python's state names where the verifier's source
+  lives (its modules are imported; its files are unreadable once confined): no ``PYTHONPATH``, no
+  ``sys.path`` entry for the checkout (an installation's site-packages stays: torch imports lazily),
+  ``sys.argv`` just the role."""
+  root = os.path.realpath(IMPORT_ROOT)
+  checkout = {root, os.path.join(root, "verifier")}
+  prefixes = [os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)]
+
+  def names_checkout(p: str) -> bool:
+    q = os.path.realpath(p or ".")
+    return q in checkout and not any(confine.beneath(q, x) for x in prefixes)
+
+  os.environ.pop("PYTHONPATH", None)
+  sys.path[:] = [p for p in sys.path if not names_checkout(p)]
+  sys.argv[:] = ["worker"]
+
+
 def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str], report_fd: int):
   """In the child the fork server just forked. Never returns."""
   mark = StartupClock()
@@ -92,10 +111,18 @@ def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str
     _redirect_output(req.scratch)
     confine.close_inherited_fds(keep=(chan_fd, report_fd))
     confine.die_with_parent()
-    notes = list(base_notes) + confine.enter_pid_namespace(report_fd, child_only=(chan_fd,))
+    # the fork server's command line, as /proc/<pid>/cmdline shows it here and in the namespace's init
+    confine.blank_process_strings(environment=False)
+    notes = list(base_notes)
+    if req.nproc_limit > 0:
+      notes += confine.own_user_namespace(req.nproc_limit)
+    notes += confine.enter_pid_namespace(report_fd, child_only=(chan_fd,))
     faulthandler.enable()
     os.environ.clear()
     os.environ.update(req.env)
+    if req.role != "compile":
+      _forget_the_repository()
+    confine.blank_process_strings(arguments=False)  # /proc/self/environ: the fork server's, once
     if req.role != "candidate":
       os.setpriority(os.PRIO_PROCESS, 0, BACKGROUND_NICE)
     if req.mem_mb > 0 and not (req.role == "candidate" and device == "cuda"):
@@ -107,6 +134,8 @@ def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str
       landlock=req.landlock,
       scratch=req.scratch,
       scratch_mb=req.scratch_mb,
+      max_tasks=req.max_tasks,
+      runs_candidate_code=req.role != "compile",
     )
     notes += confine.confine(spec)
     os.chdir(req.scratch)  # after the remount: the writable bind, not the read-only original
@@ -114,6 +143,9 @@ def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str
     chan = Channel(socket.socket(fileno=chan_fd))
     if req.role == "candidate":
       notes += warm_device(device, req.warm_profiler, mark)
+      from verifier.candidate import candidate_main
+
+      candidate_main.start_mapper()  # the runtime's threads all exist before the job (task_limits)
     if req.block_sockets:  # after the CUDA context: the driver may open sockets while it starts
       notes += confine.block_sockets()
     if req.role == "candidate":  # the checker's samplers stay on (host_sampler)

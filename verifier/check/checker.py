@@ -8,8 +8,9 @@ checker's private tensors into buffers, expected outputs as poisoned buffers; th
 the runtime check), then the timed calls and a re-check of trial 0 in lock-step with the reference.
 
 Timed calls are forwards like the trials: fresh inputs written into the same kind of buffer for each, the
-duration taken on this process's clock around the round trip less the calibrated exchange cost, and a
-secret random subset of them compared like the trials. Every message from the candidate is untrusted:
+duration taken on this process's clock around the round trip (on the CPU backend, the candidate's CPU
+time as the kernel counts it) less the calibrated exchange cost, no time at all at or under what that
+resolves, and a secret random subset of them compared like the trials, staged like the others. Every message from the candidate is untrusted:
 outputs are copied out of the shared buffers into this process before they are compared with the golden
 outputs here; the candidate's self-reported failures are limited to kinds that can only hurt it, and
 no duration it reports counts.
@@ -26,9 +27,10 @@ import time
 
 import torch
 
-from verifier.api.contract import FailureKind
+from verifier.api.contract import FailureKind, candidate_text
 from verifier.check import correctness, runtime_check, timing
 from verifier.check.call_evidence import CallEvidence
+from verifier.check.cpu_clock import CpuClock
 from verifier.check.reference import ReferenceTask, TrialStream
 from verifier.ipc import channel, exchange, tensors
 from verifier.ipc.channel import Channel, ChannelClosed, ChannelTimeout, ProtocolError
@@ -107,6 +109,15 @@ def burst_calls(nbytes: int, nbuffers: int, budget: int = BURST_BYTES) -> int:
   return max(1, min(MAX_BURST, by_bytes, by_fds))
 
 
+def checked_calls(n: int, rng) -> set[int]:
+  """Which of ``n`` timed calls are compared: each independently with probability
+  ``CHECKED_TIMED_FRACTION`` (one drawn at random if none was), so what the candidate saw of earlier
+  calls says nothing about the next ones (a fixed count would tell it when the compared ones are
+  used up)."""
+  checked = {j for j in range(n) if rng.random() < CHECKED_TIMED_FRACTION}
+  return checked or {rng.randrange(n)}
+
+
 def _fits(*id_lists) -> bool:
   """Whether these buffers' descriptors fit in one message to the candidate."""
   return len({i for ids in id_lists for i in ids}) <= exchange.FDS_PER_MESSAGE
@@ -159,6 +170,25 @@ class Check:
       self.device.type, job.build_root, self.opts.strict, job.kernel_names
     )
     self.in_bytes: int | None = None
+    self.cpu_clock = self._cpu_clock()
+    self.cpu_last: int | None = None  # the candidate's CPU time (ns) when its last round trip ended
+
+  def _cpu_clock(self) -> CpuClock | None:
+    """On the CPU backend the candidate's calls are timed by its CPU time (``cpu_clock``); the wall
+    clock where the service asks for it, or (a warning) where that CPU time cannot be read."""
+    if self.device.type != "cpu" or not self.opts.measure_performance or not self.job.cpu_clock:
+      return None  # a GPU, untimed, or a service that times by the wall clock
+    try:
+      return CpuClock(self.job.cpu_clock)
+    except (OSError, ValueError) as e:
+      self.report["warnings"].append(
+        f"timed on the wall clock: the candidate's CPU time cannot be read ({e})"
+      )
+      return None
+
+  @property
+  def clock(self) -> str:
+    return "cpu" if self.cpu_clock is not None else "wall"
 
   # ---- plumbing ---------------------------------------------------------------------------------
   def stage(self, name: str) -> None:
@@ -203,7 +233,7 @@ class Check:
         raise Verdict(
           FailureKind.CRASH, f"the candidate's process reported {msg.kind.value} about itself"
         )
-      raise Verdict(msg.kind, msg.reason)
+      raise Verdict(msg.kind, candidate_text(msg.reason))
     return msg
 
   # ---- the check --------------------------------------------------------------------------------
@@ -341,11 +371,17 @@ class Check:
     self.report["warnings"].append(why + "; tensors staged through host shared memory")
 
   def _stage(
-    self, call_args: list, golden, keep: set[int] = frozenset(), release: bool = True
+    self,
+    call_args: list,
+    golden,
+    keep: set[int] = frozenset(),
+    release: bool = True,
+    sync: bool = True,
   ) -> "_Staged":
     """Fill buffers for one forward: the inputs (copied from the checker's private tensors) and poisoned
     output buffers shaped like ``golden``'s tensors (in buffers other than those staged since the last
-    ``release``: a burst's forwards each have their own)."""
+    ``release``: a burst's forwards each have their own). ``sync=False``: the caller synchronises (a
+    burst's cache flush does, once for all its forwards)."""
     t0 = time.monotonic()
     alloc0 = self.buffers.alloc_s
     if release:
@@ -357,7 +393,7 @@ class Check:
       exchange.output_buffer(g, self.buffers, used) if isinstance(g, torch.Tensor) else None
       for g in tensors.flatten(golden)
     )
-    if self.device.type == "cuda":
+    if sync and self.device.type == "cuda":
       torch.cuda.synchronize()
     self._acc("exchange_stage", time.monotonic() - t0)
     self._acc("exchange_stage_alloc", self.buffers.alloc_s - alloc0)
@@ -393,6 +429,7 @@ class Check:
       marker=marker,
     )
     data = channel.frame(req, len(fds))  # encoded before the clock starts
+    c0 = self.cpu_clock.ns() if self.cpu_clock is not None and self.cpu_last is None else 0
     t1 = time.monotonic()
     w0 = time.monotonic_ns()
     try:
@@ -409,7 +446,13 @@ class Check:
         os.close(fd)
     w1 = time.monotonic_ns()
     t_done = time.monotonic()
-    self.round_trip_s = p1 - p0
+    self.round_trip_s = self.wall_round_trip_s = p1 - p0
+    if self.cpu_clock is not None:
+      # Everything the candidate's tasks ran since its previous round trip ended, the gap before this
+      # one included: work it did between calls (on inputs it saw staged) counts like work inside.
+      now = self.cpu_clock.ns()
+      self.round_trip_s = (now - (self.cpu_last if self.cpu_last is not None else c0)) * 1e-9
+      self.cpu_last = now
     records = self._recv(DeviceRecords) if self.evidence.records_on else None
     # the in-process profiler's own work is no evidence (with device records it does not run)
     kind = "profiled" if profile and not self.evidence.records_on else "call"
@@ -428,8 +471,8 @@ class Check:
     )
     # Diagnostics: the wake-ups on either side (the candidate's stamps, on the host's one monotonic
     # clock, clamped to the round trip; never part of a verdict or a time).
-    self._acc("exchange_rt_wake_in", _reported(done.received_at - p0, self.round_trip_s))
-    self._acc("exchange_rt_wake_out", _reported(p1 - done.replying_at, self.round_trip_s))
+    self._acc("exchange_rt_wake_in", _reported(done.received_at - p0, self.wall_round_trip_s))
+    self._acc("exchange_rt_wake_out", _reported(p1 - done.replying_at, self.wall_round_trip_s))
     if done.call != call or len(done.burst_outputs) != len(burst):
       raise Verdict(
         FailureKind.CRASH,
@@ -558,7 +601,9 @@ class Check:
         return correctness.Comparison(
           FailureKind.SHAPE_MISMATCH, f"{label}: output of type {spec.type_name} cannot be compared"
         )
-    return correctness.compare_outputs(refs, leaves, self.opts.atol, self.opts.rtol, where)
+    return correctness.compare_outputs(
+      refs, leaves, self.opts.atol, self.opts.rtol, where, self.task.norm_rule
+    )
 
   # ---- timing -----------------------------------------------------------------------------------
   def _baseline(self) -> None:
@@ -574,7 +619,7 @@ class Check:
     if opts.compile_baseline:
       model = torch.compile(model)
     self.report["baseline"] = timing.time_forward(
-      model, inputs0, self.device, opts.num_perf_trials, opts.num_warmup
+      model, inputs0, self.device, opts.num_perf_trials, opts.num_warmup, self.clock
     )
     self.report["baseline_measured"] = True
 
@@ -601,13 +646,15 @@ class Check:
     self.flush = timing.CacheFlush(self.device)
     self.burst = self._burst_size()
     cached = self.job.calibration
-    if cached is not None and cached.burst_calls == self.burst:
+    if cached is not None and cached.burst_calls == self.burst and cached.clock == self.clock:
       self.calibration = self.report["calibration"] = cached
       return
     self.stage("calibration")
-    init, used = self.init
-    self._send(CalibrationModel(self.job.reference_source, self.task.seed, init), used)
-    why = self._recv(CalibrationReady).error[:300]
+    why = "cpu"  # the CPU clock counts no waiting and no GPU switch: null round trips alone
+    if self.cpu_clock is None:
+      init, used = self.init
+      self._send(CalibrationModel(self.job.reference_source, self.task.seed, init), used)
+      why = self._recv(CalibrationReady).error[:300]
     rng = random.SystemRandom()
     template = self.trials.trial(0)[1]
     k = self.burst
@@ -617,7 +664,7 @@ class Check:
       for i in range(k):
         seed = rng.randrange(2**31 - 1)
         inputs = self.task.inputs_for(seed)
-        calls.append((self._stage(inputs, template, keep=keep, release=i == 0), seed))
+        calls.append((self._stage(inputs, template, keep=keep, release=i == 0, sync=False), seed))
       if not why:
         self.flush(j)
         try:
@@ -629,6 +676,7 @@ class Check:
       self._forward(calls, null=True)
       nulls.append(self.round_trip_s)
     null_ms = timing.exchange_cost_s(nulls) * 1e3
+    spread_ms = timing.spread_s(nulls[len(nulls) // 2 :]) * 1e3
     if refs:
       in_process_ms = self._reference_in_process_ms()
       half = len(refs) // 2
@@ -642,14 +690,21 @@ class Check:
         reference_in_process_ms=in_process_ms,
         calls=len(refs) - half,
         burst_calls=k,
+        null_spread_ms=spread_ms,
       )
     else:
-      self.report["warnings"].append(
-        "the exchange was calibrated with no model: the reference could not run in the candidate's "
-        f"process ({why})"
-      )
+      if why != "cpu":
+        self.report["warnings"].append(
+          "the exchange was calibrated with no model: the reference could not run in the "
+          f"candidate's process ({why})"
+        )
       self.calibration = TimingCalibration(
-        null_ms=null_ms, excess_ms=0.0, source="null", burst_calls=k
+        null_ms=null_ms,
+        excess_ms=0.0,
+        source="null",
+        burst_calls=k,
+        clock=self.clock,
+        null_spread_ms=spread_ms,
       )
     self.report["calibration"] = self.calibration
     self.report["calibration_measured"] = True
@@ -661,7 +716,7 @@ class Check:
       return self.report["baseline"].median_ms
     inputs0, _ = self.trials.trial(0)
     return timing.time_forward(
-      self.task.fresh_model(), inputs0, self.device, CALIBRATION_CALLS, 3
+      self.task.fresh_model(), inputs0, self.device, CALIBRATION_CALLS, 3, self.clock
     ).median_ms
 
   def _timing(self) -> None:
@@ -674,7 +729,7 @@ class Check:
     warm, timed = math.ceil(opts.num_warmup / k), math.ceil(opts.num_perf_trials / k)
     n = (warm + timed) * k
     rng = random.SystemRandom()
-    checked = set(rng.sample(range(n), max(1, math.ceil(n * CHECKED_TIMED_FRACTION))))
+    checked = checked_calls(n, rng)
     lockstep = self.trials.lockstep_model()
     template = self.trials.trial(0)[1]
     times, nulls = [], []
@@ -685,9 +740,18 @@ class Check:
         nulls.append(self._null_round_trip(b))
     overhead_ms = self._overhead_ms(nulls)
     candidate = timing.candidate_runtime(times[warm:], overhead_ms / 1e3, k)
-    self.report["candidate"] = candidate
-    self.report["phases"]["timed_calls_checked"] = float(len(checked))
-    self.report["phases"]["timing_burst_calls"] = float(k)
+    resolution = timing.resolution_ms(times[warm:], k, nulls, self.calibration.null_spread_ms)
+    if self.clock == "cpu":
+      resolution = max(resolution, timing.CPU_OVERHEAD_RESOLUTION * overhead_ms)
+    phases = self.report["phases"]
+    phases["timed_calls_checked"] = float(len(checked))
+    phases["timing_burst_calls"] = float(k)
+    phases["timing_resolution_ms"] = resolution
+    phases["timing_cpu_clock"] = float(self.clock == "cpu")
+    phases["timing_unmeasurable"] = 0.0
+    self.report["candidate"] = dataclasses.replace(
+      candidate, median_ms=max(candidate.median_ms, 0.0), mean_ms=max(candidate.mean_ms, 0.0)
+    )
     # Re-check trial 0 after the timing loop (state- or cache-based cheats), in lock-step.
     self.stage("recheck")
     inputs0, golden0 = self.trials.trial(0)
@@ -695,8 +759,15 @@ class Check:
     staged = self._stage(inputs0, expected)
     done = self._forward([(staged, self.task.seeds[0])])
     self._judge(staged, done.outputs, self.copied[0], "trial 0 re-checked after timing")
-    mean = candidate.mean_ms
-    speedup = self.report["baseline"].mean_ms / mean if mean > 0 else 0.0
+    if timing.measured(candidate, resolution) is None:
+      phases["timing_unmeasurable"] = 1.0
+      self.report["warnings"].append(
+        f"timing: the candidate's {candidate.mean_ms:.4f} ms a call ({self.clock} clock) is at or "
+        f"under what this measurement resolves ({resolution:.4f} ms): no speedup reported"
+      )
+      self.report["speedup"] = 0.0
+      return
+    speedup = self.report["baseline"].mean_ms / candidate.mean_ms
     self.report["speedup"] = speedup if math.isfinite(speedup) else 0.0
 
   def _null_round_trip(self, b: int) -> float:
@@ -733,21 +804,26 @@ class Check:
 
   def _timed_burst(self, b: int, calls, checked: set[int], rng, lockstep, template) -> float:
     """Timed burst ``b``: ``calls`` forwards, each on fresh inputs, in one round trip (returned, in
-    seconds); those in ``checked`` compared with the reference (which steps on every call when it
-    keeps state)."""
+    seconds); those in ``checked`` compared with the reference (which steps on every call, before the
+    burst, when it keeps state). Before the round trip every call is staged alike, compared or not:
+    the golden outputs of the compared calls of a stateless reference are computed after it, from the
+    checker's private inputs, so the host's schedule the candidate can observe before a burst (its
+    gaps, order and buffers) does not depend on which of its calls are compared."""
     t0 = time.monotonic()
     stage_s = 0.0
-    burst = []
+    burst, kept = [], {}
     for i, j in enumerate(calls):
       seed = rng.randrange(2**31 - 1)
       inputs = self.task.inputs_for(seed)
       golden = template
-      if j in checked or self.task.stateful:
+      if self.task.stateful:
         golden = self.task.forward_seeded(lockstep, inputs, seed)
       t = time.monotonic()
-      s = self._stage(inputs, golden, release=i == 0)
-      if j not in checked:
-        s.pairs = []  # the private inputs are needed only to judge a compared call
+      s = self._stage(inputs, golden, release=i == 0, sync=False)  # the flush synchronises
+      if j in checked:
+        kept[i] = inputs  # the private inputs: the golden output and the mutation check
+      else:
+        s.pairs = []
       stage_s += time.monotonic() - t
       burst.append((s, seed))
       del inputs, golden
@@ -760,7 +836,10 @@ class Check:
     specs = (done.outputs,) + done.burst_outputs
     for i, j in enumerate(calls):
       if j in checked:
-        self._judge(burst[i][0], specs[i], self.copied[i], f"timed call {j}")
+        staged, seed = burst[i]
+        if not self.task.stateful:
+          staged.golden = self.task.forward_seeded(lockstep, kept.pop(i), seed)
+        self._judge(staged, specs[i], self.copied[i], f"timed call {j}")
     self._acc("timing_inputs", t2 - t0 - stage_s)
     self._acc("timing_stage", stage_s)
     self._acc("timing_flush", t3 - t2)

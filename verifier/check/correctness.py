@@ -3,7 +3,9 @@
 Rules (KernelBench's ``eval_kernel_against_ref`` plus defences against the hacks of the Sakana "AI CUDA
 Engineer" incident, KernelBench v0.1 and robust-kbench): shapes and dtypes must match; values within
 atol/rtol (``torch.allclose`` semantics); a non-finite candidate value where the reference is finite never
-passes, and where the reference itself is non-finite the candidate must match it exactly; outputs must be
+passes, and where the reference itself is non-finite the candidate must match it exactly; the error's L2 norm within
+``NORM_RTOL`` of the reference output's norm (``norm_bound``: atol alone passes outputs smaller than it,
+whatever their values); outputs must be
 plain tensors on the reference's device (no lazy subclasses); inputs are cloned per model and checked for
 mutation; freed outputs are poisoned with NaN and the allocator cache emptied, so a no-op kernel cannot
 return a stale reference result.
@@ -57,7 +59,9 @@ def mutated(before: list, after: list) -> str:
   return ""
 
 
-def _compare_tensor(ref: torch.Tensor, out, atol: float, rtol: float, where: str) -> Comparison:
+def _compare_tensor(
+  ref: torch.Tensor, out, atol: float, rtol: float, where: str, norm: bool = True
+) -> Comparison:
   if not isinstance(out, torch.Tensor):
     return Comparison(
       FailureKind.SHAPE_MISMATCH, f"{where}: expected a tensor, got {type(out).__name__}"
@@ -90,17 +94,71 @@ def _compare_tensor(ref: torch.Tensor, out, atol: float, rtol: float, where: str
       float("inf"),
       False,
     )
-  return _compare_float(ref.detach(), out.detach(), atol, rtol, where)
+  return _compare_float(ref.detach(), out.detach(), atol, rtol, where, norm)
 
 
 CHUNK = 1 << 26  # elements per comparison chunk: bounds the temporary memory of a check to ~1 GB
+# The aggregate rule beside atol/rtol (docs/verifier-security.md, "Checks"): the error's L2 norm may be
+# at most NORM_RTOL (or rtol, if larger) of the reference output's norm, plus NORM_FLOOR * atol per
+# element (root mean square) for outputs that are rounding noise themselves (KernelBench L2-23's output
+# is ~1e-9: mean ~ 0 after a GroupNorm). A softmax over 16,384 logits returned as the constant 1/16,384
+# passes atol = 0.01 everywhere (every true value is under it) but is 27-80 % off in norm.
+NORM_RTOL = 0.05
+NORM_FLOOR = 1e-6
+
+
+@dataclasses.dataclass
+class _Totals:
+  """Running sums of one output's chunked comparison."""
+
+  max_abs: float = 0.0
+  n_over: int = 0
+  strict_ok: bool = True
+  err_sq: float = 0.0
+  ref_sq: float = 0.0
+  n_finite: int = 0
+
+
+def _scaled_norm(x: torch.Tensor) -> float:
+  """L2 norm without overflow where the plain sum of squares overflows float32 (values past 1e19)."""
+  big = float(x.abs().max())
+  return float(torch.linalg.vector_norm(x / big)) * big if big > 0 else 0.0
+
+
+def _chunk_stats(r: torch.Tensor, o: torch.Tensor, atol: float, rtol: float, strict: float):
+  """One chunk's statistics, read back with one synchronisation: NaN/Inf where the reference is
+  finite, non-finite reference values, max |diff|, values outside atol/rtol, values outside the strict
+  tolerance, and the norms of the error and of the reference (non-finite reference values left out:
+  they are judged apart)."""
+  r_fin = torch.isfinite(r)
+  bad = (r_fin & ~torch.isfinite(o)).sum()
+  diff = torch.where(r_fin, (o - r).abs(), 0.0)
+  scale = torch.where(r_fin, r.abs(), 0.0)
+  stats = torch.stack(
+    [
+      bad.to(diff.dtype),
+      (~r_fin).sum().to(diff.dtype),
+      diff.max(),
+      (diff > atol + rtol * scale).sum().to(diff.dtype),
+      (diff > strict + strict * scale).any().to(diff.dtype),
+      torch.linalg.vector_norm(diff),
+      torch.linalg.vector_norm(scale),
+    ]
+  )
+  out = [float(v) for v in stats.tolist()]
+  if not (math.isfinite(out[5]) and math.isfinite(out[6])) and not out[0]:  # overflow: rare
+    out[5], out[6] = _scaled_norm(diff), _scaled_norm(scale)
+  return out
 
 
 def _compare_float(
-  ref: torch.Tensor, out: torch.Tensor, atol: float, rtol: float, where: str
+  ref: torch.Tensor, out: torch.Tensor, atol: float, rtol: float, where: str, norm: bool = True
 ) -> Comparison:
-  """Chunked allclose in float32 (float64 stays float64): level-1 outputs reach billions of elements, and
-  upcasting them whole to float64 ran the GPU out of memory (H200 bench, 2026-11-29)."""
+  """Chunked comparison in float32 (float64 stays float64): level-1 outputs reach billions of elements,
+  and upcasting them whole to float64 ran the GPU out of memory (H200 bench, 2026-11-29). Each value
+  within atol/rtol (``torch.allclose``), and the error's norm within ``NORM_RTOL`` of the reference's
+  (``norm_bound``; not for an output the reference does not determine, ``determined``); one
+  synchronisation per chunk."""
   from verifier.api.contract import STRICT_TOLERANCE
 
   work = torch.float64 if ref.dtype == torch.float64 else torch.float32
@@ -108,33 +166,33 @@ def _compare_float(
   if ref.is_complex():
     r_all, o_all = torch.view_as_real(r_all).reshape(-1), torch.view_as_real(o_all).reshape(-1)
   n = r_all.numel()
-  max_abs, n_over, strict_ok, nonfinite_mismatch = 0.0, 0, True, 0
+  t = _Totals()
+  nonfinite_mismatch = 0
   for lo in range(0, n, CHUNK):
     r = r_all[lo : lo + CHUNK].to(work)
     o = o_all[lo : lo + CHUNK].to(work)
-    r_fin = torch.isfinite(r)
-    bad = int((r_fin & ~torch.isfinite(o)).sum())
+    bad, ref_nonfinite, max_abs, n_over, strict_bad, err, ref_norm = _chunk_stats(
+      r, o, atol, rtol, STRICT_TOLERANCE
+    )
     if bad:
       return Comparison(
         FailureKind.NONFINITE_OUTPUT,
-        f"{where}: {bad} NaN/Inf values where the reference is finite",
+        f"{where}: {int(bad)} NaN/Inf values where the reference is finite",
         float("inf"),
         False,
       )
-    if not bool(r_fin.all()):
-      nf = ~r_fin
+    if ref_nonfinite:
+      nf = ~torch.isfinite(r)
       same_nan = torch.equal(torch.isnan(r[nf]), torch.isnan(o[nf]))
       same_inf = torch.equal(r[nf & torch.isinf(r)], o[nf & torch.isinf(r)])
       nonfinite_mismatch += not (same_nan and same_inf)
-      o = torch.where(r_fin, o, r)
-      r = torch.where(r_fin, r, torch.zeros_like(r))
-      o = torch.where(r_fin, o, torch.zeros_like(o))
-    diff = (o - r).abs()
-    scale = r.abs()
-    max_abs = max(max_abs, float(diff.max()))
-    n_over += int((diff > atol + rtol * scale).sum())
-    strict_ok = strict_ok and not bool((diff > STRICT_TOLERANCE + STRICT_TOLERANCE * scale).any())
-    del r, o, diff, scale
+    t.max_abs = max(t.max_abs, max_abs)
+    t.n_over += int(n_over)
+    t.strict_ok = t.strict_ok and not strict_bad
+    t.err_sq += err * err
+    t.ref_sq += ref_norm * ref_norm
+    t.n_finite += r.numel() - int(ref_nonfinite)
+    del r, o
   if nonfinite_mismatch:
     return Comparison(
       FailureKind.NONFINITE_OUTPUT,
@@ -142,17 +200,84 @@ def _compare_float(
       float("inf"),
       False,
     )
-  if n_over:
+  if t.n_over:
     return Comparison(
       FailureKind.WRONG_OUTPUT,
-      f"{where}: {n_over} of {n} values outside atol={atol} rtol={rtol} (max abs diff {max_abs:.3g})",
-      max_abs,
-      strict_ok,
+      f"{where}: {t.n_over} of {n} values outside atol={atol} rtol={rtol} "
+      f"(max abs diff {t.max_abs:.3g})",
+      t.max_abs,
+      t.strict_ok,
     )
-  return Comparison(FailureKind.OK, "", max_abs, strict_ok)
+  err, ref_norm = math.sqrt(t.err_sq), math.sqrt(t.ref_sq)
+  bound = norm_bound(ref_norm, t.n_finite, atol, rtol)
+  if norm and err > bound:
+    return Comparison(
+      FailureKind.WRONG_OUTPUT,
+      f"{where}: every value within atol={atol} rtol={rtol}, but the error's norm {err:.3g} is "
+      f"{err / max(ref_norm, 1e-300):.3g} of the reference's ({ref_norm:.3g}); at most "
+      f"{bound:.3g} passes (max abs diff {t.max_abs:.3g})",
+      t.max_abs,
+      False,
+    )
+  return Comparison(FailureKind.OK, "", t.max_abs, t.strict_ok)
 
 
-def compare_outputs(ref_out, out, atol: float, rtol: float, where: str) -> Comparison:
+def norm_bound(ref_norm: float, n: int, atol: float, rtol: float) -> float:
+  """The largest error norm that passes: ``max(NORM_RTOL, rtol) * ||ref|| + NORM_FLOOR * atol *
+  sqrt(n)`` for ``n`` finite reference values."""
+  return max(NORM_RTOL, rtol) * ref_norm + NORM_FLOOR * atol * math.sqrt(n)
+
+
+# The norm rule judges an output the reference determines: one that inputs perturbed by PERTURBATION
+# (relative, normal) move by less than NOISE_SHARE of its norm. An output that is rounding noise (a sum
+# over a GroupNorm's output, KernelBench L2-23/37/62/88/94: mathematically ~0) moves by ~100 % under any
+# perturbation; there atol/rtol alone judge, as before, and zeros stay as right as the reference.
+PERTURBATION = 1e-3
+NOISE_SHARE = 0.1
+
+
+def perturbed(values, seed: int):
+  """``values`` with every floating tensor scaled element-wise by ``1 + PERTURBATION * N(0, 1)``."""
+  gens: dict = {}
+
+  def one(v):
+    if isinstance(v, torch.Tensor) and v.is_floating_point():
+      if v.device not in gens:  # drawn where the tensor lives: level-1 inputs reach gigabytes
+        gens[v.device] = torch.Generator(device=v.device).manual_seed(seed)
+      gen = gens[v.device]
+      noise = torch.randn(v.shape, generator=gen, device=v.device, dtype=torch.float32)
+      return v * (1 + PERTURBATION * noise).to(v.dtype)
+    if isinstance(v, (list, tuple)):
+      return type(v)(one(x) for x in v)
+    return v
+
+  return [one(v) for v in values]
+
+
+def determined(ref_out, moved_out) -> tuple[bool, ...]:
+  """Per output leaf (``flatten`` order): whether the norm rule applies to it: a floating tensor the
+  perturbed inputs moved by less than ``NOISE_SHARE`` of its norm (finite values only)."""
+  flags = []
+  for r, m in zip(flatten(ref_out), flatten(moved_out)):
+    if not (isinstance(r, torch.Tensor) and isinstance(m, torch.Tensor) and r.is_floating_point()):
+      flags.append(True)
+      continue
+    ref_sq = moved_sq = 0.0
+    r_all, m_all = r.detach().reshape(-1), m.detach().reshape(-1)
+    for lo in range(0, r_all.numel(), CHUNK):  # in chunks: level-1 outputs reach gigabytes
+      rc, mc = r_all[lo : lo + CHUNK].float(), m_all[lo : lo + CHUNK].float()
+      fin = torch.isfinite(rc) & torch.isfinite(mc)
+      ref_sq += float(torch.linalg.vector_norm(torch.where(fin, rc, 0.0))) ** 2
+      moved_sq += float(torch.linalg.vector_norm(torch.where(fin, mc - rc, 0.0))) ** 2
+    flags.append(ref_sq > 0 and math.sqrt(moved_sq) < NOISE_SHARE * math.sqrt(ref_sq))
+  return tuple(flags)
+
+
+def compare_outputs(
+  ref_out, out, atol: float, rtol: float, where: str, norm_rule: tuple[bool, ...] | None = None
+) -> Comparison:
+  """Every output leaf of ``out`` against ``ref_out``'s; ``norm_rule[i]``: whether leaf ``i`` is judged
+  by the norm rule too (``determined``; all of them when None)."""
   refs, outs = flatten(ref_out), flatten(out)
   if len(refs) != len(outs):
     return Comparison(
@@ -162,7 +287,8 @@ def compare_outputs(ref_out, out, atol: float, rtol: float, where: str) -> Compa
   for i, (r, o) in enumerate(zip(refs, outs)):
     label = where if len(refs) == 1 else f"{where}, output {i}"
     if isinstance(r, torch.Tensor):
-      c = _compare_tensor(r, o, atol, rtol, label)
+      norm = norm_rule is None or i >= len(norm_rule) or norm_rule[i]
+      c = _compare_tensor(r, o, atol, rtol, label, norm)
     elif isinstance(o, torch.Tensor):
       c = Comparison(
         FailureKind.SHAPE_MISMATCH, f"{label}: expected {type(r).__name__}, got a tensor"

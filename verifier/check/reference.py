@@ -5,8 +5,9 @@ candidate's ``ModelNew``) returns on its ``k``-th forward, trial ``k``'s inputs,
 updates its own state on every forward (a recurrent hidden state kept on the module) is compared with a
 candidate stepped the same number of times. Before any candidate code runs, two fresh instances must
 agree on trial 0 within the request's tolerance (else the reference is not deterministic and cannot judge
-anyone: REFERENCE_ERROR), and a second forward of one of them on the same inputs tells whether the
-reference is stateful. Trials are computed one at a time (level-1 tensors reach gigabytes); a task whose
+anyone: REFERENCE_ERROR), a second forward of one of them on the same inputs tells whether the
+reference is stateful, and a forward on perturbed inputs which of its outputs it determines (those the
+norm rule judges: ``correctness.determined``). Trials are computed one at a time (level-1 tensors reach gigabytes); a task whose
 trials fit the checker's budget keeps them (``TaskCache``), so an RL group of candidates for one task
 pays for the reference once.
 """
@@ -76,6 +77,8 @@ class ReferenceTask:
   stateful: bool
   kept: list[tuple[list, object]] = dataclasses.field(default_factory=list)
   after_trials: torch.nn.Module | None = None  # the lock-step instance after all trials (stateful)
+  # per output leaf: whether the norm rule judges it (correctness.determined, from trial 0)
+  norm_rule: tuple[bool, ...] | None = None
 
   @classmethod
   def load(
@@ -108,7 +111,10 @@ class ReferenceTask:
       task.stateful = (
         correctness.compare_outputs(first, third, atol, rtol, "").kind is not FailureKind.OK
       )
-      del inputs, first, second, third, again
+      del second, third, again
+      moved = task.forward(task.fresh_model(), correctness.perturbed(inputs, seed), 0)
+      task.norm_rule = correctness.determined(first, moved)
+      del inputs, first, moved
     except ReferenceFailure:
       raise
     except BaseException as e:  # noqa: BLE001 - reference code may raise anything

@@ -4,16 +4,19 @@ The reference (in the checker, which never runs candidate code): CUDA events aro
 ``torch.cuda.synchronize()`` (all streams of the device) before the end event is recorded, so work hidden
 on other streams is counted; a 256 MB write flushes L2 before every call (KernelBench main's
 ``clear_l2_cache``); warm-up calls first; fresh input clones each call (defeats caches keyed on
-``data_ptr``; KernelBench v0.1's timing notes). CPU: ``perf_counter`` with a 64 MB write to flush caches.
+``data_ptr``; KernelBench v0.1's timing notes). CPU: the process's CPU time (``process_time``), like the
+candidate's (``cpu_clock``; ``perf_counter`` where the candidate is timed by the wall clock), with a 64 MB
+write to flush caches.
 
 A candidate is never timed by its own process: the checker times each of its calls on the checker's
 clock around the round trip through the exchange and subtracts the exchange's own cost, measured before
-any candidate code ran (``call_ms``).
+any candidate code ran; a time within the measurement's resolution is no time (``measured``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 
@@ -23,8 +26,16 @@ from verifier.api.contract import Runtime
 from verifier.ipc.tensors import clone_args
 
 L2_FLUSH_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}
-# A real kernel launch takes a few microseconds; a claimed call below this is not a measurement.
-MIN_CALL_MS = 1e-3
+# The finest time a clock here resolves (perf_counter and the kernel's CPU time count in ns, cgroup v2
+# in us): no call is timed below it, whatever the statistics say.
+CLOCK_TICK_MS = 1e-3
+# A candidate's time counts only above this many standard errors of its estimate (``resolution_ms``).
+RESOLUTION_SIGMAS = 3.0
+# On the CPU clock, and at most this fraction of the exchange's own CPU time per call (the part
+# subtracted): that cost moves from run to run with the host's load like the candidate's own (0.55-0.72
+# ms a call in six runs on the 2-core dev VM, an axpy's estimate 0.07-0.28 ms meanwhile), so a time
+# under it cannot be told apart from that drift.
+CPU_OVERHEAD_RESOLUTION = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +56,13 @@ def summarize(trial_ms) -> Runtime:
   )
 
 
-def time_calls(model, inputs: list, device: torch.device, trials: int, warmup: int) -> TimedCalls:
+def time_calls(
+  model, inputs: list, device: torch.device, trials: int, warmup: int, clock: str = "cpu"
+) -> TimedCalls:
+  """``warmup`` then ``trials`` calls of ``model`` on fresh clones of ``inputs``, each timed (module
+  docstring); on the CPU by ``clock``: "cpu" (this process's CPU time) or "wall" (``perf_counter``),
+  whichever the candidate's calls are timed by."""
+  cpu_time = time.process_time if clock == "cpu" else time.perf_counter
   flush = torch.empty(L2_FLUSH_BYTES[device.type] // 4, dtype=torch.int32, device=device)
   times: list[float] = []
   with torch.no_grad():
@@ -62,29 +79,60 @@ def time_calls(model, inputs: list, device: torch.device, trials: int, warmup: i
         end.synchronize()
         times.append(start.elapsed_time(end))
       else:
-        t0 = time.perf_counter()
+        t0 = cpu_time()
         model(*args)
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append((cpu_time() - t0) * 1e3)
       del args
   return TimedCalls(tuple(times[:warmup]), tuple(times[warmup:]))
 
 
-def time_forward(model, inputs: list, device: torch.device, trials: int, warmup: int) -> Runtime:
-  return time_calls(model, inputs, device, trials, warmup).runtime
+def time_forward(
+  model, inputs: list, device: torch.device, trials: int, warmup: int, clock: str = "cpu"
+) -> Runtime:
+  return time_calls(model, inputs, device, trials, warmup, clock).runtime
 
 
 def candidate_runtime(round_trips_s, exchange_s: float, calls_per_trip: int = 1) -> Runtime:
   """A candidate's runtime per call from the checker's round trips of its timed bursts (``calls_per_trip``
   forwards each): the mean and median share of a call less the exchange's own cost per call (subtracted
-  from the summary, not per round trip, so jitter averages out instead of being clipped; never below
-  ``MIN_CALL_MS``)."""
+  from the summary, not per round trip, so jitter averages out instead of being clipped). May be at or
+  under zero: ``measurable`` decides whether it is a time at all."""
   ms = [t * 1e3 / calls_per_trip for t in round_trips_s]
   cost = exchange_s * 1e3
   return Runtime(
-    median_ms=max(float(statistics.median(ms)) - cost, MIN_CALL_MS),
-    mean_ms=max(float(statistics.fmean(ms)) - cost, MIN_CALL_MS),
+    median_ms=float(statistics.median(ms)) - cost,
+    mean_ms=float(statistics.fmean(ms)) - cost,
     num_trials=len(ms) * calls_per_trip,
   )
+
+
+def spread_s(values) -> float:
+  """The interquartile range of ``values`` (0 for fewer than two)."""
+  xs = sorted(values)
+  if len(xs) < 2:
+    return 0.0
+  q = statistics.quantiles(xs, n=4, method="inclusive")
+  return float(q[2] - q[0])
+
+
+def resolution_ms(round_trips_s, calls_per_trip: int, nulls_s, null_spread_ms: float) -> float:
+  """The smallest per-call time this timing resolves: ``RESOLUTION_SIGMAS`` standard errors of (the
+  mean share of a timed call) less (the exchange's cost per call), each from its samples' interquartile
+  range (robust to the outliers of a loaded host), and never under ``CLOCK_TICK_MS``. ``nulls_s``: the
+  null round trips during the timing; ``null_spread_ms``: the calibration's."""
+  k = calls_per_trip
+  shares = [t * 1e3 / k for t in round_trips_s]
+  se_t = spread_s(shares) / 1.349 / math.sqrt(max(len(shares), 1))
+  null_spreads = [spread_s([n * 1e3 / k for n in nulls_s]), null_spread_ms / k]
+  se_null = max(null_spreads) / 1.349 / math.sqrt(max(len(nulls_s), 1))
+  return max(CLOCK_TICK_MS, RESOLUTION_SIGMAS * math.hypot(se_t, se_null))
+
+
+def measured(candidate: Runtime, resolution: float) -> Runtime | None:
+  """The candidate's runtime if it is a measurement (its mean above ``resolution``), else None: a time
+  at or under what the clock resolves gives no speedup (it used to be floored at 1 us and divided into
+  the baseline: 129,690x for an axpy, issue 37)."""
+  return candidate if candidate.mean_ms > resolution else None
 
 
 def exchange_cost_s(round_trips_s) -> float:

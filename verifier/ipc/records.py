@@ -68,17 +68,52 @@ def to_wire(rec: Any) -> dict:
   return {"type": name, "body": _encode(rec)}
 
 
-def _check(value: Any, hint: Any, where: str) -> Any:
-  origin = typing.get_origin(hint)
+class _Where:
+  """Where a value sits in a record, formatted only when a check fails (building the path of every
+  list item eagerly was most of a burst request's decode)."""
+
+  __slots__ = ("parent", "key")
+
+  def __init__(self, parent, key):
+    self.parent, self.key = parent, key
+
+  def __str__(self) -> str:
+    if isinstance(self.key, int):
+      return f"{self.parent}[{self.key}]"
+    return f"{self.parent}.{self.key}" if self.parent is not None else str(self.key)
+
+  __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
+
+
+@functools.cache
+def _shape(hint: Any) -> tuple[Any, tuple]:
+  return typing.get_origin(hint), typing.get_args(hint)
+
+
+def _check(value: Any, hint: Any, where) -> Any:
   if hint is Any:
     return value
+  if hint is int:
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise RecordError(f"{where}: expected an integer, got {type(value).__name__}")
+    return value
+  if hint is float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise RecordError(f"{where}: expected a number, got {type(value).__name__}")
+    return float(value)
+  if hint is str or hint is bool:
+    if not isinstance(value, hint):
+      raise RecordError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+    return value
+  origin, args = _shape(hint)
   if origin in (typing.Union, types.UnionType):
-    errors = []
-    for option in typing.get_args(hint):
+    if value is None and type(None) in args:
+      return None
+    for option in args:
       try:
         return _check(value, option, where)
-      except RecordError as e:
-        errors.append(str(e))
+      except RecordError:
+        pass
     raise RecordError(f"{where}: {value!r:.80} matches none of {hint}")
   if hint is type(None):
     if value is not None:
@@ -94,27 +129,14 @@ def _check(value: Any, hint: Any, where: str) -> Any:
   if origin in (tuple, list):
     if not isinstance(value, list):
       raise RecordError(f"{where}: expected a list, got {type(value).__name__}")
-    args = typing.get_args(hint)
     item = args[0] if args else Any
-    items = [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    items = [_check(v, item, _Where(where, i)) for i, v in enumerate(value)]
     return tuple(items) if origin is tuple else items
   if origin is dict:
     if not isinstance(value, dict):
       raise RecordError(f"{where}: expected an object, got {type(value).__name__}")
-    _, vt = typing.get_args(hint) or (str, Any)
-    return {str(k): _check(v, vt, f"{where}.{k}") for k, v in value.items()}
-  if hint is float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-      raise RecordError(f"{where}: expected a number, got {type(value).__name__}")
-    return float(value)
-  if hint is int:
-    if isinstance(value, bool) or not isinstance(value, int):
-      raise RecordError(f"{where}: expected an integer, got {type(value).__name__}")
-    return value
-  if hint in (str, bool):
-    if not isinstance(value, hint):
-      raise RecordError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
-    return value
+    _, vt = args or (str, Any)
+    return {str(k): _check(v, vt, _Where(where, str(k))) for k, v in value.items()}
   raise RecordError(f"{where}: unsupported field type {hint}")
 
 
@@ -137,7 +159,7 @@ def _decode_fields(cls: type, body: Any, where: str):
   kw = {}
   for f in fields:
     if f.name in body:
-      kw[f.name] = _check(body[f.name], hints[f.name], f"{where}.{f.name}")
+      kw[f.name] = _check(body[f.name], hints[f.name], _Where(where, f.name))
     elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
       raise RecordError(f"{where}: {cls.__name__} needs field {f.name!r}")
   try:
@@ -434,6 +456,8 @@ class TimingCalibration:
   # forwards per round trip it was measured with (``null_ms`` is one such round trip; ``excess_ms`` and
   # the reference's times are per forward)
   burst_calls: int = 1
+  clock: str = "wall"  # its times: "wall" (perf_counter) or "cpu" (the candidate's CPU time)
+  null_spread_ms: float = 0.0  # interquartile range of its null round trips (the later half)
 
 
 @record
@@ -449,6 +473,9 @@ class RunJob:
   split_build: bool = True
   use_pch: bool = True
   gpu_memory_fraction: float = 0.0
+  # where the checker reads the candidate's CPU time on the CPU backend (``verifier.check.cpu_clock``;
+  # "" for the wall clock)
+  cpu_clock: str = ""
   # the candidate worker's sandbox (PID 1 of its namespace, as the service sees it): the checker samples
   # the process tree under it (host_sampler); 0: not known
   worker_pid: int = 0
@@ -560,6 +587,10 @@ class ForkRequest:
     True  # seccomp: no socket/socketpair/connect once started (confine.block_sockets)
   )
   scratch_mb: int = 0  # the scratch directory's quota (a private tmpfs; 0: none)
+  max_tasks: int = 0  # its PID namespace's cap (confine.cap_pid_namespace; 0: none)
+  # RLIMIT_NPROC in a user namespace of the worker's own (confine.own_user_namespace; 0: none), where
+  # the service has no cgroup to limit tasks with and does not run as root
+  nproc_limit: int = 0
 
 
 @record

@@ -83,6 +83,8 @@ class SandboxSpec:
   landlock: bool = True
   scratch: str = ""  # the worker's scratch directory (one of ``writable``)
   scratch_mb: int = 0  # its quota: a tmpfs of this size over it (0: none)
+  max_tasks: int = 0  # its PID namespace's cap (cap_pid_namespace; 0: none)
+  runs_candidate_code: bool = True  # candidate and build workers (hidden_paths)
 
 
 def apply_limits(mem_mb: int, limit_address_space: bool) -> None:
@@ -99,12 +101,16 @@ NAMESPACE_ID = 1000  # this process's uid and gid inside its user namespace (not
 def _map_own_ids(uid: int, gid: int) -> list[str]:
   """Map this process's own uid and gid (the only mapping an unprivileged process may write) to
   ``NAMESPACE_ID``, so filesystems mounted in the namespace (the scratch tmpfs) can own files."""
+  return _map_ids(NAMESPACE_ID, NAMESPACE_ID, uid, gid)
+
+
+def _map_ids(uid_inside: int, gid_inside: int, uid: int, gid: int) -> list[str]:
   try:
     with open("/proc/self/setgroups", "w") as f:
       f.write("deny")
-    for name, outer in (("uid_map", uid), ("gid_map", gid)):
+    for name, inside, outer in (("uid_map", uid_inside, uid), ("gid_map", gid_inside, gid)):
       with open(f"/proc/self/{name}", "w") as f:
-        f.write(f"{NAMESPACE_ID} {outer} 1")
+        f.write(f"{inside} {outer} 1")
   except OSError as e:
     return [f"user namespace ids not mapped ({e}): the scratch quota cannot be mounted"]
   return []
@@ -116,6 +122,66 @@ def isolate_network() -> list[str]:
   if _libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
     return ["network isolation unavailable (" + _errno_text("unshare") + ")"]
   return _map_own_ids(uid, gid)
+
+
+def _outer_uid() -> int:
+  """This process's uid in the initial user namespace (through its user namespace's map)."""
+  try:
+    with open("/proc/self/uid_map") as f:
+      inside, outside, _ = f.readline().split()
+    return os.geteuid() - int(inside) + int(outside)
+  except (OSError, ValueError):
+    return os.geteuid()
+
+
+# Tasks the worker's runtime holds beside what its limit is for (torch, CUDA driver and CUPTI threads)
+RUNTIME_TASKS = 64
+
+
+def own_user_namespace(nproc_limit: int) -> list[str]:
+  """A user namespace of this worker's own, with ``RLIMIT_NPROC`` = ``nproc_limit`` + the runtime's
+  ``RUNTIME_TASKS``: the kernel counts a user's tasks per user namespace, so a fork or a thread past the
+  limit fails (EAGAIN) where it is created, counting only this worker's tasks. Set after the namespace
+  exists (the count of the namespace above keeps its creator's limit). The kernel exempts uid 0: a
+  service running as root needs the cgroup (``task_limits``) instead."""
+  if _outer_uid() == 0:
+    return ["RLIMIT_NPROC not applied: the service runs as root, which the kernel exempts"]
+  uid, gid = os.geteuid(), os.getegid()
+  if _libc.unshare(CLONE_NEWUSER) != 0:
+    return ["no user namespace of the worker's own (" + _errno_text("unshare") + "): tasks polled"]
+  notes = _map_ids(uid, gid, uid, gid)
+  limit = nproc_limit + RUNTIME_TASKS
+  resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
+  return notes
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+  try:
+    parts = os.uname().release.split(".")
+    return (int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)) >= (major, minor)
+  except (ValueError, IndexError):
+    return False
+
+
+PID_NAMESPACE_RESERVED = 300  # the kernel's RESERVED_PIDS: pids wrap to 300 past it
+
+
+def cap_pid_namespace(max_tasks: int) -> list[str]:
+  """At most ``max_tasks`` + 300 tasks in this PID namespace, whoever runs the service: its own
+  ``pid_max`` (Linux 6.14+; written through the namespace's fresh /proc; allocation wraps to 300, so the
+  cap holds between ``max_tasks`` and ``max_tasks`` + 300 tasks). Only inside a PID namespace of the
+  worker's own, only on a kernel that keeps ``pid_max`` per namespace: on an older kernel the file is
+  the host's."""
+  if max_tasks <= 0:
+    return []
+  if os.getpid() > 2 or not _kernel_at_least(6, 14):
+    return [f"no pid_max of the worker's own on this kernel ({os.uname().release}): tasks polled"]
+  try:
+    with open("/proc/sys/kernel/pid_max", "w") as f:
+      f.write(str(max_tasks + PID_NAMESPACE_RESERVED))
+  except OSError as e:
+    return [f"pid_max of the worker's namespace not set ({e}): tasks polled"]
+  return []
 
 
 def _wait_status(pid: int) -> int:
@@ -245,10 +311,10 @@ def _no_sysv_shared_memory() -> list[str]:
 
 
 def read_only_filesystem(
-  writable: tuple[str, ...], scratch: str = "", scratch_mb: int = 0
+  writable: tuple[str, ...], scratch: str = "", scratch_mb: int = 0, max_tasks: int = 0
 ) -> list[str]:
-  """New mount namespace: fresh /proc, everything read-only except ``writable``; ``scratch`` on a
-  tmpfs of ``scratch_mb`` MiB when asked."""
+  """New mount namespace: fresh /proc (and through it the PID namespace's cap of ``max_tasks``),
+  everything read-only except ``writable``; ``scratch`` on a tmpfs of ``scratch_mb`` MiB when asked."""
   if _libc.unshare(CLONE_NEWNS) != 0:
     return ["mount namespace unavailable (" + _errno_text("unshare") + "): filesystem writable"]
   notes = _no_sysv_shared_memory()
@@ -256,6 +322,8 @@ def read_only_filesystem(
     return notes + ["mounts not private (" + _errno_text("mount") + "): filesystem writable"]
   if _libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) != 0:
     notes.append("fresh /proc refused (" + _errno_text("mount proc") + "): host /proc visible")
+  else:
+    notes += cap_pid_namespace(max_tasks)
   for path in writable:
     if path == scratch and scratch_mb > 0:
       quota = _scratch_quota(scratch, scratch_mb)
@@ -296,7 +364,7 @@ LOADER_FILES = (
 SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/opt")
 
 
-def _beneath(path: str, root: str) -> bool:
+def beneath(path: str, root: str) -> bool:
   return path == root or path.startswith(root.rstrip("/") + "/")
 
 
@@ -305,7 +373,7 @@ def _repository() -> str:
   return os.path.realpath(IMPORT_ROOT)
 
 
-def toolchain_paths() -> list[str]:
+def toolchain_paths(runs_candidate_code: bool = True) -> list[str]:
   """Paths a worker reads: this Python and its packages (``sys.path``), CUDA and the compilers (system
   directories, ``PATH``, ``LD_LIBRARY_PATH``, ``CUDA_HOME``) and the loader's configuration. Not this
   repository (workers import the verifier's modules before they are confined: ``zygote``), nor a
@@ -325,21 +393,55 @@ def toolchain_paths() -> list[str]:
   kept = [os.path.realpath(p) for p in always if p]
 
   def allowed(q: str) -> bool:
-    if any(_beneath(q, k) for k in kept):
+    if any(beneath(q, k) for k in kept):
       return True
-    return not (_beneath(q, repo) or _beneath(repo, q))
+    return not (beneath(q, repo) or beneath(repo, q))
 
   out = []
   for p in always + others:
     if p and os.path.isabs(p) and os.path.exists(p):
       out += [q for q in (os.path.normpath(p), os.path.realpath(p)) if allowed(q)]
-  return list(dict.fromkeys(out))
+  hidden = hidden_paths(list(dict.fromkeys(out)), runs_candidate_code)
+  return list(dict.fromkeys(q for p in dict.fromkeys(out) for q in without(p, hidden)))
+
+
+def hidden_paths(roots: list[str], runs_candidate_code: bool = True) -> list[str]:
+  """What a worker never reads although it lies beneath a toolchain directory: this verifier's own
+  source and the learner's, where they are installed into site-packages (the repository itself is not
+  readable at all), and, where candidate code runs, the configuration of a virtual environment
+  (``pyvenv.cfg``: the host's paths and how it was made; a compile worker keeps it: without it the
+  environment's Python, and a tool installed as a script of it such as pip's ``ninja``, does not
+  start). Workers imported the verifier before they were confined (``zygote``)."""
+  package = os.path.dirname(os.path.abspath(__file__))  # .../verifier/sandbox
+  verifier = os.path.dirname(package)
+  site = os.path.dirname(verifier)
+  out = [verifier, os.path.join(site, "dice_jax")]
+  if runs_candidate_code:
+    out += [os.path.join(r, "pyvenv.cfg") for r in roots]
+    out += [os.path.join(p, "pyvenv.cfg") for p in (sys.prefix, sys.exec_prefix)]
+  found = [q for p in out if os.path.exists(p) for q in (p, os.path.realpath(p))]
+  return list(dict.fromkeys(found))
+
+
+def without(root: str, hidden: list[str]) -> list[str]:
+  """Paths whose union is everything beneath ``root`` except ``hidden`` (Landlock only allows): ``root``
+  itself where nothing hidden lies beneath it, else its entries, expanded the same way."""
+  inside = [h for h in hidden if beneath(h, root)]
+  if not inside:
+    return [root]
+  if root in inside or not os.path.isdir(root) or os.path.islink(root):
+    return []
+  try:
+    names = sorted(os.listdir(root))
+  except OSError:
+    return []
+  return [q for n in names for q in without(os.path.join(root, n), inside)]
 
 
 def repository_exposed(paths: list[str]) -> list[str]:
   """A note when the repository lies beneath a directory workers must read (e.g. under /usr)."""
   repo = _repository()
-  under = [p for p in paths if _beneath(repo, os.path.realpath(p))]
+  under = [p for p in paths if beneath(repo, os.path.realpath(p))]
   return [f"the repository {repo} lies beneath {under[0]}: workers can read it"] if under else []
 
 
@@ -374,7 +476,7 @@ def landlock(spec: SandboxSpec) -> list[str]:
   proc = fs & ~LL_EXECUTE
   # The build cache is readable file by file (a worker opens the entries its own sources name) but not
   # listable, so a candidate cannot find and load another candidate's extension.
-  toolchain = toolchain_paths()
+  toolchain = toolchain_paths(spec.runs_candidate_code)
   notes += repository_exposed(toolchain)
   rules = [(p, read) for p in toolchain]
   rules += [(p, LL_EXECUTE | LL_READ_FILE) for p in spec.readable]
@@ -482,15 +584,29 @@ def block_sockets() -> list[str]:
     return [f"new sockets not blocked: no seccomp filter for {arch}"]
   audit_arch, sys_seccomp, numbers = _SOCKET_SYSCALLS[arch]
   prog = socket_filter_program(audit_arch, numbers)
-  filters = (_SockFilter * len(prog))(*[_SockFilter(*ins) for ins in prog])
-  fprog = _SockFprog(len(prog), filters)
-  _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-  rc = _libc.syscall(
-    sys_seccomp, _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC, ctypes.byref(fprog)
-  )
-  if rc != 0:
-    return ["new sockets not blocked (" + _errno_text("seccomp") + ")"]
-  return []
+  return _install_filter(prog, sys_seccomp, "new sockets not blocked")
+
+
+def _stat_fields() -> list[str]:
+  with open("/proc/self/stat") as f:
+    return f.read().rsplit(")", 1)[1].split()
+
+
+def blank_process_strings(arguments: bool = True, environment: bool = True) -> None:
+  """Zero the memory the kernel shows as ``/proc/<pid>/cmdline`` and ``/proc/<pid>/environ`` (the
+  strings this process was started with: the fork server's command line, its environment), so a
+  candidate that reads them finds nothing. Python keeps its own copies (``sys.argv``, ``os.environ``);
+  blank the environment only once ``os.environ`` was rebuilt (glibc's ``environ`` then points at the
+  heap, not at these strings)."""
+  f = _stat_fields()  # from field 3 on: arg_start is field 48
+  spans = []
+  if arguments:
+    spans.append((int(f[45]), int(f[46])))
+  if environment:
+    spans.append((int(f[47]), int(f[48])))
+  for start, end in spans:
+    if 0 < start < end:
+      ctypes.memset(start, 0, end - start)
 
 
 # Switching off the verifier's view of a process: arch -> (perf_event_open, prctl). ``prctl`` options
@@ -567,7 +683,7 @@ def confine(spec: SandboxSpec) -> list[str]:
   kernel refused."""
   notes = []
   if spec.mount_namespace:
-    notes += read_only_filesystem(spec.writable, spec.scratch, spec.scratch_mb)
+    notes += read_only_filesystem(spec.writable, spec.scratch, spec.scratch_mb, spec.max_tasks)
   elif spec.scratch_mb > 0:
     notes.append("no mount namespace: scratch not size-limited (file size limit only)")
   if spec.landlock:
@@ -599,4 +715,5 @@ __all__ = [
   "set_undumpable",
   "landlock_abi",
   "block_sockets",
+  "blank_process_strings",
 ]

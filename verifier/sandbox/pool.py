@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import os
 
+from verifier.sandbox.task_limits import CgroupTree
 from verifier.sandbox.sandbox import (
   CheckerClient,
   ForkServerClient,
@@ -44,7 +46,8 @@ class PoolConfig:
   checker_cache_mb: int = 2048
   checker_max_jobs: int = 500  # a checker is replaced after this many jobs (0: never)
   scratch_mb: int = 1024  # each worker's scratch quota (a private tmpfs: counts as host memory)
-  max_processes: int = 256  # processes in a worker's PID namespace (polled; 0: no limit)
+  max_processes: int = 256  # tasks a job may start (a cgroup, RLIMIT_NPROC or pid_max; 0: no limit)
+  cpu_clock: bool = True  # the CPU backend times candidates by their CPU time (check/cpu_clock.py)
 
 
 class Slots:
@@ -105,6 +108,7 @@ class WorkerPool:
     self.start_failures = 0
     self.level = 0
     self.notes: list[str] = []
+    self.cgroups: CgroupTree | None = None  # the service's, for a cgroup per job (task_limits)
 
   async def self_test(self, timeout_s: float = 300.0) -> None:
     """Start one worker under each confinement level until one becomes ready."""
@@ -145,7 +149,22 @@ class WorkerPool:
       landlock=CONFINEMENT_LEVELS[self.level][2],
       block_sockets=not (c.role == "candidate" and c.device == "cuda") or c.block_sockets_cuda,
       scratch_mb=c.scratch_mb,
+      max_tasks=c.max_processes,
+      nproc_limit=c.max_processes if self.cgroups is None and os.geteuid() != 0 else 0,
     )
+
+  def use_cgroups(self, tree: CgroupTree | None) -> None:
+    """Tasks of this pool's jobs capped by a cgroup of ``tree`` each (``task_limits``); the note every
+    result carries says what caps them."""
+    self.cgroups = tree
+    limit = self.cfg.max_processes
+    if tree is not None:
+      how = f"a pids cgroup per job (cgroup v{tree.version}): the tasks it starts capped at {limit}"
+    elif os.geteuid() != 0:
+      how = f"RLIMIT_NPROC in each worker's own user namespace ({limit} + its runtime's)"
+    else:
+      how = f"its PID namespace's pid_max ({limit} + 300; no cgroup here: {CgroupTree.why})"
+    self.notes.append(f"tasks (processes and threads) limited by the kernel: {how}")
 
   @property
   def limits(self) -> Limits:

@@ -225,7 +225,7 @@ WATCH_POLL_S = 0.25
 # How the limits are enforced, on every result (docs/verifier-security.md, "Limits that follow the request": not a cgroup).
 ACCOUNTING_NOTE = (
   f"memory (shared memory and memfds included) and process count polled every {WATCH_POLL_S} s "
-  "from outside, no cgroup"
+  "from outside; tasks also capped by the kernel (the tasks note says how)"
 )
 
 
@@ -277,6 +277,18 @@ def _signal_pidfd(fd: int, sig=signal.SIGKILL) -> None:
       signal.pidfd_send_signal(fd, sig)
     except (ProcessLookupError, OSError):
       pass
+
+
+async def _wait_pidfd(fd: int) -> None:
+  if fd < 0 or _exited(fd):
+    return
+  loop = asyncio.get_running_loop()
+  done = loop.create_future()
+  loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+  try:
+    await done
+  finally:
+    loop.remove_reader(fd)
 
 
 def _exited(fd: int) -> bool:
@@ -332,15 +344,11 @@ class Worker:
     return not _exited(self.pidfd)
 
   async def wait_exited(self) -> None:
-    if self.pidfd < 0 or _exited(self.pidfd):
-      return
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-    loop.add_reader(self.pidfd, lambda: done.done() or done.set_result(None))
-    try:
-      await done
-    finally:
-      loop.remove_reader(self.pidfd)
+    """Until the waiter and PID 1 of the worker's namespace have both exited. PID 1 exits only once
+    every other process of the namespace has (the kernel reaps them first), so nothing the candidate
+    started still runs, on the CPU or the GPU (its contexts go with its processes), after this."""
+    for fd in (self.pidfd, self.sandbox_pidfd):
+      await _wait_pidfd(fd)
 
   async def returncode(self, timeout_s: float = 2.0) -> int | None:
     return await self.server.returncode(self.pid, timeout_s)
@@ -361,6 +369,19 @@ class Worker:
       self.killed_by = why
     _signal_pidfd(self.sandbox_pidfd)
     _signal_pidfd(self.pidfd)
+
+  def tree_pids(self) -> list[int]:
+    """The worker's processes as the service sees them: its waiter and its namespace's tree."""
+    return [self.pid, *_process_tree(self.sandbox_pid)]
+
+  def signal_tree(self, sig: int) -> None:
+    """``sig`` to every process of the worker (twice for a stop: a fork in flight the first time)."""
+    for _ in range(2 if sig == signal.SIGSTOP else 1):
+      for pid in self.tree_pids():
+        try:
+          os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+          pass
 
   def rss_mb(self) -> float:
     return process_tree_rss_mb(self.sandbox_pid)
@@ -478,6 +499,8 @@ class ForkServerClient:
     landlock=True,
     block_sockets=True,
     scratch_mb=0,
+    max_tasks=0,
+    nproc_limit=0,
   ) -> Worker:
     """A new worker (its start-up still running; see ``Worker.wait_ready``)."""
     os.makedirs(self.scratch_root, exist_ok=True)
@@ -494,6 +517,8 @@ class ForkServerClient:
       landlock=landlock,
       block_sockets=block_sockets,
       scratch_mb=scratch_mb,
+      max_tasks=max_tasks,
+      nproc_limit=nproc_limit,
     )
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -23,6 +23,7 @@ from verifier.ipc.channel import ChannelClosed, ProtocolError
 from verifier.ipc.records import INTERNAL_EXIT, CheckReport, RunJob
 from verifier.sandbox.pool import DevicePool
 from verifier.sandbox.sandbox import ACCOUNTING_NOTE, WorkerStartError, watch_resources
+from verifier.sandbox.task_limits import JobTasks, tasks_verdict
 
 LINGER = "linger"  # the service killed a worker that outlived its channel by LINGER_S
 LINGER_S = 2.0
@@ -44,6 +45,7 @@ class RunOutcome:
   check_s: float = 0.0  # wall time of the check (the job sent to the checker until its report)
   startup_phases: dict = dataclasses.field(default_factory=dict)
   sandbox_notes: tuple[str, ...] = ()
+  tasks: dict = dataclasses.field(default_factory=dict)  # the job's task counts (JobTasks.counts)
 
 
 def _limit_fate(worker) -> tuple[FailureKind, str, bool] | None:
@@ -112,6 +114,20 @@ async def _ended(worker) -> int | None:
   return await worker.returncode()
 
 
+# What a candidate whose tasks the kernel refused ends with when it does not shrug the refusal off
+# (``fork`` or ``pthread_create`` failing with EAGAIN): the refusal is the verdict's reason.
+REFUSALS_EXPLAIN = frozenset({FailureKind.RUNTIME_ERROR, FailureKind.CRASH, FailureKind.INIT_ERROR})
+
+
+def _cpu_clock(tasks: JobTasks, worker) -> str:
+  """Where the checker reads the candidate's CPU time (``verifier.check.cpu_clock``): its job's cgroup,
+  else the threads of its process (the namespace's PID 2, a child of PID 1)."""
+  if tasks.cgroup is not None:
+    return tasks.cgroup.cpu_clock()
+  pids = worker.tree_pids()
+  return f"threads:{pids[2]}" if len(pids) > 2 else ""
+
+
 async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> RunOutcome:
   """One attempt: take a worker and a checker, run the check, watch the worker, combine."""
   opts = job.options
@@ -133,12 +149,19 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
     healthy = True
     report = None
     pool.running[job.job_id] = (worker, checker)
+    tree = pool.candidates.cgroups
+    tasks = await asyncio.to_thread(
+      JobTasks.open, tree, worker.tree_pids(), pool.candidates.cfg.max_processes
+    )
+    if pool.cfg.cpu_clock:
+      job = dataclasses.replace(job, cpu_clock=_cpu_clock(tasks, worker))
+    counts: dict = {}
     t_check = time.monotonic()
     try:
       sock = worker.chan.detach()
       job = dataclasses.replace(job, worker_pid=worker.sandbox_pid)  # the checker samples its tree
       check = asyncio.ensure_future(checker.check(job, sock, lambda name: stage.update(name=name)))
-      watch = asyncio.ensure_future(watch_resources(worker, pool.candidates.limits))
+      watch = asyncio.ensure_future(watch_resources(worker, tasks.polled(pool.candidates.limits)))
       done, _ = await asyncio.wait(
         {check, watch}, timeout=opts.timeout_s, return_when=asyncio.FIRST_COMPLETED
       )
@@ -164,6 +187,7 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
         checker_error = f"no report {30} s after the candidate was stopped"
     finally:
       pool.running.pop(job.job_id, None)
+      counts = await asyncio.to_thread(tasks.counts)  # before the kill: threads still running count
       if report is None or report.candidate_gone:
         rc = await _ended(worker)  # it may still be unwinding a crash: let it finish
       else:
@@ -171,6 +195,7 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
         await worker.wait_exited()
         rc = await worker.returncode()
       logs = await asyncio.to_thread(worker.read_log)  # written by the candidate: not on the loop
+      tasks.close(tree)
       worker.discard()
     if report is None:
       healthy = False
@@ -191,6 +216,10 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
     else:
       kind, reason, infra = report.kind, report.reason, report.infrastructure
       healthy = not report.infrastructure
+      broken = tasks_verdict(counts, opts.strict.forbid_threads_streams, job.options.device)
+      refused = broken is not None and broken[0] == FailureKind.RESOURCE_LIMIT.value
+      if broken is not None and (kind is FailureKind.OK or (refused and kind in REFUSALS_EXPLAIN)):
+        kind, reason = FailureKind(broken[0]), broken[1]
     if not healthy:
       logs += "\n[checker]\n" + checker.read_log()[-2000:]
     await pool.checkers.give_back(checker, ref_key, healthy)
@@ -207,6 +236,7 @@ async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> R
       startup_wait_s=startup_wait,
       startup_phases=dict(ready.startup_phases),
       sandbox_notes=(*ready.sandbox_notes, *pool.candidates.notes, ACCOUNTING_NOTE),
+      tasks=counts,
     )
   finally:
     await pool.slots.release(units)

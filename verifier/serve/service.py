@@ -21,10 +21,18 @@ import logging
 import os
 import time
 
-from verifier.api.contract import FailureKind, Runtime, VerifyRequest, VerifyResult, truncate_log
+from verifier.api.contract import (
+  LOG_LIMIT,
+  FailureKind,
+  Runtime,
+  VerifyRequest,
+  VerifyResult,
+  truncate_log,
+)
 from verifier.build import artefact_check, pch
 from verifier.build.build_stage import BuildOutcome, BuildStage
 from verifier.ipc.records import RunJob, TimingCalibration
+from verifier.sandbox import task_limits
 from verifier.sandbox.pool import DevicePool, PoolConfig, WorkerPool
 from verifier.serve import reward as rewards
 from verifier.serve.admission import MemoryAdmission, admission_units
@@ -75,11 +83,16 @@ class ServiceConfig:
   scratch_root: str = "/tmp/dice_verifier"
   mem_mb: int = dataclasses.field(default_factory=default_mem_mb)  # host memory per worker tree
   scratch_mb: int = 1024  # scratch quota per worker (a private tmpfs, on top of mem_mb)
-  max_processes: int = 256  # processes per worker's PID namespace
+  max_processes: int = 256  # tasks (processes and threads) a job may start beyond its runtime's
+  # the CPU backend's clock for timed calls: "cpu" (the candidate's CPU time, check/cpu_clock.py) or
+  # "wall" (the round trip, as on a GPU)
+  cpu_timing_clock: str = "cpu"
   gpu_memory_fraction: float = 0.0  # caching-allocator cap per candidate process (0: none)
   build_timeout_s: float = (
     900.0  # cap on a build's deadline (the request's timeout_s, from its slot)
   )
+  # a build that held a compile slot this long while another waits is suspended (fair_slots)
+  compile_quantum_s: float = 10.0
   max_pending: int = 4096
   isolate_network: bool = True
   arch_list: str = ""  # TORCH_CUDA_ARCH_LIST for builds, e.g. "9.0"
@@ -121,6 +134,11 @@ class Metrics:
   build_s: list = dataclasses.field(default_factory=list)
   pch_builds: list = dataclasses.field(default_factory=list)
   transports: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  # jobs by how many tasks they held beyond their runtime's at the start (task_limits): what the
+  # runtime itself starts later shows here (RUNTIME_TRANSIENT_TASKS)
+  tasks_beyond_baseline: collections.Counter = dataclasses.field(
+    default_factory=collections.Counter
+  )
 
   def snapshot(self) -> dict:
     up = time.monotonic() - self.started
@@ -161,11 +179,16 @@ HOST_SIDE_KINDS = frozenset(
 )
 
 
+LOGS_LABEL = "[output of the candidate's process and its compiler, head and tail]\n"
+
+
 def returned_logs(kind: FailureKind, logs: str) -> str:
   """What of a worker's log goes back to the submitter: only for the candidate's own failures, capped
-  (head and tail). Workers cannot read the host beyond the toolchain (confine), so the log holds only
-  what the candidate and its compiler printed."""
-  return "" if kind in HOST_SIDE_KINDS else truncate_log(logs)
+  (head and tail) and labelled. Workers cannot read the host beyond the toolchain (confine), so the
+  log holds only what the candidate and its compiler printed."""
+  if kind in HOST_SIDE_KINDS or not logs:
+    return ""
+  return LOGS_LABEL + truncate_log(logs, LOG_LIMIT - len(LOGS_LABEL))
 
 
 def _oom(outcome: RunOutcome) -> bool:
@@ -179,6 +202,8 @@ def _oom(outcome: RunOutcome) -> bool:
 
 class VerifierService:
   def __init__(self, cfg: ServiceConfig):
+    if cfg.cpu_timing_clock not in ("cpu", "wall"):
+      raise ValueError(f"cpu_timing_clock must be 'cpu' or 'wall', got {cfg.cpu_timing_clock!r}")
     self.cfg = cfg
     self.metrics = Metrics()
     self.build_stage: BuildStage | None = None
@@ -192,6 +217,7 @@ class VerifierService:
     self.evicting: asyncio.Task | None = None
     self.pch_builds: dict[str, asyncio.Task] = {}  # precompiled-header builds, one per flag set
     self.static = StaticCheckPool(cfg.static_workers, cfg.static_timeout_s)
+    self.cgroups: task_limits.CgroupTree | None = None  # a cgroup per job, where this host allows
 
   # ---- lifecycle -------------------------------------------------------------------------------
   def _pool_config(self, role: str, device: str, gpu: str, slots: int, prewarm: int) -> PoolConfig:
@@ -213,13 +239,18 @@ class VerifierService:
       checker_cache_mb=c.checker_cache_mb,
       scratch_mb=c.scratch_mb,
       max_processes=c.max_processes,
+      cpu_clock=c.cpu_timing_clock == "cpu",
     )
 
   async def start(self) -> None:
     c = self.cfg
     os.makedirs(c.cache_dir, exist_ok=True)
     await self.static.start()
+    self.cgroups = task_limits.CgroupTree.create(
+      task_limits.service_name(os.getpid(), f"{id(self):x}")
+    )
     builds = WorkerPool(self._pool_config("build", "cpu", "", c.compile_workers, c.compile_workers))
+    builds.use_cgroups(self.cgroups)
     compiles = WorkerPool(
       self._pool_config("compile", "cpu", "", c.compile_workers, c.compile_workers)
     )
@@ -235,6 +266,7 @@ class VerifierService:
       use_pch=c.use_pch,
       mem_mb=c.mem_mb,
       max_entries=c.result_cache_size,
+      slot_quantum_s=c.compile_quantum_s,
     )
     if c.build_only:
       await asyncio.gather(builds.warm(), compiles.warm())
@@ -248,6 +280,8 @@ class VerifierService:
         DevicePool(self._pool_config("candidate", "cuda", g, c.slots_per_gpu, prewarm))
         for g in c.gpus
       ]
+    for p in (p for ps in self.run_pools.values() for p in ps):
+      p.candidates.use_cgroups(self.cgroups)
     started = [p for ps in self.run_pools.values() for p in ps if p.cfg.device == c.device]
     await asyncio.gather(
       builds.warm(), compiles.warm(), *(p.start(c.warm_timeout_s) for p in started)
@@ -263,6 +297,8 @@ class VerifierService:
     if self.build_stage is not None:
       closing += [self.build_stage.pool.close(), self.build_stage.compile_pool.close()]
     await asyncio.gather(*closing, return_exceptions=True)
+    if self.cgroups is not None:
+      self.cgroups.close()
 
   # ---- entry points ----------------------------------------------------------------------------
   async def verify(self, req: VerifyRequest) -> VerifyResult:
@@ -498,6 +534,9 @@ class VerifierService:
     report = outcome.report
     phases = dict(report.phases if report else {})
     phases.update(outcome.startup_phases, worker_startup_wait=outcome.startup_wait_s)
+    phases.update({f"tasks_{k}": float(v) for k, v in outcome.tasks.items()})
+    if "baseline" in outcome.tasks:
+      self.metrics.tasks_beyond_baseline[task_limits.tasks_beyond_baseline(outcome.tasks)] += 1
     for phase, sec in phases.items():
       self.metrics.run_phase_s[phase] += sec
       self.metrics.run_phase_n[phase] += 1
