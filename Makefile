@@ -1,7 +1,8 @@
 # Two commands do all set-up on a fresh machine:
-#   make demo   -- venv + install + the tiny end-to-end pipeline on CPU (~2-5 min on 2 cores)
+#   make demo   -- venv + install + the tiny end-to-end pipeline on CPU, SFT then BiC-RL with real
+#                  verdicts and updates, eval, HF export (~4-7 min on 2 cores)
 #   make test   -- venv + install + the CPU test suite
-# and one shows the learning the demo is too small to show:
+# and one runs BiC-RL long enough to watch the correct fraction climb:
 #   make signal -- venv + install + experiments/rl_signal.py in full: SFT then 30 BiC-RL steps
 #                  against the real CPU verifier (about 1-2 h on a 2-core VM; plot in SIGNAL_DIR)
 PY ?= python3

@@ -4,18 +4,19 @@ r"""The whole pipeline, tiny and on CPU: the main job (`make demo`).
 
 One CPU verifier service is started on 127.0.0.1 for the run (gRPC); then, each step printing what
 it did (all data is embedded in experiments/demo_data/):
-  1. sft     block-diffusion SFT of the tiny model (byte tokenizer) on pairs.jsonl
+  1. sft     block-diffusion SFT of the tiny model (byte tokenizer) on two known candidates for the
+             CPU ReLU task (cpu_rl_candidates.jsonl: one correct, one wrong in one character),
+             prompted as the RL run prompts it, until it writes them: the starting point of RL
   2. rl      BiC-RL steps from the SFT checkpoint (experiments.rl, config rl_tiny, made smaller):
-             rollouts with the block sampler, rewards from the verifier, TraceRL updates (an
-             untrained tiny model writes no code, so its groups have equal rewards and are
-             dropped: the updates start once some samples pass)
+             rollouts with the block sampler, each sample's candidate judged by the verifier
+             (compiled, run against the PyTorch reference), binary rewards, and TraceRL updates
+             from the groups whose rewards differ; per step the verdicts and the updates
   3. eval    KernelBench-style evaluation on seven CPU problems (cpu_problems.jsonl) through the
              verifier: the RL model's own candidates, then known candidates (cpu_candidates.jsonl,
              verdicts fixed by construction, so the metrics are known) -> two reports
   4. export  the final model as an HF directory, loaded by `transformers`: logits equal ours
 Finally the paths of the reports are printed, and what the committed learning-signal plot shows
-(the demo's tiny model learns too little in its budget to pass a check; `make signal` is the run
-that does, in about 1-2 h on 2 cores).
+(`make signal`: a longer BiC-RL run whose correct fraction rises, about 1-2 h on 2 cores).
 """
 
 import json
@@ -30,18 +31,28 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", "/tmp/dice_jax_demo", "Where the demo writes everything.")
 flags.DEFINE_list("steps", ["sft", "rl", "eval", "export"], "Steps to run, in order.")
-flags.DEFINE_integer("sft_steps", 30, "SFT optimizer steps.")
-flags.DEFINE_integer("rl_steps", 2, "BiC-RL steps.")
+flags.DEFINE_integer("sft_steps", 300, "SFT optimizer steps.")
+flags.DEFINE_integer("rl_steps", 3, "BiC-RL steps.")
 
 DEMO_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_data")
-PAIRS = os.path.join(DEMO_DATA, "pairs.jsonl")
-MAX_PROMPT_CHARS = 192  # the tiny CPU run trains on truncated texts
+RL_TASK = os.path.join(DEMO_DATA, "cpu_rl_task.jsonl")
+RL_CANDIDATES = os.path.join(DEMO_DATA, "cpu_rl_candidates.jsonl")
+SFT_SETS = [  # ~440-token rows, two per step, a learning rate a 0.1M-parameter model takes
+  "--set=data_source=cuke",
+  "--set=max_prompt_chars=None",
+  "--set=max_response_chars=None",
+  "--set=seq_len=448",
+  "--set=batch_size=2",
+  "--set=optim.learning_rate=1e-2",
+  "--set=run.checkpoint_every=100",
+  "--set=log_every=50",
+]
 EVAL_NEW_TOKENS = 128  # the tiny model's evaluation budget (DICE: 4,096)
-RL_SMALL = [  # rl_tiny, smaller: 2 tasks x 4 samples of up to 64 tokens per step
-  "--set=stream.group_size=4",
-  "--set=stream.tasks_per_step=2",
-  "--set=sampler.max_new_tokens=64",
-  "--set=groups_per_batch=2",
+RL_SMALL = [  # rl_tiny, smaller: 1 task x 8 samples per step, one optimizer step of 8 rows
+  "--set=stream.group_size=8",
+  "--set=stream.tasks_per_step=1",
+  "--set=sampler.max_new_tokens=448",
+  "--set=groups_per_batch=1",
   "--set=rows_per_update=8",
 ]
 
@@ -57,28 +68,67 @@ def _final_run(workdir, ctx):
   return ctx.get("rl", {}).get("run") or os.path.join(workdir, "sft")
 
 
+def sft_rows(path: str) -> int:
+  """Writes the SFT rows of the RL task to `path`: the task's prompt as `rl_tiny` renders it (the
+  user message's last `prompt_tail_chars`) -> each known candidate in a code block."""
+  from dice_jax.data import prompts
+  from experiments.configs import rl_tiny
+
+  with open(RL_TASK) as f:
+    task = json.loads(f.readline())
+  prompt = prompts.e2e_user_message(task["pytorch_code"])[-rl_tiny.get_config().prompt_tail_chars :]
+  with open(RL_CANDIDATES) as f:
+    candidates = [json.loads(line) for line in f]
+  with open(path, "w") as f:
+    for c in candidates:
+      row = {
+        "id": c["variant"],
+        "prompt": prompt,
+        "response": prompts.code_response(c["candidate"]),
+      }
+      f.write(json.dumps(row) + "\n")
+  return len(candidates)
+
+
 def step_sft(workdir, ctx):
-  """Block-diffusion SFT of the tiny model on the embedded pairs."""
+  """Block-diffusion SFT of the tiny model on known candidates for the CPU ReLU task."""
   run = os.path.join(workdir, "sft")
   shutil.rmtree(run, ignore_errors=True)  # a rerun trains afresh (not resuming the last run)
+  data = os.path.join(workdir, "sft_rows.jsonl")
+  rows = sft_rows(data)
   _python(
     "experiments.sft",
     "--config=tiny",
     f"--workdir={run}",
-    "--set=data_source=pairs",
-    f"--set=data_path={PAIRS}",
+    f"--set=data_path={data}",
     f"--set=num_steps={FLAGS.sft_steps}",
-    "--set=seq_len=512",
-    f"--set=max_prompt_chars={MAX_PROMPT_CHARS}",
-    "--set=max_response_chars=256",
-    "--set=batch_size=4",
-    "--set=run.checkpoint_every=10",
-    "--set=log_every=5",
+    *SFT_SETS,
   )
   with open(os.path.join(run, "metrics.jsonl")) as f:
     losses = [r["loss"] for r in map(json.loads, f) if "loss" in r]
-  print(f"  SFT loss {losses[0]:.3f} -> {losses[-1]:.3f} over {FLAGS.sft_steps} steps ({run})")
+  print(
+    f"  SFT loss {losses[0]:.3f} -> {losses[-1]:.3f} over {FLAGS.sft_steps} steps on {rows} "
+    f"candidates ({run})"
+  )
   return {"run": run, "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def rl_step_line(r: dict) -> str:
+  """One RL step of metrics.jsonl: samples, verifier requests, verdicts, reward, updates."""
+  n = int(r["samples"])
+  kinds = {
+    k.removeprefix("failure/"): round(v * n) for k, v in r.items() if k.startswith("failure/")
+  }
+  verdicts = {"ok": round(r["correct_rate"] * n), **kinds}
+  shown = ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items(), key=lambda kv: -kv[1]) if v)
+  line = (
+    f"  RL step {int(r['step'])}: {n} samples, {int(r['judge_requests'])} candidates to the "
+    f"verifier, verdicts {shown}; reward {r['reward_mean']:.3f}; groups kept "
+    f"{int(r['groups'] - r['groups_dropped'])}/{int(r['groups'])}, updates {int(r['updates'])}"
+  )
+  if r.get("updates"):  # one AdamW step per update, on the tokens of the kept groups
+    line += f" ({int(r['trained_tokens'])} tokens trained, grad norm {r['grad_norm']:.3g})"
+  return line
 
 
 def step_rl(workdir, ctx):
@@ -97,12 +147,13 @@ def step_rl(workdir, ctx):
   with open(os.path.join(run, "metrics.jsonl")) as f:
     steps = [r for r in map(json.loads, f) if "reward_mean" in r]
   for r in steps:
-    print(
-      f"  RL step {int(r['step'])}: reward {r['reward_mean']:.3f}, correct "
-      f"{r['correct_rate']:.3f}, groups kept {int(r['groups'] - r['groups_dropped'])}/"
-      f"{int(r['groups'])}, updates {int(r['updates'])}, {int(r['samples'])} samples"
-    )
-  return {"run": run, "steps": len(steps)}
+    print(rl_step_line(r))
+  return {
+    "run": run,
+    "steps": len(steps),
+    "correct_rate": [r["correct_rate"] for r in steps],
+    "updates": [int(r["updates"]) for r in steps],
+  }
 
 
 def _run_eval(ctx, out, *source):
@@ -169,7 +220,7 @@ def signal_summary() -> str:
   on CPU"), for a newcomer whose demo model compiled nothing."""
   return "\n".join(
     (
-      "What learning looks like (too slow for this demo; its tiny model writes no passing code yet):",
+      "A longer BiC-RL run (too slow for this demo) and what it learned:",
       f"  {SIGNAL_PNG}",
       "  BiC-RL on CPU against the real verifier (one KernelBench-format problem, torch.relu; a",
       "  0.76M-parameter model after 300 SFT steps on correct and wrong C++ candidates): correct",

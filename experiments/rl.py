@@ -9,8 +9,11 @@ r"""BiC-RL launcher (TraceRL on block diffusion as in DICE `training/RL/`; docs/
 as a child (CPU backend on a machine without a GPU) with its log and build cache in RUN/verifier.
 The run waits up to `--verifier_wait_s` for the verifier to answer, with a progress
 line every 10 s, before it writes anything to RUN (with `--verifier=local`, RUN/verifier/ only).
-Re-running with the same workdir resumes from its last checkpoint (exact: same tasks, samples and
-losses). Outputs: RUN/metrics.jsonl, RUN/tb/, RUN/samples.jsonl, RUN/rl.png, RUN/checkpoints/.
+Re-running with the same workdir resumes from its newest intact checkpoint (exact: same tasks,
+samples and losses). The config may change in its step count, logging, checkpoint and evaluation
+cadence; other changed fields need `--allow_config_change`, and a few (group size, tasks per step,
+the seeds, the model's shapes) cannot change at all (dice_jax/train/resume.py).
+Outputs: RUN/metrics.jsonl, RUN/tb/, RUN/samples.jsonl, RUN/rl.png, RUN/checkpoints/.
 Ctrl-C (SIGINT) or SIGTERM finishes the current RL step, saves it and exits 0 (a second one
 stops at once); rerun the command to resume.
 A bad flag, config value or input file is one line on stderr and exit status 2.
@@ -46,6 +49,9 @@ flags.DEFINE_multi_string(
   "set", [], "config override key=value (dotted keys, e.g. run.seed=1), repeatable"
 )
 flags.DEFINE_integer("max_steps", None, "stop after this many RL steps (the run can resume)")
+flags.DEFINE_bool(
+  "allow_config_change", False, "resume a run whose saved config differs from this one"
+)
 _cli.define_multiprocess_flags()
 _cli.define_verifier_wait_flag()
 _cli.define_compile_cache_flag()
@@ -105,7 +111,11 @@ def _local_device(cfg) -> str:
 def run(cfg) -> dict:
   from dice_jax.rl.loop import run_rl
 
-  kwargs = dict(max_steps=FLAGS.max_steps, verifier_wait_s=_cli.verifier_wait_s())
+  kwargs = dict(
+    max_steps=FLAGS.max_steps,
+    allow_config_change=FLAGS.allow_config_change,
+    verifier_wait_s=_cli.verifier_wait_s(),
+  )
   if cfg.judge != "verifier" or FLAGS.verifier != "local":
     endpoints = _cli.verifier_endpoints(FLAGS.verifier) if cfg.judge == "verifier" else None
     return run_rl(cfg, FLAGS.workdir, endpoints=endpoints, **kwargs)

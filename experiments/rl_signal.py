@@ -230,6 +230,7 @@ def step_rl(workdir: str) -> dict:
       f"--init_checkpoint={p['sft_dir']}",
       f"--set=e2e_tasks={p['tasks']}",
       f"--set=prompt_tail_chars={tail_chars()}",
+      "--set=max_prompt_len=512",  # the 390-character tail of several problems: ~420 tokens
       f"--set=stream.num_steps={FLAGS.rl_steps}",
       f"--set=stream.group_size={FLAGS.rl_group_size}",
       f"--set=stream.tasks_per_step={FLAGS.rl_tasks_per_step}",

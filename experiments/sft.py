@@ -4,8 +4,11 @@ r"""Block-diffusion SFT launcher.
       [--set=num_steps=20 --set=optim.learning_rate=1e-3] [--init_hf=DIR] [--export_hf=DIR]
 
 `--config` names a module of experiments/configs (or a path to a .py file) with `get_config()`.
-Re-running with the same workdir resumes from its last checkpoint, with the same config: a
-different one is refused (the message lists each changed field) unless `--allow_config_change`.
+Re-running with the same workdir resumes from its newest intact checkpoint (a damaged newer step
+is named and moved aside). The config may change in its step count, logging and checkpoint
+cadence; other changed fields are refused (the message lists each) unless `--allow_config_change`,
+and a few (the seed, data_shards, the model's shapes) cannot change at all
+(dice_jax/train/resume.py).
 Ctrl-C (SIGINT) or SIGTERM saves the current step and exits 0; rerun the command to resume.
 Bad input (data file, tokenizer, config field, existing export) is one line and exit status 2,
 with nothing written.

@@ -10,6 +10,7 @@ out-of-memory error from inside a compiled call.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import jax
@@ -64,15 +65,52 @@ def estimate(
 
 
 def device_limit() -> Optional[int]:
-  """Bytes the first local device may allocate (None where the backend does not say, e.g. CPU)."""
-  stats = jax.local_devices()[0].memory_stats() or {}
-  return stats.get("bytes_limit")
+  """Bytes the first local device may allocate: the backend's limit, or on CPU the host's memory
+  (`host_memory`); None where neither is known."""
+  device = jax.local_devices()[0]
+  stats = device.memory_stats() or {}
+  if "bytes_limit" in stats:
+    return stats["bytes_limit"]
+  return host_memory() if device.platform == "cpu" else None
+
+
+def limit_name() -> str:
+  """What `device_limit` measures here: 'host memory' (CPU) or 'device memory'."""
+  return "host memory" if jax.local_devices()[0].platform == "cpu" else "device memory"
+
+
+def host_memory() -> Optional[int]:
+  """The machine's physical memory (`MemTotal`), or the process's cgroup limit when smaller (a
+  container); None where neither can be read. A fixed figure, not what is free now: a plan made
+  from it is the same at every start of a run on this host (a resume makes the same choice)."""
+  sizes = []
+  try:
+    sizes.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+  except (ValueError, OSError, AttributeError):
+    pass
+  for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    try:
+      with open(path) as f:
+        text = f.read().strip()
+    except OSError:
+      continue
+    if text.isdigit() and int(text) < 1 << 60:  # 'max' or a huge number: no limit
+      sizes.append(int(text))
+  return min(sizes) if sizes else None
 
 
 def peak_bytes() -> Optional[int]:
-  """Peak bytes in use on the first local device so far (None where unknown)."""
-  stats = jax.local_devices()[0].memory_stats() or {}
-  return stats.get("peak_bytes_in_use")
+  """Peak bytes in use on the first local device so far; on CPU the process's peak resident
+  memory (`ru_maxrss`); None where unknown."""
+  device = jax.local_devices()[0]
+  stats = device.memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    return stats["peak_bytes_in_use"]
+  if device.platform != "cpu":
+    return None
+  import resource
+
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def check_fits(est: dict, device_bytes: Optional[int] = None, *, what: str = "sampler") -> None:

@@ -28,7 +28,6 @@ stops at once (`train/stop.py`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from typing import Any, NamedTuple
@@ -43,6 +42,8 @@ from dice_jax.data import rl_stream
 from dice_jax.data import tasks as tasks_lib
 from dice_jax.data.curriculum import SequentialSchedule
 from dice_jax.data.tokenizer import check_compatible
+from dice_jax.diffusion import memory as device_memory
+from dice_jax.errors import UserError
 from dice_jax.model.config import ModelConfig
 from dice_jax.model.transformer import Transformer
 from dice_jax.rl import advantages as advantages_lib
@@ -57,7 +58,7 @@ from dice_jax.rl.trajectory import Trajectory
 from dice_jax.train import checkpoint as ckpt_lib
 from dice_jax.train import metrics as metrics_lib
 from dice_jax.train import optimizer as optim_lib
-from dice_jax.train import run_setup
+from dice_jax.train import resume, run_setup
 from dice_jax.train import stop as stop_lib
 from dice_jax.train import train_step as ts
 
@@ -143,13 +144,13 @@ class Trainer:
 
 
 def _prepare(cfg: RLConfig, workdir: str, ckpt) -> Trainer:
-  """Model (fresh, imported, or restored with the stream position), optimizer, jitted steps."""
+  """Model (fresh, imported, or restored with the stream position), optimizer, jitted steps (the
+  resume's config already checked: `check_start`)."""
   mesh = run_setup.make_mesh(cfg.run)
   resuming = ckpt.latest_step() is not None
   if resuming:
     mcfg = ckpt_lib.read_model_config(workdir)
     inherited = _existing_dir(os.path.join(workdir, "tokenizer"))
-    _warn_config_changes(ckpt.restore_config(), cfg.to_json())
   else:
     model, mcfg, inherited = build_model(cfg, mesh)
   tok = run_setup.load_tokenizer(inherited or cfg.run.tokenizer)
@@ -183,8 +184,8 @@ def _prepare(cfg: RLConfig, workdir: str, ckpt) -> Trainer:
   sched = SequentialSchedule(sort_by_stage=cfg.schedule == "sequential_by_stage")
   stream = iter(rl_stream.make_rl_stream(tasks, tok, cfg.stream, sched))
   start = 0
-  if resuming:
-    state, data, _ = ckpt.restore(target)
+  if resuming:  # the newest intact step; damaged newer ones are moved aside
+    _, state, data, _ = ckpt.restore_intact(target, set_aside=True)
     stream.set_state(data["iterator"])
     start = int(data["rl_step"])
   logging.info(
@@ -259,8 +260,6 @@ def plan_update(cfg: RLConfig, mcfg: ModelConfig, mesh):
   """(cfg with the update's layout / accum_steps / remat concrete, its `memory.UpdatePlan`):
   `rl/memory.resolve_update` against `memory_limit_gb` or the device's limit (raises, naming the
   setting and its estimate, when it does not fit)."""
-  from dice_jax.diffusion import memory as device_memory
-
   if cfg.memory_limit_gb:
     limit = int(cfg.memory_limit_gb * update_memory.GIB)
   else:
@@ -273,11 +272,12 @@ def plan_update(cfg: RLConfig, mcfg: ModelConfig, mesh):
     param_shards=shape.get("fsdp", 1) * shape.get("tensor", 1),
     row_shards=shape.get("data", 1) * shape.get("fsdp", 1),
   )
-  logging.info(
-    "RL update: %s (limit %s)",
-    plan.describe(),
-    "unknown" if limit is None else f"{limit / update_memory.GIB:.1f} GiB",
-  )
+  if limit is None:
+    of = "memory limit unknown"
+  else:
+    where = "memory_limit_gb" if cfg.memory_limit_gb else device_memory.limit_name()
+    of = f"of {limit / update_memory.GIB:.1f} GiB {where}"
+  logging.info("RL update: %s (%s)", plan.describe(), of)
   return cfg, plan
 
 
@@ -337,15 +337,28 @@ def make_backend(cfg: RLConfig, scfg) -> rollout_lib.SamplerBackend:
   return rollout_lib.StaticBatches(scfg, cfg.groups_per_batch, cfg.run.seed)
 
 
-def _warn_config_changes(saved: dict, now: dict) -> None:
-  try:  # a config saved before today's sections, read as today's code reads it
-    saved = json.loads(json.dumps(RLConfig.from_json(saved).to_json()))
+def _in_current_layout(saved: dict) -> dict:
+  """A saved RL config as today's code reads it (fields added since take their defaults)."""
+  try:
+    return RLConfig.from_json(saved).to_json()
   except (TypeError, ValueError, KeyError):
-    pass
-  now = json.loads(json.dumps(now))  # as saved (tuples become lists)
-  changed = sorted(k for k in now if saved.get(k) != now[k])
-  if changed:
-    logging.warning("resuming with config fields changed since the checkpoint: %s", changed)
+    return saved
+
+
+def check_start(cfg: RLConfig, workdir: str, allow_config_change: bool = False) -> int | None:
+  """What can be checked of the run's checkpoints before anything is built, written or waited for:
+  a resume's config (`train/resume.check_run`) or, for a new run, that `run.init_checkpoint` has
+  an intact step. The step a resume starts from, or None. Raises a UserError naming the problem."""
+  step = resume.check_run(
+    workdir,
+    cfg.to_json(),
+    allow_change=allow_config_change,
+    in_current_layout=_in_current_layout,
+  )
+  init = cfg.run.init_checkpoint
+  if step is None and init and ckpt_lib.newest_saved_config(init) is None:
+    raise UserError(f"run.init_checkpoint {init}: no checkpoint under {init}/checkpoints")
+  return step
 
 
 def run_one_step(t: Trainer, judge, step: int):
@@ -382,6 +395,9 @@ def run_one_step(t: Trainer, judge, step: int):
   m["sample_fingerprint"] = reporting.fingerprint([tr.response_ids for tr in ro.trajectories])
   m["optimizer_step"] = float(distributed.to_host(t.state["step"]))
   m["time/step_s"] = time.perf_counter() - t0
+  peak = device_memory.peak_bytes()  # what the plan's worst-case estimate bounds
+  if peak:
+    m["memory/peak_gib"] = peak / update_memory.GIB
   for k, v in m.items():
     if not np.isfinite(v):
       raise FloatingPointError(f"RL step {step + 1}: metric {k} is {v}")
@@ -394,22 +410,28 @@ def run_rl(
   *,
   endpoints: list[str] | None = None,
   max_steps: int | None = None,
+  allow_config_change: bool = False,
   verifier_wait_s: float | None = None,
 ) -> dict:
-  """Runs RL steps up to `cfg.num_steps` (or `max_steps` more), resuming from `workdir`.
+  """Runs RL steps up to `cfg.num_steps` (or `max_steps` more), resuming from `workdir` (a changed
+  config as `train/resume.py` says: fields beyond the safe ones need `allow_config_change`).
 
-  The judge comes first: nothing is written to `workdir` until the verifier at `endpoints` answers
-  (`make_judge`; an unreachable one raises `VerifierUnavailable` and leaves `workdir` as it was).
+  The checkpoints come first (`check_start`: a refused config change, no intact step), then the
+  judge: nothing is written to `workdir` until the verifier at `endpoints` answers (`make_judge`;
+  an unreachable one raises `VerifierUnavailable` and leaves `workdir` as it was).
   SIGINT or SIGTERM during an RL step finishes it, saves it and returns with `preempted` True;
   during start-up, or a second signal, returns at once (`train/stop.py`).
   """
   return stop_lib.run_stoppable(
-    lambda stop: _run(cfg, workdir, stop, endpoints, max_steps, verifier_wait_s),
+    lambda stop: _run(
+      cfg, workdir, stop, endpoints, max_steps, allow_config_change, verifier_wait_s
+    ),
     rl_step=None,
   )
 
 
-def _run(cfg, workdir, stop, endpoints, max_steps, verifier_wait_s) -> dict:
+def _run(cfg, workdir, stop, endpoints, max_steps, allow_config_change, verifier_wait_s) -> dict:
+  check_start(cfg, workdir, allow_config_change)
   judge = make_judge(cfg, endpoints, verifier_wait_s)
   ckpt = None
   last, preempted, done = {}, False, None

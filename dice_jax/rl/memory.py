@@ -170,7 +170,7 @@ class UpdatePlan:
   def describe(self) -> str:
     return (
       f"layout={self.layout} micro_rows={self.micro_rows} remat={self.remat} "
-      f"(rows of {self.row_len} tokens): ~{self.estimate['total'] / GIB:.1f} GiB"
+      f"(rows of up to {self.row_len} tokens): ~{self.estimate['total'] / GIB:.1f} GiB"
     )
 
 

@@ -109,6 +109,8 @@ def progress_line(step: int, total: int, m: dict) -> str:
     f"time sample {m['time/sample_s']:.1f}s verify-wait {m['time/verify_wait_s']:.1f}s "
     f"update {m['time/update_s']:.1f}s"
   )
+  if "memory/peak_gib" in m:
+    parts.append(f"peak memory {m['memory/peak_gib']:.1f} GiB")
   return " | ".join(parts)
 
 

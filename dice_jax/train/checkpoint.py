@@ -12,6 +12,12 @@ Saves are asynchronous (the arrays are copied off-device, then written in the ba
 `save_every` steps and whenever forced (end of run, pre-emption); the last `keep` are kept. Orbax
 writes each step to a temporary directory and renames it when complete, so a kill mid-save leaves
 the previous checkpoint as the latest one.
+
+A step damaged afterwards (a file removed, cut short or overwritten; `checkpoint_files.py`) is named
+in one warning line and skipped: `restore_intact` and `newest_saved_config` fall back to the newest
+intact step, and a resumed run moves the damaged newer steps aside (`<directory>.damaged/<step>`)
+so that it can save those step numbers again. With no intact step they raise
+`DamagedCheckpointError` (a UserError: one line, exit status 2 in the launchers).
 """
 
 from __future__ import annotations
@@ -27,13 +33,35 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from dice_jax import atomic
+from dice_jax import atomic, distributed
 from dice_jax import sharding as sharding_lib
+from dice_jax.errors import UserError
 from dice_jax.model.config import ModelConfig
 from dice_jax.model.transformer import Transformer
+from dice_jax.train import checkpoint_files
 from dice_jax.train import optimizer as optim_lib
 from dice_jax.train import train_step as ts
-from dice_jax.train.config import SFTConfig
+
+
+class DamagedCheckpointError(UserError):
+  """Every saved step of a checkpoint directory is damaged (the message names each problem)."""
+
+
+class CheckpointMismatchError(UserError):
+  """A checkpoint holds the arrays of another model or optimizer than the run restoring it."""
+
+
+def _key_name(key) -> str:
+  """A tree path entry as orbax names it on disk (dict key, sequence index, attribute)."""
+  for attr in ("key", "idx", "name"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _none_intact(directory: str, problems) -> DamagedCheckpointError:
+  listed = "; ".join(f"step {s}: {p}" for s, p in problems)
+  return DamagedCheckpointError(f"no intact checkpoint in {directory}: {listed}")
 
 
 class Checkpointer:
@@ -115,6 +143,101 @@ class Checkpointer:
     out = self._mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
     return out["config"]
 
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def damage(self, step: int) -> str | None:
+    """What is wrong with the files of `step` (`checkpoint_files.damage`), or None."""
+    return checkpoint_files.damage(self.step_dir(step))
+
+  def restore_intact(self, abstract_state: Any, *, set_aside: bool = False):
+    """(step, state, data_state, config) of the newest step that restores, trying older steps when
+    a step's files are damaged or its restore fails (each named in one warning line).
+
+    `abstract_state`: the restore target, or a function of the step's saved config that returns
+    it. `set_aside`: move the damaged newer steps to `<directory>.damaged/` (a resumed run, which
+    saves those step numbers again). Raises DamagedCheckpointError when no step restores (nothing
+    is moved then); FileNotFoundError when nothing is saved.
+    """
+    problems = []
+    for step in sorted(self.all_steps(), reverse=True):
+      restored, problem = self._try_restore(step, abstract_state)
+      if problem is not None:
+        problems.append((step, problem))
+        continue
+      self._warn_skipped(problems, step)
+      if set_aside and problems:
+        self._set_aside([s for s, _ in problems])
+      return (step, *restored)
+    if problems:
+      raise _none_intact(self.directory, problems)
+    raise FileNotFoundError(f"no checkpoint in {self.directory}")
+
+  def restore_step(self, step: int, abstract_state: Any):
+    """(state, data_state, config) of `step` (`abstract_state` as for `restore_intact`); raises
+    DamagedCheckpointError naming what is wrong with it."""
+    restored, problem = self._try_restore(step, abstract_state)
+    if problem is not None:
+      raise DamagedCheckpointError(f"checkpoint step {step} in {self.directory}: {problem}")
+    return restored
+
+  def _try_restore(self, step: int, abstract_state: Any):
+    """((state, data_state, config), None), or (None, what is wrong with `step`); the same answer
+    on every process."""
+    if step not in self.all_steps():
+      return None, "not saved"
+    problem, restored = self.damage(step), None
+    if problem is None:
+      config = self.restore_config(step)
+      target = abstract_state(config) if callable(abstract_state) else abstract_state
+      self._check_same_arrays(step, target)
+      try:
+        restored = self.restore(target, step)
+      except Exception as e:  # noqa: BLE001 -- any failure to read the step is its damage
+        problem = f"restore failed: {checkpoint_files.one_line(e)}"
+    if distributed.any_process(problem is not None):
+      return None, problem or "its restore failed on another process"
+    return restored, None
+
+  def _check_same_arrays(self, step: int, target: Any) -> None:
+    """Raises CheckpointMismatchError when `step` holds other arrays than `target` has (another
+    model or optimizer than the one that saved it: not damage, and no older step would fit)."""
+    with open(os.path.join(self.step_dir(step), "state", "_METADATA")) as f:
+      saved = set(checkpoint_files.array_keys(json.load(f)["tree_metadata"]))
+    paths = jax.tree_util.tree_flatten_with_path(target)[0]
+    wanted = {".".join(_key_name(k) for k in path) for path, _ in paths}
+    if saved != wanted:
+      only_saved, only_wanted = sorted(saved - wanted), sorted(wanted - saved)
+      raise CheckpointMismatchError(
+        f"checkpoint step {step} in {self.directory} holds another train state than this run "
+        f"builds (another model or optimizer): arrays only in the checkpoint {only_saved[:3]}, "
+        f"only in this run {only_wanted[:3]}"
+      )
+
+  def _warn_skipped(self, problems, step: int) -> None:
+    for bad, problem in problems:
+      logging.warning(
+        "checkpoint step %d in %s is damaged (%s); using step %d",
+        bad,
+        self.directory,
+        problem,
+        step,
+      )
+
+  def _set_aside(self, steps: list[int]) -> None:
+    """Moves damaged `steps` to `<directory>.damaged/<step>` (process 0; all then re-read)."""
+    aside = f"{self.directory}.damaged"
+    if distributed.is_primary():
+      os.makedirs(aside, exist_ok=True)
+      for step in steps:
+        dest = os.path.join(aside, str(step))
+        if os.path.exists(dest):
+          dest = f"{dest}.{int(os.path.getmtime(dest))}"
+        os.replace(self.step_dir(step), dest)
+        logging.warning("moved the damaged checkpoint step %d to %s", step, dest)
+    distributed.barrier("checkpoint_set_aside")
+    self._mngr.reload()
+
   def reached_preemption(self, step: int) -> bool:
     """True on every process once a pre-emption notice reached any (multi-host, via JAX's
     distributed preemption service)."""
@@ -128,6 +251,24 @@ class Checkpointer:
 
 
 MODEL_CONFIG = "model_config.json"
+
+
+def newest_saved_config(run_dir: str) -> tuple[int, dict] | None:
+  """(step, config) of the newest step of the SFT or RL run in `run_dir` whose files look whole
+  (`checkpoint_files.damage`), or None when it has none. Reads files only, without an orbax manager:
+  no collective among processes, nothing created or cleaned up (a run's other processes may be
+  starting beside it). Raises DamagedCheckpointError when every saved step is damaged."""
+  directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+  problems = []
+  for step in reversed(checkpoint_files.saved_steps(directory)):
+    step_dir = os.path.join(directory, str(step))
+    problem = checkpoint_files.damage(step_dir)
+    if problem is None:
+      return step, checkpoint_files.read_config(step_dir)
+    problems.append((step, problem))
+  if problems:
+    raise _none_intact(directory, problems)
+  return None
 
 
 def save_model_config(mcfg: ModelConfig, workdir: str) -> None:
@@ -165,23 +306,38 @@ def abstract_train_state(mcfg: ModelConfig, tx, mesh):
   return graphdef, ts.abstract_state(shapes, shardings), shardings
 
 
-def restore_model(workdir: str, mesh=None, step: int | None = None):
-  """(model, tokenizer_dir, step): the parameters of a run's checkpoint (default: latest).
+def restore_params(run_dir: str, mesh=None, step: int | None = None):
+  """(model, model config, saved run config, step): the parameters of an SFT or RL run's checkpoint
+  (default: its newest intact step, warning about damaged newer ones), restored against an
+  abstract target (no random init, no optimizer allocation before the restore) onto `mesh`
+  (default: every device on the fsdp axis). Raises DamagedCheckpointError when no step is intact
+  (or `step` is damaged)."""
+  mcfg = read_model_config(run_dir)
+  mesh = mesh or sharding_lib.make_mesh()
+  graphdef = None
 
-  The train state is restored against an abstract target (no random init, no optimizer
-  allocation before the restore), onto `mesh` (default: every device on the fsdp axis).
-  """
-  mcfg = read_model_config(workdir)
-  ckpt = Checkpointer(f"{workdir}/checkpoints", save_every=1, async_save=False)
+  def target(config: dict):
+    nonlocal graphdef
+    tx = optim_lib.make_optimizer(optim_lib.OptimizerConfig(**config["optim"]), 1)
+    graphdef, abstract, _ = abstract_train_state(mcfg, tx, mesh)
+    return abstract
+
+  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=1, async_save=False)
   try:
-    step = ckpt.latest_step() if step is None else step
     if step is None:
-      raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
-    cfg = SFTConfig.from_json(ckpt.restore_config(step))
-    mesh = mesh or sharding_lib.make_mesh()
-    tx = optim_lib.make_optimizer(cfg.optim, cfg.num_steps)
-    graphdef, target, _ = abstract_train_state(mcfg, tx, mesh)
-    state, _, _ = ckpt.restore(target, step)
+      step, state, _, config = ckpt.restore_intact(target)
+    else:
+      state, _, config = ckpt.restore_step(step, target)
+  except FileNotFoundError:
+    raise FileNotFoundError(f"no checkpoint under {run_dir}/checkpoints") from None
   finally:
     ckpt.close()
-  return nnx.merge(graphdef, state["params"]), cfg.run.tokenizer_dir(workdir), step
+  return nnx.merge(graphdef, state["params"]), mcfg, config, step
+
+
+def restore_model(workdir: str, mesh=None, step: int | None = None):
+  """(model, tokenizer_dir, step): `restore_params` of a run directory, with the run's tokenizer."""
+  from dice_jax.train.run_config import nest_flat_fields
+
+  model, _, config, step = restore_params(workdir, mesh, step)
+  return model, nest_flat_fields(config)["run"].tokenizer_dir(workdir), step

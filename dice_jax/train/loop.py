@@ -65,19 +65,6 @@ def batch_summary(host_batch: dict, rows, stop_requested: bool) -> tuple[float, 
   return float(zlib.crc32(crcs.tobytes())), float(real), bool(parts[:, 0].any())
 
 
-def _saved_run(workdir: str):
-  """(step, config) of the latest checkpoint in `workdir`, or None; creates nothing."""
-  directory = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(directory):
-    return None
-  probe = ckpt_lib.Checkpointer(directory, save_every=1, async_save=False)
-  try:
-    step = probe.latest_step()
-    return None if step is None else (step, probe.restore_config(step))
-  finally:
-    probe.close()
-
-
 def _in_current_layout(saved: dict) -> dict:
   """A saved run config as today's code reads it (`SFTConfig.from_json`: fields added since take
   their defaults, the old flat objective fields move into `objective`); as saved if unreadable."""
@@ -97,15 +84,9 @@ def prepare(
   """Checks everything that can be checked before a file is written; (model config, tokenizer,
   samples). Raises a UserError naming the input: a changed config on resume, an existing
   export, bad data, a tokenizer that does not fit the model, samples longer than seq_len."""
-  saved = _saved_run(workdir)
-  if saved is not None:
-    step, saved_cfg = saved
-    saved_cfg = _in_current_layout(saved_cfg)
-    changes = resume.check_resume(
-      saved_cfg, cfg.to_json(), workdir=workdir, step=step, allow_change=allow_config_change
-    )
-    if changes:
-      logging.warning("resuming step %d with config changes: %s", step, resume.describe(changes))
+  resume.check_run(
+    workdir, cfg.to_json(), allow_change=allow_config_change, in_current_layout=_in_current_layout
+  )
   if export_hf and os.path.exists(export_hf):
     raise UserError(
       f"export_hf {export_hf} already exists: remove it or choose another directory "
@@ -190,8 +171,10 @@ def _run(cfg, workdir, stop, export_hf, allow_config_change) -> dict:
       cfg.data_shards,
     )
   ckpt = run_setup.make_checkpointer(cfg.run, workdir)
-  if ckpt.latest_step() is not None:
-    state, data_state, _ = ckpt.restore(ts.abstract_state(state, shardings))
+  if ckpt.latest_step() is not None:  # damaged newer steps are moved aside
+    _, state, data_state, _ = ckpt.restore_intact(
+      ts.abstract_state(state, shardings), set_aside=True
+    )
     it.set_state(data_state)
   start = int(jax.device_get(state["step"]))
 

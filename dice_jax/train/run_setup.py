@@ -14,7 +14,6 @@ from dice_jax.errors import UserError
 from dice_jax.model.config import ModelConfig, get_config
 from dice_jax.model.transformer import Transformer
 from dice_jax.train import checkpoint as ckpt_lib
-from dice_jax.train import optimizer as optim_lib
 from dice_jax.train.run_config import RunConfig
 
 
@@ -98,22 +97,12 @@ def make_checkpointer(run: RunConfig, workdir: str, keep_period: int | None = No
 
 def restore_run_params(run_dir: str, mesh, step: int | None = None):
   """(model, model config, tokenizer dir or None) from an SFT or RL run's checkpoint (default: its
-  latest): `--init_checkpoint` (RL phase 2 starts from phase 1; phase 1 from SFT)."""
-  mcfg = ckpt_lib.read_model_config(run_dir)
-  ckpt = ckpt_lib.Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=1, async_save=False)
-  try:
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint under {run_dir}/checkpoints")
-    saved = ckpt.restore_config(step)
-    tx = optim_lib.make_optimizer(optim_lib.OptimizerConfig(**saved["optim"]), 1)
-    graphdef, target, _ = ckpt_lib.abstract_train_state(mcfg, tx, mesh)
-    state, _, _ = ckpt.restore(target, step)
-  finally:
-    ckpt.close()
+  newest intact step, `checkpoint.restore_params`): `--init_checkpoint` (RL phase 2 starts from
+  phase 1; phase 1 from SFT)."""
+  model, mcfg, saved, step = ckpt_lib.restore_params(run_dir, mesh, step)
   tok_dir = os.path.join(run_dir, "tokenizer")
   if not os.path.isdir(tok_dir):
     saved_tok = saved.get("run", {}).get("tokenizer", saved.get("tokenizer"))
     tok_dir = saved_tok if saved_tok not in (None, "", "byte") else None
   logging.info("initialised from %s step %d", run_dir, step)
-  return nnx.merge(graphdef, state["params"]), mcfg, tok_dir
+  return model, mcfg, tok_dir

@@ -16,6 +16,12 @@ fixed by construction, so an evaluation of them has exactly known metrics:
   7 Softsign        no candidate at all                         -> MISSING
 
 Every candidate loads the same extension source, so the verifier builds it once (build cache).
+
+For BiC-RL on CPU (`make demo`'s RL phase, the `rl_tiny` config) it also writes cpu_rl_task.jsonl,
+problem 1 (ReLU) as an end-to-end RL task, and cpu_rl_candidates.jsonl: two short candidates for it
+that differ in one character, `correct` (OK) and `wrong_output` (`<` for `>`: WRONG_OUTPUT). The
+demo's SFT teaches the tiny model both, so its samples are real candidates the verifier judges
+both ways (two builds in all), and BiC-RL has groups of unequal rewards to learn from.
 Our own code. Regenerate with ``python experiments/demo_data/make_cpu_problems.py``.
 """
 
@@ -122,6 +128,25 @@ CANDIDATES = {  # problem id -> {"candidate": code} | {"response": text}
   6: {"response": "I would use fabsf over every element, but here is no code block."},
 }
 
+# Short, so that the demo's tiny model learns them in a few hundred SFT steps (~400 characters).
+RL_CANDIDATE = '''from torch.nn import Module
+from torch.utils.cpp_extension import load_inline
+m = load_inline(name="relu", cpp_sources="""
+torch::Tensor f(torch::Tensor x) {
+  auto y = x.clone();
+  float *p = y.data_ptr<float>();
+  for (int i = 0; i < y.numel(); i++) p[i] = {expr};
+  return y;
+}""", functions=["f"])
+class ModelNew(Module):
+    def forward(self, x):
+        return m.f(x)
+'''
+RL_CANDIDATES = {  # variant -> (C++ expression of p[i], the verdict it gets)
+  "correct": ("p[i] > 0 ? p[i] : 0", "OK"),
+  "wrong_output": ("p[i] < 0 ? p[i] : 0", "WRONG_OUTPUT"),
+}
+
 # The verdicts these candidates get (what tests and the demo expect).
 EXPECTED_KINDS = {
   1: "OK",
@@ -143,7 +168,16 @@ def main():
   with open(os.path.join(HERE, "cpu_candidates.jsonl"), "w") as f:
     for pid, row in CANDIDATES.items():
       f.write(json.dumps({"level": 1, "problem_id": pid, **row}) + "\n")
+  name, doc, body, shape = PROBLEMS[0]
+  with open(os.path.join(HERE, "cpu_rl_task.jsonl"), "w") as f:
+    code = REFERENCE.format(doc=doc, body=body, shape=shape)
+    f.write(json.dumps({"id": f"1_{name}", "level": 1, "pytorch_code": code}) + "\n")
+  with open(os.path.join(HERE, "cpu_rl_candidates.jsonl"), "w") as f:
+    for variant, (expr, kind) in RL_CANDIDATES.items():
+      code = RL_CANDIDATE.replace("{expr}", expr)
+      f.write(json.dumps({"variant": variant, "candidate": code, "expected": kind}) + "\n")
   print(f"wrote {len(PROBLEMS)} problems and {len(CANDIDATES)} candidates to {HERE}")
+  print(f"wrote the RL task {name} and its {len(RL_CANDIDATES)} SFT candidates to {HERE}")
 
 
 if __name__ == "__main__":

@@ -181,6 +181,86 @@ def test_sft_resume_with_another_config_is_refused_naming_each_field(finished_ru
   assert tree(finished_run) == before
 
 
+def _damage_every_step(workdir):
+  for step in os.listdir(workdir / "checkpoints"):
+    (workdir / "checkpoints" / step / "state" / "_METADATA").write_text('{"tree_metadata": {')
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_is_one_error_for_sft_export_and_rl(
+  finished_run, cuke_file, tmp_path
+):
+  """Every step damaged: resume, export and --init_checkpoint name each step in one line, exit 2
+  (a damaged newest step alone falls back: tests/train/test_launcher_resume.py)."""
+  from dice_jax.model.config import get_config
+  from dice_jax.train.checkpoint import save_model_config
+
+  save_model_config(get_config("tiny"), str(finished_run))
+  _damage_every_step(finished_run)
+  before = tree(finished_run)
+  damaged = (
+    f"no intact checkpoint in {finished_run}/checkpoints: step 4: state/_METADATA is unreadable: "
+    "JSONDecodeError: Expecting property name enclosed in double quotes"
+  )
+  proc = launch("sft", f"--workdir={finished_run}", f"--set=data_path={cuke_file}", *SFT_SETS)
+  assert error_line(proc, "sft").startswith(f"sft: error: {damaged}")
+  proc = launch(
+    "export_hf", "--init=checkpoint", f"--workdir={finished_run}", f"--out={tmp_path}/x"
+  )
+  assert error_line(proc, "export_hf").startswith(f"export_hf: error: {damaged}")
+  assert "Event loop is closed" not in proc.stderr and not (tmp_path / "x").exists()
+  rl = tmp_path / "rl"
+  proc = launch(
+    "rl", f"--workdir={rl}", f"--init_checkpoint={finished_run}", "--verifier=127.0.0.1:1"
+  )
+  assert error_line(proc, "rl").startswith(f"rl: error: {damaged}")
+  assert tree(finished_run) == before
+  empty = tmp_path / "no_checkpoints"
+  empty.mkdir()
+  proc = launch("rl", f"--workdir={rl}", f"--init_checkpoint={empty}", "--verifier=127.0.0.1:1")
+  assert error_line(proc, "rl") == (
+    f"rl: error: run.init_checkpoint {empty}: no checkpoint under {empty}/checkpoints"
+  )
+  assert not rl.exists()
+
+
+@pytest.fixture
+def rl_run(tmp_path):
+  """An RL run directory whose checkpoint (step 3) holds the config of `rl_tiny` as is."""
+  from dice_jax.train.checkpoint import Checkpointer
+  from experiments.configs.rl_tiny import get_config
+
+  workdir = tmp_path / "rl"
+  ckpt = Checkpointer(str(workdir / "checkpoints"), save_every=1, async_save=False)
+  ckpt.save(3, {"x": np.zeros(2, np.float32)}, {"rl_step": 3}, get_config().to_json(), force=True)
+  ckpt.close()
+  return workdir
+
+
+def test_rl_resume_refuses_a_changed_learning_rate_and_a_changed_group_size(rl_run):
+  """Was: a changed learning rate only warned (naming sections) and trained on; a changed group
+  size crashed in grain (`next_index 256 is out of range`). The config is checked before the run
+  waits for its verifier; training longer passes the check (and then waits)."""
+  before = tree(rl_run)
+  args = [f"--workdir={rl_run}", "--verifier=127.0.0.1:1", "--verifier_wait_s=1"]
+  proc = launch("rl", *args, "--set=stream.num_steps=20", "--set=run.checkpoint_every=5")
+  changes = "run.checkpoint_every 1 -> 5, stream.num_steps 12 -> 20"
+  assert f"resuming step 3 with config changes: {changes}" in proc.stderr
+  assert error_line(proc, "rl").startswith("rl: error: verifier not ready after 1 s: 127.0.0.1:1")
+  proc = launch("rl", *args, "--set=optim.learning_rate=0.5")
+  assert error_line(proc, "rl") == (
+    f"rl: error: {rl_run} holds a run (step 3) started with another config: "
+    "optim.learning_rate 0.0001 -> 0.5; pass --allow_config_change to continue it with the new "
+    "values, or use a new --workdir"
+  )
+  proc = launch("rl", *args, "--set=stream.group_size=4", "--allow_config_change")
+  assert error_line(proc, "rl") == (
+    f"rl: error: {rl_run} holds a run (step 3) whose config cannot change in these fields, even "
+    "with --allow_config_change: stream.group_size 8 -> 4 (the saved RL-stream position counts "
+    "samples of this layout); use a new --workdir"
+  )
+  assert tree(rl_run) == before
+
+
 def test_sft_rerun_with_an_existing_export_says_what_to_do(finished_run, cuke_file, tmp_path):
   export = tmp_path / "export"
   export.mkdir()

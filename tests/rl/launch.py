@@ -1,5 +1,6 @@
 """The RL launcher command the subprocess tests share: `rl_tiny` with a toy judge, 2 tasks x 4
-samples of up to 16 tokens per step, so a step takes about a second on CPU after compiling."""
+samples of up to 16 tokens per step (tasks from the demo pairs, so that steps differ in data), so a
+step takes about a second on CPU after compiling."""
 
 import os
 import sys
@@ -14,6 +15,7 @@ def rl_cmd(workdir, num_steps: int, *extra: str) -> list[str]:
     "experiments.rl",
     "--config=rl_tiny",
     f"--workdir={workdir}",
+    f"--set=e2e_tasks={REPO}/experiments/demo_data/pairs.jsonl",
     "--set=judge=python:tests.rl.toy_judges:byte_parity",
     "--set=code_extraction=whole_response",
     f"--set=stream.num_steps={num_steps}",

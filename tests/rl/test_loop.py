@@ -115,7 +115,7 @@ def test_config_json_round_trip_and_dice_presets():
     }
   assert (infill.phase, infill.num_steps, infill.max_prompt_len) == ("infill", 20, 2000)
   assert (e2e.phase, e2e.num_steps, e2e.max_prompt_len) == ("e2e", 100, 1500)
-  assert rl_tiny.get_config().stream.elements_per_step == 64
+  assert rl_tiny.get_config().stream.elements_per_step == 16
 
 
 def test_run_waits_for_its_verifier_before_writing_anything(tmp_path, caplog):

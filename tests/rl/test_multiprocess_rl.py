@@ -1,6 +1,6 @@
 """The RL launcher as two JAX processes (2 fake CPU devices each, one mesh over the 4) runs the
 same RL steps as one process with 4 devices: same tasks, samples and verdicts (each process
-judges half of the requests, all get every verdict), losses equal to rtol 1e-5; metrics are
+judges half of the requests, all get every verdict), losses equal to rtol 1e-5 (atol 1e-7); metrics are
 written once (process 0), and the checkpoint the two processes wrote is resumed by one."""
 
 import json
@@ -76,5 +76,7 @@ def test_two_rl_processes_run_the_steps_of_one_and_one_process_resumes_them(tmp_
   for w, g in zip(want, got):
     for key in EXACT:
       assert g[key] == w[key], f"{key} differs at step {w['step']}: {g[key]} != {w[key]}"
-    for key in CLOSE:
-      np.testing.assert_allclose(g[key], w[key], rtol=1e-5, err_msg=f"{key} step {w['step']}")
+    for key in CLOSE:  # atol: a mini-batch whose advantages sum to 0 has a loss of rounding only
+      np.testing.assert_allclose(
+        g[key], w[key], rtol=1e-5, atol=1e-7, err_msg=f"{key} step {w['step']}"
+      )

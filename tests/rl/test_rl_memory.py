@@ -223,6 +223,37 @@ def test_a_setting_that_does_not_fit_is_refused_before_the_rollout(tmp_path, mon
   assert "remat=full" in str(e.value)  # the smallest setting tried
 
 
+def test_on_cpu_the_plan_is_made_against_the_hosts_memory_and_says_so(caplog):
+  """Was: `~64.2 GiB (limit unknown)` for rl_tiny, and no plan was chosen by memory on CPU."""
+  import dataclasses
+  import logging
+  import os
+
+  from dice_jax.diffusion import memory as device_memory
+  from dice_jax.rl import loop
+  from experiments.configs import rl_tiny
+
+  host = device_memory.host_memory()
+  assert host and host <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  assert device_memory.device_limit() == host and device_memory.limit_name() == "host memory"
+  assert 0 < device_memory.peak_bytes() < host  # this process's peak resident memory
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+  cfg = rl_tiny.get_config()
+  with caplog.at_level(logging.INFO):
+    resolved, plan = loop.plan_update(cfg, get_config("tiny", dtype="float32"), mesh)
+  line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("RL update:"))
+  assert line.endswith(f"(of {host / GIB:.1f} GiB host memory)"), line
+  assert plan.estimate["total"] <= host and f"~{plan.estimate['total'] / GIB:.1f} GiB" in line
+  # a host a quarter the size: smaller micro-batches, the same rows per optimizer step
+  small, small_plan = memory.resolve_update(cfg, get_config("tiny", dtype="float32"), host // 4)
+  assert small_plan.estimate["total"] <= host // 4
+  assert small.accum_steps * small_plan.micro_rows == cfg.rows_per_update
+  explicit = dataclasses.replace(cfg, memory_limit_gb=100.0)
+  with caplog.at_level(logging.INFO):
+    loop.plan_update(explicit, get_config("tiny", dtype="float32"), mesh)
+  assert caplog.records[-1].getMessage().endswith("(of 100.0 GiB memory_limit_gb)")
+
+
 @pytest.mark.parametrize("layout", ["packed", "per_round"])
 def test_gathering_trained_positions_before_the_lm_head_changes_no_value_or_gradient(layout):
   graphdef, params, old = _models(False)

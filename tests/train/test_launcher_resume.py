@@ -1,8 +1,10 @@
 """The launcher end to end (subprocesses): kill -9 + restart is exact; SIGTERM and Ctrl-C (SIGINT)
-save the current step and stop cleanly, also during the first compile; a changed config is
-refused on resume unless allowed."""
+save the current step and stop cleanly, also during the first compile; damaged newest checkpoints
+are named, moved aside and the run resumes exactly from the newest intact one; training longer is
+a plain rerun, another learning rate is refused on resume unless allowed."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -151,22 +153,66 @@ def test_sigterm_during_the_first_compile_saves_step_one_and_exits_cleanly(tmp_p
   assert _saved_steps(workdir) == [1] and max(_metrics(workdir)) == 1
 
 
-def test_resume_with_another_config_is_refused_unless_allowed(reference_run, data_file):
-  """Runs last: it extends the uninterrupted run by two steps."""
-  longer = [a for a in _cmd(reference_run, data_file) if "num_steps" not in a]
+def test_damaged_newest_checkpoints_are_skipped_and_the_run_resumes_exactly(
+  tmp_path, reference_run, reference, data_file
+):
+  """Step 30's metadata overwritten, step 28's array data cut short: the rerun names both in one
+  line each, moves them aside and trains steps 25-30 again from step 24, with the same losses."""
+  workdir = tmp_path / "run"
+  shutil.copytree(reference_run, workdir)
+  ckpts = workdir / "checkpoints"
+  assert _saved_steps(str(workdir)) == [24, 28, 30]
+  (ckpts / "30" / "state" / "_METADATA").write_text('{"tree_metadata": {"params"')
+  for f in (ckpts / "28" / "state" / "ocdbt.process_0" / "d").iterdir():
+    with open(f, "r+b") as fh:
+      fh.truncate(f.stat().st_size // 2)
+  again = subprocess.run(
+    _cmd(str(workdir), data_file),
+    cwd=REPO,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert again.returncode == 0, again.stderr[-3000:]
+  log = again.stderr
+  assert "Traceback" not in log and "Event loop is closed" not in log
+  for bad, what in ((30, "state/_METADATA is unreadable: JSONDecodeError"), (28, "state: ")):
+    assert f"checkpoint step {bad} in {ckpts} is damaged ({what}" in log, log[-3000:]
+    assert f"moved the damaged checkpoint step {bad} to {ckpts}.damaged/{bad}" in log
+  assert "); using step 24" in log and "restored step 24" in log
+  assert sorted(os.listdir(f"{ckpts}.damaged")) == ["28", "30"]
+  assert _saved_steps(str(workdir))[-1] == NUM_STEPS
+  resumed = _metrics(str(workdir))
+  for step in range(25, NUM_STEPS + 1):
+    assert resumed[step]["loss"] == reference[step]["loss"], f"loss differs at step {step}"
+    assert resumed[step]["data_fingerprint"] == reference[step]["data_fingerprint"]
+
+
+def test_training_longer_is_a_rerun_and_another_learning_rate_is_refused(
+  tmp_path, reference_run, data_file
+):
+  """A copy of the uninterrupted run is extended by two steps (was: num_steps 30 -> 32 needed
+  --allow_config_change)."""
+  workdir = str(tmp_path / "run")
+  shutil.copytree(reference_run, workdir)
+  longer = [a for a in _cmd(workdir, data_file) if "num_steps" not in a]
   longer.append(f"--set=num_steps={NUM_STEPS + 2}")
   run = lambda cmd: subprocess.run(  # noqa: E731
     cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600
   )
-  refused = run(longer)
+  refused = run(longer + ["--set=optim.learning_rate=0.5"])
   assert refused.returncode == 2 and "Traceback" not in refused.stderr
   assert refused.stderr.strip().splitlines()[-1] == (
-    f"sft: error: {reference_run} holds a run (step {NUM_STEPS}) started with another config: "
-    f"num_steps {NUM_STEPS} -> {NUM_STEPS + 2}; pass --allow_config_change to continue it with "
+    f"sft: error: {workdir} holds a run (step {NUM_STEPS}) started with another config: "
+    "optim.learning_rate 0.003 -> 0.5; pass --allow_config_change to continue it with "
     "the new values, or use a new --workdir"
   )
-  assert _saved_steps(reference_run)[-1] == NUM_STEPS
-  allowed = run(longer + ["--allow_config_change"])
-  assert allowed.returncode == 0, allowed.stderr[-3000:]
-  assert f"resuming step {NUM_STEPS} with config changes: num_steps" in allowed.stderr
-  assert max(_metrics(reference_run)) == NUM_STEPS + 2
+  assert _saved_steps(workdir)[-1] == NUM_STEPS
+  longer_run = run(longer)
+  assert longer_run.returncode == 0, longer_run.stderr[-3000:]
+  assert (
+    f"resuming step {NUM_STEPS} with config changes: num_steps {NUM_STEPS} -> {NUM_STEPS + 2}"
+    in longer_run.stderr
+  )
+  assert max(_metrics(workdir)) == NUM_STEPS + 2
