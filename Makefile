@@ -18,6 +18,12 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# CPU wheel of torch (a plain `torch` would pull a multi-GB CUDA build).
 	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+# libtpu for the TPU compile tests only: installed, it makes every JAX start without JAX_PLATFORMS
+# probe for a TPU (~2 s and libtpu's warnings on stderr), so the demo's venv does not get it.
+$(BIN)/.tpu-compile: $(BIN)/.installed
 	$(BIN)/python -m pip install -q -e '.[test,tpu-compile]'
 	touch $@
 
@@ -35,7 +41,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 
-test: lint
+test: lint $(BIN)/.tpu-compile
 	$(BIN)/python -m pytest -q --durations=25 tests
 
 clean:
