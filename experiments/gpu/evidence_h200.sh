@@ -19,12 +19,12 @@
 #                  13 FOREIGN_KERNELS, 2 NO_KERNEL, 1 INPUT_MUTATION, 1 NONFINITE_OUTPUT (session 14: 150 s
 #                  before the evidence on every call; 2026-12-03 at 696f912: not done in 230 s, cut in
 #                  the kernelbench pass); the jobs' tasks beyond their runtime's own
-#   relu   (120 s) the float4 ReLU over 32M floats timed by the verifier three times against a
-#                  KernelBench-style timing of the same pair in one process (target: the median within
-#                  10 %; c10e1a8 reported 0.22-0.32 where that timing said 1.01-1.03)
 #   tests  (rest)  every other verifier GPU test, issue 37's first (device records on every call, host
 #                  compute, graphs/streams/contexts, nothing on the GPU after a verdict, confinement)
-#   relu   (120 s) (after tests: what the budget leaves; PARTS=relu alone runs it in ~40 s)
+#   relu   (120 s) the float4 ReLU over 32M floats timed by the verifier three times against a
+#                  KernelBench-style timing of the same pair in one process (target: the median within
+#                  10 %; c10e1a8 reported 0.22-0.32 where that timing said 1.01-1.03); after tests, in
+#                  what the budget leaves (PARTS=relu alone: ~40 s)
 #   level1 (160 s, not default) `verifier bench` gpu_level1: reward rate (>= 80/min), timed rate cached
 #                  (>= 45/min), the checker's clock against in-process CUDA events on 10 problems
 #                  (new/old within 10 % for >= 9 of 10), tasks beyond the runtime's own
