@@ -71,7 +71,7 @@ class DecodeTiles:
   # portable reference of "asm"). All give the same bf16 values.
   fp8_widen: str = "cast"
   # Schedule: the decode forward in two row halves, each half's cache attention on a second GPU
-  # stream (`compute_on("gpu_stream:1")`), so one half's attention (HBM-bound) can run beside the
+  # stream (`platform.on_gpu_stream`), so one half's attention (HBM-bound) can run beside the
   # other half's matmuls (tensor cores). `transformer.Transformer._unrolled_halves`.
   halves: bool = False
 

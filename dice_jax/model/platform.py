@@ -86,3 +86,16 @@ def cache_multiple(block_k: int) -> int:
   """What a flash KV cache's length must be a multiple of: the GPU kernel's `block_k`, and on TPU
   also the 128-lane width of the TPU kernel's key tiles."""
   return math.lcm(block_k, 128) if target().platform == "tpu" else block_k
+
+
+def on_gpu_stream(fn, stream: int):
+  """`fn` (arrays in, arrays out, positional) as one call XLA runs on GPU stream `stream`, beside
+  the main stream; other backends ignore the annotation. It is `jax.experimental.compute_on` with
+  compute type ``gpu_stream:N``: a primitive whose call carries ``_xla_stream_annotation`` and
+  whose outputs stay in device memory (``out_memory_spaces``). That function form is
+  ``compute_on2`` in jax 0.10 (where ``compute_on(compute_type)`` is still a context manager) and
+  ``compute_on`` from jax 0.11 (jax-ml/jax 3a440c764b and ad1df344b0, 2026-07/08)."""
+  from jax.experimental import compute_on as api
+
+  wrap = getattr(api, "compute_on2", None) or api.compute_on
+  return wrap(fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device)

@@ -389,14 +389,12 @@ def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk
 
 
 def _side_stream_attention(spec: masks_lib.AttentionSpec):
-  """The flash cached attention of some rows as a call on GPU stream 1 (`jax.experimental.
-  compute_on`; XLA runs it asynchronously beside the main stream, other backends ignore the
-  annotation): `(q, k, v, layer, positions, seg, blk, cache, row_offset) -> o`."""
-  from jax.experimental.compute_on import compute_on
-
+  """The flash cached attention of some rows as a call on GPU stream 1 (`platform.on_gpu_stream`:
+  XLA runs it asynchronously beside the main stream, other backends ignore the annotation):
+  `(q, k, v, layer, positions, seg, blk, cache, row_offset) -> o`, `row_offset` a Python int."""
   from dice_jax.model import flash_decode
 
-  def attend(q, k, v, layer, positions, seg, blk, cache, row_offset):
+  def attend(q, k, v, layer, positions, seg, blk, cache, *, row_offset):
     tgt = platform_lib.check("flash", q.shape[1], cache.max_len + k.shape[1])
     if tgt.platform == "tpu":
       raise ValueError("DecodeTiles.halves is a GPU schedule (its row offset is a Triton option)")
@@ -414,7 +412,16 @@ def _side_stream_attention(spec: masks_lib.AttentionSpec):
       row_offset=row_offset,
     )
 
-  return compute_on("gpu_stream:1")(jax.jit(attend, static_argnames=("row_offset",)))
+  calls = {}  # one stream call per row offset: the offset is static, every argument of it traced
+
+  def call(q, k, v, layer, positions, seg, blk, cache, row_offset: int):
+    if row_offset not in calls:
+      calls[row_offset] = platform_lib.on_gpu_stream(
+        functools.partial(attend, row_offset=row_offset), 1
+      )
+    return calls[row_offset](q, k, v, layer, positions, seg, blk, cache)
+
+  return call
 
 
 def remat_layer(layer_fn, policy: str):

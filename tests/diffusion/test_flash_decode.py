@@ -2,13 +2,14 @@
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from dice_jax.diffusion import sampler
-from dice_jax.model import flash_decode, masks, transformer
+from dice_jax.model import flash_decode, masks, platform, transformer
 from dice_jax.model.config import get_config
 from dice_jax.model.kv_cache import KVCache
 
@@ -258,3 +259,15 @@ def test_sampler_with_every_decode_option_decodes_what_the_dense_sampler_decodes
   got = sampler.generate(flash, prompts, dataclasses.replace(cfg, decode_tiles=tiles))
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
   np.testing.assert_array_equal(np.asarray(got.step_map), np.asarray(want.step_map))
+
+
+def test_a_call_on_a_gpu_stream_carries_the_stream_and_keeps_its_values():
+  """`halves`' stream call through the installed jax's `compute_on` (0.10: `compute_on2`; 0.11:
+  `compute_on` with `compute_type` and `out_memory_spaces`): the lowered call is annotated for
+  stream 1 and not inlined, and gives the function's values (the annotation is ignored on CPU)."""
+  f = lambda x, y: x * y + x
+  x, y = jnp.arange(8.0), jnp.full(8, 2.0)
+  on_stream = jax.jit(platform.on_gpu_stream(f, 1))
+  text = on_stream.lower(x, y).as_text()
+  assert '_xla_stream_annotation = "1"' in text and 'inlineable = "false"' in text
+  np.testing.assert_array_equal(on_stream(x, y), f(x, y))

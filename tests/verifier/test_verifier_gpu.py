@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import time
 
 import pytest
 
@@ -62,11 +63,18 @@ def gpu_service(tmp_path_factory):
   loop.close()
 
 
-def _verify(gpu_service, *reqs):
+def _verify(gpu_service, *reqs, on_result=None):
+  """The results of ``reqs``, verified at once; ``on_result(request, result)`` as each arrives."""
   loop, svc = gpu_service
 
+  async def one(r):
+    res = await svc.verify(r)
+    if on_result is not None:
+      on_result(r, res)
+    return res
+
   async def go():
-    return await asyncio.gather(*(svc.verify(r) for r in reqs))
+    return await asyncio.gather(*(one(r) for r in reqs))
 
   return loop.run(go())
 
@@ -272,46 +280,104 @@ def _data_file(name: str) -> pathlib.Path:
   pytest.skip(f"{name} not found (set VERIFIER_DATA or provide ../shared/data)")
 
 
+class _DiceReport:
+  """DICE's verdicts as they arrive, for a run a time limit may cut: a line per verdict (seconds since
+  the start, request, kind, compile and run seconds, what the service is doing) on stdout and in
+  ``dice_progress.txt``; the report so far in ``dice_known_good.json`` (rewritten whole each time) and
+  the service's mean seconds per run phase in ``dice_phases.json``."""
+
+  def __init__(self, out: pathlib.Path, tasks: list, svc):
+    self.out, self.svc = out, svc
+    self.order = [t["id"] for t in tasks]
+    self.ids = {_dice_request_id(t): t["id"] for t in tasks}
+    self.entries: dict = {}
+    self.t0 = time.monotonic()
+    self.done = 0
+    out.mkdir(parents=True, exist_ok=True)
+    self.progress = open(out / "dice_progress.txt", "w")
+
+  def line(self, text: str) -> None:
+    text = f"dice {time.monotonic() - self.t0:7.1f} s: {text}"
+    print(text, flush=True)
+    self.progress.write(text + "\n")
+    self.progress.flush()
+
+  def strict(self, req, r) -> None:
+    self._arrived(req, r)
+    self.entries[self.ids[req.request_id]] = {
+      "id": self.ids[req.request_id],
+      "kind": r.failure_kind.value,
+      "reason": r.reason[:600],
+      "strict_correct": r.strict_correct,
+      "max_abs_diff": r.max_abs_diff,
+      "compile_s": r.compile_s,
+      "run_s": r.run_s,
+      "build_cached": r.build_cached,
+      "kernelbench_kind": "OK" if r.failure_kind is FailureKind.OK else "",  # "": not yet known
+      "kernelbench_reason": "",
+      "logs": r.logs[-1500:] if r.failure_kind is not FailureKind.OK else "",
+      "warnings": [w[:300] for w in r.warnings],
+    }
+    self.save()
+
+  def kernelbench(self, req, r) -> None:
+    self._arrived(req, r)
+    self.entries[self.ids[req.request_id.removesuffix("-kb")]].update(
+      kernelbench_kind=r.failure_kind.value, kernelbench_reason=r.reason[:600]
+    )
+    self.save()
+
+  def _arrived(self, req, r) -> None:
+    self.done += 1
+    m = self.svc.metrics
+    self.line(
+      f"[{self.done}] {req.request_id} {r.failure_kind.value} compile {r.compile_s:.1f} s"
+      f"{' (cached)' if r.build_cached else ''} run {r.run_s:.1f} s | pending {m.pending}, "
+      f"building {m.in_build}, running {m.in_run}"
+    )
+
+  def save(self) -> None:
+    report = [self.entries[i] for i in self.order if i in self.entries]
+    _write_json(self.out / "dice_known_good.json", report)
+    _write_json(self.out / "dice_phases.json", self.svc.metrics.snapshot()["run_phase_mean_s"])
+
+  def close(self) -> None:
+    self.progress.close()
+
+
+def _dice_request_id(task: dict) -> str:
+  return f"dice-{task['id']}"
+
+
+def _write_json(path: pathlib.Path, value) -> None:
+  """Whole or not at all: a run cut mid-write leaves the previous version."""
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(json.dumps(value, indent=1))
+  os.replace(tmp, path)
+
+
 def test_dice_known_good_solutions(gpu_service, tmp_path):
   tasks = json.loads(_data_file("kernel_infilling_evaluation.json").read_text())
-  reqs = [_req(f"dice-{t['id']}", t["pytorch_code"], t["cuda_code"]) for t in tasks]
-  results = _verify(gpu_service, *reqs)
-  loose = {
-    r.request_id: r
-    for r in _verify(
-      gpu_service,
-      *[
-        dataclasses.replace(
-          q,
-          request_id=q.request_id + "-kb",
-          options=dataclasses.replace(q.options, strictness="kernelbench"),
-        )
-        for q, r in zip(reqs, results)
-        if r.failure_kind is not FailureKind.OK
-      ],
-    )
-  }
-  report = []
-  for t, r in zip(tasks, results):
-    kb = loose.get(r.request_id + "-kb")
-    report.append(
-      {
-        "id": t["id"],
-        "kind": r.failure_kind.value,
-        "reason": r.reason[:600],
-        "strict_correct": r.strict_correct,
-        "max_abs_diff": r.max_abs_diff,
-        "compile_s": r.compile_s,
-        "run_s": r.run_s,
-        "kernelbench_kind": kb.failure_kind.value if kb else "OK",
-        "kernelbench_reason": kb.reason[:600] if kb else "",
-        "logs": r.logs[-1500:] if r.failure_kind is not FailureKind.OK else "",
-        "warnings": [w[:300] for w in r.warnings],
-      }
-    )
   out = pathlib.Path(os.environ.get("VERIFIER_REPORT_DIR", tmp_path))
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "dice_known_good.json").write_text(json.dumps(report, indent=1))
+  dice = _DiceReport(out, tasks, gpu_service[1])
+  reqs = [_req(_dice_request_id(t), t["pytorch_code"], t["cuda_code"]) for t in tasks]
+  try:
+    dice.line(f"{len(reqs)} under strict")
+    results = _verify(gpu_service, *reqs, on_result=dice.strict)
+    again = [
+      dataclasses.replace(
+        q,
+        request_id=q.request_id + "-kb",
+        options=dataclasses.replace(q.options, strictness="kernelbench"),
+      )
+      for q, r in zip(reqs, results)
+      if r.failure_kind is not FailureKind.OK
+    ]
+    dice.line(f"{len(again)} not OK again under kernelbench")
+    _verify(gpu_service, *again, on_result=dice.kernelbench)
+  finally:
+    dice.close()
+  report = [dice.entries[t["id"]] for t in tasks]
   strict = collections.Counter(x["kind"] for x in report)
   kb = collections.Counter(x["kernelbench_kind"] for x in report)
   # jobs by the tasks they held beyond their runtime's own at the start (task_limits: the CUDA

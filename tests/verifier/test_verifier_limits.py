@@ -112,6 +112,11 @@ SCRATCH_FLOOD = holes.candidate(
                 f.write(b"x" * (1 << 20))
         return good(a, b, self.scale)"""
 )
+SLEEPS_IN_FORWARD = holes.candidate(
+  """        import time
+        time.sleep(120)
+        return good(a, b, self.scale)"""
+)
 STDOUT_FLOOD = holes.candidate(
   """        import sys
         for _ in range(256):
@@ -332,3 +337,51 @@ def test_worker_code_is_imported_before_workers_lose_the_repository():
       {(name, dep) for dep in _verifier_imports(path) if dep not in loaded} if path else set()
     )
   assert not missing, missing
+
+
+def _gone(pid: int) -> bool:
+  """No such process, or a zombie (killed, not yet reaped)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rpartition(")")[2].split()[0] == "Z"
+  except OSError:
+    return True
+
+
+@pytest.mark.parametrize("end", ["cancelled", "closed"])
+def test_a_job_ended_mid_check_leaves_no_process_and_the_service_goes_on(service, end):
+  """A request cancelled while its candidate runs (its client went away), or its coroutine closed (what
+  a task destroyed pending with a stopped loop gets: GeneratorExit, where nothing may be awaited; the
+  H200 run of 2026-12-03 logged "no running event loop" there): its worker and checker are killed at
+  once, the slot and a fresh checker come back, and the next candidate passes."""
+  loop, svc = service
+  pool = svc.run_pools["cpu"][0]
+
+  async def end_it():
+    task = asyncio.ensure_future(svc.verify(_req(f"sleeps-{end}", SLEEPS_IN_FORWARD)))
+    for _ in range(1200):
+      if pool.running or task.done():
+        break
+      await asyncio.sleep(0.05)
+    assert pool.running, task.result() if task.done() else "no check began in 60 s"
+    await asyncio.sleep(0.5)  # into its check
+    worker, checker = next(iter(pool.running.values()))
+    pids = [*worker.tree_pids(), checker.proc.pid]
+    ended = asyncio.CancelledError
+    if end == "closed":
+      task.get_coro().close()  # raises if anything was awaited on the way out
+      ended = RuntimeError  # the task's own end: its closed coroutine cannot be resumed
+    task.cancel()
+    with pytest.raises(ended):
+      await task
+    for _ in range(200):
+      if all(_gone(p) for p in pids) and pool.slots.free == pool.slots.total:
+        break
+      await asyncio.sleep(0.05)
+    return pids
+
+  pids = loop.run(end_it())
+  assert [p for p in pids if not _gone(p)] == [] and not pool.running
+  assert pool.slots.free == pool.slots.total
+  ((res, _),) = _timed(service, _req(f"good-after-{end}", holes.GOOD))
+  assert res.failure_kind is FailureKind.OK, res.reason + res.logs

@@ -12,7 +12,15 @@ class BackgroundLoop:
     self.thread.start()
 
   def run(self, coro, timeout=1800):
-    return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+    """``coro``'s result; if the wait ends otherwise (a timeout, Ctrl-C, a time limit's SIGINT), the
+    coroutine is cancelled in the loop, where it unwinds (a verifier's jobs kill their processes) rather
+    than being destroyed pending when the loop stops."""
+    fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+    try:
+      return fut.result(timeout)
+    except BaseException:
+      fut.cancel()
+      raise
 
   def close(self):
     self.loop.call_soon_threadsafe(self.loop.stop)

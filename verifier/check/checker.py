@@ -252,7 +252,9 @@ class Check:
       self.report["stage"] = self.stage_name
       self.stage("")
       self.buffers.close()
+      t0 = time.monotonic()
       self.evidence.close()
+      self._acc("evidence_close", time.monotonic() - t0)
       self.report["phases"].update(self.report.pop("costs", {}))
       self.report["phases"].update(self.evidence.phases())
       self.report["warnings"] += self.evidence.warnings
@@ -264,7 +266,9 @@ class Check:
 
   def _run(self) -> None:
     self.stage("candidate_load")
+    t0 = time.monotonic()
     self.evidence.attach(self.job.worker_pid)  # before any candidate code
+    self._acc("evidence_attach", time.monotonic() - t0)
     self._probe()
     self.report["transport"] = self.buffers.transport
     self.evidence.device_buffers = self.buffers.use_device_memory
@@ -303,7 +307,9 @@ class Check:
     self.report["candidate_started"] = True
     loaded = self._recv(Loaded)
     if self.evidence.records_on:
+      t0 = time.monotonic()
       self.evidence.load = self._recv(DeviceRecords)
+      self._acc("evidence_records", time.monotonic() - t0)
     self.report.update(compiled=True, build_cached=loaded.build_cached)
     self.report["phases"]["candidate_build_load"] = loaded.load_s
     self._acc("exchange_load_map_wait", _reported(loaded.map_wait_s, self.opts.timeout_s))
@@ -329,7 +335,9 @@ class Check:
 
   def _judge_evidence(self) -> None:
     """Every call so far judged from the evidence below the dispatcher (``call_evidence``)."""
+    t0 = time.monotonic()
     v = self.evidence.verdict()
+    self._acc("evidence_judge", time.monotonic() - t0)  # the host samples drained and attributed
     if v.kind is not FailureKind.OK:
       raise Verdict(v.kind, v.reason)
 
@@ -453,7 +461,9 @@ class Check:
       now = self.cpu_clock.ns()
       self.round_trip_s = (now - (self.cpu_last if self.cpu_last is not None else c0)) * 1e-9
       self.cpu_last = now
+    t0 = time.monotonic()
     records = self._recv(DeviceRecords) if self.evidence.records_on else None
+    self._acc("evidence_records", time.monotonic() - t0)  # the collector's flush and marker wait
     # the in-process profiler's own work is no evidence (with device records it does not run)
     kind = "profiled" if profile and not self.evidence.records_on else "call"
     if calibrate or null:

@@ -287,6 +287,14 @@ class CheckerPool:
       self.free.append(checker)
       self.cond.notify_all()
 
+  async def abandoned(self, checker: CheckerClient) -> None:
+    """A checker whose job was abandoned mid-check (its channel mid-exchange): closed, and a fresh one,
+    started by the next ``take``, takes its place (nothing is left starting when the service closes)."""
+    await checker.close()
+    async with self.cond:
+      self.free.append(self._new())
+      self.cond.notify_all()
+
   async def close(self) -> None:
     await asyncio.gather(*(c.close() for c in self.free), return_exceptions=True)
     self.free = []

@@ -652,7 +652,9 @@ class CheckerClient:
   def read_log(self) -> str:
     return truncate_log(read_log_capped(os.path.join(self.home, LOG_FILE)))
 
-  async def close(self) -> None:
+  def kill(self) -> None:
+    """Close the channel and kill the process group now (no await: also when its job is abandoned
+    with no loop left to run on); ``close`` reaps it."""
     if self.chan is not None:
       self.chan.close()
       self.chan = None
@@ -661,6 +663,9 @@ class CheckerClient:
         os.killpg(self.proc.pid, signal.SIGKILL)
       except (ProcessLookupError, PermissionError):
         pass
+
+  async def close(self) -> None:
+    self.kill()
     if self.proc is not None:
       await self.proc.wait()
     if self.home:

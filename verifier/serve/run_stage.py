@@ -14,6 +14,7 @@ kill that looks external is retried once and is the candidate's if it comes agai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import signal
 import time
@@ -22,7 +23,13 @@ from verifier.api.contract import FailureKind
 from verifier.ipc.channel import ChannelClosed, ProtocolError
 from verifier.ipc.records import INTERNAL_EXIT, CheckReport, RunJob
 from verifier.sandbox.pool import DevicePool
-from verifier.sandbox.sandbox import ACCOUNTING_NOTE, WorkerStartError, watch_resources
+from verifier.sandbox.sandbox import (
+  ACCOUNTING_NOTE,
+  CheckerClient,
+  Worker,
+  WorkerStartError,
+  watch_resources,
+)
 from verifier.sandbox.task_limits import JobTasks, tasks_verdict
 
 LINGER = "linger"  # the service killed a worker that outlived its channel by LINGER_S
@@ -128,115 +135,198 @@ def _cpu_clock(tasks: JobTasks, worker) -> str:
   return f"threads:{pids[2]}" if len(pids) > 2 else ""
 
 
-async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> RunOutcome:
-  """One attempt: take a worker and a checker, run the check, watch the worker, combine."""
-  opts = job.options
-  await pool.slots.acquire(units)
+@dataclasses.dataclass
+class _Held:
+  """What one attempt holds until it gives it back: dropped at once if the attempt ends by an exception
+  (``_abandon``)."""
+
+  worker: Worker | None = None
+  checker: CheckerClient | None = None
+  tasks: JobTasks | None = None
+  futures: tuple = ()  # the check and the watchdog
+
+
+def _abandon(pool: DevicePool, job: RunJob, held: _Held) -> None:
+  """An attempt ended by an exception: cancelled (its client went away), closed (its task destroyed with
+  its loop: GeneratorExit, where nothing can be awaited any more) or a fault. Its check and watchdog are
+  cancelled, its worker and checker killed and its task cgroup released, all without awaiting."""
+  pool.running.pop(job.job_id, None)
+  for f in held.futures:
+    if not f.done():
+      with contextlib.suppress(RuntimeError):  # its loop is closed: nothing left to cancel it in
+        f.cancel()
+  if held.worker is not None:
+    held.worker.discard()  # kills its PID namespace
+  if held.tasks is not None:
+    held.tasks.close(pool.candidates.cgroups)  # a cgroup still emptying is removed later
+  if held.checker is not None:
+    held.checker.kill()
+
+
+_REFILLS: set[asyncio.Task] = set()  # refills started by closed attempts (a task needs a reference)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
   try:
-    t_wait = time.monotonic()
-    try:
-      worker = await pool.candidates.take()
-      ready = await worker.wait_ready(opts.timeout_s + 120)
-    except WorkerStartError as e:
-      if "worker" in locals():
-        worker.discard()
-      return RunOutcome(
-        FailureKind.INTERNAL_ERROR, f"no candidate worker: {e}", None, infrastructure=True
-      )
-    startup_wait = time.monotonic() - t_wait
-    checker = await pool.checkers.take(ref_key)
-    stage = {"name": "start"}
-    healthy = True
-    report = None
-    pool.running[job.job_id] = (worker, checker)
-    tree = pool.candidates.cgroups
-    tasks = await asyncio.to_thread(
-      JobTasks.open, tree, worker.tree_pids(), pool.candidates.cfg.max_processes
-    )
-    if pool.cfg.cpu_clock:
-      job = dataclasses.replace(job, cpu_clock=_cpu_clock(tasks, worker))
-    counts: dict = {}
-    t_check = time.monotonic()
-    try:
-      sock = worker.chan.detach()
-      job = dataclasses.replace(job, worker_pid=worker.sandbox_pid)  # the checker samples its tree
-      check = asyncio.ensure_future(checker.check(job, sock, lambda name: stage.update(name=name)))
-      watch = asyncio.ensure_future(watch_resources(worker, tasks.polled(pool.candidates.limits)))
-      done, _ = await asyncio.wait(
-        {check, watch}, timeout=opts.timeout_s, return_when=asyncio.FIRST_COMPLETED
-      )
-      if check not in done:
-        if not done:
-          worker.kill("timeout")
-        try:
-          # The candidate is gone: the checker notices at once, unless it is itself stuck (in reference
-          # code, or a hung device).
-          await asyncio.wait_for(asyncio.shield(check), 30)
-        except asyncio.TimeoutError:
-          pass
-      watch.cancel()
-      report = None
-      checker_error = ""
-      if check.done() and not check.cancelled():
-        try:
-          report = check.result()
-        except (ChannelClosed, ProtocolError, OSError) as e:
-          checker_error = f"{type(e).__name__}: {e}"
-      else:
-        check.cancel()
-        checker_error = f"no report {30} s after the candidate was stopped"
-    finally:
-      pool.running.pop(job.job_id, None)
-      counts = await asyncio.to_thread(tasks.counts)  # before the kill: threads still running count
-      if report is None or report.candidate_gone:
-        rc = await _ended(worker)  # it may still be unwinding a crash: let it finish
-      else:
-        worker.kill()
-        await worker.wait_exited()
-        rc = await worker.returncode()
-      logs = await asyncio.to_thread(worker.read_log)  # written by the candidate: not on the loop
-      tasks.close(tree)
-      worker.discard()
-    if report is None:
-      healthy = False
-      if stage["name"] == "reference":
-        kind, reason, infra = (
-          FailureKind.REFERENCE_ERROR,
-          f"the reference did not finish within {opts.timeout_s:.0f} s",
-          False,
-        )
-      else:
-        kind, reason, infra = FailureKind.INTERNAL_ERROR, f"checker failed: {checker_error}", True
-    elif report.candidate_gone:
-      kind, reason, infra = _limit_fate(worker) or _fate(
-        worker, rc, report.stage, report.candidate_started
-      )
-      if worker.killed_by in ("memory", "processes") and watch.done() and not watch.cancelled():
-        reason = watch.result()  # what the watchdog measured
-    else:
-      kind, reason, infra = report.kind, report.reason, report.infrastructure
-      healthy = not report.infrastructure
-      broken = tasks_verdict(counts, opts.strict.forbid_threads_streams, job.options.device)
-      refused = broken is not None and broken[0] == FailureKind.RESOURCE_LIMIT.value
-      if broken is not None and (kind is FailureKind.OK or (refused and kind in REFUSALS_EXPLAIN)):
-        kind, reason = FailureKind(broken[0]), broken[1]
-    if not healthy:
-      logs += "\n[checker]\n" + checker.read_log()[-2000:]
-    await pool.checkers.give_back(checker, ref_key, healthy)
-    pool.jobs_done += 1
-    return RunOutcome(
-      kind,
-      reason,
-      report,
-      limit=worker.killed_by,
-      check_s=time.monotonic() - t_check,
-      logs=logs,
-      infrastructure=infra,
-      suspect=infra and bool(report and report.candidate_gone and report.candidate_started),
-      startup_wait_s=startup_wait,
-      startup_phases=dict(ready.startup_phases),
-      sandbox_notes=(*ready.sandbox_notes, *pool.candidates.notes, ACCOUNTING_NOTE),
-      tasks=counts,
-    )
+    return asyncio.get_running_loop()
+  except RuntimeError:
+    return None
+
+
+async def _refill(pool: DevicePool, held: _Held, units: int) -> None:
+  """After ``_abandon`` with a loop still running: a fresh checker in the killed one's place, the
+  slots given back."""
+  if held.checker is not None:
+    await pool.checkers.abandoned(held.checker)
+  await pool.slots.release(units)
+
+
+async def run_once(pool: DevicePool, job: RunJob, units: int, ref_key: str) -> RunOutcome:
+  """One attempt: take a worker and a checker, run the check, watch the worker, combine. An attempt
+  cancelled or closed at any point leaves no process behind (``_abandon``)."""
+  await pool.slots.acquire(units)
+  held = _Held()
+  released = False
+  try:
+    return await _attempt(pool, job, ref_key, held)
+  except GeneratorExit:
+    _abandon(pool, job, held)
+    released = True
+    loop = _running_loop()
+    if loop is None:  # its loop is gone: no other job will run
+      pool.slots.free += units
+    else:  # closed while its loop runs (its task collected): the refill runs on its own
+      refill = loop.create_task(_refill(pool, held, units))
+      _REFILLS.add(refill)
+      refill.add_done_callback(_REFILLS.discard)
+    raise
+  except BaseException:
+    _abandon(pool, job, held)
+    released = True
+    await asyncio.shield(_refill(pool, held, units))  # completes even if cancelled again
+    raise
   finally:
-    await pool.slots.release(units)
+    if not released:
+      await pool.slots.release(units)
+
+
+async def _attempt(pool: DevicePool, job: RunJob, ref_key: str, held: _Held) -> RunOutcome:
+  opts = job.options
+  t_wait = time.monotonic()
+  try:
+    held.worker = await pool.candidates.take()
+    ready = await held.worker.wait_ready(opts.timeout_s + 120)
+  except WorkerStartError as e:
+    if held.worker is not None:
+      held.worker.discard()
+      held.worker = None
+    return RunOutcome(
+      FailureKind.INTERNAL_ERROR, f"no candidate worker: {e}", None, infrastructure=True
+    )
+  worker = held.worker
+  startup_wait = time.monotonic() - t_wait
+  checker = held.checker = await pool.checkers.take(ref_key)
+  stage = {"name": "start"}
+  pool.running[job.job_id] = (worker, checker)
+  tree = pool.candidates.cgroups
+  tasks = held.tasks = await asyncio.to_thread(
+    JobTasks.open, tree, worker.tree_pids(), pool.candidates.cfg.max_processes
+  )
+  if pool.cfg.cpu_clock:
+    job = dataclasses.replace(job, cpu_clock=_cpu_clock(tasks, worker))
+  t_check = time.monotonic()
+  sock = worker.chan.detach()
+  job = dataclasses.replace(job, worker_pid=worker.sandbox_pid)  # the checker samples its tree
+  check = asyncio.ensure_future(checker.check(job, sock, lambda name: stage.update(name=name)))
+  watch = asyncio.ensure_future(watch_resources(worker, tasks.polled(pool.candidates.limits)))
+  held.futures = (check, watch)
+  done, _ = await asyncio.wait(
+    {check, watch}, timeout=opts.timeout_s, return_when=asyncio.FIRST_COMPLETED
+  )
+  if check not in done:
+    if not done:
+      worker.kill("timeout")
+    try:
+      # The candidate is gone: the checker notices at once, unless it is itself stuck (in reference
+      # code, or a hung device).
+      await asyncio.wait_for(asyncio.shield(check), 30)
+    except asyncio.TimeoutError:
+      pass
+  watch.cancel()
+  report = None
+  checker_error = ""
+  if check.done() and not check.cancelled():
+    try:
+      report = check.result()
+    except (ChannelClosed, ProtocolError, OSError) as e:
+      checker_error = f"{type(e).__name__}: {e}"
+  else:
+    check.cancel()
+    checker_error = f"no report {30} s after the candidate was stopped"
+  pool.running.pop(job.job_id, None)
+  counts = await asyncio.to_thread(tasks.counts)  # before the kill: threads still running count
+  if report is None or report.candidate_gone:
+    rc = await _ended(worker)  # it may still be unwinding a crash: let it finish
+  else:
+    worker.kill()
+    await worker.wait_exited()
+    rc = await worker.returncode()
+  logs = await asyncio.to_thread(worker.read_log)  # written by the candidate: not on the loop
+  held.worker = held.tasks = None
+  tasks.close(tree)
+  worker.discard()
+  kind, reason, infra, healthy = _combine(
+    report, checker_error, stage["name"], worker, rc, watch, counts, job
+  )
+  if not healthy:
+    logs += "\n[checker]\n" + checker.read_log()[-2000:]
+  held.checker = None
+  await asyncio.shield(
+    pool.checkers.give_back(checker, ref_key, healthy)
+  )  # done even if cancelled now
+  pool.jobs_done += 1
+  return RunOutcome(
+    kind,
+    reason,
+    report,
+    limit=worker.killed_by,
+    check_s=time.monotonic() - t_check,
+    logs=logs,
+    infrastructure=infra,
+    suspect=infra and bool(report and report.candidate_gone and report.candidate_started),
+    startup_wait_s=startup_wait,
+    startup_phases=dict(ready.startup_phases),
+    sandbox_notes=(*ready.sandbox_notes, *pool.candidates.notes, ACCOUNTING_NOTE),
+    tasks=counts,
+  )
+
+
+def _combine(report, checker_error: str, stage: str, worker, rc, watch, counts: dict, job: RunJob):
+  """The verdict of an attempt from the checker's report (None: the checker failed), how the worker
+  ended and its task counts: (kind, reason, infrastructure, whether the checker stays healthy)."""
+  opts = job.options
+  healthy = True
+  if report is None:
+    healthy = False
+    if stage == "reference":
+      kind, reason, infra = (
+        FailureKind.REFERENCE_ERROR,
+        f"the reference did not finish within {opts.timeout_s:.0f} s",
+        False,
+      )
+    else:
+      kind, reason, infra = FailureKind.INTERNAL_ERROR, f"checker failed: {checker_error}", True
+  elif report.candidate_gone:
+    kind, reason, infra = _limit_fate(worker) or _fate(
+      worker, rc, report.stage, report.candidate_started
+    )
+    if worker.killed_by in ("memory", "processes") and watch.done() and not watch.cancelled():
+      reason = watch.result()  # what the watchdog measured
+  else:
+    kind, reason, infra = report.kind, report.reason, report.infrastructure
+    healthy = not report.infrastructure
+    broken = tasks_verdict(counts, opts.strict.forbid_threads_streams, job.options.device)
+    refused = broken is not None and broken[0] == FailureKind.RESOURCE_LIMIT.value
+    if broken is not None and (kind is FailureKind.OK or (refused and kind in REFUSALS_EXPLAIN)):
+      kind, reason = FailureKind(broken[0]), broken[1]
+  return kind, reason, infra, healthy
