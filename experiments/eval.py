@@ -173,15 +173,22 @@ def verify_options() -> dict:
   return opts
 
 
+def check_model_paths() -> None:
+  """--hf_dir / --checkpoint name directories: checked before anything is written or compiled."""
+  for name in ("hf_dir", "checkpoint"):
+    path = getattr(FLAGS, name)
+    if path and not os.path.isdir(path):
+      raise UserError(f"--{name} {path}: no such directory")
+
+
 def load_model():
   """(model, tokenizer, description) of --hf_dir or --checkpoint."""
   from dice_jax.data.tokenizer import Tokenizer
 
+  check_model_paths()
   if FLAGS.hf_dir:
     from dice_jax.hf import checkpoint as hf_ckpt
 
-    if not os.path.isdir(FLAGS.hf_dir):
-      raise UserError(f"--hf_dir {FLAGS.hf_dir}: no such directory")
     try:
       model, _ = hf_ckpt.import_hf(
         FLAGS.hf_dir, param_dtype=FLAGS.param_dtype, attention_impl=FLAGS.attention_impl
@@ -193,8 +200,6 @@ def load_model():
     from dice_jax.train.run_setup import restore_run_params
     from dice_jax import sharding
 
-    if not os.path.isdir(FLAGS.checkpoint):
-      raise UserError(f"--checkpoint {FLAGS.checkpoint}: no such directory")
     try:
       model, _, tok_dir = restore_run_params(FLAGS.checkpoint, sharding.make_mesh())
     except FileNotFoundError as e:
@@ -286,6 +291,7 @@ def run() -> str:
       raise UserError(str(e)) from None
     model_desc = {"source": os.path.abspath(FLAGS.candidates), "num_params": 0}
   else:
+    check_model_paths()
     cache = _cli.use_compile_cache(FLAGS.out)  # before the model's programs compile
     model, tok, model_desc = load_model()
     try:

@@ -378,7 +378,7 @@ def test_check_streams_verdicts_to_out_keeps_them_when_stopped_and_resumes(tmp_p
   server = _ServerThread(_HangingService()).start()
   try:
     cmd = [sys.executable, "-m", "verifier", "check", str(path), "--verifier", server.address]
-    env = {**os.environ, "PYTHONPATH": REPO, "VERIFIER_TOKEN": ""}
+    env = {**os.environ, "PYTHONPATH": REPO, "VERIFIER_TOKEN": "", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(
       [*cmd, "--out", str(out)], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True
     )
@@ -388,7 +388,11 @@ def test_check_streams_verdicts_to_out_keeps_them_when_stopped_and_resumes(tmp_p
       time.sleep(0.1)
     got = _lines(out)  # two verdicts are on disk while the third is still out
     proc.send_signal(signal.SIGINT)
-    err = proc.communicate(timeout=60)[1]
+    try:
+      err = proc.communicate(timeout=60)[1]
+    except subprocess.TimeoutExpired:  # seen once in CI (2026-12-03): say where it hung
+      proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+      raise AssertionError("check did not stop on SIGINT:\n" + proc.communicate()[1][-6000:])
   finally:
     server.close()
   assert {(r["id"], r["failure_kind"]) for r in got} == {("a", "OK"), (2, "WRONG_OUTPUT")}
