@@ -21,6 +21,25 @@ COMPILE_EVENTS = (
 )
 
 
+# The reference every synthetic rollout's responses are judged against (a ReLU).
+RELU_REFERENCE = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+
+def get_inputs():
+    return [torch.randn(4096, 1024)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
 class Report:
   """A JSON record at `path`, rewritten (atomically) at every `update`; each update is also
   printed as one line with `prefix`."""

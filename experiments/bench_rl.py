@@ -78,23 +78,6 @@ flags.DEFINE_string("profile_dir", "", "trace one more optimizer step here (modu
 flags.DEFINE_integer("profile_micro_steps", 3, "micro-batches left in the profiled step")
 flags.DEFINE_string("compilation_cache", "", "persistent JAX compilation cache directory")
 
-REFERENCE = """import torch
-import torch.nn as nn
-
-
-class Model(nn.Module):
-    def forward(self, x):
-        return torch.relu(x)
-
-
-def get_inputs():
-    return [torch.randn(4096, 1024)]
-
-
-def get_init_inputs():
-    return []
-"""
-
 
 class IdText:
   """Stands in for a tokenizer: a response's text is its token ids (no vocabulary needed)."""
@@ -277,7 +260,7 @@ def main(argv):
         g,
         f"synthetic/{g}",
         rng.integers(2, min(mcfg.vocab_size - 2, 151_643), FLAGS.prompt_len).astype(np.int32),
-        REFERENCE,
+        bench_common.RELU_REFERENCE,
         FLAGS.group_size,
       )
       for g in range(FLAGS.tasks)

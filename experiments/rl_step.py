@@ -227,7 +227,7 @@ def main(argv):
       g,
       f"synthetic/{g}",
       rng.integers(2, min(mcfg.vocab_size - 2, 151_643), FLAGS.prompt_len).astype(np.int32),
-      REFERENCE,
+      bench_common.RELU_REFERENCE,
       FLAGS.group_size,
     )
     for g in range(FLAGS.tasks)
@@ -377,24 +377,6 @@ def main(argv):
     del params
     phases.end("probe", t0, **probe)
   report.update(wall_s=round(time.perf_counter() - start, 1), peak_gib=bench_common.peak_gib())
-
-
-REFERENCE = """import torch
-import torch.nn as nn
-
-
-class Model(nn.Module):
-    def forward(self, x):
-        return torch.relu(x)
-
-
-def get_inputs():
-    return [torch.randn(4096, 1024)]
-
-
-def get_init_inputs():
-    return []
-"""
 
 
 def synthetic_rewards(rng, groups) -> np.ndarray:
