@@ -201,6 +201,7 @@ class VerifierClient:
     self._futures: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()
     self._cache_size = cache_size
     self._tasks: set[asyncio.Task] = set()
+    self._closed = False  # set by close(): a call cut by it ends its request, never a retry
     self.stats = collections.Counter(
       {k: 0 for k in ("submitted", "deduplicated", "answered", "retries", "ignored")}
     )
@@ -335,6 +336,8 @@ class VerifierClient:
   async def _pick(self, started: float, rid: str, task_id: str, attempts: int = 0) -> _Endpoint:
     """The least-loaded endpoint whose backoff has passed; waits while none has."""
     while True:
+      if self._closed:
+        raise VerifierUnavailable(f"request {rid} (task {task_id!r}): the client is closed")
       now = time.monotonic()
       ready = [e for e in self.endpoints if e.retry_at <= now]
       if ready:
@@ -360,6 +363,11 @@ class VerifierClient:
         if code == grpc.StatusCode.UNAUTHENTICATED:
           raise PermissionError(
             f"verifier at {ep.address} refused the token: {e.details()}"
+          ) from None
+        if self._closed:
+          raise VerifierUnavailable(
+            f"request {req.request_id} (task {req.task_id!r}) was in flight when the client closed",
+            code.name,
           ) from None
         self.stats["retries"] += 1
         if code == _BUSY:
@@ -442,6 +450,7 @@ class VerifierClient:
 
   async def close(self) -> None:
     """Cancels unanswered submissions (their futures raise CancelledError) and closes the channels."""
+    self._closed = True  # calls the channels' close cuts end their requests instead of retrying
     for t in list(self._tasks):
       t.cancel()
     await asyncio.gather(*self._tasks, return_exceptions=True)
