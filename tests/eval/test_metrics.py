@@ -161,3 +161,9 @@ def test_mean_pass_at_k_over_problems():
 def test_empty_level_is_an_error():
   with pytest.raises(ValueError, match="at least one problem"):
     m.exec_accuracy([])
+
+
+def test_a_correct_result_the_verifier_could_not_time_counts_for_correctness_not_speed():
+  timed = m.Outcome(True, True, 2.0, failure_kind="OK")
+  untimed = m.Outcome(True, True, 0.0, failure_kind="OK")  # "no speedup reported" (was: ValueError)
+  assert m.geomean_speedup([timed, untimed]) == 2.0 and m.geomean_speedup([untimed]) == 0.0
