@@ -468,3 +468,29 @@ def test_library_work_in_the_timed_calls_only_gets_no_reward(service):
   )
   _needs_host_evidence(r)
   assert r.failure_kind is FailureKind.HOST_COMPUTE and r.reward == 0.0, (r.failure_kind, r.reason)
+
+
+def test_one_untimed_trial_is_raised_to_trials_the_host_evidence_can_judge(service):
+  # 2b7db57: an RL request (one trial, no timing) had only its warm-up forward to judge, with none of a
+  # first call's allowance: the honest kernel got HOST_COMPUTE (libpython, libtorch_python), so `make
+  # demo`'s RL phase got reward 0. Its one trial is now three (warm-up, judged, profiled).
+  one = dict(COMPUTE_OPTS, num_correct_trials=1)
+  r = _verify(service, "compute-honest-1", compute.HONEST, compute.TIMED_REFERENCE, **one)
+  _ok(r)
+  # (numpy over the 4M-float reference: one judged forward of the 256K one is under the sampling's margin)
+  r = _verify(service, "compute-numpy-1", compute.NUMPY, compute.REFERENCE, **one)
+  _needs_host_evidence(r)
+  assert r.failure_kind is FailureKind.HOST_COMPUTE and r.reward == 0.0, (r.failure_kind, r.reason)
+
+
+def test_judged_requests_get_at_least_the_trials_the_evidence_needs():
+  from verifier.check.checker import JUDGED_TRIALS, correctness_trials
+
+  def trials(**o):
+    return correctness_trials(VerifyOptions(device="cpu", **o))
+
+  assert JUDGED_TRIALS == 3
+  assert trials(num_correct_trials=1, measure_performance=False) == 3
+  assert trials(num_correct_trials=5, measure_performance=False) == 5
+  assert trials(num_correct_trials=1, measure_performance=True) == 1  # timed calls are judged
+  assert trials(num_correct_trials=1, measure_performance=False, strictness="off") == 1

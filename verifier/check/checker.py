@@ -74,6 +74,20 @@ RECALIBRATE_EVERY = 4  # during the timing, a round trip with no model after eve
 # reach gigabytes: those go one at a time).
 MAX_BURST = 8
 BURST_BYTES = 2 << 30
+# Correctness trials a request gets at least when its forwards are judged and nothing is timed: the first
+# forward only warms up (lazy initialisation is not judged as host compute) and the last is profiled (the
+# profiler's own CPU time is not judged either), so a third is the one the host evidence judges.
+JUDGED_TRIALS = 3
+
+
+def correctness_trials(opts) -> int:
+  """The trials a request runs: ``num_correct_trials``, raised to ``JUDGED_TRIALS`` when its forwards are
+  judged (runtime check on) and no timed call is (was: an RL request's single trial was its warm-up, judged
+  with none of a first call's allowance, so an honest CPU kernel got HOST_COMPUTE)."""
+  n = opts.num_correct_trials
+  if opts.strict.runtime_check and not opts.measure_performance:
+    return max(n, JUDGED_TRIALS)
+  return n
 
 
 @dataclasses.dataclass
@@ -278,7 +292,7 @@ class Check:
     self.init = (init, used)
     # The first trial is staged before the job goes out, so the candidate maps its buffers while it
     # loads (the reference also runs before any candidate code then).
-    trials = self.opts.num_correct_trials
+    trials = correctness_trials(self.opts)
     first = self._stage(*self.trials.trial(0), keep=set(used)) if trials else None
     if self.opts.measure_performance:
       self._baseline()

@@ -120,9 +120,8 @@ class CheckerProcess:
       if name:
         self.chan.send(Stage(job.job_id, name))
 
-    key = task_key(
-      job.reference_source, o.seed, o.num_correct_trials, self.device.type, o.atol, o.rtol
-    )
+    trials = checker.correctness_trials(o)
+    key = task_key(job.reference_source, o.seed, trials, self.device.type, o.atol, o.rtol)
     task = self.cache.get(key)
     reference_s = 0.0
     try:
@@ -131,7 +130,7 @@ class CheckerProcess:
         t0 = time.monotonic()
         try:
           task = ReferenceTask.load(
-            job.reference_source, o.seed, o.num_correct_trials, self.device, o.atol, o.rtol
+            job.reference_source, o.seed, trials, self.device, o.atol, o.rtol
           )
         except ReferenceFailure as e:
           return CheckReport(
