@@ -6,6 +6,8 @@ import pathlib
 import re
 import sys
 
+import subprocess
+
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -59,3 +61,16 @@ def umask_022():
   old = os.umask(0o022)
   yield
   os.umask(old)
+
+
+@pytest.fixture
+def reaped():
+  """A list to put started processes in: whatever still runs when the test ends (a failed assertion, a
+  guard's TimeoutExpired) is killed, so a failure costs its own test and not the CPU of the rest of the
+  suite (they run in their own sessions: pytest's exit does not reach them)."""
+  procs: list[subprocess.Popen] = []
+  yield procs
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
+      p.wait(timeout=30)

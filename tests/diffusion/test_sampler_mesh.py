@@ -204,7 +204,7 @@ def test_memory_estimate_divides_by_the_shards(models):
 
 
 @pytest.mark.slow  # two processes compile the engine and the static sampler: ~1 min
-def test_two_processes_each_decode_their_half_of_the_rows(tmp_path):
+def test_two_processes_each_decode_their_half_of_the_rows(tmp_path, reaped):
   """Two JAX processes (2 fake CPU devices each, rows over the 4) run the engine on one mesh:
   each holds the cache rows of its own devices only (its half), and both get every request's
   tokens, step map and log-probs, those of one device alone."""
@@ -216,7 +216,8 @@ def test_two_processes_each_decode_their_half_of_the_rows(tmp_path):
     log_dir=str(tmp_path),
     cwd=REPO,
   )
-  codes = [p.wait(timeout=900) for p in procs]
+  reaped.extend(procs)
+  codes = [p.wait(timeout=600) for p in procs]
   logs = [(tmp_path / f"process_{i}.log").read_text()[-3000:] for i in range(2)]
   assert codes == [0, 0], logs
   seen = [json.loads((tmp_path / f"process_{i}.json").read_text()) for i in range(2)]

@@ -46,7 +46,7 @@ def _one_process(cmd, log):
 
 
 @pytest.mark.slow  # three launcher runs of a few seconds per step: ~1-2 min on 2 cores
-def test_two_rl_processes_run_the_steps_of_one_and_one_process_resumes_them(tmp_path):
+def test_two_rl_processes_run_the_steps_of_one_and_one_process_resumes_them(tmp_path, reaped):
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
   _one_process(_cmd(one), tmp_path / "one.log")
 
@@ -58,7 +58,8 @@ def test_two_rl_processes_run_the_steps_of_one_and_one_process_resumes_them(tmp_
     log_dir=str(tmp_path / "logs"),
     cwd=REPO,
   )
-  codes = [p.wait(timeout=900) for p in procs]
+  reaped.extend(procs)
+  codes = [p.wait(timeout=600) for p in procs]
   log0, log1 = ((tmp_path / "logs" / f"process_{i}.log").read_text() for i in range(2))
   assert codes == [0, 0], log0[-3000:] + log1[-3000:]
   assert "process 0 of 2: 2 local devices of 4" in log0

@@ -123,7 +123,9 @@ def _data_state(workdir, step):
 
 
 @pytest.mark.slow  # three launcher runs (one of them two processes twice): ~2-3 min on 2 cores
-def test_two_processes_train_like_one_survive_a_kill_and_export_once(tmp_path, record_property):
+def test_two_processes_train_like_one_survive_a_kill_and_export_once(
+  tmp_path, record_property, reaped
+):
   data = write_cuke_file(tmp_path / "cuke.jsonl")
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
   env = _env(  # a restart reuses the first start's compiled programs
@@ -139,21 +141,27 @@ def test_two_processes_train_like_one_survive_a_kill_and_export_once(tmp_path, r
       stdout=log,
       stderr=subprocess.STDOUT,
     )
+  reaped.append(reference)
   cmd = _sft(two, data, two + "_hf") + ["--heartbeat_timeout_s=10"]
-  start = lambda logs: local_cluster.start(  # noqa: E731
-    cmd, 2, cpu_devices=2, env=env, log_dir=str(tmp_path / logs), cwd=REPO
-  )
+
+  def start(logs):
+    procs = local_cluster.start(
+      cmd, 2, cpu_devices=2, env=env, log_dir=str(tmp_path / logs), cwd=REPO
+    )
+    reaped.extend(procs)
+    return procs
+
   procs = start("logs_killed")
   killed_at = _wait_for_step(procs[0], two, 3)
   procs[1].kill()  # kill -9 of process 1 while process 0 trains
   t0 = time.monotonic()
-  survivor = procs[0].wait(timeout=600)  # a hang guard: it exits after --heartbeat_timeout_s=10
+  survivor = procs[0].wait(timeout=300)  # a hang guard: it exits after --heartbeat_timeout_s=10
   record_property("seconds", time.monotonic() - t0)  # experiments/bench_bounds.py reads it
   assert survivor != 0, "process 0 finished its run instead of stopping with its peer"
-  procs[1].wait()
+  procs[1].wait(timeout=60)
   assert killed_at < STEPS and not os.path.exists(two + "_hf")
 
-  assert reference.wait(timeout=600) == 0, (tmp_path / "one.log").read_text()[-3000:]
+  assert reference.wait(timeout=300) == 0, (tmp_path / "one.log").read_text()[-3000:]
   # restart both; a SIGTERM to process 1 alone stops both at the same step, saved
   procs = start("logs_stopped")
   _wait_for_step(procs[0], two, killed_at + 2)
@@ -168,7 +176,7 @@ def test_two_processes_train_like_one_survive_a_kill_and_export_once(tmp_path, r
   assert f"another process or pre-emption notice: stopped at step {stopped}" in log0
 
   procs = start("logs")
-  codes = [p.wait(timeout=600) for p in procs]
+  codes = [p.wait(timeout=300) for p in procs]
   log0, log1 = ((tmp_path / "logs" / f"process_{i}.log").read_text() for i in range(2))
   assert codes == [0, 0], log0[-3000:]
   assert f"checkpoint: restored step {stopped}" in log0  # resumed, not started over
