@@ -66,42 +66,6 @@ def test_pch_directory_depends_on_the_flags_that_change_main_cpp():
   )
 
 
-def test_a_build_after_the_pch_is_published_uses_it_and_still_works(tmp_path):
-  from torch.utils.cpp_extension import load_inline
-
-  cache = CachedLoadInline(load_inline, str(tmp_path / "builds"), use_pch=True)
-  first = cache(
-    name="pch_a",
-    cpp_sources=SOURCE.format(tag="a", offset=0),
-    functions=["twice_a"],
-    extra_cflags=["-O0"],
-  )
-  ev = cache.events[-1]
-  assert ev["pch"] is False and ev["pch_request"], ev
-  x = torch.arange(4, dtype=torch.float32)
-  assert torch.equal(first.twice_a(x), 2 * x)
-
-  built = pch.build(ev["pch_request"])
-  assert built["ok"], built["error"]
-  header = pathlib.Path(ev["pch_request"]["header"])
-  assert (
-    pathlib.Path(str(header) + ".gch").stat().st_size > 1_000_000
-  )  # the torch headers, precompiled
-  assert pch.build(ev["pch_request"])["existed"]  # published once
-
-  second = cache(
-    name="pch_b",
-    cpp_sources=SOURCE.format(tag="b", offset=1),
-    functions=["twice_b"],
-    extra_cflags=["-O0"],
-  )
-  ev2 = cache.events[-1]
-  assert ev2["pch"] is True and "pch_request" not in ev2 and not ev2["cached"]
-  assert torch.equal(second.twice_b(x), 2 * x + 1)
-  ninja = (tmp_path / "builds" / ev2["key"] / "build.ninja").read_text()
-  assert f"-include {header}" in ninja
-
-
 def test_pch_build_refuses_flags_gcc_cannot_use(tmp_path):
   d = tmp_path / "p"
   flags = pch.include_flags(str(d))
@@ -115,9 +79,12 @@ def test_pch_build_refuses_flags_gcc_cannot_use(tmp_path):
   assert not pch.ready(str(d)) and not list(d.glob("*.tmp-*"))
 
 
-def test_the_service_warms_the_pch_of_flagless_builds_before_any_request(tmp_path):
-  """`VerifierService.warm_pch` builds the seed extension and its PCH; a candidate copying KernelBench's
-  one-shot flags (`extra_cflags=[""]`, the flag-less PCH) then builds on it at once."""
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory):
+  """A CPU service's build cache after `VerifierService.warm_pch` (the seed extension, then the flag-less
+  PCH its build asked for) and one request built on it: the cache the two tests below share (a torch PCH
+  and an extension built without one take ~30-40 s each on 2 cores)."""
+  tmp_path = tmp_path_factory.mktemp("pch")
   cfg = ServiceConfig(
     device="cpu",
     cpu_slots=1,
@@ -136,19 +103,45 @@ def test_the_service_warms_the_pch_of_flagless_builds_before_any_request(tmp_pat
     svc = VerifierService(cfg)
     await svc.start()
     try:
-      assert not pch.ready(flagless)
-      assert await svc.warm_pch()
-      assert pch.ready(flagless)
-      assert await svc.warm_pch()  # the seed is cached now: nothing to build
+      before = pch.ready(flagless)
+      warmed = await svc.warm_pch()
+      ready = pch.ready(flagless)
+      again = await svc.warm_pch()  # the seed is cached now: nothing to build
       r = await svc.verify(VerifyRequest("warm-pch", "t", cases.REFERENCE, candidate, opts))
-      return r, svc.metrics.build_s[-1], [b["dir"] for b in svc.metrics.pch_builds]
+      steps = (before, warmed, ready, again)
+      return steps, r, svc.metrics.build_s[-1], [b["dir"] for b in svc.metrics.pch_builds]
     finally:
       await svc.close()
 
-  r, build, pch_builds = asyncio.run(run())
+  return (cfg.cache_dir, flagless, *asyncio.run(run()))
+
+
+def test_the_service_warms_the_pch_of_flagless_builds_before_any_request(warmed):
+  """`VerifierService.warm_pch` builds the seed extension and its PCH; a candidate copying KernelBench's
+  one-shot flags (`extra_cflags=[""]`, the flag-less PCH) then builds on it at once."""
+  _, flagless, steps, r, build, pch_builds = warmed
+  assert steps == (False, True, True, True)  # not ready, warmed, ready, nothing left to build
   assert r.failure_kind is FailureKind.OK, r.reason
   assert build["pch"] is True, build
   assert pch_builds == [flagless]
+
+
+def test_a_build_after_the_pch_is_published_uses_it_and_still_works(warmed):
+  from torch.utils.cpp_extension import load_inline
+
+  cache_dir, flagless, *_ = warmed
+  cache = CachedLoadInline(load_inline, cache_dir, use_pch=True)
+  second = cache(name="pch_b", cpp_sources=SOURCE.format(tag="b", offset=1), functions=["twice_b"])
+  ev = cache.events[-1]
+  assert ev["pch"] is True and "pch_request" not in ev and not ev["cached"], ev
+  x = torch.arange(4, dtype=torch.float32)
+  assert torch.equal(second.twice_b(x), 2 * x + 1)
+  header = pathlib.Path(pch.include_flags(flagless)[1])
+  assert (
+    pathlib.Path(str(header) + ".gch").stat().st_size > 1_000_000
+  )  # the torch headers, precompiled
+  ninja = (pathlib.Path(cache_dir) / ev["key"] / "build.ninja").read_text()
+  assert f"-include {header}" in ninja
 
 
 def test_the_lean_and_the_full_torch_headers_get_their_own_pch(tmp_path):
