@@ -44,10 +44,12 @@ _SAMPLE_ID_ALL, _MMAP2, _COMM_EXEC, _USE_CLOCKID = 18, 23, 24, 25
 SYS_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
 
 PAGE = mmap.PAGESIZE
-# Ring buffer per CPU, in pages, largest first: 256 KiB hold ~0.6 s of one busy CPU's samples, 64 KiB
-# ~0.15 s (a host's locked-memory limit for perf buffers, perf_event_mlock_kb per CPU and user, may allow only
-# the smaller). Drained every DRAIN_FRACTION of that; samples the kernel dropped count against the candidate.
-DATA_PAGES = (64, 16)
+# Ring buffer per CPU, in pages, largest first: 1 MiB hold ~2.6 s of one busy CPU's samples, 256 KiB ~0.6 s,
+# 64 KiB ~0.15 s (a host's locked-memory limit for perf buffers, perf_event_mlock_kb per CPU and user, may
+# allow only the smaller). Drained every DRAIN_FRACTION of that; samples the kernel dropped count against
+# the candidate, so the largest buffer the host allows: on a loaded 2-core host the draining thread can
+# wait longer than 0.15 s for a CPU.
+DATA_PAGES = (256, 64, 16)
 DRAIN_FRACTION = 0.1
 CUT_MARGIN_NS = 2_000_000  # records stamped this close to a drain may still be in flight
 DEFAULT_PERIOD_NS = 100_000  # 10 kHz of CPU time per busy thread
