@@ -45,6 +45,15 @@ def test_each_variant_is_compared_with_the_first_of_its_cache_type():
     "cache=fp8": "cache=fp8",
     "cache=fp8+fp8_widen=asm": "cache=fp8",
   }
+  # ... and also with the earlier ones of its cache type (a control such as the base's other split).
+  variants.insert(1, df.parse_variant("split=512"))
+  assert df.peers(variants) == {
+    "base": [],
+    "split=512": [],
+    "splits=3": ["split=512"],
+    "cache=fp8": [],
+    "cache=fp8+fp8_widen=asm": [],
+  }
   with pytest.raises(ValueError, match="distinct"):
     df.parse_variants(["base", "base"])
 
