@@ -20,7 +20,7 @@ import zlib
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
 
 from dice_jax.model import flash_decode, get_config
 
@@ -139,12 +139,20 @@ def report(config: str = "sdar_4b") -> list[dict]:
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out", "", "Directory for kernel_code.json (printed only when empty).")
-flags.DEFINE_string("config", "sdar_4b", "Model preset whose shapes the kernel is lowered at.")
+
+
+def define_flags() -> None:
+  """The launcher's flags, defined when it runs (a test imports this module beside launchers)."""
+  flags.DEFINE_string("out", "", "Directory for kernel_code.json (printed only when empty).")
+  flags.DEFINE_string("config", "sdar_4b", "Model preset whose shapes the kernel is lowered at.")
 
 
 def main(argv):
+  from experiments import _cli
+
   del argv
+  with _cli.user_errors_from(ValueError):  # an unknown preset
+    get_config(FLAGS.config)
   rows = report(FLAGS.config)
   for row in rows:
     print(json.dumps(row))
@@ -155,4 +163,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from experiments import _cli
+
+  define_flags()
+  _cli.run(main)

@@ -156,6 +156,8 @@ def test_the_cache_kernels_dots_are_bf16_with_float32_accumulation():
   for name, row in rows.items():
     assert "failed" not in row, row
     want = 4 if name.startswith("fold_new") else 2
-    assert row["dots"] == [["bf16", "bf16", "f32"]] * want, row
-    if jax.default_backend() == "gpu":
+    if jax.default_backend() == "gpu":  # the IR text sits in a compiled kernel's record
+      assert row["dots"] and all(d == ["bf16", "bf16", "f32"] for d in row["dots"]), row
       assert row["ptx"]["mma.sync"] + row["ptx"]["wgmma.mma_async"] > 0, row
+    else:
+      assert row["dots"] == [["bf16", "bf16", "f32"]] * want, row
