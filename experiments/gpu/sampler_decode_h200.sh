@@ -8,9 +8,10 @@
 #            cvt and ex2, for bf16, fold_new, fp8 and fp8+asm (kernel_code.json)
 #   tests    the kernel's value, bf16 rounding (splits/fold_new against the base at block_k 64,
 #            head 128), dot-type and exactness tests on the GPU (at most TESTS_S, default 150 s).
-#            The float32 value tests (`attention_matches_dense`: the base; `options_equal`: the
-#            options) compare at 1e-5, and Pallas-Triton runs float32 dots at default precision
-#            as TF32: if they fail, they fail for the base too, and that is TF32, not the options
+#            The float32 tests (`attention_matches_dense`: the base; `options_equal`: the options)
+#            compare at 1e-5, and at default precision Pallas-Triton and XLA run float32 dots as
+#            TF32: the tests run with JAX_DEFAULT_MATMUL_PRECISION=highest (float32 dots in IEEE;
+#            bf16 dots stay bf16 x bf16 -> f32)
 #   options  bench_sampler --runs=options_forward,options_exact,options_rates; sdar_4b, random bf16
 #            weights, 128 rows, 1,024 + 1,024 (experiments/decode_options.py):
 #            forward  one 4-token decode forward at fill 1,536 per variant (base; split=512 and
@@ -86,7 +87,8 @@ if has kernel_code; then
   part kernel_code 20 python3 -m experiments.kernel_code --out="$OUT" --config="$CONFIG"
 fi
 if has tests; then  # before the options: they decide whether splits/fold_new are right
-  part tests 60 timeout -k 5 "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider \
+  part tests 60 env JAX_DEFAULT_MATMUL_PRECISION=highest timeout -k 5 "${TESTS_S:-150}" \
+    python3 -m pytest -q -p no:cacheprovider \
     tests/diffusion/test_flash_decode.py tests/launchers/test_decode_options.py \
     -k "attention_matches_dense or options_equal or round_like or without_cvt or \
     every_decode_option or bf16_with"
