@@ -87,6 +87,17 @@ def references(variants) -> dict:
   return {v.name: first[v.fp8] for v in variants}
 
 
+def peers(variants) -> dict:
+  """{variant name: the earlier variants of its cache type other than its reference}: a variant
+  is also compared with each of them (e.g. `splits=3` with `split=512`, the base kernel on the
+  same partition at fill 1,536, which it should equal bit for bit)."""
+  refs, seen, out = references(variants), {}, {}
+  for v in variants:
+    out[v.name] = [n for n in seen.get(v.fp8, []) if n != refs[v.name]]
+    seen.setdefault(v.fp8, []).append(v.name)
+  return out
+
+
 def attention_counts(cfg, rows: int, fill: int, tokens: int, tiles, fp8: bool, cap: int) -> dict:
   """What the cached attention of one forward (all layers) must move and compute: the live K/V
   tiles (read once), each program's slot metadata, the queries, the per-program partial outputs
@@ -223,7 +234,7 @@ def measure_forwards(
   The first variant is compiled and measured alone first (its numbers are out before any other
   variant builds); the others are compiled together. A variant `late(v)` says to skip is yielded
   with `skipped`; one that fails, with `failed`."""
-  refs, logits = references(variants), {}
+  refs, others, logits = references(variants), peers(variants), {}
   for group in (variants[:1], variants[1:]):
     t0 = time.perf_counter()
     lowered = lower_each(lambda v: fwd.lower(state, weights, cache_of(v)), group)
@@ -250,6 +261,9 @@ def measure_forwards(
         ref = refs[v.name]
         if ref != v.name and ref in logits:
           row.update(vs=ref, **compare_logits(logits[v.name], logits[ref]))
+        done = [o for o in others[v.name] if o in logits]
+        if done:
+          row["vs_others"] = {o: compare_logits(logits[v.name], logits[o]) for o in done}
       except Exception as e:  # a variant that does not build or run: report and go on
         row["failed"] = f"{type(e).__name__}: {str(e)[:600]}"
       yield v, row, summary

@@ -184,7 +184,7 @@ class OptionRuns:
         return sampler.compiled_decode(graphdef, scfg, lay).lower(state, weights, layout, keys)
 
     compiled = df.compile_all(df.lower_each(lower, programs), s.compile_threads)
-    refs, outs = df.references(s.variants), {}
+    refs, others, outs = df.references(s.variants), df.peers(s.variants), {}
     for (v, label, _, layout), prog in zip(programs, compiled):
       row = dict(
         run="options_exact",
@@ -208,6 +208,10 @@ class OptionRuns:
           row.update(vs=ref, **token_agreement(outs[v.name, label], outs[ref, label]))
           if not row["tokens_equal"]:
             self.inexact.add(v.name)
+        done = [o for o in others[v.name] if (o, label) in outs]
+        if done:
+          agree = lambda o: token_agreement(outs[v.name, label], outs[o, label])["token_agreement"]
+          row["agreement_with_others"] = {o: agree(o) for o in done}
       except Exception as e:  # report and go on
         row["failed"] = f"{type(e).__name__}: {str(e)[:600]}"
         self.inexact.add(v.name)

@@ -47,9 +47,11 @@ class DecodeTiles:
   """Tiling of the cache-attention kernel (cache slots per program `split`, or programs per row
   `splits`; slots per inner tile `block_k`; the Triton launch parameters) and the options of the
   decode forward's attention measured in docs/performance.md ("Sampler: one decode forward").
-  Every option is off by default and exact: it changes where the work runs, not its values (the
-  `fp8_widen` variants give the same bf16 values; `fold_new` the same softmax, summed in another
-  order)."""
+  Every option is off by default and exact in real arithmetic: it changes where the work runs and
+  the order of its float32 sums, not what is summed. The `fp8_widen` variants are bit for bit the
+  same; another partition (`split`, `splits`) or `fold_new` rounds a few bf16 outputs the other
+  way (docs/performance.md, issue 39), after which a random model's near-ties decode other
+  tokens. `splits` on the programs of some `split` is bit for bit that split."""
 
   # H200 tile sweep (docs/log.md, "Sampler: H200, issue 13 measurements"; sdar_4b, 128 rows, fill 1536): split 1024 / block_k 64
   # reads the cache at 3.76 TB/s, 8% faster than 512 / 128.

@@ -1,26 +1,43 @@
 #!/usr/bin/env bash
-# Issue 39 on one H200 in <= BUDGET s (default 270): the decode forward's options against the
-# default in ONE process (one model, one weights split), the base forward's per-kernel account first.
+# Issue 39 on one H200 in <= BUDGET s (default 480): what the cache kernel's dots compile to, the
+# kernel tests on the GPU, then the decode forward's options against the default in ONE process
+# (one model, one weights split), the base forward's per-kernel account first.
 #
+#   kernel_code  experiments/kernel_code.py: the cache kernel's Triton dots (bf16 x bf16 -> f32
+#            expected) and its PTX's counts of mma.sync / wgmma (tensor cores) against fma.rn.f32,
+#            cvt and ex2, for bf16, fold_new, fp8 and fp8+asm (kernel_code.json)
+#   tests    the kernel's value, bf16 rounding (splits/fold_new against the base at block_k 64,
+#            head 128), dot-type and exactness tests on the GPU (at most TESTS_S, default 150 s).
+#            The float32 tests (`attention_matches_dense`: the base; `options_equal`: the options)
+#            compare at 1e-5, and at default precision Pallas-Triton and XLA run float32 dots as
+#            TF32: the tests run with JAX_DEFAULT_MATMUL_PRECISION=highest (float32 dots in IEEE;
+#            bf16 dots stay bf16 x bf16 -> f32)
 #   options  bench_sampler --runs=options_forward,options_exact,options_rates; sdar_4b, random bf16
 #            weights, 128 rows, 1,024 + 1,024 (experiments/decode_options.py):
-#            forward  one 4-token decode forward at fill 1,536 per variant (base, splits=3,
-#                     fold_new=1, halves=1, the three together, cache=fp8, cache=fp8+fp8_widen=asm),
-#                     compiled together: wall ms, device ms by kind; per kernel ms, GB, GFLOP, GB/s,
-#                     TFLOP/s in options_forward.md (`base` = the profile-backed account); logits vs
-#                     base (fp8_widen=asm vs cache=fp8): max |diff|, bitwise `exact`, argmax agreement
-#            exact    tokens and step map of each variant vs its reference, static and dynamic, on a
-#                     2-layer model of sdar_4b's shapes, LM head x40, 16 prompts of 64 + 64 tokens
-#            rates    dynamic then static at full size for base and `best` (fastest exact bf16
-#                     forward): tok/s, tokens per row-forward, vs base, token agreement; only the
-#                     programs that fit before the deadline are lowered and compiled
-#   tests    the kernel's value and exactness tests on the GPU, only if >= 90 s are left
+#            forward  one 4-token decode forward at fill 1,536 per variant (base; split=512 and
+#                     split=64, the base kernel on other partitions: controls of rounding order;
+#                     splits=3, here split=512's programs, so its logits should equal split=512's
+#                     (`vs_others`; only the merge's sum over 3 or 5 partial results may round
+#                     otherwise); fold_new=1; halves=1; the three together; cache=fp8;
+#                     cache=fp8+fp8_widen=asm), compiled together: wall ms, device ms
+#                     by kind; per kernel ms, GB, GFLOP, GB/s, TFLOP/s in options_forward.md
+#                     (`base` = the profile-backed account); logits vs base (fp8_widen=asm vs
+#                     cache=fp8): max |diff|, bitwise `exact`, argmax agreement
+#            exact    tokens and step map of each variant vs base, static and dynamic, on a 2-layer
+#                     model of sdar_4b's shapes, LM head x40, 16 prompts of 64 + 64 tokens; also
+#                     against each earlier variant (`agreement_with_others`; splits=3 runs
+#                     split=64's programs there). A variant that only reorders float32 sums
+#                     agrees with the base about as well as split=64 does
+#            rates    dynamic then static at full size for base and `best` (fastest bf16 forward
+#                     whose tokens equal the base's): tok/s, tokens per row-forward, vs base, token
+#                     agreement; only the programs that fit before the deadline are compiled
 # If the bench dies of a signal (a compiler crash), it runs once more without the `halves` variants.
 # A status line per part in $OUT/status.txt; rows land in $OUT/results.jsonl as they come (a row per
 # variant, `skipped` when the deadline cut it). Run from the repository root:
 #   OUT=/some/dir bash experiments/gpu/sampler_decode_h200.sh
-# BUDGET, PARTS (options,tests), OPTIONS (the variants) and FLAGS (more bench_sampler flags, e.g.
-# a CPU smoke run's tiny config) override. An existing PYTHONPATH (e.g. /tmp/site) is kept.
+# BUDGET, PARTS (kernel_code,tests,options), TESTS_S, OPTIONS (the variants), CONFIG (the model
+# preset) and FLAGS (more bench_sampler flags, e.g. a CPU smoke run's tiny shapes) override. An
+# existing PYTHONPATH (e.g. /tmp/site) is kept.
 set -u
 START=$(date +%s)
 : "${OUT:?set OUT}"
@@ -28,9 +45,10 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
-BUDGET=${BUDGET:-270}
-PARTS=${PARTS:-options,tests}
-OPTIONS=${OPTIONS:-base,splits=3,fold_new=1,halves=1,splits=3+fold_new=1+halves=1,cache=fp8,cache=fp8+fp8_widen=asm}
+BUDGET=${BUDGET:-480}
+PARTS=${PARTS:-kernel_code,tests,options}
+CONFIG=${CONFIG:-sdar_4b}
+OPTIONS=${OPTIONS:-base,split=512,split=64,splits=3,fold_new=1,halves=1,splits=3+fold_new=1+halves=1,cache=fp8,cache=fp8+fp8_widen=asm}
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 status() { echo "$(($(date +%s) - START)) s: $*" | tee -a "$OUT/status.txt"; }
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
@@ -60,11 +78,21 @@ status "start: $(tr '\n' ' ' <"$OUT/env.txt")"
 options() {  # options NAME VARIANTS
   # The bench starts nothing past its deadline: the budget left less start-up and final writes.
   # shellcheck disable=SC2086  # FLAGS: extra flags, split on spaces
-  part "$1" 60 python3 -m experiments.bench_sampler --out="$OUT" --config=sdar_4b --batch=128 \
+  part "$1" 60 python3 -m experiments.bench_sampler --out="$OUT" --config="$CONFIG" --batch=128 \
     --prompt_len=1024 --new_tokens=1024 --runs=options_forward,options_exact,options_rates \
     --decode_options="$2" --rate_options=base,best --rate_strategies=dynamic,static \
     --deadline_s=$(($(left) - 20)) ${FLAGS:-}
 }
+if has kernel_code; then
+  part kernel_code 20 python3 -m experiments.kernel_code --out="$OUT" --config="$CONFIG"
+fi
+if has tests; then  # before the options: they decide whether splits/fold_new are right
+  part tests 60 env JAX_DEFAULT_MATMUL_PRECISION=highest timeout -k 5 "${TESTS_S:-150}" \
+    python3 -m pytest -q -p no:cacheprovider \
+    tests/diffusion/test_flash_decode.py tests/launchers/test_decode_options.py \
+    -k "attention_matches_dense or options_equal or round_like or without_cvt or \
+    every_decode_option or bf16_with"
+fi
 if has options; then
   options options "$OPTIONS"
   rc=$?
@@ -74,9 +102,5 @@ if has options; then
   if [ "$rc" -gt 128 ] && [ "$rc" -ne 137 ] && [[ "$OPTIONS" == *halves* ]]; then
     options options_no_halves "$(tr , '\n' <<<"$OPTIONS" | grep -v halves | paste -sd,)"
   fi
-fi
-if has tests; then
-  part tests 90 python3 -m pytest -q -p no:cacheprovider tests/diffusion/test_flash_decode.py \
-    -k "options_equal or without_cvt or every_decode_option"
 fi
 status "done ($(left) s of $BUDGET left)"

@@ -208,6 +208,43 @@ def test_kernel_options_equal_the_dense_attention():
   assert most == 2
 
 
+def test_kernel_options_on_bf16_inputs_round_like_the_base_and_splits_is_a_repartition():
+  """On bf16 queries and cache (the GPU's decode dtype), `splits` and `fold_new` are as close to
+  the float32 dense attention as the base kernel (a kernel bug would be far off), with 4 and 8
+  new tokens x 4 heads per K/V head (query rows 16 and 32). They are not bitwise the base:
+  another summation order rounds some bf16 outputs the other way, as another `split` of the base
+  does, and a random model's near-ties then decode other tokens (docs/performance.md, issue 39).
+  `splits` is the base kernel on another partition: bitwise equal to the base with the split
+  that gives each row the same programs. On a GPU at the H200 run's tiles (block_k 64, head 128)."""
+  x = 4 if jax.default_backend() == "gpu" else 1  # slots per tile / 16
+  base = flash_decode.DecodeTiles(split=32 * x, block_k=16 * x)
+  f32 = lambda a: a.astype(jnp.float32)
+  for t, variants in [(4, ("splits", "fold_new")), (8, ("fold_new",))]:
+    q, kn, vn, cache, spec, pos, seg = _attention_case(
+      4, t=t, s=64 * x, k=1, h=32 * x, dtype=jnp.bfloat16
+    )
+    # Live tiles per row: 4, 4, 3 (split 2 + 2, 2 + 1) and 1 (1 + 0): split=32's programs.
+    cache = dataclasses.replace(cache, length=jnp.asarray([64, 50, 45, 3], jnp.int32) * x)
+    want = transformer.cached_attention(
+      *map(f32, (q, kn, vn, cache.k[1], cache.v[1])), spec, pos, seg, pos // 4, cache
+    )
+    want = np.where(np.asarray(seg > 0)[:, :, None, None], np.asarray(want), 0.0)
+    opts = dict(base={}, splits=dict(splits=2), fold_new=dict(fold_new=True))
+    got = {}
+    for name in ("base",) + variants:
+      c = dataclasses.replace(cache, tiles=dataclasses.replace(base, **opts[name]))
+      got[name] = np.asarray(
+        f32(flash_decode.cached_attention(q, kn, vn, 1, spec, pos, seg, pos // 4, c))
+      )
+    # The base's error is bf16 rounding (of the probabilities before p.v, of the output): about
+    # 2^-8 of the values' size; a wrong tile or merge would be off by far more.
+    err = {name: float(np.abs(o - want).max()) for name, o in got.items()}
+    assert 0 < err["base"] < 0.03, err
+    assert all(e <= 2 * err["base"] for e in err.values()), err
+    if t == 4:
+      np.testing.assert_array_equal(got["splits"], got["base"])
+
+
 def test_float8_widening_without_cvt_gives_the_cast_values():
   """`fp8_widen='bits'` (and 'asm', which the interpreter runs as 'bits') reads a float8 cache as
   exactly the bf16 values of a cast: every finite e4m3fn byte, and the kernel's output bit for bit."""

@@ -45,6 +45,15 @@ def test_each_variant_is_compared_with_the_first_of_its_cache_type():
     "cache=fp8": "cache=fp8",
     "cache=fp8+fp8_widen=asm": "cache=fp8",
   }
+  # ... and also with the earlier ones of its cache type (a control such as the base's other split).
+  variants.insert(1, df.parse_variant("split=512"))
+  assert df.peers(variants) == {
+    "base": [],
+    "split=512": [],
+    "splits=3": ["split=512"],
+    "cache=fp8": [],
+    "cache=fp8+fp8_widen=asm": [],
+  }
   with pytest.raises(ValueError, match="distinct"):
     df.parse_variants(["base", "base"])
 
@@ -133,3 +142,22 @@ def test_programs_compile_together_and_a_failure_is_returned():
   out = df.compile_all(lowered + [Broken()], threads=2)
   assert [float(p(jnp.ones(3))[0]) for p in out[:3]] == [1.0, 2.0, 3.0]
   assert isinstance(out[3], RuntimeError)
+
+
+def test_the_cache_kernels_dots_are_bf16_with_float32_accumulation():
+  """The cache kernel's q.k and p.v dots, lowered for cuda at sdar_4b's shapes (no GPU needed), take
+  bf16 operands with float32 results for a bf16 and for a float8 cache (widened to bf16 before
+  the dot) and with the new keys folded in: Triton gives such dots to tensor cores. On a GPU the
+  PTX shows it (`mma`); there, float32 operands would be `fma.rn.f32` on the CUDA cores."""
+  from experiments import kernel_code
+
+  rows = {r["variant"]: r for r in kernel_code.report("sdar_4b")}
+  assert set(rows) == set(kernel_code.VARIANTS)
+  for name, row in rows.items():
+    assert "failed" not in row, row
+    want = 4 if name.startswith("fold_new") else 2
+    if jax.default_backend() == "gpu":  # the IR text sits in a compiled kernel's record
+      assert row["dots"] and all(d == ["bf16", "bf16", "f32"] for d in row["dots"]), row
+      assert row["ptx"]["mma.sync"] + row["ptx"]["wgmma.mma_async"] > 0, row
+    else:
+      assert row["dots"] == [["bf16", "bf16", "f32"]] * want, row
