@@ -16,6 +16,7 @@ import re
 import time
 
 import jax
+import jax.numpy as jnp
 
 from dice_jax import tpu_lowering, tpu_topology
 from dice_jax.diffusion import memory as sampler_memory
@@ -100,9 +101,9 @@ def attention_lengths(program: str, recipe: Recipe, block_size: int = 4) -> tupl
 
 def estimate_bytes(program: str, mcfg, recipe: Recipe, chips: int) -> float | None:
   """The project's own per-chip estimate: the RL planner for the update (parameters and rows over
-  the chips); for prefill and decode the sampler's check (`diffusion.memory.estimate`, the GPU
-  sampler's) divided over the chips, as `diffusion/placement.py` splits weights, cache and rows
-  on an fsdp mesh. None for SFT (no estimate in the code)."""
+  the chips); for prefill and decode the sampler's check (`diffusion.memory.estimate` for TPU):
+  weights, cache and that step's activations, split over the chips as `diffusion/placement.py`
+  splits weights, cache and rows on an fsdp mesh. None for SFT (no estimate in the code)."""
   if program == "rl":
     est = rl_memory.update_estimate(
       mcfg,
@@ -124,9 +125,22 @@ def estimate_bytes(program: str, mcfg, recipe: Recipe, chips: int) -> float | No
       prefill_width=recipe.prompt_width,
       decode_weights=scfg.splits_weights(mcfg),
       cache_dtype=scfg.cache_dtype(mcfg),
+      row_shards=chips,
+      param_shards=chips,
+      platform="tpu",
     )
-    return est["total"] / chips
+    return est["weights"] + est["kv_cache"] + est[program] - _unread_master_bytes(mcfg, scfg, chips)
   return None
+
+
+def _unread_master_bytes(mcfg, scfg, chips: int) -> float:
+  """The fp32 master parameters a sampler step with split decode weights does not read (all but
+  the embedding): the estimate counts them (a run holds them on the device beside the decode
+  copy), the compiled step does not (jit drops unused arguments)."""
+  if not scfg.splits_weights(mcfg):
+    return 0.0
+  embed = 0 if mcfg.tie_word_embeddings else mcfg.vocab_size * mcfg.hidden_size
+  return (mcfg.num_params() - embed) * jnp.dtype(mcfg.weight_dtype).itemsize / chips
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,10 +3,13 @@
 The update (`train_step.make_train_step` on `tracerl.tracerl_loss`) holds, per device:
 
   weights     the fp32 master parameters
-  grads       their fp32 gradients (once: with accumulation XLA adds each micro-batch's layer
-              gradients into the running sum in place; CPU: +0.3 of a copy, not +1)
-  optimizer   AdamW's two fp32 moments, plus `OPT_TEMPS` parameter-sized fp32 temporaries of
-              clipping and the update (XLA on CPU: one)
+  grads       their fp32 gradients; with accumulation the running sum and one micro-batch's
+              gradients (XLA may add part of them in place: CPU +0.3 of a copy; the H200 peak of
+              issue 30, 43.7 GiB at 256 micro-batches, is 0.89x the estimate without it)
+  optimizer   AdamW's two fp32 moments
+  update      `OPT_TEMPS` parameter-sized fp32 temporaries of clipping and the update (XLA on
+              CPU: one); live only after the backward pass, when the batch, residuals and working
+              set below are freed: the total takes the larger of the two phases
   batch       the mini-batch's token fields (all micro-batches, ~`BATCH_BYTES_PER_TOKEN` each)
   residuals   what the forward keeps for the backward pass, every layer, one micro-batch: per
               token and layer, by remat policy (model/config.REMAT_POLICIES; counted from the
@@ -115,7 +118,9 @@ def update_estimate(
   row_shards: int = 1,
 ) -> dict:
   """Bytes by part of one TraceRL optimizer step on one device (module docstring): `weights`,
-  `grads`, `optimizer`, `batch`, `residuals`, `working`, and their `total`.
+  `grads`, `optimizer`, `update`, `batch`, `residuals`, `working`, and the `total` at the peak
+  (weights, grads and optimizer, plus the larger of the backward pass's batch + residuals +
+  working and the update's temporaries).
 
   `micro_rows` rows of `row_len` tokens per micro-batch, `accum_steps` micro-batches; `remat` a
   policy name or bool (None: the model config's); parameters over `param_shards` devices (fsdp x
@@ -129,8 +134,9 @@ def update_estimate(
   a = jnp.dtype(c.compute_dtype).itemsize
   p = c.num_params() / param_shards
   weights = p * jnp.dtype(c.weight_dtype).itemsize
-  grads = p * 4
-  optimizer = p * 4 * (2 + OPT_TEMPS)
+  grads = p * 4 * (2 if accum_steps > 1 else 1)
+  optimizer = p * 4 * 2
+  update = p * 4 * OPT_TEMPS
   rows = -(-micro_rows // row_shards)
   tokens = rows * row_len
   batch = BATCH_BYTES_PER_TOKEN * tokens * accum_steps
@@ -145,11 +151,13 @@ def update_estimate(
   head = c.hidden_size * c.vocab_size / param_shards
   logits = LOGIT_TEMPS * 4 * rows * chunk * c.vocab_size + head * (a + 4)
   working = max(layer_bwd, logits)
-  total = weights + grads + optimizer + batch + residuals + working
+  backward = batch + residuals + working
+  total = weights + grads + optimizer + max(backward, update)
   return dict(
     weights=weights,
     grads=grads,
     optimizer=optimizer,
+    update=update,
     batch=batch,
     residuals=residuals,
     working=working,

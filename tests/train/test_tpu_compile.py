@@ -4,7 +4,9 @@ compile-only devices, `jax.experimental.topologies`; `dice_jax.tpu_topology`, `t
 - at the recipe's settings (docs/tpu.md) each program's per-chip peak is within the chip's HBM,
   attention is the Mosaic kernels only and no `[T, S]` score tensor is in the compiled HLO;
 - the RL update planner (`rl.memory`) is never below the compiler's peak (it refuses before the
-  rollout what would not fit) and over it by less than 30 % (27 % for sdar_1p7b on a v5p-8);
+  rollout what would not fit) and over it by less than 15 % (13 % for sdar_1p7b on a v5p-8), and
+  the sampler's estimate (`diffusion.memory`, with the TPU cache kernel's relayout copy of the
+  cache) is within 15 % of the decode step's peak;
 - a mesh over two slices keeps the fsdp collectives inside a slice.
 
 Each program compiles once per module (a 1.7B program takes about a minute of CPU); the whole table
@@ -58,13 +60,13 @@ def test_sft_step_of_sdar_1p7b_fits_a_v5e_8_with_the_mosaic_kernels(rows):
   assert row.memory.aliased == pytest.approx(row.memory.arguments, rel=0.01)
 
 
-def test_rl_update_of_sdar_1p7b_fits_a_v5p_8_and_the_planner_is_above_it_by_under_30_percent(rows):
+def test_rl_update_of_sdar_1p7b_fits_a_v5p_8_and_the_planner_is_above_it_by_under_15_percent(rows):
   row = rows("sdar_1p7b", "v5p-8", "rl")
   _assert_compiled_within_hbm(row)
   assert set(row.kernels) == FLASH_TRAIN
-  # jax 0.10.2 / libtpu 0.0.42.1: planner 16.66 GiB, compiler 13.10 GiB (x1.27); the planner's
+  # jax 0.10.2 / libtpu 0.0.42.1: planner 14.76 GiB, compiler 13.10 GiB (x1.13); the planner's
   # parts are calibrated on CPU (rl/memory.py)
-  assert row.memory.peak <= row.estimate <= 1.3 * row.memory.peak
+  assert row.memory.peak <= row.estimate <= 1.15 * row.memory.peak
 
 
 def test_sampler_decode_of_sdar_1p7b_fits_a_v5e_8_with_the_cache_kernel(rows):
@@ -72,6 +74,9 @@ def test_sampler_decode_of_sdar_1p7b_fits_a_v5e_8_with_the_cache_kernel(rows):
   row = rows("sdar_1p7b", "v5e-8", "decode")
   _assert_compiled_within_hbm(row)
   assert set(row.kernels) == {"bd_flash_tpu_fwd"} and row.kernels["bd_flash_tpu_fwd"] >= 1
+  # the sampler's check counts the cache kernel's relayout copy of the cache (diffusion/memory.py):
+  # 12.00 GiB against the compiler's 12.14 (jax 0.10.2 / libtpu 0.0.42.1)
+  assert abs(row.estimate / row.memory.peak - 1) < 0.15, (row.estimate, row.memory)
 
 
 def test_the_score_check_finds_a_dense_attention():
