@@ -288,6 +288,9 @@ class Progress:
       self.stream.flush()
 
 
+CLOSE_S = 10.0  # how long ending a batch waits for a remote service's connections to close
+
+
 async def heartbeat(progress: Progress, status, sleep=asyncio.sleep, tick_s: float = 1.0) -> None:
   """Refreshes ``progress`` with ``status()`` every ``tick_s`` until cancelled."""
   while True:
@@ -359,8 +362,9 @@ async def verify_batch(
   async def one(i: int):
     return i, await verify(reqs[i])
 
+  calls = [asyncio.ensure_future(one(i)) for i in range(len(reqs))]
   try:
-    for fut in asyncio.as_completed([one(i) for i in range(len(reqs))]):
+    for fut in asyncio.as_completed(calls):
       i, r = await fut
       if r is None:
         continue
@@ -372,8 +376,31 @@ async def verify_batch(
   finally:
     if beat is not None:
       beat.cancel()
-    await close()
+    for c in calls:  # a Ctrl-C or an error ends the calls still out
+      c.cancel()
+    if addresses:  # a remote service that does not let go of its calls does not hold up the exit
+      gather = lambda: asyncio.gather(*calls, return_exceptions=True)  # noqa: E731
+      await _within(CLOSE_S, gather, close, report=report)
+    else:  # the service started here stops its workers, however long that takes
+      await asyncio.gather(*calls, return_exceptions=True)
+      await close()
   return results
+
+
+async def _within(seconds: float, *steps, report=None) -> None:
+  """Awaits each of ``steps`` (functions returning awaitables) in turn for at most ``seconds`` in all;
+  past that the rest is left (cancelled, not waited for) and ``report`` says so."""
+
+  async def run():
+    for step in steps:
+      await step()
+
+  task = asyncio.ensure_future(run())
+  done, _ = await asyncio.wait([task], timeout=seconds)
+  if not done:
+    task.cancel()
+    if report is not None:
+      report(f"the verifier's connections did not close within {seconds:g} s; left open")
 
 
 def summary(candidates: Sequence[Candidate], results: Sequence[VerifyResult]) -> str:

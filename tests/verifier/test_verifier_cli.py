@@ -16,7 +16,7 @@ import pytest
 
 from verifier import batch, cli, verdict_file
 from verifier.api import waiting
-from verifier.api.contract import VerifyResult
+from verifier.api.contract import VerifyOptions, VerifyResult
 from verifier.serve.torch_build import TorchBuild, cuda_refusal
 
 from tests.test_verifier_client import _ScriptedService, _ServerThread
@@ -391,6 +391,49 @@ def test_closing_the_client_ends_a_request_in_flight_instead_of_retrying_it():
     asyncio.run(go())
   finally:
     server.close()
+
+
+def test_an_interrupted_batch_ends_even_if_the_service_never_lets_go(monkeypatch):
+  """`check`'s second hang in CI (2026-12-03, 3347 s run): after SIGINT, progress lines for 60 s and the
+  loop idle in select, the batch's end waiting on its calls and the client's close. Now the batch
+  cancels the calls still out and gives a remote service's close CLOSE_S, then goes on (said in one
+  line). Here the close never returns."""
+  from verifier.api.client import VerifierClient
+
+  async def never(self):
+    await asyncio.Event().wait()
+
+  monkeypatch.setattr(VerifierClient, "close", never)
+  monkeypatch.setattr(batch, "CLOSE_S", 0.5)
+  server = _ServerThread(_HangingService()).start()
+  said = []
+  try:
+
+    async def go():
+      cands = [batch.Candidate("a", "t", REF, "GOOD a"), batch.Candidate("c", "t", REF, "HANG c")]
+      got = []
+      run = asyncio.ensure_future(
+        batch.verify_batch(
+          cands,
+          VerifyOptions(device="cpu"),
+          addresses=[server.address],
+          on_result=lambda i, r: got.append(i),
+          report=said.append,
+        )
+      )
+      for _ in range(600):  # a hang guard: until one verdict is in and the other call is held
+        if got and server.service.calls:
+          break
+        await asyncio.sleep(0.05)
+      run.cancel()  # what asyncio.run does with the main task on Ctrl-C
+      with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(run, 60)  # a hang guard, not a timing claim
+      return got
+
+    assert asyncio.run(go()) == [0]
+  finally:
+    server.close()
+  assert said[-1] == "the verifier's connections did not close within 0.5 s; left open"
 
 
 def _lines(path) -> list[dict]:
