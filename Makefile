@@ -42,7 +42,8 @@ lint: setup
 	$(BIN)/ruff check .
 
 test: lint $(BIN)/.tpu-compile
-	$(BIN)/python -m pytest -q --durations=25 tests
+	# two workers, one test file each at a time (module fixtures such as a warmed verifier stay shared)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=40 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

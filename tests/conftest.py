@@ -1,12 +1,12 @@
 """Test-wide setup: JAX on 8 fake CPU devices (set before JAX initialises), except for a GPU run
 (`pytest -m gpu`), where JAX keeps its GPU; shared data location; the `gpu` fixture."""
 
+import gc
 import os
 import pathlib
 import re
-import sys
-
 import subprocess
+import sys
 
 import pytest
 
@@ -28,6 +28,17 @@ def pytest_configure(config):
     del os.environ["JAX_PLATFORMS"]
     if "jax" in sys.modules:  # imported by a conftest already, not yet initialised
       sys.modules["jax"].config.update("jax_platforms", None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_programs_freed():
+  """A module's compiled programs are freed when it ends: the suite runs in two processes (pytest-xdist)
+  on a 2-core host, and JAX's caches kept every program of ~900 tests (a worker reached ~8 GB)."""
+  yield
+  jax = sys.modules.get("jax")
+  if jax is not None:
+    jax.clear_caches()
+  gc.collect()
 
 
 @pytest.fixture(scope="session")

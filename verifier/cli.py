@@ -290,8 +290,14 @@ async def _check(a) -> int:
       "skipped (another --out judges them again)"
     )
   if todo:
+    stop = _Interrupt(a, run.writer)
+    stop.install()
     try:
       await _verify(run, todo, results)
+    except asyncio.CancelledError:
+      if not stop.fired:
+        raise
+      return stop.exit_status()
     except VerifierUnavailable as e:
       print(f"check: error: {e}", file=sys.stderr)
       return EXIT_NO_VERIFIER
@@ -299,6 +305,7 @@ async def _check(a) -> int:
       print(f"check: error: {e}", file=sys.stderr)
       return EXIT_BAD_INPUT
     finally:
+      stop.remove()
       if run.writer is not None:
         run.writer.close()
   _print_results(a, run.cands, results)
@@ -308,6 +315,44 @@ async def _check(a) -> int:
     _say(f"{missing} candidate(s) got no verdict: no verifier answered them{again}")
     return EXIT_NO_VERIFIER
   return EXIT_PASSED if all(r.reward > 0 for r in results) else EXIT_FAILED
+
+
+class _Interrupt:
+  """Ctrl-C (SIGINT) during a check: the first cancels the check, whose verdicts so far are already in
+  ``--out`` (each written as it arrived); if the check has not ended ``STOP_GRACE_S`` later (a call
+  that does not let go), or at a second Ctrl-C, the process ends anyway, exit status 130."""
+
+  STOP_GRACE_S = 10.0
+
+  def __init__(self, a, writer):
+    self.a, self.writer, self.fired = a, writer, False
+    self.loop = asyncio.get_running_loop()
+    self.task = asyncio.current_task()
+
+  def install(self) -> None:
+    self.loop.add_signal_handler(signal.SIGINT, self._fire)
+
+  def remove(self) -> None:
+    self.loop.remove_signal_handler(signal.SIGINT)
+
+  def _fire(self) -> None:
+    if self.fired:
+      self._end_now()
+    self.fired = True
+    self.task.cancel()
+    self.loop.call_later(self.STOP_GRACE_S, self._end_now)
+
+  def exit_status(self) -> int:
+    kept = f"; the verdicts so far are in {self.a.out}, a rerun resumes" if self.a.out else ""
+    _say(f"interrupted{kept}")
+    return 130
+
+  def _end_now(self) -> None:
+    if self.writer is not None:
+      self.writer.close()
+    self.exit_status()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 async def _verify(run: _CheckRun, todo: list[int], results: list) -> None:

@@ -176,7 +176,8 @@ def test_an_honest_kernel_passes_with_the_verifiers_own_work_subtracted():
   calls = [_w(own=300, torch=22, python=14) for _ in range(4)]
   v = _judge(calls, nulls)
   assert v.kind is FailureKind.OK and v.own_ms == pytest.approx(120.0), v
-  assert v.excess_ms == pytest.approx(2.4)  # (22 + 14 - 30) samples x 4 calls x 0.1 ms
+  # (22 + 14 - 30) samples x 4 calls x 0.1 ms, of which the interpreter's (14 - 10) is drift
+  assert v.excess_ms + v.drift_ms == pytest.approx(2.4) and v.drift_ms == pytest.approx(1.6)
 
 
 def test_work_in_a_library_or_numpy_is_host_compute_and_named():
@@ -204,6 +205,23 @@ def test_noise_below_the_floor_and_the_margin_is_not_a_verdict():
   # the same excess with many more samples behind it is significant
   v = _judge([_w(python=3000, torch=1000) for _ in range(3)], [_w(0, python=2000)] * 3)
   assert v.kind is FailureKind.HOST_COMPUTE, v
+
+
+def test_the_exchanges_drift_is_set_aside_but_library_work_is_not():
+  # 2 CI failures (session 16's submission): an honest candidate's bursts spent 2.3x the nulls' time in
+  # the interpreter and libc while another slot ran beside it
+  nulls = [_w(0, python=30, torch=5)] * 4
+  calls = [_w(python=70, torch=5) for _ in range(3)]
+  v = _judge(calls, nulls)
+  assert v.kind is FailureKind.OK and v.drift_ms == pytest.approx(3 * 40 * 0.1), v
+  strict = host_evidence.judge_host(calls, nulls, 100_000, ROOT, "cpu", drift=0.0)
+  assert strict.kind is FailureKind.HOST_COMPUTE, strict
+  # the same excess in torch's operators (where a library computes) is no drift
+  v = _judge([_w(python=30, torch=45) for _ in range(3)], nulls)
+  assert v.kind is FailureKind.HOST_COMPUTE and v.drift_ms == 0.0, v
+  # interpreter time beyond DRIFT x its null time is the candidate's, named as such
+  v = _judge([_w(python=135, torch=5) for _ in range(3)], nulls)
+  assert v.kind is FailureKind.HOST_COMPUTE and v.top[0] == (PYTHON, pytest.approx(3 * 60 * 0.1)), v
 
 
 def test_lost_samples_count_against_the_candidate():

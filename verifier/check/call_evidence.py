@@ -135,6 +135,7 @@ class CallEvidence:
       "host_foreign_ms": v.foreign_ms,
       "host_excess_ms": v.excess_ms,
       "host_allowed_ms": v.allowed_ms,
+      "host_drift_ms": v.drift_ms,
     }
 
   def close(self) -> None:
