@@ -189,7 +189,9 @@ def test_work_in_a_library_or_numpy_is_host_compute_and_named():
     assert v.top[0][0] == (TORCH if lib == "torch" else NUMPY) and v.top[0][1] == pytest.approx(
       100.0
     )
-    assert "beyond the verifier's own exchange work" in v.reason
+    # numpy is a compute library, judged on its own floor first
+    why = "host compute libraries" if lib == "numpy" else "beyond the verifier's own exchange work"
+    assert why in v.reason, v.reason
 
 
 def test_a_kernel_that_also_zero_fills_its_output_in_torch_passes():
@@ -222,6 +224,20 @@ def test_the_exchanges_drift_is_set_aside_but_library_work_is_not():
   # interpreter time beyond DRIFT x its null time is the candidate's, named as such
   v = _judge([_w(python=135, torch=5) for _ in range(3)], nulls)
   assert v.kind is FailureKind.HOST_COMPUTE and v.top[0] == (PYTHON, pytest.approx(3 * 60 * 0.1)), v
+
+
+def test_a_compute_library_has_a_floor_of_its_own_under_the_gpus():
+  # the H200's zero-copy candidate: its kernel copies the input to pinned host memory, numpy computes
+  # the ReLU there (~1.5 ms a forward, under the 2 ms floor of host code on a GPU)
+  nulls = [_w(0, python=20)] * 4
+  calls = [_w(python=25, numpy=15) for _ in range(2)]
+  v = _judge(calls, nulls, "cuda")
+  assert v.kind is FailureKind.HOST_COMPUTE and "host compute libraries" in v.reason, v
+  assert "_multiarray_umath" in v.reason
+  # the same time in the interpreter (dispatch, launches) is within the floor
+  assert _judge([_w(python=40) for _ in range(2)], nulls, "cuda").kind is FailureKind.OK
+  # a few samples in numpy are noise, not a verdict
+  assert _judge([_w(python=20, numpy=1) for _ in range(2)], nulls, "cuda").kind is FailureKind.OK
 
 
 def test_lost_samples_count_against_the_candidate():

@@ -50,6 +50,14 @@ Z = 3.0
 # modules the verifier's own exchange spends its time in (their drift is set aside, up to DRIFT x null)
 EXCHANGE = re.compile(r"^(libpython3|python3|libc\.so|libc10\.so)")
 DRIFT = 1.5
+# Host libraries that only compute (no honest forward's dispatch or launch path runs there): their
+# excess has a floor of its own, far under ``FLOOR_MS`` (an H200 ReLU of 4M floats in numpy on a
+# zero-copy host buffer took ~1.5 ms a forward, under the 2 ms floor: rewarded, session 17).
+COMPUTE_LIBRARY = re.compile(
+  r"^(_multiarray_umath|_umath_linalg|_pocketfft|libopenblas|libscipy_openblas|libmkl|libblas"
+  r"|liblapack|libcblas)"
+)
+COMPUTE_FLOOR_MS = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +190,20 @@ def judge_host(
     sigma_ms=sigma * ms,
     top=top,
   )
+  library = {p: n for p, n in excess_by.items() if COMPUTE_LIBRARY.match(os.path.basename(p))}
+  library_excess = sum(library.values())
+  library_sigma = math.sqrt(sum(sub_by.get(p, 0.0) + max(n, 0.0) for p, n in library.items()))
+  if library_excess > COMPUTE_FLOOR_MS * forwards / ms + z * library_sigma:
+    names = ", ".join(
+      f"{os.path.basename(p)} {n * ms:.1f} ms"
+      for p, n in sorted(library.items(), key=lambda kv: -kv[1])
+    )
+    return HostVerdict(
+      FailureKind.HOST_COMPUTE,
+      f"the forwards spent {library_excess * ms:.1f} ms of CPU time in host compute libraries over "
+      f"{forwards} forward(s) (allowed: {COMPUTE_FLOOR_MS * forwards:.2f} ms): {names}",
+      **verdict,
+    )
   if excess > allowed + z * sigma:
     names = ", ".join(f"{os.path.basename(p)} {t:.1f} ms" for p, t in top) or "-"
     where = "interpreter, libraries or unknown code" if device == "cpu" else "host code"
