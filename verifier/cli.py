@@ -317,6 +317,13 @@ async def _check(a) -> int:
   return EXIT_PASSED if all(r.reward > 0 for r in results) else EXIT_FAILED
 
 
+def _interrupted(a) -> int:
+  """Says a check was interrupted (and where its verdicts are); exit status 130."""
+  kept = f"; the verdicts so far are in {a.out}, a rerun resumes" if a.out else ""
+  _say(f"interrupted{kept}")
+  return 130
+
+
 class _Interrupt:
   """Ctrl-C (SIGINT) during a check: the first cancels the check, whose verdicts so far are already in
   ``--out`` (each written as it arrived); if the check has not ended ``STOP_GRACE_S`` later (a call
@@ -343,9 +350,7 @@ class _Interrupt:
     self.loop.call_later(self.STOP_GRACE_S, self._end_now)
 
   def exit_status(self) -> int:
-    kept = f"; the verdicts so far are in {self.a.out}, a rerun resumes" if self.a.out else ""
-    _say(f"interrupted{kept}")
-    return 130
+    return _interrupted(self.a)
 
   def _end_now(self) -> None:
     if self.writer is not None:
@@ -592,10 +597,8 @@ def main(argv=None) -> int:
   if a.cmd == "check":
     try:
       return asyncio.run(_check(a))
-    except KeyboardInterrupt:
-      kept = f"; the verdicts so far are in {a.out}, a rerun resumes" if a.out else ""
-      _say(f"interrupted{kept}")
-      return 130
+    except KeyboardInterrupt:  # before the check's own handler is in place
+      return _interrupted(a)
   from verifier import bench
 
   try:
