@@ -201,7 +201,7 @@ def judge_host(
     return HostVerdict(
       FailureKind.HOST_COMPUTE,
       f"the forwards spent {library_excess * ms:.1f} ms of CPU time in host compute libraries over "
-      f"{forwards} forward(s) (allowed: {COMPUTE_FLOOR_MS * forwards:.2f} ms): {names}",
+      f"{forwards} forward(s) (allowed: {COMPUTE_FLOOR_MS * forwards:.2f} ms); most in: {names}",
       **verdict,
     )
   if excess > allowed + z * sigma:
