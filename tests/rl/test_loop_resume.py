@@ -38,6 +38,13 @@ def _metrics(workdir):
   return read_metrics(path) if os.path.exists(path) else {}
 
 
+def _saved_steps(workdir):
+  """Steps whose checkpoint orbax has finished (it renames a step's temporary folder to the bare
+  step number only once every file is written)."""
+  path = os.path.join(workdir, "checkpoints")
+  return [int(n) for n in os.listdir(path) if n.isdigit()] if os.path.isdir(path) else []
+
+
 def _run(cmd):
   p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
   assert p.returncode == 0, p.stderr[-4000:]
@@ -53,10 +60,12 @@ def test_kill_9_mid_run_then_restart_gives_identical_losses_and_data_order(tmp_p
   )
   try:
     deadline = time.time() + 600
-    while max(_metrics(run_dir), default=0) < 2:
+    # killed once a step's checkpoint is whole and a later step has run: under load step 1's async
+    # save can still be writing when step 2's metrics appear, and a kill then starts over instead
+    while max(_metrics(run_dir), default=0) < 2 or not _saved_steps(run_dir):
       assert proc.poll() is None, "the run ended before it could be killed"
-      assert time.time() < deadline, "no second RL step within 600 s"
-      time.sleep(0.2)
+      assert time.time() < deadline, "no second RL step and saved checkpoint within 600 s"
+      time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)  # during step 3's rollout, maybe during step 2's save
   finally:
     proc.wait(30)
