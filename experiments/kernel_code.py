@@ -5,7 +5,9 @@ float32 `fma`), for a bf16 and a float8 cache at sdar_4b's per-program shapes.
 A dot whose operands are bf16 (`tensor<16x128xbf16> * tensor<128x64xbf16> -> ...xf32`) is given
 to tensor cores by Triton (`mma.sync` for 16 query rows, `wgmma` from 64); float32 operands would
 be `fma.rn.f32` on the CUDA cores. Lowering for `cuda` needs no GPU (jaxlib <= 0.10.2 carries the
-Triton IR as bytecode, which is read here); a GPU's jaxlib compiles it, and its PTX is read too.
+Triton IR as bytecode, which is read here); on a GPU its PTX is read too: compiled by jaxlib's Triton
+hook where it has one (jaxlib <= 0.10), else from the module PTX XLA dumps (`--xla_dump_to` in
+XLA_FLAGS, which `main` sets when it is absent; jaxlib 0.11's Triton module has no compile hook).
 
   python -m experiments.kernel_code --out=DIR   # DIR/kernel_code.json, a line per variant
 """
@@ -13,9 +15,11 @@ Triton IR as bytecode, which is read here); a GPU's jaxlib compiles it, and its 
 from __future__ import annotations
 
 import functools
+import glob
 import json
 import os
 import re
+import tempfile
 import zlib
 
 import jax
@@ -66,18 +70,53 @@ def _ttir_text(bytecode: bytes) -> str:
     return str(ir.Module.parse(bytecode))
 
 
+def _gpus() -> list:
+  return [d for d in jax.devices() if d.platform == "gpu"]
+
+
 def _ptx(bytecode: bytes, num_warps: int, num_stages: int) -> str:
-  """The PTX of Triton IR `bytecode` where this jaxlib can compile it (a GPU's), else ""."""
+  """The PTX of Triton IR `bytecode` where this jaxlib's Triton module can compile it (a GPU's,
+  jaxlib <= 0.10), else "" (`dumped_ptx` is the other way)."""
   from jax._src.lib import triton
 
-  gpus = [d for d in jax.devices() if d.platform == "gpu"]
-  if not gpus or not triton.has_compilation_handler("CUDA"):
+  gpus = _gpus()
+  has_handler = getattr(triton, "has_compilation_handler", None)  # gone in jaxlib 0.11
+  if not gpus or has_handler is None or not has_handler("CUDA"):
     return ""
   arch = str(gpus[0].compute_capability)
   done = triton.compile(
     "CUDA", bytecode, arch, num_warps=num_warps, num_ctas=1, num_stages=num_stages
   )
   return "\n" + done.asm
+
+
+# XLA's dump of the cache kernel's modules only (their jit is named after `cache_part`)
+DUMP_FLAGS = (
+  f"--xla_dump_to={os.path.join(tempfile.gettempdir(), 'kernel_code_xla_dump')}"
+  " --xla_dump_hlo_module_re=.*cache_part.*"
+)
+
+
+def dump_dir() -> str | None:
+  """Where XLA dumps what it compiles (`--xla_dump_to` in XLA_FLAGS), or None."""
+  m = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
+  return m.group(1) if m else None
+
+
+def dumped_ptx(lowered) -> str:
+  """The PTX XLA writes for `lowered`'s module when it compiles it on a GPU (the Triton kernels are
+  linked into it), read from the dump directory; "" off a GPU or without `--xla_dump_to`."""
+  where = dump_dir()
+  if where is None or not _gpus():
+    return ""
+  listing = lambda: set(glob.glob(os.path.join(where, "**", "*.ptx"), recursive=True))
+  before = listing()
+  lowered.compile()
+  texts = []
+  for path in sorted(listing() - before):
+    with open(path) as f:
+      texts.append(f.read())
+  return "\n".join(texts)
 
 
 def dot_types(text: str) -> list[tuple[str, str, str]]:
@@ -126,7 +165,10 @@ def report(config: str = "sdar_4b") -> list[dict]:
   for name, (tiles, dtype) in VARIANTS.items():
     row = dict(variant=name, backend=jax.default_backend())
     try:
-      texts = triton_code(cache_kernel_lowered(cfg, tiles, dtype))
+      lowered = cache_kernel_lowered(cfg, tiles, dtype)
+      texts = triton_code(lowered)
+      if not any(op in t for t in texts for op in ("mma", "fma.rn")):  # no PTX from the hook
+        texts.append(dumped_ptx(lowered))
       row.update(
         kernels=len(texts),
         dots=[list(d) for t in texts for d in dot_types(t)],
@@ -151,6 +193,8 @@ def main(argv):
   from experiments import _cli
 
   del argv
+  if dump_dir() is None:  # before the backend starts: XLA reads its flags then
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DUMP_FLAGS}".strip()
   with _cli.user_errors_from(ValueError):  # an unknown preset
     get_config(FLAGS.config)
   rows = report(FLAGS.config)

@@ -87,7 +87,10 @@ if has kernel_code; then
   part kernel_code 20 python3 -m experiments.kernel_code --out="$OUT" --config="$CONFIG"
 fi
 if has tests; then  # before the options: they decide whether splits/fold_new are right
-  part tests 60 env JAX_DEFAULT_MATMUL_PRECISION=highest timeout -k 5 "${TESTS_S:-150}" \
+  # XLA's dump of the cache kernel's modules: the PTX the dot-type test reads on jaxlib 0.11
+  part tests 60 env JAX_DEFAULT_MATMUL_PRECISION=highest \
+    XLA_FLAGS="${XLA_FLAGS:-} $(python3 -c 'from experiments import kernel_code; print(kernel_code.DUMP_FLAGS)')" \
+    timeout -k 5 "${TESTS_S:-150}" \
     python3 -m pytest -q -p no:cacheprovider \
     tests/diffusion/test_flash_decode.py tests/launchers/test_decode_options.py \
     -k "attention_matches_dense or options_equal or round_like or without_cvt or \
