@@ -394,6 +394,28 @@ def test_the_norm_rule_keeps_the_verdicts_of_honest_rounding_on_dice_references(
   assert judged == len(ids)
 
 
+def test_dice_7278s_pooling_bins_are_wrong_though_every_value_is_within_atol():
+  # DICE's infilling "known-good" 7278 (AdaptiveAvgPool2d((3, 3)) + ReLU over 16x3x256x256) cuts a
+  # 256-wide axis at 85 and 170 (`(H / KH) * oh`); PyTorch's adaptive pooling takes [0, 86),
+  # [85, 171), [170, 256) (floor(i*H/KH) to ceil((i+1)*H/KH)). Its outputs are means of ~7,000
+  # normals (~0.01), so every error is under atol = 0.01; the H200 verdict (2026-12-03) was the norm
+  # rule's: the error's norm 0.118 of the reference's. Here the kernel's arithmetic in torch.
+  x = torch.randn(16, 3, 256, 256, generator=torch.Generator().manual_seed(0))
+  ref = torch.relu(torch.nn.functional.adaptive_avg_pool2d(x, (3, 3)))
+  cut = lambda i: (85 * i, 256 if i == 2 else 85 * (i + 1))  # noqa: E731
+  out = torch.stack(
+    [
+      torch.stack([x[:, :, slice(*cut(i)), slice(*cut(j))].mean((2, 3)) for j in range(3)], -1)
+      for i in range(3)
+    ],
+    -2,
+  ).clamp_min(0)
+  assert torch.allclose(ref, out, atol=1e-2, rtol=1e-2)  # KernelBench's check passes it
+  c = correctness.compare_outputs(ref, out, 1e-2, 1e-2, "t")
+  assert c.kind is FailureKind.WRONG_OUTPUT and "norm" in c.reason, c
+  assert 0.08 < float((out - ref).norm() / ref.norm()) < 0.2  # ~12 % off, not rounding
+
+
 # ---- 5. nothing but the candidate's own output comes back ---------------------------------------------
 REPO_SOURCE_MARK = "def toolchain_paths() -> list[str]:"
 
