@@ -189,7 +189,7 @@ def test_fused_cache_heads_split_whole_over_tensor_and_rows_write_in_place(tenso
   lay = placement.Placement(sharding.make_mesh(fsdp=-1, tensor=tensor))
   cache = KVCache.empty(mcfg, 8, 32)
   sh = lay.cache(cache)
-  assert sh.k.spec == jax.P(None, "fsdp", None, heads) and sh.v.spec == sh.k.spec
+  assert sh.k.spec == jax.P(None, ("data", "fsdp"), None, heads) and sh.v.spec == sh.k.spec
   placed = jax.device_put(cache, sh)
   L, K, H = mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim
   rows_per_device = 8 // (8 // tensor)  # over fsdp = 8 / tensor
