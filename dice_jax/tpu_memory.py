@@ -127,7 +127,6 @@ def estimate_bytes(program: str, mcfg, recipe: Recipe, chips: int) -> float | No
       cache_dtype=scfg.cache_dtype(mcfg),
       row_shards=chips,
       param_shards=chips,
-      platform="tpu",
     )
     return est["weights"] + est["kv_cache"] + est[program] - _unread_master_bytes(mcfg, scfg, chips)
   return None

@@ -299,7 +299,7 @@ class Bench:
 
   def filled_cache(self, rows, fill, cap):
     mcfg, b = self.model.cfg, 4
-    shape = (mcfg.num_layers, rows, cap, mcfg.num_kv_heads, mcfg.head_dim)
+    shape = (mcfg.num_layers, rows, cap, mcfg.num_kv_heads * mcfg.head_dim)
     slot = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32) - b, (rows, cap))
     return KVCache(
       k=jnp.full(shape, 0.01, mcfg.compute_dtype),
@@ -308,6 +308,7 @@ class Bench:
       segment_ids=(slot >= 0).astype(jnp.int32),
       block_ids=slot // b,
       length=jnp.full((rows,), fill + b, jnp.int32),
+      head_dim=mcfg.head_dim,
       tiles=self.tiles,
     )
 

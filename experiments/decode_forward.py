@@ -122,7 +122,7 @@ def attention_counts(cfg, rows: int, fill: int, tokens: int, tiles, fp8: bool, c
 def random_cache(cfg, rows, cap, fill, tiles, dtype, seed=0) -> KVCache:
   """A cache of `rows` rows filled to `fill` slots with N(0, 1) keys/values (slot s holds
   position s - b, as the sampler lays rows out)."""
-  shape = (cfg.num_layers, rows, cap, cfg.num_kv_heads, cfg.head_dim)
+  shape = (cfg.num_layers, rows, cap, cfg.num_kv_heads * cfg.head_dim)
   kk, kv = jax.random.split(jax.random.key(seed))
   k = jax.jit(lambda: jax.random.normal(kk, shape, jnp.bfloat16).astype(dtype))()
   v = jax.jit(lambda: jax.random.normal(kv, shape, jnp.bfloat16).astype(dtype))()
@@ -135,6 +135,7 @@ def random_cache(cfg, rows, cap, fill, tiles, dtype, seed=0) -> KVCache:
     segment_ids=(slot >= 0).astype(jnp.int32),
     block_ids=slot // b,
     length=jnp.full((rows,), fill, jnp.int32),
+    head_dim=cfg.head_dim,
     tiles=tiles,
   )
 

@@ -107,7 +107,7 @@ def lowered_ops(cfg, rows, fill, tokens, cache_len, fp8=False):
   graphdef, state = nnx.split(model)
   weights = jax.eval_shape(lambda s: nnx.merge(graphdef, s).decode_weights(), state)
   dtype = jnp.float8_e4m3fn if fp8 else cfg.compute_dtype
-  shape = (cfg.num_layers, rows, cache_len, cfg.num_kv_heads, cfg.head_dim)
+  shape = (cfg.num_layers, rows, cache_len, cfg.num_kv_heads * cfg.head_dim)
   i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
   cache = KVCache(
     k=jax.ShapeDtypeStruct(shape, dtype),
@@ -116,6 +116,7 @@ def lowered_ops(cfg, rows, fill, tokens, cache_len, fp8=False):
     segment_ids=i32(rows, cache_len),
     block_ids=i32(rows, cache_len),
     length=i32(rows),
+    head_dim=cfg.head_dim,
   )
   tok, pos = i32(rows, tokens), i32(rows, tokens)
 

@@ -134,7 +134,7 @@ def cache_kernel_lowered(cfg, tiles, cache_dtype, tokens: int = 4, fill: int = 1
   b, kh, h = 2, cfg.num_kv_heads, cfg.head_dim
   r, s = tokens * (cfg.num_heads // kh), -(-fill // 1024) * 1024
   q = jnp.zeros((b, kh, r, h), jnp.bfloat16)
-  kv = jnp.zeros((2, b, s, kh, h), cache_dtype)
+  kv = jnp.zeros((2, b, s, kh * h), cache_dtype)  # the stored layout: heads fused
   rows, slots = jnp.ones((b, r), jnp.int32), jnp.ones((b, s), jnp.int32)
   fills = jnp.full((b,), fill, jnp.int32)
   new = {}

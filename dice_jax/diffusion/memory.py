@@ -3,13 +3,10 @@
 weights + KV cache (rows x cache slots, K and V of every layer) + the larger of the two phases'
 activations: a decode forward (2b tokens per row: hidden states, MLP, f32 logits and the sampling
 temporaries over the vocabulary) or a prefill chunk (its rows x width tokens, and the K/V of every
-layer it returns before they are written into the cache). On TPU the decode step also holds a
-copy of the whole K/V cache: the Mosaic cache kernel (`flash_tpu.cache_part`) reads K/V as
-`[L, B, S, K*H]`, which under TPU tiling is another layout than the cache's `[L, B, S, K, H]`
-(its minor `[K, H]` tiles), so XLA relays the cache out into a temporary for the step (compiled:
-5.7 of the 6.2 GiB of temporaries of sdar_1p7b's decode on a v5e-8, docs/tpu.md). Storing K/V as
-`[L, B, S, K*H]` would remove that copy (and its HBM traffic) but changes the cache's layout for
-every path that reads it; until then the estimate counts the copy. The estimate is an upper-bound-minded
+layer it returns before they are written into the cache). The cache is stored in the layout the
+TPU cache kernel reads (`kv_cache.KVCache`: `[L, B, S, K*H]`), so no step copies it (before issue
+38 a `[L, B, S, K, H]` cache was relaid out into a temporary every TPU decode step: 5.7 of the 6.2
+GiB of temporaries of sdar_1p7b's decode on a v5e-8, docs/tpu.md). The estimate is an upper-bound-minded
 sum, not XLA's exact plan: it exists to fail early with a readable message instead of an
 out-of-memory error from inside a compiled call.
 """
@@ -22,7 +19,6 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from dice_jax.model import platform as platform_lib
 from dice_jax.model.kv_cache import KVCache
 
 GIB = 1024**3
@@ -41,16 +37,14 @@ def estimate(
   row_shards: int = 1,
   head_shards: int = 1,
   param_shards: int = 1,
-  platform: Optional[str] = None,
 ) -> dict:
   """Bytes by part on one device: `weights` (the parameters, plus their per-layer compute-dtype
   copy when `decode_weights`: `transformer.DecodeWeights`), `kv_cache` (of `cache_dtype`, default
   the compute dtype), `activations`, and their `total`. On a mesh (`placement.Placement.shards`)
   the weights are split `param_shards` ways, the cache over `row_shards` x `head_shards` and the
   activations over `row_shards` (rows that do not divide count whole: `-(-rows // row_shards)`).
-  `decode` and `prefill` are each phase's activations (`activations` the larger); on `platform`
-  'tpu' (default: `model.platform.target()`) with flash attention `decode` counts the relayout copy
-  of the cache (module docstring)."""
+  `decode` and `prefill` are each phase's activations (`activations` the larger). The same on
+  every platform: the TPU decode reads the cache in place (module docstring)."""
   c = model_cfg
   rows = -(-rows // row_shards)
   prefill_rows = -(-prefill_rows // row_shards)
@@ -69,11 +63,6 @@ def estimate(
   kv_layers = 2 * c.num_layers * pre_tokens * c.num_kv_heads * c.head_dim * act
   prefill = pre_tokens * per_token + 2 * kv_layers
   weights, cache = -(-weights // param_shards), -(-cache // head_shards)
-  platform = platform or platform_lib.target().platform
-  if platform == "tpu" and c.attention_impl == "flash":
-    item = jnp.dtype(cache_dtype or c.compute_dtype).itemsize
-    kv = 2 * c.num_layers * rows * cache_len * c.num_kv_heads * c.head_dim * item
-    decode += -(-kv // head_shards)  # the relaid-out K and V, this device's share
   activations = max(decode, prefill)
   return dict(
     weights=weights,

@@ -79,13 +79,16 @@ class Placement:
 
   def cache(self, cache: kv_cache_lib.KVCache) -> kv_cache_lib.KVCache:
     """Shardings of `cache`'s fields (`kv_cache.LOGICAL_AXES`: rows over the data axes, K/V heads
-    over `tensor`), as a `KVCache` (jit's sharding tree)."""
+    over `tensor`, the stored `[.., K*H]` by whole heads), as a `KVCache` (jit's sharding tree)."""
+
+    def sharding(f, axes):
+      if f in ("k", "v"):
+        spec = self.named(axes, cache.kv_shape).spec
+        return NamedSharding(self.mesh, kv_cache_lib.fused_spec(spec))
+      return self.named(axes, getattr(cache, f).shape)
+
     return dataclasses.replace(
-      cache,
-      **{
-        f: self.named(axes, getattr(cache, f).shape)
-        for f, axes in kv_cache_lib.LOGICAL_AXES.items()
-      },
+      cache, **{f: sharding(f, axes) for f, axes in kv_cache_lib.LOGICAL_AXES.items()}
     )
 
   def constrain_rows(self, tree):
@@ -135,7 +138,7 @@ class Placement:
     if axis is None or axis != self.row_axes(rows.shape[0]):
       return cache.write_rows(rows, k, v, offset, *meta)
     specs = jax.tree.map(lambda s: s.spec, self.cache(cache))
-    kv_spec = specs.k
+    kv_spec = P(*specs.k, None)  # the new K/V `[L, R, T, K, H]`: K split as the cache's K*H
     row_spec = P(axis)
     meta_specs = (P(axis, None),) * 3 + (row_spec,)
 

@@ -241,8 +241,8 @@ def _pallas_cache_part(
   lo,
   ntiles,
   q_bkrh,
-  k_lbskh,
-  v_lbskh,
+  k_cache,
+  v_cache,
   q_seg,
   q_rank,
   k_seg,
@@ -256,9 +256,9 @@ def _pallas_cache_part(
 ):
   """The kernel launch on (local) arrays; returns per-program (o, lse). `new`: the padded new
   keys, values, segments and ranks when `tiles.fold_new`. Row i of q reads cache row
-  `row_offset + i`."""
+  `row_offset + i`; head j of the cache `[L, B, S, K*H]` is its j-th H-wide column block."""
   b, kh, rp, h = q_bkrh.shape
-  n_layers, s = k_lbskh.shape[0], k_lbskh.shape[2]
+  n_layers, s = k_cache.shape[0], k_cache.shape[2]
   n_prog = ntiles.shape[1]
   params = (
     plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
@@ -268,7 +268,7 @@ def _pallas_cache_part(
   per_prog = pl.BlockSpec((None, 1), lambda i, j, t, c: (i, c))
   qrow = pl.BlockSpec((None, block_q), lambda i, j, t, c: (i, t))
   krow = pl.BlockSpec((None, s), lambda i, j, t, c: (i, 0))
-  kv = pl.BlockSpec((n_layers, None, s, None, h), lambda i, j, t, c: (0, i + row_offset, 0, j, 0))
+  kv = pl.BlockSpec((n_layers, None, s, h), lambda i, j, t, c: (0, i + row_offset, 0, j))
   new_specs = []
   if new:
     tp = new[0].shape[1]
@@ -310,7 +310,7 @@ def _pallas_cache_part(
     compiler_params=params,
     interpret=interpret,
     name="flash_decode_cache",
-  )(layer, lo, ntiles, q_bkrh, k_lbskh, v_lbskh, q_seg, q_rank, k_seg, k_rank, *new)
+  )(layer, lo, ntiles, q_bkrh, k_cache, v_cache, q_seg, q_rank, k_seg, k_rank, *new)
 
 
 def _mesh_size() -> int:
@@ -334,8 +334,8 @@ def _shard_mapped(fn, rows: int, kv_heads: int, fold_new: bool = False):
     vec,
     vec,
     P(row, head, None, None),
-    P(None, row, None, head, None),
-    P(None, row, None, head, None),
+    P(None, row, None, head),  # the cache [L, B, S, K*H]: whole heads per shard
+    P(None, row, None, head),
     vec,
     vec,
     vec,
@@ -379,8 +379,8 @@ def _pad_rows(x, to: int, axis: int):
 
 def cache_part(
   q_bkrh,
-  k_lbskh,
-  v_lbskh,
+  k_cache,
+  v_cache,
   layer,
   q_seg_br,
   q_rank_br,
@@ -395,8 +395,8 @@ def cache_part(
 ):
   """Softmax attention of query rows over the cache slots of one layer.
 
-  q `[B, K, R, H]` (R query rows per K/V head); k/v the stacked cache `[L, B', S, K, H]` and the
-  layer index `layer` (scalar): the kernel reads that layer in place, so no per-layer copy of the
+  q `[B, K, R, H]` (R query rows per K/V head); k/v the stacked cache `[L, B', S, K*H]` (head j
+  the j-th H-wide column block: `kv_cache.KVCache`'s layout) and the layer index `layer` (scalar): the kernel reads that layer in place, so no per-layer copy of the
   cache is made; query row b reads cache row `row_offset + b` (a part of the rows, on one device).
   int32 vectors: query rows `[B, R]`, slots `[B, S]` (segment 0 = invisible); `fill_b [B]`: slots
   at or above it are never read. S must be a multiple of `tiles.block_k`. `new_kv`: (keys, values
@@ -405,7 +405,7 @@ def cache_part(
   EMPTY_LSE where no slot is visible).
   """
   b, kh, r, _ = q_bkrh.shape
-  s = k_lbskh.shape[2]
+  s = k_cache.shape[2]
   if s % tiles.block_k:
     raise ValueError(
       f"flash_decode: cache length {s} must be a multiple of block_k {tiles.block_k}"
@@ -439,8 +439,8 @@ def cache_part(
     lo,
     ntiles,
     q_bkrh,
-    k_lbskh,
-    v_lbskh,
+    k_cache,
+    v_cache,
     q_seg_br.astype(jnp.int32),
     q_rank_br.astype(jnp.int32),
     k_seg_bs.astype(jnp.int32),
@@ -484,7 +484,7 @@ def cached_attention(
   cache_part_fn=None,
   row_offset: int = 0,
 ):
-  """`transformer.cached_attention` for layer `layer` of `cache` (its stacked `[L,B,S,K,H]` K/V
+  """`transformer.cached_attention` for layer `layer` of `cache` (its stacked `[L,B,S,K*H]` K/V
   are read in place): q `[B,T,N,H]`, k/v `[B,T,K,H]` (new tokens) -> `[B,T,N,H]`, for cache rows
   [row_offset, row_offset + B) (`DecodeTiles.halves`; all rows by default).
   `cache_part_fn`: another kernel with `cache_part`'s contract (`flash_tpu.cache_part` on TPU)."""

@@ -501,25 +501,33 @@ def attention(q, k, v, spec, positions, *, block_q=512, block_k=512, interpret=F
 
 
 def _cache_call(q_rows, k_cache, v_cache, layer, q_seg, q_rank, k_seg, k_rank, *, bk, interpret):
-  """Local (per-shard) launch for `cache_part`: q rows `[B, K, R, H]`, cache `[L, B, S, K, H]`."""
+  """Local (per-shard) launch for `cache_part`: q rows `[B, K, R, H]`, cache `[L, B, S, K*H]`
+  (the stored layout, read in place: head kh is column block kh, as for q)."""
   b, kh, r, h = q_rows.shape
-  n_layers, _, s = k_cache.shape[:3]
   q2 = q_rows.transpose(0, 2, 1, 3).reshape(b, r, kh * h)  # head kh = column block kh
-  k2 = k_cache.reshape(n_layers, b, s, kh * h)  # free: heads are the minor dims
-  v2 = v_cache.reshape(n_layers, b, s, kh * h)
   k_lo = jnp.full_like(k_rank, BIG)
   vecs = _lane_vectors(q_seg, q_rank, k_seg, k_rank, k_lo)
   plan = tile_plan(q_seg, q_rank, k_seg, k_rank, k_lo, r, bk)
   o, lse = forward(
-    q2, k2, v2, layer, vecs, plan, h=h, scale=h**-0.5, block_q=r, block_k=bk, interpret=interpret
+    q2,
+    k_cache,
+    v_cache,
+    layer,
+    vecs,
+    plan,
+    h=h,
+    scale=h**-0.5,
+    block_q=r,
+    block_k=bk,
+    interpret=interpret,
   )
   return o.reshape(b, r, kh, h).transpose(0, 2, 1, 3), lse[..., 0]
 
 
 def cache_part(
   q_bkrh,
-  k_lbskh,
-  v_lbskh,
+  k_cache,
+  v_cache,
   layer,
   q_seg_br,
   q_rank_br,
@@ -531,13 +539,13 @@ def cache_part(
   interpret=False,
 ):
   """`flash_decode.cache_part` on TPU: softmax attention of query rows over one layer of the
-  stacked cache, read in place; tiles above a row's fill (`k_seg_bs` is 0 there) and rows with no
-  live query are skipped. The k tile is the largest of 512/256/128 dividing the cache length.
+  stacked cache `[L, B, S, K*H]`, read in place (the stored layout is the kernel's: no copy);
+  tiles above a row's fill (`k_seg_bs` is 0 there) and rows with no live query are skipped. The k tile is the largest of 512/256/128 dividing the cache length.
   Returns (o `[B, K, R, H]` f32, lse `[B, K, R]` natural log, EMPTY_LSE where nothing is visible).
   """
   del fill_b, tiles  # the fill is in k_seg_bs (0 above it); TPU tiles are fixed here
   b, kh, r, _ = q_bkrh.shape
-  s = k_lbskh.shape[2]
+  s = k_cache.shape[2]
   bk = next((t for t in (512, 256, 128) if s % t == 0), None)
   if bk is None:
     raise ValueError(f"flash_tpu: cache length {s} must be a multiple of 128 on TPU")
@@ -550,7 +558,7 @@ def cache_part(
   i32 = lambda x: x.astype(jnp.int32)
   call = functools.partial(_cache_call, bk=bk, interpret=interpret)
   o, lse = _cache_shard_mapped(call, b, kh)(
-    q_bkrh, k_lbskh, v_lbskh, layer, i32(q_seg_br), i32(q_rank_br), i32(k_seg_bs), i32(k_rank_bs)
+    q_bkrh, k_cache, v_cache, layer, i32(q_seg_br), i32(q_rank_br), i32(k_seg_bs), i32(k_rank_bs)
   )
   return o[..., :r, :].astype(jnp.float32), lse[..., :r]
 
@@ -563,7 +571,7 @@ def _cache_shard_mapped(fn, rows, kv_heads):
   P = jax.sharding.PartitionSpec
   row, head = sharding_lib.kernel_axes(mesh, rows, (kv_heads,))
   vec = P(row, None)
-  cache = P(None, row, None, head, None)
+  cache = P(None, row, None, head)  # [L, B, S, K*H]: whole heads per shard
   in_specs = (P(row, head, None, None), cache, cache, P(None), vec, vec, vec, vec)
   out_specs = (P(row, head, None, None), P(row, head, None))
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)

@@ -5,6 +5,12 @@ engine). Its slots hold keys/values per layer and the metadata the masks need (p
 id, block id). A slot is visible when it is below the row's `length` and its segment id is > 0
 (0 marks a slot that holds no token: padding, or a stale slot of the row's previous sequence).
 
+K and V are stored `[L, B, S, K*H]`: each K/V head an H-wide column block, the layout the TPU cache
+kernel reads (`flash_tpu.cache_part`; TPU tiles the two minor dimensions, so `[.., K, H]` would be
+another layout that XLA relays out into a copy of the whole cache every decode step). On GPU/CPU
+`[.., K*H]` and `[.., K, H]` are the same bytes (row-major), so readers that want heads apart
+reshape (`KVCache.heads`) for free; the writes take `[.., K, H]` and fuse them.
+
 Writes go to each row's own offset (`append` at `length[b]`, `write_rows` for whole rows), so rows
 advance independently. Every write is an in-place update of the (donated or loop-carried) buffer:
 no copy of the cache is made (`tests/diffusion/test_engine.py` checks the compiled memory).
@@ -16,13 +22,16 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from dice_jax.model.flash_decode import DecodeTiles
 
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 
 # Logical axes of each field (`dice_jax.sharding.RULES`): rows over the data axes, K/V heads over
-# `tensor`; a row's slots stay on the device that decodes the row.
+# `tensor`; a row's slots stay on the device that decodes the row. K and V are named by their
+# unfused view `[L, B, S, K, H]` (`KVCache.kv_shape`), so `tensor` splits K only where it divides
+# K; `fused_spec` gives the stored `[L, B, S, K*H]` that split (whole heads per device).
 _KV_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
 _SLOT_AXES = ("batch", "cache_length")
 LOGICAL_AXES = dict(
@@ -33,6 +42,20 @@ LOGICAL_AXES = dict(
   block_ids=_SLOT_AXES,
   length=("batch",),
 )
+
+
+def fused_spec(spec) -> P:
+  """The `PartitionSpec` of a stored K/V `[L, B, S, K*H]` from that of its `[L, B, S, K, H]`
+  view: the fused axis split as K is (whole heads per shard); H is never split."""
+  spec = tuple(spec) + (None,) * (5 - len(spec))
+  if spec[4] is not None:
+    raise ValueError(f"kv_cache: the head_dim axis cannot be split, got {P(*spec)}")
+  return P(*spec[:4])
+
+
+def fuse_heads(x):
+  """`[..., K, H]` -> `[..., K*H]` (the stored layout; a free reshape in row-major order)."""
+  return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
 
 
 def to_cache_dtype(x, dtype):
@@ -57,17 +80,35 @@ def put_rows(buf, new, at, row_axis: int):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-  k: jax.Array  # [L, B, S, K, H], compute dtype or float8_e4m3fn (flash attention only)
-  v: jax.Array  # [L, B, S, K, H]
+  k: jax.Array  # [L, B, S, K*H], compute dtype or float8_e4m3fn (flash attention only)
+  v: jax.Array  # [L, B, S, K*H]
   positions: jax.Array  # [B, S] int32
   segment_ids: jax.Array  # [B, S] int32, 0 = empty
   block_ids: jax.Array  # [B, S] int32
   length: jax.Array  # [B] int32: slots below it may be visible; appends write there
+  head_dim: int = dataclasses.field(metadata=dict(static=True))  # H: the width of a head's block
   tiles: DecodeTiles = dataclasses.field(default=DecodeTiles(), metadata=dict(static=True))
+
+  def __post_init__(self):
+    if not isinstance(self.head_dim, int) or self.head_dim < 1:
+      raise ValueError(f"KVCache.head_dim must be a positive int, got {self.head_dim!r}")
+    k = getattr(self.k, "shape", None)  # not an array under some tree maps (shardings, specs)
+    if k is not None and len(k) == 5:
+      raise ValueError(f"KVCache: K/V are stored [L, B, S, K*H] (heads fused), got {k}")
 
   @property
   def max_len(self) -> int:
     return self.k.shape[2]
+
+  @property
+  def kv_shape(self) -> tuple:
+    """The shape of K (and V) with the heads apart, `(L, B, S, K, H)`."""
+    *lead, kh = self.k.shape
+    return (*lead, kh // self.head_dim, self.head_dim)
+
+  def heads(self, x):
+    """`x` `[..., K*H]` (K, V or a slice of them) as `[..., K, H]`: a free reshape off TPU."""
+    return x.reshape(*x.shape[:-1], x.shape[-1] // self.head_dim, self.head_dim)
 
   @staticmethod
   def num_bytes(cfg, batch: int, max_len: int, dtype=None) -> int:
@@ -79,7 +120,7 @@ class KVCache:
   @classmethod
   def empty(cls, cfg, batch: int, max_len: int, dtype=None, tiles=None) -> "KVCache":
     dtype = dtype or cfg.compute_dtype
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads * cfg.head_dim)
     z = lambda: jnp.zeros((batch, max_len), jnp.int32)  # distinct buffers (donation)
     return cls(
       jnp.zeros(shape, dtype),
@@ -88,6 +129,7 @@ class KVCache:
       z(),
       z(),
       jnp.zeros((batch,), jnp.int32),
+      cfg.head_dim,
       tiles or DecodeTiles(),
     )
 
@@ -100,8 +142,8 @@ class KVCache:
     at = self.length if at is None else at
     return dataclasses.replace(
       self,
-      k=put_rows(self.k, k, at, 1),
-      v=put_rows(self.v, v, at, 1),
+      k=put_rows(self.k, fuse_heads(k), at, 1),
+      v=put_rows(self.v, fuse_heads(v), at, 1),
       positions=put_rows(self.positions, positions, at, 0),
       segment_ids=put_rows(self.segment_ids, segment_ids, at, 0),
       block_ids=put_rows(self.block_ids, block_ids, at, 0),
@@ -118,8 +160,8 @@ class KVCache:
     put = lambda buf, idx, new: buf.at[idx].set(to_cache_dtype(new, buf.dtype), mode="drop")
     return dataclasses.replace(
       self,
-      k=put(self.k, (slice(None), rows, sl), k),
-      v=put(self.v, (slice(None), rows, sl), v),
+      k=put(self.k, (slice(None), rows, sl), fuse_heads(k)),
+      v=put(self.v, (slice(None), rows, sl), fuse_heads(v)),
       positions=put(self.positions, rows, positions),
       segment_ids=put(self.segment_ids, rows, segment_ids),
       block_ids=put(self.block_ids, rows, block_ids),

@@ -513,7 +513,8 @@ def cached_attention(
   Cache keys are visible when their slot is filled, their segment matches and the kind's rule
   holds (pos_k <= pos_q for causal, block_k <= block_q for block-causal). The new tokens see each
   other under the same rule. Scores are computed per part, so the cache is never concatenated
-  with the new keys (the dense path still reads a per-layer slice of the stacked cache).
+  with the new keys (the dense path still reads a per-layer slice `[B, S, K*H]` of the stacked
+  cache, `cache_k/v`).
   """
   if spec.kind in ("block_diffusion", "trace"):
     raise ValueError(f"{spec.kind} attention is a training layout; it takes no KV cache")
@@ -537,7 +538,8 @@ def cached_attention(
     m_self = masks_lib.full_mask(seg, seg)
   m_cache = m_cache & filled[:, None, :]
   qg = _grouped(q, k.shape[2])
-  cache_k, cache_v = cache_k.astype(k.dtype), cache_v.astype(v.dtype)
+  # one layer `[B, S, K*H]` of the stored cache, heads apart (a free reshape off TPU)
+  cache_k, cache_v = cache.heads(cache_k).astype(k.dtype), cache.heads(cache_v).astype(v.dtype)
   s = jnp.concatenate([_scores(qg, cache_k, m_cache), _scores(qg, k, m_self)], axis=-1)
   p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
   p_cache, p_self = p[..., : cache.max_len], p[..., cache.max_len :]

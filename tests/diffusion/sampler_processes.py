@@ -44,7 +44,7 @@ def sharpened(model):
 
 def rows_held(x) -> list[list[int]]:
   """The [start, stop) row ranges of `x` (rows on axis 1 for K/V, else 0) this process holds."""
-  axis = 1 if x.ndim == 5 else 0
+  axis = 1 if x.ndim == 4 else 0
   spans = {s.index[axis].indices(x.shape[axis])[:2] for s in x.addressable_shards}
   return sorted(list(s) for s in spans)
 

@@ -22,7 +22,7 @@ def test_flash_cached_attention_matches_dense(kind, dynamic_loop):
   r = np.random.RandomState(0)
   f = lambda *shape: jnp.asarray(r.randn(*shape), jnp.float32)
   q, kn, vn = f(b, t, n, h), f(b, t, k, h), f(b, t, k, h)
-  ck, cv = f(2, b, s, k, h), f(2, b, s, k, h)  # two layers; layer 1 is attended
+  ck, cv = f(2, b, s, k * h), f(2, b, s, k * h)  # two layers (heads fused); layer 1 is attended
   cseg = np.ones((b, s), np.int32)
   cseg[0, :5] = 0  # left padding
   cseg[1, :20] = 0
@@ -34,6 +34,7 @@ def test_flash_cached_attention_matches_dense(kind, dynamic_loop):
     segment_ids=jnp.asarray(cseg),
     block_ids=jnp.asarray(cpos // 4),
     length=jnp.asarray([37, 20, 64], jnp.int32),
+    head_dim=h,
     tiles=tiles,
   )  # slots at or above a row's length hold garbage and must be ignored
   pos = jnp.asarray(np.tile(np.arange(17, 17 + t), (b, 1)), jnp.int32)
@@ -80,13 +81,14 @@ def test_float8_cache_is_read_as_the_values_it_holds_and_saturates_instead_of_na
   r = np.random.RandomState(1)
   f = lambda *shape: jnp.asarray(r.randn(*shape), jnp.float32)
   q, kn, vn = f(b, t, n, h), f(b, t, k, h), f(b, t, k, h)
-  ck, cv = f(2, b, s, k, h) * 3, f(2, b, s, k, h)
+  ck, cv = f(2, b, s, k * h) * 3, f(2, b, s, k * h)
   ck8, cv8 = ck.astype(jnp.float8_e4m3fn), cv.astype(jnp.float8_e4m3fn)
   meta = dict(
     positions=jnp.tile(jnp.arange(s, dtype=jnp.int32), (b, 1)),
     segment_ids=jnp.ones((b, s), jnp.int32),
     block_ids=jnp.tile(jnp.arange(s, dtype=jnp.int32) // 4, (b, 1)),
     length=jnp.asarray([40, 64], jnp.int32),
+    head_dim=h,
     tiles=tiles,
   )
   pos = jnp.tile(jnp.arange(64, 64 + t, dtype=jnp.int32), (b, 1))
@@ -105,7 +107,7 @@ def test_float8_cache_is_read_as_the_values_it_holds_and_saturates_instead_of_na
   big = jnp.full((2, b, 1, k, h), 1000.0).at[:, :, :, 0, 0].set(-5000.0).at[:, :, :, 1, 0].set(0.3)
   one = jnp.ones((b, 1), jnp.int32)
   out = cache.append(big, big, one, one, one, at=jnp.zeros((b,), jnp.int32))
-  wrote = np.asarray(out.k[:, :, 0].astype(jnp.float32))
+  wrote = np.asarray(out.heads(out.k[:, :, 0]).astype(jnp.float32))
   assert np.isnan(np.asarray(big.astype(jnp.float8_e4m3fn).astype(jnp.float32))).any()
   assert np.isfinite(wrote).all() and wrote.max() == 448.0 and wrote.min() == -448.0
   np.testing.assert_allclose(wrote[:, :, 1, 0], 0.3, rtol=0.07)
@@ -156,7 +158,7 @@ def _attention_case(seed, b=4, t=8, s=64, n=4, k=2, h=16, dtype=jnp.float32, fp8
     f(b, t, k, h).astype(dtype),
   )
   cdt = jnp.float8_e4m3fn if fp8 else dtype
-  ck, cv = (f(2, b, s, k, h) * 3).astype(cdt), f(2, b, s, k, h).astype(cdt)
+  ck, cv = (f(2, b, s, k * h) * 3).astype(cdt), f(2, b, s, k * h).astype(cdt)
   cseg = np.ones((b, s), np.int32)
   cseg[0, :5] = 0
   cseg[1, :20] = 0
@@ -168,6 +170,7 @@ def _attention_case(seed, b=4, t=8, s=64, n=4, k=2, h=16, dtype=jnp.float32, fp8
     segment_ids=jnp.asarray(cseg),
     block_ids=jnp.asarray(cpos // 4),
     length=jnp.asarray([37, 20, 64, 3][:b], jnp.int32),
+    head_dim=h,
   )
   pos = jnp.asarray(np.tile(np.arange(17, 17 + t), (b, 1)), jnp.int32)
   seg = jnp.ones((b, t), jnp.int32).at[2, :4].set(0)  # row 2's first block is invisible

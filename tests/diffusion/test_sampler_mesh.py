@@ -125,7 +125,8 @@ def test_engine_on_8_devices_decodes_as_one_device_with_an_eighth_of_the_memory(
     assert got.response_length == want.response_length
   with eng.placement.context():
     sl, cache, *_ = eng._steps.advance(eng._state, eng._weights, sl, cache)
-  assert cache.k.sharding.spec == jax.P(None, ("data", "fsdp"), None, "tensor", None)
+  # [L, B, S, K*H]: rows over data x fsdp, the fused heads over tensor (whole heads per device)
+  assert cache.k.sharding.spec == jax.P(None, ("data", "fsdp"), None, "tensor")
   for x in (cache.k, cache.v):
     assert set(_per_device_bytes(x).values()) == {x.nbytes // 8}
   assert set(_per_device_bytes(sl.out_tokens).values()) == {sl.out_tokens.nbytes // 4}
@@ -174,6 +175,37 @@ def test_decode_weights_are_laid_out_by_the_training_rules(mesh_shape):
   assert len(per_device) == 8
   norms = sum(x.nbytes for x in leaves if x.ndim == 1)
   assert set(per_device.values()) == {(total - norms) // 8 + norms}
+
+
+@pytest.mark.parametrize("tensor, heads", [(2, "tensor"), (4, None)])
+def test_fused_cache_heads_split_whole_over_tensor_and_rows_write_in_place(tensor, heads):
+  """K/V are stored `[L, B, S, K*H]` (tiny: K = 2 heads of H = 16): `tensor` splits the fused
+  axis into whole heads where it divides K, else not at all (4 divides K*H = 32 but would cut
+  heads in half). `Placement.write_rows` (each device its own rows) writes what one device's
+  `write_rows` writes."""
+  from dice_jax.diffusion import placement
+
+  mcfg = get_config("tiny", dtype="float32")
+  lay = placement.Placement(sharding.make_mesh(fsdp=-1, tensor=tensor))
+  cache = KVCache.empty(mcfg, 8, 32)
+  sh = lay.cache(cache)
+  assert sh.k.spec == jax.P(None, ("data", "fsdp"), None, heads) and sh.v.spec == sh.k.spec
+  placed = jax.device_put(cache, sh)
+  L, K, H = mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim
+  rows_per_device = 8 // (8 // tensor)  # over fsdp = 8 / tensor
+  local = {s.data.shape for s in placed.k.addressable_shards}
+  assert local == {(L, rows_per_device, 32, H if heads else K * H)}  # one head, or both
+  r = np.random.RandomState(0)
+  rows = jnp.asarray([0, 3, 8, 6], jnp.int32)  # 8: a padding row, written nowhere
+  k, v = (jnp.asarray(r.randn(L, 4, 5, K, H), jnp.float32) for _ in range(2))
+  meta = (jnp.ones((4, 32), jnp.int32),) * 3 + (jnp.full((4,), 5, jnp.int32),)
+  with lay.context():
+    got = jax.jit(lambda c, *a: lay.write_rows(c, *a[:3], 2, *a[3:]))(placed, rows, k, v, *meta)
+  want = cache.write_rows(rows, k, v, 2, *meta)
+  assert got.k.sharding.spec == sh.k.spec
+  for a, b in ((got.k, want.k), (got.v, want.v)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(np.asarray(want.heads(want.k))[:, 3, 2:7], np.asarray(k[:, 1]))
 
 
 def test_free_slots_give_every_row_shard_its_own_rows():

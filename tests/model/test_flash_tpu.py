@@ -111,12 +111,12 @@ def test_tpu_cache_kernel_matches_dense_cached_attention(kind):
   r = np.random.RandomState(0)
   f = lambda *shape: jnp.asarray(r.randn(*shape), jnp.float32)
   q, kn, vn = f(b, t, n, H), f(b, t, k, H), f(b, t, k, H)
-  ck, cv = f(2, b, s, k, H), f(2, b, s, k, H)
+  ck, cv = f(2, b, s, k * H), f(2, b, s, k * H)  # the stored layout: heads fused
   cseg = np.ones((b, s), np.int32)
   cseg[0, :5], cseg[1, :20] = 0, 0
   cpos = np.tile(np.arange(s) - 20, (b, 1)).astype(np.int32)
   cache = KVCache(
-    ck, cv, *map(jnp.asarray, (cpos, cseg, cpos // 4)), jnp.asarray([137, 20, 256], jnp.int32)
+    ck, cv, *map(jnp.asarray, (cpos, cseg, cpos // 4)), jnp.asarray([137, 20, 256], jnp.int32), H
   )
   pos = jnp.asarray(np.tile(np.arange(117, 117 + t), (b, 1)), jnp.int32)
   seg = jnp.asarray([[1] * t, [1] * t, [0] * t], jnp.int32)  # row 2: a finished slot

@@ -192,7 +192,7 @@ def _cache_case(kind):
   rng = np.random.default_rng(11)
   bf = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
   q, kn, vn = bf(b, t, n, H), bf(b, t, kh, H), bf(b, t, kh, H)
-  ck, cv = bf(2, b, s, kh, H), bf(2, b, s, kh, H)
+  ck, cv = bf(2, b, s, kh * H), bf(2, b, s, kh * H)  # the stored layout: heads fused
   col = np.arange(s)[None]
   cpos = (col - pad[:, None]).astype(np.int32)
   cseg = (col >= pad[:, None]).astype(np.int32)
@@ -200,7 +200,7 @@ def _cache_case(kind):
   seg = np.repeat([[1], [1], [1], [1], [0]], t, 1).astype(np.int32)
   j = jnp.asarray
   spec = masks.AttentionSpec(kind, 4, j(seg), j(pos // 4))
-  cache = lambda k, v: KVCache(k, v, j(cpos), j(cseg), j(cpos // 4), j(fill, jnp.int32))
+  cache = lambda k, v: KVCache(k, v, j(cpos), j(cseg), j(cpos // 4), j(fill, jnp.int32), H)
   args = lambda q, kn, vn, ck, cv: (q, kn, vn, ck[1], cv[1], spec, j(pos), j(seg), j(pos // 4))
   dense = lambda *x: transformer.cached_attention(*args(*x), cache(x[3], x[4]), impl="dense")
   f32 = lambda x: x.astype(jnp.float32)

@@ -28,7 +28,7 @@ def test_compiled_decode_kernel_matches_dense_cached_attention_on_gpu(gpu, kind)
   r = np.random.RandomState(0)
   f = lambda *shape: jnp.asarray(r.randn(*shape), jnp.bfloat16)  # noqa: E731
   q, kn, vn = f(b, t, n, h), f(b, t, k, h), f(b, t, k, h)
-  ck, cv = f(2, b, s, k, h), f(2, b, s, k, h)
+  ck, cv = f(2, b, s, k * h), f(2, b, s, k * h)  # the stored layout: heads fused
   cseg = np.ones((b, s), np.int32)
   cseg[1, :300] = 0  # left padding
   cpos = np.tile(np.arange(s) - 300, (b, 1)).astype(np.int32)
@@ -39,6 +39,7 @@ def test_compiled_decode_kernel_matches_dense_cached_attention_on_gpu(gpu, kind)
     segment_ids=jnp.asarray(cseg),
     block_ids=jnp.asarray(cpos // 4),
     length=jnp.full((b,), 700, jnp.int32),  # slots >= 700 are unfilled
+    head_dim=h,
   )
   pos = jnp.asarray(np.tile(np.arange(400, 400 + t), (b, 1)), jnp.int32)
   seg = jnp.ones((b, t), jnp.int32)
@@ -46,7 +47,7 @@ def test_compiled_decode_kernel_matches_dense_cached_attention_on_gpu(gpu, kind)
   spec = masks.AttentionSpec(kind, 4, seg, blk)
   f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
   cache32 = KVCache(
-    f32(ck), f32(cv), cache.positions, cache.segment_ids, cache.block_ids, cache.length
+    f32(ck), f32(cv), cache.positions, cache.segment_ids, cache.block_ids, cache.length, h
   )
   want = transformer.cached_attention(
     f32(q), f32(kn), f32(vn), f32(ck[1]), f32(cv[1]), spec, pos, seg, blk, cache32
