@@ -200,6 +200,19 @@ def test_a_kernel_that_also_zero_fills_its_output_in_torch_passes():
   assert v.kind is FailureKind.OK, v
 
 
+def test_own_work_in_some_round_trips_does_not_excuse_a_librarys_in_others():
+  # its own kernel in the correctness trials, torch's in the timed calls (TIMED_ONLY with 5 trials):
+  # pooled, 90 ms of own time allowed the 75 ms torch spent; each round trip's allowance is its own
+  nulls = [_w(0, torch=20, python=10) for _ in range(3)]
+  trials = [_w(own=300, torch=20, python=10) for _ in range(3)]
+  timed = [_w(own=1, torch=270, python=10) for _ in range(3)]
+  v = _judge(trials + timed, nulls)
+  assert v.kind is FailureKind.HOST_COMPUTE, v
+  assert v.allowed_ms > v.excess_ms  # what the pooled rule passed
+  assert "beyond what each round trip's own code allows" in v.reason and "libtorch" in v.reason
+  assert _judge(trials + [_w(own=300, torch=270, python=10)] * 3, nulls).kind is FailureKind.OK
+
+
 def test_noise_below_the_floor_and_the_margin_is_not_a_verdict():
   # tiny forwards: a few samples of interpreter and allocation each, nothing of its own sampled
   v = _judge([_w(python=3, torch=1) for _ in range(3)], [_w(0, python=2)] * 3)

@@ -65,7 +65,7 @@ GRACE_S = (
 CALIBRATION_CALLS = 16
 # round trips with no model before the load, on the first trial's buffers, when the host is sampled:
 # what the verifier's own exchange work costs there (host_evidence); the first only warms up
-NULL_CALLS = 4
+NULL_CALLS = 8
 CHECKED_TIMED_FRACTION = 0.1  # of the timed calls, compared like the trials (at least one)
 RECALIBRATE_EVERY = 4  # during the timing, a round trip with no model after every 4th timed one
 # Timed calls go in bursts: up to MAX_BURST forwards per round trip, each on its own fresh inputs, so the
