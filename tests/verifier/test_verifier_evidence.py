@@ -439,7 +439,8 @@ def _needs_host_evidence(r):
 def test_work_done_by_a_library_or_numpy_gets_no_reward(service, name, library):
   # c10e1a8 rewarded all four (only the last trial was profiled, in process, through the dispatcher):
   # now the checker samples where the worker's CPU time goes, from outside it, on every judged call.
-  r = _verify(service, f"compute-{name}", getattr(compute, name), compute.REFERENCE, **COMPUTE_OPTS)
+  src = getattr(compute, name)
+  r = _verify(service, f"compute-{name}", src, compute.LIBRARY_REFERENCE, **COMPUTE_OPTS)
   _needs_host_evidence(r)
   assert r.failure_kind is FailureKind.HOST_COMPUTE and r.reward == 0.0, (r.failure_kind, r.reason)
   assert library in r.reason.split("most in:")[1].split(",")[0], r.reason
