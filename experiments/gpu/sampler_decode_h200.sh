@@ -12,6 +12,8 @@
 #            compare at 1e-5, and at default precision Pallas-Triton and XLA run float32 dots as
 #            TF32: the tests run with JAX_DEFAULT_MATMUL_PRECISION=highest (float32 dots in IEEE;
 #            bf16 dots stay bf16 x bf16 -> f32)
+#   gpu_tests the learner's `gpu` tests (flash attention for training, TraceRL's rows), at most
+#            GPU_TESTS_S (default 150 s)
 #   options  bench_sampler --runs=options_forward,options_exact,options_rates; sdar_4b, random bf16
 #            weights, 128 rows, 1,024 + 1,024 (experiments/decode_options.py):
 #            forward  one 4-token decode forward at fill 1,536 per variant (base; split=512 and
@@ -46,7 +48,7 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 BUDGET=${BUDGET:-480}
-PARTS=${PARTS:-kernel_code,tests,options}
+PARTS=${PARTS:-kernel_code,tests,gpu_tests,options}
 CONFIG=${CONFIG:-sdar_4b}
 OPTIONS=${OPTIONS:-base,split=512,split=64,splits=3,fold_new=1,halves=1,splits=3+fold_new=1+halves=1,cache=fp8,cache=fp8+fp8_widen=asm}
 left() { echo $((BUDGET - ($(date +%s) - START))); }
@@ -88,13 +90,18 @@ if has kernel_code; then
 fi
 if has tests; then  # before the options: they decide whether splits/fold_new are right
   # XLA's dump of the cache kernel's modules: the PTX the dot-type test reads on jaxlib 0.11
-  part tests 60 env JAX_DEFAULT_MATMUL_PRECISION=highest \
+  # JAX_PLATFORMS=cuda: these tests carry no `gpu` mark, and the conftest otherwise pins JAX to the CPU
+  part tests 60 env JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest \
     XLA_FLAGS="${XLA_FLAGS:-} $(python3 -c 'from experiments import kernel_code; print(kernel_code.DUMP_FLAGS)')" \
     timeout -k 5 "${TESTS_S:-150}" \
     python3 -m pytest -q -p no:cacheprovider \
     tests/diffusion/test_flash_decode.py tests/launchers/test_decode_options.py \
     -k "attention_matches_dense or options_equal or round_like or without_cvt or \
     every_decode_option or bf16_with"
+fi
+if has gpu_tests; then  # the learner's GPU tests: flash attention (training) and TraceRL's rows
+  part gpu_tests 60 timeout -k 5 "${GPU_TESTS_S:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tests/train/test_flash_gpu.py tests/rl/test_tracerl_gpu.py
 fi
 if has options; then
   options options "$OPTIONS"
