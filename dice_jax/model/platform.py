@@ -98,4 +98,43 @@ def on_gpu_stream(fn, stream: int):
   from jax.experimental import compute_on as api
 
   wrap = getattr(api, "compute_on2", None) or api.compute_on
-  return wrap(fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device)
+  return wrap(
+    inline_jits(fn), compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device
+  )
+
+
+def inline_jits(fn):
+  """`fn` with every `jit` it calls (``jnp.clip``, ``jnp.pad``, ``jnp.where`` are jitted
+  functions) traced inline instead of as nested calls. A stream-annotated call may hold no nested
+  call: XLA gives each one the annotation, makes it an async call of its own inside the stream
+  call, and then fails to schedule it ("No ExecutionStreamId found for %call-start ... only
+  reachable through embedded calls", jax 0.11.2 on an H200, 2026-12-04)."""
+
+  def inlined(*args):
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    outs = _eval_inlined(closed.jaxpr, closed.consts, jax.tree.leaves(args))
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+  return inlined
+
+
+def _eval_inlined(jaxpr, consts, args) -> list:
+  """`jax.core.eval_jaxpr` that enters `jit` equations instead of binding them."""
+  from jax.extend import core
+
+  env = {}
+  read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
+  env.update(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    if eqn.primitive.name in ("pjit", "jit"):
+      inner = eqn.params["jaxpr"]
+      outs = _eval_inlined(inner.jaxpr, inner.consts, ins)
+    else:
+      params = eqn.primitive.get_bind_params(eqn.params)  # jax < 0.5: (subfuns, params)
+      subfuns, params = params if isinstance(params, tuple) else ((), params)
+      outs = eqn.primitive.bind(*subfuns, *ins, **params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars]

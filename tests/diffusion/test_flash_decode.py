@@ -311,3 +311,17 @@ def test_a_call_on_a_gpu_stream_carries_the_stream_and_keeps_its_values():
   text = on_stream.lower(x, y).as_text()
   assert '_xla_stream_annotation = "1"' in text and 'inlineable = "false"' in text
   np.testing.assert_array_equal(on_stream(x, y), f(x, y))
+
+
+def test_a_gpu_stream_call_holds_no_nested_call():
+  """Every `jit` inside a stream call is inlined (`platform.inline_jits`): XLA gives a nested call
+  the stream annotation too and then cannot schedule it ("No ExecutionStreamId found for
+  %call-start", jax 0.11.2 on the H200 for `jnp.clip`, `jnp.pad` and `jnp.where` in `halves`)."""
+  f = lambda x, y: jnp.where(x > 1, jnp.clip(x, 0, 3), jnp.pad(y[:6], (1, 1))) * 2
+  x, y = jnp.arange(8.0), jnp.full(8, 2.0)
+  assert "call @" in jax.jit(f).lower(x, y).as_text()  # the jitted helpers are nested calls
+  on_stream = jax.jit(platform.on_gpu_stream(f, 1))
+  text = on_stream.lower(x, y).as_text()
+  stream_fn = text[text.index("func.func private") :]
+  assert "call @" not in stream_fn and "stablehlo.pad" in stream_fn
+  np.testing.assert_array_equal(on_stream(x, y), f(x, y))
