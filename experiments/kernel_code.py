@@ -5,9 +5,12 @@ float32 `fma`), for a bf16 and a float8 cache at sdar_4b's per-program shapes.
 A dot whose operands are bf16 (`tensor<16x128xbf16> * tensor<128x64xbf16> -> ...xf32`) is given
 to tensor cores by Triton (`mma.sync` for 16 query rows, `wgmma` from 64); float32 operands would
 be `fma.rn.f32` on the CUDA cores. Lowering for `cuda` needs no GPU (jaxlib <= 0.10.2 carries the
-Triton IR as bytecode, which is read here); on a GPU its PTX is read too: compiled by jaxlib's Triton
-hook where it has one (jaxlib <= 0.10), else from the module PTX XLA dumps (`--xla_dump_to` in
-XLA_FLAGS, which `main` sets when it is absent; jaxlib 0.11's Triton module has no compile hook).
+Triton IR as bytecode, which is read here); on a GPU its PTX is read too where jaxlib's Triton
+module can compile it (jaxlib <= 0.10). jaxlib 0.11 has no such hook and compiles the Triton IR
+inside XLA, which shows its PTX nowhere: checked on the H200 (jax 0.11.2, 2026-12-04), neither
+`--xla_dump_to` (with `--xla_gpu_dump_llvmir`) writes a .ptx or .ll file for the module nor does
+its serialized executable hold PTX. There each row says `ptx_source: null` and only the dot types
+are read.
 
   python -m experiments.kernel_code --out=DIR   # DIR/kernel_code.json, a line per variant
 """
@@ -15,11 +18,9 @@ XLA_FLAGS, which `main` sets when it is absent; jaxlib 0.11's Triton module has 
 from __future__ import annotations
 
 import functools
-import glob
 import json
 import os
 import re
-import tempfile
 import zlib
 
 import jax
@@ -55,7 +56,7 @@ def triton_code(lowered) -> list[str]:
       bytecode = ir.StringAttr(config["ir"]).value_bytes
       warps, stages = (ir.IntegerAttr(config[k]).value for k in ("num_warps", "num_stages"))
       out.append(_ttir_text(bytecode) + _ptx(bytecode, warps, stages))
-    elif "opaque" in config:  # a compiled kernel: zlib of a proto holding its IR and PTX
+    elif "opaque" in config:  # a kernel record: zlib of a proto holding its IR
       raw = zlib.decompress(ir.StringAttr(config["opaque"]).value_bytes)
       out.append(raw.decode("latin-1"))
   return out
@@ -76,7 +77,7 @@ def _gpus() -> list:
 
 def _ptx(bytecode: bytes, num_warps: int, num_stages: int) -> str:
   """The PTX of Triton IR `bytecode` where this jaxlib's Triton module can compile it (a GPU's,
-  jaxlib <= 0.10), else "" (`dumped_ptx` is the other way)."""
+  jaxlib <= 0.10), else "" (module docstring)."""
   from jax._src.lib import triton
 
   gpus = _gpus()
@@ -88,35 +89,6 @@ def _ptx(bytecode: bytes, num_warps: int, num_stages: int) -> str:
     "CUDA", bytecode, arch, num_warps=num_warps, num_ctas=1, num_stages=num_stages
   )
   return "\n" + done.asm
-
-
-# XLA's dump of the cache kernel's modules only (their jit is named after `cache_part`)
-DUMP_FLAGS = (
-  f"--xla_dump_to={os.path.join(tempfile.gettempdir(), 'kernel_code_xla_dump')}"
-  " --xla_dump_hlo_module_re=.*cache_part.*"
-)
-
-
-def dump_dir() -> str | None:
-  """Where XLA dumps what it compiles (`--xla_dump_to` in XLA_FLAGS), or None."""
-  m = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
-  return m.group(1) if m else None
-
-
-def dumped_ptx(lowered) -> str:
-  """The PTX XLA writes for `lowered`'s module when it compiles it on a GPU (the Triton kernels are
-  linked into it), read from the dump directory; "" off a GPU or without `--xla_dump_to`."""
-  where = dump_dir()
-  if where is None or not _gpus():
-    return ""
-  listing = lambda: set(glob.glob(os.path.join(where, "**", "*.ptx"), recursive=True))
-  before = listing()
-  lowered.compile()
-  texts = []
-  for path in sorted(listing() - before):
-    with open(path) as f:
-      texts.append(f.read())
-  return "\n".join(texts)
 
 
 def dot_types(text: str) -> list[tuple[str, str, str]]:
@@ -167,11 +139,11 @@ def report(config: str = "sdar_4b") -> list[dict]:
     try:
       lowered = cache_kernel_lowered(cfg, tiles, dtype)
       texts = triton_code(lowered)
-      if not any(op in t for t in texts for op in ("mma", "fma.rn")):  # no PTX from the hook
-        texts.append(dumped_ptx(lowered))
+      has_ptx = any(".target sm_" in t for t in texts)
       row.update(
         kernels=len(texts),
         dots=[list(d) for t in texts for d in dot_types(t)],
+        ptx_source="jaxlib triton" if has_ptx else None,
         ptx=ptx_counts("".join(texts)),
       )
     except Exception as e:  # report and go on
@@ -193,8 +165,6 @@ def main(argv):
   from experiments import _cli
 
   del argv
-  if dump_dir() is None:  # before the backend starts: XLA reads its flags then
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DUMP_FLAGS}".strip()
   with _cli.user_errors_from(ValueError):  # an unknown preset
     get_config(FLAGS.config)
   rows = report(FLAGS.config)

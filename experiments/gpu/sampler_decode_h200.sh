@@ -89,10 +89,8 @@ if has kernel_code; then
   part kernel_code 20 python3 -m experiments.kernel_code --out="$OUT" --config="$CONFIG"
 fi
 if has tests; then  # before the options: they decide whether splits/fold_new are right
-  # XLA's dump of the cache kernel's modules: the PTX the dot-type test reads on jaxlib 0.11
   # JAX_PLATFORMS=cuda: these tests carry no `gpu` mark, and the conftest otherwise pins JAX to the CPU
   part tests 60 env JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest \
-    XLA_FLAGS="${XLA_FLAGS:-} $(python3 -c 'from experiments import kernel_code; print(kernel_code.DUMP_FLAGS)')" \
     timeout -k 5 "${TESTS_S:-150}" \
     python3 -m pytest -q -p no:cacheprovider \
     tests/diffusion/test_flash_decode.py tests/launchers/test_decode_options.py \

@@ -147,8 +147,9 @@ def test_programs_compile_together_and_a_failure_is_returned():
 def test_the_cache_kernels_dots_are_bf16_with_float32_accumulation():
   """The cache kernel's q.k and p.v dots, lowered for cuda at sdar_4b's shapes (no GPU needed), take
   bf16 operands with float32 results for a bf16 and for a float8 cache (widened to bf16 before
-  the dot) and with the new keys folded in: Triton gives such dots to tensor cores. On a GPU the
-  PTX shows it (`mma`); there, float32 operands would be `fma.rn.f32` on the CUDA cores."""
+  the dot) and with the new keys folded in: Triton gives such dots to tensor cores. Where the
+  jaxlib shows the PTX (its Triton compile hook, jaxlib <= 0.10 on a GPU) it holds `mma`/`wgmma`,
+  not float32 `fma.rn.f32`; jaxlib 0.11 shows PTX nowhere (`experiments/kernel_code.py`)."""
   from experiments import kernel_code
 
   rows = {r["variant"]: r for r in kernel_code.report("sdar_4b")}
@@ -158,6 +159,7 @@ def test_the_cache_kernels_dots_are_bf16_with_float32_accumulation():
     want = 4 if name.startswith("fold_new") else 2
     if jax.default_backend() == "gpu":  # the IR text sits in a compiled kernel's record
       assert row["dots"] and all(d == ["bf16", "bf16", "f32"] for d in row["dots"]), row
-      assert row["ptx"]["mma.sync"] + row["ptx"]["wgmma.mma_async"] > 0, row
+      if row["ptx_source"] is not None:
+        assert row["ptx"]["mma.sync"] + row["ptx"]["wgmma.mma_async"] > 0, row
     else:
       assert row["dots"] == [["bf16", "bf16", "f32"]] * want, row
