@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import logging as std_logging
 import os
 import sys
@@ -34,6 +35,15 @@ from absl import app, flags, logging
 from dice_jax.errors import UserError
 
 JAX_BACKEND_LOGGER = "jax._src.xla_bridge"  # where JAX logs the backends it could not start
+# Device nodes of an accelerator JAX could use: TPU chips (/dev/accel*, or /dev/vfio/N on newer TPU
+# VMs), NVIDIA GPUs (/dev/nvidiaN, /proc/driver/nvidia/gpus/*) and AMD GPUs (/dev/kfd).
+ACCELERATOR_NODES = (
+  "/dev/accel*",
+  "/dev/vfio/[0-9]*",
+  "/dev/nvidia[0-9]*",
+  "/proc/driver/nvidia/gpus/*",
+  "/dev/kfd",
+)
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 USER_ERRORS = (
@@ -88,12 +98,32 @@ def guarded(main):
 
 def run(main) -> None:
   """`absl.app.run(main)` with `guarded`; every launcher takes `--data_root` (data_root.py) and
-  keeps JAX's note about a missing TPU off the console (`quiet_missing_tpu`)."""
+  keeps JAX's note about a missing TPU off the console (`quiet_missing_tpu`), and libtpu's
+  warnings too on a host with no accelerator (`default_platforms`)."""
   from experiments import data_root
 
   data_root.define_flag()
   quiet_missing_tpu()
+  if default_platforms(os.environ, accelerator_nodes()) == "cpu":
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
   app.run(guarded(main))
+
+
+def accelerator_nodes() -> list[str]:
+  """The host's accelerator device nodes (`ACCELERATOR_NODES`)."""
+  return [p for pattern in ACCELERATOR_NODES for p in glob.glob(pattern)]
+
+
+def default_platforms(environ, nodes) -> str | None:
+  """The platforms a launcher gives JAX when the user named none: "cpu" on a host with no
+  accelerator device node (JAX could find nothing else there, and an installed libtpu, the
+  `tpu-compile` extra, would otherwise start, find no TPU and print five lines of warnings on
+  every launch), else None (JAX looks at every backend it knows). JAX_PLATFORMS, if set, wins."""
+  if "JAX_PLATFORMS" in environ or nodes:
+    return None
+  return "cpu"
 
 
 class _NoMissingTpu(std_logging.Filter):

@@ -135,3 +135,13 @@ def test_verifier_addresses_are_read_once_for_every_launcher():
   with pytest.raises(UserError) as e:  # rl printed a ValueError traceback for this
     _cli.verifier_endpoints("bogus")
   assert str(e.value) == "--verifier: verifier endpoint 'bogus' is not HOST:PORT"
+
+
+def test_a_host_without_accelerators_gives_jax_the_cpu_only():
+  """libtpu (installed for TPU compiles) starts on every launch where JAX may look at every backend,
+  and on a host with no TPU prints five lines of warnings: there, the launchers name the CPU."""
+  assert _cli.default_platforms({}, []) == "cpu"
+  assert _cli.default_platforms({}, ["/dev/accel0"]) is None
+  assert _cli.default_platforms({}, ["/dev/nvidia0"]) is None
+  assert _cli.default_platforms({"JAX_PLATFORMS": "tpu"}, []) is None  # the user's choice wins
+  assert _cli.default_platforms({"JAX_PLATFORMS": ""}, []) is None
