@@ -103,12 +103,18 @@ def run(main) -> None:
   from experiments import data_root
 
   data_root.define_flag()
+  quiet_jax_start()
+  app.run(guarded(main))
+
+
+def quiet_jax_start() -> None:
+  """No note about a missing TPU (`quiet_missing_tpu`), and on a host with no accelerator the CPU
+  alone for JAX (`default_platforms`), so no libtpu warnings either. Before JAX starts a backend."""
   quiet_missing_tpu()
   if default_platforms(os.environ, accelerator_nodes()) == "cpu":
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-  app.run(guarded(main))
 
 
 def accelerator_nodes() -> list[str]:

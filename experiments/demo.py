@@ -241,7 +241,7 @@ def main(argv):
   from verifier.serve.local import LocalVerifier
 
   _cli.quiet_orbax()
-  _cli.quiet_missing_tpu()
+  _cli.quiet_jax_start()
 
   unknown = [n for n in FLAGS.steps if n not in STEPS]
   if unknown:
