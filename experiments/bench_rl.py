@@ -460,5 +460,5 @@ def main(argv):
 if __name__ == "__main__":
   from experiments import _cli
 
-  _cli.quiet_missing_tpu()
+  _cli.quiet_jax_start()
   app.run(main)

@@ -216,5 +216,4 @@ def main(argv):
 if __name__ == "__main__":
   from experiments import _cli
 
-  _cli.quiet_missing_tpu()
   _cli.run(main)
