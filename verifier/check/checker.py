@@ -114,6 +114,21 @@ def _low_quartile(xs: list[float]) -> float:
   return xs[(len(xs) - 1) // 4]
 
 
+def _share_quantiles(name: str, round_trips_s, k: int) -> dict[str, float]:
+  """Diagnostics of a timing's spread: the 10th, 50th and 90th percentiles and the largest of the round
+  trips' shares per forward, ms (``{name}_p10_ms``, ...); none for fewer than two round trips."""
+  ms = sorted(t * 1e3 / k for t in round_trips_s)
+  if len(ms) < 2:
+    return {}
+  q = statistics.quantiles(ms, n=10, method="inclusive")
+  return {
+    f"{name}_p10_ms": q[0],
+    f"{name}_p50_ms": q[4],
+    f"{name}_p90_ms": q[8],
+    f"{name}_max_ms": ms[-1],
+  }
+
+
 def burst_calls(nbytes: int, nbuffers: int, budget: int = BURST_BYTES) -> int:
   """Forwards per timed round trip for a call with ``nbytes`` of tensor inputs and outputs in
   ``nbuffers`` buffers: as many as ``budget`` bytes and one message's descriptors allow, 1 to
@@ -773,6 +788,8 @@ class Check:
     phases["timing_resolution_ms"] = resolution
     phases["timing_cpu_clock"] = float(self.clock == "cpu")
     phases["timing_unmeasurable"] = 0.0
+    phases.update(_share_quantiles("timing_share", times[warm:], k))
+    phases.update(_share_quantiles("timing_null_share", nulls, k))
     self.report["candidate"] = dataclasses.replace(
       candidate, median_ms=max(candidate.median_ms, 0.0), mean_ms=max(candidate.mean_ms, 0.0)
     )
