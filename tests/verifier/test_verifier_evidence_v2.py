@@ -521,6 +521,21 @@ def test_a_timed_call_that_changes_its_inputs_is_caught_with_inputs_drawn_into_b
   assert "timed call" in r.reason and "input 1" in r.reason, r.reason
 
 
+def test_a_reference_drawing_outside_torch_keeps_its_timed_inputs_private(service):
+  # get_inputs() that does not repeat under a seed (Python's random): a re-draw after the round trip
+  # would not be the staged inputs, so an honest candidate would fail its compared calls. The check
+  # finds it before any candidate code (trial 0 drawn again differs) and draws privately, as before.
+  reference = holes.REFERENCE.replace("import torch\n", "import random\nimport torch\n", 1).replace(
+    "return [torch.randn(64, 256), torch.randn(64, 256)]",
+    "return [torch.randn(64, 256) + random.random(), torch.randn(64, 256)]",
+  )
+  assert reference != holes.REFERENCE
+  timed = dict(measure_performance=True, num_warmup=1, num_perf_trials=16)
+  (r,) = _verify(service, _req("unrepeatable-inputs", GOOD, reference=reference, **timed))
+  _ok(r)
+  assert any("drawn privately and copied" in w for w in r.warnings), r.warnings
+
+
 def test_compared_calls_are_independent_draws():
   import random
 

@@ -96,11 +96,10 @@ class ReferenceTask:
   after_trials: torch.nn.Module | None = None  # the lock-step instance after all trials (stateful)
   # per output leaf: whether the norm rule judges it (correctness.determined, from trial 0)
   norm_rule: tuple[bool, ...] | None = None
-  # get_inputs() under one seed gives the same bits twice (trial 0 drawn twice at load): then a timed
-  # call's inputs can be drawn straight into the exchange buffers and re-drawn privately to judge it
-  inputs_repeatable: bool = False
-  # trial 0 drawn into exchange buffers is its private draw bit for bit (None: not tried yet; the
-  # first timed check of the task tries it, ``Check._decide_draw``)
+  # trial 0 drawn again, into exchange buffers, is its private draw bit for bit (get_inputs() repeats
+  # under a seed, and the buffers hold what a private draw gives): then a timed call's inputs can be
+  # drawn straight into its buffers and re-drawn privately to judge it. None: not tried yet (the first
+  # timed check of the task tries it, ``Check._decide_draw``)
   draws_into_buffers: bool | None = None
 
   @classmethod
@@ -121,7 +120,6 @@ class ReferenceTask:
       init_args = tensors.to_device(list(namespace["get_init_inputs"]()), device)
       task = cls(key, device, seed, namespace, init_args, trial_seeds(seed, trials), False)
       inputs = task.make_inputs(0)
-      task.inputs_repeatable = same_values(inputs, task.make_inputs(0))
       first = task.forward(task.fresh_model(), inputs, 0)
       again = task.fresh_model()
       second = task.forward(again, inputs, 0)
