@@ -68,6 +68,7 @@ TIMING_PHASES = (
   "timing_judge",
   "timing_null",
   "timing_burst_calls",
+  "timing_drawn_into_buffers",
 )
 DATA_DIRS = [
   REPO / ".gpu_data" / "verifier",

@@ -500,6 +500,42 @@ def test_a_candidate_cannot_tell_compared_bursts_by_the_gap_before_them(service)
   assert "timed call" in r.reason
 
 
+def test_a_timed_call_that_changes_its_inputs_is_caught_with_inputs_drawn_into_buffers(service):
+  # Item 9: timed calls' inputs are drawn straight into the exchange buffers and nothing private is
+  # kept before the round trip; a compared call's private inputs are re-drawn from its seed after it.
+  # A candidate honest in the trials that zeroes its second input in every timed call.
+  src = candidate(
+    "        self.calls += 1\n"
+    "        out = good(a, b, self.scale)\n"
+    "        if self.calls > 2:\n"
+    "            b.zero_()\n"
+    "        return out",
+    init="        self.calls = 0",
+  )
+  timed = dict(measure_performance=True, num_warmup=1, num_perf_trials=16)
+  phases = service[1].metrics.run_phase_s
+  drawn = phases["timing_drawn_into_buffers"]
+  (r,) = _verify(service, _req("timed-mutation", src, **timed))
+  assert phases["timing_drawn_into_buffers"] == drawn + 1  # this check drew into the buffers
+  assert r.failure_kind is FailureKind.INPUT_MUTATION and r.reward == 0.0, r.reason
+  assert "timed call" in r.reason and "input 1" in r.reason, r.reason
+
+
+def test_a_reference_drawing_outside_torch_keeps_its_timed_inputs_private(service):
+  # get_inputs() that does not repeat under a seed (Python's random): a re-draw after the round trip
+  # would not be the staged inputs, so an honest candidate would fail its compared calls. The check
+  # finds it before any candidate code (trial 0 drawn again differs) and draws privately, as before.
+  reference = holes.REFERENCE.replace("import torch\n", "import random\nimport torch\n", 1).replace(
+    "return [torch.randn(64, 256), torch.randn(64, 256)]",
+    "return [torch.randn(64, 256) + random.random(), torch.randn(64, 256)]",
+  )
+  assert reference != holes.REFERENCE
+  timed = dict(measure_performance=True, num_warmup=1, num_perf_trials=16)
+  (r,) = _verify(service, _req("unrepeatable-inputs", GOOD, reference=reference, **timed))
+  _ok(r)
+  assert any("drawn privately and copied" in w for w in r.warnings), r.warnings
+
+
 def test_compared_calls_are_independent_draws():
   import random
 

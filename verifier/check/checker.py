@@ -31,7 +31,7 @@ from verifier.api.contract import FailureKind, candidate_text
 from verifier.check import correctness, runtime_check, timing
 from verifier.check.call_evidence import CallEvidence
 from verifier.check.cpu_clock import CpuClock
-from verifier.check.reference import ReferenceTask, TrialStream
+from verifier.check.reference import ReferenceTask, TrialStream, same_values
 from verifier.ipc import channel, exchange, tensors
 from verifier.ipc.channel import Channel, ChannelClosed, ChannelTimeout, ProtocolError
 from verifier.ipc.records import (
@@ -201,6 +201,8 @@ class Check:
     self.in_bytes: int | None = None
     self.cpu_clock = self._cpu_clock()
     self.cpu_last: int | None = None  # the candidate's CPU time (ns) when its last round trip ended
+    self.draw_s = 0.0  # get_inputs() drawn into buffers by _stage (part of its time)
+    self.draws_into_buffers = False  # timed calls' inputs drawn into their buffers (_decide_draw)
 
   def _cpu_clock(self) -> CpuClock | None:
     """On the CPU backend the candidate's calls are timed by its CPU time (``cpu_clock``); the wall
@@ -310,6 +312,7 @@ class Check:
     trials = correctness_trials(self.opts)
     first = self._stage(*self.trials.trial(0), keep=set(used)) if trials else None
     if self.opts.measure_performance:
+      self.draws_into_buffers = self._decide_draw()
       self._baseline()
       self._calibrate(set(used) | set(first.used if first else ()))
       self.stage("candidate_load")
@@ -407,32 +410,71 @@ class Check:
     self.buffers = exchange.BufferSet(self.device, False)
     self.report["warnings"].append(why + "; tensors staged through host shared memory")
 
+  def _decide_draw(self) -> bool:
+    """Whether a timed call's inputs are drawn straight into its buffers (``exchange.DrawInto``; its
+    private inputs, for a compared call, re-drawn from the seed after the round trip): where the
+    reference keeps no state (a stateful reference's golden outputs are computed from the inputs
+    before the round trip, so those stay private), the buffers live where it draws (not host buffers
+    for a GPU), and, tried once per task before any candidate code, trial 0 drawn again into buffers
+    is trial 0's private inputs bit for bit (``get_inputs()`` repeats under a seed: not where it draws
+    from Python's ``random`` or numpy; and the buffers hold what a private draw gives)."""
+    task = self.task
+    where = (self.device.type == "cuda") == self.buffers.use_device_memory
+    if task.stateful or not where:
+      return False
+    if task.draws_into_buffers is None:
+      drawn = exchange.DrawInto(self.buffers)
+      why = "differ from a private draw"
+      try:
+        again = task.inputs_for(task.seeds[0], drawn)
+        task.draws_into_buffers = same_values(self.trials.trial(0)[0], again)
+        del again
+      except Exception as e:  # noqa: BLE001 - a factory's out= form failing on a buffer view
+        task.draws_into_buffers, why = False, f"failed ({type(e).__name__}: {str(e)[:200]})"
+      drawn.give_back()
+      if not task.draws_into_buffers:
+        self.report["warnings"].append(
+          f"timing: inputs drawn into the exchange buffers {why}; drawn privately and copied"
+        )
+    return task.draws_into_buffers
+
   def _stage(
     self,
-    call_args: list,
+    call_args: list | None,
     golden,
     keep: set[int] = frozenset(),
     release: bool = True,
     sync: bool = True,
+    seed: int | None = None,
   ) -> "_Staged":
     """Fill buffers for one forward: the inputs (copied from the checker's private tensors) and poisoned
     output buffers shaped like ``golden``'s tensors (in buffers other than those staged since the last
     ``release``: a burst's forwards each have their own). ``sync=False``: the caller synchronises (a
-    burst's cache flush does, once for all its forwards)."""
+    burst's cache flush does, once for all its forwards). With ``seed`` instead of ``call_args``:
+    ``get_inputs()`` under it drawn straight into the buffers, what it returns from elsewhere copied
+    (its pairs are then (buffer view, buffer view): the caller re-draws the private side)."""
     t0 = time.monotonic()
     alloc0 = self.buffers.alloc_s
     if release:
       self.buffers.release_all(keep)
     used: list[int] = []
     pairs: list = []
-    args = tuple(exchange.send_value(a, self.buffers, used, pairs) for a in call_args)
+    drawn, draw_s = None, 0.0
+    if seed is not None:
+      drawn = exchange.DrawInto(self.buffers)
+      t = time.monotonic()
+      call_args = self.task.inputs_for(seed, drawn)
+      drawn.settle(call_args)
+      draw_s = time.monotonic() - t
+      self.draw_s += draw_s
+    args = tuple(exchange.send_value(a, self.buffers, used, pairs, drawn) for a in call_args)
     outs = tuple(
       exchange.output_buffer(g, self.buffers, used) if isinstance(g, torch.Tensor) else None
       for g in tensors.flatten(golden)
     )
     if sync and self.device.type == "cuda":
       torch.cuda.synchronize()
-    self._acc("exchange_stage", time.monotonic() - t0)
+    self._acc("exchange_stage", time.monotonic() - t0 - draw_s)
     self._acc("exchange_stage_alloc", self.buffers.alloc_s - alloc0)
     return _Staged(args, outs, pairs, used, golden)
 
@@ -702,8 +744,7 @@ class Check:
       calls = []
       for i in range(k):
         seed = rng.randrange(2**31 - 1)
-        inputs = self.task.inputs_for(seed)
-        calls.append((self._stage(inputs, template, keep=keep, release=i == 0, sync=False), seed))
+        calls.append((self._fresh(seed, template, keep, release=i == 0), seed))
       if not why:
         self.flush(j)
         try:
@@ -763,6 +804,7 @@ class Check:
     random subset of them compared; then trial 0 re-checked, all in lock-step with the reference. The
     warm-up and the timed calls are whole bursts (``num_warmup`` and ``num_perf_trials`` rounded up)."""
     self.stage("timing")
+    self.report["phases"]["timing_drawn_into_buffers"] = float(self.draws_into_buffers)
     opts = self.opts
     k = self.burst
     warm, timed = math.ceil(opts.num_warmup / k), math.ceil(opts.num_perf_trials / k)
@@ -843,31 +885,50 @@ class Check:
     overhead_ms = phases["exchange_overhead_ms"] = null_ms / k + cal.excess_ms
     return max(overhead_ms, 0.0)
 
+  def _fresh(self, seed: int, template, keep: set[int] = frozenset(), release: bool = True):
+    """One timed (or calibration) call's fresh inputs under ``seed``, staged: drawn straight into
+    the buffers where ``draws_into_buffers``, else drawn privately and copied (the flush
+    synchronises). Returns the staged call with its pairs for the mutation check: (private input,
+    view) when drawn privately, (view, view) when drawn into the buffers."""
+    if self.draws_into_buffers:
+      return self._stage(None, template, keep=keep, release=release, sync=False, seed=seed)
+    t = time.monotonic()
+    inputs = self.task.inputs_for(seed)
+    self.draw_s += time.monotonic() - t
+    return self._stage(inputs, template, keep=keep, release=release, sync=False)
+
   def _timed_burst(self, b: int, calls, checked: set[int], rng, lockstep, template) -> float:
     """Timed burst ``b``: ``calls`` forwards, each on fresh inputs, in one round trip (returned, in
     seconds); those in ``checked`` compared with the reference (which steps on every call, before the
-    burst, when it keeps state). Before the round trip every call is staged alike, compared or not:
-    the golden outputs of the compared calls of a stateless reference are computed after it, from the
-    checker's private inputs, so the host's schedule the candidate can observe before a burst (its
-    gaps, order and buffers) does not depend on which of its calls are compared."""
+    burst, when it keeps state). Before the round trip every call is staged alike, compared or not
+    (``_fresh``: drawn straight into its buffers where the reference allows, nothing of it kept
+    privately): a compared call's private inputs are re-drawn from its seed after the round trip,
+    and its golden output computed from them then (a stateful reference's before the burst, on every
+    call: its inputs are drawn privately and copied, and a compared call keeps them), so the host's
+    schedule the candidate can observe before a burst (its gaps, order and buffers) does not depend
+    on which of its calls are compared."""
     t0 = time.monotonic()
     stage_s = 0.0
+    stateful, direct = self.task.stateful, self.draws_into_buffers
     burst, kept = [], {}
     for i, j in enumerate(calls):
       seed = rng.randrange(2**31 - 1)
-      inputs = self.task.inputs_for(seed)
-      golden = template
-      if self.task.stateful:
-        golden = self.task.forward_seeded(lockstep, inputs, seed)
-      t = time.monotonic()
-      s = self._stage(inputs, golden, release=i == 0, sync=False)  # the flush synchronises
-      if j in checked:
-        kept[i] = inputs  # the private inputs: the golden output and the mutation check
+      if direct:
+        t, draw0 = time.monotonic(), self.draw_s
+        s = self._stage(None, template, release=i == 0, sync=False, seed=seed)
+        stage_s += time.monotonic() - t - (self.draw_s - draw0)
       else:
-        s.pairs = []
-      stage_s += time.monotonic() - t
+        inputs = self.task.inputs_for(seed)
+        golden = self.task.forward_seeded(lockstep, inputs, seed) if stateful else template
+        t = time.monotonic()
+        s = self._stage(inputs, golden, release=i == 0, sync=False)  # the flush synchronises
+        stage_s += time.monotonic() - t
+        if j in checked:
+          kept[i] = inputs  # the private inputs: the golden output and the mutation check
+        else:
+          s.pairs = []
+        del inputs, golden
       burst.append((s, seed))
-      del inputs, golden
     self.last_burst = burst
     t2 = time.monotonic()
     self.flush(b)
@@ -878,8 +939,15 @@ class Check:
     for i, j in enumerate(calls):
       if j in checked:
         staged, seed = burst[i]
-        if not self.task.stateful:
-          staged.golden = self.task.forward_seeded(lockstep, kept.pop(i), seed)
+        if direct:  # the private inputs, re-drawn from the seed
+          private = self.task.inputs_for(seed)
+          leaves = [t for t in tensors.flatten(private) if isinstance(t, torch.Tensor)]
+          staged.pairs = [(p, v) for p, (_, v) in zip(leaves, staged.pairs, strict=True)]
+        else:
+          private = kept.pop(i)
+        if not stateful:
+          staged.golden = self.task.forward_seeded(lockstep, private, seed)
+        del private
         self._judge(staged, specs[i], self.copied[i], f"timed call {j}")
     self._acc("timing_inputs", t2 - t0 - stage_s)
     self._acc("timing_stage", stage_s)

@@ -15,6 +15,7 @@ pays for the reference once.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -63,6 +64,22 @@ def _nbytes(values) -> int:
   )
 
 
+def same_values(a, b) -> bool:
+  """Whether two draws of inputs are the same values, bit for bit (NaN included)."""
+  xs, ys = tensors.flatten(a), tensors.flatten(b)
+  if len(xs) != len(ys):
+    return False
+  for x, y in zip(xs, ys):
+    if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+      return False
+    if isinstance(x, torch.Tensor):
+      if x.stride() != y.stride() or correctness.mutated([x], [y]):
+        return False
+    elif type(x) is not type(y) or not (x == y or x != x and y != y):
+      return False
+  return True
+
+
 @dataclasses.dataclass
 class ReferenceTask:
   """One task's reference: its code, init arguments, trial seeds and, once a job has computed them and
@@ -79,6 +96,11 @@ class ReferenceTask:
   after_trials: torch.nn.Module | None = None  # the lock-step instance after all trials (stateful)
   # per output leaf: whether the norm rule judges it (correctness.determined, from trial 0)
   norm_rule: tuple[bool, ...] | None = None
+  # trial 0 drawn again, into exchange buffers, is its private draw bit for bit (get_inputs() repeats
+  # under a seed, and the buffers hold what a private draw gives): then a timed call's inputs can be
+  # drawn straight into its buffers and re-drawn privately to judge it. None: not tried yet (the first
+  # timed check of the task tries it, ``Check._decide_draw``)
+  draws_into_buffers: bool | None = None
 
   @classmethod
   def load(
@@ -131,15 +153,19 @@ class ReferenceTask:
   def make_inputs(self, i: int) -> list:
     return self.inputs_for(self.seeds[i])
 
-  def inputs_for(self, seed: int) -> list:
+  def inputs_for(self, seed: int, draw_into=None) -> list:
     """``get_inputs()`` under ``seed``. Drawn on the device (torch.device as a context sets the default
-    device of factories): level-1 inputs reach gigabytes, too slow to draw on one CPU thread."""
-    set_seed(seed)
-    get_inputs = self.namespace["get_inputs"]
-    if self.device.type == "cuda":
-      with torch.device(self.device):
-        return tensors.to_device(list(get_inputs()), self.device)
-    return tensors.to_device(list(get_inputs()), self.device)
+    device of factories): level-1 inputs reach gigabytes, too slow to draw on one CPU thread. With
+    ``draw_into`` (an ``exchange.DrawInto``), its factories draw straight into exchange buffers, the
+    same values (the mode is entered first, so the device context has named the device when it sees a
+    factory)."""
+    with draw_into if draw_into is not None else contextlib.nullcontext():
+      set_seed(seed)
+      get_inputs = self.namespace["get_inputs"]
+      if self.device.type == "cuda":
+        with torch.device(self.device):
+          return tensors.to_device(list(get_inputs()), self.device)
+      return tensors.to_device(list(get_inputs()), self.device)
 
   def fresh_model(self) -> torch.nn.Module:
     with torch.no_grad():

@@ -21,6 +21,7 @@ import os
 import time
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from verifier.ipc.records import BufferRef, TensorRef, Value
 
@@ -255,10 +256,20 @@ class BufferSet:
     self.free.clear()
 
 
-def send_value(value, buffers: BufferSet, used: list[int], pairs: list | None = None) -> Value:
+def send_value(
+  value, buffers: BufferSet, used: list[int], pairs: list | None = None, drawn=None
+) -> Value:
   """Describe an argument for the candidate; a tensor is copied into a buffer (``used`` collects the
-  buffer ids, ``pairs`` the (private tensor, buffer view) pairs for the mutation check)."""
+  buffer ids, ``pairs`` the (private tensor, buffer view) pairs for the mutation check), unless
+  ``drawn`` (a ``DrawInto`` the value was drawn under) holds it in a buffer already: then it goes as it
+  is, paired with itself (the caller re-draws a private copy for the mutation check)."""
   if isinstance(value, torch.Tensor):
+    ref = drawn.claim(value) if drawn is not None else None
+    if ref is not None:
+      used.append(ref.buffer)
+      if pairs is not None:
+        pairs.append((value, value))
+      return Value(tensor=ref, kind="tensor")
     shape, stride = dense_layout(value)
     b = buffers.take(nbytes_of(value))
     ref = TensorRef(b.id, dtype_name(value.dtype), shape, stride)
@@ -272,10 +283,147 @@ def send_value(value, buffers: BufferSet, used: list[int], pairs: list | None = 
     return Value(data=dtype_name(value), kind="dtype")
   if isinstance(value, (list, tuple)):
     kind = "list" if isinstance(value, list) else "tuple"
-    return Value(kind=kind, items=tuple(send_value(v, buffers, used, pairs) for v in value))
+    return Value(kind=kind, items=tuple(send_value(v, buffers, used, pairs, drawn) for v in value))
   if value is None or isinstance(value, (bool, int, float, str)):
     return Value(data=value)
   raise ExchangeError(f"an argument of type {type(value).__name__} cannot be sent to the candidate")
+
+
+# Factories ``DrawInto`` allocates in a buffer, each run as its ``out=`` form (``torch.randn(size,
+# out=t)`` is ``t.resize_(size).normal_()``, as ``torch.randn(size)`` is ``empty(size).normal_()``: the
+# same values and the same draws from the generator); the ``_like`` ones as the plain factory on the
+# input's shape where the input is contiguous (then ``empty_like`` is contiguous too). ``torch.empty``
+# is left out: its values are whatever the buffer held, not what a re-draw under the seed gives.
+_FACTORIES = frozenset(
+  [torch.randn, torch.rand, torch.randint, torch.randperm, torch.zeros, torch.ones, torch.full]
+)
+_LIKE = {
+  torch.randn_like: torch.randn,
+  torch.rand_like: torch.rand,
+  torch.randint_like: torch.randint,
+  torch.zeros_like: torch.zeros,
+  torch.ones_like: torch.ones,
+  torch.full_like: torch.full,
+}
+_PLAIN_KWARGS = frozenset(["dtype", "device", "generator", "layout", "requires_grad", "pin_memory"])
+
+
+def _device_of(d) -> torch.device:
+  d = torch.device(d)
+  if d.type == "cuda" and d.index is None:
+    return torch.device("cuda", torch.cuda.current_device())
+  return d
+
+
+class DrawInto(TorchFunctionMode):
+  """Inside it, tensor factories (``_FACTORIES``, ``_LIKE``) allocate their result in a buffer of
+  ``buffers`` and draw straight into it, where the buffer lives on the device the factory would use:
+  a reference's ``get_inputs()`` run inside it returns inputs that need no copy (``claim``), with the
+  values and generator draws of a private run. Anything else (a keyword it does not know, a device or
+  dtype the buffers cannot hold, ``torch.empty``) runs as it would outside. Scoped (a torch function
+  mode), never a global patch; ``settle`` after the draw gives back the buffers of tensors that were
+  not returned (intermediates)."""
+
+  def __init__(self, buffers: BufferSet):
+    super().__init__()
+    self.buffers = buffers
+    self.device = _device_of(buffers.device if buffers.use_device_memory else "cpu")
+    self.drawn: dict[
+      int, tuple[SharedBuffer, torch.Tensor]
+    ] = {}  # storage address -> (buffer, view)
+    self.claims: dict[int, TensorRef] = {}  # id of a returned tensor -> its place
+
+  def __torch_function__(self, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    if func in _FACTORIES or func in _LIKE:
+      out = self._draw(func, args, kwargs)
+      if out is not None:
+        return out
+    return func(*args, **kwargs)
+
+  def _draw(self, func, args, kwargs):
+    plain = func
+    if func in _LIKE:
+      plain = _LIKE[func]
+      if kwargs.keys() - _PLAIN_KWARGS - {"memory_format"} or not args:
+        return None
+      if kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format):
+        return None
+    elif kwargs.keys() - _PLAIN_KWARGS or "out" in kwargs:
+      return None
+    if kwargs.get("requires_grad") or kwargs.get("pin_memory"):
+      return None
+    if kwargs.get("layout") not in (None, torch.strided):
+      return None
+    device = kwargs.get("device")
+    if device is None and func in _LIKE and isinstance(args[0], torch.Tensor):
+      device = args[0].device
+    if _device_of(device if device is not None else torch.get_default_device()) != self.device:
+      return None
+    try:
+      meta = func(*args, **{**kwargs, "device": "meta"})  # the result's shape and dtype, no draw
+    except Exception:  # noqa: BLE001 - the factory's own error comes from the real call
+      return None
+    if meta.dtype not in DTYPES.values() or (func in _LIKE and not meta.is_contiguous()):
+      return None
+    if func in _LIKE:
+      args = self._plain_args(func, args, tuple(meta.shape))
+      if args is None:
+        return None
+    b = self.buffers.take(nbytes_of(meta))
+    ref = TensorRef(b.id, dtype_name(meta.dtype), tuple(meta.shape), tuple(meta.stride()))
+    view = b.view(ref)
+    rest = {k: v for k, v in kwargs.items() if k == "generator"}
+    plain(*args, out=view, **rest)
+    self.drawn[view.untyped_storage().data_ptr()] = (b, view)
+    return view
+
+  @staticmethod
+  def _plain_args(func, args, shape):
+    """A ``_like`` call's positional arguments for its plain factory on ``shape``."""
+    if func is torch.randint_like:
+      if len(args) == 2:
+        return (0, args[1], shape)
+      return (args[1], args[2], shape) if len(args) == 3 else None
+    if func is torch.full_like:
+      return (shape, args[1]) if len(args) == 2 else None
+    return (shape,) if len(args) == 1 else None
+
+  def settle(self, values) -> None:
+    """After the draw: which tensors of ``values`` are whole buffers drawn here (each buffer sent
+    once), and the others' buffers back to the set."""
+    for t in _tensor_leaves(values):
+      hit = self.drawn.get(t.untyped_storage().data_ptr()) if t.numel() else None
+      if hit is None or id(t) in self.claims:
+        continue
+      b, view = hit
+      shape, stride = tuple(t.shape), tuple(t.stride())
+      if t.data_ptr() == view.data_ptr() and nbytes_of(t) == b.nbytes and _dense(shape, stride):
+        if t.dtype in DTYPES.values() and not any(r.buffer == b.id for r in self.claims.values()):
+          self.claims[id(t)] = TensorRef(b.id, dtype_name(t.dtype), shape, stride)
+    claimed = {r.buffer for r in self.claims.values()}
+    for b, _ in self.drawn.values():
+      if b.id not in claimed:
+        self.buffers.free.append(b)
+    self.drawn.clear()
+
+  def give_back(self) -> None:
+    """Every buffer drawn into back to the set (a trial draw; its tensors must be gone)."""
+    self.buffers.free += [b for b, _ in self.drawn.values()]
+    self.drawn.clear()
+    self.claims.clear()
+
+  def claim(self, t: torch.Tensor) -> TensorRef | None:
+    """Where ``t`` lies if it is one of the settled inputs (once: a second mention is copied)."""
+    return self.claims.pop(id(t), None)
+
+
+def _tensor_leaves(values) -> list:
+  if isinstance(values, torch.Tensor):
+    return [values]
+  if isinstance(values, (list, tuple)):
+    return [t for v in values for t in _tensor_leaves(v)]
+  return []
 
 
 def output_buffer(expected: torch.Tensor, buffers: BufferSet, used: list[int]) -> TensorRef:
