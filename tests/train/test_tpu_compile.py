@@ -1,15 +1,25 @@
 """The learner's programs compiled ahead of time for real TPU slices from this CPU host (libtpu's
 compile-only devices, `jax.experimental.topologies`; `dice_jax.tpu_topology`, `tpu_memory`):
 
-- at the recipe's settings (docs/tpu.md) each program's per-chip peak is within the chip's HBM,
-  attention is the Mosaic kernels only and no `[T, S]` score tensor is in the compiled HLO;
+- at the recipe's settings (docs/tpu.md), at full size, the SFT step, RL update and sampler decode
+  step of sdar_1p7b (SFT and decode on a v5e-8, RL on a v5p-8) and sdar_8b's SFT step and RL
+  update (on a v5p-8): each
+  program's per-chip peak is within the chip's HBM, attention is the Mosaic kernels only and no
+  `[T, S]` score tensor is in the compiled HLO;
 - the RL update planner (`rl.memory`) is never below the compiler's peak (it refuses before the
-  rollout what would not fit) and over it by less than 15 % (13 % for sdar_1p7b on a v5p-8), and
-  the sampler's estimate (`diffusion.memory`) is within 15 % of the decode step's peak, which
-  holds no copy of the cache (it is stored in the TPU cache kernel's layout, `kv_cache.KVCache`);
+  rollout what would not fit) and over it by less than 15 % (13 % for sdar_1p7b on a v5p-8, 1 %
+  for sdar_8b), and the sampler's estimate (`diffusion.memory`) is within 15 % of the decode
+  step's peak, which holds no copy of the cache (it is stored in the TPU cache kernel's layout,
+  `kv_cache.KVCache`);
 - a mesh over two slices keeps the fsdp collectives inside a slice.
 
-Each program compiles once per module (a 1.7B program takes about a minute of CPU); the whole table
+Each program compiles once per module. A program's compile time is the TPU backend emitting code
+for each fusion of its layer, set by the model's width, not by its depth or rows (docs/tpu.md,
+"What CI compiles"): a smaller sdar_8b program is no cheaper. On the idle 2-core dev VM
+(2026-12-04, jax 0.10.2 / libtpu 0.0.42.1) this file takes about 235 s wall (measured with
+sdar_8b's decode step too: 299 s, 65 of them that step): 40-56 s wall each SFT or RL step, 32 s
+the decode step, 17 s the two small programs. The rest of
+docs/tpu.md's table (sdar_8b on a v5p-16, the prefill steps, sdar_1p7b's other programs and slices)
 is `python -m experiments.tpu_memory_table`.
 """
 
@@ -79,6 +89,23 @@ def test_sampler_decode_of_sdar_1p7b_fits_a_v5e_8_with_the_cache_kernel(rows):
   # The cache `[L, B, S, K*H]` is the kernel's layout: no relaid-out copy of it among the
   # temporaries (0.47 GiB; 5.7 of 6.2 when it was stored `[L, B, S, K, H]`, issue 38).
   assert row.memory.temps < 0.25 * row.memory.arguments, row.memory
+
+
+def test_sft_step_of_sdar_8b_fits_a_v5p_8_with_the_mosaic_kernels(rows):
+  row = rows("sdar_8b", "v5p-8", "sft")
+  _assert_compiled_within_hbm(row)
+  assert set(row.kernels) == FLASH_TRAIN
+  params = tpu_memory.model_config("sdar_8b").num_params()
+  assert row.memory.arguments == pytest.approx(3 * 4 * params / 4, rel=0.02)
+  assert row.memory.aliased == pytest.approx(row.memory.arguments, rel=0.01)
+
+
+def test_rl_update_of_sdar_8b_fits_a_v5p_8_and_the_planner_is_above_it_by_under_15_percent(rows):
+  row = rows("sdar_8b", "v5p-8", "rl")
+  _assert_compiled_within_hbm(row)
+  assert set(row.kernels) == FLASH_TRAIN
+  # jax 0.10.2 / libtpu 0.0.42.1: planner 45.86 GiB, compiler 45.53 GiB (x1.01)
+  assert row.memory.peak <= row.estimate <= 1.15 * row.memory.peak
 
 
 def test_the_score_check_finds_a_dense_attention():
