@@ -4,7 +4,8 @@ compile-only devices, `jax.experimental.topologies`; `dice_jax.tpu_topology`, `t
 - at the recipe's settings (docs/tpu.md), at full size, each kind of program of each model on
   the slice where its memory is tightest, and each topology once: sdar_1p7b's SFT step, sampler
   prefill and decode on a v5e-8 and its RL update on a v5p-8; sdar_8b's SFT step and RL update on
-  a v5p-8 and its decode step on a v5p-16 (`v5p:2x2x2`): each one's per-chip peak is within the
+  a v5p-8 and its decode step on a v5p-16 (`v5p:2x2x2`; those three in `test_tpu_compile_8b.py`,
+  so that the two CI workers share the compiles): each one's per-chip peak is within the
   chip's HBM, attention is the Mosaic kernels only and no `[T, S]`
   score tensor is in the compiled HLO;
 - the RL update planner (`rl.memory`) is never below the compiler's peak (it refuses before the
@@ -14,10 +15,10 @@ compile-only devices, `jax.experimental.topologies`; `dice_jax.tpu_topology`, `t
   `kv_cache.KVCache`);
 - a mesh over two slices keeps the fsdp collectives inside a slice.
 
-Each program compiles once per module. A program's compile time is the TPU backend emitting code
+Each test compiles its program (`_tpu_compile.compiled_row`). A program's compile time is the TPU backend emitting code
 for each fusion of its layer, set by the model's width, not by its depth or rows (docs/tpu.md,
 "What CI compiles"): a smaller sdar_8b program is no cheaper. On the idle 2-core dev VM
-(2026-12-04, jax 0.10.2 / libtpu 0.0.42.1) this file takes 334 s wall, 548 s CPU: 43-60 s wall
+(2026-12-04, jax 0.10.2 / libtpu 0.0.42.1) the two files take 334 s wall, 548 s CPU in one process: 43-60 s wall
 each SFT or RL step, 33 and 62 s the two decode steps, 25 s the prefill, 23 s the two small
 programs. The rest of docs/tpu.md's table (the same programs on the other slices) is
 `python -m experiments.tpu_memory_table`.
@@ -34,35 +35,12 @@ if _MISSING:
 from dice_jax import tpu_lowering, tpu_memory  # noqa: E402
 from dice_jax.model.config import get_config  # noqa: E402
 
-RECIPE = tpu_memory.Recipe()
-# the mask-aware kernel's forward and its two backward kernels (counts vary with the compiler's
-# loop peeling), nothing else
-FLASH_TRAIN = {"bd_flash_tpu_dkv", "bd_flash_tpu_dq", "bd_flash_tpu_fwd"}
+from ._tpu_compile import FLASH_TRAIN, assert_compiled_within_hbm, compiled_row  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def rows():
-  """(model, slice, program) -> Row, compiled on first use."""
-  done = {}
-
-  def get(model, slice_name, program, recipe=RECIPE):
-    key = (model, slice_name, program, recipe)
-    if key not in done:
-      (done[key],) = tpu_memory.compile_rows(model, slice_name, recipe, (program,))
-    return done[key]
-
-  return get
-
-
-def _assert_compiled_within_hbm(row):
-  assert row.memory is not None, f"{row.model} {row.program} on {row.slice.name}: {row.refusal}"
-  assert 0 < row.memory.gib() <= row.slice.hbm_gib, (row.memory, row.slice)
-  assert not row.scores, f"dense attention scores in the compiled HLO: {row.scores}"
-
-
-def test_sft_step_of_sdar_1p7b_fits_a_v5e_8_with_the_mosaic_kernels(rows):
-  row = rows("sdar_1p7b", "v5e-8", "sft")
-  _assert_compiled_within_hbm(row)
+def test_sft_step_of_sdar_1p7b_fits_a_v5e_8_with_the_mosaic_kernels():
+  row = compiled_row("sdar_1p7b", "v5e-8", "sft")
+  assert_compiled_within_hbm(row)
   assert set(row.kernels) == FLASH_TRAIN
   # fp32 parameters and AdamW moments over the 8 chips, donated: in and out are one buffer
   params = tpu_memory.model_config("sdar_1p7b").num_params()
@@ -70,19 +48,19 @@ def test_sft_step_of_sdar_1p7b_fits_a_v5e_8_with_the_mosaic_kernels(rows):
   assert row.memory.aliased == pytest.approx(row.memory.arguments, rel=0.01)
 
 
-def test_rl_update_of_sdar_1p7b_fits_a_v5p_8_and_the_planner_is_above_it_by_under_15_percent(rows):
-  row = rows("sdar_1p7b", "v5p-8", "rl")
-  _assert_compiled_within_hbm(row)
+def test_rl_update_of_sdar_1p7b_fits_a_v5p_8_and_the_planner_is_above_it_by_under_15_percent():
+  row = compiled_row("sdar_1p7b", "v5p-8", "rl")
+  assert_compiled_within_hbm(row)
   assert set(row.kernels) == FLASH_TRAIN
   # jax 0.10.2 / libtpu 0.0.42.1: planner 14.76 GiB, compiler 13.10 GiB (x1.13); the planner's
   # parts are calibrated on CPU (rl/memory.py)
   assert row.memory.peak <= row.estimate <= 1.15 * row.memory.peak
 
 
-def test_sampler_decode_of_sdar_1p7b_fits_a_v5e_8_with_the_cache_kernel(rows):
+def test_sampler_decode_of_sdar_1p7b_fits_a_v5e_8_with_the_cache_kernel():
   """64 slots: the slots and their cache split over the chips (`diffusion/placement.py`)."""
-  row = rows("sdar_1p7b", "v5e-8", "decode")
-  _assert_compiled_within_hbm(row)
+  row = compiled_row("sdar_1p7b", "v5e-8", "decode")
+  assert_compiled_within_hbm(row)
   assert set(row.kernels) == {"bd_flash_tpu_fwd"} and row.kernels["bd_flash_tpu_fwd"] >= 1
   # 6.32 GiB against the compiler's 6.45 (jax 0.10.2 / libtpu 0.0.42.1)
   assert abs(row.estimate / row.memory.peak - 1) < 0.15, (row.estimate, row.memory)
@@ -91,40 +69,11 @@ def test_sampler_decode_of_sdar_1p7b_fits_a_v5e_8_with_the_cache_kernel(rows):
   assert row.memory.temps < 0.25 * row.memory.arguments, row.memory
 
 
-def test_sft_step_of_sdar_8b_fits_a_v5p_8_with_the_mosaic_kernels(rows):
-  row = rows("sdar_8b", "v5p-8", "sft")
-  _assert_compiled_within_hbm(row)
-  assert set(row.kernels) == FLASH_TRAIN
-  params = tpu_memory.model_config("sdar_8b").num_params()
-  assert row.memory.arguments == pytest.approx(3 * 4 * params / 4, rel=0.02)
-  assert row.memory.aliased == pytest.approx(row.memory.arguments, rel=0.01)
-
-
-def test_rl_update_of_sdar_8b_fits_a_v5p_8_and_the_planner_is_above_it_by_under_15_percent(rows):
-  row = rows("sdar_8b", "v5p-8", "rl")
-  _assert_compiled_within_hbm(row)
-  assert set(row.kernels) == FLASH_TRAIN
-  # jax 0.10.2 / libtpu 0.0.42.1: planner 45.86 GiB, compiler 45.53 GiB (x1.01)
-  assert row.memory.peak <= row.estimate <= 1.15 * row.memory.peak
-
-
-def test_sampler_decode_of_sdar_8b_fits_a_v5p_16_with_the_cache_kernel(rows):
-  """64 slots over the 8 chips of a `v5p:2x2x2` (the only 3-D topology here), all 36 layers (the
-  decode step unrolls them: two kernel calls each)."""
-  row = rows("sdar_8b", "v5p-16", "decode")
-  _assert_compiled_within_hbm(row)
-  assert row.kernels == {"bd_flash_tpu_fwd": 2 * tpu_memory.model_config("sdar_8b").num_layers}
-  # 9.46 GiB against the compiler's 9.67 (jax 0.10.2 / libtpu 0.0.42.1; 18.92 / 19.20 on a v5p-8)
-  assert abs(row.estimate / row.memory.peak - 1) < 0.15, (row.estimate, row.memory)
-  # no copy of the cache among the temporaries (0.36 GiB; 14.73 with the `[L, B, S, K, H]` cache)
-  assert row.memory.temps < 0.25 * row.memory.arguments, row.memory
-
-
-def test_sampler_prefill_of_sdar_1p7b_fits_a_v5e_8_with_the_flash_kernel(rows):
+def test_sampler_prefill_of_sdar_1p7b_fits_a_v5e_8_with_the_flash_kernel():
   """16 prompts of 2,048 tokens into 64 slots on the smallest chips (15.75 GiB): the prompts'
   attention is the Mosaic kernel, and the sampler's estimate is within 15 % of the peak."""
-  row = rows("sdar_1p7b", "v5e-8", "prefill")
-  _assert_compiled_within_hbm(row)
+  row = compiled_row("sdar_1p7b", "v5e-8", "prefill")
+  assert_compiled_within_hbm(row)
   assert set(row.kernels) == {"bd_flash_tpu_fwd"} and row.kernels["bd_flash_tpu_fwd"] >= 1
   # 7.34 GiB against the compiler's 7.77 (jax 0.10.2 / libtpu 0.0.42.1)
   assert abs(row.estimate / row.memory.peak - 1) < 0.15, (row.estimate, row.memory)
