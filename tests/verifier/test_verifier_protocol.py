@@ -364,6 +364,49 @@ def test_the_checker_reports_both_clocks_and_falls_back_where_a_round_trip_lacks
   assert "timing_device_mean_ms" not in phases
 
 
+def test_every_forward_of_every_request_runs_between_its_span_markers_before_its_outputs_go(
+  tmp_path,
+):
+  """The worker's side of the device clock: on every request alike (a timed burst, a calibration's null
+  round trip), each forward between a pre and a post marker copy, the post one before its outputs are
+  published; the round trip's markers around them all; none without span markers."""
+  from verifier.candidate import candidate_main
+  from verifier.ipc.records import BurstCall, Value
+
+  log = []
+
+  class Logs(torch.nn.Module):
+    def forward(self, n):
+      log.append(f"call {n}")
+      return torch.full((2,), float(n))
+
+  rt = candidate_main.CandidateRuntime(None, "cpu", str(tmp_path))
+  rt.model, rt.markers = Logs(), (torch.zeros(8, dtype=torch.uint8),) * 2
+  rt._marker = lambda n: log.append(f"marker {n}") if n else None
+  publish = rt._publish
+  rt._publish = lambda *a: (log.append("publish"), publish(*a))[1]
+  more = (BurstCall(1, 5, (Value(data=4),), ()),)
+  done = rt.forward(
+    ForwardRequest(0, 4, (Value(data=3),), (), burst=more, marker=33, span_markers=(101, 202)), []
+  )
+  assert done.call == 0 and len(done.burst_outputs) == 1
+  each = ["marker 101", "call {}", "marker 202", "publish"]
+  assert log == [
+    "marker 33",
+    *[x.format(3) for x in each],
+    *[x.format(4) for x in each],
+    "marker 33",
+  ]
+  log.clear()
+  rt.forward(
+    ForwardRequest(1, 4, (), (), calibrate=True, null=True, marker=7, span_markers=(8, 9)), []
+  )
+  assert log == ["marker 7", "marker 8", "marker 9", "publish", "marker 7"]
+  log.clear()
+  rt.forward(ForwardRequest(2, 4, (Value(data=5),), (), marker=7), [])
+  assert log == ["marker 7", "call 5", "publish", "marker 7"]
+
+
 def test_timed_bursts_fit_the_byte_budget_and_one_messages_descriptors():
   from verifier.check.checker import BURST_BYTES, MAX_BURST, burst_calls
   from verifier.ipc.exchange import FDS_PER_MESSAGE
