@@ -362,6 +362,13 @@ def test_the_checker_reports_both_clocks_and_falls_back_where_a_round_trip_lacks
   phases = check.report["phases"]
   assert c.clock == "host" and c.runtime == host and phases["timing_device_clock"] == 0.0
   assert "timing_device_mean_ms" not in phases
+  # forged spans: the floor counts, with a warning naming both clocks
+  check.report = {"phases": {}, "warnings": []}
+  slow = Runtime(median_ms=2.05, mean_ms=2.10, num_trials=16)
+  c = check._choose_clock(slow, 0.05, [(100_000,) * 8] * 2)
+  assert c.clock == "floor" and check.report["phases"]["timing_device_floored"] == 1.0
+  (w,) = check.report["warnings"]
+  assert "0.1000 ms a call is under" in w and "1.3950 ms counts" in w, w
 
 
 def test_every_forward_of_every_request_runs_between_its_span_markers_before_its_outputs_go(

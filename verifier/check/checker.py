@@ -891,6 +891,12 @@ class Check:
       phases["timing_device_allowance_ms"] = allowance
       spans_s = [n * 1e-9 for s in spans for n in s]
       phases.update(_share_quantiles("timing_device_span", spans_s, 1))
+    if choice.clock == "floor":
+      self.report["warnings"].append(
+        f"timing: the device clock's {choice.device.mean_ms:.4f} ms a call is under the host clock's "
+        f"estimate less its allowance ({host.mean_ms:.4f} / {host.median_ms:.4f} ms mean / median "
+        f"less {allowance:.4f} ms): {choice.floor_ms:.4f} ms counts"
+      )
     return choice
 
   def _null_round_trip(self, b: int) -> float:
