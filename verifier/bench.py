@@ -69,6 +69,13 @@ TIMING_PHASES = (
   "timing_null",
   "timing_burst_calls",
   "timing_drawn_into_buffers",
+  "timing_device_clock",
+  "timing_device_floored",
+  "timing_host_mean_ms",
+  "timing_device_mean_ms",
+  "timing_device_floor_ms",
+  "timing_device_allowance_ms",
+  "calibration_reference_device_ms",
 )
 DATA_DIRS = [
   REPO / ".gpu_data" / "verifier",

@@ -483,6 +483,101 @@ def test_the_collector_lists_the_functions_a_loaded_module_defines(tmp_path):
   lib.vc_take(buf, 8)
 
 
+# ---- the device clock: each forward's span between its marker copies -----------------------------------
+PRE, POST, MARK = 101, 202, 33
+
+
+def _entry(kind, start, end, nbytes=0, copy_kind=8):
+  from verifier.candidate import device_records
+
+  vc = {"kernel": device_records.VC_KERNEL, "copy": device_records.VC_MEMCPY}[kind]
+  return device_records.Entry(vc, 1, 7, copy_kind, start, end, nbytes, 0, None)
+
+
+def _burst_entries(spans, gap=5_000, start=1_000):
+  """A round trip's entries: its marker, then per forward a pre marker, a kernel, a post marker and a
+  publishing copy (ns on the device clock), then its marker again."""
+  out, t = [_entry("copy", start, start + 100, MARK)], start + 1_000
+  for span in spans:
+    out.append(_entry("copy", t, t + 200, PRE))
+    t += 200
+    out.append(_entry("kernel", t + 300, t + span - 400))  # launch gaps count, like CUDA events
+    out.append(_entry("copy", t + span, t + span + 200, POST))
+    out.append(_entry("copy", t + span + 300, t + span + 900, 4096, copy_kind=8))  # the outputs
+    t += span + gap
+  return out + [_entry("copy", t, t + 100, MARK)]
+
+
+def test_each_forwards_device_span_is_its_post_marker_start_less_its_pre_marker_end():
+  from verifier.candidate import device_records
+
+  entries = _burst_entries([90_000, 91_500, 88_250])
+  assert device_records.forward_spans(entries, PRE, POST) == (90_000, 91_500, 88_250)
+  # in any order CUPTI delivers them
+  assert device_records.forward_spans(entries[::-1], PRE, POST) == (90_000, 91_500, 88_250)
+  # the round trip's own summary is unchanged: the span markers are copies like the others
+  got = device_records.summarise(entries, 3, lambda p: "relu_kernel")
+  assert sum(c.count for c in got.copies if c.bytes in (PRE, POST)) == 6 and not got.forward_ns
+
+
+@pytest.mark.parametrize(
+  "drop, why",
+  [
+    (lambda es: [e for e in es if not (e.bytes == POST and e.start > 150_000)], "a post missing"),
+    (lambda es: [e for e in es if e.bytes != PRE], "no pre markers"),
+    (lambda es: es + [_entry("copy", 500_000, 500_200, PRE)], "an extra pre marker"),
+    (lambda es: [_swap(e) for e in es], "post before its pre"),
+  ],
+  ids=["post_missing", "no_pre", "extra_pre", "swapped"],
+)
+def test_span_markers_that_do_not_pair_up_give_no_spans(drop, why):
+  from verifier.candidate import device_records
+
+  assert device_records.forward_spans(drop(_burst_entries([90_000, 91_500])), PRE, POST) == (), why
+
+
+def _swap(e):
+  """Pre and post markers trade sizes: each forward's post comes before its pre."""
+  if e.bytes in (PRE, POST):
+    e.bytes = POST if e.bytes == PRE else PRE
+  return e
+
+
+def test_the_collector_waits_for_every_span_marker_and_returns_the_spans():
+  from verifier.candidate import device_records
+
+  entries = _burst_entries([120_000, 80_000])
+  batches = [entries[:4], entries[4:]]  # the second forward's records arrive on the next flush
+
+  class Lib:
+    def vc_lost(self):
+      return 0
+
+  c = device_records.Collector()
+  c.lib, c.entries = Lib(), lambda: batches.pop(0) if batches else []
+  got = c.take(5, MARK, (PRE, POST), forwards=2)
+  assert got.call == 5 and got.forward_ns == (120_000, 80_000)
+  assert sum(x.count for x in got.copies if x.bytes == MARK) == 2
+  # a request without span markers: none
+  batches[:] = [_burst_entries([120_000])]
+  assert c.take(6, MARK).forward_ns == ()
+
+
+def test_a_requests_marker_sizes_are_distinct_and_drawn_on_every_request():
+  from verifier.check.call_evidence import CallEvidence
+  from verifier.ipc.records import MARKER_MAX_BYTES
+
+  ev = CallEvidence("cuda", "/nonexistent", None)
+  assert ev.markers() == (0, ())  # no device records: no markers
+  ev.records_on = True
+  drawn = [ev.markers() for _ in range(200)]
+  for marker, (pre, post) in drawn:
+    assert len({marker, pre, post}) == 3 and all(
+      1 <= n <= MARKER_MAX_BYTES for n in (marker, pre, post)
+    )
+  assert len({pre for _, (pre, _) in drawn}) > 50  # drawn, not fixed
+
+
 def test_a_kernel_named_like_a_library_kernel_is_not_the_candidates():
   # its own kernel named exactly like cuBLAS's, launching cuBLAS's: two loaded modules define the name
   twin = _records(KernelRun("relu_kernel", *HOME, False, 1, 50_000, 2), _k("touch_kernel", 100))

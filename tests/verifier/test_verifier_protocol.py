@@ -291,6 +291,129 @@ def test_a_candidate_runtime_is_the_checkers_round_trips_less_the_calibrated_exc
   assert abs(r.mean_ms - 2.5) < 1e-9 and abs(r.median_ms - 2.5) < 1e-9 and r.num_trials == 8
 
 
+def test_the_device_clock_times_a_candidate_when_every_timed_round_trip_has_spans():
+  from verifier.api.contract import Runtime
+
+  # The ReLU of issue 37 item 9 on the H200: 0.09 ms a call by CUDA events, 0.30 ms by the host clock
+  # (its null round trips 0.41 ms a call, the excess estimated at -0.185 ms), spans of 0.088-0.093 ms.
+  allowance = timing.device_allowance_ms(3.28, -0.185, 0.16, 8)
+  assert abs(allowance - (0.41 + 0.185 + 3 * 0.02)) < 1e-9
+  host = Runtime(median_ms=0.30, mean_ms=0.42, num_trials=96)
+  spans = [88_000, 93_000, 90_000, 91_000] * 24
+  c = timing.choose(host, 0.53, spans, allowance)
+  assert c.clock == "device" and c.runtime == c.device and c.runtime.num_trials == 96
+  assert abs(c.runtime.mean_ms - 0.0905) < 1e-9 and abs(c.runtime.median_ms - 0.0905) < 1e-9
+  assert abs(c.floor_ms - (0.30 - allowance)) < 1e-9
+  # the host clock could not resolve it (0.53 ms); the device clock resolves a microsecond
+  assert c.resolution_ms == timing.CLOCK_TICK_MS and timing.measured(c.runtime, c.resolution_ms)
+
+
+def test_forged_small_spans_are_floored_by_the_host_clock_less_its_allowance():
+  from verifier.api.contract import Runtime
+
+  # A 2 ms kernel whose process reports 0.1 ms spans: it gains the allowance (0.655 ms) and no more.
+  host = Runtime(median_ms=2.05, mean_ms=2.10, num_trials=96)
+  allowance = timing.device_allowance_ms(3.28, -0.185, 0.16, 8)
+  c = timing.choose(host, 0.05, [100_000] * 96, allowance)
+  assert c.clock == "floor" and abs(c.runtime.mean_ms - (2.05 - allowance)) < 1e-9
+  assert c.runtime.median_ms == c.runtime.mean_ms and abs(c.device.mean_ms - 0.1) < 1e-9
+  # honest spans just above the floor are the device clock's
+  c = timing.choose(host, 0.05, [1_400_000] * 96, allowance)
+  assert c.clock == "device" and abs(c.runtime.mean_ms - 1.4) < 1e-9
+
+
+def test_without_spans_on_every_round_trip_the_host_clock_times_the_candidate():
+  from verifier.api.contract import Runtime
+
+  host = Runtime(median_ms=0.30, mean_ms=0.42, num_trials=96)
+  for spans in (None, []):
+    c = timing.choose(host, 0.53, spans, 0.6)
+    assert (c.clock, c.runtime, c.resolution_ms, c.device) == ("host", host, 0.53, None)
+    assert timing.measured(c.runtime, c.resolution_ms) is None  # as before: no speedup
+
+
+def test_the_checker_reports_both_clocks_and_falls_back_where_a_round_trip_lacks_spans():
+  from verifier.api.contract import Runtime
+  from verifier.check.checker import Check
+  from verifier.ipc.records import DeviceRecords, TimingCalibration
+
+  # the spans and their markers cross the channel
+  req = ForwardRequest(3, 1, (), (), marker=33, span_markers=(101, 202))
+  assert from_wire(to_wire(req)).span_markers == (101, 202)
+  rec = DeviceRecords(3, forward_ns=(90_000, 91_000))
+  assert from_wire(to_wire(rec)).forward_ns == (90_000, 91_000)
+  check = Check.__new__(Check)
+  check.calibration = TimingCalibration(
+    3.28, -0.185, "reference", burst_calls=8, null_spread_ms=0.16
+  )
+  host = Runtime(median_ms=0.30, mean_ms=0.42, num_trials=16)
+  check.report = {"phases": {}}
+  c = check._choose_clock(host, 0.53, [(90_000,) * 8, (92_000,) * 8])
+  phases = check.report["phases"]
+  assert c.clock == "device" and abs(c.runtime.mean_ms - 0.091) < 1e-9
+  assert phases["timing_device_clock"] == 1.0 and phases["timing_device_floored"] == 0.0
+  assert (phases["timing_host_mean_ms"], phases["timing_host_resolution_ms"]) == (0.42, 0.53)
+  assert abs(phases["timing_device_allowance_ms"] - 0.655) < 1e-9
+  assert abs(phases["timing_device_floor_ms"] - (0.30 - 0.655)) < 1e-9
+  assert abs(phases["timing_device_span_max_ms"] - 0.092) < 1e-9
+  # one timed round trip without its spans: the host clock, and no device estimate reported
+  check.report = {"phases": {}}
+  c = check._choose_clock(host, 0.53, [(90_000,) * 8, None])
+  phases = check.report["phases"]
+  assert c.clock == "host" and c.runtime == host and phases["timing_device_clock"] == 0.0
+  assert "timing_device_mean_ms" not in phases
+  # forged spans: the floor counts, with a warning naming both clocks
+  check.report = {"phases": {}, "warnings": []}
+  slow = Runtime(median_ms=2.05, mean_ms=2.10, num_trials=16)
+  c = check._choose_clock(slow, 0.05, [(100_000,) * 8] * 2)
+  assert c.clock == "floor" and check.report["phases"]["timing_device_floored"] == 1.0
+  (w,) = check.report["warnings"]
+  assert "0.1000 ms a call is under" in w and "1.3950 ms counts" in w, w
+
+
+def test_every_forward_of_every_request_runs_between_its_span_markers_before_its_outputs_go(
+  tmp_path,
+):
+  """The worker's side of the device clock: on every request alike (a timed burst, a calibration's null
+  round trip), each forward between a pre and a post marker copy, the post one before its outputs are
+  published; the round trip's markers around them all; none without span markers."""
+  from verifier.candidate import candidate_main
+  from verifier.ipc.records import BurstCall, Value
+
+  log = []
+
+  class Logs(torch.nn.Module):
+    def forward(self, n):
+      log.append(f"call {n}")
+      return torch.full((2,), float(n))
+
+  rt = candidate_main.CandidateRuntime(None, "cpu", str(tmp_path))
+  rt.model, rt.markers = Logs(), (torch.zeros(8, dtype=torch.uint8),) * 2
+  rt._marker = lambda n: log.append(f"marker {n}") if n else None
+  publish = rt._publish
+  rt._publish = lambda *a: (log.append("publish"), publish(*a))[1]
+  more = (BurstCall(1, 5, (Value(data=4),), ()),)
+  done = rt.forward(
+    ForwardRequest(0, 4, (Value(data=3),), (), burst=more, marker=33, span_markers=(101, 202)), []
+  )
+  assert done.call == 0 and len(done.burst_outputs) == 1
+  each = ["marker 101", "call {}", "marker 202", "publish"]
+  assert log == [
+    "marker 33",
+    *[x.format(3) for x in each],
+    *[x.format(4) for x in each],
+    "marker 33",
+  ]
+  log.clear()
+  rt.forward(
+    ForwardRequest(1, 4, (), (), calibrate=True, null=True, marker=7, span_markers=(8, 9)), []
+  )
+  assert log == ["marker 7", "marker 8", "marker 9", "publish", "marker 7"]
+  log.clear()
+  rt.forward(ForwardRequest(2, 4, (Value(data=5),), (), marker=7), [])
+  assert log == ["marker 7", "call 5", "publish", "marker 7"]
+
+
 def test_timed_bursts_fit_the_byte_budget_and_one_messages_descriptors():
   from verifier.check.checker import BURST_BYTES, MAX_BURST, burst_calls
   from verifier.ipc.exchange import FDS_PER_MESSAGE

@@ -10,7 +10,8 @@ trips; dropped when the candidate loads), ``CandidateJob`` (load;
 the buffers themselves where they live on this process's device, so the checker sees any mutation, else
 staged copies written back; ``calibrate`` runs the same exchange on the calibration model, or with
 no model, so the checker can measure what a round trip costs beside the forward), ``Shutdown``. This process times
-nothing that the verdict uses: the checker times every call on its own clock.
+nothing that the verdict uses but the device records of its forwards' spans (marker copies the checker sized
+around each forward, on the device clock), which the checker floors by its own clock.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ class CandidateRuntime:
         reply = CandidateFailure(f.kind, f.reason)
       self.chan.send(reply)
       if self.records is not None and isinstance(reply, (ForwardDone, Loaded)):
-        self.chan.send(self._device_records(reply, getattr(msg, "marker", 0)))
+        self.chan.send(self._device_records(reply, msg))
 
   def _map(self, refs, fds) -> None:
     _check_announced(refs, fds)
@@ -170,13 +171,15 @@ class CandidateRuntime:
       src, dst = self.markers
       dst[:n].copy_(src[:n])
 
-  def _device_records(self, reply, marker: int) -> DeviceRecords:
-    """What ran on the device since the last records (after a load: its work, once finished)."""
+  def _device_records(self, reply, req) -> DeviceRecords:
+    """What ran on the device since the last records (after a load: its work, once finished; after
+    a forward request, with each forward's span between its span markers)."""
     call = reply.call if isinstance(reply, ForwardDone) else -1
     try:
       if call < 0:
         torch.cuda.synchronize()
-      return self.records.take(call, marker if call >= 0 else 0)
+        return self.records.take(call)
+      return self.records.take(call, req.marker, req.span_markers, 1 + len(req.burst))
     except Exception as e:  # noqa: BLE001 - reported as missing evidence
       return DeviceRecords(call, error=short(e, 300))
 
@@ -301,8 +304,13 @@ class CandidateRuntime:
       self._marker(req.marker)
       t0 = t1 = self._sync()
       specs = []
+      pre, post = req.span_markers if len(req.span_markers) == 2 else (0, 0)
+      spans = bool(pre and post and self.markers is not None)
       for k, ((seed, _, targets), (views, args)) in enumerate(zip(calls, staged)):
         set_seed(seed)
+        if spans:  # the device clock's start: on an idle device, like a CUDA event after a sync
+          self._sync()
+          self._marker(pre)
         if req.calibrate and self.calibration is not None and not req.null:
           with torch.no_grad():
             out = self.calibration(*args)
@@ -318,8 +326,9 @@ class CandidateRuntime:
           )
         else:
           out = self._call(args)
-        if len(calls) == 1:
-          t1 = self._sync()
+        if len(calls) == 1 or spans:
+          t1 = self._sync()  # every stream: work the forward left on another one counts
+        self._marker(post if spans else 0)  # the device clock's end, before its outputs are copied
         specs.append(self._publish(out, targets, args))
         _copy_back(views, args)
         del out

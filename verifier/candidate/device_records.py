@@ -11,6 +11,7 @@ back in the records (``device_evidence``), and records that CUPTI dropped make t
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -230,13 +231,22 @@ class Collector:
       if n < TAKE:
         return out
 
-  def take(self, call: int, marker: int = 0) -> DeviceRecords:
+  def take(
+    self, call: int, marker: int = 0, span_markers: tuple[int, ...] = (), forwards: int = 0
+  ) -> DeviceRecords:
     """Everything recorded since the last ``take``; with ``marker``, flushed again (for up to
     ``MARKER_WAIT_S``) until both marker copies of that size are in (CUPTI may still be writing the
-    records of finished work)."""
+    records of finished work), and with ``span_markers`` (pre, post) one of each per forward, whose
+    spans come back as ``forward_ns`` (``forward_spans``)."""
     entries = self.entries()
     deadline = time.monotonic() + MARKER_WAIT_S
-    while marker and _markers(entries, marker) < 2 and time.monotonic() < deadline:
+
+    def short() -> bool:
+      return _markers(entries, marker) < 2 or any(
+        _markers(entries, n) < forwards for n in span_markers
+      )
+
+    while marker and short() and time.monotonic() < deadline:
       time.sleep(0.001)
       entries += self.entries()
     for e in entries:
@@ -246,6 +256,8 @@ class Collector:
     lost = int(self.lib.vc_lost())
     records = summarise(entries, call, self._name, lost - self.lost_seen, self._modules)
     self.lost_seen = lost
+    if len(span_markers) == 2:
+      records = dataclasses.replace(records, forward_ns=forward_spans(entries, *span_markers))
     return records
 
   def _names(self, ptr: int) -> tuple[str, str]:
@@ -262,8 +274,30 @@ class Collector:
     return len(self.defined.get(self._names(ptr)[0], ()))
 
 
+def _is_marker(e, nbytes: int) -> bool:
+  return e.type == VC_MEMCPY and e.copy_kind == 8 and e.bytes == nbytes
+
+
 def _markers(entries, nbytes: int) -> int:
-  return sum(1 for e in entries if e.type == VC_MEMCPY and e.copy_kind == 8 and e.bytes == nbytes)
+  return sum(1 for e in entries if _is_marker(e, nbytes))
+
+
+def forward_spans(entries, pre: int, post: int) -> tuple[int, ...]:
+  """Each forward's span on the device clock (ns), in order: the start of its post marker copy (a
+  device-to-device copy of ``post`` bytes) less the end of its pre marker copy (``pre`` bytes), what
+  CUDA events recorded in their places would measure (``candidate_main`` synchronises before each,
+  like ``timing.time_calls``). () unless the copies pair up: as many of each, sorted by start, every
+  span inside its pair (pre ends before post starts) and before the next pre."""
+  befores = sorted((int(e.start), int(e.end)) for e in entries if _is_marker(e, pre))
+  afters = sorted((int(e.start), int(e.end)) for e in entries if _is_marker(e, post))
+  if len(befores) != len(afters):
+    return ()
+  spans = []
+  for i, ((_, t0), (t1, _)) in enumerate(zip(befores, afters)):
+    if t1 < t0 or (i + 1 < len(befores) and befores[i + 1][0] < t1):
+      return ()
+    spans.append(t1 - t0)
+  return tuple(spans)
 
 
 def summarise(

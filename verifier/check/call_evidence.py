@@ -52,8 +52,13 @@ class CallEvidence:
     except SamplerUnavailable as e:
       self.warnings.append(f"host evidence unavailable on this host: {e}")
 
-  def marker(self) -> int:
-    return self.rng.randrange(1, MARKER_MAX_BYTES + 1) if self.records_on else 0
+  def markers(self) -> tuple[int, tuple[int, ...]]:
+    """A request's marker copy sizes, distinct and drawn at random (none without device records): the
+    round trip's and each forward's (pre, post), the same on every request whatever it is."""
+    if not self.records_on:
+      return 0, ()
+    marker, pre, post = self.rng.sample(range(1, MARKER_MAX_BYTES + 1), 3)
+    return marker, (pre, post)
 
   def window(
     self,

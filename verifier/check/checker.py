@@ -13,7 +13,8 @@ time as the kernel counts it) less the calibrated exchange cost, no time at all 
 resolves, and a secret random subset of them compared like the trials, staged like the others. Every message from the candidate is untrusted:
 outputs are copied out of the shared buffers into this process before they are compared with the golden
 outputs here; the candidate's self-reported failures are limited to kinds that can only hurt it, and
-no duration it reports counts.
+no duration it reports counts but its device records' spans of each forward (the device clock, on a GPU),
+and those only above this process's clock's estimate less that clock's known error (``timing.choose``).
 """
 
 from __future__ import annotations
@@ -493,7 +494,7 @@ class Check:
     call = self.calls
     (staged, seed), burst = calls[0], calls[1:]
     self.calls += 0 if calibrate or null else len(calls)
-    marker = self.evidence.marker()
+    marker, span_markers = self.evidence.markers()
     refs, fds = self.buffers.new_refs([i for s, _ in calls for i in s.used])
     req = ForwardRequest(
       call,
@@ -506,6 +507,7 @@ class Check:
       null=null,
       burst=tuple(BurstCall(call + 1 + k, sd, s.args, s.outs) for k, (s, sd) in enumerate(burst)),
       marker=marker,
+      span_markers=span_markers,
     )
     data = channel.frame(req, len(fds))  # encoded before the clock starts
     c0 = self.cpu_clock.ns() if self.cpu_clock is not None and self.cpu_last is None else 0
@@ -535,6 +537,9 @@ class Check:
     t0 = time.monotonic()
     records = self._recv(DeviceRecords) if self.evidence.records_on else None
     self._acc("evidence_records", time.monotonic() - t0)  # the collector's flush and marker wait
+    # each forward's span on the device clock, where every one of them came back (``timing.choose``)
+    spans = records.forward_ns if records is not None else ()
+    self.spans_ns = spans if len(spans) == len(calls) else None
     # the in-process profiler's own work is no evidence (with device records it does not run)
     kind = "profiled" if profile and not self.evidence.records_on else "call"
     if calibrate or null:
@@ -739,7 +744,7 @@ class Check:
     rng = random.SystemRandom()
     template = self.trials.trial(0)[1]
     k = self.burst
-    nulls, refs = [], []
+    nulls, refs, spans = [], [], []
     for j in range(max(CALIBRATION_CALLS // k, 8) if k > 1 else CALIBRATION_CALLS):
       calls = []
       for i in range(k):
@@ -750,6 +755,7 @@ class Check:
         try:
           self._forward(calls, calibrate=True)
           refs.append(self.round_trip_s)
+          spans.append(self.spans_ns)
         except Verdict as v:  # the reference's failure there is no verdict on the candidate
           why, refs = f"its forward there ended {v.kind.value}: {v.reason[:200]}", []
       self.flush(j)
@@ -762,6 +768,9 @@ class Check:
       half = len(refs) // 2
       ref_ms = statistics.median(refs[half:]) * 1e3 / k
       excess_ms = _low_quartile([r - n for r, n in zip(refs[half:], nulls[half:])]) * 1e3 / k
+      if all(s is not None for s in spans[half:]):  # a diagnostic of the device clock
+        device = [n * 1e-6 for s in spans[half:] for n in s]
+        self.report["phases"]["calibration_reference_device_ms"] = statistics.fmean(device)
       self.calibration = TimingCalibration(
         null_ms=null_ms,
         excess_ms=max(excess_ms - in_process_ms, -null_ms / k),
@@ -813,17 +822,20 @@ class Check:
     checked = checked_calls(n, rng)
     lockstep = self.trials.lockstep_model()
     template = self.trials.trial(0)[1]
-    times, nulls = [], []
+    times, nulls, spans = [], [], []
     for b in range(warm + timed):
       calls = range(b * k, (b + 1) * k)
       times.append(self._timed_burst(b, calls, checked, rng, lockstep, template))
+      spans.append(self.spans_ns)
       if b % RECALIBRATE_EVERY == RECALIBRATE_EVERY - 1:
         nulls.append(self._null_round_trip(b))
     overhead_ms = self._overhead_ms(nulls)
-    candidate = timing.candidate_runtime(times[warm:], overhead_ms / 1e3, k)
+    host = timing.candidate_runtime(times[warm:], overhead_ms / 1e3, k)
     resolution = timing.resolution_ms(times[warm:], k, nulls, self.calibration.null_spread_ms)
     if self.clock == "cpu":
       resolution = max(resolution, timing.CPU_OVERHEAD_RESOLUTION * overhead_ms)
+    choice = self._choose_clock(host, resolution, spans[warm:])
+    candidate, resolution = choice.runtime, choice.resolution_ms
     phases = self.report["phases"]
     phases["timed_calls_checked"] = float(len(checked))
     phases["timing_burst_calls"] = float(k)
@@ -844,14 +856,48 @@ class Check:
     self._judge(staged, done.outputs, self.copied[0], "trial 0 re-checked after timing")
     if timing.measured(candidate, resolution) is None:
       phases["timing_unmeasurable"] = 1.0
+      clock = self.clock if choice.clock == "host" else "device"
       self.report["warnings"].append(
-        f"timing: the candidate's {candidate.mean_ms:.4f} ms a call ({self.clock} clock) is at or "
+        f"timing: the candidate's {candidate.mean_ms:.4f} ms a call ({clock} clock) is at or "
         f"under what this measurement resolves ({resolution:.4f} ms): no speedup reported"
       )
       self.report["speedup"] = 0.0
       return
     speedup = self.report["baseline"].mean_ms / candidate.mean_ms
     self.report["speedup"] = speedup if math.isfinite(speedup) else 0.0
+
+  def _choose_clock(self, host, host_resolution: float, spans: list) -> timing.ClockChoice:
+    """The clock that times the candidate (``timing.choose``): the device clock where every timed
+    round trip brought its forwards' spans, floored by the host clock's estimate less the
+    calibration's allowance; else the host clock. The phases give both clocks' estimates."""
+    cal = self.calibration
+    allowance = timing.device_allowance_ms(
+      cal.null_ms, cal.excess_ms, cal.null_spread_ms, cal.burst_calls
+    )
+    every = bool(spans) and all(s is not None for s in spans)
+    choice = timing.choose(
+      host, host_resolution, [n for s in spans for n in s] if every else None, allowance
+    )
+    phases = self.report["phases"]
+    phases["timing_host_mean_ms"] = host.mean_ms
+    phases["timing_host_median_ms"] = host.median_ms
+    phases["timing_host_resolution_ms"] = host_resolution
+    phases["timing_device_clock"] = float(choice.clock == "device")
+    phases["timing_device_floored"] = float(choice.clock == "floor")
+    if choice.device is not None:
+      phases["timing_device_mean_ms"] = choice.device.mean_ms
+      phases["timing_device_median_ms"] = choice.device.median_ms
+      phases["timing_device_floor_ms"] = choice.floor_ms
+      phases["timing_device_allowance_ms"] = allowance
+      spans_s = [n * 1e-9 for s in spans for n in s]
+      phases.update(_share_quantiles("timing_device_span", spans_s, 1))
+    if choice.clock == "floor":
+      self.report["warnings"].append(
+        f"timing: the device clock's {choice.device.mean_ms:.4f} ms a call is under the host clock's "
+        f"estimate less its allowance ({host.mean_ms:.4f} / {host.median_ms:.4f} ms mean / median "
+        f"less {allowance:.4f} ms): {choice.floor_ms:.4f} ms counts"
+      )
+    return choice
 
   def _null_round_trip(self, b: int) -> float:
     """A round trip with no model on the last timed burst's buffers, in the timing's conditions

@@ -8,9 +8,12 @@ on other streams is counted; a 256 MB write flushes L2 before every call (Kernel
 candidate's (``cpu_clock``; ``perf_counter`` where the candidate is timed by the wall clock), with a 64 MB
 write to flush caches.
 
-A candidate is never timed by its own process: the checker times each of its calls on the checker's
+A candidate is never timed by its own process alone: the checker times each of its calls on the checker's
 clock around the round trip through the exchange and subtracts the exchange's own cost, measured before
-any candidate code ran; a time within the measurement's resolution is no time (``measured``).
+any candidate code ran; a time within the measurement's resolution is no time (``measured``). On a GPU
+with device records, each forward's span between two marker copies on the device clock (CUPTI, in the
+candidate's process) decides instead, floored by that host clock's estimate less its known error
+(``choose``).
 """
 
 from __future__ import annotations
@@ -141,6 +144,52 @@ def exchange_cost_s(round_trips_s) -> float:
   not save)."""
   trips = list(round_trips_s)
   return float(statistics.median(trips[len(trips) // 2 :]))
+
+
+def device_allowance_ms(null_ms: float, excess_ms: float, null_spread_ms: float, k: int) -> float:
+  """How far under the host clock's estimate of a call the device clock may go (``choose``): the host
+  clock's known error per call, from the calibration alone (measured before any candidate code, so the
+  candidate cannot widen it): the whole exchange cost per call (``null_ms`` a round trip of ``k``
+  forwards; its drift after the load reached +0.16 ms of 0.36-0.56 ms a call on the H200), the excess's
+  size (its estimate was off by 0.185 ms there) and ``RESOLUTION_SIGMAS`` null spreads per call. On the
+  H200 (session 20) the host clock put a 0.09 ms ReLU at 0.12-0.56 ms a call by its mean (errors to
+  +0.47 ms; its median, which the floor takes where lower, 0.1 ms under the mean in the spikiest run),
+  with nulls of 0.36-0.56 ms a call: this allowance is 0.4-0.8 ms there."""
+  k = max(k, 1)
+  return null_ms / k + abs(excess_ms) + RESOLUTION_SIGMAS * null_spread_ms / k
+
+
+@dataclasses.dataclass(frozen=True)
+class ClockChoice:
+  """The candidate's time per call and the clock that decided it: "host" (the checker's clock around
+  round trips), "device" (the forwards' spans on the device clock) or "floor" (the device clock's time
+  was under the host clock's estimate less the allowance: that bound counts instead)."""
+
+  runtime: Runtime
+  resolution_ms: float  # a time at or under it is no time (``measured``)
+  clock: str
+  device: Runtime | None = None  # the spans' mean and median
+  floor_ms: float = 0.0
+
+
+def choose(host: Runtime, host_resolution_ms: float, spans_ns, allowance_ms: float) -> ClockChoice:
+  """The candidate's time per call: with every timed forward's device span (``spans_ns``, ns; None or
+  empty where any round trip lacks them) their mean and median, what CUDA events around each call would
+  say (``time_calls``); floored by the host clock's estimate (the lower of its mean and median) less
+  ``allowance_ms``, since the spans come from the candidate's process and could be forged (a forgery
+  gains at most the allowance). Without spans, the host clock's estimate. The device clock resolves
+  ``CLOCK_TICK_MS`` (CUPTI counts ns)."""
+  if not spans_ns:
+    return ClockChoice(host, host_resolution_ms, "host")
+  ms = [s * 1e-6 for s in spans_ns]
+  device = Runtime(
+    median_ms=float(statistics.median(ms)), mean_ms=float(statistics.fmean(ms)), num_trials=len(ms)
+  )
+  floor = min(host.mean_ms, host.median_ms) - allowance_ms
+  if device.mean_ms >= floor:
+    return ClockChoice(device, CLOCK_TICK_MS, "device", device, floor)
+  floored = Runtime(median_ms=max(device.median_ms, floor), mean_ms=floor, num_trials=len(ms))
+  return ClockChoice(floored, CLOCK_TICK_MS, "floor", device, floor)
 
 
 class CacheFlush:

@@ -305,6 +305,10 @@ class ForwardRequest:
   # device records on (GPU): bytes of the two marker copies the worker makes before and after the
   # forwards, drawn by the checker; they must come back in this request's ``DeviceRecords``
   marker: int = 0
+  # device records on (GPU): bytes of the marker copies the worker makes right before and right after
+  # each forward (pre, post; drawn by the checker, distinct from ``marker``): the device clock's
+  # bounds of that forward (``DeviceRecords.forward_ns``)
+  span_markers: tuple[int, ...] = ()
 
 
 @record
@@ -374,6 +378,9 @@ class DeviceRecords:
   lost: int = 0  # records CUPTI dropped or the collector could not keep
   truncated: bool = False  # more distinct runs than one message carries
   error: str = ""  # the collector failed while flushing
+  # each forward's span on the device clock, in order (ns): the start of its post marker copy less the
+  # end of its pre marker copy (``ForwardRequest.span_markers``); () where they do not pair up
+  forward_ns: tuple[int, ...] = ()
 
 
 @record
