@@ -520,6 +520,22 @@ def test_each_forwards_device_span_is_its_post_marker_start_less_its_pre_marker_
   assert sum(c.count for c in got.copies if c.bytes in (PRE, POST)) == 6 and not got.forward_ns
 
 
+def test_work_on_another_stream_that_ends_after_the_post_marker_extends_its_forwards_span():
+  """The post marker is enqueued right after the call on the forward's stream, like a CUDA event, so
+  a kernel the forward left on another stream (a side stream, another context) counts up to its end;
+  the outputs' copies on the forward's own stream after the post marker do not."""
+  from verifier.candidate import device_records
+
+  entries = _burst_entries([90_000, 91_500])
+  pre0 = min(e.start for e in entries if e.bytes == PRE)
+  side = _entry("kernel", pre0 + 10_000, pre0 + 200 + 150_000)  # ends 60 us after the post marker
+  side.stream = 9
+  assert device_records.forward_spans(entries + [side], PRE, POST) == (150_000, 91_500)
+  early = _entry("kernel", pre0 + 10_000, pre0 + 200 + 50_000)  # inside the span: no change
+  early.stream = 9
+  assert device_records.forward_spans(entries + [early], PRE, POST) == (90_000, 91_500)
+
+
 @pytest.mark.parametrize(
   "drop, why",
   [

@@ -283,20 +283,32 @@ def _markers(entries, nbytes: int) -> int:
 
 
 def forward_spans(entries, pre: int, post: int) -> tuple[int, ...]:
-  """Each forward's span on the device clock (ns), in order: the start of its post marker copy (a
-  device-to-device copy of ``post`` bytes) less the end of its pre marker copy (``pre`` bytes), what
-  CUDA events recorded in their places would measure (``candidate_main`` synchronises before each,
-  like ``timing.time_calls``). () unless the copies pair up: as many of each, sorted by start, every
-  span inside its pair (pre ends before post starts) and before the next pre."""
-  befores = sorted((int(e.start), int(e.end)) for e in entries if _is_marker(e, pre))
+  """Each forward's span on the device clock (ns), in order: from the end of its pre marker copy (a
+  device-to-device copy of ``pre`` bytes, made on an idle device) to the start of its post marker
+  (``post`` bytes, enqueued on the same stream right after the call), what CUDA events recorded in
+  their places would measure (KernelBench, ``timing.time_calls``), or to the end of the last work on
+  another stream that started in the forward's window (before the next pre marker), if later. ()
+  unless the copies pair up: as many of each, sorted by start, every span inside its pair (pre ends
+  before post starts) and before the next pre."""
+  befores = sorted((int(e.start), int(e.end), e) for e in entries if _is_marker(e, pre))
   afters = sorted((int(e.start), int(e.end)) for e in entries if _is_marker(e, post))
   if len(befores) != len(afters):
     return ()
+  work = [e for e in entries if e.type in (VC_KERNEL, VC_MEMCPY, VC_MEMSET)]
   spans = []
-  for i, ((_, t0), (t1, _)) in enumerate(zip(befores, afters)):
-    if t1 < t0 or (i + 1 < len(befores) and befores[i + 1][0] < t1):
+  for i, ((_, t0, m), (t1, _)) in enumerate(zip(befores, afters)):
+    following = befores[i + 1][0] if i + 1 < len(befores) else None
+    if t1 < t0 or (following is not None and following < t1):
       return ()
-    spans.append(t1 - t0)
+    home = (m.context, m.stream)
+    late = [
+      int(e.end)
+      for e in work
+      if (e.context, e.stream) != home
+      and t0 <= int(e.start)
+      and (following is None or int(e.start) < following)
+    ]
+    spans.append(max([t1, *late]) - t0)
   return tuple(spans)
 
 
