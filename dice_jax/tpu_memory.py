@@ -112,6 +112,7 @@ def estimate_bytes(program: str, mcfg, recipe: Recipe, chips: int) -> float | No
       accum_steps=1,
       param_shards=chips,
       row_shards=chips,
+      platform="tpu",
     )
     return est["total"]
   if program in ("prefill", "decode"):

@@ -11,7 +11,11 @@ One row per program: the compiler's peak per chip, its arguments and temporaries
 the project's own estimate (RL planner, sampler check) and its ratio to the compiled peak, the
 Pallas kernels, and whether the HLO holds a `[T, S]` attention score tensor. A program the compiler
 refuses is a row with its message. With --out, the table replaces the lines between
-`<!-- tpu-memory-table -->` and `<!-- /tpu-memory-table -->` of that file.
+`<!-- tpu-memory-table -->` and `<!-- /tpu-memory-table -->` of that file; with --merge too, only
+the rows compiled now (same model, slice and program) are replaced, the others kept, and the
+command is added to the table's note:
+
+  python -m experiments.tpu_memory_table --out=docs/tpu.md --merge --targets=sdar_8b@v5p-8:rl
 """
 
 import os
@@ -53,6 +57,9 @@ flags.DEFINE_integer("prompt_width", 2048, "Sampler prompt width.")
 flags.DEFINE_integer("max_new_tokens", 4096, "Sampler budget.")
 flags.DEFINE_integer("prefill_rows", 16, "Prompts per prefill call.")
 flags.DEFINE_string("out", None, "Write the table between the markers of this file.")
+flags.DEFINE_bool(
+  "merge", False, "With --out: replace only the rows compiled now, keep the others and the note."
+)
 flags.DEFINE_integer(
   "jobs", 1, "Programs compiled at once, each in its own process (~2-4 GB of memory each)."
 )
@@ -115,6 +122,24 @@ def replace_block(text: str, table: str) -> str:
   return f"{head}{BEGIN}\n{table}\n{END}{tail}"
 
 
+def _row_key(line: str) -> tuple:
+  """(model, slice, program) of a table line."""
+  return tuple(c.strip() for c in line.strip().strip("|").split("|")[:3])
+
+
+def merge_block(block: str, lines: list[str], note: str) -> str:
+  """The marked `block` (a note, the header, rows) with `lines` replacing the rows of the same
+  model, slice and program (the others kept, new ones appended) and `note` added to its note."""
+  if HEADER not in block:
+    raise UserError("--merge: the marked block holds no table with this command's header")
+  old_note, rows = block.split(HEADER, 1)
+  new = {_row_key(line): line for line in lines}
+  kept = []
+  for line in rows.strip().splitlines():
+    kept.append(new.pop(_row_key(line), line))
+  return f"{old_note.strip()} {note}\n\n{HEADER}\n" + "\n".join(kept + list(new.values()))
+
+
 def main(argv):
   del argv
   reason = tpu_topology.libtpu_missing()
@@ -124,9 +149,14 @@ def main(argv):
   if bad:
     raise UserError(f"--programs: unknown {sorted(bad)}; known: {list(tpu_memory.PROGRAMS)}")
   targets = _parse_targets(FLAGS.targets, FLAGS.programs)
+  if FLAGS.merge and not FLAGS.out:
+    raise UserError("--merge needs --out")
   if FLAGS.out:  # before half an hour of compiling
     with open(FLAGS.out) as f:
-      replace_block(f.read(), "")
+      text = f.read()
+    replace_block(text, "")
+    if FLAGS.merge:
+      merge_block(_block(text), [], "")
   recipe = tpu_memory.Recipe(
     rows_per_chip=FLAGS.rows_per_chip,
     sft_seq_len=FLAGS.sft_seq_len,
@@ -139,21 +169,34 @@ def main(argv):
   print(HEADER, flush=True)
   work = [(m, s, p, recipe) for m, s, p in targets]
   lines = [markdown_row(row) for row in _compile_all(work, FLAGS.jobs)]
-  note = (
-    f"Compiled {datetime.date.today().isoformat()} with jax {jax.__version__} and libtpu "
-    f"{_libtpu_version()} by `python -m experiments.tpu_memory_table {' '.join(sys.argv[1:])}`; "
-    "GiB per chip."
-  )
+  command = f"`python -m experiments.tpu_memory_table {' '.join(sys.argv[1:])}`"
+  when = f"{datetime.date.today().isoformat()} with jax {jax.__version__} and libtpu "
+  when += _libtpu_version()
+  if FLAGS.merge:
+    note = (
+      f"Rows recompiled {when} by {command}: "
+      + "; ".join(" ".join(_row_key(line)) for line in lines)
+      + "."
+    )
+  else:
+    note = f"Compiled {when} by {command}; GiB per chip."
   table = f"{note}\n\n{HEADER}\n" + "\n".join(lines)
   if FLAGS.out:
     with open(FLAGS.out) as f:
       text = f.read()
+    if FLAGS.merge:
+      table = merge_block(_block(text), lines, note)
     new = replace_block(text, table)
     tmp = FLAGS.out + ".tmp"
     with open(tmp, "w") as f:
       f.write(new)
     os.replace(tmp, FLAGS.out)
     print(f"wrote the table into {FLAGS.out}")
+
+
+def _block(text: str) -> str:
+  """What stands between the markers of `text`."""
+  return text.split(BEGIN, 1)[1].split(END, 1)[0]
 
 
 def _compile_all(work, jobs: int):

@@ -33,6 +33,24 @@ own memory analysis of the compiled update on CPU in tests/rl/test_rl_memory.py;
 refuse a setting before the rollout and to pick one that fits, instead of an out-of-memory error
 after the whole rollout.
 
+Per platform (`platform`: the one the update is traced for, `model.platform.target`). The parts
+above are XLA:CPU's, and serve GPU too (they are 0.95-1.07 of the H200 peaks of
+docs/performance.md). XLA:TPU plans the same update differently, read off the buffer assignment of sdar_1p7b's
+update compiled for a v5e-8 (docs/tpu.md, "What the RL planner models per platform"):
+  - the compute-dtype copy of the parameter shards: XLA:TPU casts each fp32 shard before the
+    FSDP all-gather and hoists the cast of the scanned layer stack out of the loop, so a
+    compute-dtype copy of the layers' shards lives through the backward pass;
+  - one layer's backward keeps compute-dtype buffers only (`TPU_LAYER_BWD`: the f32 norm and
+    RoPE intermediates the CPU count has are fused away), and the Mosaic flash kernel's
+    log-sum-exp is `[N, T, 128]` f32 (`TPU_STAT_LANES`);
+  - `*_attn` keeps the attention's output but not the log-sum-exp (`flash_tpu` names no
+    residual for the policy to save: the backward re-runs the forward kernel);
+  - the LM head: `TPU_LOGIT_TEMPS` f32 chunks, the head gathered whole in compute dtype and its
+    f32 gradient shard;
+  - of the embedding and final norm only the final norm's compute-dtype input and output;
+  - the layers' gradients are live from the layers' backward on: not while the LM head's runs
+    (with one micro-batch), so the backward's peak is the larger of its two phases.
+
 Row lengths are the worst case of the layout for a prompt of P tokens and L new tokens, decoded
 with `steps` steps per block and the TraceRL `shrink` (R = ceil(steps / shrink) rounds per block
 at most): per_round `P + 2L`, packed `P + L (1 + R)`, each rounded up by `tracerl.bucket_length`.
@@ -59,6 +77,17 @@ FLASH_IMPLS = ("flash", "cudnn")  # attention kernels that keep no [T, S] matrix
 # attention is cheaper than recomputing the layer's matmuls (dots before full_attn).
 REMAT_ORDER = ("none", "dots_attn", "dots", "full_attn", "full")
 MAX_MICRO_TOKENS = 65_536  # more tokens per micro-batch buy no speed, only memory
+# XLA:TPU (module docstring). Each is read off the buffer assignment at the compiled peak of
+# sdar_1p7b's RL update, 8 x 24,576 tokens on a v5e-8 (jax 0.10.2, libtpu 0.0.42.1, 2026-12-04,
+# `compile(compiler_options={'xla_dump_to': ...})`: peak 9.21 GiB in the layers' backward): one
+# layer's backward held five compute-dtype [T, F] buffers (the MLP's activations and
+# cotangents), seven [T, D], one [T, Nq], three [T, Kv] and the kernel's lane-wide log-sum-exp;
+# the LM head's phase two f32 [chunk, V] buffers (logits and their cotangent) beside the head
+# gathered in bf16. The model is 1-4 % above the four RL rows of docs/tpu.md.
+TPU_STAT_LANES = 128  # flash_tpu keeps its log-sum-exp `[B, N, T, 128]` f32 (lane-wide)
+TPU_LAYER_BWD = dict(f=5, d=7, nq=1, kv=3)  # compute-dtype [T, width] buffers of a layer's backward
+TPU_LOGIT_TEMPS = 2  # f32 [rows, chunk, V] buffers of one LM-head chunk on TPU
+PLATFORMS = ("cpu", "gpu", "tpu")
 
 
 def row_length(
@@ -79,13 +108,38 @@ def row_length(
   return bucket_length(n, length_multiple, cap=n)
 
 
-def layer_residual_bytes(c, policy: str, seq_len: int) -> tuple[float, float]:
+def _platform(platform: Optional[str]) -> str:
+  """`platform`, or the one programs are traced for (`model.platform.target`)."""
+  if platform is None:
+    from dice_jax.model import platform as platform_lib
+
+    platform = platform_lib.target().platform
+  if platform not in PLATFORMS:
+    raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
+  return platform
+
+
+def _stat_bytes(c, platform: str) -> int:
+  """Bytes per token of the flash kernel's f32 log-sum-exp (lane-wide on TPU); 0 without one."""
+  if c.attention_impl not in FLASH_IMPLS:
+    return 0
+  return 4 * c.num_heads * (TPU_STAT_LANES if platform == "tpu" else 1)
+
+
+def layer_residual_bytes(
+  c, policy: str, seq_len: int, platform: str = "cpu"
+) -> tuple[float, float]:
   """(bytes per token, bytes per layer independent of tokens) one layer keeps for the backward
-  pass under remat `policy` (module docstring; `seq_len` = S, for the dense attention matrix)."""
+  pass under remat `policy` (module docstring; `seq_len` = S, for the dense attention matrix;
+  `platform` sizes the flash kernel's log-sum-exp)."""
   a = jnp.dtype(c.compute_dtype).itemsize
   d, f = c.hidden_size, c.intermediate_size
   nq, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-  attention = a * nq + (4 * c.num_heads if c.attention_impl in FLASH_IMPLS else 0)
+  # *_attn keeps the attention's output and the kernel's log-sum-exp (flash_bd names both); the
+  # TPU kernel names no residual, so there the output only is kept and the backward re-runs the
+  # forward kernel for the log-sum-exp (sdar_1p7b `dots_attn` on a v5p-8: 45,056 bytes per token
+  # and layer saved, the `dots` set and the output)
+  attention = a * nq + (0 if platform == "tpu" else _stat_bytes(c, platform))
   if policy in ("full", "full_attn"):
     return float(a * d + (attention if policy == "full_attn" else 0)), 0.0
   if policy in ("dots", "dots_attn"):
@@ -99,11 +153,32 @@ def layer_residual_bytes(c, policy: str, seq_len: int) -> tuple[float, float]:
   per_token -= 4 * (2 * d + nq + kv) if f32_compute else 0
   per_token += 8 * (c.num_heads + c.num_kv_heads + 2)  # norm statistics
   if c.attention_impl in FLASH_IMPLS:
-    per_token += a * nq + 4 * c.num_heads  # the kernel's output and log-sum-exp
+    per_token += a * nq + _stat_bytes(c, platform)  # the kernel's output and log-sum-exp
   else:  # mask, scores, exp (f32), probabilities (compute dtype)
     per_token += c.num_heads * seq_len * (9 + (0 if f32_compute else a))
-  layer_params = d * (2 * nq + 2 * kv) + 3 * d * f
-  return float(per_token), float(a * layer_params)  # + the layer's weights in compute dtype
+  return float(per_token), float(a * _layer_params(c))  # + the layer's weights in compute dtype
+
+
+def _layer_params(c) -> int:
+  d, nq, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  return d * (2 * nq + 2 * kv) + 3 * d * c.intermediate_size
+
+
+def tpu_layer_backward_bytes(c, seq_len: int) -> tuple[float, float]:
+  """(bytes per token, per layer) of one layer's backward under XLA:TPU (`TPU_LAYER_BWD`, the
+  kernel's lane-wide log-sum-exp, the layer's weights in compute dtype); a dense attention adds
+  its [N, S] mask, scores, probabilities and their f32 cotangent as on CPU."""
+  a = jnp.dtype(c.compute_dtype).itemsize
+  w = dict(
+    f=c.intermediate_size,
+    d=c.hidden_size,
+    nq=c.num_heads * c.head_dim,
+    kv=c.num_kv_heads * c.head_dim,
+  )
+  per_token = a * sum(n * w[k] for k, n in TPU_LAYER_BWD.items()) + _stat_bytes(c, "tpu")
+  if c.attention_impl not in FLASH_IMPLS:
+    per_token += c.num_heads * seq_len * (9 + a + 4)
+  return float(per_token), float(a * _layer_params(c))
 
 
 def update_estimate(
@@ -116,17 +191,23 @@ def update_estimate(
   logit_chunk: int = 2048,
   param_shards: int = 1,
   row_shards: int = 1,
+  platform: Optional[str] = None,
 ) -> dict:
   """Bytes by part of one TraceRL optimizer step on one device (module docstring): `weights`,
-  `grads`, `optimizer`, `update`, `batch`, `residuals`, `working`, and the `total` at the peak
+  `grads`, `optimizer`, `update`, `batch`, `residuals`, `working`, `compute_copy` (XLA:TPU's
+  compute-dtype copy of the layers' shards; 0 elsewhere), and the `total` at the peak
   (weights, grads and optimizer, plus the larger of the backward pass's batch + residuals +
-  working and the update's temporaries).
+  working and the update's temporaries; on TPU the backward's two phases apart: the layers'
+  with their gradients, the LM head's without them unless accumulated).
 
   `micro_rows` rows of `row_len` tokens per micro-batch, `accum_steps` micro-batches; `remat` a
   policy name or bool (None: the model config's); parameters over `param_shards` devices (fsdp x
-  tensor), rows over `row_shards` (data x fsdp).
+  tensor), rows over `row_shards` (data x fsdp); `platform` 'cpu', 'gpu' or 'tpu' (None: the
+  one programs are traced for).
   """
   c = model_cfg
+  platform = _platform(platform)
+  tpu = platform == "tpu"
   policy = c.remat_policy if remat is None else remat_policy_name(remat)
   for name, v in (("micro_rows", micro_rows), ("row_len", row_len), ("accum_steps", accum_steps)):
     if not isinstance(v, int) or v < 1:
@@ -140,19 +221,38 @@ def update_estimate(
   rows = -(-micro_rows // row_shards)
   tokens = rows * row_len
   batch = BATCH_BYTES_PER_TOKEN * tokens * accum_steps
-  per_tok, per_layer = layer_residual_bytes(c, policy, row_len)
+  per_tok, per_layer = layer_residual_bytes(c, policy, row_len, platform)
   residuals = c.num_layers * (per_tok * tokens + per_layer)
-  residuals += tokens * (3 * a * c.hidden_size + 8 * c.hidden_size)  # embedding, final norm
-  none_tok, none_layer = layer_residual_bytes(c, "none", row_len)
-  layer_bwd = none_tok * tokens + none_layer
-  if c.attention_impl not in FLASH_IMPLS:  # the f32 cotangent of the [N, S] probabilities
-    layer_bwd += 4 * c.num_heads * row_len * tokens
+  if tpu:  # the final norm's compute-dtype input and output
+    residuals += tokens * 2 * a * c.hidden_size
+  else:  # embedding, final norm
+    residuals += tokens * (3 * a * c.hidden_size + 8 * c.hidden_size)
+  if tpu:
+    bwd_tok, bwd_layer = tpu_layer_backward_bytes(c, row_len)
+    layer_bwd = bwd_tok * tokens + bwd_layer
+  else:
+    none_tok, none_layer = layer_residual_bytes(c, "none", row_len, platform)
+    layer_bwd = none_tok * tokens + none_layer
+    if c.attention_impl not in FLASH_IMPLS:  # the f32 cotangent of the [N, S] probabilities
+      layer_bwd += 4 * c.num_heads * row_len * tokens
   chunk = min(logit_chunk, row_len)
-  head = c.hidden_size * c.vocab_size / param_shards
-  logits = LOGIT_TEMPS * 4 * rows * chunk * c.vocab_size + head * (a + 4)
+  head = c.hidden_size * c.vocab_size
+  if tpu:  # f32 chunks, the head gathered whole in compute dtype, its f32 gradient shard
+    logits = TPU_LOGIT_TEMPS * 4 * rows * chunk * c.vocab_size + head * (a + 4 / param_shards)
+  else:
+    logits = LOGIT_TEMPS * 4 * rows * chunk * c.vocab_size + head / param_shards * (a + 4)
   working = max(layer_bwd, logits)
-  backward = batch + residuals + working
-  total = weights + grads + optimizer + max(backward, update)
+  w_bytes = jnp.dtype(c.weight_dtype).itemsize
+  narrower = a < w_bytes and param_shards > 1
+  compute_copy = c.num_layers * _layer_params(c) / param_shards * a if tpu and narrower else 0.0
+  backward = batch + residuals + compute_copy
+  if tpu:  # by phase: the layers' gradients come out of the layers' backward, so only their
+    # running sum (accumulation) is live while the LM head's runs (its own shard is in `logits`)
+    head_grads = grads / 2 if accum_steps > 1 else 0.0
+    phases = (grads + backward + layer_bwd, head_grads + backward + logits, grads + update)
+    total = weights + optimizer + max(phases)
+  else:
+    total = weights + grads + optimizer + max(backward + working, update)
   return dict(
     weights=weights,
     grads=grads,
@@ -161,6 +261,7 @@ def update_estimate(
     batch=batch,
     residuals=residuals,
     working=working,
+    compute_copy=compute_copy,
     total=total,
   )
 
@@ -202,8 +303,9 @@ def estimate_plan(
   logit_chunk: int = 2048,
   param_shards: int = 1,
   row_shards: int = 1,
+  platform: Optional[str] = None,
 ) -> UpdatePlan:
-  """The `UpdatePlan` of one explicit setting."""
+  """The `UpdatePlan` of one explicit setting (`platform` as `update_estimate`)."""
   if rows_per_update % micro_rows:
     raise ValueError(f"micro_rows ({micro_rows}) must divide rows_per_update ({rows_per_update})")
   row_len = row_length(
@@ -224,6 +326,7 @@ def estimate_plan(
     logit_chunk=logit_chunk,
     param_shards=param_shards,
     row_shards=row_shards,
+    platform=platform,
   )
   return UpdatePlan(layout, micro_rows, policy, row_len, est)
 
@@ -258,7 +361,13 @@ def choose_plan(
 
 
 def resolve_update(
-  cfg, model_cfg, limit_bytes: Optional[int], *, param_shards: int = 1, row_shards: int = 1
+  cfg,
+  model_cfg,
+  limit_bytes: Optional[int],
+  *,
+  param_shards: int = 1,
+  row_shards: int = 1,
+  platform: Optional[str] = None,
 ):
   """(`cfg` with `tracerl.layout`, `accum_steps` and `update_remat` concrete, the `UpdatePlan`
   or None) for an `RLConfig`, checked against `limit_bytes` before anything is sampled.
@@ -298,6 +407,7 @@ def resolve_update(
     logit_chunk=t.logit_chunk,
     param_shards=param_shards,
     row_shards=row_shards,
+    platform=_platform(platform),
   )
   limit = float("inf") if limit_bytes is None else limit_bytes
   plan, tried = choose_plan(

@@ -155,6 +155,48 @@ def test_the_estimate_is_within_15_percent_of_xla_memory_analysis(
   assert abs(est["total"] / got - 1) < 0.15, (est, got)
 
 
+# The TPU compiler's peaks per chip of the RL update (tpu_memory.Recipe: rows of 24,576 tokens,
+# fsdp over every chip; jax 0.10.2, libtpu 0.0.42.1, compiled on the 2-core dev VM): docs/tpu.md's
+# table (remat `full`, one row per chip), and three compiles of 2026-12-04 the planner's TPU
+# constants were not read from (`tpu_memory.compile_rows('sdar_1p7b', 'v5p-8', Recipe(...),
+# ('rl',), remat=...)`): (model, chips, rows per chip, row length, remat, GiB).
+TPU_PEAKS = [
+  ("sdar_1p7b", 8, 1, 24576, "full", 9.21),
+  ("sdar_1p7b", 4, 1, 24576, "full", 13.10),
+  ("sdar_8b", 4, 1, 24576, "full", 45.53),
+  ("sdar_8b", 8, 1, 24576, "full", 28.22),
+  ("sdar_1p7b", 4, 2, 24576, "full", 18.25),
+  ("sdar_1p7b", 4, 1, 24576, "dots_attn", 39.18),
+  ("sdar_1p7b", 4, 1, 8192, "none", 44.96),
+]
+
+
+@pytest.mark.parametrize("model,chips,rows,row_len,remat,peak_gib", TPU_PEAKS)
+def test_the_tpu_estimate_is_above_the_tpu_compilers_peak_by_under_15_percent(
+  model, chips, rows, row_len, remat, peak_gib
+):
+  from dice_jax import tpu_memory
+
+  mcfg = tpu_memory.model_config(model, remat=remat)
+  kw = dict(micro_rows=rows * chips, row_len=row_len, accum_steps=1, param_shards=chips)
+  est = memory.update_estimate(mcfg, row_shards=chips, platform="tpu", **kw)["total"] / GIB
+  assert peak_gib <= est <= 1.15 * peak_gib, (est, peak_gib)
+  if (model, rows, remat) == ("sdar_1p7b", 2, "full"):  # the CPU parts alone were 1.18x
+    cpu = memory.update_estimate(mcfg, row_shards=chips, platform="cpu", **kw)["total"] / GIB
+    assert cpu > 1.15 * peak_gib
+
+
+def test_the_platform_is_the_one_traced_for_and_checked():
+  mcfg = get_config("sdar_1p7b", dtype="bfloat16", attention_impl="flash", remat=True)
+  kw = dict(micro_rows=1, row_len=4096, accum_steps=1, param_shards=4)
+  default = memory.update_estimate(mcfg, **kw)
+  assert default == memory.update_estimate(mcfg, platform="cpu", **kw)  # tests run on CPU
+  assert default["compute_copy"] == 0
+  assert memory.update_estimate(mcfg, platform="tpu", **kw)["compute_copy"] > 0
+  with pytest.raises(ValueError, match="platform must be one of"):
+    memory.update_estimate(mcfg, platform="metal", **kw)
+
+
 def test_row_lengths_and_plans_at_dices_shape():
   # 896 + 4,096 packed: 896 + 5 x 4,096 = 21,376 (bucketed to 24,576 before rows were capped at
   # the longest there can be); per round 896 + 2 x 4,096 = 9,088 (then 12,288)
@@ -172,6 +214,13 @@ def test_row_lengths_and_plans_at_dices_shape():
   assert est(2, "none", 2048) > h200 > est(1, "none", 2048)
   assert 0.9 < est(1, "none", 2048) / (90.8 * GIB) < 1.15
   assert 0.9 < est(1, "full", 4096) / (43.7 * GIB) < 1.15
+  # the BiC-RL step on an H200 (docs/performance.md, 2026-12-03): sdar_4b packed, 2 rows of 22,016
+  # per micro-batch, `full_attn`, 2 micro-batches, peak 120.1 GiB (the estimate 5 % under it)
+  sdar_4b = get_config("sdar_4b", dtype="bfloat16", attention_impl="flash")
+  gpu = memory.update_estimate(
+    sdar_4b, micro_rows=2, remat="full_attn", row_len=22016, accum_steps=2, platform="gpu"
+  )
+  assert 0.85 < gpu["total"] / (120.1 * GIB) < 1.15
   limit = 0.9 * h200  # XLA_PYTHON_CLIENT_MEM_FRACTION=0.90 of the GPU scripts
   plan, _ = memory.choose_plan(
     mcfg,
