@@ -73,6 +73,7 @@ TIMING_PHASES = (
   "timing_device_floored",
   "timing_host_mean_ms",
   "timing_device_mean_ms",
+  "timing_device_kernel_ms",
   "timing_device_floor_ms",
   "timing_device_allowance_ms",
   "calibration_reference_device_ms",

@@ -508,6 +508,7 @@ def test_a_kernel_under_a_tenth_of_a_millisecond_is_timed_like_cuda_events(
         "timing_device_floored",
         "timing_host_mean_ms",
         "timing_device_mean_ms",
+        "timing_device_kernel_ms",
         "timing_device_floor_ms",
         "timing_device_allowance_ms",
         "calibration_reference_device_ms",

@@ -540,6 +540,8 @@ class Check:
     # each forward's span on the device clock, where every one of them came back (``timing.choose``)
     spans = records.forward_ns if records is not None else ()
     self.spans_ns = spans if len(spans) == len(calls) else None
+    # the kernels' own device time in it (a diagnostic: a span less this is launch gaps and dispatch)
+    self.kernel_ns = sum(r.ns for r in records.kernels) if records is not None else 0
     # the in-process profiler's own work is no evidence (with device records it does not run)
     kind = "profiled" if profile and not self.evidence.records_on else "call"
     if calibrate or null:
@@ -822,11 +824,12 @@ class Check:
     checked = checked_calls(n, rng)
     lockstep = self.trials.lockstep_model()
     template = self.trials.trial(0)[1]
-    times, nulls, spans = [], [], []
+    times, nulls, spans, kernel_ns = [], [], [], 0
     for b in range(warm + timed):
       calls = range(b * k, (b + 1) * k)
       times.append(self._timed_burst(b, calls, checked, rng, lockstep, template))
       spans.append(self.spans_ns)
+      kernel_ns += self.kernel_ns if b >= warm else 0
       if b % RECALIBRATE_EVERY == RECALIBRATE_EVERY - 1:
         nulls.append(self._null_round_trip(b))
     overhead_ms = self._overhead_ms(nulls)
@@ -842,6 +845,8 @@ class Check:
     phases["timing_resolution_ms"] = resolution
     phases["timing_cpu_clock"] = float(self.clock == "cpu")
     phases["timing_unmeasurable"] = 0.0
+    if self.evidence.records_on:
+      phases["timing_device_kernel_ms"] = kernel_ns * 1e-6 / (timed * k)
     phases.update(_share_quantiles("timing_share", times[warm:], k))
     phases.update(_share_quantiles("timing_null_share", nulls, k))
     self.report["candidate"] = dataclasses.replace(
