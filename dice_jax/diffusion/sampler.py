@@ -96,6 +96,11 @@ class SamplerConfig:
   # strategies whose forwards per block vary (low_confidence_dynamic, entropy_bounded). Exact
   # either way: the same tokens, step map and log-probs.
   ragged: Optional[bool] = None
+  # Ragged only: at most this many rows commit their previous block in one forward (0: no cap),
+  # and the forward's per-token work (projections, MLP) runs on S*b + commit_rows*b packed tokens
+  # instead of 2b per row (`slots.py`, "Commit cap"). A fresh row past the cap waits a forward;
+  # exact either way. Not with rows split over devices (`check_commit_rows`) nor DecodeTiles.halves.
+  commit_rows: int = 0
   # With flash attention, decode on `Transformer.decode_weights()` (per layer, compute dtype, made
   # once per call) rather than the stacked parameters: no per-forward copy of each layer's weights
   # (H200, sdar_4b: a forward 20.2 ms against 23.4 ms); costs one copy of the weights in memory,
@@ -143,6 +148,12 @@ class SamplerConfig:
     if self.ragged is None:
       varies = self.strategy in ("low_confidence_dynamic", "entropy_bounded")
       object.__setattr__(self, "ragged", varies)
+    if self.commit_rows < 0:
+      raise ValueError(f"SamplerConfig.commit_rows must be >= 0, got {self.commit_rows}")
+    if self.commit_rows and not self.ragged:
+      raise ValueError("SamplerConfig.commit_rows caps ragged decoding's commits: set ragged=True")
+    if self.commit_rows and self.decode_tiles.halves:
+      raise ValueError("SamplerConfig.commit_rows does not run with DecodeTiles.halves")
 
   @property
   def grid(self) -> blocks_lib.BlockGrid:
@@ -353,6 +364,18 @@ def decoding_model(graphdef, state, weights: Optional[DecodeWeights]):
   return model if weights is None else DecodeView(model, weights)
 
 
+def check_commit_rows(cfg: SamplerConfig, placement: Placement, rows: int) -> None:
+  """Raises unless `cfg.commit_rows` can pack this setting's forwards: the packed tokens are
+  gathered across all rows, so the rows must not be split over devices (a gather would cross
+  row shards)."""
+  n = placement.shard_rows(rows)
+  if cfg.commit_rows and n > 1:
+    raise ValueError(
+      f"SamplerConfig.commit_rows packs tokens across all rows; the {rows} rows are split over "
+      f"{n} devices (per-shard packing is not implemented): use commit_rows=0 on a mesh"
+    )
+
+
 def _chunk_rows(rows: int, chunk: int, shards: int, i):
   """The rows prefill chunk `i` admits: `chunk / shards` of every row shard's `rows / shards`
   (row shard j's in the j-th block: each device prefills rows it holds; `slots.admit`)."""
@@ -366,6 +389,7 @@ def _decode(graphdef, state, weights, layout: Layout, keys, *, cfg: SamplerConfi
   layout, keys = placement.constrain_rows((layout, keys))
   b = cfg.block_size
   rows, total = layout.tokens.shape
+  check_commit_rows(cfg, placement, rows)
   width = slots_lib.out_width(b, total)
   prefill = _prefill_width(model, layout, cfg)
   cache = KVCache.empty(

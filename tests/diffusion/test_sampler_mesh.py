@@ -140,6 +140,17 @@ def test_engine_on_8_devices_decodes_as_one_device_with_an_eighth_of_the_memory(
     assert mesh.temp_size_in_bytes < min(kv, one.temp_size_in_bytes) / 4, (one, mesh)
 
 
+def test_commit_rows_refuses_rows_split_over_devices(models):
+  """`commit_rows` packs tokens across all rows: on a mesh whose data axes split the rows it raises
+  (per-shard packing is not implemented) rather than gather across devices."""
+  _, sharded = models
+  cfg = sampler.SamplerConfig(strategy="low_confidence_dynamic", max_new_tokens=8, commit_rows=2)
+  with pytest.raises(ValueError, match="commit_rows packs tokens across all rows"):
+    sampler.generate(sharded, _prompts(8), cfg)
+  with pytest.raises(ValueError, match="commit_rows packs tokens across all rows"):
+    engine.ContinuousSampler(sharded, cfg, slots=8, max_prompt_len=12)
+
+
 @pytest.mark.parametrize("mesh_shape", [dict(fsdp=8), dict(fsdp=4, tensor=2)], ids=str)
 def test_decode_weights_are_laid_out_by_the_training_rules(mesh_shape):
   """The bf16 decode copy on a mesh: fused q/k/v and gate/up without a tensor axis, kept apart
