@@ -27,7 +27,12 @@ Runs (in the order given; each writes rows to DIR/results.jsonl and rewrites DIR
   dynamic_lockstep  the same with lockstep blocks (every row waits for the batch's slowest block).
   dynamic_capped  `dynamic` with at most `--commit_rows` rows committing per forward
                 (`SamplerConfig.commit_rows`): the per-token work on rows*b + commit_rows*b packed
-                tokens instead of 2b per row (`fwd_tokens`), with `vs_dynamic`.
+                tokens instead of 2b per row (`fwd_tokens`), and its rate over `dynamic`'s.
+                Estimate, not measured (H200, sdar_4b, 128 rows, fill 1,536, b = 4; issue 39):
+                R = 64 packs 6 tokens a row, not 8: matmuls 9.2 of 12.2 ms, -3 ms a forward of
+                ~26.3 ms (+~0.5 ms of gathers/scatters); ~49 rows commit per forward, so R = 64
+                defers few (CPU tiny model at 1.41 tokens per row-forward: +4 % forwards at
+                R = 64, +20 % at R = 48): ~8,000-8,300 tok/s against 7,494, short of 9,000.
   long          continuous engine, `--batch` slots, `--batch` requests of `--long_tokens` new
                 tokens each (no stop): the no-stop rate, and the 1024 + 4096 memory.
   mixed         the same engine on `--mixed_requests` prompts whose budgets are uniform in
