@@ -99,7 +99,8 @@ class SamplerConfig:
   # Ragged only: at most this many rows commit their previous block in one forward (0: no cap),
   # and the forward's per-token work (projections, MLP) runs on S*b + commit_rows*b packed tokens
   # instead of 2b per row (`slots.py`, "Commit cap"). A fresh row past the cap waits a forward;
-  # exact either way. Not with rows split over devices (`check_commit_rows`) nor DecodeTiles.halves.
+  # exact either way. With rows split over devices each row shard packs its own rows (a multiple of
+  # the shards: `commit_groups`). Not with DecodeTiles.halves.
   commit_rows: int = 0
   # With flash attention, decode on `Transformer.decode_weights()` (per layer, compute dtype, made
   # once per call) rather than the stacked parameters: no per-forward copy of each layer's weights
@@ -364,16 +365,16 @@ def decoding_model(graphdef, state, weights: Optional[DecodeWeights]):
   return model if weights is None else DecodeView(model, weights)
 
 
-def check_commit_rows(cfg: SamplerConfig, placement: Placement, rows: int) -> None:
-  """Raises unless `cfg.commit_rows` can pack this setting's forwards: the packed tokens are
-  gathered across all rows, so the rows must not be split over devices (a gather would cross
-  row shards)."""
+def commit_groups(cfg: SamplerConfig, placement: Placement, rows: int) -> int:
+  """The row groups `cfg.commit_rows` packs apart: one per row shard of `placement` (each device
+  packs its own rows: no gather crosses devices). Raises unless commit_rows divides into them."""
   n = placement.shard_rows(rows)
-  if cfg.commit_rows and n > 1:
+  if cfg.commit_rows % n:
     raise ValueError(
-      f"SamplerConfig.commit_rows packs tokens across all rows; the {rows} rows are split over "
-      f"{n} devices (per-shard packing is not implemented): use commit_rows=0 on a mesh"
+      f"SamplerConfig.commit_rows ({cfg.commit_rows}) must be a multiple of the {n} row shards "
+      f"the {rows} rows are split over (each packs commit_rows / {n} of its own rows)"
     )
+  return n
 
 
 def _chunk_rows(rows: int, chunk: int, shards: int, i):
@@ -389,7 +390,7 @@ def _decode(graphdef, state, weights, layout: Layout, keys, *, cfg: SamplerConfi
   layout, keys = placement.constrain_rows((layout, keys))
   b = cfg.block_size
   rows, total = layout.tokens.shape
-  check_commit_rows(cfg, placement, rows)
+  groups = commit_groups(cfg, placement, rows)
   width = slots_lib.out_width(b, total)
   prefill = _prefill_width(model, layout, cfg)
   cache = KVCache.empty(
@@ -432,7 +433,7 @@ def _decode(graphdef, state, weights, layout: Layout, keys, *, cfg: SamplerConfi
 
   def block_body(c):
     k_blk, sl_, cache_, forwards = c
-    sl_, cache_, _, fw = slots_lib.advance(model, sl_, cache_, cfg)
+    sl_, cache_, _, fw = slots_lib.advance(model, sl_, cache_, cfg, groups)
     return k_blk + 1, sl_, cache_, forwards + fw
 
   _, sl, _, forwards = jax.lax.while_loop(

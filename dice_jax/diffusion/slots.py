@@ -34,7 +34,8 @@ in a forward (those deferred longest first, then by slot index: `_choose_commits
 per-token work runs on N = S*b + R*b packed tokens (`_pack_index`); a fresh row not chosen is
 deferred: that forward it is not live (no denoise, no state change, no step counted; its writes go
 to its scratch slots) and it commits in a later one. Its tokens, step map and log-probs are
-unchanged (its PRNG folds its own `steps_used`).
+unchanged (its PRNG folds its own `steps_used`). With rows split over n devices (`groups` = n row
+shards, in order) each shard packs its own rows with R/n commit places: no gather crosses shards.
 
 Slot layout of a cache row: position p lives in slot p + b (positions -b..-1 are the padding of a
 short prompt's first commit); before a block's fused forward `length = block_pos`, after it
@@ -286,15 +287,16 @@ def _denoise(slots: Slots, logits_bnv, s, gen, cfg, mask_id: int, schedule) -> S
   )
 
 
-def advance(model, slots: Slots, cache: KVCache, cfg):
+def advance(model, slots: Slots, cache: KVCache, cfg, groups: int = 1):
   """Decodes at least one block of every live row. Returns (slots, cache, finished `[S]` bool:
   rows that stopped in this call (stop id or budget), forwards: decode forwards run).
 
   Lockstep (`cfg.ragged` off): one block of every row, a fused 2b-token forward then b-token
   forwards while any live row has a mask. Ragged: `cfg.steps` forwards of 2b tokens in which each
-  row moves to its next block as soon as its own is decided (`advance_ragged`)."""
+  row moves to its next block as soon as its own is decided (`advance_ragged`; `groups`: the row
+  shards, each packing its own rows under `cfg.commit_rows`)."""
   if cfg.ragged:
-    return advance_ragged(model, slots, cache, cfg)
+    return advance_ragged(model, slots, cache, cfg, groups)
   b = cfg.block_size
   mask_id = model.cfg.mask_token_id
   schedule = jnp.asarray(remasking.transfer_schedule(b, cfg.steps))
@@ -372,17 +374,22 @@ def _close_blocks(slots: Slots, closing, gen, stop_ids, mask_id: int, b: int):
   return slots, finished
 
 
-def commit_cap(cfg, rows: int) -> int:
-  """Fresh rows that may commit in one ragged forward: `cfg.commit_rows` (at most `rows`); 0 for
-  no cap."""
-  return min(cfg.commit_rows, rows)
+def commit_cap(cfg, rows: int, groups: int = 1) -> int:
+  """Fresh rows of each of `groups` row groups that may commit in one ragged forward:
+  `cfg.commit_rows / groups` (at most a group's rows); 0 for no cap."""
+  if cfg.commit_rows % groups or rows % groups:
+    raise ValueError(
+      f"SamplerConfig.commit_rows ({cfg.commit_rows}) and the rows ({rows}) must divide into "
+      f"the {groups} row shards"
+    )
+  return min(cfg.commit_rows, rows) // groups
 
 
 def _choose_commits(fresh, waited, cap: int):
-  """(rows `[cap]` whose previous block is packed, commit `[S]` bool): the `cap` fresh rows
-  deferred longest, ties by lowest slot index (first come, first served: a fresh row commits
-  within ceil(S / cap) forwards); places left over go to other rows, whose previous block is
-  computed but stays invisible (distinct indices, a static count)."""
+  """(rows `[cap]` whose previous block is packed, commit `[S]` bool) of one row group: the `cap`
+  fresh rows deferred longest, ties by lowest slot index (first come, first served: a fresh row
+  commits within ceil(S / cap) forwards); places left over go to other rows, whose previous block
+  is computed but stays invisible (distinct indices, a static count)."""
   s = fresh.shape[0]
   idx = jnp.arange(s, dtype=jnp.int32)
   score = jnp.where(fresh, s + waited * s, 0) + (s - 1 - idx)  # distinct: a total order
@@ -392,16 +399,27 @@ def _choose_commits(fresh, waited, cap: int):
 
 
 def _pack_index(rows, s: int, b: int):
-  """Flat indices `[S*b + cap*b]` into the `[S, 2b]` forward's tokens: every row's active block
-  (row-major: the first S*b, whose hidden states give the logits), then the previous block of
-  `rows` `[cap]`."""
+  """Flat indices `[s*b + cap*b]` into one row group's `[s, 2b]` forward tokens: every row's
+  active block (row-major: the first s*b, whose hidden states give the logits), then the
+  previous block of `rows` `[cap]`."""
   offs = jnp.arange(b, dtype=jnp.int32)[None, :]
   active = jnp.arange(s, dtype=jnp.int32)[:, None] * 2 * b + b + offs
   prev = rows.astype(jnp.int32)[:, None] * 2 * b + offs
   return jnp.concatenate([active.reshape(-1), prev.reshape(-1)])
 
 
-def _ragged_forward(model, slots: Slots, cache: KVCache, cfg, schedule, stop_ids):
+def _commit_plan(fresh, waited, cap: int, groups: int, b: int):
+  """(commit `[S]` bool, pack `[groups, M]`): `_choose_commits` and `_pack_index` in each of
+  `groups` consecutive row groups (one per row shard), indices local to the group."""
+  s = fresh.shape[0] // groups
+  rows, commit = jax.vmap(_choose_commits, in_axes=(0, 0, None))(
+    fresh.reshape(groups, s), waited.reshape(groups, s), cap
+  )
+  pack = jax.vmap(_pack_index, in_axes=(0, None, None))(rows, s, b)
+  return commit.reshape(-1), pack
+
+
+def _ragged_forward(model, slots: Slots, cache: KVCache, cfg, schedule, stop_ids, groups=1):
   """One forward of 2b tokens per row, each row at its own point (`advance_ragged`); with
   `cfg.commit_rows` on packed tokens (module docstring: commit cap)."""
   b = cfg.block_size
@@ -409,13 +427,12 @@ def _ragged_forward(model, slots: Slots, cache: KVCache, cfg, schedule, stop_ids
   live = ~slots.done
   fresh = slots.fresh & live
   s = fresh.shape[0]
-  cap = commit_cap(cfg, s)
+  cap = commit_cap(cfg, s, groups)
   pack = None
   if cap:
-    rows, commit = _choose_commits(fresh, slots.waited, cap)
+    commit, pack = _commit_plan(fresh, slots.waited, cap, groups, b)
     deferred = fresh & ~commit
     fresh, live = commit, live & ~deferred
-    pack = _pack_index(rows, s, b)
     # A deferred row takes no part: as if done for this forward (its block invisible, no denoise).
     slots = dataclasses.replace(slots, done=slots.done | deferred)
   x = _block_inputs(slots, cfg, commit=fresh)  # a mid-block row's previous block is invisible
@@ -435,7 +452,7 @@ def _ragged_forward(model, slots: Slots, cache: KVCache, cfg, schedule, stop_ids
     pack=pack,
   )
   cache = cache.with_length(slots.block_pos + b)
-  hidden = hidden[:, -b:] if pack is None else hidden[: s * b].reshape(s, b, -1)
+  hidden = hidden[:, -b:] if pack is None else hidden[:, : s // groups * b].reshape(s, b, -1)
   slots = _denoise(
     slots,
     model.logits_from_hidden(hidden),
@@ -460,7 +477,7 @@ def _ragged_forward(model, slots: Slots, cache: KVCache, cfg, schedule, stop_ids
   return slots, cache, finished, decided
 
 
-def advance_ragged(model, slots: Slots, cache: KVCache, cfg):
+def advance_ragged(model, slots: Slots, cache: KVCache, cfg, groups: int = 1):
   """`cfg.steps` forwards (fewer when every row is done) in which every live row takes one step
   of its own: a row whose block was decided at the previous forward commits it and starts the
   next (its forward is the fused commit + first denoising pass), the others denoise their block
@@ -471,13 +488,13 @@ def advance_ragged(model, slots: Slots, cache: KVCache, cfg):
   lockstep `advance`. Each call closes at least one block of every live row (a block takes at
   most `steps` forwards). Returns as `advance`.
 
-  With `cfg.commit_rows` (a cap R on the rows committing per forward) a fresh row may wait up to
-  ceil(S / R) - 1 forwards, so a call runs `steps` forwards and then more, while some live row has
+  With `cfg.commit_rows` (a cap R on the rows committing per forward; R / `groups` in each row
+  shard of S / `groups` rows) a fresh row may wait up to ceil(S / R) - 1 forwards, so a call runs `steps` forwards and then more, while some live row has
   closed no block in it (at most `steps + ceil(S / R) - 1`)."""
   schedule = jnp.asarray(remasking.transfer_schedule(cfg.block_size, cfg.steps))
   stop_ids = jnp.asarray(cfg.stop_ids if cfg.stop_ids else (-1,), jnp.int32)
-  rows = slots.done.shape[0]
-  cap = commit_cap(cfg, rows)
+  rows = slots.done.shape[0] // groups
+  cap = commit_cap(cfg, rows * groups, groups)
   limit = cfg.steps + (-(-rows // cap) - 1 if cap else 0)
 
   def cond(c):
@@ -489,7 +506,7 @@ def advance_ragged(model, slots: Slots, cache: KVCache, cfg):
 
   def body(c):
     s, sl, cache_, fin, closed = c
-    sl, cache_, f, d = _ragged_forward(model, sl, cache_, cfg, schedule, stop_ids)
+    sl, cache_, f, d = _ragged_forward(model, sl, cache_, cfg, schedule, stop_ids, groups)
     return s + 1, sl, cache_, fin | f, closed | d
 
   fin0 = jnp.zeros(slots.done.shape, bool)

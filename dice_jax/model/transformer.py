@@ -18,10 +18,11 @@ With a cache, the new tokens attend to the cache's filled slots and to each othe
 `model.prefill_kv(tokens, positions, attention)` gives the stacked keys/values of a cache-free
 forward (the sampler's prefill writes them into cache rows).
 
-Packed tokens (`pack=`, a flat index `[N]` into the `B*T` tokens): the per-token work (embedding,
-norms, projections, RoPE, MLP, final norm, LM head) runs on those N tokens only; the attention
-still runs on the `[B, T]` layout (the packed q/k/v scattered back, zeros elsewhere, which must be
-invisible: segment 0). The ragged sampler's 2b-token forward needs only b tokens of a mid-block
+Packed tokens (`pack=` `[G, M]`: in each of G groups of B/G consecutive rows, M flat indices into
+the group's `B/G * T` tokens): the per-token work (embedding, norms, projections, RoPE, MLP, final
+norm, LM head) runs on those G*M tokens only; the attention still runs on the `[B, T]` layout (the
+packed q/k/v scattered back, zeros elsewhere, which must be invisible: segment 0). A group is a
+row shard on a mesh, so no gather crosses devices. The ragged sampler's 2b-token forward needs only b tokens of a mid-block
 row (`slots.py`, `SamplerConfig.commit_rows`): on an H200 (sdar_4b, 128 rows) the matmuls are
 6.1 of a 15.6 ms 4-token forward and scale with tokens; the cache attention (7.35 ms) does not.
 """
@@ -141,13 +142,12 @@ class Transformer(nnx.Module):
     weights: DecodeWeights | None = None,
     pack=None,
   ):
-    """Hidden states or logits `[B, T, ...]` (with `pack` `[N]`: of the packed tokens, `[N, ...]`;
-    module docstring), and with a cache the updated cache (every `[B, T]` token's K/V written)."""
+    """Hidden states or logits `[B, T, ...]` (with `pack` `[G, M]`: of the packed tokens,
+    `[G, M, ...]`; module docstring), and with a cache the updated cache (every `[B, T]` token's
+    K/V written)."""
     cfg = self.cfg
     seg, blk = masks_lib.token_segments_and_blocks(attention, positions)
     x, new_kv = self._layers(tokens, positions, attention, seg, blk, cache, weights, pack)
-    if pack is not None:
-      x = x[0]
     x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     out = x if return_hidden else self.logits_from_hidden(x, weights)
     if cache is None:
@@ -198,7 +198,7 @@ class Transformer(nnx.Module):
   def _layers(self, tokens, positions, attention, seg, blk, cache, weights=None, pack=None):
     """Embedding and the decoder layers: (hidden `[B,T,D]`, stacked (k, v) `[L,B,T,K,H]`). With
     `weights` (`DecodeWeights`) the layers are unrolled over those per-layer weights. With `pack`
-    `[N]` the hidden states are the packed tokens' `[1,N,D]` (K/V still `[B,T]`, zeros where
+    `[G, M]` the hidden states are the packed tokens' `[G,M,D]` (K/V still `[B,T]`, zeros where
     not packed)."""
     cfg = self.cfg
     x = jnp.take(self.embed[...], packed(tokens, pack), axis=0).astype(cfg.compute_dtype)
@@ -378,24 +378,26 @@ def _layer_output(x, o, w, cfg):
 
 
 def packed(x, pack):
-  """The packed tokens of `x` `[B, T, ...]` as `[1, N, ...]` (`pack`: flat indices `[N]` into the
-  `B*T` tokens); `x` itself when `pack` is None."""
+  """The packed tokens of `x` `[B, T, ...]` as `[G, M, ...]` (`pack` `[G, M]`: flat indices into
+  each group of B/G rows' tokens); `x` itself when `pack` is None."""
   if pack is None:
     return x
-  return x.reshape(-1, *x.shape[2:]).at[pack].get(mode="promise_in_bounds")[None]
+  take = lambda a, i: a.at[i].get(mode="promise_in_bounds")
+  return jax.vmap(take)(x.reshape(pack.shape[0], -1, *x.shape[2:]), pack)
 
 
 def unpacked(x, pack, bt):
-  """`x` `[1, N, ...]` of the packed tokens back on the `[B, T, ...]` layout `bt = (B, T)`, zeros
+  """`x` `[G, M, ...]` of the packed tokens back on the `[B, T, ...]` layout `bt = (B, T)`, zeros
   at the tokens not packed; `x` itself when `pack` is None."""
   if pack is None:
     return x
-  out = (
-    jnp.zeros((bt[0] * bt[1], *x.shape[2:]), x.dtype)
-    .at[pack]
-    .set(x[0], unique_indices=True, mode="promise_in_bounds")
+  n = bt[0] * bt[1] // pack.shape[0]
+  put = lambda a, i: (
+    jnp.zeros((n, *a.shape[1:]), a.dtype)
+    .at[i]
+    .set(a, unique_indices=True, mode="promise_in_bounds")
   )
-  return out.reshape(*bt, *x.shape[2:])
+  return jax.vmap(put)(x, pack).reshape(*bt, *x.shape[2:])
 
 
 def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk, cache, pack=None):
