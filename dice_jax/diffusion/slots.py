@@ -377,6 +377,8 @@ def _close_blocks(slots: Slots, closing, gen, stop_ids, mask_id: int, b: int):
 def commit_cap(cfg, rows: int, groups: int = 1) -> int:
   """Fresh rows of each of `groups` row groups that may commit in one ragged forward:
   `cfg.commit_rows / groups` (at most a group's rows); 0 for no cap."""
+  if not cfg.commit_rows:
+    return 0
   if cfg.commit_rows % groups or rows % groups:
     raise ValueError(
       f"SamplerConfig.commit_rows ({cfg.commit_rows}) and the rows ({rows}) must divide into "
