@@ -25,6 +25,14 @@ Runs (in the order given; each writes rows to DIR/results.jsonl and rewrites DIR
                 scaled by `--lm_head_scale`, so that confidences pass the threshold; ragged rows
                 (each moves to its next block as soon as its own is decided).
   dynamic_lockstep  the same with lockstep blocks (every row waits for the batch's slowest block).
+  dynamic_capped  `dynamic` with at most `--commit_rows` rows committing per forward
+                (`SamplerConfig.commit_rows`): the per-token work on rows*b + commit_rows*b packed
+                tokens instead of 2b per row (`fwd_tokens`), and its rate over `dynamic`'s.
+                Estimate, not measured (H200, sdar_4b, 128 rows, fill 1,536, b = 4; issue 39):
+                R = 64 packs 6 tokens a row, not 8: matmuls 9.2 of 12.2 ms, -3 ms a forward of
+                ~26.3 ms (+~0.5 ms of gathers/scatters); ~49 rows commit per forward, so R = 64
+                defers few (CPU tiny model at 1.41 tokens per row-forward: +4 % forwards at
+                R = 64, +20 % at R = 48): ~8,000-8,300 tok/s against 7,494, short of 9,000.
   long          continuous engine, `--batch` slots, `--batch` requests of `--long_tokens` new
                 tokens each (no stop): the no-stop rate, and the 1024 + 4096 memory.
   mixed         the same engine on `--mixed_requests` prompts whose budgets are uniform in
@@ -75,6 +83,7 @@ flags.DEFINE_integer("steps", 4, "Denoising steps per block.")
 flags.DEFINE_integer("prefill_chunk", 16, "Rows per prefill chunk.")
 flags.DEFINE_float("threshold", 0.9, "low_confidence_dynamic threshold.")
 flags.DEFINE_float("lm_head_scale", 40.0, "LM-head scale of the dynamic run.")
+flags.DEFINE_integer("commit_rows", 64, "Rows committing per forward in dynamic_capped.")
 flags.DEFINE_integer("mixed_requests", 512, "Requests of the mixed workload.")
 flags.DEFINE_integer("mixed_slots", 128, "Slots of the continuous engine.")
 flags.DEFINE_integer("mixed_min", 64, "Shortest budget of the mixed workload.")
@@ -210,12 +219,20 @@ class Bench:
     kv_cache_dtype=None,
     tiles=None,
     weights=None,
+    commit_rows=0,
   ) -> dict:
     """One static-sampler call, lowered (not compiled): {name, scfg, args, est, lowered,
     lower_s}. `weights`: the split weights to decode on (default: split now)."""
     model = self.model
     mcfg = model.cfg
-    scfg = self.scfg(new, strategy, tiles=tiles, ragged=ragged, kv_cache_dtype=kv_cache_dtype)
+    scfg = self.scfg(
+      new,
+      strategy,
+      tiles=tiles,
+      ragged=ragged,
+      kv_cache_dtype=kv_cache_dtype,
+      commit_rows=commit_rows,
+    )
     prompts = prompts or self.prompts(FLAGS.batch)
     layout = sampler.layout_prompts(prompts, scfg, mcfg.mask_token_id, budgets)
     est = sampler.memory_estimate(model, layout, scfg)
@@ -266,6 +283,8 @@ class Bench:
       fwd_s=round(forwards / run_s, 1),
       forwards=forwards,
       tok_per_row_fwd=round(generated / forwards / rows, 3),
+      commit_rows=scfg.commit_rows,
+      fwd_tokens=fwd_tokens(scfg, rows),
       roofline_fwd_ms=round(1e3 * roof, 2),
       mfu=round(
         sample_flops(mcfg, rows, FLAGS.prompt_len, new, forwards)
@@ -648,17 +667,39 @@ class Bench:
         )
       )
 
-  def dynamic(self, ragged=True):
+  def dynamic(self, ragged=True, commit_rows=0):
     head = self.model.lm_head[...]
     self.model.lm_head[...] = head * FLAGS.lm_head_scale
     try:
-      name = "dynamic" if ragged else "dynamic_lockstep"
-      self.static(name, FLAGS.new_tokens, strategy="low_confidence_dynamic", ragged=ragged)
+      name = "dynamic_capped" if commit_rows else "dynamic" if ragged else "dynamic_lockstep"
+      row = self.static(
+        name,
+        FLAGS.new_tokens,
+        strategy="low_confidence_dynamic",
+        ragged=ragged,
+        commit_rows=commit_rows,
+      )
     finally:
       self.model.lm_head[...] = head
+    if commit_rows and "dynamic" in self.rates:
+      self.record(
+        dict(run="dynamic_capped_vs_dynamic", ratio=round(row["tok_s"] / self.rates["dynamic"], 3))
+      )
 
   def dynamic_lockstep(self):
     self.dynamic(ragged=False)
+
+  def dynamic_capped(self):
+    self.dynamic(commit_rows=FLAGS.commit_rows)
+
+
+def fwd_tokens(scfg, rows: int):
+  """Tokens a ragged forward runs its per-token work on: 2b a row, or rows*b + R*b packed with
+  `commit_rows` R (`slots.py`); None for lockstep blocks (2b then b a row)."""
+  if not scfg.ragged:
+    return None
+  b = scfg.block_size
+  return rows * b + min(scfg.commit_rows, rows) * b if scfg.commit_rows else rows * 2 * b
 
 
 def decode_tiles(spec: str) -> flash_decode.DecodeTiles:
@@ -794,6 +835,7 @@ def main(argv):
         "sweep",
         "dynamic",
         "dynamic_lockstep",
+        "dynamic_capped",
         "long",
         "mixed",
         "mixed_static",

@@ -122,6 +122,7 @@ def build_steps(
   """The engine's jitted steps for one (model graph and config, sampler config, placement, shape,
   XLA options `((name, value), ...)`), freshly made (`compiled_steps` shares them; a fresh one is
   what tracing for another platform needs: `platform.lowering_for` is read at trace time)."""
+  groups = sampler_lib.commit_groups(cfg, placement, slots)
   init = functools.partial(empty_state, model_cfg, cfg, slots, cache_len)
   sl, cache = jax.eval_shape(init)
   sl_sh, cache_sh = placement.row_tree(sl), placement.cache(cache)
@@ -129,7 +130,7 @@ def build_steps(
 
   def advance(st, weights, sl, cache):
     model = sampler_lib.decoding_model(graphdef, st, weights)
-    sl, cache, finished, fw = slots_lib.advance(model, sl, cache, cfg)
+    sl, cache, finished, fw = slots_lib.advance(model, sl, cache, cfg, groups)
     return sl, cache, finished, fw, slots_lib.response_lengths(sl, cfg.stop_ids)
 
   def admit(st, weights, sl, cache, rows, prompts, n, new, keys):

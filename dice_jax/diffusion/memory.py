@@ -2,7 +2,8 @@
 
 weights + KV cache (rows x cache slots, K and V of every layer) + the larger of the two phases'
 activations: a decode forward (2b tokens per row: hidden states, MLP, f32 logits and the sampling
-temporaries over the vocabulary) or a prefill chunk (its rows x width tokens, and the K/V of every
+temporaries over the vocabulary; an upper bound for `SamplerConfig.commit_rows`, whose forward runs
+the per-token work on b + R*b/rows tokens a row and scatters q/k/v back to 2b) or a prefill chunk (its rows x width tokens, and the K/V of every
 layer it returns before they are written into the cache). The cache is stored in the layout the
 TPU cache kernel reads (`kv_cache.KVCache`: `[L, B, S, K*H]`), so no step copies it (before issue
 38 a `[L, B, S, K, H]` cache was relaid out into a temporary every TPU decode step: 5.7 of the 6.2

@@ -96,6 +96,12 @@ class SamplerConfig:
   # strategies whose forwards per block vary (low_confidence_dynamic, entropy_bounded). Exact
   # either way: the same tokens, step map and log-probs.
   ragged: Optional[bool] = None
+  # Ragged only: at most this many rows commit their previous block in one forward (0: no cap),
+  # and the forward's per-token work (projections, MLP) runs on S*b + commit_rows*b packed tokens
+  # instead of 2b per row (`slots.py`, "Commit cap"). A fresh row past the cap waits a forward;
+  # exact either way. With rows split over devices each row shard packs its own rows (a multiple of
+  # the shards: `commit_groups`). Not with DecodeTiles.halves.
+  commit_rows: int = 0
   # With flash attention, decode on `Transformer.decode_weights()` (per layer, compute dtype, made
   # once per call) rather than the stacked parameters: no per-forward copy of each layer's weights
   # (H200, sdar_4b: a forward 20.2 ms against 23.4 ms); costs one copy of the weights in memory,
@@ -143,6 +149,12 @@ class SamplerConfig:
     if self.ragged is None:
       varies = self.strategy in ("low_confidence_dynamic", "entropy_bounded")
       object.__setattr__(self, "ragged", varies)
+    if self.commit_rows < 0:
+      raise ValueError(f"SamplerConfig.commit_rows must be >= 0, got {self.commit_rows}")
+    if self.commit_rows and not self.ragged:
+      raise ValueError("SamplerConfig.commit_rows caps ragged decoding's commits: set ragged=True")
+    if self.commit_rows and self.decode_tiles.halves:
+      raise ValueError("SamplerConfig.commit_rows does not run with DecodeTiles.halves")
 
   @property
   def grid(self) -> blocks_lib.BlockGrid:
@@ -353,6 +365,18 @@ def decoding_model(graphdef, state, weights: Optional[DecodeWeights]):
   return model if weights is None else DecodeView(model, weights)
 
 
+def commit_groups(cfg: SamplerConfig, placement: Placement, rows: int) -> int:
+  """The row groups `cfg.commit_rows` packs apart: one per row shard of `placement` (each device
+  packs its own rows: no gather crosses devices). Raises unless commit_rows divides into them."""
+  n = placement.shard_rows(rows)
+  if cfg.commit_rows % n:
+    raise ValueError(
+      f"SamplerConfig.commit_rows ({cfg.commit_rows}) must be a multiple of the {n} row shards "
+      f"the {rows} rows are split over (each packs commit_rows / {n} of its own rows)"
+    )
+  return n
+
+
 def _chunk_rows(rows: int, chunk: int, shards: int, i):
   """The rows prefill chunk `i` admits: `chunk / shards` of every row shard's `rows / shards`
   (row shard j's in the j-th block: each device prefills rows it holds; `slots.admit`)."""
@@ -366,6 +390,7 @@ def _decode(graphdef, state, weights, layout: Layout, keys, *, cfg: SamplerConfi
   layout, keys = placement.constrain_rows((layout, keys))
   b = cfg.block_size
   rows, total = layout.tokens.shape
+  groups = commit_groups(cfg, placement, rows)
   width = slots_lib.out_width(b, total)
   prefill = _prefill_width(model, layout, cfg)
   cache = KVCache.empty(
@@ -408,7 +433,7 @@ def _decode(graphdef, state, weights, layout: Layout, keys, *, cfg: SamplerConfi
 
   def block_body(c):
     k_blk, sl_, cache_, forwards = c
-    sl_, cache_, _, fw = slots_lib.advance(model, sl_, cache_, cfg)
+    sl_, cache_, _, fw = slots_lib.advance(model, sl_, cache_, cfg, groups)
     return k_blk + 1, sl_, cache_, forwards + fw
 
   _, sl, _, forwards = jax.lax.while_loop(

@@ -25,6 +25,18 @@ provisional ones (the row's `length` stops before them). `steps` forwards per bl
 `steps + 1`. The first block's "previous block" is the prompt's last b tokens before it (padding,
 segment 0, where the prompt is shorter), so prefill covers positions [0, first_block - b).
 
+Commit cap (`cfg.commit_rows` = R > 0, `advance_ragged`). A ragged forward is 2b tokens wide for
+every row, but only a fresh row (one committing its previous block) needs its first b: a mid-block
+row's are invisible. On an H200 (sdar_4b, 128 rows, b = 4) the matmuls of a forward (6.1 of
+15.6 ms at 4 tokens a row) scale with its tokens and the cache attention (7.35 ms) does not; with
+threshold 0.9 about 38 % of rows are fresh in a forward. With the cap at most R fresh rows commit
+in a forward (those deferred longest first, then by slot index: `_choose_commits`) and the
+per-token work runs on N = S*b + R*b packed tokens (`_pack_index`); a fresh row not chosen is
+deferred: that forward it is not live (no denoise, no state change, no step counted; its writes go
+to its scratch slots) and it commits in a later one. Its tokens, step map and log-probs are
+unchanged (its PRNG folds its own `steps_used`). With rows split over n devices (`groups` = n row
+shards, in order) each shard packs its own rows with R/n commit places: no gather crosses shards.
+
 Slot layout of a cache row: position p lives in slot p + b (positions -b..-1 are the padding of a
 short prompt's first commit); before a block's fused forward `length = block_pos`, after it
 `length = block_pos + b`. Admission rewrites the whole row's metadata, so a previous sequence's
@@ -67,6 +79,7 @@ class Slots:
   done: jax.Array  # [S] bool: finished, or an empty slot
   fresh: jax.Array  # [S] bool: the active block's first forward (which commits `prev`) is next
   block_step: jax.Array  # [S] int32 forwards run on the active block (its in-block step)
+  waited: jax.Array  # [S] int32 forwards a fresh row was deferred (`commit_rows`) before committing
   key: jax.Array  # [S] PRNG keys (typed), one per row
   out_tokens: jax.Array  # [S, W] int32 finished blocks, index = position - first_pos
   out_steps: jax.Array  # [S, W] int32 step map of out_tokens (-1: not generated)
@@ -110,6 +123,7 @@ def empty_slots(rows: int, block_size: int, width: int, want_logp: bool, mask_id
     done=jnp.ones((rows,), bool),
     fresh=jnp.zeros((rows,), bool),
     block_step=z(rows),
+    waited=z(rows),
     key=jax.random.split(jax.random.key(0), rows),
     out_tokens=z(rows, width),
     out_steps=jnp.full((rows, width), -1, jnp.int32),
@@ -195,6 +209,7 @@ def admit(
     done=jnp.zeros((r,), bool),
     fresh=jnp.ones((r,), bool),
     block_step=zeros,
+    waited=zeros,
     key=keys,
     out_tokens=jnp.zeros((r, slots.out_tokens.shape[1]), jnp.int32),
     out_steps=jnp.full((r, slots.out_steps.shape[1]), -1, jnp.int32),
@@ -272,15 +287,16 @@ def _denoise(slots: Slots, logits_bnv, s, gen, cfg, mask_id: int, schedule) -> S
   )
 
 
-def advance(model, slots: Slots, cache: KVCache, cfg):
+def advance(model, slots: Slots, cache: KVCache, cfg, groups: int = 1):
   """Decodes at least one block of every live row. Returns (slots, cache, finished `[S]` bool:
   rows that stopped in this call (stop id or budget), forwards: decode forwards run).
 
   Lockstep (`cfg.ragged` off): one block of every row, a fused 2b-token forward then b-token
   forwards while any live row has a mask. Ragged: `cfg.steps` forwards of 2b tokens in which each
-  row moves to its next block as soon as its own is decided (`advance_ragged`)."""
+  row moves to its next block as soon as its own is decided (`advance_ragged`; `groups`: the row
+  shards, each packing its own rows under `cfg.commit_rows`)."""
   if cfg.ragged:
-    return advance_ragged(model, slots, cache, cfg)
+    return advance_ragged(model, slots, cache, cfg, groups)
   b = cfg.block_size
   mask_id = model.cfg.mask_token_id
   schedule = jnp.asarray(remasking.transfer_schedule(b, cfg.steps))
@@ -358,12 +374,69 @@ def _close_blocks(slots: Slots, closing, gen, stop_ids, mask_id: int, b: int):
   return slots, finished
 
 
-def _ragged_forward(model, slots: Slots, cache: KVCache, cfg, schedule, stop_ids):
-  """One forward of 2b tokens per row, each row at its own point (`advance_ragged`)."""
+def commit_cap(cfg, rows: int, groups: int = 1) -> int:
+  """Fresh rows of each of `groups` row groups that may commit in one ragged forward:
+  `cfg.commit_rows / groups` (at most a group's rows); 0 for no cap."""
+  if not cfg.commit_rows:
+    return 0
+  if cfg.commit_rows % groups or rows % groups:
+    raise ValueError(
+      f"SamplerConfig.commit_rows ({cfg.commit_rows}) and the rows ({rows}) must divide into "
+      f"the {groups} row shards"
+    )
+  return min(cfg.commit_rows, rows) // groups
+
+
+def _choose_commits(fresh, waited, cap: int):
+  """(rows `[cap]` whose previous block is packed, commit `[S]` bool) of one row group: the `cap`
+  fresh rows deferred longest, ties by lowest slot index (first come, first served: a fresh row
+  commits within ceil(S / cap) forwards); places left over go to other rows, whose previous block
+  is computed but stays invisible (distinct indices, a static count)."""
+  s = fresh.shape[0]
+  idx = jnp.arange(s, dtype=jnp.int32)
+  score = jnp.where(fresh, s + waited * s, 0) + (s - 1 - idx)  # distinct: a total order
+  _, rows = jax.lax.top_k(score, cap)
+  chosen = jnp.zeros((s,), bool).at[rows].set(True, unique_indices=True)
+  return rows, fresh & chosen
+
+
+def _pack_index(rows, s: int, b: int):
+  """Flat indices `[s*b + cap*b]` into one row group's `[s, 2b]` forward tokens: every row's
+  active block (row-major: the first s*b, whose hidden states give the logits), then the
+  previous block of `rows` `[cap]`."""
+  offs = jnp.arange(b, dtype=jnp.int32)[None, :]
+  active = jnp.arange(s, dtype=jnp.int32)[:, None] * 2 * b + b + offs
+  prev = rows.astype(jnp.int32)[:, None] * 2 * b + offs
+  return jnp.concatenate([active.reshape(-1), prev.reshape(-1)])
+
+
+def _commit_plan(fresh, waited, cap: int, groups: int, b: int):
+  """(commit `[S]` bool, pack `[groups, M]`): `_choose_commits` and `_pack_index` in each of
+  `groups` consecutive row groups (one per row shard), indices local to the group."""
+  s = fresh.shape[0] // groups
+  rows, commit = jax.vmap(_choose_commits, in_axes=(0, 0, None))(
+    fresh.reshape(groups, s), waited.reshape(groups, s), cap
+  )
+  pack = jax.vmap(_pack_index, in_axes=(0, None, None))(rows, s, b)
+  return commit.reshape(-1), pack
+
+
+def _ragged_forward(model, slots: Slots, cache: KVCache, cfg, schedule, stop_ids, groups=1):
+  """One forward of 2b tokens per row, each row at its own point (`advance_ragged`); with
+  `cfg.commit_rows` on packed tokens (module docstring: commit cap)."""
   b = cfg.block_size
   mask_id = model.cfg.mask_token_id
   live = ~slots.done
   fresh = slots.fresh & live
+  s = fresh.shape[0]
+  cap = commit_cap(cfg, s, groups)
+  pack = None
+  if cap:
+    commit, pack = _commit_plan(fresh, slots.waited, cap, groups, b)
+    deferred = fresh & ~commit
+    fresh, live = commit, live & ~deferred
+    # A deferred row takes no part: as if done for this forward (its block invisible, no denoise).
+    slots = dataclasses.replace(slots, done=slots.done | deferred)
   x = _block_inputs(slots, cfg, commit=fresh)  # a mid-block row's previous block is invisible
   gen = x.gen
   # A fresh row sees the cache below its previous block and writes [prev; block] from there (the
@@ -371,12 +444,20 @@ def _ragged_forward(model, slots: Slots, cache: KVCache, cfg, schedule, stop_ids
   cache = cache.with_length(slots.block_pos + b * (~fresh).astype(jnp.int32))
   at = jnp.where(fresh, slots.block_pos, scratch_start(cache, b))
   hidden, cache = model(
-    x.tokens2, x.pos2, x.spec2, cache=cache, update_cache=True, return_hidden=True, append_at=at
+    x.tokens2,
+    x.pos2,
+    x.spec2,
+    cache=cache,
+    update_cache=True,
+    return_hidden=True,
+    append_at=at,
+    pack=pack,
   )
   cache = cache.with_length(slots.block_pos + b)
+  hidden = hidden[:, -b:] if pack is None else hidden[:, : s // groups * b].reshape(s, b, -1)
   slots = _denoise(
     slots,
-    model.logits_from_hidden(hidden[:, -b:]),
+    model.logits_from_hidden(hidden),
     slots.block_step,
     gen,
     cfg,
@@ -390,12 +471,15 @@ def _ragged_forward(model, slots: Slots, cache: KVCache, cfg, schedule, stop_ids
     block_step=slots.block_step + step,
     forwards=slots.forwards + step,
   )
+  if cap:
+    waited = jnp.where(deferred, slots.waited + 1, jnp.where(fresh, 0, slots.waited))
+    slots = dataclasses.replace(slots, done=slots.done & ~deferred, waited=waited)
   decided = live & ~jnp.any((slots.block == mask_id) & gen, axis=-1)
   slots, finished = _close_blocks(slots, decided, gen, stop_ids, mask_id, b)
-  return slots, cache, finished
+  return slots, cache, finished, decided
 
 
-def advance_ragged(model, slots: Slots, cache: KVCache, cfg):
+def advance_ragged(model, slots: Slots, cache: KVCache, cfg, groups: int = 1):
   """`cfg.steps` forwards (fewer when every row is done) in which every live row takes one step
   of its own: a row whose block was decided at the previous forward commits it and starts the
   next (its forward is the fused commit + first denoising pass), the others denoise their block
@@ -404,22 +488,32 @@ def advance_ragged(model, slots: Slots, cache: KVCache, cfg):
   for every row. Every forward is 2b tokens wide (a mid-block row's first b are invisible and
   written to its scratch slots); a row's tokens, step map and log-probs are exactly those of the
   lockstep `advance`. Each call closes at least one block of every live row (a block takes at
-  most `steps` forwards). Returns as `advance`."""
+  most `steps` forwards). Returns as `advance`.
+
+  With `cfg.commit_rows` (a cap R on the rows committing per forward; R / `groups` in each row
+  shard of S / `groups` rows) a fresh row may wait up to ceil(S / R) - 1 forwards, so a call runs `steps` forwards and then more, while some live row has
+  closed no block in it (at most `steps + ceil(S / R) - 1`)."""
   schedule = jnp.asarray(remasking.transfer_schedule(cfg.block_size, cfg.steps))
   stop_ids = jnp.asarray(cfg.stop_ids if cfg.stop_ids else (-1,), jnp.int32)
+  rows = slots.done.shape[0] // groups
+  cap = commit_cap(cfg, rows * groups, groups)
+  limit = cfg.steps + (-(-rows // cap) - 1 if cap else 0)
 
   def cond(c):
-    s, sl, _, _ = c
-    return (s < cfg.steps) & ~jnp.all(sl.done)
+    s, sl, _, _, closed = c
+    more = s < cfg.steps
+    if cap:
+      more = (more | jnp.any(~sl.done & ~closed)) & (s < limit)
+    return more & ~jnp.all(sl.done)
 
   def body(c):
-    s, sl, cache_, fin = c
-    sl, cache_, f = _ragged_forward(model, sl, cache_, cfg, schedule, stop_ids)
-    return s + 1, sl, cache_, fin | f
+    s, sl, cache_, fin, closed = c
+    sl, cache_, f, d = _ragged_forward(model, sl, cache_, cfg, schedule, stop_ids, groups)
+    return s + 1, sl, cache_, fin | f, closed | d
 
   fin0 = jnp.zeros(slots.done.shape, bool)
-  forwards, slots, cache, finished = jax.lax.while_loop(
-    cond, body, (jnp.asarray(0), slots, cache, fin0)
+  forwards, slots, cache, finished, _ = jax.lax.while_loop(
+    cond, body, (jnp.asarray(0), slots, cache, fin0, fin0)
   )
   return slots, cache, finished, forwards
 

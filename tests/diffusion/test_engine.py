@@ -37,9 +37,14 @@ def _requests(n=7, seed=0):
 
 @pytest.mark.slow  # compiles the engine's two steps and two static decodes (~1 min on 2 cores)
 @pytest.mark.parametrize(
-  "alignment, ragged", [("response", True), ("absolute", False)], ids=["ragged", "lockstep"]
+  "alignment, ragged, commit_rows",
+  [("response", True, 0), ("absolute", False, 0), ("response", True, 1)],
+  ids=["ragged", "lockstep", "ragged-commit_rows"],
 )
-def test_continuous_batching_gives_each_request_what_it_gets_alone(model, alignment, ragged):
+def test_continuous_batching_gives_each_request_what_it_gets_alone(
+  model, alignment, ragged, commit_rows
+):
+  """(`commit_rows=1`: at most one of the 3 slots commits per forward; rows wait, decode alike.)"""
   cfg = sampler.SamplerConfig(
     strategy="low_confidence_dynamic",
     threshold=0.5,
@@ -49,6 +54,7 @@ def test_continuous_batching_gives_each_request_what_it_gets_alone(model, alignm
     block_alignment=alignment,
     return_logprobs=True,
     ragged=ragged,
+    commit_rows=commit_rows,
   )
   reqs = _requests()
   pulled = []
@@ -112,8 +118,10 @@ def _small_model(attention_impl="dense"):
   return Transformer(cfg, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("ragged", [False, True], ids=["lockstep", "ragged"])
-def test_no_copy_of_the_kv_cache_in_compiled_samplers(ragged):
+@pytest.mark.parametrize(
+  "ragged, commit_rows", [(False, 0), (True, 0), (True, 3)], ids=["lockstep", "ragged", "capped"]
+)
+def test_no_copy_of_the_kv_cache_in_compiled_samplers(ragged, commit_rows):
   """The compiled static sampler holds one K/V cache (XLA temp = cache + activations, among them the
   dense path's per-layer K/V slices: 1/8 of a K buffer each here), and the engine's block step
   updates the donated cache in place (no cache-sized temp). A copy of K or V would fail both.
@@ -122,7 +130,9 @@ def test_no_copy_of_the_kv_cache_in_compiled_samplers(ragged):
   impl = "dense"
   m = _small_model(impl)
   mc = m.cfg
-  cfg = sampler.SamplerConfig(max_new_tokens=2048, prefill_chunk=4, ragged=ragged)
+  cfg = sampler.SamplerConfig(
+    max_new_tokens=2048, prefill_chunk=4, ragged=ragged, commit_rows=commit_rows
+  )
   layout = sampler.layout_prompts([[5] * 60] * 8, cfg, mc.mask_token_id)
   layout = jax.tree.map(jnp.asarray, layout)
   graphdef, state = nnx.split(m)

@@ -10,8 +10,11 @@ import pytest
 from flax import nnx
 
 from dice_jax.diffusion import remasking, sampler, trace
+from dice_jax.diffusion import slots as slots_lib
 from dice_jax.model import masks as masks_lib
 from dice_jax.model.config import get_config
+from dice_jax.model.flash_decode import DecodeTiles
+from dice_jax.model.kv_cache import KVCache
 from dice_jax.model.transformer import Transformer
 
 MASK = 255
@@ -207,6 +210,86 @@ def test_ragged_rows_decode_exactly_what_lockstep_blocks_decode(model, cfg):
   else:  # the batch's forwards: lockstep waits for the slowest row at every block
     assert int(rag.forwards) < int(lock.forwards)
     assert int(rag.forwards) == int(np.asarray(rag.steps_used).max())
+
+
+@pytest.mark.parametrize(
+  "cfg",
+  [
+    sampler.SamplerConfig(strategy="low_confidence_dynamic", steps=4, threshold=0.5),
+    sampler.SamplerConfig(strategy="low_confidence_static", steps=2, temperature=1.0, top_k=3),
+  ],
+  ids=lambda c: c.strategy,
+)
+def test_capped_commits_decode_exactly_what_uncapped_and_lockstep_decode(model, cfg):
+  """`commit_rows` (at most R rows commit per ragged forward, the per-token work on packed tokens)
+  defers rows, never changes what they decode: with R = 1 < the 6 rows fresh at the first forward
+  the batch takes more forwards, and every row the same tokens, step map and log-probs as the
+  uncapped ragged and the lockstep samplers."""
+  prompts = PROMPTS + [[3, 4], [40, 41, 42, 43, 44, 45]]
+  cfg = dataclasses.replace(cfg, max_new_tokens=14, stop_ids=(EOS,), return_logprobs=True)
+  budgets = [14, 6, 11, 14, 14, 9]
+  key = jax.random.key(7)
+  run = lambda **kw: sampler.generate(model, prompts, dataclasses.replace(cfg, **kw), key, budgets)
+  lock, rag = run(ragged=False), run(ragged=True)
+  for cap in (1, 4):
+    got = run(ragged=True, commit_rows=cap)
+    for ref in (rag, lock):
+      np.testing.assert_array_equal(got.tokens, ref.tokens)
+      np.testing.assert_array_equal(got.step_map, ref.step_map)
+      np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5)
+      np.testing.assert_array_equal(got.response_lengths, ref.response_lengths)
+      np.testing.assert_array_equal(got.steps_used, ref.steps_used)
+    assert int(got.forwards) > int(rag.forwards)  # rows were deferred
+  assert (np.asarray(rag.step_map) >= 0).sum() > 30
+
+
+def test_a_deferred_row_takes_no_step_and_commits_first_at_the_next_forward(model):
+  """Three rows admitted together are all fresh; with `commit_rows=1` the first forward commits
+  row 0 only: rows 1 and 2 keep their state (no forward, no step) and wait; the next forward
+  serves the longest-waiting rows first (row 1, then row 2), ahead of row 0 when it is fresh
+  again."""
+  cfg = sampler.SamplerConfig(
+    strategy="low_confidence_dynamic", threshold=0.0, max_new_tokens=8, commit_rows=1
+  ).for_model(model.cfg)
+  b, rows = cfg.block_size, 3
+  sl = slots_lib.empty_slots(rows, b, slots_lib.out_width(b, 8), False, MASK)
+  cache = KVCache.empty(model.cfg, rows, slots_lib.cache_slots(b, 8, 8, 16))
+  prompts = jnp.asarray([[5, 6, 7, 8, 9, 0, 0, 0], [8, 9, 10, 11, 0, 0, 0, 0], [4] * 8])
+  sl, cache = slots_lib.admit(
+    model,
+    sl,
+    cache,
+    jnp.arange(rows),
+    prompts,
+    jnp.asarray([5, 4, 8]),
+    jnp.full((rows,), 8),
+    sampler.row_keys(None, rows),
+    cfg,
+  )
+  schedule = jnp.asarray(remasking.transfer_schedule(b, cfg.steps))
+  stop = jnp.asarray([-1], jnp.int32)
+  before = sl
+  sl, cache, _, decided = slots_lib._ragged_forward(model, sl, cache, cfg, schedule, stop)
+  np.testing.assert_array_equal(sl.forwards, [1, 0, 0])
+  np.testing.assert_array_equal(sl.waited, [0, 1, 1])
+  np.testing.assert_array_equal(decided, [True, False, False])  # threshold 0: one forward a block
+  for f in ("block", "block_pos", "steps_used", "prev"):
+    np.testing.assert_array_equal(getattr(sl, f)[1:], getattr(before, f)[1:], err_msg=f)
+  assert bool(sl.fresh.all())
+  sl, cache, _, decided = slots_lib._ragged_forward(model, sl, cache, cfg, schedule, stop)
+  np.testing.assert_array_equal(sl.forwards, [1, 1, 0])
+  np.testing.assert_array_equal(sl.waited, [1, 0, 2])
+
+
+def test_commit_rows_needs_ragged_decoding_and_a_count():
+  for kw, msg in (
+    (dict(commit_rows=-1), ">= 0"),
+    (dict(commit_rows=2, ragged=False), "ragged=True"),
+    (dict(commit_rows=2, ragged=True, decode_tiles=DecodeTiles(halves=True)), "halves"),
+  ):
+    with pytest.raises(ValueError, match=msg):
+      sampler.SamplerConfig(strategy="low_confidence_dynamic", **kw)
+  assert sampler.SamplerConfig(strategy="low_confidence_dynamic", commit_rows=2).commit_rows == 2
 
 
 def test_split_weights_decode_what_the_stacked_parameters_decode():

@@ -4,6 +4,7 @@ training shards them. On 8 fake CPU devices every strategy decodes the tokens, s
 log-probs of one device, each device holds 1/8 of the cache and of the weights, and the compiled
 steps update the cache in place; with two processes each holds and decodes its half of the rows."""
 
+import dataclasses
 import json
 import math
 import os
@@ -138,6 +139,35 @@ def test_engine_on_8_devices_decodes_as_one_device_with_an_eighth_of_the_memory(
     assert kv / 8 < mesh.argument_size_in_bytes <= share * 1.02, (one, mesh)
     assert mesh.alias_size_in_bytes >= kv / 8 - 8 * 4  # the cache, donated and updated in place
     assert mesh.temp_size_in_bytes < min(kv, one.temp_size_in_bytes) / 4, (one, mesh)
+
+
+def test_commit_rows_on_8_devices_pack_each_row_shard_and_decode_the_tokens_of_one(models):
+  """`commit_rows` with rows split 4 ways: each row shard packs its own rows (4 / 4 commit places
+  each, so rows wait) and every row decodes the tokens, step map and log-probs of one device
+  uncapped; a cap that does not divide into the shards is refused."""
+  cfg = sampler.SamplerConfig(
+    strategy="low_confidence_dynamic",
+    threshold=0.5,
+    temperature=1.0,
+    max_new_tokens=10,
+    stop_ids=(STOP,),
+    return_logprobs=True,
+  )
+  prompts = _prompts(8)
+  want = sampler.generate(models[0], prompts, cfg, jax.random.key(3))
+  capped = dataclasses.replace(cfg, commit_rows=4)
+  got = sampler.generate(models[1], prompts, capped, jax.random.key(3))
+  assert got.tokens.sharding.spec[0] == ("data", "fsdp")
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_array_equal(np.asarray(got.step_map), np.asarray(want.step_map))
+  np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=2e-5)
+  assert int(got.forwards) > int(want.forwards)  # rows were deferred
+  with pytest.raises(ValueError, match="multiple of the 4 row shards"):
+    sampler.generate(models[1], prompts, dataclasses.replace(cfg, commit_rows=2))
+  with pytest.raises(ValueError, match="multiple of the 4 row shards"):
+    engine.ContinuousSampler(
+      models[1], dataclasses.replace(cfg, commit_rows=6), slots=8, max_prompt_len=12
+    )
 
 
 @pytest.mark.parametrize("mesh_shape", [dict(fsdp=8), dict(fsdp=4, tensor=2)], ids=str)

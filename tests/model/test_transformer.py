@@ -193,3 +193,45 @@ def test_decode_weights_are_per_layer_fused_in_the_compute_dtype_and_give_the_sa
     np.testing.assert_allclose(f32(got_cache.k), f32(ref_cache.k), atol=tol, rtol=tol)
     k_ref, _ = m.prefill_kv(tok, pos, spec)
     np.testing.assert_allclose(f32(view.prefill_kv(tok, pos, spec)[0]), f32(k_ref), atol=tol)
+
+
+@pytest.mark.parametrize(
+  "impl, path", [("dense", "scan"), ("dense", "decode_weights"), ("flash", "decode_weights")]
+)
+def test_packed_tokens_give_the_hidden_states_and_cache_writes_of_the_full_forward(impl, path):
+  """`pack=` (the ragged sampler's commit cap): the per-token work on the packed tokens only gives
+  those tokens' hidden states and K/V of the unpacked forward; the tokens left out write zeros.
+  One group: every row's second block and the first block of row 0 (the only row it is visible
+  in); one group per row (a row shard each): each row's two blocks, its second first."""
+  model = Transformer(CFG.replace(attention_impl=impl), rngs=nnx.Rngs(0))
+  rows, b = 3, 4
+  tok = jax.random.randint(jax.random.key(5), (rows, 2 * b), 0, CFG.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(8, 16), (rows, 2 * b))
+  seg = jnp.ones((rows, 2 * b), jnp.int32).at[1:, :b].set(0)  # rows 1, 2: first block invisible
+  spec = AttentionSpec.block_causal(b, seg, pos // b)
+  ptok = jax.random.randint(jax.random.key(6), (rows, 8), 0, CFG.vocab_size)
+  ppos = jnp.broadcast_to(jnp.arange(8), (rows, 8))
+  cache = KVCache.empty(CFG, rows, 32, tiles=DecodeTiles(split=16, block_k=16))
+  _, cache = model(ptok, ppos, AttentionSpec.block_causal(b), cache=cache, update_cache=True)
+  run = model if path == "scan" else DecodeView(model, model.decode_weights())
+  full, full_cache = run(tok, pos, spec, cache=cache, update_cache=True, return_hidden=True)
+  second = (jnp.arange(rows)[:, None] * 2 * b + b + jnp.arange(b)).reshape(-1)
+  one_group = jnp.concatenate([second, jnp.arange(b)])[None]
+  per_row = jnp.broadcast_to(jnp.concatenate([jnp.arange(b, 2 * b), jnp.arange(b)]), (rows, 2 * b))
+  new_k = lambda c: np.asarray(c.k)[:, :, 8:16]  # [L, rows, 2b, K*H]: this forward's writes
+  for pack in (one_group, per_row):
+    got, got_cache = run(
+      tok, pos, spec, cache=cache, update_cache=True, return_hidden=True, pack=pack
+    )
+    g, m = pack.shape
+    flat = (jnp.arange(g)[:, None] * (rows // g) * 2 * b + pack).reshape(-1)
+    assert got.shape == (g, m, CFG.hidden_size)
+    want = full.reshape(-1, CFG.hidden_size)[flat]
+    np.testing.assert_allclose(got.reshape(-1, CFG.hidden_size), want, rtol=1e-5, atol=1e-5)
+    kept = np.zeros(rows * 2 * b, bool)
+    kept[np.asarray(flat)] = True
+    kept = kept.reshape(rows, 2 * b)
+    np.testing.assert_allclose(new_k(got_cache)[:, kept], new_k(full_cache)[:, kept], atol=1e-5)
+    assert not new_k(got_cache)[:, ~kept].any()
+    np.testing.assert_array_equal(got_cache.length, full_cache.length)
+  assert (~kept).sum() == 0 and new_k(full_cache)[:, 1:, :b].any()  # per row: all of them

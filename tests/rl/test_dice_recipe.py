@@ -241,6 +241,7 @@ def test_trained_tokens_around_im_end_and_endoftext(sdar_tokenizer):
       done=zeros(1, dt=bool),
       fresh=zeros(1, dt=bool),
       block_step=zeros(1),
+      waited=zeros(1),
       key=jax.random.split(jax.random.key(0), 1),
       out_tokens=jnp.asarray(resp)[None],
       out_steps=jnp.arange(n_all)[None],
