@@ -25,7 +25,7 @@ Runs (in the order given; each writes rows to DIR/results.jsonl and rewrites DIR
                 scaled by `--lm_head_scale`, so that confidences pass the threshold; ragged rows
                 (each moves to its next block as soon as its own is decided).
   dynamic_lockstep  the same with lockstep blocks (every row waits for the batch's slowest block).
-  dynamic_capped  `dynamic` with at most `--commit_rows` rows committing per forward
+  dynamic_capped  `dynamic` with at most R rows committing per forward, once for each R of `--commit_rows`
                 (`SamplerConfig.commit_rows`): the per-token work on rows*b + commit_rows*b packed
                 tokens instead of 2b per row (`fwd_tokens`), and its rate over `dynamic`'s.
                 Estimate, not measured (H200, sdar_4b, 128 rows, fill 1,536, b = 4; issue 39):
@@ -83,7 +83,9 @@ flags.DEFINE_integer("steps", 4, "Denoising steps per block.")
 flags.DEFINE_integer("prefill_chunk", 16, "Rows per prefill chunk.")
 flags.DEFINE_float("threshold", 0.9, "low_confidence_dynamic threshold.")
 flags.DEFINE_float("lm_head_scale", 40.0, "LM-head scale of the dynamic run.")
-flags.DEFINE_integer("commit_rows", 64, "Rows committing per forward in dynamic_capped.")
+flags.DEFINE_list(
+  "commit_rows", ["64"], "Rows committing per forward in dynamic_capped: one run for each."
+)
 flags.DEFINE_integer("mixed_requests", 512, "Requests of the mixed workload.")
 flags.DEFINE_integer("mixed_slots", 128, "Slots of the continuous engine.")
 flags.DEFINE_integer("mixed_min", 64, "Shortest budget of the mixed workload.")
@@ -671,7 +673,13 @@ class Bench:
     head = self.model.lm_head[...]
     self.model.lm_head[...] = head * FLAGS.lm_head_scale
     try:
-      name = "dynamic_capped" if commit_rows else "dynamic" if ragged else "dynamic_lockstep"
+      name = (
+        f"dynamic_capped{commit_rows}"
+        if commit_rows
+        else "dynamic"
+        if ragged
+        else "dynamic_lockstep"
+      )
       row = self.static(
         name,
         FLAGS.new_tokens,
@@ -683,14 +691,19 @@ class Bench:
       self.model.lm_head[...] = head
     if commit_rows and "dynamic" in self.rates:
       self.record(
-        dict(run="dynamic_capped_vs_dynamic", ratio=round(row["tok_s"] / self.rates["dynamic"], 3))
+        dict(
+          run=f"{name}_vs_dynamic",
+          commit_rows=commit_rows,
+          ratio=round(row["tok_s"] / self.rates["dynamic"], 3),
+        )
       )
 
   def dynamic_lockstep(self):
     self.dynamic(ragged=False)
 
   def dynamic_capped(self):
-    self.dynamic(commit_rows=FLAGS.commit_rows)
+    for r in FLAGS.commit_rows:
+      self.dynamic(commit_rows=int(r))
 
 
 def fwd_tokens(scfg, rows: int):
