@@ -33,6 +33,13 @@ from absl import flags  # noqa: E402
 from dice_jax import tpu_memory, tpu_topology  # noqa: E402
 from dice_jax.errors import UserError  # noqa: E402
 from experiments import _cli  # noqa: E402
+from experiments.tpu_memory_markdown import (  # noqa: E402
+  HEADER,
+  block_of,
+  merge_block,
+  replace_block,
+  row_key,
+)
 
 FLAGS = flags.FLAGS
 TARGETS = [
@@ -62,13 +69,6 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_integer(
   "jobs", 1, "Programs compiled at once, each in its own process (~2-4 GB of memory each)."
-)
-
-BEGIN, END = "<!-- tpu-memory-table -->", "<!-- /tpu-memory-table -->"
-HEADER = (
-  "| model | slice (chips) | program | shape | compiled peak | arguments | temporaries | HBM "
-  "| estimate | est./peak | attention | [T, S] scores | compile CPU s |\n"
-  "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|"
 )
 
 
@@ -113,33 +113,6 @@ def _parse_targets(targets, default_programs):
   return out
 
 
-def replace_block(text: str, table: str) -> str:
-  """`text` with the lines between the markers replaced by `table`."""
-  if BEGIN not in text or END not in text:
-    raise UserError(f"--out has no {BEGIN} ... {END} block to replace")
-  head, rest = text.split(BEGIN, 1)
-  _, tail = rest.split(END, 1)
-  return f"{head}{BEGIN}\n{table}\n{END}{tail}"
-
-
-def _row_key(line: str) -> tuple:
-  """(model, slice, program) of a table line."""
-  return tuple(c.strip() for c in line.strip().strip("|").split("|")[:3])
-
-
-def merge_block(block: str, lines: list[str], note: str) -> str:
-  """The marked `block` (a note, the header, rows) with `lines` replacing the rows of the same
-  model, slice and program (the others kept, new ones appended) and `note` added to its note."""
-  if HEADER not in block:
-    raise UserError("--merge: the marked block holds no table with this command's header")
-  old_note, rows = block.split(HEADER, 1)
-  new = {_row_key(line): line for line in lines}
-  kept = []
-  for line in rows.strip().splitlines():
-    kept.append(new.pop(_row_key(line), line))
-  return f"{old_note.strip()} {note}\n\n{HEADER}\n" + "\n".join(kept + list(new.values()))
-
-
 def main(argv):
   del argv
   reason = tpu_topology.libtpu_missing()
@@ -156,7 +129,7 @@ def main(argv):
       text = f.read()
     replace_block(text, "")
     if FLAGS.merge:
-      merge_block(_block(text), [], "")
+      merge_block(block_of(text), [], "")
   recipe = tpu_memory.Recipe(
     rows_per_chip=FLAGS.rows_per_chip,
     sft_seq_len=FLAGS.sft_seq_len,
@@ -175,7 +148,7 @@ def main(argv):
   if FLAGS.merge:
     note = (
       f"Rows recompiled {when} by {command}: "
-      + "; ".join(" ".join(_row_key(line)) for line in lines)
+      + "; ".join(" ".join(row_key(line)) for line in lines)
       + "."
     )
   else:
@@ -185,18 +158,13 @@ def main(argv):
     with open(FLAGS.out) as f:
       text = f.read()
     if FLAGS.merge:
-      table = merge_block(_block(text), lines, note)
+      table = merge_block(block_of(text), lines, note)
     new = replace_block(text, table)
     tmp = FLAGS.out + ".tmp"
     with open(tmp, "w") as f:
       f.write(new)
     os.replace(tmp, FLAGS.out)
     print(f"wrote the table into {FLAGS.out}")
-
-
-def _block(text: str) -> str:
-  """What stands between the markers of `text`."""
-  return text.split(BEGIN, 1)[1].split(END, 1)[0]
 
 
 def _compile_all(work, jobs: int):

@@ -4,7 +4,7 @@ slice and program; the other rows and the note are kept."""
 import pytest
 
 from dice_jax.errors import UserError
-from experiments import tpu_memory_table as table
+from experiments import tpu_memory_markdown as table
 
 
 def _row(model, where, program, peak):
