@@ -20,7 +20,8 @@ ATTENTION_IMPLS = ("dense", "xla", "cudnn", "flash")
 #         without batch dimensions, jax.checkpoint_policies.dots_with_no_batch_dims_saveable);
 #         norms, RoPE, attention and the SwiGLU product are recomputed
 #   dots_attn  dots, and the flash attention kernel's output and log-sum-exp (flash_bd.OUT_NAME,
-#         LSE_NAME): the backward pass does not run the attention forward again
+#         LSE_NAME; flash_bd and flash_tpu name both, the layer adds no second name for the
+#         output): the backward pass does not run the attention forward again
 #   full_attn  the layer's input and the flash kernel's output and log-sum-exp: everything but
 #         the attention forward is recomputed
 # (With a non-flash attention the `_attn` policies save the attention output only.)

@@ -27,10 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dice_jax import sharding as sharding_lib
+from dice_jax.model.flash_bd import LSE_NAME, OUT_NAME
 
 LANES, SUBLANES = 128, 8
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -436,7 +438,12 @@ def _fa_fwd(q, k, v, seg, rank, klo, scale, block_q, block_k, interpret):
     block_k=block_k,
     interpret=interpret,
   )
-  return o.reshape(q.shape), (q, k, v, seg, rank, klo, o, lse)
+  # The residuals under flash_bd's names: a remat policy that saves them (model/config.py
+  # `dots_attn`, `full_attn`) keeps the backward pass from running this forward kernel again.
+  # The output is kept as returned, `[B, T, N, H]`; the log-sum-exp one lane wide, `[B, N, T]` f32
+  # (1/128 of the kernel's), and widened again for the backward kernels.
+  o, lse = checkpoint_name(o.reshape(q.shape), OUT_NAME), checkpoint_name(lse[..., 0], LSE_NAME)
+  return o, (q, k, v, seg, rank, klo, o, lse)
 
 
 def _fa_bwd(scale, block_q, block_k, interpret, res, do):
@@ -451,8 +458,8 @@ def _fa_bwd(scale, block_q, block_k, interpret, res, do):
     flat(v)[None],
     vecs,
     plan,
-    o,
-    lse,
+    flat(o),
+    jnp.broadcast_to(lse[..., None], (*lse.shape, LANES)),
     flat(do).astype(q.dtype),
     h=h,
     scale=scale,

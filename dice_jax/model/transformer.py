@@ -417,7 +417,8 @@ def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk
       flash_tpu_tiles=cfg.flash_tpu_tiles,
       flash_live_only=cfg.flash_live_only,
     )
-    o = checkpoint_name(o, ATTENTION_OUT)
+    if cfg.attention_impl != "flash":  # the flash kernels name their output themselves (a
+      o = checkpoint_name(o, ATTENTION_OUT)  # second name would keep a second stacked copy)
   else:
     o = cached_attention(
       q,
@@ -475,8 +476,9 @@ def _side_stream_attention(spec: masks_lib.AttentionSpec):
 def remat_layer(layer_fn, policy: str):
   """`layer_fn` under the rematerialisation `policy` (config.REMAT_POLICIES): unchanged for
   "none", `jax.checkpoint` keeping only its inputs for "full", keeping the weight matmuls'
-  outputs for "dots", and with `_attn` also the attention's output (and the flash kernel's
-  log-sum-exp). The values are the same; only what the backward pass stores differs."""
+  outputs for "dots", and with `_attn` also the attention's output (the flash kernels, GPU and
+  TPU, name their output and log-sum-exp themselves: `flash_bd.OUT_NAME`, `LSE_NAME`). The
+  values are the same; only what the backward pass stores differs."""
   if policy == "none":
     return layer_fn
   from dice_jax.model import flash_bd

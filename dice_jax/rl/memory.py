@@ -43,8 +43,9 @@ update compiled for a v5e-8 (docs/tpu.md, "What the RL planner models per platfo
   - one layer's backward keeps compute-dtype buffers only (`TPU_LAYER_BWD`: the f32 norm and
     RoPE intermediates the CPU count has are fused away), and the Mosaic flash kernel's
     log-sum-exp is `[N, T, 128]` f32 (`TPU_STAT_LANES`);
-  - `*_attn` keeps the attention's output but not the log-sum-exp (`flash_tpu` names no
-    residual for the policy to save: the backward re-runs the forward kernel);
+  - the kernel keeps one lane of its log-sum-exp for the backward pass (`[N, T]` f32, widened
+    again there), and `*_attn` keeps it with the attention's output (`flash_tpu` names both,
+    as `flash_bd`: the backward runs no forward kernel again);
   - the LM head: `TPU_LOGIT_TEMPS` f32 chunks, the head gathered whole in compute dtype and its
     f32 gradient shard;
   - of the embedding and final norm only the final norm's compute-dtype input and output;
@@ -119,11 +120,12 @@ def _platform(platform: Optional[str]) -> str:
   return platform
 
 
-def _stat_bytes(c, platform: str) -> int:
-  """Bytes per token of the flash kernel's f32 log-sum-exp (lane-wide on TPU); 0 without one."""
+def _stat_bytes(c, platform: str, kept: bool = False) -> int:
+  """Bytes per token of the flash kernel's f32 log-sum-exp (lane-wide on TPU; `kept` for the
+  backward pass, one lane wide everywhere: `flash_tpu` keeps `[B, N, T]`); 0 without one."""
   if c.attention_impl not in FLASH_IMPLS:
     return 0
-  return 4 * c.num_heads * (TPU_STAT_LANES if platform == "tpu" else 1)
+  return 4 * c.num_heads * (TPU_STAT_LANES if platform == "tpu" and not kept else 1)
 
 
 def layer_residual_bytes(
@@ -135,11 +137,9 @@ def layer_residual_bytes(
   a = jnp.dtype(c.compute_dtype).itemsize
   d, f = c.hidden_size, c.intermediate_size
   nq, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-  # *_attn keeps the attention's output and the kernel's log-sum-exp (flash_bd names both); the
-  # TPU kernel names no residual, so there the output only is kept and the backward re-runs the
-  # forward kernel for the log-sum-exp (sdar_1p7b `dots_attn` on a v5p-8: 45,056 bytes per token
-  # and layer saved, the `dots` set and the output)
-  attention = a * nq + (0 if platform == "tpu" else _stat_bytes(c, platform))
+  # *_attn keeps the attention's output and the kernel's log-sum-exp (flash_bd and flash_tpu name
+  # both, so the backward runs no forward kernel again; the TPU kernel keeps one lane of it)
+  attention = a * nq + _stat_bytes(c, platform, kept=True)
   if policy in ("full", "full_attn"):
     return float(a * d + (attention if policy == "full_attn" else 0)), 0.0
   if policy in ("dots", "dots_attn"):
@@ -153,7 +153,7 @@ def layer_residual_bytes(
   per_token -= 4 * (2 * d + nq + kv) if f32_compute else 0
   per_token += 8 * (c.num_heads + c.num_kv_heads + 2)  # norm statistics
   if c.attention_impl in FLASH_IMPLS:
-    per_token += a * nq + _stat_bytes(c, platform)  # the kernel's output and log-sum-exp
+    per_token += a * nq + _stat_bytes(c, platform, kept=True)  # the kernel's output and lse
   else:  # mask, scores, exp (f32), probabilities (compute dtype)
     per_token += c.num_heads * seq_len * (9 + (0 if f32_compute else a))
   return float(per_token), float(a * _layer_params(c))  # + the layer's weights in compute dtype

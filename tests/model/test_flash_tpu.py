@@ -215,3 +215,45 @@ def test_model_config_tpu_tiles_reach_the_kernel_and_are_validated():
   assert grids == {(512, 512): ["1, 2, 1, 1"], (128, 256): ["1, 2, 4, 2"]}  # (B, N, nq, nk)
   with pytest.raises(ValueError, match="flash_tpu_tiles must be .* multiples of 8 and of 128"):
     get_config("tiny", flash_tpu_tiles=(512, 64))
+
+
+@pytest.mark.parametrize("target,kernel", [("tpu", "bd_flash_tpu_fwd"), ("cpu", "bd_flash_fwd")])
+def test_remat_attn_policies_keep_the_kernel_residuals_and_the_gradients(target, kernel):
+  """`dots_attn`/`full_attn` save the flash kernel's output and log-sum-exp (`flash_bd.OUT_NAME`,
+  `LSE_NAME`, named in the TPU kernel's custom-VJP forward as in flash_bd's), so the backward need
+  not re-run its forward, and the layer names the output no second time (`attention_out`); the
+  model's gradients (interpreted kernels, a two-layer block-diffusion 2L input) equal those
+  without remat. The compiled program's kernel counts: tests/train/test_tpu_remat.py."""
+  from flax import nnx
+
+  from dice_jax.model.config import get_config
+
+  t = 16
+  seg, pos, blk = _packed(t)
+  spec = masks.AttentionSpec.block_diffusion(4, jnp.asarray(seg), jnp.asarray(blk))
+  positions = jnp.asarray(np.concatenate([pos, pos], 1))
+  tokens = jnp.asarray(np.random.default_rng(7).integers(2, 250, size=(2, 2 * t)), jnp.int32)
+  ct = jnp.asarray(np.random.default_rng(8).normal(size=(2, 2 * t, 256)), jnp.float32)
+  params = nnx.split(
+    transformer.Transformer(get_config("tiny", dtype="float32"), rngs=nnx.Rngs(0)), nnx.Param
+  )[1]
+
+  def grads(remat):
+    cfg = get_config("tiny", dtype="float32", attention_impl="flash", remat=remat)
+    graphdef = nnx.split(transformer.Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)[0]
+    loss = lambda p: (nnx.merge(graphdef, p)(tokens, positions, spec) * ct).sum()
+    with platform.lowering_for(target, interpret=True):
+      text = str(jax.make_jaxpr(jax.grad(loss))(params))
+      assert set(re.findall(r"name=(bd_flash\w*_fwd)", text)) == {kernel}
+      return jax.jit(jax.value_and_grad(loss))(params), text
+
+  (want_loss, want), _ = grads(False)
+  scale = max(float(jnp.abs(x).max()) for x in jax.tree.leaves(want))
+  for policy in ("dots_attn", "full_attn"):
+    (loss, got), text = grads(policy)
+    names = set(re.findall(r"name\[name=(\w+)\]", text))
+    assert names == {flash_bd.OUT_NAME, flash_bd.LSE_NAME}, names
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5, err_msg=policy)
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale), got, want
+    )
