@@ -45,6 +45,17 @@ from verifier.serve.service import ServiceConfig, VerifierService
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SEPARATION_PHASES = ("exchange_stage", "exchange_round_trip", "exchange_load_map_wait")
+# the device clock's decision and both clocks' estimates (``Check._choose_clock``)
+DEVICE_CLOCK_PHASES = (
+  "timing_device_clock",
+  "timing_device_floored",
+  "timing_host_mean_ms",
+  "timing_device_mean_ms",
+  "timing_device_kernel_ms",
+  "timing_device_floor_ms",
+  "timing_device_allowance_ms",
+  "calibration_reference_device_ms",
+)
 # a timed candidate's own phases, kept per problem (``gpu_level1``)
 TIMING_PHASES = (
   "exchange_call_before_ms",
@@ -69,14 +80,7 @@ TIMING_PHASES = (
   "timing_null",
   "timing_burst_calls",
   "timing_drawn_into_buffers",
-  "timing_device_clock",
-  "timing_device_floored",
-  "timing_host_mean_ms",
-  "timing_device_mean_ms",
-  "timing_device_kernel_ms",
-  "timing_device_floor_ms",
-  "timing_device_allowance_ms",
-  "calibration_reference_device_ms",
+  *DEVICE_CLOCK_PHASES,
 )
 DATA_DIRS = [
   REPO / ".gpu_data" / "verifier",

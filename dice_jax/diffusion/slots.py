@@ -376,15 +376,9 @@ def _close_blocks(slots: Slots, closing, gen, stop_ids, mask_id: int, b: int):
 
 def commit_cap(cfg, rows: int, groups: int = 1) -> int:
   """Fresh rows of each of `groups` row groups that may commit in one ragged forward:
-  `cfg.commit_rows / groups` (at most a group's rows); 0 for no cap."""
-  if not cfg.commit_rows:
-    return 0
-  if cfg.commit_rows % groups or rows % groups:
-    raise ValueError(
-      f"SamplerConfig.commit_rows ({cfg.commit_rows}) and the rows ({rows}) must divide into "
-      f"the {groups} row shards"
-    )
-  return min(cfg.commit_rows, rows) // groups
+  `cfg.commit_rows / groups` (at most a group's rows); 0 for no cap. `groups` divides both
+  (`sampler.commit_groups` checks it where the rows are split)."""
+  return min(cfg.commit_rows, rows) // groups if cfg.commit_rows else 0
 
 
 def _choose_commits(fresh, waited, cap: int):

@@ -25,6 +25,15 @@ from experiments import local_cluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STOP = 238  # a token the sharpened tiny model emits often: rows stop at different blocks
+# the RL rollout's decoding (dynamic strategy, ragged rows, log-probs) on the tiny model
+DYNAMIC = sampler.SamplerConfig(
+  strategy="low_confidence_dynamic",
+  threshold=0.5,
+  temperature=1.0,
+  max_new_tokens=10,
+  stop_ids=(STOP,),
+  return_logprobs=True,
+)
 MESH = dict(data=2, fsdp=2, tensor=2)  # rows split 4 ways, K/V heads 2 ways
 
 
@@ -91,14 +100,7 @@ def test_engine_on_8_devices_decodes_as_one_device_with_an_eighth_of_the_memory(
   per-slot metadata, and the weights: split over fsdp x tensor, whole on each of the 2 data
   replicas); the cache is aliased in place, and the temporaries fall with the rows (no gathered
   cache; each device prefills its own prompts)."""
-  cfg = sampler.SamplerConfig(
-    strategy="low_confidence_dynamic",
-    threshold=0.5,
-    temperature=1.0,
-    max_new_tokens=10,
-    stop_ids=(STOP,),
-    return_logprobs=True,
-  )
+  cfg = DYNAMIC
   reqs = [
     engine.Request(i, p, jax.random.key(100 + i), max_new_tokens=4 + i % 7)
     for i, p in enumerate(_prompts(13, seed=1))
@@ -145,14 +147,7 @@ def test_commit_rows_on_8_devices_pack_each_row_shard_and_decode_the_tokens_of_o
   """`commit_rows` with rows split 4 ways: each row shard packs its own rows (4 / 4 commit places
   each, so rows wait) and every row decodes the tokens, step map and log-probs of one device
   uncapped; a cap that does not divide into the shards is refused."""
-  cfg = sampler.SamplerConfig(
-    strategy="low_confidence_dynamic",
-    threshold=0.5,
-    temperature=1.0,
-    max_new_tokens=10,
-    stop_ids=(STOP,),
-    return_logprobs=True,
-  )
+  cfg = DYNAMIC
   prompts = _prompts(8)
   want = sampler.generate(models[0], prompts, cfg, jax.random.key(3))
   capped = dataclasses.replace(cfg, commit_rows=4)

@@ -32,29 +32,28 @@ _MISSING = tpu_topology.libtpu_missing()
 if _MISSING:
   pytest.skip(_MISSING, allow_module_level=True)
 
-from dice_jax import tpu_lowering, tpu_memory  # noqa: E402
+from dice_jax import tpu_lowering  # noqa: E402
 from dice_jax.model.config import get_config  # noqa: E402
 
-from ._tpu_compile import FLASH_TRAIN, assert_compiled_within_hbm, compiled_row  # noqa: E402
+from ._tpu_compile import (  # noqa: E402
+  FLASH_TRAIN,
+  assert_compiled_within_hbm,
+  assert_rl_row,
+  assert_sft_row,
+  compiled_row,
+)
 
 
 def test_sft_step_of_sdar_1p7b_fits_a_v5e_8_with_the_mosaic_kernels():
   row = compiled_row("sdar_1p7b", "v5e-8", "sft")
-  assert_compiled_within_hbm(row)
-  assert set(row.kernels) == FLASH_TRAIN
-  # fp32 parameters and AdamW moments over the 8 chips, donated: in and out are one buffer
-  params = tpu_memory.model_config("sdar_1p7b").num_params()
-  assert row.memory.arguments == pytest.approx(3 * 4 * params / 8, rel=0.02)
-  assert row.memory.aliased == pytest.approx(row.memory.arguments, rel=0.01)
+  assert_sft_row(row, chips=8)
 
 
 def test_rl_update_of_sdar_1p7b_fits_a_v5p_8_and_the_planner_is_above_it_by_under_15_percent():
   row = compiled_row("sdar_1p7b", "v5p-8", "rl")
-  assert_compiled_within_hbm(row)
-  assert set(row.kernels) == FLASH_TRAIN
   # jax 0.10.2 / libtpu 0.0.42.1: planner 13.62 GiB, compiler 13.10 GiB (x1.04; 14.76, x1.13,
   # with the CPU parts it had before its TPU model: rl/memory.py)
-  assert row.memory.peak <= row.estimate <= 1.15 * row.memory.peak
+  assert_rl_row(row)
 
 
 def test_sampler_decode_of_sdar_1p7b_fits_a_v5e_8_with_the_cache_kernel():
