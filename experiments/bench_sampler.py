@@ -33,6 +33,8 @@ Runs (in the order given; each writes rows to DIR/results.jsonl and rewrites DIR
                 ~26.3 ms (+~0.5 ms of gathers/scatters); ~49 rows commit per forward, so R = 64
                 defers few (CPU tiny model at 1.41 tokens per row-forward: +4 % forwards at
                 R = 64, +20 % at R = 48): ~8,000-8,300 tok/s against 7,494, short of 9,000.
+  dynamic_capped_fp8  `dynamic_capped` on a float8_e4m3fn K/V cache (approximate; `--decode_tiles`
+                picks its widening, e.g. '{"fp8_widen": "f16"}').
   long          continuous engine, `--batch` slots, `--batch` requests of `--long_tokens` new
                 tokens each (no stop): the no-stop rate, and the 1024 + 4096 memory.
   mixed         the same engine on `--mixed_requests` prompts whose budgets are uniform in
@@ -669,7 +671,7 @@ class Bench:
         )
       )
 
-  def dynamic(self, ragged=True, commit_rows=0):
+  def dynamic(self, ragged=True, commit_rows=0, suffix="", **kw):
     head = self.model.lm_head[...]
     self.model.lm_head[...] = head * FLAGS.lm_head_scale
     try:
@@ -679,13 +681,14 @@ class Bench:
         else "dynamic"
         if ragged
         else "dynamic_lockstep"
-      )
+      ) + suffix
       row = self.static(
         name,
         FLAGS.new_tokens,
         strategy="low_confidence_dynamic",
         ragged=ragged,
         commit_rows=commit_rows,
+        **kw,
       )
     finally:
       self.model.lm_head[...] = head
@@ -704,6 +707,11 @@ class Bench:
   def dynamic_capped(self):
     for r in FLAGS.commit_rows:
       self.dynamic(commit_rows=int(r))
+
+  def dynamic_capped_fp8(self):
+    """`dynamic_capped` on a float8_e4m3fn K/V cache (approximate, as `static_fp8`)."""
+    for r in FLAGS.commit_rows:
+      self.dynamic(commit_rows=int(r), suffix="_fp8", kv_cache_dtype="float8_e4m3fn")
 
 
 def fwd_tokens(scfg, rows: int):
@@ -849,6 +857,7 @@ def main(argv):
         "dynamic",
         "dynamic_lockstep",
         "dynamic_capped",
+        "dynamic_capped_fp8",
         "long",
         "mixed",
         "mixed_static",

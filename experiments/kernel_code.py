@@ -127,6 +127,7 @@ VARIANTS = {
   "fold_new=1": (flash_decode.DecodeTiles(fold_new=True), jnp.bfloat16),
   "cache=fp8": (flash_decode.DecodeTiles(), jnp.float8_e4m3fn),
   "cache=fp8+fp8_widen=asm": (flash_decode.DecodeTiles(fp8_widen="asm"), jnp.float8_e4m3fn),
+  "cache=fp8+fp8_widen=f16": (flash_decode.DecodeTiles(fp8_widen="f16"), jnp.float8_e4m3fn),
 }
 
 

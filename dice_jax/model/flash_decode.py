@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover
   plgpu = None
 
 
-FP8_WIDENS = ("cast", "asm", "bits")
+FP8_WIDENS = ("cast", "asm", "bits", "f16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,11 @@ class DecodeTiles:
   # value on sm_90, whose conversion pipe issues 16 a clock per SM), "asm" (byte permutes, masks
   # and one bf16x2 multiply by 2^120 per two values: no cvt; GPU only, the interpreter runs
   # "bits"), "bits" (integer ops for normal values, a float conversion for subnormal ones: the
-  # portable reference of "asm"). All give the same bf16 values.
+  # portable reference of "asm"). All give the same bf16 values. "f16": widened to float16 instead
+  # (one `cvt.rn.f16x2.e4m3x2` per two values on sm_89+; exact, every e4m3 value is a float16),
+  # the queries cast to float16 (exact within float16's range, where normed queries stay) and the
+  # probabilities rounded to float16 for the value dot (3 more mantissa bits than bf16): f16 x f16
+  # -> f32 dots on the same tensor cores. Close to, not bit for bit, the bf16 variants.
   fp8_widen: str = "cast"
   # Schedule: the decode forward in two row halves, each half's cache attention on a second GPU
   # stream (`platform.on_gpu_stream`), so one half's attention (HBM-bound) can run beside the
@@ -203,6 +207,8 @@ def _kernel(
   o_ref, lse_ref = refs[-2:]
   layer = layer_ref[0]
   q = q_ref[...]  # [BQ, H]
+  if widen == "f16" and k_ref.dtype == jnp.float8_e4m3fn:  # f16 dots (`DecodeTiles.fp8_widen`)
+    q = q.astype(jnp.float16)
   q_seg, q_rank = qseg_ref[...], qrank_ref[...]
   rows, h = q.shape
   qk_scale = scale * math.log2(math.e)
@@ -229,7 +235,8 @@ def _kernel(
   if fold_new:
     kn_ref, vn_ref, nseg_ref, nrank_ref = refs[:4]
     vis = _visible(q_seg, q_rank, nseg_ref[...], nrank_ref[...]) & (pl.program_id(3) == 0)
-    carry = _online_tile(carry, q, kn_ref[...], lambda: vn_ref[...], vis, qk_scale)
+    kn, load_vn = kn_ref[...].astype(q.dtype), lambda: vn_ref[...].astype(q.dtype)
+    carry = _online_tile(carry, q, kn, load_vn, vis, qk_scale)
   o, m, l = carry
   empty = l == 0.0
   o_ref[...] = jnp.where(empty[:, None], 0.0, o / jnp.where(empty, 1.0, l)[:, None])

@@ -281,6 +281,29 @@ def test_float8_widening_without_cvt_gives_the_cast_values():
     flash_decode.DecodeTiles(fp8_widen="cvt")
 
 
+def test_float16_widening_is_as_close_to_float32_attention_as_the_bf16_widening():
+  """`fp8_widen='f16'` (float16 dots over the float8 cache) against the float32 attention over the
+  same float8 values: within the bf16 widening's error (its queries and keys are exact in float16,
+  its probabilities rounded to float16 rather than bf16), with and without `fold_new`; a wrong
+  tile, a dropped query cast or unscaled keys would be far off."""
+  f32 = lambda a: a.astype(jnp.float32)
+  q, kn, vn, cache, spec, pos, seg = _attention_case(5, b=4, t=4, dtype=jnp.bfloat16, fp8=True)
+  want = transformer.cached_attention(
+    *map(f32, (q, kn, vn, cache.k[1], cache.v[1])), spec, pos, seg, pos // 4, cache
+  )
+  want = np.where(np.asarray(seg > 0)[:, :, None, None], np.asarray(want), 0.0)
+  err = {}
+  for how in ("cast", "f16"):
+    for fold in (False, True):
+      tiles = flash_decode.DecodeTiles(split=32, block_k=16, fp8_widen=how, fold_new=fold)
+      c = dataclasses.replace(cache, tiles=tiles)
+      got = flash_decode.cached_attention(q, kn, vn, 1, spec, pos, seg, pos // 4, c)
+      assert got.dtype == jnp.bfloat16
+      err[how, fold] = float(np.abs(np.asarray(f32(got)) - want).max())
+  assert 0 < err["cast", False] < 0.05, err
+  assert all(e <= 1.5 * err["cast", False] for e in err.values()), err
+
+
 def test_sampler_with_every_decode_option_decodes_what_the_dense_sampler_decodes():
   """Exactness: the forward in two row halves (attention on a second stream), balanced programs
   and the new keys folded into the kernel decode the dense sampler's tokens and step map (the
