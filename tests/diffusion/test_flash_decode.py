@@ -180,7 +180,8 @@ def _attention_case(seed, b=4, t=8, s=64, n=4, k=2, h=16, dtype=jnp.float32, fp8
 
 def test_kernel_options_equal_the_dense_attention():
   """Balanced programs (`splits`), the new keys folded into the kernel (`fold_new`), the masked
-  loop, and a part of the rows read at a row offset (`halves`) give the dense cached attention."""
+  loop, one program a row (`split` over the whole cache: no merge), and a part of the rows read at
+  a row offset (`halves`) give the dense cached attention."""
   q, kn, vn, cache, spec, pos, seg = _attention_case(2)
   ck, cv = cache.k, cache.v
   live = np.asarray(seg > 0)[:, :, None, None]  # the dense result of an invisible query is noise
@@ -189,7 +190,13 @@ def test_kernel_options_equal_the_dense_attention():
   )
   want = np.where(live, want, 0.0)  # the kernel returns 0 there
   base = flash_decode.DecodeTiles(split=32, block_k=16)
-  for opts in (dict(splits=3), dict(splits=2, fold_new=True, dynamic_loop=False)):
+  one = dict(split=1024)  # S = 64: one program a row
+  for opts in (
+    dict(splits=3),
+    dict(splits=2, fold_new=True, dynamic_loop=False),
+    one,
+    dict(one, fold_new=True),
+  ):
     c = dataclasses.replace(cache, tiles=dataclasses.replace(base, **opts))
     got = flash_decode.cached_attention(q, kn, vn, 1, spec, pos, seg, pos // 4, c)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=str(opts))
