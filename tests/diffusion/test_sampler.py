@@ -511,6 +511,20 @@ def test_fp8_weights_compose_with_the_commit_cap(flash_bf16):
   np.testing.assert_array_equal(capped.step_map, free.step_map)
 
 
+def test_fp8_weights_decode_the_same_in_the_continuous_engine(flash_bf16):
+  """The engine splits and quantises the weights as the static sampler does: the same responses."""
+  from dice_jax.diffusion import engine
+
+  cfg = sampler.SamplerConfig(
+    strategy="low_confidence_static", max_new_tokens=12, weights_dtype="float8_e4m3fn"
+  )
+  want = sampler.generate(flash_bf16, PROMPTS, cfg, jax.random.key(0)).responses()
+  eng = engine.ContinuousSampler(flash_bf16, cfg, slots=2, max_prompt_len=16)
+  key = lambda i: jax.random.fold_in(jax.random.key(0), i)
+  done = {c.id: c for c in eng.run([engine.Request(i, p, key(i)) for i, p in enumerate(PROMPTS)])}
+  assert [list(done[i].response_ids) for i in range(len(PROMPTS))] == want
+
+
 def test_fp8_weights_are_refused_off_the_split_weights_path():
   with pytest.raises(ValueError, match="weights_dtype must be one of"):
     sampler.SamplerConfig(weights_dtype="int8")
