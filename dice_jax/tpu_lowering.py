@@ -124,7 +124,9 @@ def sampler_programs(
   weights = None
   if scfg.splits_weights(mcfg):
     model = nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)))
-    split = lambda s: nnx.merge(graphdef, s).decode_weights(lay.fuses_projections)
+    split = lambda s: nnx.merge(graphdef, s).decode_weights(
+      lay.fuses_projections, scfg.weights_dtype
+    )
     weights = jax.eval_shape(split, st)
     weights = jax.tree.map(_sds, weights, lay.decode_weights(model, weights))
   b = scfg.block_size

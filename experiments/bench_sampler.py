@@ -24,6 +24,14 @@ Runs (in the order given; each writes rows to DIR/results.jsonl and rewrites DIR
   dynamic       `static` with low_confidence_dynamic (threshold 0.9) on the model with its LM head
                 scaled by `--lm_head_scale`, so that confidences pass the threshold; ragged rows
                 (each moves to its next block as soon as its own is decided).
+  dynamic_fp8w  `dynamic` on float8 projection weights (`SamplerConfig.weights_dtype`: e4m3fn
+                weights with per-column scales, float8 x float8 GEMMs on per-token quantised
+                activations; the LM head stays bf16; approximate decoding), with `vs_dynamic` and
+                `token_agreement`: the fraction of the bf16 `dynamic` run's decoded tokens it
+                matches on its first `--agree_prompts` prompts (the sharpened model; `dynamic` runs
+                first when it has not). `static_fp8w`: the same on `static` (model not sharpened),
+                `dynamic_capped_fp8w`: on `dynamic_capped` (each `--commit_rows`), against
+                `dynamic` (the cap is exact in either dtype).
   dynamic_lockstep  the same with lockstep blocks (every row waits for the batch's slowest block).
   dynamic_capped  `dynamic` with at most R rows committing per forward, once for each R of `--commit_rows`
                 (`SamplerConfig.commit_rows`): the per-token work on rows*b + commit_rows*b packed
@@ -87,6 +95,9 @@ flags.DEFINE_float("threshold", 0.9, "low_confidence_dynamic threshold.")
 flags.DEFINE_float("lm_head_scale", 40.0, "LM-head scale of the dynamic run.")
 flags.DEFINE_list(
   "commit_rows", ["64"], "Rows committing per forward in dynamic_capped: one run for each."
+)
+flags.DEFINE_integer(
+  "agree_prompts", 64, "Prompts whose tokens the *_fp8w runs compare with bf16 decoding's."
 )
 flags.DEFINE_integer("mixed_requests", 512, "Requests of the mixed workload.")
 flags.DEFINE_integer("mixed_slots", 128, "Slots of the continuous engine.")
@@ -177,6 +188,7 @@ class Bench:
     self.options = {}
     self.rows = []
     self.rates = {}
+    self.decoded = {}  # run name -> (tokens, step map) on the host, for the *_fp8w agreement
 
   # --- bookkeeping --------------------------------------------------------------------------
 
@@ -224,6 +236,7 @@ class Bench:
     tiles=None,
     weights=None,
     commit_rows=0,
+    weights_dtype=None,
   ) -> dict:
     """One static-sampler call, lowered (not compiled): {name, scfg, args, est, lowered,
     lower_s}. `weights`: the split weights to decode on (default: split now)."""
@@ -236,6 +249,7 @@ class Bench:
       ragged=ragged,
       kv_cache_dtype=kv_cache_dtype,
       commit_rows=commit_rows,
+      weights_dtype=weights_dtype,
     )
     prompts = prompts or self.prompts(FLAGS.batch)
     layout = sampler.layout_prompts(prompts, scfg, mcfg.mask_token_id, budgets)
@@ -244,7 +258,7 @@ class Bench:
     layout = jax.tree.map(jnp.asarray, layout)
     graphdef, state = nnx.split(model)
     if weights is None and scfg.splits_weights(mcfg):
-      weights = sampler.split_weights(graphdef, state)
+      weights = sampler.split_weights(graphdef, state, weights_dtype=scfg.weights_dtype)
     keys = sampler.row_keys(jax.random.key(0), len(prompts))
     lay = Placement.of(state)
     options = tuple(sorted((self.options or {}).items()))
@@ -281,6 +295,7 @@ class Bench:
       options=self.options,
       ragged=scfg.ragged,
       kv_cache_dtype=str(scfg.cache_dtype(mcfg)),
+      weights_dtype=scfg.weights_dtype or str(jnp.dtype(mcfg.compute_dtype)),
       compile_s=round(compile_s, 1),
       run_s=round(run_s, 2),
       tok_s=round(generated / run_s),
@@ -305,17 +320,19 @@ class Bench:
     )
     return row, decoded
 
-  def static(self, name, new, strategy="low_confidence_static", **kw):
-    """`prepare` (same keywords), compile and `measure` one call; recorded, with `vs_static`."""
+  def static(self, name, new, strategy="low_confidence_static", record=True, **kw):
+    """`prepare` (same keywords), compile and `measure` one call; recorded (unless not `record`),
+    with `vs_static`; its tokens and step map kept in `decoded`."""
     p = self.prepare(name, new, strategy, **kw)
     t0 = time.perf_counter()
     compiled = p["lowered"].compile()
-    row, _ = self.measure(p, compiled, p["lower_s"] + time.perf_counter() - t0)
+    row, self.decoded[name] = self.measure(p, compiled, p["lower_s"] + time.perf_counter() - t0)
     del p, compiled
     if name != "static" and "static" in self.rates:
       row["vs_static"] = round(row["tok_s"] / self.rates["static"], 3)
     self.rates[name] = row["tok_s"]
-    self.record(row)
+    if record:
+      self.record(row)
     return row
 
   # --- breakdown and tile sweep ---------------------------------------------------------------
@@ -671,28 +688,38 @@ class Bench:
         )
       )
 
-  def dynamic(self, ragged=True, commit_rows=0, suffix="", **kw):
+  def dynamic(self, ragged=True, commit_rows=0, weights_dtype=None, suffix="", **kw):
+    if weights_dtype and "dynamic" not in self.decoded:
+      self.dynamic()  # the bf16 reference of the agreement
     head = self.model.lm_head[...]
     self.model.lm_head[...] = head * FLAGS.lm_head_scale
     try:
       name = (
-        f"dynamic_capped{commit_rows}"
-        if commit_rows
-        else "dynamic"
-        if ragged
-        else "dynamic_lockstep"
-      ) + suffix
+        (
+          f"dynamic_capped{commit_rows}"
+          if commit_rows
+          else "dynamic"
+          if ragged
+          else "dynamic_lockstep"
+        )
+        + suffix
+        + ("_fp8w" if weights_dtype else "")
+      )
       row = self.static(
         name,
         FLAGS.new_tokens,
         strategy="low_confidence_dynamic",
         ragged=ragged,
         commit_rows=commit_rows,
+        weights_dtype=weights_dtype,
+        record=not weights_dtype,
         **kw,
       )
     finally:
       self.model.lm_head[...] = head
-    if commit_rows and "dynamic" in self.rates:
+    if weights_dtype:
+      self.record(self.agreement(row, "dynamic", sharpened=True))
+    elif commit_rows and "dynamic" in self.rates:
       self.record(
         dict(
           run=f"{name}_vs_dynamic",
@@ -703,6 +730,38 @@ class Bench:
 
   def dynamic_lockstep(self):
     self.dynamic(ragged=False)
+
+  def dynamic_fp8w(self):
+    self.dynamic(weights_dtype="float8_e4m3fn")
+
+  def dynamic_capped_fp8w(self):
+    for r in FLAGS.commit_rows:
+      self.dynamic(commit_rows=int(r), weights_dtype="float8_e4m3fn")
+
+  def static_fp8w(self):
+    if "static" not in self.decoded:
+      self.static("static", FLAGS.new_tokens)
+    row = self.static("static_fp8w", FLAGS.new_tokens, weights_dtype="float8_e4m3fn", record=False)
+    self.record(self.agreement(row, "static", sharpened=False))
+
+  def agreement(self, row: dict, ref: str, sharpened: bool) -> dict:
+    """`row` of a float8-weights run with its rate over `ref`'s (`vs_<ref>`) and its tokens against
+    `ref`'s (bf16 weights, the same prompts and keys) on the first `--agree_prompts` rows
+    (`decode_options.token_agreement`), and the fraction of those rows identical throughout."""
+    n = min(FLAGS.agree_prompts, FLAGS.batch)
+    got, want = (tuple(a[:n] for a in self.decoded[k]) for k in (row["run"], ref))
+    same = [np.array_equal(got[0][i], want[0][i]) for i in range(n)]
+    return dict(
+      row,
+      **{f"vs_{ref}": round(row["tok_s"] / self.rates[ref], 3)},
+      approximate=True,
+      agree_vs=ref,
+      agree_prompts=n,
+      sharpened=sharpened,
+      lm_head_scale=FLAGS.lm_head_scale if sharpened else 1.0,
+      **decode_options.token_agreement(got, want),
+      rows_identical=round(float(np.mean(same)), 4),
+    )
 
   def dynamic_capped(self):
     for r in FLAGS.commit_rows:
@@ -858,6 +917,9 @@ def main(argv):
         "dynamic_lockstep",
         "dynamic_capped",
         "dynamic_capped_fp8",
+        "dynamic_fp8w",
+        "dynamic_capped_fp8w",
+        "static_fp8w",
         "long",
         "mixed",
         "mixed_static",

@@ -258,10 +258,13 @@ class ContinuousSampler:
       prefill_width=_bucket(max_prompt_len, self.prompt_bucket),
       decode_weights=split,
       cache_dtype=cfg.cache_dtype(model.cfg),
+      weights_dtype=cfg.weights_dtype,
       **self.placement.shards(model.cfg, slots),
     )
     memory.check_fits(self.estimate, device_bytes, what=f"ContinuousSampler(slots={slots})")
-    self._weights = sampler_lib.split_weights(graphdef, self._state) if split else None
+    self._weights = None
+    if split:
+      self._weights = sampler_lib.split_weights(graphdef, self._state, None, cfg.weights_dtype)
     options = tuple(sorted((compiler_options or {}).items()))
     self._steps = compiled_steps(
       graphdef, model.cfg, cfg, self.placement, slots, self.cache_len, options

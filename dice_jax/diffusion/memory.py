@@ -35,13 +35,14 @@ def estimate(
   prefill_width: int,
   decode_weights: bool = False,
   cache_dtype=None,
+  weights_dtype=None,
   row_shards: int = 1,
   head_shards: int = 1,
   param_shards: int = 1,
 ) -> dict:
   """Bytes by part on one device: `weights` (the parameters, plus their per-layer compute-dtype
-  copy when `decode_weights`: `transformer.DecodeWeights`), `kv_cache` (of `cache_dtype`, default
-  the compute dtype), `activations`, and their `total`. On a mesh (`placement.Placement.shards`)
+  copy when `decode_weights`: `transformer.DecodeWeights`, its projections in `weights_dtype`
+  when given), `kv_cache` (of `cache_dtype`, default the compute dtype), `activations`, and their `total`. On a mesh (`placement.Placement.shards`)
   the weights are split `param_shards` ways, the cache over `row_shards` x `head_shards` and the
   activations over `row_shards` (rows that do not divide count whole: `-(-rows // row_shards)`).
   `decode` and `prefill` are each phase's activations (`activations` the larger). The same on
@@ -53,7 +54,12 @@ def estimate(
   weights = c.num_params() * jnp.dtype(c.weight_dtype).itemsize
   if decode_weights:  # every layer and the LM head; not the embedding (gathered in place)
     embed = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
-    weights += (c.num_params() - embed - c.hidden_size) * act
+    split = c.num_params() - embed - c.hidden_size
+    if weights_dtype is not None:  # float8 projections (1 byte; scales negligible), the rest as is
+      proj = c.num_layers * _projection_params(c)
+      weights += (split - proj) * act + proj * jnp.dtype(weights_dtype).itemsize
+    else:
+      weights += split * act
   cache = KVCache.num_bytes(c, rows, cache_len, cache_dtype)
   per_token = act * (4 * c.hidden_size + 3 * c.intermediate_size + 2 * c.num_heads * c.head_dim)
   decode_tokens = rows * 2 * block_size
@@ -73,6 +79,12 @@ def estimate(
     prefill=prefill,
     total=weights + cache + activations,
   )
+
+
+def _projection_params(c) -> int:
+  """Parameters of one layer's projection matrices (q/k/v, o, gate/up, down)."""
+  attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+  return attn + 3 * c.hidden_size * c.intermediate_size
 
 
 def device_limit() -> Optional[int]:

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dice_jax import sharding as sharding_lib
+from dice_jax.model import fp8 as fp8_lib
 from dice_jax.model import kv_cache as kv_cache_lib
 from dice_jax.model.transformer import DecodeWeights
 
@@ -105,12 +106,20 @@ class Placement:
 
   def decode_weights(self, model, weights: DecodeWeights) -> DecodeWeights:
     """Shardings of `model.decode_weights(self.fuses_projections)` (shapes from `weights`): the
-    stacked parameters' rules per layer (`Transformer.decode_weight_axes`)."""
+    stacked parameters' rules per layer (`Transformer.decode_weight_axes`); a float8 matrix
+    (`fp8.Fp8Weight`, `[N, K]`) by its output axis and, when it is one axis, its input axis."""
     axes, head = model.decode_weight_axes(self.fuses_projections)
-    layers = tuple(
-      {name: self.named(axes[name], w.shape) for name, w in layer.items()}
-      for layer in weights.layers
-    )
+
+    def one(name, w):
+      if not isinstance(w, fp8_lib.Fp8Weight):
+        return self.named(axes[name], w.shape)
+      ins, out = axes[name][:-1], axes[name][-1]
+      w_axes = (out, ins[0] if len(ins) == 1 else None)
+      return fp8_lib.Fp8Weight(
+        w8=self.named(w_axes, w.w8.shape), scale=self.named((out,), w.scale.shape)
+      )
+
+    layers = tuple({name: one(name, w) for name, w in layer.items()} for layer in weights.layers)
     return DecodeWeights(layers=layers, head=self.named(head, weights.head.shape))
 
   def shards(self, model_cfg, rows: int) -> dict:

@@ -66,7 +66,7 @@ from dice_jax.diffusion.placement import Placement
 from dice_jax.model import platform
 from dice_jax.model.flash_decode import DecodeTiles
 from dice_jax.model.kv_cache import KVCache
-from dice_jax.model.transformer import DecodeView, DecodeWeights
+from dice_jax.model.transformer import WEIGHTS_DTYPES, DecodeView, DecodeWeights
 
 KV_CACHE_DTYPES = (None, "float8_e4m3fn")
 
@@ -113,6 +113,15 @@ class SamplerConfig:
   # tile as it reads it; values saturate at +-448). Committed blocks are then seen at fp8 precision,
   # so decoding is no longer exactly the uncached model's (vLLM's `kv_cache_dtype="fp8"`, scale 1).
   kv_cache_dtype: Optional[str] = None
+  # Element type of the decode weights' projection matrices: None = the compute dtype (exact);
+  # "float8_e4m3fn" stores q/k/v, o, gate/up and down as e4m3fn with a float32 scale per output
+  # column (made once with the split weights) and runs each projection as a float8 x float8 GEMM
+  # on activations quantised per token (`model/fp8.py`: W8A8 as in FP8-LM / vLLM's fp8). The LM
+  # head stays in the compute dtype (its logits pick the tokens; vLLM's fp8 keeps it too).
+  # Approximate: tokens differ from the exact decoding's (bench_sampler `dynamic_fp8w` reports the
+  # agreement). Needs the split weights (flash attention, `presplit_weights`) on a mesh without a
+  # `tensor` axis; prefill runs on the same weights.
+  weights_dtype: Optional[str] = None
 
   def splits_weights(self, model_cfg) -> bool:
     """Whether decoding `model_cfg` runs on split weights (`presplit_weights`, flash only)."""
@@ -145,6 +154,15 @@ class SamplerConfig:
     if self.kv_cache_dtype not in KV_CACHE_DTYPES:
       raise ValueError(
         f"SamplerConfig.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+      )
+    if self.weights_dtype not in WEIGHTS_DTYPES:
+      raise ValueError(
+        f"SamplerConfig.weights_dtype must be one of {WEIGHTS_DTYPES}, got {self.weights_dtype!r}"
+      )
+    if self.weights_dtype is not None and not self.presplit_weights:
+      raise ValueError(
+        f"SamplerConfig.weights_dtype={self.weights_dtype!r} quantises the split decode weights: "
+        "set presplit_weights=True"
       )
     if self.ragged is None:
       varies = self.strategy in ("low_confidence_dynamic", "entropy_bounded")
@@ -182,6 +200,11 @@ class SamplerConfig:
       raise ValueError(
         "SamplerConfig.kv_cache_dtype='float8_e4m3fn' needs attention_impl='flash' "
         f"(the model has {model_cfg.attention_impl!r})"
+      )
+    if self.weights_dtype is not None and not self.splits_weights(model_cfg):
+      raise ValueError(
+        f"SamplerConfig.weights_dtype={self.weights_dtype!r} needs the split decode weights: "
+        f"attention_impl='flash' (the model has {model_cfg.attention_impl!r})"
       )
     return self if b == self.block_size else dataclasses.replace(self, block_size=b)
 
@@ -339,24 +362,28 @@ def memory_estimate(model, layout: Layout, cfg: SamplerConfig, placement=None) -
     prefill_width=prefill,
     decode_weights=cfg.splits_weights(model.cfg),
     cache_dtype=cfg.cache_dtype(model.cfg),
+    weights_dtype=cfg.weights_dtype,
     **placement.shards(model.cfg, rows),
   )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "placement"))
-def _split_weights(graphdef, state, placement: Placement) -> DecodeWeights:
+@functools.partial(jax.jit, static_argnames=("graphdef", "placement", "weights_dtype"))
+def _split_weights(graphdef, state, placement: Placement, weights_dtype=None) -> DecodeWeights:
   model = nnx.merge(graphdef, state)
-  weights = model.decode_weights(placement.fuses_projections)
+  weights = model.decode_weights(placement.fuses_projections, weights_dtype)
   return jax.lax.with_sharding_constraint(weights, placement.decode_weights(model, weights))
 
 
-def split_weights(graphdef, state, placement: Optional[Placement] = None) -> DecodeWeights:
+def split_weights(
+  graphdef, state, placement: Optional[Placement] = None, weights_dtype: Optional[str] = None
+) -> DecodeWeights:
   """`Transformer.decode_weights()` of the model `(graphdef, state)`, compiled (one pass of
   copies), laid out on the model's mesh (or `placement`) as the training rules lay out the
-  parameters (`Placement.decode_weights`): each device holds its share."""
+  parameters (`Placement.decode_weights`): each device holds its share. `weights_dtype`:
+  `SamplerConfig.weights_dtype` (float8 projections)."""
   placement = placement or Placement.of(state)
   with placement.context():
-    return _split_weights(graphdef, state, placement)
+    return _split_weights(graphdef, state, placement, weights_dtype)
 
 
 def decoding_model(graphdef, state, weights: Optional[DecodeWeights]):
@@ -505,7 +532,9 @@ def decode(
   keys = row_keys(rng, rows) if keys is None else keys
   if keys.shape != (rows,):
     raise ValueError(f"decode: keys must be {rows} typed PRNG keys, got shape {keys.shape}")
-  weights = split_weights(graphdef, state, placement) if cfg.splits_weights(model.cfg) else None
+  weights = None
+  if cfg.splits_weights(model.cfg):
+    weights = split_weights(graphdef, state, placement, cfg.weights_dtype)
   with placement.context():
     return compiled_decode(graphdef, cfg, placement)(state, weights, layout, keys)
 

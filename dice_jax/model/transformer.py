@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from dice_jax.model import fp8 as fp8_lib
 from dice_jax.model import masks as masks_lib
 from dice_jax.model import platform as platform_lib
 from dice_jax.model.config import ModelConfig
@@ -111,7 +112,12 @@ class DecodeWeights:
   H200, session 9 profile); fused once here, the forward runs the same GEMMs without the copies.
   On a mesh with a `tensor` axis they stay apart (`decode_weights(fuse=False)`), each sharded by
   head / MLP column as the stacked parameters are (a fused matrix's column shards would mix q with
-  k/v and gate with up)."""
+  k/v and gate with up).
+
+  With `weights_dtype="float8_e4m3fn"` (`SamplerConfig.weights_dtype`, approximate) the fused
+  projections (`qkv_proj`, `gate_up_proj`) and `o_proj` (as `[N*H, D]`) and `down_proj` are
+  `fp8.Fp8Weight`s (e4m3fn, per-output-column scales) and the decode forward runs them as
+  float8 x float8 GEMMs (`fp8.matmul`); norms and the LM head stay in the compute dtype."""
 
   layers: tuple  # one dict per layer: `DecoderLayers.weights()` keys, q/k/v and gate/up fused
   head: jax.Array  # [D, V] LM head (the embedding's transpose when tied)
@@ -169,13 +175,17 @@ class Transformer(nnx.Module):
     _, (k, v) = self._layers(tokens, positions, attention, seg, blk, None, weights)
     return k, v
 
-  def decode_weights(self, fuse: bool = True) -> DecodeWeights:
+  def decode_weights(self, fuse: bool = True, weights_dtype: str | None = None) -> DecodeWeights:
     """The layers' weights split per layer and the LM head, in the compute dtype (`DecodeWeights`);
     pass them as `weights=` (or use `DecodeView`). Call it under `jax.jit`: one pass of copies.
-    `fuse=False` keeps q/k/v and gate/up apart (each stays head/column-shardable over `tensor`)."""
+    `fuse=False` keeps q/k/v and gate/up apart (each stays head/column-shardable over `tensor`).
+    `weights_dtype="float8_e4m3fn"`: the projections quantised (`quantize_projections`)."""
     cfg, dt = self.cfg, self.cfg.compute_dtype
+    check_weights_dtype(weights_dtype, fuse)
     stacked = self.layers.weights()
     layers = tuple(_layer_weights(stacked, i, dt, fuse) for i in range(cfg.num_layers))
+    if weights_dtype is not None:
+      layers = tuple(quantize_projections(w) for w in layers)
     head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
     return DecodeWeights(layers=layers, head=head.astype(dt))
 
@@ -316,6 +326,38 @@ class DecodeView:
 
 
 _GATE_UP = (("gate_proj", "up_proj"), "gate_up_proj")
+WEIGHTS_DTYPES = (None, "float8_e4m3fn")
+FP8_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def check_weights_dtype(weights_dtype, fuse: bool = True) -> None:
+  """Raises unless `weights_dtype` is one of `WEIGHTS_DTYPES` and, when float8, the projections are
+  fused (no `tensor` axis: an fp8 matrix's transposed layout has no per-head shard rule)."""
+  if weights_dtype not in WEIGHTS_DTYPES:
+    raise ValueError(f"weights_dtype must be one of {WEIGHTS_DTYPES}, got {weights_dtype!r}")
+  if weights_dtype is not None and not fuse:
+    raise ValueError(
+      f"weights_dtype={weights_dtype!r} needs fused decode weights (a mesh without a `tensor` axis)"
+    )
+
+
+def quantize_projections(w: dict) -> dict:
+  """One layer of fused decode weights with its projection matrices as `fp8.Fp8Weight`s
+  (`o_proj` `[N, H, D]` as `[N*H, D]`); the norms as they are."""
+  w = dict(w)
+  w["o_proj"] = w["o_proj"].reshape(-1, w["o_proj"].shape[-1])
+  for name in FP8_PROJECTIONS:
+    w[name] = fp8_lib.quantize_weight(w[name])
+  return w
+
+
+def _project(h, w, cfg, spec: str):
+  """`h @ w` in the compute dtype: the einsum `spec` on a plain matrix, a float8 GEMM
+  (`fp8.matmul`) on an `Fp8Weight`."""
+  dt = cfg.compute_dtype
+  if isinstance(w, fp8_lib.Fp8Weight):
+    return fp8_lib.matmul(h, w, dt)
+  return jnp.einsum(spec, h, w.astype(dt))
 
 
 def _layer_weights(stacked: dict, i: int, dt, fuse: bool) -> dict:
@@ -336,7 +378,7 @@ def _qkv(h, w, cfg):
   dt = cfg.compute_dtype
   N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   if "qkv_proj" in w:
-    qkv = jnp.einsum("btd,de->bte", h, w["qkv_proj"].astype(dt))
+    qkv = _project(h, w["qkv_proj"], cfg, "btd,de->bte")
     q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)
     b, t = h.shape[:2]
     return q.reshape(b, t, N, H), k.reshape(b, t, K, H), v.reshape(b, t, K, H)
@@ -350,8 +392,7 @@ def _gate_up(h, w, cfg):
   """The MLP's gate and up projections `[B,T,F]` each: one GEMM on fused weights, else two."""
   dt = cfg.compute_dtype
   if "gate_up_proj" in w:
-    g, u = jnp.split(jnp.einsum("btd,df->btf", h, w["gate_up_proj"].astype(dt)), 2, axis=-1)
-    return g, u
+    return jnp.split(_project(h, w["gate_up_proj"], cfg, "btd,df->btf"), 2, axis=-1)
   g = jnp.einsum("btd,df->btf", h, w["gate_proj"].astype(dt))
   u = jnp.einsum("btd,df->btf", h, w["up_proj"].astype(dt))
   return g, u
@@ -370,11 +411,12 @@ def _attention_inputs(x, w, cfg, positions):
 def _layer_output(x, o, w, cfg):
   """The rest of a layer after attention `o` `[B,T,N,H]`: output projection, residual, the
   SwiGLU MLP and its residual."""
-  dt = cfg.compute_dtype
-  x = x + jnp.einsum("btnh,nhd->btd", o, w["o_proj"].astype(dt))
+  if isinstance(w["o_proj"], fp8_lib.Fp8Weight):
+    o = o.reshape(*o.shape[:-2], -1)  # [B,T,N*H] against the [N*H, D] matrix
+  x = x + _project(o, w["o_proj"], cfg, "btnh,nhd->btd")
   h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
   g, u = _gate_up(h, w, cfg)
-  return x + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, w["down_proj"].astype(dt))
+  return x + _project(jax.nn.silu(g) * u, w["down_proj"], cfg, "btf,fd->btd")
 
 
 def packed(x, pack):
