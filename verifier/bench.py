@@ -45,7 +45,7 @@ from verifier.serve.service import ServiceConfig, VerifierService
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SEPARATION_PHASES = ("exchange_stage", "exchange_round_trip", "exchange_load_map_wait")
-# the device clock's decision and both clocks' estimates (``Check._choose_clock``)
+# the device clock's decision and both clocks' estimates (``Check._choose_clock``), the head starts
 DEVICE_CLOCK_PHASES = (
   "timing_device_clock",
   "timing_device_floored",
@@ -54,7 +54,11 @@ DEVICE_CLOCK_PHASES = (
   "timing_device_kernel_ms",
   "timing_device_floor_ms",
   "timing_device_allowance_ms",
+  "timing_device_allowance_used",
   "calibration_reference_device_ms",
+  "timing_head_start_us",
+  "timing_head_start_device_us",
+  "baseline_head_start_us",
 )
 # a timed candidate's own phases, kept per problem (``gpu_level1``)
 TIMING_PHASES = (

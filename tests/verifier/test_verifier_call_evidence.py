@@ -579,6 +579,159 @@ def test_the_collector_waits_for_every_span_marker_and_returns_the_spans():
   assert c.take(6, MARK).forward_ns == ()
 
 
+# ---- the head start: the worker's spin before each pre marker ------------------------------------------
+SPIN_NAME = ctypes.create_string_buffer(b"at::cuda::(anonymous namespace)::spin_kernel(long)")
+RELU_NAME = ctypes.create_string_buffer(b"relu4_kernel(float4 const*, float4*, long)")
+HEAD = 100_000  # the spin's device time (ns)
+
+
+def _named(e, name):
+  e.name = ctypes.addressof(name)
+  return e
+
+
+def _name_of(ptr):
+  return ctypes.string_at(ptr).decode() if ptr else "?"
+
+
+def _headed_entries(spans, gap=5_000, start=1_000, head=HEAD):
+  """``_burst_entries`` with the worker's head start: per forward a spin on the forward's stream that
+  ends right before its pre marker starts (after the previous forward's publishing), and the forward's
+  kernel named."""
+  out = []
+  for e in _burst_entries(spans, gap + head, start + head):
+    if e.type == 1:  # VC_KERNEL: the forward's own
+      _named(e, RELU_NAME)
+    if e.bytes == PRE:
+      out.append(_named(_entry("kernel", e.start - head - 50, e.start - 50), SPIN_NAME))
+    out.append(e)
+  return out
+
+
+def _side(start, end, stream=9):
+  e = _entry("kernel", start, end)
+  e.stream = stream
+  return _named(e, RELU_NAME)
+
+
+def test_the_head_start_before_each_pre_marker_is_found_by_place_and_name():
+  from verifier.candidate import device_records
+
+  entries = _headed_entries([90_000, 91_500, 88_250])
+  heads = device_records.head_starts(entries, PRE, POST, _name_of)
+  spins = [e for e in entries if e.name == ctypes.addressof(SPIN_NAME)]
+  assert len(heads) == 3 and all(h is s for h, s in zip(heads, spins))
+  # without side work the head start changes no span: the clock still starts at the pre marker's end
+  assert device_records.forward_spans(entries, PRE, POST, heads) == (90_000, 91_500, 88_250)
+  # the kernel right before a pre marker is not ATen's spin: no head start there, and no spans
+  not_spin = _named(_entry("kernel", spins[1].start, spins[1].end), RELU_NAME)
+  relu = [not_spin if e is spins[1] else e for e in entries]
+  got = device_records.head_starts(relu, PRE, POST, _name_of)
+  assert got[0] is spins[0] and got[1] is None and got[2] is spins[2]
+  assert device_records.forward_spans(relu, PRE, POST, got) == ()
+  # a spin the candidate launches itself inside its forward (before its post marker) is not a head
+  # start: the worker's own spin still is the last kernel before the next pre marker
+  own = _named(_entry("kernel", spins[1].start - 30_000, spins[1].start - 20_000), SPIN_NAME)
+  assert device_records.head_starts(entries + [own], PRE, POST, _name_of)[1] is spins[1]
+  # and with no worker's spin after its post marker, the candidate's one is no head start either
+  no_spin = [e for e in entries if e is not spins[1]] + [own]
+  assert device_records.head_starts(no_spin, PRE, POST, _name_of)[1] is None
+  # a spin on another stream is no head start
+  off = [e for e in entries if e is not spins[2]] + [_side(spins[2].start, spins[2].end)]
+  off[-1].name = ctypes.addressof(SPIN_NAME)
+  assert device_records.head_starts(off, PRE, POST, _name_of)[2] is None
+
+
+def test_work_on_another_stream_started_during_the_head_start_moves_its_forwards_span_start_back():
+  """A candidate's launches during the spin: on its forward's stream they queue behind the pre marker;
+  on another stream they start at once, before the pre marker ends. Such work counts from its own
+  start (it used to fall before the window and count nowhere); work started during the next forward's
+  spin counts there, not in this forward's span."""
+  from verifier.candidate import device_records
+
+  entries = _headed_entries([90_000, 91_500])
+  pre0, pre1 = sorted((e for e in entries if e.bytes == PRE), key=lambda e: e.start)
+  spin0, spin1 = device_records.head_starts(entries, PRE, POST, _name_of)
+  # all the work on a side stream while the device spins, a trivial kernel on the forward's stream
+  side = _side(spin0.start + 20_000, spin0.start + 80_000)
+  both = entries + [side]
+  heads = device_records.head_starts(both, PRE, POST, _name_of)
+  first = pre0.end - side.start + 90_000
+  assert device_records.forward_spans(both, PRE, POST, heads) == (first, 91_500)
+  # without the head start's window (the old rule) that work counted nowhere
+  assert device_records.forward_spans(both, PRE, POST) == (90_000, 91_500)
+  # side work started during the next forward's spin and running past its post marker: the next
+  # forward's, from its start to its end; the first forward's span is unchanged
+  late = _side(spin1.start + 10_000, pre1.end + 91_500 + 7_000)
+  got = device_records.forward_spans(entries + [late], PRE, POST, heads)
+  assert got == (90_000, late.end - late.start)
+  # side work started before the first head start (the request's staging) is in no window
+  early = _side(spin0.start - 5_000, spin0.start - 1_000)
+  assert device_records.forward_spans(entries + [early], PRE, POST, heads) == (90_000, 91_500)
+  # a head start per forward or none: one missing is no spans
+  assert device_records.forward_spans(entries, PRE, POST, (spin0,)) == ()
+  assert device_records.forward_spans(entries, PRE, POST, (spin0, None)) == ()
+
+
+def test_the_collector_leaves_the_head_starts_out_of_the_summary_and_reports_their_time():
+  """The worker's spins are the verifier's own work: not a kernel of the candidate's round trip (they
+  would be foreign kernels, half of a 0.1 ms call's device time), reported as ``head_ns``; a spin the
+  candidate launches inside its forward stays in the summary."""
+  from verifier.candidate import device_records
+
+  class Lib:
+    def vc_lost(self):
+      return 0
+
+  def take(entries, head=True):
+    c = device_records.Collector()
+    batches = [entries]
+    c.lib, c.entries = Lib(), lambda: batches.pop(0) if batches else []
+    return c.take(5, MARK, (PRE, POST), forwards=2, head=head)
+
+  entries = _headed_entries([120_000, 80_000])
+  got = take(entries)
+  assert got.forward_ns == (120_000, 80_000) and got.head_ns == 2 * HEAD
+  assert [(k.name, k.count) for k in got.kernels] == [(RELU_NAME.value.decode(), 2)]
+  # the candidate's own spin inside its first forward: judged like any kernel of its round trip
+  pre1 = sorted(e.start for e in entries if e.bytes == PRE)[1]
+  own = _named(_entry("kernel", pre1 - HEAD - 40_000, pre1 - HEAD - 30_000), SPIN_NAME)
+  got = take(entries + [own])
+  assert got.head_ns == 2 * HEAD and (SPIN_NAME.value.decode(), 1) in [
+    (k.name, k.count) for k in got.kernels
+  ]
+  # a head start the worker made but the records lack: no spans, the spin left is judged
+  spins = [e for e in entries if e.name == ctypes.addressof(SPIN_NAME)]
+  got = take([e for e in entries if e is not spins[1]])
+  assert got.forward_ns == () and got.head_ns == HEAD
+  # a worker without a head start: the old rule, spins judged like any kernel
+  got = take(entries, head=False)
+  assert got.forward_ns == (120_000, 80_000) and got.head_ns == 0
+  assert (SPIN_NAME.value.decode(), 2) in [(k.name, k.count) for k in got.kernels]
+
+
+def test_a_head_start_is_calibrated_from_a_timed_spin_or_is_none_and_says_why(monkeypatch):
+  import torch
+
+  from verifier.ipc import head_start
+
+  # 2**21 cycles in 1.05 ms (a 1.997 GHz clock): 100 us is 199,728 cycles
+  assert head_start.cycles_for(100.0, 1 << 21, 1.05) == round(100 * (1 << 21) / 1050)
+  assert head_start.cycles_for(0.001, 10, 1.0) == 1  # never a zero spin
+  with pytest.raises(ValueError, match="head start"):
+    head_start.cycles_for(100.0, 1 << 21, 0.0)
+  got = head_start.calibrate()
+  if not torch.cuda.is_available():
+    assert got == head_start.HeadStart(why="no CUDA device") and got.cycles == 0
+  got()  # a head start of none enqueues nothing (and does not raise)
+  monkeypatch.delattr(torch.cuda, "_sleep")
+  got = head_start.calibrate()
+  assert got.cycles == 0 and got.us == 0.0 and "_sleep is unavailable" in got.why
+  calls = []
+  head_start.HeadStart(7, 1.0, "", calls.append)()
+  assert calls == [7]
+
+
 def test_a_requests_marker_sizes_are_distinct_and_drawn_on_every_request():
   from verifier.check.call_evidence import CallEvidence
   from verifier.ipc.records import MARKER_MAX_BYTES

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -16,6 +17,7 @@ from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest, Ver
 from verifier.build.single_flight import SingleFlight  # noqa: E402
 from verifier.check import timing  # noqa: E402
 from verifier.ipc import exchange  # noqa: E402
+from verifier.ipc.head_start import HeadStart  # noqa: E402
 from verifier.ipc.channel import Channel, ChannelClosed, ProtocolError  # noqa: E402
 from verifier.ipc.records import (  # noqa: E402
   BufferRef,
@@ -356,6 +358,8 @@ def test_the_checker_reports_both_clocks_and_falls_back_where_a_round_trip_lacks
   assert abs(phases["timing_device_allowance_ms"] - 0.655) < 1e-9
   assert abs(phases["timing_device_floor_ms"] - (0.30 - 0.655)) < 1e-9
   assert abs(phases["timing_device_span_max_ms"] - 0.092) < 1e-9
+  # the host clock's 0.30 ms less the device's 0.091 ms: 0.209 of the 0.655 ms allowance used
+  assert abs(phases["timing_device_allowance_used"] - 0.209 / 0.655) < 1e-9
   # one timed round trip without its spans: the host clock, and no device estimate reported
   check.report = {"phases": {}}
   c = check._choose_clock(host, 0.53, [(90_000,) * 8, None])
@@ -375,8 +379,9 @@ def test_every_forward_of_every_request_runs_between_its_span_markers_before_its
   tmp_path,
 ):
   """The worker's side of the device clock: on every request alike (a timed burst, a calibration's null
-  round trip), each forward between a pre and a post marker copy, the post one before its outputs are
-  published; the round trip's markers around them all; none without span markers."""
+  round trip), each forward between a pre and a post marker copy, the pre one behind the head start
+  (``head_start``), the post one before its outputs are published; the round trip's markers around
+  them all; none without span markers."""
   from verifier.candidate import candidate_main
   from verifier.ipc.records import BurstCall, Value
 
@@ -390,6 +395,7 @@ def test_every_forward_of_every_request_runs_between_its_span_markers_before_its
   rt = candidate_main.CandidateRuntime(None, "cpu", str(tmp_path))
   rt.model, rt.markers = Logs(), (torch.zeros(8, dtype=torch.uint8),) * 2
   rt._marker = lambda n: log.append(f"marker {n}") if n else None
+  rt.head = HeadStart(7, 100.0, "", lambda cycles: log.append(f"spin {cycles}"))
   publish = rt._publish
   rt._publish = lambda *a: (log.append("publish"), publish(*a))[1]
   more = (BurstCall(1, 5, (Value(data=4),), ()),)
@@ -397,7 +403,7 @@ def test_every_forward_of_every_request_runs_between_its_span_markers_before_its
     ForwardRequest(0, 4, (Value(data=3),), (), burst=more, marker=33, span_markers=(101, 202)), []
   )
   assert done.call == 0 and len(done.burst_outputs) == 1
-  each = ["marker 101", "call {}", "marker 202", "publish"]
+  each = ["spin 7", "marker 101", "call {}", "marker 202", "publish"]
   assert log == [
     "marker 33",
     *[x.format(3) for x in each],
@@ -408,10 +414,50 @@ def test_every_forward_of_every_request_runs_between_its_span_markers_before_its
   rt.forward(
     ForwardRequest(1, 4, (), (), calibrate=True, null=True, marker=7, span_markers=(8, 9)), []
   )
-  assert log == ["marker 7", "marker 8", "marker 9", "publish", "marker 7"]
+  assert log == ["marker 7", "spin 7", "marker 8", "marker 9", "publish", "marker 7"]
   log.clear()
   rt.forward(ForwardRequest(2, 4, (Value(data=5),), (), marker=7), [])
   assert log == ["marker 7", "call 5", "publish", "marker 7"]
+  log.clear()  # a worker where the head start is unavailable: the spans as before
+  rt.head = HeadStart(why="torch.cuda._sleep is unavailable in this torch")
+  rt.forward(ForwardRequest(3, 4, (Value(data=6),), (), marker=7, span_markers=(8, 9)), [])
+  assert log == ["marker 7", "marker 8", "call 6", "marker 9", "publish", "marker 7"]
+
+
+def test_the_checker_spins_before_its_baseline_only_where_the_worker_does(monkeypatch):
+  """``Check._records_query``: the worker's head start, calibrated before any candidate code, is
+  reported (``timing_head_start_us``); where it has one the checker's in-process timing spins too,
+  where it has none (or the checker cannot) neither side's timing is alike and a warning says so."""
+  from verifier.check.checker import Check
+  from verifier.ipc import head_start
+  from verifier.ipc.records import RecordsStatus
+
+  def query(status, checker_head):
+    check = Check.__new__(Check)
+    check.device = torch.device("cuda")
+    check.evidence = types.SimpleNamespace(records_on=False)
+    check.report = {"phases": {}, "warnings": []}
+    check.head = head_start.NONE
+    check._send, check._recv = lambda rec: None, lambda cls: status
+    monkeypatch.setattr(head_start, "calibrated", lambda: checker_head)
+    check._records_query()
+    return check
+
+  spin = HeadStart(199_728, 100.0, "", lambda cycles: None)
+  c = query(RecordsStatus(head_start_us=100.0), spin)
+  assert c.evidence.records_on and c.head is spin and not c.report["warnings"]
+  assert c.report["phases"] == {"timing_head_start_us": 100.0}
+  c = query(RecordsStatus(head_start_error="torch.cuda._sleep is unavailable in this torch"), spin)
+  assert c.head is head_start.NONE and c.report["phases"] == {"timing_head_start_us": 0.0}
+  (w,) = c.report["warnings"]
+  assert "no head start in the candidate's process (torch.cuda._sleep is unavailable" in w, w
+  c = query(RecordsStatus(head_start_us=100.0), HeadStart(why="no CUDA device"))
+  assert (
+    c.head.cycles == 0
+    and "no head start in the checker (no CUDA device)" in c.report["warnings"][0]
+  )
+  c = query(RecordsStatus("no CUPTI"), spin)  # no device records: no spans, no head start
+  assert not c.evidence.records_on and c.head is head_start.NONE and not c.report["phases"]
 
 
 def test_timed_bursts_fit_the_byte_budget_and_one_messages_descriptors():

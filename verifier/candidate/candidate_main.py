@@ -11,7 +11,8 @@ the buffers themselves where they live on this process's device, so the checker 
 staged copies written back; ``calibrate`` runs the same exchange on the calibration model, or with
 no model, so the checker can measure what a round trip costs beside the forward), ``Shutdown``. This process times
 nothing that the verdict uses but the device records of its forwards' spans (marker copies the checker sized
-around each forward, on the device clock), which the checker floors by its own clock.
+around each forward, on the device clock, the first behind a head start: ``head_start``), which the checker
+floors by its own clock.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from verifier.api.contract import FailureKind
 from verifier.build import build_cache
 from verifier.candidate import device_records, evidence
-from verifier.ipc import exchange, tensors
+from verifier.ipc import exchange, head_start, tensors
 from verifier.ipc.channel import Channel, ChannelClosed
 from verifier.ipc.records import (
   MARKER_MAX_BYTES,
@@ -110,6 +111,7 @@ class CandidateRuntime:
     collector = device_records.COLLECTOR
     self.records = collector if collector is not None and collector.active else None
     self.markers = None  # (source, destination) device buffers of the marker copies
+    self.head = head_start.NONE  # the spin before each pre marker (``head_start``), once calibrated
 
   # ---- messages ---------------------------------------------------------------------------------
   def serve(self) -> None:
@@ -152,7 +154,8 @@ class CandidateRuntime:
 
   def records_status(self, req: RecordsQuery, fds) -> RecordsStatus:
     """Before any candidate code: whether device records are collected here; allocates the marker
-    copies' buffers."""
+    copies' buffers and calibrates the head start (its spins land in a round trip no rule judges: a
+    calibration's, or the load's, whose records only count contexts and graphs)."""
     if self.records is None:
       collector = device_records.COLLECTOR
       return RecordsStatus(collector.error if collector is not None else "no collector started")
@@ -162,7 +165,8 @@ class CandidateRuntime:
     except Exception as e:  # noqa: BLE001 - no records then: the checker profiles in process
       self.records = None
       return RecordsStatus(f"marker buffers: {short(e, 300)}")
-    return RecordsStatus()
+    self.head = head_start.calibrated()
+    return RecordsStatus(head_start_us=self.head.us, head_start_error=self.head.why)
 
   def _marker(self, n: int) -> None:
     """A device-to-device copy of ``n`` bytes, on the current stream (its record vouches for the
@@ -179,7 +183,8 @@ class CandidateRuntime:
       if call < 0:
         torch.cuda.synchronize()
         return self.records.take(call)
-      return self.records.take(call, req.marker, req.span_markers, 1 + len(req.burst))
+      head = bool(self.head.cycles) and len(req.span_markers) == 2
+      return self.records.take(call, req.marker, req.span_markers, 1 + len(req.burst), head)
     except Exception as e:  # noqa: BLE001 - reported as missing evidence
       return DeviceRecords(call, error=short(e, 300))
 
@@ -308,8 +313,9 @@ class CandidateRuntime:
       spans = bool(pre and post and self.markers is not None)
       for k, ((seed, _, targets), (views, args)) in enumerate(zip(calls, staged)):
         set_seed(seed)
-        if spans:  # the device clock's start: on an idle device, like a CUDA event after a sync
+        if spans:  # the device clock's start: like a CUDA event after a sync, behind a head start
           self._sync()
+          self.head()  # the call's launches queue while the device spins (``head_start``)
           self._marker(pre)
         if req.calibrate and self.calibration is not None and not req.null:
           with torch.no_grad():

@@ -14,6 +14,7 @@ import ctypes
 import dataclasses
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -40,6 +41,9 @@ MAX_NAME = 512
 MAX_RUNS = 2048  # distinct kernel/copy summaries per message; more is reported as truncated
 TAKE = 65536
 MARKER_WAIT_S = 0.2
+# ATen's ``torch.cuda._sleep`` kernel (``at::cuda::(anonymous namespace)::spin_kernel(long)``, or its
+# mangled name where demangling failed): the worker's head start (``head_start``)
+SPIN_KERNEL = re.compile(r"\bspin_kernel\b|11spin_kernelE")
 
 
 class Entry(ctypes.Structure):
@@ -232,18 +236,28 @@ class Collector:
         return out
 
   def take(
-    self, call: int, marker: int = 0, span_markers: tuple[int, ...] = (), forwards: int = 0
+    self,
+    call: int,
+    marker: int = 0,
+    span_markers: tuple[int, ...] = (),
+    forwards: int = 0,
+    head: bool = False,
   ) -> DeviceRecords:
     """Everything recorded since the last ``take``; with ``marker``, flushed again (for up to
     ``MARKER_WAIT_S``) until both marker copies of that size are in (CUPTI may still be writing the
     records of finished work), and with ``span_markers`` (pre, post) one of each per forward, whose
-    spans come back as ``forward_ns`` (``forward_spans``)."""
+    spans come back as ``forward_ns`` (``forward_spans``). ``head``: each pre marker follows the
+    worker's head start (``head_starts``), which is left out of the summary (the verifier's own work,
+    not a kernel of the candidate's) and opens its forward's window; a head start not found there
+    gives no spans."""
     entries = self.entries()
     deadline = time.monotonic() + MARKER_WAIT_S
 
     def short() -> bool:
-      return _markers(entries, marker) < 2 or any(
-        _markers(entries, n) < forwards for n in span_markers
+      return (
+        _markers(entries, marker) < 2
+        or any(_markers(entries, n) < forwards for n in span_markers)
+        or (head and self._spins(entries) < forwards)
       )
 
     while marker and short() and time.monotonic() < deadline:
@@ -254,10 +268,19 @@ class Collector:
         name = ctypes.string_at(e.name).decode(errors="replace")
         self.defined.setdefault(name, set()).add(int(e.graph))
     lost = int(self.lib.vc_lost())
-    records = summarise(entries, call, self._name, lost - self.lost_seen, self._modules)
+    heads = ()
+    if head and len(span_markers) == 2:
+      heads = head_starts(entries, *span_markers, self._name)
+    verifiers = {id(h) for h in heads if h is not None}
+    judged = [e for e in entries if id(e) not in verifiers]
+    records = summarise(judged, call, self._name, lost - self.lost_seen, self._modules)
     self.lost_seen = lost
+    if verifiers:
+      ns = sum(max(int(h.end) - int(h.start), 0) for h in heads if h is not None)
+      records = dataclasses.replace(records, head_ns=ns)
     if len(span_markers) == 2:
-      records = dataclasses.replace(records, forward_ns=forward_spans(entries, *span_markers))
+      spans = () if head and None in heads else forward_spans(entries, *span_markers, heads or None)
+      records = dataclasses.replace(records, forward_ns=spans)
     return records
 
   def _names(self, ptr: int) -> tuple[str, str]:
@@ -268,6 +291,10 @@ class Collector:
 
   def _name(self, ptr: int) -> str:
     return self._names(ptr)[1]
+
+  def _spins(self, entries) -> int:
+    """How many of ``entries`` are ATen's spin kernel (the head starts among them)."""
+    return sum(1 for e in entries if e.type == VC_KERNEL and SPIN_KERNEL.search(self._name(e.name)))
 
   def _modules(self, ptr: int) -> int:
     """How many loaded modules define the kernel CUPTI named at ``ptr``."""
@@ -282,33 +309,65 @@ def _markers(entries, nbytes: int) -> int:
   return sum(1 for e in entries if _is_marker(e, nbytes))
 
 
-def forward_spans(entries, pre: int, post: int) -> tuple[int, ...]:
+def head_starts(entries, pre: int, post: int, name_of) -> tuple:
+  """The worker's head start before each forward's pre marker (``head_start``), in order: the kernel
+  on the pre marker's context and stream that ends last at or before the marker's start and starts after
+  the previous forward's post marker ended, where it is ATen's spin (``SPIN_KERNEL``, named by
+  ``name_of``); None for a forward where that kernel is anything else or there is none. Position and
+  name both: a spin the candidate launches itself runs inside its forward (before the post marker),
+  never right before the next pre marker, so it stays a kernel of the candidate's round trip."""
+  pres = sorted((e for e in entries if _is_marker(e, pre)), key=lambda e: int(e.start))
+  posts = sorted((e for e in entries if _is_marker(e, post)), key=lambda e: int(e.start))
+  kernels = [e for e in entries if e.type == VC_KERNEL]
+  heads = []
+  for i, m in enumerate(pres):
+    after = int(posts[i - 1].end) if 0 < i <= len(posts) else None
+    before = [
+      e
+      for e in kernels
+      if (e.context, e.stream) == (m.context, m.stream)
+      and int(e.end) <= int(m.start)
+      and (after is None or int(e.start) >= after)
+    ]
+    last = max(before, key=lambda e: int(e.end), default=None)
+    heads.append(last if last is not None and SPIN_KERNEL.search(name_of(last.name)) else None)
+  return tuple(heads)
+
+
+def forward_spans(entries, pre: int, post: int, heads=None) -> tuple[int, ...]:
   """Each forward's span on the device clock (ns), in order: from the end of its pre marker copy (a
-  device-to-device copy of ``pre`` bytes, made on an idle device) to the start of its post marker
-  (``post`` bytes, enqueued on the same stream right after the call), what CUDA events recorded in
-  their places would measure (KernelBench, ``timing.time_calls``), or to the end of the last work on
-  another stream that started in the forward's window (before the next pre marker), if later. ()
-  unless the copies pair up: as many of each, sorted by start, every span inside its pair (pre ends
-  before post starts) and before the next pre."""
+  device-to-device copy of ``pre`` bytes, made on an idle device, or behind the worker's head start) to
+  the start of its post marker (``post`` bytes, enqueued on the same stream right after the call), what
+  CUDA events recorded in their places would measure (KernelBench, ``timing.time_calls``); widened by
+  the work on any other stream or context that started in the forward's window: from its head start's
+  start (``heads``, one per forward, from ``head_starts``; without, its pre marker's start) to the
+  next forward's. Such work that started before the pre marker ended (launched while the device spun)
+  moves the span's start back to its own start, and such work that ended after the post marker started
+  moves its end to that end. () unless the copies pair up: as many of each (and of ``heads``), sorted
+  by start, every span inside its pair (pre ends before post starts) and before the next window."""
   befores = sorted((int(e.start), int(e.end), e) for e in entries if _is_marker(e, pre))
   afters = sorted((int(e.start), int(e.end)) for e in entries if _is_marker(e, post))
-  if len(befores) != len(afters):
+  if len(befores) != len(afters) or (heads is not None and len(heads) != len(befores)):
     return ()
+  if heads is not None and any(h is None for h in heads):
+    return ()
+  opens = [int(h.start) for h in heads] if heads is not None else [s for s, _, _ in befores]
   work = [e for e in entries if e.type in (VC_KERNEL, VC_MEMCPY, VC_MEMSET)]
   spans = []
-  for i, ((_, t0, m), (t1, _)) in enumerate(zip(befores, afters)):
-    following = befores[i + 1][0] if i + 1 < len(befores) else None
-    if t1 < t0 or (following is not None and following < t1):
+  for i, ((s0, t0, m), (t1, _)) in enumerate(zip(befores, afters)):
+    following = opens[i + 1] if i + 1 < len(befores) else None
+    if t1 < t0 or opens[i] > s0 or (following is not None and following < t1):
       return ()
     home = (m.context, m.stream)
-    late = [
-      int(e.end)
+    side = [
+      (int(e.start), int(e.end))
       for e in work
       if (e.context, e.stream) != home
-      and t0 <= int(e.start)
+      and opens[i] <= int(e.start)
       and (following is None or int(e.start) < following)
     ]
-    spans.append(max([t1, *late]) - t0)
+    begin = min([t0, *(a for a, _ in side)])
+    spans.append(max([t1, *(b for _, b in side)]) - begin)
   return tuple(spans)
 
 

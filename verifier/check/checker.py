@@ -33,7 +33,7 @@ from verifier.check import correctness, runtime_check, timing
 from verifier.check.call_evidence import CallEvidence
 from verifier.check.cpu_clock import CpuClock
 from verifier.check.reference import ReferenceTask, TrialStream, same_values
-from verifier.ipc import channel, exchange, tensors
+from verifier.ipc import channel, exchange, head_start, tensors
 from verifier.ipc.channel import Channel, ChannelClosed, ChannelTimeout, ProtocolError
 from verifier.ipc.records import (
   CANDIDATE_EXCHANGE_PARTS,
@@ -204,6 +204,8 @@ class Check:
     self.cpu_last: int | None = None  # the candidate's CPU time (ns) when its last round trip ended
     self.draw_s = 0.0  # get_inputs() drawn into buffers by _stage (part of its time)
     self.draws_into_buffers = False  # timed calls' inputs drawn into their buffers (_decide_draw)
+    self.head = head_start.NONE  # the in-process timing's head start, where the worker spins too
+    self.head_ns = 0  # the worker's head starts' device time in the last round trip (a diagnostic)
 
   def _cpu_clock(self) -> CpuClock | None:
     """On the CPU backend the candidate's calls are timed by its CPU time (``cpu_clock``); the wall
@@ -376,15 +378,33 @@ class Check:
 
   def _records_query(self) -> None:
     """On a GPU, before any candidate code: does the candidate's process collect device records? If not
-    (no CUPTI there), its last trial is profiled in process as before, with a warning."""
+    (no CUPTI there), its last trial is profiled in process as before, with a warning. Where they are
+    and its worker spins before each forward's span (``head_start``), this process's in-process timing
+    (the baseline, the calibration's reference) spins alike before its start events."""
     if self.device.type != "cuda":
       return
     self._send(RecordsQuery())
-    why = self._recv(RecordsStatus).error
+    status = self._recv(RecordsStatus)
+    why = status.error
     self.evidence.records_on = not why
     if why:
       self.report["warnings"].append(
         f"device records unavailable ({why[:300]}): the last trial was profiled in process instead"
+      )
+      return
+    phases = self.report["phases"]
+    phases["timing_head_start_us"] = status.head_start_us  # reported before any candidate code
+    if status.head_start_us <= 0:
+      self.report["warnings"].append(
+        f"timing: no head start in the candidate's process ({status.head_start_error[:300]}): "
+        "its host path to each forward's first launch is timed, and the baseline's too"
+      )
+      return
+    self.head = head_start.calibrated()
+    if not self.head.cycles:
+      self.report["warnings"].append(
+        f"timing: no head start in the checker ({self.head.why}): the baseline's host path to its "
+        "first launch is timed, the candidate's is not"
       )
 
   def _probe(self) -> None:
@@ -542,6 +562,7 @@ class Check:
     self.spans_ns = spans if len(spans) == len(calls) else None
     # the kernels' own device time in it (a diagnostic: a span less this is launch gaps and dispatch)
     self.kernel_ns = sum(r.ns for r in records.kernels) if records is not None else 0
+    self.head_ns = records.head_ns if records is not None else 0
     # the in-process profiler's own work is no evidence (with device records it does not run)
     kind = "profiled" if profile and not self.evidence.records_on else "call"
     if calibrate or null:
@@ -707,9 +728,10 @@ class Check:
     if opts.compile_baseline:
       model = torch.compile(model)
     self.report["baseline"] = timing.time_forward(
-      model, inputs0, self.device, opts.num_perf_trials, opts.num_warmup, self.clock
+      model, inputs0, self.device, opts.num_perf_trials, opts.num_warmup, self.clock, self.head
     )
     self.report["baseline_measured"] = True
+    self.report["phases"]["baseline_head_start_us"] = self.head.us if self.head.cycles else 0.0
 
   def _burst_size(self) -> int:
     """Forwards per timed round trip for this task (``burst_calls`` of trial 0's tensors)."""
@@ -807,7 +829,7 @@ class Check:
       return self.report["baseline"].median_ms
     inputs0, _ = self.trials.trial(0)
     return timing.time_forward(
-      self.task.fresh_model(), inputs0, self.device, CALIBRATION_CALLS, 3, self.clock
+      self.task.fresh_model(), inputs0, self.device, CALIBRATION_CALLS, 3, self.clock, self.head
     ).median_ms
 
   def _timing(self) -> None:
@@ -824,12 +846,13 @@ class Check:
     checked = checked_calls(n, rng)
     lockstep = self.trials.lockstep_model()
     template = self.trials.trial(0)[1]
-    times, nulls, spans, kernel_ns = [], [], [], 0
+    times, nulls, spans, kernel_ns, head_ns = [], [], [], 0, 0
     for b in range(warm + timed):
       calls = range(b * k, (b + 1) * k)
       times.append(self._timed_burst(b, calls, checked, rng, lockstep, template))
       spans.append(self.spans_ns)
       kernel_ns += self.kernel_ns if b >= warm else 0
+      head_ns += self.head_ns if b >= warm else 0
       if b % RECALIBRATE_EVERY == RECALIBRATE_EVERY - 1:
         nulls.append(self._null_round_trip(b))
     overhead_ms = self._overhead_ms(nulls)
@@ -847,6 +870,7 @@ class Check:
     phases["timing_unmeasurable"] = 0.0
     if self.evidence.records_on:
       phases["timing_device_kernel_ms"] = kernel_ns * 1e-6 / (timed * k)
+      phases["timing_head_start_device_us"] = head_ns * 1e-3 / (timed * k)  # the spins' own time
     phases.update(_share_quantiles("timing_share", times[warm:], k))
     phases.update(_share_quantiles("timing_null_share", nulls, k))
     self.report["candidate"] = dataclasses.replace(
@@ -894,6 +918,10 @@ class Check:
       phases["timing_device_median_ms"] = choice.device.median_ms
       phases["timing_device_floor_ms"] = choice.floor_ms
       phases["timing_device_allowance_ms"] = allowance
+      # how much of the allowance this run's device clock used (host estimate less device mean, over
+      # the allowance): the data a tighter allowance needs (docs/verifier-security.md, "the floor")
+      used_ms = min(host.mean_ms, host.median_ms) - choice.device.mean_ms
+      phases["timing_device_allowance_used"] = used_ms / max(allowance, 1e-9)
       spans_s = [n * 1e-9 for s in spans for n in s]
       phases.update(_share_quantiles("timing_device_span", spans_s, 1))
     if choice.clock == "floor":

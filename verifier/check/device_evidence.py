@@ -18,6 +18,9 @@ Rules, in this order (the first that fails decides):
 5. HOST_COMPUTE (device-buffer transport only): a round trip copying at least ``HOST_COPY_BYTES`` and
    ``HOST_COPY_FRACTION`` of its inputs' bytes from the device to the host: the inputs went to the host
    to be computed on there.
+The worker's head starts (ATen's spin right before each forward's pre marker, ``head_start``) are the
+verifier's own work: the collector leaves them out of ``kernels`` (``device_records.head_starts``: by
+place and name; a spin the candidate launches itself is judged like any kernel).
 A kernel is the candidate's own when its name names one of the ``__global__`` kernels of its source
 (``kernel_names``, as the profiler-based rule did) and no more than one loaded module defines its
 (mangled) name: a kernel of the candidate's named exactly like a library's does not make the library's

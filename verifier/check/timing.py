@@ -2,8 +2,9 @@
 
 The reference (in the checker, which never runs candidate code): CUDA events around each call, with
 ``torch.cuda.synchronize()`` (all streams of the device) before the end event is recorded, so work hidden
-on other streams is counted; a 256 MB write flushes L2 before every call (KernelBench main's
-``clear_l2_cache``); warm-up calls first; fresh input clones each call (defeats caches keyed on
+on other streams is counted, and the head start (``head_start``) before the start event, where the
+candidate's worker spins before each forward's device span; a 256 MB write flushes L2 before every call
+(KernelBench main's ``clear_l2_cache``); warm-up calls first; fresh input clones each call (defeats caches keyed on
 ``data_ptr``; KernelBench v0.1's timing notes). CPU: the process's CPU time (``process_time``), like the
 candidate's (``cpu_clock``; ``perf_counter`` where the candidate is timed by the wall clock), with a 64 MB
 write to flush caches.
@@ -26,6 +27,8 @@ import time
 import torch
 
 from verifier.api.contract import Runtime
+from verifier.ipc import head_start
+from verifier.ipc.head_start import HeadStart
 from verifier.ipc.tensors import clone_args
 
 L2_FLUSH_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}
@@ -60,11 +63,19 @@ def summarize(trial_ms) -> Runtime:
 
 
 def time_calls(
-  model, inputs: list, device: torch.device, trials: int, warmup: int, clock: str = "cpu"
+  model,
+  inputs: list,
+  device: torch.device,
+  trials: int,
+  warmup: int,
+  clock: str = "cpu",
+  head: HeadStart = head_start.NONE,
 ) -> TimedCalls:
   """``warmup`` then ``trials`` calls of ``model`` on fresh clones of ``inputs``, each timed (module
   docstring); on the CPU by ``clock``: "cpu" (this process's CPU time) or "wall" (``perf_counter``),
-  whichever the candidate's calls are timed by."""
+  whichever the candidate's calls are timed by. On a GPU, ``head`` (``head_start``) spins after the
+  synchronise and before the start event, as the candidate's worker spins before its pre marker (the
+  checker's baseline; none: KernelBench's own timing)."""
   cpu_time = time.process_time if clock == "cpu" else time.perf_counter
   flush = torch.empty(L2_FLUSH_BYTES[device.type] // 4, dtype=torch.int32, device=device)
   times: list[float] = []
@@ -75,6 +86,7 @@ def time_calls(
       if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
+        head()  # the call's launches queue while the device spins (``head_start``)
         start.record()
         model(*args)
         torch.cuda.synchronize()  # every stream of the device
@@ -90,9 +102,15 @@ def time_calls(
 
 
 def time_forward(
-  model, inputs: list, device: torch.device, trials: int, warmup: int, clock: str = "cpu"
+  model,
+  inputs: list,
+  device: torch.device,
+  trials: int,
+  warmup: int,
+  clock: str = "cpu",
+  head: HeadStart = head_start.NONE,
 ) -> Runtime:
-  return time_calls(model, inputs, device, trials, warmup, clock).runtime
+  return time_calls(model, inputs, device, trials, warmup, clock, head).runtime
 
 
 def candidate_runtime(round_trips_s, exchange_s: float, calls_per_trip: int = 1) -> Runtime:

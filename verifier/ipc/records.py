@@ -332,6 +332,10 @@ class ProbeReply:
 @record
 class RecordsStatus:
   error: str = ""  # why no device records are collected here ("" when they are)
+  # the spin before each forward's pre marker (``head_start``), calibrated here before any candidate
+  # code: its target in us (0: none) and why there is none
+  head_start_us: float = 0.0
+  head_start_error: str = ""
 
 
 @record
@@ -381,6 +385,9 @@ class DeviceRecords:
   # each forward's span on the device clock, in order (ns): the start of its post marker copy less the
   # end of its pre marker copy (``ForwardRequest.span_markers``); () where they do not pair up
   forward_ns: tuple[int, ...] = ()
+  # the device time (ns) of the worker's head starts before the pre markers (``head_start``), left out
+  # of ``kernels`` (the verifier's own spins)
+  head_ns: int = 0
 
 
 @record
