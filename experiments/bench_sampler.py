@@ -689,22 +689,15 @@ class Bench:
       )
 
   def dynamic(self, ragged=True, commit_rows=0, weights_dtype=None, suffix="", **kw):
-    if weights_dtype and "dynamic" not in self.decoded:
-      self.dynamic()  # the bf16 reference of the agreement
+    ref = (
+      f"dynamic_capped{commit_rows}" if commit_rows else "dynamic" if ragged else "dynamic_lockstep"
+    ) + suffix
+    if weights_dtype and ref not in self.decoded:  # the bf16 reference of the agreement
+      self.dynamic(ragged, commit_rows, suffix=suffix, **kw)
     head = self.model.lm_head[...]
     self.model.lm_head[...] = head * FLAGS.lm_head_scale
     try:
-      name = (
-        (
-          f"dynamic_capped{commit_rows}"
-          if commit_rows
-          else "dynamic"
-          if ragged
-          else "dynamic_lockstep"
-        )
-        + suffix
-        + ("_fp8w" if weights_dtype else "")
-      )
+      name = ref + ("_fp8w" if weights_dtype else "")
       row = self.static(
         name,
         FLAGS.new_tokens,
@@ -718,7 +711,7 @@ class Bench:
     finally:
       self.model.lm_head[...] = head
     if weights_dtype:
-      self.record(self.agreement(row, "dynamic", sharpened=True))
+      self.record(self.agreement(row, ref, sharpened=True))
     elif commit_rows and "dynamic" in self.rates:
       self.record(
         dict(
