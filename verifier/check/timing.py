@@ -1,9 +1,12 @@
 """Timing of a model's forward.
 
-The reference (in the checker, which never runs candidate code): CUDA events around each call, with
-``torch.cuda.synchronize()`` (all streams of the device) before the end event is recorded, so work hidden
-on other streams is counted, and the head start (``head_start``) before the start event, where the
-candidate's worker spins before each forward's device span; a 256 MB write flushes L2 before every call
+The reference (in the checker, which never runs candidate code): CUDA events around each call on the
+current stream, the end event recorded right after the call as KernelBench main's
+``time_execution_with_cuda_event`` does (the reference is trusted PyTorch code, whose side streams join the
+current one; an end event recorded after a ``synchronize()`` timed the host's wake-up as well, and a host
+stall there, e.g. under parallel builds, as the call's), as the candidate's post marker is enqueued right
+after its call; the head start (``head_start``) before the start event, where the candidate's worker
+spins before each forward's device span; a 256 MB write flushes L2 before every call
 (KernelBench main's ``clear_l2_cache``); warm-up calls first; fresh input clones each call (defeats caches keyed on
 ``data_ptr``; KernelBench v0.1's timing notes). CPU: the process's CPU time (``process_time``), like the
 candidate's (``cpu_clock``; ``perf_counter`` where the candidate is timed by the wall clock), with a 64 MB
@@ -89,9 +92,8 @@ def time_calls(
         head()  # the call's launches queue while the device spins (``head_start``)
         start.record()
         model(*args)
-        torch.cuda.synchronize()  # every stream of the device
-        end.record()
-        end.synchronize()
+        end.record()  # on the call's stream, right after it (module docstring)
+        torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
       else:
         t0 = cpu_time()
