@@ -3,9 +3,12 @@ program and where its device time goes (`experiments.decode_profile`, bench_samp
 runs). No flags: the launchers own those.
 
 A variant is `base` or `key=value` items joined by `+`: `DecodeTiles` fields (split, block_k,
-num_warps, num_stages, dynamic_loop, splits, fold_new, fp8_widen, halves) and `cache=bf16|fp8`
-(the K/V cache's element type), e.g. `splits=3+fold_new=1`, `cache=fp8+fp8_widen=asm`. A variant is
-compared with its reference: the first variant given with the same cache type.
+num_warps, num_stages, dynamic_loop, splits, fold_new, fp8_widen, halves), `cache=bf16|fp8`
+(the K/V cache's element type) and `weights=bf16|fp8` (`SamplerConfig.weights_dtype`: float8
+projections), e.g. `splits=3+fold_new=1`, `cache=fp8+fp8_widen=asm`, `weights=fp8`. A variant is
+compared with its reference: the first variant given with the same cache type (so `weights=fp8`
+against bf16 weights: one forward's logits and argmax beside a rounding-order control such as
+`split=64`).
 """
 
 from __future__ import annotations
@@ -33,24 +36,33 @@ class Variant:
   name: str
   tiles: flash_decode.DecodeTiles
   fp8: bool
+  weights8: bool = False  # float8 projections (`SamplerConfig.weights_dtype`)
 
   @property
   def kv_cache_dtype(self):
     """`SamplerConfig.kv_cache_dtype` of this variant."""
     return FP8 if self.fp8 else None
 
+  @property
+  def weights_dtype(self):
+    """`SamplerConfig.weights_dtype` of this variant."""
+    return FP8 if self.weights8 else None
+
 
 def parse_variant(spec: str) -> Variant:
   """`base` or `key=value+key=value` -> Variant; ValueError naming what is wrong."""
-  fields, fp8 = {}, False
+  fields, fp8, weights8 = {}, False, False
   for item in [] if spec == "base" else spec.split("+"):
     key, sep, value = item.partition("=")
     if not sep:
       raise ValueError(f"variant item {item!r} is not key=value (in {spec!r})")
-    if key == "cache":
+    if key in ("cache", "weights"):
       if value not in ("bf16", "fp8"):
-        raise ValueError(f"cache must be bf16 or fp8, got {value!r} (in {spec!r})")
-      fp8 = value == "fp8"
+        raise ValueError(f"{key} must be bf16 or fp8, got {value!r} (in {spec!r})")
+      if key == "cache":
+        fp8 = value == "fp8"
+      else:
+        weights8 = value == "fp8"
     elif key in _TILE_FIELDS:
       kind = _TILE_FIELDS[key]
       if kind in ("bool", bool):
@@ -68,7 +80,7 @@ def parse_variant(spec: str) -> Variant:
     tiles = flash_decode.DecodeTiles(**fields)
   except (ValueError, TypeError) as e:
     raise ValueError(f"variant {spec!r}: {e}") from e
-  return Variant(spec, tiles, fp8)
+  return Variant(spec, tiles, fp8, weights8)
 
 
 def parse_variants(specs) -> list[Variant]:
@@ -230,15 +242,17 @@ def measure_forwards(
   variants, fwd, state, weights, cache_of, counts_of, *, iters=5, threads=8, late=lambda v: False
 ):
   """One forward per variant (`fwd` jitted, `cache_of(v)` its cache, `counts_of(v)` its
-  `attention_counts`); yields (variant, row, trace summary or None): wall ms, device ms by kind
+  `attention_counts`; `weights` the split weights, or a function of the variant giving them);
+  yields (variant, row, trace summary or None): wall ms, device ms by kind
   (and per kernel in the summary, `forward_account`), the logits against the variant's reference.
   The first variant is compiled and measured alone first (its numbers are out before any other
   variant builds); the others are compiled together. A variant `late(v)` says to skip is yielded
   with `skipped`; one that fails, with `failed`."""
   refs, others, logits = references(variants), peers(variants), {}
+  weights_of = weights if callable(weights) else lambda v: weights
   for group in (variants[:1], variants[1:]):
     t0 = time.perf_counter()
-    lowered = lower_each(lambda v: fwd.lower(state, weights, cache_of(v)), group)
+    lowered = lower_each(lambda v: fwd.lower(state, weights_of(v), cache_of(v)), group)
     compiled = compile_all(lowered, threads, first_alone=False)
     compile_s = round(time.perf_counter() - t0, 1)
     for v, prog in zip(group, compiled):
@@ -250,7 +264,7 @@ def measure_forwards(
       try:
         if isinstance(prog, Exception):
           raise prog
-        args = (state, weights, cache_of(v))
+        args = (state, weights_of(v), cache_of(v))
         sec, logits[v.name] = time_fn(prog, *args, iters=iters)
         summary = forward_account(prog, args, counts_of(v))
         row.update(
@@ -278,6 +292,7 @@ def fastest(variants, rows: dict, agree: float = 0.99, exclude=()):
     v
     for v in variants
     if not v.fp8
+    and not v.weights8
     and v.name not in exclude
     and "wall_ms" in rows.get(v.name, {})
     and rows[v.name].get("argmax_agree", 1.0) >= agree

@@ -86,7 +86,7 @@ class OptionRuns:
     self.by_name = {v.name: v for v in settings.variants}
     self.forward_rows = {}  # variant name -> options_forward row
     self.inexact = set()  # variants whose exact check differed from the reference or failed
-    self._weights = None
+    self._weights = {}
 
   def left(self) -> float:
     return self.s.deadline_s - (time.perf_counter() - self.s.t0)
@@ -98,12 +98,14 @@ class OptionRuns:
     self.bench.record(dict(row, skipped="deadline"))
     return True
 
-  def weights(self):
-    """The model's split weights, made once for the options runs."""
-    if self._weights is None:
+  def weights(self, v: df.Variant | None = None):
+    """The model's split weights (float8 projections for a `weights=fp8` variant `v`), each kind
+    made once for the options runs."""
+    kind = v.weights_dtype if v is not None else None
+    if kind not in self._weights:
       graphdef, state = nnx.split(self.bench.model)
-      self._weights = sampler.split_weights(graphdef, state)
-    return self._weights
+      self._weights[kind] = sampler.split_weights(graphdef, state, weights_dtype=kind)
+    return self._weights[kind]
 
   # --- one decode forward per variant --------------------------------------------------------
 
@@ -129,7 +131,7 @@ class OptionRuns:
       list(self.s.variants),
       fwd,
       state,
-      self.weights(),
+      self.weights,
       cache_of,
       counts_of,
       threads=self.s.compile_threads,
@@ -159,7 +161,11 @@ class OptionRuns:
       lambda: Transformer(cfg, rngs=nnx.Rngs(1)), sharding.make_mesh()
     )
     graphdef, state = nnx.split(model)
-    weights = sharpened(sampler.split_weights(graphdef, state), s.lm_head_scale)
+    kinds = {v.weights_dtype for v in s.variants}
+    weights = {
+      k: sharpened(sampler.split_weights(graphdef, state, weights_dtype=k), s.lm_head_scale)
+      for k in kinds
+    }
     n, hi = s.exact_tokens, min(151000, cfg.mask_token_id)
     prompts = np.random.RandomState(2).randint(2, hi, (s.exact_rows, n)).tolist()
     keys = sampler.row_keys(jax.random.key(0), s.exact_rows)
@@ -174,14 +180,16 @@ class OptionRuns:
           max_new_tokens=n,
           decode_tiles=v.tiles,
           kv_cache_dtype=v.kv_cache_dtype,
+          weights_dtype=v.weights_dtype,
         ).for_model(cfg)
         layout = jax.tree.map(jnp.asarray, sampler.layout_prompts(prompts, scfg, cfg.mask_token_id))
         programs.append((v, label, scfg, layout))
 
     def lower(program):
-      _, _, scfg, layout = program
+      v, _, scfg, layout = program
       with lay.context():
-        return sampler.compiled_decode(graphdef, scfg, lay).lower(state, weights, layout, keys)
+        fn = sampler.compiled_decode(graphdef, scfg, lay)
+        return fn.lower(state, weights[v.weights_dtype], layout, keys)
 
     compiled = df.compile_all(df.lower_each(lower, programs), s.compile_threads)
     refs, others, outs = df.references(s.variants), df.peers(s.variants), {}
@@ -200,7 +208,7 @@ class OptionRuns:
       try:
         if isinstance(prog, Exception):
           raise prog
-        out = prog(state, weights, layout, keys)
+        out = prog(state, weights[v.weights_dtype], layout, keys)
         outs[v.name, label] = (np.asarray(out.tokens), np.asarray(out.step_map))
         row["generated"] = int(np.asarray(out.response_lengths).sum())
         ref = refs[v.name]
@@ -244,19 +252,25 @@ class OptionRuns:
     names = self.rate_names()
     items = [(label, name) for label in self.s.rate_strategies for name in names]
     items = self.plan(items, rows, new)
-    raw = self.weights()
-    sharp = sharpened(raw, self.s.lm_head_scale) if "dynamic" in self.s.rate_strategies else None
+
+    sharp = {}  # weights dtype -> the sharpened weights of the dynamic runs, made once
 
     def prepare(item):
       label, name = item
       v = self.by_name[name]
+      weights = self.weights(v)
+      if label == "dynamic":
+        if v.weights_dtype not in sharp:
+          sharp[v.weights_dtype] = sharpened(weights, self.s.lm_head_scale)
+        weights = sharp[v.weights_dtype]
       return self.bench.prepare(
         "options_rates",
         new,
         STRATEGIES[label],
         kv_cache_dtype=v.kv_cache_dtype,
         tiles=v.tiles,
-        weights=sharp if label == "dynamic" else raw,
+        weights=weights,
+        weights_dtype=v.weights_dtype,
       )
 
     programs = df.lower_each(prepare, items)

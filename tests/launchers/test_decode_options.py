@@ -19,6 +19,10 @@ def test_a_variant_names_tiles_and_cache_type():
   assert v.tiles == flash_decode.DecodeTiles(splits=3, fold_new=True, halves=True, fp8_widen="asm")
   assert v.fp8 and v.kv_cache_dtype == "float8_e4m3fn"
   assert df.parse_variant("cache=bf16+block_k=32").kv_cache_dtype is None
+  w = df.parse_variant("weights=fp8+split=4096")
+  assert w.weights8 and w.weights_dtype == "float8_e4m3fn" and not w.fp8
+  assert w.tiles == flash_decode.DecodeTiles(split=4096)
+  assert df.parse_variant("weights=bf16").weights_dtype is None
 
 
 @pytest.mark.parametrize(
@@ -27,6 +31,7 @@ def test_a_variant_names_tiles_and_cache_type():
     ("splits", "is not key=value"),
     ("warps=8", "unknown variant key 'warps'"),
     ("cache=int4", "cache must be bf16 or fp8"),
+    ("weights=int8", "weights must be bf16 or fp8"),
     ("splits=three", "splits must be an int"),
     ("block_k=48", "must be a power of two"),
     ("fp8_widen=cvt", "fp8_widen must be one of"),
@@ -117,12 +122,13 @@ def test_rates_plan_only_what_fits_before_the_deadline():
 
 
 def test_best_is_the_fastest_exact_bf16_forward():
-  runs = _runs(1e9)
+  runs = _runs(1e9, ("base", "splits=3", "cache=fp8", "weights=fp8"))
   assert runs.rate_names() == ["base"]  # nothing measured: `best` is nobody
   runs.forward_rows = {
     "base": dict(wall_ms=16.0),
     "splits=3": dict(wall_ms=14.0, argmax_agree=1.0),
     "cache=fp8": dict(wall_ms=9.0),
+    "weights=fp8": dict(wall_ms=8.0, argmax_agree=1.0),  # approximate: never `best`
   }
   assert runs.rate_names() == ["base", "splits=3"]
   runs.inexact.add("splits=3")  # its tokens differed on the small model
@@ -147,7 +153,8 @@ def test_programs_compile_together_and_a_failure_is_returned():
 def test_the_cache_kernels_dots_are_bf16_with_float32_accumulation():
   """The cache kernel's q.k and p.v dots, lowered for cuda at sdar_4b's shapes (no GPU needed), take
   bf16 operands with float32 results for a bf16 and for a float8 cache (widened to bf16 before
-  the dot) and with the new keys folded in: Triton gives such dots to tensor cores. Where the
+  the dot) and with the new keys folded in, float16 operands for a float8 cache widened to
+  float16 (`fp8_widen='f16'`): Triton gives such dots to tensor cores. Where the
   jaxlib shows the PTX (its Triton compile hook, jaxlib <= 0.10 on a GPU) it holds `mma`/`wgmma`,
   not float32 `fma.rn.f32`; jaxlib 0.11 shows PTX nowhere (`experiments/kernel_code.py`)."""
   from experiments import kernel_code
@@ -157,9 +164,10 @@ def test_the_cache_kernels_dots_are_bf16_with_float32_accumulation():
   for name, row in rows.items():
     assert "failed" not in row, row
     want = 4 if name.startswith("fold_new") else 2
+    dot = ["f16", "f16", "f32"] if name.endswith("fp8_widen=f16") else ["bf16", "bf16", "f32"]
     if jax.default_backend() == "gpu":  # the IR text sits in a compiled kernel's record
-      assert row["dots"] and all(d == ["bf16", "bf16", "f32"] for d in row["dots"]), row
+      assert row["dots"] and all(d == dot for d in row["dots"]), row
       if row["ptx_source"] is not None:
         assert row["ptx"]["mma.sync"] + row["ptx"]["wgmma.mma_async"] > 0, row
     else:
-      assert row["dots"] == [["bf16", "bf16", "f32"]] * want, row
+      assert row["dots"] == [dot] * want, row
