@@ -16,28 +16,29 @@
 #            GPU_TESTS_S (default 150 s)
 #   options  bench_sampler --runs=options_forward,options_exact,options_rates; sdar_4b, random bf16
 #            weights, 128 rows, 1,024 + 1,024 (experiments/decode_options.py):
-#            forward  one 4-token decode forward at fill 1,536 per variant (base; split=512 and
-#                     split=64, the base kernel on other partitions: controls of rounding order;
-#                     splits=3, here split=512's programs, so its logits should equal split=512's
-#                     (`vs_others`; only the merge's sum over 3 or 5 partial results may round
-#                     otherwise); fold_new=1; halves=1; the three together; cache=fp8;
-#                     cache=fp8+fp8_widen=asm), compiled together: wall ms, device ms
-#                     by kind; per kernel ms, GB, GFLOP, GB/s, TFLOP/s in options_forward.md
-#                     (`base` = the profile-backed account); logits vs base (fp8_widen=asm vs
-#                     cache=fp8): max |diff|, bitwise `exact`, argmax agreement
+#            forward  one 4-token decode forward at fill 1,536 per variant (OPTIONS; by default:
+#                     base; split=64, the base kernel on other programs: the control of rounding
+#                     order; split=4096, one program a row; weights=fp8, float8 projections, alone
+#                     and with split=4096; cache=fp8 and its float16 widening, alone and with the
+#                     rest), compiled together: wall ms, device ms by kind; per kernel ms, GB,
+#                     GFLOP, GB/s, TFLOP/s in options_forward.md (`base` = the profile-backed
+#                     account); logits vs the first variant of the same cache type: max |diff|,
+#                     bitwise `exact`, argmax agreement (float8 weights' beside split=64's)
 #            exact    tokens and step map of each variant vs base, static and dynamic, on a 2-layer
 #                     model of sdar_4b's shapes, LM head x40, 16 prompts of 64 + 64 tokens; also
 #                     against each earlier variant (`agreement_with_others`; splits=3 runs
 #                     split=64's programs there). A variant that only reorders float32 sums
 #                     agrees with the base about as well as split=64 does
-#            rates    dynamic then static at full size for base and `best` (fastest bf16 forward
-#                     whose tokens equal the base's): tok/s, tokens per row-forward, vs base, token
-#                     agreement; only the programs that fit before the deadline are compiled
+#            rates    dynamic then static at full size for each RATE_OPTIONS variant (`best`: the
+#                     fastest bf16 forward whose tokens equal the base's): tok/s, tokens per
+#                     row-forward, vs base, token agreement; only the programs that fit before the
+#                     deadline are compiled
 # If the bench dies of a signal (a compiler crash), it runs once more without the `halves` variants.
 # A status line per part in $OUT/status.txt; rows land in $OUT/results.jsonl as they come (a row per
 # variant, `skipped` when the deadline cut it). Run from the repository root:
 #   OUT=/some/dir bash experiments/gpu/sampler_decode_h200.sh
-# BUDGET, PARTS (kernel_code,tests,options), TESTS_S, OPTIONS (the variants), CONFIG (the model
+# BUDGET, PARTS (kernel_code,tests,options), TESTS_S, OPTIONS (the variants), RATE_OPTIONS (the
+# variants measured at full size; `best` = the fastest exact bf16 forward), CONFIG (the model
 # preset) and FLAGS (more bench_sampler flags, e.g. a CPU smoke run's tiny shapes) override. An
 # existing PYTHONPATH (e.g. /tmp/site) is kept.
 set -u
@@ -50,7 +51,10 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 BUDGET=${BUDGET:-480}
 PARTS=${PARTS:-kernel_code,tests,gpu_tests,options}
 CONFIG=${CONFIG:-sdar_4b}
-OPTIONS=${OPTIONS:-base,split=512,split=64,splits=3,fold_new=1,halves=1,splits=3+fold_new=1+halves=1,cache=fp8,cache=fp8+fp8_widen=asm}
+# Session 22's open questions first: the rounding control (split=64) beside float8 weights (is their
+# token disagreement rounding or a wrong GEMM?), one program a row, the float16-widened float8 cache.
+OPTIONS=${OPTIONS:-base,split=64,split=4096,weights=fp8,split=4096+weights=fp8,cache=fp8,cache=fp8+fp8_widen=f16,cache=fp8+fp8_widen=f16+split=4096+weights=fp8}
+RATE_OPTIONS=${RATE_OPTIONS:-base,split=4096,split=4096+weights=fp8,cache=fp8+fp8_widen=f16+split=4096+weights=fp8}
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 status() { echo "$(($(date +%s) - START)) s: $*" | tee -a "$OUT/status.txt"; }
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
@@ -82,7 +86,7 @@ options() {  # options NAME VARIANTS
   # shellcheck disable=SC2086  # FLAGS: extra flags, split on spaces
   part "$1" 60 python3 -m experiments.bench_sampler --out="$OUT" --config="$CONFIG" --batch=128 \
     --prompt_len=1024 --new_tokens=1024 --runs=options_forward,options_exact,options_rates \
-    --decode_options="$2" --rate_options=base,best --rate_strategies=dynamic,static \
+    --decode_options="$2" --rate_options="$RATE_OPTIONS" --rate_strategies=dynamic,static \
     --deadline_s=$(($(left) - 20)) ${FLAGS:-}
 }
 if has kernel_code; then
