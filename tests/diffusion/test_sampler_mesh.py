@@ -23,17 +23,13 @@ from dice_jax.model.kv_cache import KVCache
 from dice_jax.model.transformer import Transformer
 from experiments import local_cluster
 
+# STOP: a token the sharpened tiny model emits often (rows stop at different blocks); DYNAMIC: the RL
+# rollout's decoding (dynamic strategy, ragged rows, log-probs) on the tiny model, as the two-process
+# test decodes it
+from tests.diffusion.sampler_processes import CFG as DYNAMIC
+from tests.diffusion.sampler_processes import STOP
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STOP = 238  # a token the sharpened tiny model emits often: rows stop at different blocks
-# the RL rollout's decoding (dynamic strategy, ragged rows, log-probs) on the tiny model
-DYNAMIC = sampler.SamplerConfig(
-  strategy="low_confidence_dynamic",
-  threshold=0.5,
-  temperature=1.0,
-  max_new_tokens=10,
-  stop_ids=(STOP,),
-  return_logprobs=True,
-)
 MESH = dict(data=2, fsdp=2, tensor=2)  # rows split 4 ways, K/V heads 2 ways
 
 
