@@ -75,8 +75,13 @@ class Checkpointer:
     keep: int = 3,
     async_save: bool = True,
     keep_period: int | None = None,
+    cleanup_tmp: bool = True,
   ):
-    """`keep_period`: steps that are multiples of it are never deleted (permanent snapshots)."""
+    """`keep_period`: steps that are multiples of it are never deleted (permanent snapshots).
+    `cleanup_tmp`: orbax deletes the unfinished saves of earlier runs, in a background thread
+    that `close` does not wait for when nothing was saved (a reader passes False: it has nothing
+    to clean up, and a process that exits right after its restore failed would have that thread
+    print a traceback at interpreter shutdown)."""
     if save_every < 1 or keep < 1:
       raise ValueError(f"checkpoint save_every ({save_every}) and keep ({keep}) must be >= 1")
     self.directory = os.path.abspath(directory)
@@ -87,7 +92,7 @@ class Checkpointer:
       save_interval_steps=save_every,
       create=True,
       enable_async_checkpointing=async_save,
-      cleanup_tmp_directories=True,
+      cleanup_tmp_directories=cleanup_tmp,
     )
     self._mngr = ocp.CheckpointManager(
       self.directory, options=options, item_names=("state", "data", "config")
@@ -322,7 +327,9 @@ def restore_params(run_dir: str, mesh=None, step: int | None = None):
     graphdef, abstract, _ = abstract_train_state(mcfg, tx, mesh)
     return abstract
 
-  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=1, async_save=False)
+  ckpt = Checkpointer(
+    os.path.join(run_dir, "checkpoints"), save_every=1, async_save=False, cleanup_tmp=False
+  )
   try:
     if step is None:
       step, state, _, config = ckpt.restore_intact(target)
