@@ -11,6 +11,10 @@ Runs (in the order given; each writes rows to DIR/results.jsonl and rewrites DIR
                 cache bytes each forward reads; approximate decoding), with `vs_static`.
   profile       device time by kernel (profiler trace) of one decode forward (on the split
                 weights, as the sampler decodes) and of a short static call; DIR/profile.md.
+  profile_loop  one iteration of each `--profile_loops` loop (static, dynamic_capped, the float8
+                cache...), by kind and kernel, per batch forward: the difference of one program
+                run with budgets 2b and `--loop_tokens` (experiments/decode_loop_profile.py);
+                DIR/profile_loop.md.
   breakdown     one decode forward (b tokens, cache filled to prompt + new/2) with and without
                 XLA's dynamic-slice fusion (the layer scan slices every layer's weights), with the
                 layers unrolled (`scan_layers=False`), on `decode_weights()` split before the
@@ -67,6 +71,7 @@ import functools
 import glob
 import json
 import os
+import shutil
 import time
 
 import jax
@@ -82,6 +87,7 @@ from dice_jax.diffusion.placement import Placement
 from dice_jax.model import AttentionSpec, KVCache, Transformer, flash_decode, get_config
 from dice_jax.model.transformer import DecodeWeights
 from experiments import decode_forward, decode_options, trace_summary
+from experiments import decode_loop_profile as loop_profile
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "sdar_4b", "Model preset.")
@@ -104,6 +110,12 @@ flags.DEFINE_integer("mixed_slots", 128, "Slots of the continuous engine.")
 flags.DEFINE_integer("mixed_min", 64, "Shortest budget of the mixed workload.")
 flags.DEFINE_integer("mixed_max", 4096, "Longest budget of the mixed workload.")
 flags.DEFINE_integer("profile_tokens", 64, "New tokens of the profiled static call.")
+flags.DEFINE_list(
+  "profile_loops",
+  ["static", "dynamic_capped", "dynamic_capped_fp8"],
+  "Loops of profile_loop (experiments/decode_loop_profile.LOOPS; capped: the first --commit_rows).",
+)
+flags.DEFINE_integer("loop_tokens", 128, "New tokens of profile_loop's long call (its short: 2b).")
 flags.DEFINE_float("peak_tflops", 790.0, "bf16 matmul TFLOP/s (measured H200).")
 flags.DEFINE_float("hbm_tbs", 4.3, "HBM TB/s (measured H200 copy bandwidth).")
 flags.DEFINE_string("out", "", "Directory for results.jsonl / results.md.")
@@ -160,7 +172,9 @@ flags.DEFINE_list(
   "rate_options", ["base", "best"], "Variants options_rates measures (`best`: decode_options.py)."
 )
 flags.DEFINE_list(
-  "rate_strategies", ["dynamic", "static"], "Strategies of options_rates, in order."
+  "rate_strategies",
+  ["dynamic", "static"],
+  "Strategies of options_rates, in order: static, dynamic, dynamic_capped (the first --commit_rows).",
 )
 flags.DEFINE_integer("exact_layers", 2, "Layers of options_exact's model (the preset's shapes).")
 flags.DEFINE_integer("exact_rows", 16, "Prompts of options_exact.")
@@ -206,10 +220,10 @@ class Bench:
       with open(os.path.join(FLAGS.out, "results.md"), "w") as f:
         f.write(markdown(self.rows))
 
-  def prompts(self, rows):
+  def prompts(self, rows, length=None):
     hi = min(151000, self.model.cfg.mask_token_id)
     rs = np.random.RandomState(0)  # the same prompts in every run: runs compare like with like
-    return rs.randint(2, hi, (rows, FLAGS.prompt_len)).tolist()
+    return rs.randint(2, hi, (rows, length or FLAGS.prompt_len)).tolist()
 
   def scfg(self, new, strategy="low_confidence_static", tiles=None, **kw):
     return sampler.SamplerConfig(
@@ -501,6 +515,68 @@ class Bench:
       f.write("\n## Static call (whole, prefill included)\n\n" + trace_summary.markdown(st_sum))
     for p in glob.glob(os.path.join(out_dir, "trace_static", "**", "*.pb"), recursive=True):
       os.remove(p)  # keep the results small: the summary and the perfetto JSON stay
+
+  def profile_loop(self):
+    """Device time of one iteration of each `--profile_loops` decode loop, by kind and kernel: one
+    program run with every row's budget 2b and then `--loop_tokens`, the difference per batch
+    forward (experiments/decode_loop_profile.py); rows `profile_loop`, DIR/profile_loop.md."""
+    mcfg = self.model.cfg
+    b, big = mcfg.block_size, FLAGS.loop_tokens
+    if big < 4 * b:
+      raise ValueError(f"--loop_tokens must be at least 4 blocks ({4 * b}), got {big}")
+    plen = loop_profile.loop_prompt_len(FLAGS.prompt_len, FLAGS.new_tokens, big, b)
+    prompts = self.prompts(FLAGS.batch, plen)
+    out_dir = FLAGS.out or "/tmp/bench_sampler"
+    rows = []
+    for name in FLAGS.profile_loops:
+      kw, sharp = loop_profile.loop_settings(name, int(FLAGS.commit_rows[0]))
+      strategy = kw.pop("strategy")
+      head = self.model.lm_head[...]
+      if sharp:
+        self.model.lm_head[...] = head * FLAGS.lm_head_scale
+      try:
+        p = self.prepare(f"profile_loop_{name}", big, strategy, prompts=prompts, **kw)
+      finally:
+        self.model.lm_head[...] = head
+      compiled = p["lowered"].compile()
+      state, weights, layout, keys = p["args"]
+      # the same canvas, every row's budget 2b (a budget is data: one program runs both calls)
+      short = dataclasses.replace(
+        layout, max_new_tokens=jnp.full_like(layout.max_new_tokens, 2 * b)
+      )
+      runs = {}
+      for label, lay in (("short", short), ("long", layout)):
+        jax.block_until_ready(compiled(state, weights, lay, keys).tokens)  # warm
+        t0 = time.perf_counter()
+        out = compiled(state, weights, lay, keys)
+        jax.block_until_ready(out.tokens)
+        wall = time.perf_counter() - t0
+        trace = os.path.join(out_dir, f"trace_loop_{name}_{label}")
+        with jax.profiler.trace(trace, create_perfetto_trace=True):
+          jax.block_until_ready(compiled(state, weights, lay, keys).tokens)
+        runs[label] = (int(out.forwards), wall, trace_summary.summarize(trace, 1, top=10**9))
+        shutil.rmtree(trace, ignore_errors=True)  # keep the results small: the summary stays
+      del compiled, p
+      forwards = runs["long"][0] - runs["short"][0]
+      it = loop_profile.per_forward(runs["long"][2], runs["short"][2], forwards)
+      row = dict(
+        run="profile_loop",
+        loop=name,
+        rows=len(prompts),
+        prompt=plen,
+        new=big,
+        fill=f"{plen + 2 * b}-{plen + big}",
+        forwards=forwards,
+        wall_ms=round(1e3 * (runs["long"][1] - runs["short"][1]) / forwards, 2),
+        device_ms=it["device_ms"],
+        by_kind=it["by_kind"],
+        top=it["kernels"][:8],
+        **{k: v for k, v in kw.items() if v},
+      )
+      self.record(row)
+      rows.append(dict(row, kernels=it["kernels"]))
+      with open(os.path.join(out_dir, "profile_loop.md"), "w") as f:
+        f.write(loop_profile.markdown(rows))
 
   def kernel_time(self, cache, tiles):
     """Seconds of the cache attention (kernel + split merge) over all layers, 4 new tokens."""
@@ -846,8 +922,10 @@ def option_settings() -> decode_options.Settings:
   names = {v.name for v in variants} | {"best"}
   if set(FLAGS.rate_options) - names:
     raise app.UsageError(f"--rate_options: not in --decode_options: {FLAGS.rate_options}")
-  if set(FLAGS.rate_strategies) - set(decode_options.STRATEGIES):
-    raise app.UsageError(f"--rate_strategies: static, dynamic; got {FLAGS.rate_strategies}")
+  if set(FLAGS.rate_strategies) - set(decode_options.RATE_STRATEGIES):
+    raise app.UsageError(
+      f"--rate_strategies: {', '.join(decode_options.RATE_STRATEGIES)}; got {FLAGS.rate_strategies}"
+    )
   if min(FLAGS.exact_layers, FLAGS.exact_rows, FLAGS.exact_tokens, FLAGS.compile_threads) < 1:
     raise app.UsageError("--exact_layers, --exact_rows, --exact_tokens, --compile_threads: >= 1")
   return decode_options.Settings(
@@ -863,6 +941,7 @@ def option_settings() -> decode_options.Settings:
     t0=_T0,
     compile_threads=FLAGS.compile_threads,
     out=FLAGS.out,
+    commit_rows=int(FLAGS.commit_rows[0]),
   )
 
 
@@ -911,6 +990,7 @@ def main(argv):
       elif run in (
         "breakdown",
         "profile",
+        "profile_loop",
         "sweep",
         "dynamic",
         "dynamic_lockstep",

@@ -11,7 +11,8 @@ default, in one process: bench_sampler's `options_forward`, `options_exact` and 
            and as many new: every variant's tokens and step map against its reference's, for
            low_confidence_static and low_confidence_dynamic.
   rates    the static sampler at full size (`--batch` x (`--prompt_len` + `--new_tokens`)) for
-           each `rate_options` variant and `rate_strategies` strategy: tok/s, tokens per
+           each `rate_options` variant and `rate_strategies` strategy (static, dynamic, or
+           dynamic_capped: at most `commit_rows` rows committing a forward): tok/s, tokens per
            row-forward, and against the first variant its rate and token agreement. `best` is
            the fastest bf16-cache forward whose argmax agrees with its reference and whose exact
            check found the same tokens. Only the programs that fit before the deadline (at the
@@ -37,6 +38,9 @@ from experiments import decode_forward as df
 from experiments import trace_summary
 
 STRATEGIES = {"static": "low_confidence_static", "dynamic": "low_confidence_dynamic"}
+# The rates also run `dynamic_capped`: dynamic with at most `Settings.commit_rows` rows committing per
+# forward (`SamplerConfig.commit_rows`), the fastest exact dynamic decoding measured (session 21).
+RATE_STRATEGIES = dict(STRATEGIES, dynamic_capped="low_confidence_dynamic")
 # Seconds per sampler program at full size on one H200 (sdar_4b, 128 x (1024 + 1024); docs/log.md
 # sessions 9-10): lowering (sequential), compile (in parallel), one run at ~5,500 tok/s.
 RATE_COSTS_S = dict(lower=12.0, compile=45.0, tok_s=5500.0)
@@ -49,7 +53,7 @@ class Settings:
   config: str  # the model preset
   variants: tuple  # decode_forward.Variant, the reference of each cache type first
   rate_options: tuple  # variant names or "best"
-  rate_strategies: tuple  # keys of STRATEGIES
+  rate_strategies: tuple  # keys of RATE_STRATEGIES
   exact_layers: int
   exact_rows: int
   exact_tokens: int
@@ -58,6 +62,7 @@ class Settings:
   t0: float
   compile_threads: int = 8
   out: str = ""
+  commit_rows: int = 0  # the cap of the `dynamic_capped` rates
 
 
 def sharpened(weights, scale: float):
@@ -259,18 +264,19 @@ class OptionRuns:
       label, name = item
       v = self.by_name[name]
       weights = self.weights(v)
-      if label == "dynamic":
+      if label.startswith("dynamic"):
         if v.weights_dtype not in sharp:
           sharp[v.weights_dtype] = sharpened(weights, self.s.lm_head_scale)
         weights = sharp[v.weights_dtype]
       return self.bench.prepare(
         "options_rates",
         new,
-        STRATEGIES[label],
+        RATE_STRATEGIES[label],
         kv_cache_dtype=v.kv_cache_dtype,
         tiles=v.tiles,
         weights=weights,
         weights_dtype=v.weights_dtype,
+        commit_rows=self.s.commit_rows if label == "dynamic_capped" else 0,
       )
 
     programs = df.lower_each(prepare, items)
