@@ -29,6 +29,7 @@ Results go to DIR/bench_rl.json as each phase finishes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -48,6 +49,12 @@ flags.DEFINE_integer("prompt_len", 896, "prompt tokens per task (DICE e2e median
 flags.DEFINE_integer("new_tokens", 512, "tokens decoded per sample")
 flags.DEFINE_integer("groups_per_batch", 8, "groups per sampler call")
 flags.DEFINE_integer("prefill_chunk", 16, "rows per prefill chunk (as bench_sampler)")
+flags.DEFINE_integer(
+  "commit_rows", 0, "rollout: rows committing per forward (SamplerConfig.commit_rows; 0: no cap)"
+)
+flags.DEFINE_string(
+  "decode_tiles", "", "rollout: DecodeTiles as JSON or a JSON file's path (empty: the default)"
+)
 flags.DEFINE_string("attention_impl", "flash", "dense | flash")
 flags.DEFINE_string("verifier", "local", "'local' (a child service), HOST:PORT, or 'none'")
 flags.DEFINE_string("verifier_device", "", "local verifier device ('' = cuda when a GPU is seen)")
@@ -70,7 +77,9 @@ flags.DEFINE_string("batch_units", "rows", "what rows_per_update counts: rows | 
 flags.DEFINE_bool("flash_live_only", True, "flash kernel: loop over live tiles only (ModelConfig)")
 flags.DEFINE_string("remat", "auto", "the update's remat policy: auto or a REMAT_POLICIES name")
 flags.DEFINE_float("memory_limit_gb", 0.0, "device memory for the update plan (0: the device's)")
-flags.DEFINE_integer("update_steps", 2, "optimizer steps actually run (the rest extrapolated)")
+flags.DEFINE_integer(
+  "update_steps", 2, "optimizer steps actually run (the rest extrapolated); 0: the rollout alone"
+)
 flags.DEFINE_integer("seed", 0, "seed")
 flags.DEFINE_string("out", "", "directory for bench_rl.json")
 flags.DEFINE_float("peak_tflops", 0.0, "bf16 peak TFLOP/s for the MFU (0: metrics.peak_flops)")
@@ -276,6 +285,8 @@ def main(argv):
       return_logprobs=True,
       pad_id=mcfg.pad_token_id or 0,
       prefill_chunk=FLAGS.prefill_chunk,
+      commit_rows=FLAGS.commit_rows,
+      decode_tiles=bench_common.decode_tiles(FLAGS.decode_tiles),
     )
     backend = rollout.StaticBatches(scfg, FLAGS.groups_per_batch, FLAGS.seed)
     sample_model = nnx.merge(graphdef, rollout.sampling_params(state["params"], jnp.bfloat16))
@@ -318,6 +329,8 @@ def main(argv):
       rows=len(ro.trajectories),
       sampler_calls=calls,
       rows_per_call=FLAGS.groups_per_batch * FLAGS.group_size,
+      commit_rows=FLAGS.commit_rows,
+      decode_tiles=dataclasses.asdict(scfg.decode_tiles),
       new_tokens=FLAGS.new_tokens,
       prompt_len=FLAGS.prompt_len,
       generated_tokens=ro.generated_tokens,
@@ -340,6 +353,9 @@ def main(argv):
   for t in ro.trajectories:
     t.advantage = float(rng.standard_normal())
   report.update(peak_mem_gib_after_rollout=round(_peak() / 2**30, 1))
+  if FLAGS.update_steps == 0:
+    report.update(wall_s=round(time.perf_counter() - t_all, 1), update="skipped (--update_steps=0)")
+    return
   tcfg = tracerl.TraceRLConfig(
     layout=plan.layout,
     gather_trained=FLAGS.gather_trained,

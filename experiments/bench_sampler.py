@@ -86,7 +86,7 @@ from dice_jax.diffusion import memory, sampler, schedule
 from dice_jax.diffusion.placement import Placement
 from dice_jax.model import AttentionSpec, KVCache, Transformer, flash_decode, get_config
 from dice_jax.model.transformer import DecodeWeights
-from experiments import decode_forward, decode_options, trace_summary
+from experiments import bench_common, decode_forward, decode_options, trace_summary
 from experiments import decode_loop_profile as loop_profile
 
 FLAGS = flags.FLAGS
@@ -198,7 +198,7 @@ class Bench:
     self.model = sharding.create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)), mesh)
     jax.block_until_ready(nnx.state(self.model))
     self.build_s = time.perf_counter() - t0
-    self.tiles = decode_tiles(FLAGS.decode_tiles)
+    self.tiles = bench_common.decode_tiles(FLAGS.decode_tiles)
     self.options = {}
     self.rows = []
     self.rates = {}
@@ -855,17 +855,6 @@ def fwd_tokens(scfg, rows: int):
     return None
   b = scfg.block_size
   return rows * b + min(scfg.commit_rows, rows) * b if scfg.commit_rows else rows * 2 * b
-
-
-def decode_tiles(spec: str) -> flash_decode.DecodeTiles:
-  """`--decode_tiles`: JSON, a JSON file's path, or empty (the default tiles)."""
-  if not spec:
-    return flash_decode.DecodeTiles()
-  text = open(spec).read() if os.path.exists(spec) else spec
-  try:
-    return flash_decode.DecodeTiles(**json.loads(text))
-  except (ValueError, TypeError) as e:
-    raise app.UsageError(f"--decode_tiles: {e}") from e
 
 
 def kv_bytes(mcfg, rows, fill):
