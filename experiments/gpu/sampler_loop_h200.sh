@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Issue 39's open questions on one H200 in <= BUDGET s (default 560), one process per part, rows in
+# $OUT/results.jsonl (bench_sampler) and $OUT/rollout/bench_rl.json as they come, a status line per
+# part in $OUT/status.txt. sdar_4b, random bf16 weights, 128 rows, 1,024 + 1,024 unless noted.
+#
+#   loop     bench_sampler --runs=profile_loop: one iteration of the static, capped dynamic (R = 72)
+#            and capped dynamic float8-cache loops by kind and kernel (experiments/decode_loop_profile.py;
+#            $OUT/profile_loop.md), tiles split=4096 + fp8_widen=f16: where a batch forward's
+#            ~23 ms go beside the forward's 15.1, and what the float8 cache adds in the loop
+#   ab       options_rates, dynamic_capped (R = 72): the default tiles against split=4096 (one
+#            program a row) in ONE process, then static the same: is one program a row the default?
+#   lhs      options_forward under XLA's latency-hiding scheduler: base, split=64 (the rounding
+#            control), weights=fp8 (float8 weights' one-forward argmax beside split=64's), halves=1
+#            (each row half's attention on a second stream: does it overlap the other half's
+#            matmuls once the scheduler may move the stream call's start and done apart?)
+#   rollout  bench_rl's rollout alone (--update_steps=0) at the RL shape: sdar_1p7b, 8 groups x 16 =
+#            128 rows, 896 + 4,096, temperature 1 (the RL loop's sampling), R = 48, split=8192
+#            (issue 39 item 3: 8,000 tok/s; 4,962 uncapped in session 21's bench_rl)
+# Run from the repository root (grain wheels installed in PYTHONPATH, as rl_step_h200.sh says):
+#   OUT=/some/dir bash experiments/gpu/sampler_loop_h200.sh
+# BUDGET, PARTS (loop,ab,lhs,rollout), CONFIG and FLAGS (more bench_sampler flags, e.g. a CPU smoke
+# run's tiny shapes) override; an existing PYTHONPATH is kept.
+set -u
+START=$(date +%s)
+: "${OUT:?set OUT}"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
+BUDGET=${BUDGET:-560}
+PARTS=${PARTS:-loop,ab,lhs,rollout}
+CONFIG=${CONFIG:-sdar_4b}
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+status() { echo "$(($(date +%s) - START)) s: $*" | tee -a "$OUT/status.txt"; }
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+# part NAME MIN_S COMMAND...: COMMAND under the time left (less 5 s), skipped with less than MIN_S.
+part() {
+  local name=$1 min=$2 lim rc
+  shift 2
+  lim=$(($(left) - 5))
+  if [ "$lim" -lt "$min" ]; then
+    status "$name: skipped ($(left) s left, needs $min)"
+    return
+  fi
+  timeout -k 5 "$lim" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  status "$name: exit $rc (limit $lim s; last: $(grep -v '^[WIE][0-9]' "$OUT/$name.log" | tail -1 | cut -c1-200))"
+}
+bench() {  # bench NAME MIN_S FLAGS...: bench_sampler at the issue's shape
+  local name=$1 min=$2
+  shift 2
+  # shellcheck disable=SC2086  # FLAGS: extra flags, split on spaces
+  part "$name" "$min" python3 -m experiments.bench_sampler --out="$OUT" --config="$CONFIG" \
+    --batch=128 --prompt_len=1024 --new_tokens=1024 --commit_rows=72 "$@" ${FLAGS:-}
+}
+{
+  git rev-parse HEAD 2>/dev/null
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+} >"$OUT/env.txt"
+status "start: $(tr '\n' ' ' <"$OUT/env.txt")"
+
+if has loop; then
+  bench loop 150 --runs=profile_loop --profile_loops=static,dynamic_capped,dynamic_capped_fp8 \
+    --decode_tiles='{"split":4096,"fp8_widen":"f16"}'
+fi
+if has ab; then
+  bench ab 120 --runs=options_rates --decode_options=base,split=4096 --rate_options=base,split=4096 \
+    --rate_strategies=dynamic_capped,static --deadline_s=$(($(left) - 20))
+fi
+if has lhs; then
+  XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true ${XLA_FLAGS:-}" \
+    bench lhs 90 --runs=options_forward --decode_options=base,split=64,weights=fp8,halves=1 \
+    --deadline_s=$(($(left) - 20))
+fi
+if has rollout; then
+  mkdir -p "$OUT/rollout"
+  # shellcheck disable=SC2086
+  part rollout 150 python3 -m experiments.bench_rl --out="$OUT/rollout" --config=sdar_1p7b \
+    --tasks=8 --group_size=16 --groups_per_batch=8 --prompt_len=896 --new_tokens=4096 \
+    --verifier=none --update_steps=0 --commit_rows=48 --decode_tiles='{"split":8192}' \
+    ${ROLLOUT_FLAGS:-}
+fi
+status "done ($(left) s of $BUDGET left)"
