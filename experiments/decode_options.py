@@ -33,7 +33,7 @@ from flax import nnx
 from dice_jax import sharding
 from dice_jax.diffusion import sampler, slots
 from dice_jax.diffusion.placement import Placement
-from dice_jax.model import Transformer, get_config
+from dice_jax.model import Transformer, get_config, platform
 from experiments import decode_forward as df
 from experiments import trace_summary
 
@@ -119,7 +119,10 @@ class OptionRuns:
       return
     cfg = self.bench.model.cfg
     b = cfg.block_size
-    fill, cap = prompt + new // 2, slots.cache_slots(b, prompt + new, 0, 64)
+    # one cache for every variant, as long as the sampler's would be for the largest key tile
+    # (`block_k=128` failed on session 22's 2,112 slots: the sampler rounds to its tile)
+    multiple = max(platform.cache_multiple(v.tiles.block_k) for v in self.s.variants)
+    fill, cap = prompt + new // 2, slots.cache_slots(b, prompt + new, 0, max(64, multiple))
     graphdef, state = nnx.split(self.bench.model)
     caches = {}
 

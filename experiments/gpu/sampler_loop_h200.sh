@@ -7,7 +7,9 @@
 #            and capped dynamic float8-cache loops by kind and kernel (experiments/decode_loop_profile.py;
 #            $OUT/profile_loop.md), tiles split=4096 + fp8_widen=f16: where a batch forward's
 #            ~23 ms go beside the forward's 15.1, and what the float8 cache adds in the loop
-#   ab       options_rates, dynamic_capped (R = 72): the default tiles against split=4096 (one
+#   ab       options_forward of the TILES variants (deeper pipelines and 128-key tiles, for the
+#            float8 cache's kernel at 3.1 TB/s as well: is it short of loads in flight?), then
+#            options_rates, dynamic_capped (R = 72): the default tiles against split=4096 (one
 #            program a row) in ONE process, then static the same: is one program a row the default?
 #   lhs      options_forward under XLA's latency-hiding scheduler: base, split=64 (the rounding
 #            control), weights=fp8 (float8 weights' one-forward argmax beside split=64's), halves=1
@@ -18,7 +20,7 @@
 #            (issue 39 item 3: 8,000 tok/s; 4,962 uncapped in session 21's bench_rl)
 # Run from the repository root (grain wheels installed in PYTHONPATH, as rl_step_h200.sh says):
 #   OUT=/some/dir bash experiments/gpu/sampler_loop_h200.sh
-# BUDGET, PARTS (loop,ab,lhs,rollout), CONFIG and FLAGS (more bench_sampler flags, e.g. a CPU smoke
+# BUDGET, PARTS (loop,ab,lhs,rollout), CONFIG, TILES (ab's forward variants) and FLAGS (more bench_sampler flags, e.g. a CPU smoke
 # run's tiny shapes) override; an existing PYTHONPATH is kept.
 set -u
 START=$(date +%s)
@@ -30,6 +32,8 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 BUDGET=${BUDGET:-560}
 PARTS=${PARTS:-loop,ab,lhs,rollout}
 CONFIG=${CONFIG:-sdar_4b}
+F8=cache=fp8+fp8_widen=f16
+TILES=${TILES:-base,split=4096,block_k=128,num_stages=3,$F8,$F8+block_k=128,$F8+num_stages=3}
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 status() { echo "$(($(date +%s) - START)) s: $*" | tee -a "$OUT/status.txt"; }
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
@@ -64,8 +68,8 @@ if has loop; then
     --decode_tiles='{"split":4096,"fp8_widen":"f16"}'
 fi
 if has ab; then
-  bench ab 120 --runs=options_rates --decode_options=base,split=4096 --rate_options=base,split=4096 \
-    --rate_strategies=dynamic_capped,static --deadline_s=$(($(left) - 20))
+  bench ab 150 --runs=options_forward,options_rates --rate_options=base,split=4096 \
+    --decode_options="$TILES" --rate_strategies=dynamic_capped,static --deadline_s=$(($(left) - 20))
 fi
 if has lhs; then
   XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true ${XLA_FLAGS:-}" \
