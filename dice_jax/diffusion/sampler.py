@@ -100,7 +100,7 @@ class SamplerConfig:
   # and the forward's per-token work (projections, MLP) runs on S*b + commit_rows*b packed tokens
   # instead of 2b per row (`slots.py`, "Commit cap"). A fresh row past the cap waits a forward;
   # exact either way. With rows split over devices each row shard packs its own rows (a multiple of
-  # the shards: `commit_groups`). Not with DecodeTiles.halves.
+  # the shards: `commit_groups`); with DecodeTiles.halves each row half packs its own (even).
   commit_rows: int = 0
   # With flash attention, decode on `Transformer.decode_weights()` (per layer, compute dtype, made
   # once per call) rather than the stacked parameters: no per-forward copy of each layer's weights
@@ -171,8 +171,6 @@ class SamplerConfig:
       raise ValueError(f"SamplerConfig.commit_rows must be >= 0, got {self.commit_rows}")
     if self.commit_rows and not self.ragged:
       raise ValueError("SamplerConfig.commit_rows caps ragged decoding's commits: set ragged=True")
-    if self.commit_rows and self.decode_tiles.halves:
-      raise ValueError("SamplerConfig.commit_rows does not run with DecodeTiles.halves")
 
   @property
   def grid(self) -> blocks_lib.BlockGrid:
@@ -394,12 +392,15 @@ def decoding_model(graphdef, state, weights: Optional[DecodeWeights]):
 
 def commit_groups(cfg: SamplerConfig, placement: Placement, rows: int) -> int:
   """The row groups `cfg.commit_rows` packs apart: one per row shard of `placement` (each device
-  packs its own rows: no gather crosses devices). Raises unless commit_rows divides into them."""
-  n = placement.shard_rows(rows)
+  packs its own rows: no gather crosses devices), two per shard with `DecodeTiles.halves` (each
+  row half's forward packs its own). Raises unless commit_rows divides into them."""
+  shards = placement.shard_rows(rows)
+  n = shards * (2 if cfg.decode_tiles.halves else 1)
   if cfg.commit_rows % n:
+    what = f"{shards} row shards" + (" x 2 row halves" if cfg.decode_tiles.halves else "")
     raise ValueError(
-      f"SamplerConfig.commit_rows ({cfg.commit_rows}) must be a multiple of the {n} row shards "
-      f"the {rows} rows are split over (each packs commit_rows / {n} of its own rows)"
+      f"SamplerConfig.commit_rows ({cfg.commit_rows}) must be a multiple of the {what} "
+      f"the {rows} rows are split into (each packs commit_rows / {n} of its own rows)"
     )
   return n
 

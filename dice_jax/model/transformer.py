@@ -230,11 +230,14 @@ class Transformer(nnx.Module):
       return h, kv
 
     halves = cache is not None and cache.tiles.halves and cfg.attention_impl == "flash"
-    if halves and pack is not None:
-      raise ValueError("packed tokens (commit_rows) do not run with DecodeTiles.halves")
+    if halves and pack is not None and pack.shape[0] % 2:
+      raise ValueError(
+        f"DecodeTiles.halves packs each row half apart: packed tokens need an even number of "
+        f"row groups, got {pack.shape[0]}"
+      )
     if halves and (weights is not None or not cfg.scan_layers):
       per_layer = weights.layers if weights is not None else None
-      return self._unrolled_halves(x, per_layer, cache, attention, positions, seg, blk)
+      return self._unrolled_halves(x, per_layer, cache, attention, positions, seg, blk, pack)
     if halves:
       raise ValueError(
         "DecodeTiles.halves needs the unrolled decode forward (decode weights, or scan_layers=False)"
@@ -266,15 +269,16 @@ class Transformer(nnx.Module):
       kvs.append(kv)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *kvs)
 
-  def _unrolled_halves(self, x, per_layer, cache, attention, positions, seg, blk):
+  def _unrolled_halves(self, x, per_layer, cache, attention, positions, seg, blk, pack=None):
     """The cached forward on two row halves (`DecodeTiles.halves`): each layer runs its
     projections and MLP on each half on the main stream, and each half's cache attention as a
     call on GPU stream 1, so XLA may run one half's attention beside the other half's matmuls.
     Rows are independent, so each row's values are those of `_unrolled` (a half's matmuls have
     half the rows). `per_layer`: the decode weights' layers, None for slices of the stacked
-    parameters."""
+    parameters. With `pack` `[G, M]` (G even) `x` is the packed tokens `[G, M, D]`, and half h
+    is row groups [h G/2, (h+1) G/2): the groups are consecutive rows, so each half packs its own."""
     cfg = self.cfg
-    b = x.shape[0]
+    b = positions.shape[0]
     if b % 2:
       raise ValueError(f"DecodeTiles.halves needs an even number of rows, got {b}")
     if per_layer is None:
@@ -283,15 +287,19 @@ class Transformer(nnx.Module):
     n = b // 2
     attend = _side_stream_attention(masks_lib.AttentionSpec(attention.kind, attention.block_size))
     halves = (slice(0, n), slice(n, b))
-    xs = [x[sl] for sl in halves]
+    g = x.shape[0] // 2 if pack is not None else n  # x's leading axis: row groups or rows
+    parts = (slice(0, g), slice(g, 2 * g))
+    packs = [None if pack is None else pack[p] for p in parts]
+    xs = [x[p] for p in parts]
     kvs = ([], [])
     for i, w in enumerate(per_layer):
       for h, sl in enumerate(halves):
-        q, k, v = _attention_inputs(xs[h], w, cfg, positions[sl])
+        q, k, v = _attention_inputs(xs[h], w, cfg, packed(positions[sl], packs[h]))
+        q, k, v = (unpacked(a, packs[h], positions[sl].shape) for a in (q, k, v))
         o = attend(
           q, k, v, jnp.asarray(i, jnp.int32), positions[sl], seg[sl], blk[sl], cache, sl.start
         )
-        xs[h] = _layer_output(xs[h], o, w, cfg)
+        xs[h] = _layer_output(xs[h], packed(o, packs[h]), w, cfg)
         kvs[h].append((k, v))
     stack = lambda half: jax.tree.map(lambda *a: jnp.stack(a), *half)
     kv = jax.tree.map(lambda a, c: jnp.concatenate([a, c], axis=1), stack(kvs[0]), stack(kvs[1]))

@@ -14,7 +14,8 @@
 #   lhs      options_forward under XLA's latency-hiding scheduler: base, split=64 (the rounding
 #            control), weights=fp8 (float8 weights' one-forward argmax beside split=64's), halves=1
 #            (each row half's attention on a second stream: does it overlap the other half's
-#            matmuls once the scheduler may move the stream call's start and done apart?)
+#            matmuls once the scheduler may move the stream call's start and done apart?), then
+#            the capped dynamic rate with and without halves (each half packs R / 2 rows)
 #   rollout  bench_rl's rollout alone (--update_steps=0) at the RL shape: sdar_1p7b, 8 groups x 16 =
 #            128 rows, 896 + 4,096, temperature 1 (the RL loop's sampling), R = 48, split=8192
 #            (issue 39 item 3: 8,000 tok/s; 4,962 uncapped in session 21's bench_rl)
@@ -73,8 +74,9 @@ if has ab; then
 fi
 if has lhs; then
   XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true ${XLA_FLAGS:-}" \
-    bench lhs 90 --runs=options_forward --decode_options=base,split=64,weights=fp8,halves=1 \
-    --deadline_s=$(($(left) - 20))
+    bench lhs 90 --runs=options_forward,options_rates \
+    --decode_options=base,split=64,weights=fp8,halves=1 --rate_options=base,halves=1 \
+    --rate_strategies=dynamic_capped --deadline_s=$(($(left) - 20))
 fi
 if has rollout; then
   mkdir -p "$OUT/rollout"

@@ -331,6 +331,35 @@ def test_sampler_with_every_decode_option_decodes_what_the_dense_sampler_decodes
   np.testing.assert_array_equal(np.asarray(got.step_map), np.asarray(want.step_map))
 
 
+def test_row_halves_with_the_commit_cap_decode_what_the_dense_sampler_decodes():
+  """`halves` with `commit_rows` (each row half packs its own committing rows: R / 2 of them) in
+  ragged dynamic decoding: the dense sampler's tokens, step map and log-probs, with rows deferred
+  (more forwards than uncapped). An odd R cannot be split over the halves: an error naming both."""
+  prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20, 21] * 5, [30, 31, 32, 33]]
+  cfg = sampler.SamplerConfig(
+    strategy="low_confidence_dynamic", threshold=0.5, max_new_tokens=12, return_logprobs=True
+  )
+  sharpen = lambda m: m.lm_head.set_value(m.lm_head[...] * 60.0)
+  dense = transformer.Transformer(get_config("tiny", dtype="float32"), rngs=nnx.Rngs(0))
+  sharpen(dense)
+  want = sampler.generate(dense, prompts, cfg)
+  flash = transformer.Transformer(
+    get_config("tiny", dtype="float32", attention_impl="flash"), rngs=nnx.Rngs(0)
+  )
+  sharpen(flash)
+  tiles = flash_decode.DecodeTiles(split=32, block_k=16, halves=True)
+  run = lambda r: sampler.generate(
+    flash, prompts, dataclasses.replace(cfg, decode_tiles=tiles, commit_rows=r)
+  )
+  got, uncapped = run(2), run(0)
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_array_equal(np.asarray(got.step_map), np.asarray(want.step_map))
+  np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
+  assert int(got.forwards) > int(uncapped.forwards)  # one row a half a forward: rows waited
+  with pytest.raises(ValueError, match=r"multiple of the 1 row shards x 2 row halves"):
+    run(3)
+
+
 def test_a_call_on_a_gpu_stream_carries_the_stream_and_keeps_its_values():
   """`halves`' stream call through the installed jax's `compute_on` (0.10: `compute_on2`; 0.11:
   `compute_on` with `compute_type` and `out_memory_spaces`): the lowered call is annotated for

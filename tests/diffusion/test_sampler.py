@@ -13,7 +13,6 @@ from dice_jax.diffusion import remasking, sampler, trace
 from dice_jax.diffusion import slots as slots_lib
 from dice_jax.model import masks as masks_lib
 from dice_jax.model.config import get_config
-from dice_jax.model.flash_decode import DecodeTiles
 from dice_jax.model.kv_cache import KVCache
 from dice_jax.model.transformer import Transformer
 
@@ -285,7 +284,6 @@ def test_commit_rows_needs_ragged_decoding_and_a_count():
   for kw, msg in (
     (dict(commit_rows=-1), ">= 0"),
     (dict(commit_rows=2, ragged=False), "ragged=True"),
-    (dict(commit_rows=2, ragged=True, decode_tiles=DecodeTiles(halves=True)), "halves"),
   ):
     with pytest.raises(ValueError, match=msg):
       sampler.SamplerConfig(strategy="low_confidence_dynamic", **kw)
