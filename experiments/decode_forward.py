@@ -14,6 +14,8 @@ against bf16 weights: one forward's logits and argmax beside a rounding-order co
 from __future__ import annotations
 
 import concurrent.futures
+import gzip
+import os
 import dataclasses
 import shutil
 import tempfile
@@ -239,7 +241,17 @@ def compare_logits(got, want) -> dict:
 
 
 def measure_forwards(
-  variants, fwd, state, weights, cache_of, counts_of, *, iters=5, threads=8, late=lambda v: False
+  variants,
+  fwd,
+  state,
+  weights,
+  cache_of,
+  counts_of,
+  *,
+  iters=5,
+  threads=8,
+  late=lambda v: False,
+  hlo_dir="",
 ):
   """One forward per variant (`fwd` jitted, `cache_of(v)` its cache, `counts_of(v)` its
   `attention_counts`; `weights` the split weights, or a function of the variant giving them);
@@ -247,7 +259,8 @@ def measure_forwards(
   (and per kernel in the summary, `forward_account`), the logits against the variant's reference.
   The first variant is compiled and measured alone first (its numbers are out before any other
   variant builds); the others are compiled together. A variant `late(v)` says to skip is yielded
-  with `skipped`; one that fails, with `failed`."""
+  with `skipped`; one that fails, with `failed`. With `hlo_dir`, the first variant's optimised
+  HLO goes to `hlo_dir/forward_hlo.txt.gz` (what each kernel of its account computes)."""
   refs, others, logits = references(variants), peers(variants), {}
   weights_of = weights if callable(weights) else lambda v: weights
   for group in (variants[:1], variants[1:]):
@@ -265,6 +278,9 @@ def measure_forwards(
         if isinstance(prog, Exception):
           raise prog
         args = (state, weights_of(v), cache_of(v))
+        if hlo_dir and v is variants[0]:
+          with gzip.open(os.path.join(hlo_dir, "forward_hlo.txt.gz"), "wt") as f:
+            f.write(prog.as_text())
         sec, logits[v.name] = time_fn(prog, *args, iters=iters)
         summary = forward_account(prog, args, counts_of(v))
         row.update(

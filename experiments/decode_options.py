@@ -144,6 +144,7 @@ class OptionRuns:
       counts_of,
       threads=self.s.compile_threads,
       late=lambda v: self.left() <= 0,
+      hlo_dir=self.s.out,
     ):
       self.forward_rows[v.name] = row
       self.bench.record(dict(run="options_forward", rows=rows, fill=fill, tokens=b, **row))

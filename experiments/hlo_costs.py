@@ -177,3 +177,62 @@ def instruction_costs(hlo_text: str) -> dict:
       flops = _dot_flops([ins], comps, shapes)
       out[ins.name] = Cost(opcode, nbytes, flops)
   return out
+
+
+def _lines(hlo_text: str) -> tuple[dict, dict]:
+  """({instruction name: its line}, {computation name: its lines}) of an HLO module's text."""
+  instrs, comps, current = {}, {}, None
+  for line in hlo_text.splitlines():
+    m = _COMP.match(line)
+    if m and "=" not in line.split("->")[0].split("(")[0]:
+      current = comps.setdefault(m.group(2), [])
+      continue
+    m = _INSTR.match(line)
+    if m and current is not None:
+      instrs.setdefault(m.group(2), line.strip())
+      current.append(line.strip())
+  return instrs, comps
+
+
+def describe(hlo_text: str, kernel: str) -> str:
+  """What a profiler trace's kernel computes: the instruction it names (`loop_transpose_fusion_71`
+  is `loop_transpose_fusion.71`), its operands' definitions and, for a fusion, the body of the
+  computation it calls. A KeyError naming the kernel where the module has no such instruction."""
+  instrs, comps = _lines(hlo_text)
+  name = next((n for n in (kernel, re.sub(r"_(\d+)$", r".\1", kernel)) if n in instrs), None)
+  if name is None:
+    raise KeyError(f"no instruction {kernel!r} in this HLO module")
+  line = instrs[name]
+  names, _ = _split_args(_INSTR.match(line).group(5))
+  out = [line, "operands:"] + [f"  {instrs.get(o, o)[:300]}" for o in names]
+  called = _CALLS.search(line)
+  if called and called.group(1) in comps:
+    out += [f"body of {called.group(1)}:"] + [f"  {b}" for b in comps[called.group(1)]]
+  return "\n".join(out)
+
+
+def main(argv: list[str]) -> None:
+  """`python -m experiments.hlo_costs HLO_FILE[.gz] KERNEL...`: each kernel's `describe`; a bad
+  argument or an unknown kernel is one line on stderr, exit status 2."""
+  import gzip
+
+  from experiments import _cli
+
+  if len(argv) < 2:
+    _cli.fail("usage: python -m experiments.hlo_costs HLO_FILE[.gz] KERNEL...")
+  path, kernels = argv[0], argv[1:]
+  try:
+    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
+      text = f.read()
+    for k in kernels:
+      print(f"## {k}\n{describe(text, k)}\n")
+  except OSError as e:
+    _cli.fail(_cli.message(e))
+  except KeyError as e:
+    _cli.fail(e.args[0])
+
+
+if __name__ == "__main__":
+  import sys
+
+  main(sys.argv[1:])
