@@ -55,26 +55,7 @@ CONFIG=${CONFIG:-sdar_4b}
 # token disagreement rounding or a wrong GEMM?), one program a row, the float16-widened float8 cache.
 OPTIONS=${OPTIONS:-base,split=64,split=4096,weights=fp8,split=4096+weights=fp8,cache=fp8,cache=fp8+fp8_widen=f16,cache=fp8+fp8_widen=f16+split=4096+weights=fp8}
 RATE_OPTIONS=${RATE_OPTIONS:-base,split=4096,split=4096+weights=fp8,cache=fp8+fp8_widen=f16+split=4096+weights=fp8}
-left() { echo $((BUDGET - ($(date +%s) - START))); }
-status() { echo "$(($(date +%s) - START)) s: $*" | tee -a "$OUT/status.txt"; }
-has() { [[ ",$PARTS," == *",$1,"* ]]; }
-rows() { if [ -f "$OUT/results.jsonl" ]; then grep -c '"run"' "$OUT/results.jsonl"; else echo 0; fi; }
-# part NAME MIN_S COMMAND...: COMMAND under the time left (less 5 s), skipped with less than MIN_S;
-# returns COMMAND's status.
-part() {
-  local name=$1 min=$2 lim rc
-  shift 2
-  lim=$(($(left) - 5))
-  if [ "$lim" -lt "$min" ]; then
-    status "$name: skipped ($(left) s left, needs $min)"
-    return
-  fi
-  timeout -k 5 "$lim" "$@" >"$OUT/$name.log" 2>&1
-  rc=$?
-  status "$name: exit $rc (limit $lim s; $(rows) rows in results.jsonl;" \
-    "last: $(grep -v '^[WIE][0-9]' "$OUT/$name.log" | tail -1 | cut -c1-160))"
-  return $rc
-}
+source experiments/gpu/budget.sh  # left, status, has, rows, part
 {
   git rev-parse HEAD 2>/dev/null
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1

@@ -35,22 +35,7 @@ PARTS=${PARTS:-loop,ab,lhs,rollout}
 CONFIG=${CONFIG:-sdar_4b}
 F8=cache=fp8+fp8_widen=f16
 TILES=${TILES:-base,split=4096,block_k=128,num_stages=3,$F8,$F8+block_k=128,$F8+num_stages=3}
-left() { echo $((BUDGET - ($(date +%s) - START))); }
-status() { echo "$(($(date +%s) - START)) s: $*" | tee -a "$OUT/status.txt"; }
-has() { [[ ",$PARTS," == *",$1,"* ]]; }
-# part NAME MIN_S COMMAND...: COMMAND under the time left (less 5 s), skipped with less than MIN_S.
-part() {
-  local name=$1 min=$2 lim rc
-  shift 2
-  lim=$(($(left) - 5))
-  if [ "$lim" -lt "$min" ]; then
-    status "$name: skipped ($(left) s left, needs $min)"
-    return
-  fi
-  timeout -k 5 "$lim" "$@" >"$OUT/$name.log" 2>&1
-  rc=$?
-  status "$name: exit $rc (limit $lim s; last: $(grep -v '^[WIE][0-9]' "$OUT/$name.log" | tail -1 | cut -c1-200))"
-}
+source experiments/gpu/budget.sh  # left, status, has, rows, part
 bench() {  # bench NAME MIN_S FLAGS...: bench_sampler at the issue's shape
   local name=$1 min=$2
   shift 2

@@ -311,22 +311,31 @@ def test_float16_widening_is_as_close_to_float32_attention_as_the_bf16_widening(
   assert all(e <= 1.5 * err["cast", False] for e in err.values()), err
 
 
+_PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20, 21] * 5, [30, 31, 32, 33]]
+
+
+def _sharpened_dense_and_flash():
+  """The tiny float32 model (same weights) on dense and on flash attention, its LM head x60 so
+  that confidences are far apart (no near-ties between the two attention paths)."""
+  models = []
+  for impl in ("dense", "flash"):
+    m = transformer.Transformer(
+      get_config("tiny", dtype="float32", attention_impl=impl), rngs=nnx.Rngs(0)
+    )
+    m.lm_head.set_value(m.lm_head[...] * 60.0)
+    models.append(m)
+  return models
+
+
 def test_sampler_with_every_decode_option_decodes_what_the_dense_sampler_decodes():
   """Exactness: the forward in two row halves (attention on a second stream), balanced programs
   and the new keys folded into the kernel decode the dense sampler's tokens and step map (the
   fused 8-token first forward of each block and its 4-token forwards)."""
-  prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20, 21] * 5, [30, 31, 32, 33]]
   cfg = sampler.SamplerConfig(strategy="low_confidence_static", max_new_tokens=8)
-  sharpen = lambda m: m.lm_head.set_value(m.lm_head[...] * 60.0)
-  dense = transformer.Transformer(get_config("tiny", dtype="float32"), rngs=nnx.Rngs(0))
-  sharpen(dense)
-  want = sampler.generate(dense, prompts, cfg)
-  flash = transformer.Transformer(
-    get_config("tiny", dtype="float32", attention_impl="flash"), rngs=nnx.Rngs(0)
-  )
-  sharpen(flash)
+  dense, flash = _sharpened_dense_and_flash()
+  want = sampler.generate(dense, _PROMPTS, cfg)
   tiles = flash_decode.DecodeTiles(split=32, block_k=16, splits=2, fold_new=True, halves=True)
-  got = sampler.generate(flash, prompts, dataclasses.replace(cfg, decode_tiles=tiles))
+  got = sampler.generate(flash, _PROMPTS, dataclasses.replace(cfg, decode_tiles=tiles))
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
   np.testing.assert_array_equal(np.asarray(got.step_map), np.asarray(want.step_map))
 
@@ -335,21 +344,14 @@ def test_row_halves_with_the_commit_cap_decode_what_the_dense_sampler_decodes():
   """`halves` with `commit_rows` (each row half packs its own committing rows: R / 2 of them) in
   ragged dynamic decoding: the dense sampler's tokens, step map and log-probs, with rows deferred
   (more forwards than uncapped). An odd R cannot be split over the halves: an error naming both."""
-  prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20, 21] * 5, [30, 31, 32, 33]]
   cfg = sampler.SamplerConfig(
     strategy="low_confidence_dynamic", threshold=0.5, max_new_tokens=12, return_logprobs=True
   )
-  sharpen = lambda m: m.lm_head.set_value(m.lm_head[...] * 60.0)
-  dense = transformer.Transformer(get_config("tiny", dtype="float32"), rngs=nnx.Rngs(0))
-  sharpen(dense)
-  want = sampler.generate(dense, prompts, cfg)
-  flash = transformer.Transformer(
-    get_config("tiny", dtype="float32", attention_impl="flash"), rngs=nnx.Rngs(0)
-  )
-  sharpen(flash)
+  dense, flash = _sharpened_dense_and_flash()
+  want = sampler.generate(dense, _PROMPTS, cfg)
   tiles = flash_decode.DecodeTiles(split=32, block_k=16, halves=True)
   run = lambda r: sampler.generate(
-    flash, prompts, dataclasses.replace(cfg, decode_tiles=tiles, commit_rows=r)
+    flash, _PROMPTS, dataclasses.replace(cfg, decode_tiles=tiles, commit_rows=r)
   )
   got, uncapped = run(2), run(0)
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))

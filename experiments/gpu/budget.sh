@@ -1,0 +1,23 @@
+# Helpers the sampler GPU scripts share (sourced, not run): a budget of BUDGET s from START, a status
+# line per part in $OUT/status.txt, PARTS as a comma list, and `part`, which runs one part's command
+# under the time left. The sourcing script sets START, BUDGET, PARTS and OUT first.
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+status() { echo "$(($(date +%s) - START)) s: $*" | tee -a "$OUT/status.txt"; }
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+rows() { if [ -f "$OUT/results.jsonl" ]; then grep -c '"run"' "$OUT/results.jsonl"; else echo 0; fi; }
+# part NAME MIN_S COMMAND...: COMMAND under the time left (less 5 s), skipped with less than MIN_S;
+# returns COMMAND's status.
+part() {
+  local name=$1 min=$2 lim rc
+  shift 2
+  lim=$(($(left) - 5))
+  if [ "$lim" -lt "$min" ]; then
+    status "$name: skipped ($(left) s left, needs $min)"
+    return
+  fi
+  timeout -k 5 "$lim" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  status "$name: exit $rc (limit $lim s; $(rows) rows in results.jsonl;" \
+    "last: $(grep -v '^[WIE][0-9]' "$OUT/$name.log" | tail -1 | cut -c1-160))"
+  return $rc
+}
