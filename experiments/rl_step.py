@@ -58,7 +58,9 @@ flags.DEFINE_string("attention_impl", "flash", "dense | flash")
 flags.DEFINE_string("verifier", "local", "'local' (a child service), HOST:PORT, or 'none'")
 flags.DEFINE_string("verifier_device", "", "local verifier device ('' = cuda when a GPU is seen)")
 flags.DEFINE_list("verifier_args", ["--run-prewarm=4"], "extra `verifier serve` arguments")
-flags.DEFINE_list("set", [], "RLConfig overrides after the recipe, e.g. tracerl.old_logp=trainer")
+flags.DEFINE_multi_string(  # repeatable, as the launchers' (a list flag kept only its last use)
+  "set", [], "RLConfig override after the recipe, e.g. tracerl.old_logp=trainer; repeatable"
+)
 flags.DEFINE_integer("seed", 0, "seed")
 flags.DEFINE_string("out", "", "the JSON record (written as each phase ends)")
 flags.DEFINE_string("compilation_cache", "", "persistent JAX compilation cache directory")
@@ -210,6 +212,13 @@ def main(argv):
     update_plan=plan.describe(),
     update_estimate_gib={k: round(v / 2**30, 2) for k, v in plan.estimate.items()},
     tracerl=dataclasses.asdict(cfg.tracerl),
+    sampler=dict(  # what the rollout decodes with (`--set=sampler.commit_rows=48`, ...)
+      strategy=cfg.sampler.strategy,
+      commit_rows=cfg.sampler.commit_rows,
+      decode_tiles=dataclasses.asdict(cfg.sampler.decode_tiles),
+      kv_cache_dtype=cfg.sampler.kv_cache_dtype,
+      weights_dtype=cfg.sampler.weights_dtype,
+    ),
     recipe_fields=dict(
       shuffle=cfg.shuffle,
       reset_optimizer=cfg.reset_optimizer,
