@@ -395,6 +395,49 @@ def test_inputs_copied_to_the_host_are_host_compute():
   assert _device(_window(host), device_buffers=False).kind is FailureKind.OK
 
 
+def _small_window(records, input_bytes=32 << 10):
+  # DICE's typical RL task: two 64 x 128 float inputs (32 KiB; 2,263 of its 4,000 tasks take < 64 KiB)
+  return device_evidence.DeviceWindow(records, "trial 1", 1, 33, input_bytes, True)
+
+
+def test_every_input_of_a_small_task_copied_to_the_host_is_host_compute():
+  """Issue 37 item 2 at DICE's sizes: a fixed 64 KiB floor let a candidate copy every input of a task
+  under 64 KiB to the host and compute there (reward 1 on the code before this test). Half of the
+  inputs is the bound for small tasks; a scalar read back (``.item()``: 4 bytes on a 36-byte input,
+  DICE task 3139's known-good solution) stays under it."""
+  host = _records(_k("touch_kernel"), _c("DtoH", 32 << 10), _c("HtoD", 32 << 10))
+  v = _device(_small_window(host))
+  assert v.kind is FailureKind.HOST_COMPUTE and "32768 bytes copied" in v.reason, v
+  item = _records(_k("relu_kernel"), _c("DtoH", 4))
+  assert _device(_small_window(item, input_bytes=36)).kind is FailureKind.OK
+  assert _device(_small_window(_records(_k("relu_kernel"), _c("DtoH", 18)), 36)).kind is (
+    FailureKind.HOST_COMPUTE
+  )
+  # large inputs keep the old bound: max(64 KiB, 5 %)
+  assert device_evidence.host_bytes_allowed(16 << 20) == 0.05 * (16 << 20)
+  assert device_evidence.host_bytes_allowed(1 << 20) == 64 << 10
+
+
+def test_host_memory_a_kernel_can_reach_is_host_compute():
+  """Pinned, mapped or managed host memory (``torch.empty(..., pin_memory=True)``, cudaHostAlloc,
+  cudaHostRegister, cudaMallocManaged) lets the candidate's own kernels hand its inputs to the host with
+  no copy record; on a small task the host's work is microseconds, under what the host samples see.
+  Allocated during a forward or while loading, as large as half the inputs: HOST_COMPUTE. A small
+  staging buffer on large inputs is not; host-staged transport is not judged."""
+  pinned = _records(_k("touch_kernel", count=2), host_memory_calls=1, host_memory_bytes=32 << 10)
+  v = _device(_small_window(pinned))
+  assert v.kind is FailureKind.HOST_COMPUTE and "host memory" in v.reason, v
+  ok = _small_window(_records(_k("relu_kernel")))
+  at_load = DeviceRecords(-1, host_memory_calls=2, host_memory_bytes=64 << 10)
+  v = _device(ok, load=at_load)
+  assert v.kind is FailureKind.HOST_COMPUTE and "the candidate's load" in v.reason, v
+  small = _records(_k("relu_kernel"), host_memory_calls=1, host_memory_bytes=512)
+  assert _device(_window(small)).kind is FailureKind.OK
+  assert _device(_small_window(pinned), device_buffers=False).kind is FailureKind.OK
+  # copies to the host while loading (e.g. a weight's statistics) are not a forward's work
+  assert _device(ok, load=DeviceRecords(-1, copies=(_c("DtoH", 1 << 20),))).kind is FailureKind.OK
+
+
 @pytest.mark.parametrize(
   "records,words",
   [
@@ -447,6 +490,59 @@ def test_the_collector_builds_and_reads_cupti_records_at_the_documented_offsets(
   assert got.copies == (CopyRun("DtoH", 4096, 3, 7, False, 1, 20),)
   # without a GPU driver the collector does not start, and says why
   assert lib.vc_start(b"") != 0 and lib.vc_error()
+
+
+@pytest.mark.parametrize(
+  "domain, cbid, size, kind, nbytes",
+  [
+    (1, 39, (40 << 10).to_bytes(8, "little"), "host", 40 << 10),  # cuMemHostAlloc
+    (
+      1,
+      37,
+      (4096).to_bytes(4, "little") + b"\xff" * 4,
+      "host",
+      4096,
+    ),  # cuMemAllocHost: unsigned int
+    (1, 379, (1 << 20).to_bytes(8, "little"), "host", 1 << 20),  # cuMemHostRegister_v2
+    (1, 371, (8).to_bytes(8, "little"), "host", 8),  # cuMemAllocManaged
+    (2, 27, (64).to_bytes(8, "little"), "host", 64),  # cudaHostAlloc
+    (2, 206, (64).to_bytes(8, "little"), "host", 64),  # cudaMallocManaged
+    (2, 311, b"", "graph", 0),  # cudaGraphLaunch
+    (1, 514, b"", "graph", 0),  # cuGraphLaunch
+  ],
+  ids=[
+    "cuMemHostAlloc",
+    "cuMemAllocHost",
+    "cuMemHostRegister_v2",
+    "cuMemAllocManaged",
+    "cudaHostAlloc",
+    "cudaMallocManaged",
+    "cudaGraphLaunch",
+    "cuGraphLaunch",
+  ],
+)
+def test_the_collector_records_host_memory_calls_with_their_size(
+  tmp_path, domain, cbid, size, kind, nbytes
+):
+  """``vc_api_entry`` on synthetic CUpti_CallbackData (API entry; ``functionParams`` at offset 16, whose
+  size sits at offset 8): each host-memory API a VC_HOST_MEMORY entry with the bytes asked for, a graph
+  launch a VC_GRAPH_LAUNCH entry; an API exit records nothing."""
+  device_records, lib = _collector_lib(tmp_path)
+  params = (ctypes.c_char * 16).from_buffer(bytearray(b"\0" * 8 + size.ljust(8, b"\0")))
+  data = bytearray(72)
+  struct.pack_into("<Q", data, 16, ctypes.addressof(params))
+  buf = (ctypes.c_char * len(data)).from_buffer(data)
+  e = device_records.Entry()
+  assert lib.vc_api_entry(domain, cbid, ctypes.addressof(buf), ctypes.byref(e)) == 1
+  want = device_records.VC_HOST_MEMORY if kind == "host" else device_records.VC_GRAPH_LAUNCH
+  assert (e.type, e.copy_kind, e.bytes) == (want, cbid, nbytes)
+  got = device_records.summarise([e], 0, str)
+  assert (got.host_memory_calls, got.host_memory_bytes) == (
+    (1, nbytes) if kind == "host" else (0, 0)
+  )
+  assert got.graph_launches == (kind == "graph")
+  struct.pack_into("<I", data, 0, 1)  # CUPTI_API_EXIT
+  assert lib.vc_api_entry(domain, cbid, ctypes.addressof(buf), ctypes.byref(e)) == 0
 
 
 def _elf_with_functions(names: list[str], local: str = "helper") -> bytes:
@@ -756,7 +852,7 @@ def test_a_kernel_named_like_a_library_kernel_is_not_the_candidates():
   assert _device(_window(alone)).kind is FailureKind.OK
 
 
-def test_the_collectors_offsets_match_cuptis_header(tmp_path):
+def _cupti_include() -> str:
   cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
   include = next(
     (
@@ -768,6 +864,65 @@ def test_the_collectors_offsets_match_cuptis_header(tmp_path):
   )
   if include is None or shutil.which("cc") is None:
     pytest.skip("no CUPTI header or no C compiler here")
+  return include
+
+
+def _print_c(tmp_path, include: str, headers: list[str], lines: list[str]) -> dict:
+  """{name: value} that a C program including ``headers`` prints with ``lines`` of printf."""
+  (tmp_path / "o.c").write_text(
+    "#include <stdio.h>\n#include <stddef.h>\n"
+    + "".join(f"#include <{h}>\n" for h in headers)
+    + "int main(void){"
+    + "".join(lines)
+    + "return 0;}\n"
+  )
+  subprocess.run(
+    ["cc", f"-I{include}", "-o", str(tmp_path / "o"), str(tmp_path / "o.c")], check=True
+  )
+  out = subprocess.check_output([str(tmp_path / "o")], text=True).splitlines()
+  return {k: int(v) for k, v in (line.split() for line in out)}
+
+
+def test_the_collectors_host_memory_callbacks_match_cuptis_headers(tmp_path):
+  """The callback ids ``verifier_cupti.c`` enables for host memory, and the offset of the size in each
+  call's parameters (8; the legacy cuMemAllocHost's is an unsigned int there), against the installed
+  CUPTI and CUDA headers."""
+  include = _cupti_include()
+  ids = {
+    "CUPTI_DRIVER_TRACE_CBID_cuMemAllocHost": 37,
+    "CUPTI_DRIVER_TRACE_CBID_cuMemHostAlloc": 39,
+    "CUPTI_DRIVER_TRACE_CBID_cuMemHostAlloc_v2": 271,
+    "CUPTI_DRIVER_TRACE_CBID_cuMemAllocHost_v2": 294,
+    "CUPTI_DRIVER_TRACE_CBID_cuMemHostRegister": 301,
+    "CUPTI_DRIVER_TRACE_CBID_cuMemAllocManaged": 371,
+    "CUPTI_DRIVER_TRACE_CBID_cuMemHostRegister_v2": 379,
+    "CUPTI_RUNTIME_TRACE_CBID_cudaMallocHost_v3020": 25,
+    "CUPTI_RUNTIME_TRACE_CBID_cudaHostAlloc_v3020": 27,
+    "CUPTI_RUNTIME_TRACE_CBID_cudaHostRegister_v4000": 152,
+    "CUPTI_RUNTIME_TRACE_CBID_cudaMallocManaged_v6000": 206,
+  }
+  sizes = {
+    "cuMemAllocHost_params.bytesize": 8,
+    "cuMemHostAlloc_params.bytesize": 8,
+    "cuMemAllocHost_v2_params.bytesize": 8,
+    "cuMemHostRegister_params.bytesize": 8,
+    "cuMemAllocManaged_params.bytesize": 8,
+    "cuMemHostRegister_v2_params.bytesize": 8,
+    "cudaMallocHost_v3020_params.size": 8,
+    "cudaHostAlloc_v3020_params.size": 8,
+    "cudaHostRegister_v4000_params.size": 8,
+    "cudaMallocManaged_v6000_params.size": 8,
+    "CUpti_CallbackData.functionParams": 16,
+  }
+  lines = [f'printf("{k} %d\\n", (int){k});' for k in ids]
+  lines += [f'printf("{k} %zu\\n", offsetof({k.split(".")[0]}, {k.split(".")[1]}));' for k in sizes]
+  lines.append('printf("legacy_size_bytes %zu\\n", sizeof(((cuMemAllocHost_params*)0)->bytesize));')
+  got = _print_c(tmp_path, include, ["cupti.h"], lines)  # it includes both APIs' parameter structs
+  assert got == {**ids, **sizes, "legacy_size_bytes": 4}
+
+
+def test_the_collectors_offsets_match_cuptis_header(tmp_path):
+  include = _cupti_include()
   fields = {
     "CUpti_ActivityKernel10": ["start", "end", "contextId", "streamId", "name", "graphId"],
     "CUpti_ActivityMemcpy6": [
@@ -785,17 +940,7 @@ def test_the_collectors_offsets_match_cuptis_header(tmp_path):
     "CUpti_ModuleResourceData": ["cubinSize", "pCubin"],
   }
   lines = [f'printf("{t}.{f} %zu\\n", offsetof({t}, {f}));' for t, fs in fields.items() for f in fs]
-  (tmp_path / "o.c").write_text(
-    "#include <stdio.h>\n#include <stddef.h>\n#include <cupti.h>\nint main(void){"
-    + "".join(lines)
-    + "return 0;}\n"
-  )
-  subprocess.run(
-    ["cc", f"-I{include}", "-o", str(tmp_path / "o"), str(tmp_path / "o.c")], check=True
-  )
-  out = dict(
-    line.split() for line in subprocess.check_output([str(tmp_path / "o")], text=True).splitlines()
-  )
+  out = _print_c(tmp_path, include, ["cupti.h"], lines)
   expected = {
     "CUpti_ActivityKernel10.start": 16,
     "CUpti_ActivityKernel10.end": 24,
@@ -821,7 +966,7 @@ def test_the_collectors_offsets_match_cuptis_header(tmp_path):
     "CUpti_ModuleResourceData.cubinSize": 8,
     "CUpti_ModuleResourceData.pCubin": 16,
   }
-  assert {k: int(v) for k, v in out.items()} == expected
+  assert out == expected
 
 
 # ---- the sampler cannot be switched off from inside -------------------------------------------------

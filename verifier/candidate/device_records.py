@@ -22,9 +22,17 @@ import time
 from verifier.ipc.records import CopyRun, DeviceRecords, KernelRun
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verifier_cupti.c")
-VC_KERNEL, VC_MEMCPY, VC_MEMSET, VC_CONTEXT, VC_STREAM, VC_GRAPH_LAUNCH, VC_MODULE, VC_SYMBOL = (
-  range(1, 9)
-)
+(
+  VC_KERNEL,
+  VC_MEMCPY,
+  VC_MEMSET,
+  VC_CONTEXT,
+  VC_STREAM,
+  VC_GRAPH_LAUNCH,
+  VC_MODULE,
+  VC_SYMBOL,
+  VC_HOST_MEMORY,
+) = range(1, 10)
 COPY_KINDS = {
   1: "HtoD",
   2: "DtoH",
@@ -99,6 +107,13 @@ def load(path: str) -> ctypes.CDLL:
   lib.vc_record_entry.argtypes = [ctypes.c_void_p, ctypes.POINTER(Entry)]
   lib.vc_record_entry.restype = ctypes.c_int
   lib.vc_stop.restype = ctypes.c_int
+  lib.vc_api_entry.argtypes = [
+    ctypes.c_int,
+    ctypes.c_uint32,
+    ctypes.c_void_p,
+    ctypes.POINTER(Entry),
+  ]
+  lib.vc_api_entry.restype = ctypes.c_int
   lib.vc_cubin_functions.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint64]
   lib.vc_cubin_functions.restype = ctypes.c_long
   if lib.vc_entry_size() != ctypes.sizeof(Entry):
@@ -376,12 +391,15 @@ def summarise(
 ) -> DeviceRecords:
   """Entries folded into runs: kernels by (name, context, stream, from a graph, how many loaded modules
   define that name), copies and memsets by (kind, bytes, context, stream, from a graph), with counts and
-  device nanoseconds."""
+  device nanoseconds; host memory calls counted with the bytes they asked for."""
   kernels: dict[tuple, list[int]] = {}
   copies: dict[tuple, list[int]] = {}
-  counts = {VC_CONTEXT: 0, VC_STREAM: 0, VC_GRAPH_LAUNCH: 0, VC_MODULE: 0}
+  counts = {VC_CONTEXT: 0, VC_STREAM: 0, VC_GRAPH_LAUNCH: 0, VC_MODULE: 0, VC_HOST_MEMORY: 0}
+  host_bytes = 0
   for e in entries:
     ns = max(int(e.end) - int(e.start), 0)
+    if e.type == VC_HOST_MEMORY:
+      host_bytes += int(e.bytes)
     if e.type == VC_KERNEL:
       key = (name_of(e.name), e.context, e.stream, bool(e.graph), modules_of(e.name))
       run = kernels.setdefault(key, [0, 0])
@@ -409,6 +427,8 @@ def summarise(
     streams_created=counts[VC_STREAM],
     graph_launches=counts[VC_GRAPH_LAUNCH],
     modules_loaded=counts[VC_MODULE],
+    host_memory_calls=counts[VC_HOST_MEMORY],
+    host_memory_bytes=host_bytes,
     lost=lost,
     truncated=truncated,
   )

@@ -1,7 +1,8 @@
 /* The device records of a candidate process: every kernel, copy and memset that ran on the GPU, and every
- * CUDA context, stream and graph launch created there, as CUPTI reports them (activity API: records
- * written by the driver for work that finished; callback API: context/stream creation, module loads and
- * graph launches as they happen).
+ * CUDA context, stream and graph launch created there, and every call that allocates or registers host
+ * memory a kernel can reach, as CUPTI reports them (activity API: records written by the driver for work
+ * that finished; callback API: context/stream creation, module loads, graph launches and host memory
+ * calls as they happen).
  *
  * Built by the fork server (``device_records.build``) with the system C compiler and loaded there before
  * any worker is forked; each worker starts it after its CUDA context exists, before any candidate code.
@@ -29,14 +30,15 @@
 #define VC_GRAPH_LAUNCH 6
 #define VC_MODULE 7
 #define VC_SYMBOL 8
+#define VC_HOST_MEMORY 9
 
 typedef struct {
   uint32_t type;
   uint32_t context;
   uint32_t stream;
-  uint32_t copy_kind; /* memcpy: CUPTI's copy kind; graph launch: the callback id */
+  uint32_t copy_kind; /* memcpy: CUPTI's copy kind; graph launch, host memory: the callback id */
   uint64_t start, end;
-  uint64_t bytes;     /* memcpy/memset bytes; module: cubin size */
+  uint64_t bytes;     /* memcpy/memset bytes; module: cubin size; host memory: the bytes asked for */
   uint64_t graph;     /* the graph id a kernel/copy/memset ran from (0: none); module, symbol: module index */
   const char *name;   /* kernel: CUPTI's name (valid for the process's life); symbol: a copy of it */
 } vc_entry;
@@ -53,6 +55,12 @@ enum {
   R_CONTEXT_CREATED = 1, R_STREAM_CREATED = 3, R_MODULE_LOADED = 6,
   RT_GRAPH_LAUNCH = 311, RT_GRAPH_LAUNCH_PTSZ = 312,
   DRV_GRAPH_LAUNCH = 514, DRV_GRAPH_LAUNCH_PTSZ = 515, /* cuGraphLaunch, cuGraphLaunch_ptsz */
+  /* host memory a kernel can reach (cupti_driver_cbid.h, cupti_runtime_cbid.h): pinned, mapped,
+   * registered or managed; each call's parameters hold its size at offset 8 */
+  DRV_MEM_ALLOC_HOST = 37, DRV_MEM_HOST_ALLOC = 39, DRV_MEM_HOST_ALLOC_V2 = 271,
+  DRV_MEM_ALLOC_HOST_V2 = 294, DRV_MEM_HOST_REGISTER = 301, DRV_MEM_ALLOC_MANAGED = 371,
+  DRV_MEM_HOST_REGISTER_V2 = 379,
+  RT_MALLOC_HOST = 25, RT_HOST_ALLOC = 27, RT_HOST_REGISTER = 152, RT_MALLOC_MANAGED = 206,
   ERR_MAX_LIMIT_REACHED = 12,
   FLUSH_FORCED = 1
 };
@@ -209,6 +217,38 @@ long vc_cubin_functions(const uint8_t *img, size_t size, uint64_t module) {
   return found;
 }
 
+static const uint32_t host_memory_apis[][2] = {
+  {D_DRIVER, DRV_MEM_ALLOC_HOST}, {D_DRIVER, DRV_MEM_HOST_ALLOC}, {D_DRIVER, DRV_MEM_HOST_ALLOC_V2},
+  {D_DRIVER, DRV_MEM_ALLOC_HOST_V2}, {D_DRIVER, DRV_MEM_HOST_REGISTER},
+  {D_DRIVER, DRV_MEM_ALLOC_MANAGED}, {D_DRIVER, DRV_MEM_HOST_REGISTER_V2},
+  {D_RUNTIME, RT_MALLOC_HOST}, {D_RUNTIME, RT_HOST_ALLOC}, {D_RUNTIME, RT_HOST_REGISTER},
+  {D_RUNTIME, RT_MALLOC_MANAGED}};
+#define N_HOST_MEMORY_APIS (sizeof host_memory_apis / sizeof host_memory_apis[0])
+
+/* The entry of a driver or runtime API callback at API entry (``data``: CUpti_CallbackData): a host
+ * memory call (its size read from ``functionParams``, offset 16: a size_t at offset 8 of every one of
+ * them but the legacy cuMemAllocHost's unsigned int) or a graph launch. Returns 1 when ``e`` holds one,
+ * 0 for anything else. Public for the unit tests: they feed synthetic callback data. */
+int vc_api_entry(int domain, uint32_t cbid, const void *data, vc_entry *e) {
+  memset(e, 0, sizeof *e);
+  if (data == NULL || AT(uint32_t, data, 0) != 0) /* CUpti_CallbackData.callbackSite: API_ENTER only */
+    return 0;
+  for (size_t i = 0; i < N_HOST_MEMORY_APIS; i++) {
+    if ((uint32_t)domain != host_memory_apis[i][0] || cbid != host_memory_apis[i][1]) continue;
+    const void *params = AT(const void *, data, 16);
+    e->type = VC_HOST_MEMORY;
+    e->copy_kind = cbid;
+    e->stream = (uint32_t)domain;
+    if (params != NULL)
+      e->bytes = domain == D_DRIVER && cbid == DRV_MEM_ALLOC_HOST ? AT(uint32_t, params, 8)
+                                                                  : AT(uint64_t, params, 8);
+    return 1;
+  }
+  e->type = VC_GRAPH_LAUNCH;
+  e->copy_kind = cbid;
+  return 1;
+}
+
 static void callback(void *user, int domain, uint32_t cbid, const void *data) {
   vc_entry e;
   (void)user;
@@ -234,11 +274,7 @@ static void callback(void *user, int domain, uint32_t cbid, const void *data) {
     push(&e);
     return;
   }
-  if (AT(uint32_t, data, 0) != 0) /* CUpti_CallbackData.callbackSite: API_ENTER only */
-    return;
-  e.type = VC_GRAPH_LAUNCH;
-  e.copy_kind = cbid;
-  push(&e);
+  if (vc_api_entry(domain, cbid, data, &e)) push(&e);
 }
 
 static int note(const char *what, CUptiResult rc) {
@@ -301,6 +337,9 @@ int vc_start(const char *path) {
   for (size_t i = 0; i < sizeof graph_launches / sizeof graph_launches[0]; i++)
     if ((rc = cupti.enable_callback(1, subscriber, (int)graph_launches[i][0], graph_launches[i][1])))
       return fail("graph launch callbacks", rc);
+  for (size_t i = 0; i < N_HOST_MEMORY_APIS; i++)
+    if ((rc = cupti.enable_callback(1, subscriber, (int)host_memory_apis[i][0], host_memory_apis[i][1])))
+      return fail("host memory callbacks", rc);
   if ((rc = cupti.register_callbacks(buffer_requested, buffer_completed)))
     return fail("cuptiActivityRegisterCallbacks", rc);
   const int kinds[] = {K_CONCURRENT_KERNEL, K_MEMCPY, K_MEMSET};

@@ -379,6 +379,12 @@ class DeviceRecords:
   streams_created: int = 0
   graph_launches: int = 0
   modules_loaded: int = 0
+  # calls that allocated or registered host memory a kernel can read and write (pinned, mapped,
+  # registered, managed: cudaHostAlloc, cudaMallocHost, cudaHostRegister, cudaMallocManaged and their
+  # driver calls), and the bytes they asked for: where a candidate's own kernels can hand its inputs
+  # to the host without a copy record
+  host_memory_calls: int = 0
+  host_memory_bytes: int = 0
   lost: int = 0  # records CUPTI dropped or the collector could not keep
   truncated: bool = False  # more distinct runs than one message carries
   error: str = ""  # the collector failed while flushing
