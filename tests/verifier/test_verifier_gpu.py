@@ -200,6 +200,21 @@ def test_work_not_done_by_the_candidates_own_kernels_gets_no_reward(
   assert good.failure_kind is FailureKind.OK and good.reward == 1.0, (good.reason, good.warnings)
 
 
+def test_a_strict_verdict_says_whether_kernels_reach_pageable_host_memory(gpu_service):
+  """Where the GPU's kernels read pageable host memory (HMM), a candidate's own kernels can hand its
+  inputs to the host with no CUDA call, so no device record shows it: a strict report says so (a phase
+  and a warning) exactly when the device's attribute is on (session 23: not yet seen on the H200)."""
+  from verifier.ipc import cuda_driver
+
+  on = cuda_driver.pageable_memory_access()
+  (r,) = _verify(
+    gpu_service, _req("hmm-good", ev.RELU_REFERENCE, ev.GOOD_RELU, num_correct_trials=ev.TRIALS)
+  )
+  print(f"pageable memory access (HMM): {on}")
+  assert r.failure_kind is FailureKind.OK, (r.reason, r.warnings)
+  assert any("pageable host memory" in w for w in r.warnings) == on, r.warnings
+
+
 def test_every_call_is_judged_from_device_records_with_the_timing_on(gpu_service):
   (r,) = _verify(
     gpu_service,

@@ -20,6 +20,7 @@ and those only above this process's clock's estimate less that clock's known err
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import random
@@ -33,7 +34,7 @@ from verifier.check import correctness, runtime_check, timing
 from verifier.check.call_evidence import CallEvidence
 from verifier.check.cpu_clock import CpuClock
 from verifier.check.reference import ReferenceTask, TrialStream, same_values
-from verifier.ipc import channel, exchange, head_start, tensors
+from verifier.ipc import channel, cuda_driver, exchange, head_start, tensors
 from verifier.ipc.channel import Channel, ChannelClosed, ChannelTimeout, ProtocolError
 from verifier.ipc.records import (
   CANDIDATE_EXCHANGE_PARTS,
@@ -79,6 +80,16 @@ BURST_BYTES = 2 << 30
 # forward only warms up (lazy initialisation is not judged as host compute) and the last is profiled (the
 # profiler's own CPU time is not judged either), so a third is the one the host evidence judges.
 JUDGED_TRIALS = 3
+
+
+@functools.cache
+def pageable_host_memory() -> bool:
+  """Whether this process's GPU lets kernels reach pageable host memory (``cuda_driver``); False where
+  the driver cannot say."""
+  try:
+    return cuda_driver.pageable_memory_access()
+  except Exception:  # noqa: BLE001 - a diagnostic: no driver, no CUDA device
+    return False
 
 
 def correctness_trials(opts) -> int:
@@ -393,6 +404,13 @@ class Check:
       )
       return
     phases = self.report["phases"]
+    if self.opts.strict.runtime_check and pageable_host_memory():
+      phases["device_pageable_memory_access"] = 1.0
+      self.report["warnings"].append(
+        "this GPU's kernels read pageable host memory (HMM): a candidate's own kernels can hand its "
+        "inputs to the host with no CUDA call, which no device record shows; host compute that way is "
+        "the host samples' to catch (above ~2 ms a forward)"
+      )
     phases["timing_head_start_us"] = status.head_start_us  # reported before any candidate code
     if status.head_start_us <= 0:
       self.report["warnings"].append(

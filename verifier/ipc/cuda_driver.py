@@ -19,6 +19,7 @@ CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1
 CU_MEM_LOCATION_TYPE_DEVICE = 0x1
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3
 CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0
+CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS = 88  # cuda.h
 
 
 class CudaDriverError(RuntimeError):
@@ -81,6 +82,16 @@ def _device() -> int:
   dev = ctypes.c_int()
   _call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(torch.cuda.current_device()))
   return dev.value
+
+
+def pageable_memory_access() -> bool:
+  """Whether the current device's kernels read and write pageable host memory coherently (HMM or ATS:
+  ``CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS``): then a kernel reaches ``malloc``'d memory with no CUDA
+  call at all, so no device record shows a candidate handing its inputs to the host that way."""
+  v = ctypes.c_int()
+  attr = ctypes.c_int(CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS)
+  _call("cuDeviceGetAttribute", ctypes.byref(v), attr, ctypes.c_int(_device()))
+  return bool(v.value)
 
 
 def _prop(dev: int) -> _AllocationProp:
