@@ -140,7 +140,7 @@ import subprocess, sys
 out = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider", sys.argv[1]],
                      capture_output=True, text=True).stdout.split()
 ids = [x for x in out if "::" in x and "dice_known_good" not in x and "tenth_of_a_millisecond" not in x]
-first = ("candidates_own_kernels", "every_call_is_judged", "after_its_verdict", "worker_is_confined", "non_default_stream")
+first = ("candidates_own_kernels", "pageable_host_memory", "every_call_is_judged", "after_its_verdict", "worker_is_confined", "non_default_stream")
 rank = lambda x: next((i for i, f in enumerate(first) if f in x), len(first))
 print("\n".join(sorted(ids, key=rank)))
 PY
