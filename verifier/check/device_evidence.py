@@ -15,14 +15,14 @@ Rules, in this order (the first that fails decides):
    initialisation, unless it is the only one), device time in kernels not built from the candidate and not allocation/copy/fill
    kernels above ``max_foreign_fraction`` of the kernels' time (copies and memsets do not count): the
    profiler-based rule applied to every call instead of the last trial alone.
-5. HOST_COMPUTE (device-buffer transport only): a round trip copying from the device to the host, or the
-   load or a round trip allocating or registering host memory a kernel can reach (pinned, mapped,
-   managed), of at least ``host_bytes_allowed`` of its forwards' inputs: the inputs went (or could go,
-   with no copy record, through the candidate's own kernels) to the host to be computed on there. The
-   bound is ``HOST_COPY_FRACTION`` of the inputs, and at least the smaller of ``HOST_COPY_BYTES`` and
-   ``HOST_SMALL_SHARE`` of them: most of DICE's RL tasks take under 64 KiB of inputs (2,263 of its 4,000
-   end-to-end tasks; 1,148 under 4 KiB), so a fixed 64 KiB let a candidate copy every input of those to
-   the host.
+5. HOST_COMPUTE (device-buffer transport only): a round trip copying at least ``host_bytes_allowed`` of
+   its forwards' inputs from the device to the host, or the load or a round trip allocating or
+   registering more than ``host_memory_allowed`` of host memory a kernel can reach (pinned, mapped,
+   managed): the inputs went (or could go, with no copy record, through the candidate's own kernels) to
+   the host to be computed on there. The copy bound is ``HOST_COPY_FRACTION`` of the inputs, and at least
+   the smaller of ``HOST_COPY_BYTES`` and ``HOST_SMALL_SHARE`` of them: most of DICE's RL tasks take under
+   64 KiB of inputs (2,263 of its 4,000 end-to-end tasks; 1,148 under 4 KiB), so a fixed 64 KiB let a
+   candidate copy every input of those to the host.
 The worker's head starts (ATen's spin right before each forward's pre marker, ``head_start``) are the
 verifier's own work: the collector leaves them out of ``kernels`` (``device_records.head_starts``: by
 place and name; a spin the candidate launches itself is judged like any kernel).
@@ -44,6 +44,12 @@ from verifier.ipc.records import DeviceRecords
 HOST_COPY_BYTES = 64 << 10
 HOST_COPY_FRACTION = 0.05
 HOST_SMALL_SHARE = 0.5
+# Host memory a kernel can reach: at most 1 % of the inputs and 256 bytes (torch's data-dependent-shape
+# ops pin an 8-byte count buffer on first use). More is a channel to the host with no copy record: a
+# buffer of 1 % of the inputs takes a hundred kernel-and-sync trips a forward to move them, milliseconds
+# of host time, what the host samples see.
+HOST_MEMORY_BYTES = 256
+HOST_MEMORY_FRACTION = 0.01
 
 
 def host_bytes_allowed(input_bytes: int) -> float:
@@ -52,6 +58,12 @@ def host_bytes_allowed(input_bytes: int) -> float:
   smaller of 64 KiB and half of them (a scalar read back, ``.item()``, stays far under it; every input
   of a small task does not)."""
   return max(min(HOST_COPY_BYTES, HOST_SMALL_SHARE * input_bytes), HOST_COPY_FRACTION * input_bytes)
+
+
+def host_memory_allowed(input_bytes: int) -> float:
+  """Bytes of host memory a kernel can reach (pinned, mapped, managed) that a window whose forwards take
+  ``input_bytes`` may allocate or register before it is HOST_COMPUTE."""
+  return min(HOST_MEMORY_BYTES, HOST_MEMORY_FRACTION * input_bytes)
 
 
 def _host_compute(r: DeviceRecords, label: str, input_bytes: int, copies: bool = True) -> str:
@@ -64,7 +76,7 @@ def _host_compute(r: DeviceRecords, label: str, input_bytes: int, copies: bool =
       f"{label}: {to_host} bytes copied from the device to the host during the forward (its inputs "
       f"are {input_bytes} bytes): the work went to the host"
     )
-  if r.host_memory_calls and r.host_memory_bytes >= allowed:
+  if r.host_memory_calls and r.host_memory_bytes > host_memory_allowed(input_bytes):
     return (
       f"{label}: {r.host_memory_bytes} bytes of host memory a kernel can reach allocated or "
       f"registered ({r.host_memory_calls} call(s): pinned, mapped or managed; the forwards' inputs are "
