@@ -44,10 +44,10 @@ from verifier.ipc.records import DeviceRecords
 HOST_COPY_BYTES = 64 << 10
 HOST_COPY_FRACTION = 0.05
 HOST_SMALL_SHARE = 0.5
-# Host memory a kernel can reach: at most 1 % of the inputs and 256 bytes (torch's data-dependent-shape
-# ops pin an 8-byte count buffer on first use). More is a channel to the host with no copy record: a
-# buffer of 1 % of the inputs takes a hundred kernel-and-sync trips a forward to move them, milliseconds
-# of host time, what the host samples see.
+# Host memory a kernel can reach: at most 1 % of the inputs and 256 bytes (torch's nonzero, under boolean
+# indexing and masked_select too, pins a count buffer of a few bytes on first use). More is a channel to
+# the host with no copy record: a buffer of 1 % of the inputs takes a hundred kernel-and-sync trips a
+# forward to move them, milliseconds of host time, what the host samples see.
 HOST_MEMORY_BYTES = 256
 HOST_MEMORY_FRACTION = 0.01
 
