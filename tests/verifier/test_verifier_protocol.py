@@ -460,6 +460,30 @@ def test_the_checker_spins_before_its_baseline_only_where_the_worker_does(monkey
   assert not c.evidence.records_on and c.head is head_start.NONE and not c.report["phases"]
 
 
+def test_a_strict_run_on_a_gpu_that_reads_pageable_host_memory_says_so(monkeypatch):
+  """``Check._pageable_memory_warning``: where the device's kernels read pageable host memory (HMM) the
+  device records cannot show host compute through it; a strict run with records says so (phase and
+  warning), a run without records, an unjudged run or a device without HMM says nothing."""
+  from verifier.api.contract import VerifyOptions
+  from verifier.check import checker
+
+  def warn(hmm, records_on=True, strictness="strict"):
+    check = checker.Check.__new__(checker.Check)
+    check.evidence = types.SimpleNamespace(records_on=records_on)
+    check.opts = VerifyOptions(device="cuda", strictness=strictness)
+    check.report = {"phases": {}, "warnings": []}
+    monkeypatch.setattr(checker, "pageable_host_memory", lambda: hmm)
+    check._pageable_memory_warning()
+    return check.report
+
+  r = warn(True)
+  assert r["phases"] == {"device_pageable_memory_access": 1.0}
+  (w,) = r["warnings"]
+  assert "pageable host memory (HMM)" in w and "no device record shows" in w
+  for quiet in (warn(False), warn(True, records_on=False), warn(True, strictness="off")):
+    assert quiet == {"phases": {}, "warnings": []}
+
+
 def test_timed_bursts_fit_the_byte_budget_and_one_messages_descriptors():
   from verifier.check.checker import BURST_BYTES, MAX_BURST, burst_calls
   from verifier.ipc.exchange import FDS_PER_MESSAGE

@@ -318,6 +318,7 @@ class Check:
     self.report["transport"] = self.buffers.transport
     self.evidence.device_buffers = self.buffers.use_device_memory
     self._records_query()
+    self._pageable_memory_warning()
     used: list[int] = []
     init = tuple(exchange.send_value(a, self.buffers, used) for a in self.task.init_args)
     self.init = (init, used)
@@ -404,13 +405,6 @@ class Check:
       )
       return
     phases = self.report["phases"]
-    if self.opts.strict.runtime_check and pageable_host_memory():
-      phases["device_pageable_memory_access"] = 1.0
-      self.report["warnings"].append(
-        "this GPU's kernels read pageable host memory (HMM): a candidate's own kernels can hand its "
-        "inputs to the host with no CUDA call, which no device record shows; host compute that way is "
-        "the host samples' to catch (above ~2 ms a forward)"
-      )
     phases["timing_head_start_us"] = status.head_start_us  # reported before any candidate code
     if status.head_start_us <= 0:
       self.report["warnings"].append(
@@ -424,6 +418,18 @@ class Check:
         f"timing: no head start in the checker ({self.head.why}): the baseline's host path to its "
         "first launch is timed, the candidate's is not"
       )
+
+  def _pageable_memory_warning(self) -> None:
+    """Where the device records judge a strict run on a GPU whose kernels read pageable host memory
+    (HMM), the report says what they cannot see (phase ``device_pageable_memory_access``)."""
+    if not (self.evidence.records_on and self.opts.strict.runtime_check and pageable_host_memory()):
+      return
+    self.report["phases"]["device_pageable_memory_access"] = 1.0
+    self.report["warnings"].append(
+      "this GPU's kernels read pageable host memory (HMM): a candidate's own kernels can hand its "
+      "inputs to the host with no CUDA call, which no device record shows; host compute that way is "
+      "the host samples' to catch (above ~2 ms a forward)"
+    )
 
   def _probe(self) -> None:
     """Before any candidate code runs: a tiny device buffer must map in the candidate's process."""
