@@ -185,10 +185,13 @@ EVIDENCE = [
 def test_work_not_done_by_the_candidates_own_kernels_gets_no_reward(
   gpu_service, name, ref, cand, kind
 ):
+  # the honest ReLU beside each, at the small task's size where the bad one has it (the small-task
+  # bounds must not refuse an honest kernel there)
+  good_ref = ev.RELU_SMALL_REFERENCE if ref is ev.RELU_SMALL_REFERENCE else ev.RELU_REFERENCE
   bad, good = _verify(
     gpu_service,
     _req(f"ev-{name}", ref, cand, num_correct_trials=ev.TRIALS),
-    _req(f"ev-good-after-{name}", ev.RELU_REFERENCE, ev.GOOD_RELU, num_correct_trials=ev.TRIALS),
+    _req(f"ev-good-after-{name}", good_ref, ev.GOOD_RELU, num_correct_trials=ev.TRIALS),
   )
   if name == "zero_copy_host" and any("host evidence unavailable" in w for w in bad.warnings):
     pytest.skip(f"this host refuses to sample the worker: {bad.warnings}")
