@@ -1,6 +1,14 @@
-# Helpers the sampler GPU scripts share (sourced, not run): a budget of BUDGET s from START, a status
-# line per part in $OUT/status.txt, PARTS as a comma list, and `part`, which runs one part's command
-# under the time left. The sourcing script sets START, BUDGET, PARTS and OUT first.
+# What the sampler GPU scripts share (sourced, not run): the start (the clock, $OUT made absolute, the
+# repository root as the working directory, the environment), a budget of BUDGET s, a status line per part
+# in $OUT/status.txt, PARTS as a comma list, and `part`, which runs one part's command under the time
+# left. The sourcing script sets BUDGET and PARTS after it.
+set -u
+START=$(date +%s)
+: "${OUT:?set OUT}"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 status() { echo "$(($(date +%s) - START)) s: $*" | tee -a "$OUT/status.txt"; }
 has() { [[ ",$PARTS," == *",$1,"* ]]; }

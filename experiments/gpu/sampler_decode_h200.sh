@@ -41,13 +41,7 @@
 # variants measured at full size; `best` = the fastest exact bf16 forward), CONFIG (the model
 # preset) and FLAGS (more bench_sampler flags, e.g. a CPU smoke run's tiny shapes) override. An
 # existing PYTHONPATH (e.g. /tmp/site) is kept.
-set -u
-START=$(date +%s)
-: "${OUT:?set OUT}"
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-cd "$(dirname "$0")/../.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
+source "$(dirname "$0")/budget.sh"  # the start; left, status, has, rows, part
 BUDGET=${BUDGET:-480}
 PARTS=${PARTS:-kernel_code,tests,gpu_tests,options}
 CONFIG=${CONFIG:-sdar_4b}
@@ -55,7 +49,6 @@ CONFIG=${CONFIG:-sdar_4b}
 # token disagreement rounding or a wrong GEMM?), one program a row, the float16-widened float8 cache.
 OPTIONS=${OPTIONS:-base,split=64,split=4096,weights=fp8,split=4096+weights=fp8,cache=fp8,cache=fp8+fp8_widen=f16,cache=fp8+fp8_widen=f16+split=4096+weights=fp8}
 RATE_OPTIONS=${RATE_OPTIONS:-base,split=4096,split=4096+weights=fp8,cache=fp8+fp8_widen=f16+split=4096+weights=fp8}
-source experiments/gpu/budget.sh  # left, status, has, rows, part
 {
   git rev-parse HEAD 2>/dev/null
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1

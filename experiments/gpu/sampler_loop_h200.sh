@@ -23,19 +23,12 @@
 #   OUT=/some/dir bash experiments/gpu/sampler_loop_h200.sh
 # BUDGET, PARTS (loop,ab,lhs,rollout), CONFIG, TILES (ab's forward variants) and FLAGS (more bench_sampler flags, e.g. a CPU smoke
 # run's tiny shapes) override; an existing PYTHONPATH is kept.
-set -u
-START=$(date +%s)
-: "${OUT:?set OUT}"
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-cd "$(dirname "$0")/../.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
+source "$(dirname "$0")/budget.sh"  # the start; left, status, has, rows, part
 BUDGET=${BUDGET:-560}
 PARTS=${PARTS:-loop,ab,lhs,rollout}
 CONFIG=${CONFIG:-sdar_4b}
 F8=cache=fp8+fp8_widen=f16
 TILES=${TILES:-base,split=4096,block_k=128,num_stages=3,$F8,$F8+block_k=128,$F8+num_stages=3}
-source experiments/gpu/budget.sh  # left, status, has, rows, part
 bench() {  # bench NAME MIN_S FLAGS...: bench_sampler at the issue's shape
   local name=$1 min=$2
   shift 2
