@@ -55,6 +55,9 @@ flags.DEFINE_integer(
 flags.DEFINE_string(
   "decode_tiles", "", "rollout: DecodeTiles as JSON or a JSON file's path (empty: the default)"
 )
+flags.DEFINE_string(
+  "kv_cache_dtype", "", "rollout: SamplerConfig.kv_cache_dtype ('': the compute dtype; float8_e4m3fn)"
+)
 flags.DEFINE_string("attention_impl", "flash", "dense | flash")
 flags.DEFINE_string("verifier", "local", "'local' (a child service), HOST:PORT, or 'none'")
 flags.DEFINE_string("verifier_device", "", "local verifier device ('' = cuda when a GPU is seen)")
@@ -287,6 +290,7 @@ def main(argv):
       prefill_chunk=FLAGS.prefill_chunk,
       commit_rows=FLAGS.commit_rows,
       decode_tiles=bench_common.decode_tiles(FLAGS.decode_tiles),
+      kv_cache_dtype=FLAGS.kv_cache_dtype or None,
     )
     backend = rollout.StaticBatches(scfg, FLAGS.groups_per_batch, FLAGS.seed)
     sample_model = nnx.merge(graphdef, rollout.sampling_params(state["params"], jnp.bfloat16))
@@ -331,6 +335,7 @@ def main(argv):
       rows_per_call=FLAGS.groups_per_batch * FLAGS.group_size,
       commit_rows=FLAGS.commit_rows,
       decode_tiles=dataclasses.asdict(scfg.decode_tiles),
+      kv_cache_dtype=str(scfg.cache_dtype(mcfg)),
       new_tokens=FLAGS.new_tokens,
       prompt_len=FLAGS.prompt_len,
       generated_tokens=ro.generated_tokens,

@@ -16,16 +16,20 @@
 #            (each row half's attention on a second stream: does it overlap the other half's
 #            matmuls once the scheduler may move the stream call's start and done apart?), then
 #            the capped dynamic rate with and without halves (each half packs R / 2 rows)
+#   fp8      the float8 cache with a deeper pipeline (num_stages=3 and 4: session 24's forward read its
+#            18.3 GB at 3.8 TB/s with 3 stages, 2.5 TB/s with 2), then options_rates, dynamic_capped
+#            and static, split=4096 in bf16 against the same with the float8 cache and 3 stages (rates
+#            and token agreement; split=4096 vs the default is the agreement a reordering alone gives)
 #   rollout  bench_rl's rollout alone (--update_steps=0) at the RL shape: sdar_1p7b, 8 groups x 16 =
 #            128 rows, 896 + 4,096, temperature 1 (the RL loop's sampling), R = 48, split=8192
 #            (issue 39 item 3: 8,000 tok/s; 4,962 uncapped in session 21's bench_rl)
 # Run from the repository root (grain wheels installed in PYTHONPATH, as rl_step_h200.sh says):
 #   OUT=/some/dir bash experiments/gpu/sampler_loop_h200.sh
-# BUDGET, PARTS (loop,ab,lhs,rollout), CONFIG, TILES (ab's forward variants) and FLAGS (more bench_sampler flags, e.g. a CPU smoke
+# BUDGET, PARTS (loop,ab,lhs,fp8,rollout), CONFIG, TILES (ab's forward variants) and FLAGS (more bench_sampler flags, e.g. a CPU smoke
 # run's tiny shapes) override; an existing PYTHONPATH is kept.
 source "$(dirname "$0")/budget.sh"  # the start; left, status, has, rows, part
 BUDGET=${BUDGET:-560}
-PARTS=${PARTS:-loop,ab,lhs,rollout}
+PARTS=${PARTS:-loop,ab,lhs,fp8,rollout}
 CONFIG=${CONFIG:-sdar_4b}
 F8=cache=fp8+fp8_widen=f16
 TILES=${TILES:-base,split=4096,block_k=128,num_stages=3,$F8,$F8+block_k=128,$F8+num_stages=3}
@@ -55,6 +59,12 @@ if has lhs; then
     bench lhs 90 --runs=options_forward,options_rates \
     --decode_options=base,split=64,weights=fp8,halves=1 --rate_options=base,halves=1 \
     --rate_strategies=dynamic_capped --deadline_s=$(($(left) - 20))
+fi
+if has fp8; then
+  bench fp8 150 --runs=options_forward,options_rates \
+    --decode_options=split=4096,split=4096+$F8+num_stages=3,split=4096+$F8+num_stages=4 \
+    --rate_options=split=4096,split=4096+$F8+num_stages=3 --rate_strategies=dynamic_capped,static \
+    --deadline_s=$(($(left) - 20))
 fi
 if has rollout; then
   mkdir -p "$OUT/rollout"
