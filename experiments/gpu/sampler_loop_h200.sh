@@ -16,10 +16,10 @@
 #            (each row half's attention on a second stream: does it overlap the other half's
 #            matmuls once the scheduler may move the stream call's start and done apart?), then
 #            the capped dynamic rate with and without halves (each half packs R / 2 rows)
-#   fp8      the float8 cache with a deeper pipeline (num_stages=3 and 4: session 24's forward read its
-#            18.3 GB at 3.8 TB/s with 3 stages, 2.5 TB/s with 2), then options_rates, dynamic_capped
-#            and static, split=4096 in bf16 against the same with the float8 cache and 3 stages (rates
-#            and token agreement; split=4096 vs the default is the agreement a reordering alone gives)
+#   fp8      options_rates, dynamic_capped and static, in one process: split=4096 in bf16 against the
+#            same with the float8 cache (f16 widening) and 3 pipeline stages (session 24's forward read
+#            its 18.3 GB at 3.8 TB/s with 3 stages, 3.1 with 2): the rates and the token agreement
+#            (split=4096 against the default tiles is the agreement a reordering alone gives, 0.39)
 #   rollout  bench_rl's rollout alone (--update_steps=0) at the RL shape: sdar_1p7b, 8 groups x 16 =
 #            128 rows, 896 + 4,096, temperature 1 (the RL loop's sampling), R = 48, split=8192
 #            (issue 39 item 3: 8,000 tok/s; 4,962 uncapped in session 21's bench_rl)
@@ -61,8 +61,7 @@ if has lhs; then
     --rate_strategies=dynamic_capped --deadline_s=$(($(left) - 20))
 fi
 if has fp8; then
-  bench fp8 150 --runs=options_forward,options_rates \
-    --decode_options=split=4096,split=4096+$F8+num_stages=3,split=4096+$F8+num_stages=4 \
+  bench fp8 150 --runs=options_rates --decode_options=split=4096,split=4096+$F8+num_stages=3 \
     --rate_options=split=4096,split=4096+$F8+num_stages=3 --rate_strategies=dynamic_capped,static \
     --deadline_s=$(($(left) - 20))
 fi
