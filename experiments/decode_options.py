@@ -63,6 +63,9 @@ class Settings:
   compile_threads: int = 8
   out: str = ""
   commit_rows: int = 0  # the cap of the `dynamic_capped` rates
+  # tokens a row in `options_forward` (0: the block size b; 2b: the fused width of a ragged, capped
+  # forward, whose cache kernel then has 2b x G query rows a program)
+  forward_tokens: int = 0
 
 
 def sharpened(weights, scale: float):
@@ -119,6 +122,7 @@ class OptionRuns:
       return
     cfg = self.bench.model.cfg
     b = cfg.block_size
+    t = self.s.forward_tokens or b
     # one cache for every variant, as long as the sampler's would be for the largest key tile
     # (`block_k=128` failed on session 22's 2,112 slots: the sampler rounds to its tile)
     multiple = max(platform.cache_multiple(v.tiles.block_k) for v in self.s.variants)
@@ -133,8 +137,8 @@ class OptionRuns:
         caches["fp8"] = df.as_fp8(caches["bf16"])
       return dataclasses.replace(caches["fp8" if v.fp8 else "bf16"], tiles=v.tiles)
 
-    counts_of = lambda v: df.attention_counts(cfg, rows, fill, b, v.tiles, v.fp8, cap)
-    fwd = jax.jit(df.forward_fn(graphdef, *df.new_inputs(cfg, rows, fill, b)))
+    counts_of = lambda v: df.attention_counts(cfg, rows, fill, t, v.tiles, v.fp8, cap)
+    fwd = jax.jit(df.forward_fn(graphdef, *df.new_inputs(cfg, rows, fill, t)))
     for v, row, summary in df.measure_forwards(
       list(self.s.variants),
       fwd,
@@ -147,10 +151,10 @@ class OptionRuns:
       hlo_dir=self.s.out,
     ):
       self.forward_rows[v.name] = row
-      self.bench.record(dict(run="options_forward", rows=rows, fill=fill, tokens=b, **row))
+      self.bench.record(dict(run="options_forward", rows=rows, fill=fill, tokens=t, **row))
       if summary is not None and self.s.out:
         with open(os.path.join(self.s.out, "options_forward.md"), "a") as f:
-          f.write(f"\n## `{v.name}`: one {b}-token forward, {rows} rows, fill {fill}\n\n")
+          f.write(f"\n## `{v.name}`: one {t}-token forward, {rows} rows, fill {fill}\n\n")
           f.write(trace_summary.markdown(summary))
 
   # --- exactness on a small model ------------------------------------------------------------

@@ -16,12 +16,12 @@
 #            (each row half's attention on a second stream: does it overlap the other half's
 #            matmuls once the scheduler may move the stream call's start and done apart?), then
 #            the capped dynamic rate with and without halves (each half packs R / 2 rows)
-#   fp8      options_rates, dynamic_capped and static, in one process: split=4096 in bf16 against the
-#            same with the float8 cache (f16 widening) and 3 pipeline stages (session 24's forward read
-#            its 18.3 GB at 3.8 TB/s with 3 stages, 3.1 with 2): the rates and the token agreement
-#            (split=4096 against the default tiles is the agreement a reordering alone gives, 0.39);
-#            and with 8 warps: the capped loop's cache kernel has 32 query rows a program (2b tokens a
-#            row), where the float8 kernel was 8.27 ms against 5.9 in a 4-token forward
+#   fp8      one 8-token forward (the capped loop's fused width: 32 query rows a cache-kernel
+#            program, where the float8 kernel took 8.27 ms against 5.9 in a 4-token forward) of
+#            split=4096 in bf16 and on the float8 cache (f16 widening, 3 stages: 3.8 TB/s in session
+#            24's 4-token forward) with 4 and 8 warps; then options_rates, dynamic_capped and static,
+#            in one process, bf16 against the float8 cache: rates and token agreement (split=4096
+#            against the default tiles is the agreement a reordering alone gives, 0.39)
 #   rollout  bench_rl's rollout alone (--update_steps=0) at the RL shape: sdar_1p7b, 8 groups x 16 =
 #            128 rows, 896 + 4,096, temperature 1 (the RL loop's sampling), R = 48, split=8192
 #            (issue 39 item 3: 8,000 tok/s; 4,962 uncapped in session 21's bench_rl)
@@ -64,9 +64,9 @@ if has lhs; then
 fi
 if has fp8; then
   P=split=4096+$F8+num_stages=3
-  bench fp8 150 --runs=options_rates --decode_options=split=4096,$P,$P+num_warps=8 \
-    --rate_options=split=4096,$P,$P+num_warps=8 --rate_strategies=dynamic_capped,static \
-    --deadline_s=$(($(left) - 20))
+  bench fp8 150 --runs=options_forward,options_rates --forward_tokens=8 \
+    --decode_options=split=4096,$P,$P+num_warps=8 --rate_options=split=4096,$P \
+    --rate_strategies=dynamic_capped,static --deadline_s=$(($(left) - 20))
 fi
 if has rollout; then
   mkdir -p "$OUT/rollout"
