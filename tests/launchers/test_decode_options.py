@@ -76,6 +76,21 @@ def test_attention_counts_follow_the_options():
   assert fold["total"] < base["total"] and fold["kv"] == base["kv"]
 
 
+def test_a_fused_forward_spans_the_last_committed_block_and_the_next():
+  """`--forward_tokens=2b`: the capped loop's fused width (the finished block and the new one), so
+  the cache kernel gets 2b x G query rows a program (32 at sdar_4b) and twice the q.k / p.v work."""
+  cfg = get_config("sdar_4b")
+  b = cfg.block_size
+  tok, pos, spec = df.new_inputs(cfg, 2, 1536, 2 * b)
+  assert tok.shape == (2, 2 * b)
+  np.testing.assert_array_equal(pos[0], np.arange(1536 - b, 1536 + b))
+  np.testing.assert_array_equal(spec.block_ids[0], np.arange(1536 - b, 1536 + b) // b)
+  tiles = df.parse_variant("base").tiles
+  one, fused = (df.attention_counts(cfg, 128, 1536, t, tiles, False, 2112) for t in (b, 2 * b))
+  # twice the queries over the same K/V (plus the new tokens' own part, quadratic in them)
+  assert 2 * one["flops"] < fused["flops"] < 2.01 * one["flops"] and fused["kv"] == one["kv"]
+
+
 def test_token_agreement_counts_the_reference_decoded_positions():
   ref = (np.array([[1, 2, 3, 4]]), np.array([[-1, 0, 1, 1]]))
   same = decode_options.token_agreement(ref, ref)
