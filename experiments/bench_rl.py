@@ -56,7 +56,9 @@ flags.DEFINE_string(
   "decode_tiles", "", "rollout: DecodeTiles as JSON or a JSON file's path (empty: the default)"
 )
 flags.DEFINE_string(
-  "kv_cache_dtype", "", "rollout: SamplerConfig.kv_cache_dtype ('': the compute dtype; float8_e4m3fn)"
+  "kv_cache_dtype",
+  "",
+  "rollout: SamplerConfig.kv_cache_dtype ('': the compute dtype; float8_e4m3fn)",
 )
 flags.DEFINE_string("attention_impl", "flash", "dense | flash")
 flags.DEFINE_string("verifier", "local", "'local' (a child service), HOST:PORT, or 'none'")

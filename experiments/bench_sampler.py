@@ -180,7 +180,9 @@ flags.DEFINE_integer("exact_layers", 2, "Layers of options_exact's model (the pr
 flags.DEFINE_integer("exact_rows", 16, "Prompts of options_exact.")
 flags.DEFINE_integer("exact_tokens", 64, "Prompt and new tokens of each options_exact row.")
 flags.DEFINE_integer(
-  "forward_tokens", 0, "options_forward: tokens a row (0: the block size; 2b: a capped loop's width)"
+  "forward_tokens",
+  0,
+  "options_forward: tokens a row (0: the block size; 2b: a capped loop's width)",
 )
 flags.DEFINE_float("deadline_s", 1e9, "The options_* runs start nothing after this many seconds.")
 flags.DEFINE_integer("compile_threads", 8, "Programs the options_* runs compile at once.")
