@@ -256,6 +256,8 @@ class Bench:
     weights=None,
     commit_rows=0,
     weights_dtype=None,
+    temperature=0.0,
+    return_logprobs=False,
   ) -> dict:
     """One static-sampler call, lowered (not compiled): {name, scfg, args, est, lowered,
     lower_s}. `weights`: the split weights to decode on (default: split now)."""
@@ -269,6 +271,8 @@ class Bench:
       kv_cache_dtype=kv_cache_dtype,
       commit_rows=commit_rows,
       weights_dtype=weights_dtype,
+      temperature=temperature,
+      return_logprobs=return_logprobs,
     )
     prompts = prompts or self.prompts(FLAGS.batch)
     layout = sampler.layout_prompts(prompts, scfg, mcfg.mask_token_id, budgets)

@@ -31,6 +31,22 @@ LOOPS = {
     dict(strategy="low_confidence_dynamic", commit_rows=-1, weights_dtype="float8_e4m3fn"),
     True,
   ),
+  # the RL rollout's own loop (bench_rl, rollout.py): capped dynamic, sampling at temperature 1 with
+  # each token's log-prob, on the unsharpened model
+  "rollout": (
+    dict(strategy="low_confidence_dynamic", commit_rows=-1, temperature=1.0, return_logprobs=True),
+    False,
+  ),
+  "rollout_fp8": (
+    dict(
+      strategy="low_confidence_dynamic",
+      commit_rows=-1,
+      temperature=1.0,
+      return_logprobs=True,
+      kv_cache_dtype="float8_e4m3fn",
+    ),
+    False,
+  ),
 }
 
 

@@ -22,16 +22,20 @@
 #            24's 4-token forward) with 4 and 8 warps; then options_rates, dynamic_capped and static,
 #            in one process, bf16 against the float8 cache: rates and token agreement (split=4096
 #            against the default tiles is the agreement a reordering alone gives, 0.39)
+#   rlloop   bench_sampler --runs=profile_loop at the RL rollout's shape and sampling (sdar_1p7b,
+#            896 + 4,096, R = 48, split=8192; temperature 1 with log-probs, unsharpened: loops
+#            rollout, rollout_fp8), iterations at fill ~2,900: where session 24's 22.8 ms a batch
+#            forward went (5,610 tok/s; ~9 ms of K/V reads and ~3 ms of matmuls at that fill)
 #   rollout  bench_rl's rollout alone (--update_steps=0) at the RL shape: sdar_1p7b, 8 groups x 16 =
 #            128 rows, 896 + 4,096, temperature 1 (the RL loop's sampling), R = 48, split=8192
 #            (issue 39 item 3: 8,000 tok/s; 4,962 uncapped in session 21's bench_rl)
 # Run from the repository root (grain wheels installed in PYTHONPATH, as rl_step_h200.sh says):
 #   OUT=/some/dir bash experiments/gpu/sampler_loop_h200.sh
-# BUDGET, PARTS (loop,ab,lhs,fp8,rollout), CONFIG, TILES (ab's forward variants) and FLAGS (more bench_sampler flags, e.g. a CPU smoke
+# BUDGET, PARTS (loop,ab,lhs,fp8,rlloop,rollout), CONFIG, TILES (ab's forward variants) and FLAGS (more bench_sampler flags, e.g. a CPU smoke
 # run's tiny shapes) override; an existing PYTHONPATH is kept.
 source "$(dirname "$0")/budget.sh"  # the start; left, status, has, rows, part
 BUDGET=${BUDGET:-560}
-PARTS=${PARTS:-loop,ab,lhs,fp8,rollout}
+PARTS=${PARTS:-loop,ab,lhs,fp8,rlloop,rollout}
 CONFIG=${CONFIG:-sdar_4b}
 F8=cache=fp8+fp8_widen=f16
 TILES=${TILES:-base,split=4096,block_k=128,num_stages=3,$F8,$F8+block_k=128,$F8+num_stages=3}
@@ -67,6 +71,10 @@ if has fp8; then
   bench fp8 150 --runs=options_forward,options_rates --forward_tokens=8 \
     --decode_options=split=4096,$P,$P+num_warps=8 --rate_options=split=4096,$P \
     --rate_strategies=dynamic_capped,static --deadline_s=$(($(left) - 20))
+fi
+if has rlloop; then
+  bench rlloop 150 --runs=profile_loop --profile_loops=rollout,rollout_fp8 --config=sdar_1p7b \
+    --prompt_len=896 --new_tokens=4096 --commit_rows=48 --decode_tiles='{"split":8192}'
 fi
 if has rollout; then
   mkdir -p "$OUT/rollout"

@@ -56,6 +56,18 @@ def test_loops_take_the_cap_and_name_what_is_unknown():
     lp.loop_settings("dynamic_fast", 72)
 
 
+def test_the_rollout_loop_samples_like_the_rl_rollout():
+  # bench_rl's rollout: capped dynamic at temperature 1 with log-probs, on the unsharpened model;
+  # at its shape (896 + 4,096, 128 measured) the iterations sit at fill ~2,900, its mean
+  kw, sharp = lp.loop_settings("rollout", 48)
+  assert kw == dict(
+    strategy="low_confidence_dynamic", commit_rows=48, temperature=1.0, return_logprobs=True
+  )
+  assert not sharp
+  assert lp.loop_settings("rollout_fp8", 48)[0]["kv_cache_dtype"] == "float8_e4m3fn"
+  assert lp.loop_prompt_len(896, 4096, 128, 4) == 2880
+
+
 def test_the_measured_iterations_centre_on_the_forward_accounts_fill():
   # 1,024 + 1,024 new, 128 measured: prompts of 1,472, iterations at fill 1,480-1,600 around 1,536
   assert lp.loop_prompt_len(1024, 1024, 128, 4) == 1472
