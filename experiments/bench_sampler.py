@@ -14,7 +14,7 @@ Runs (in the order given; each writes rows to DIR/results.jsonl and rewrites DIR
   profile_loop  one iteration of each `--profile_loops` loop (static, dynamic_capped, the float8
                 cache...), by kind and kernel, per batch forward: the difference of one program
                 run with budgets 2b and `--loop_tokens` (experiments/decode_loop_profile.py);
-                DIR/profile_loop.md.
+                DIR/profile_loop.md, each loop's optimised HLO in DIR/loop_NAME_hlo.txt.gz.
   breakdown     one decode forward (b tokens, cache filled to prompt + new/2) with and without
                 XLA's dynamic-slice fusion (the layer scan slices every layer's weights), with the
                 layers unrolled (`scan_layers=False`), on `decode_weights()` split before the
@@ -69,6 +69,7 @@ a forward is K/V + weight bytes at `--hbm_tbs` plus matmul FLOPs at `--peak_tflo
 import dataclasses
 import functools
 import glob
+import gzip
 import json
 import os
 import shutil
@@ -548,6 +549,9 @@ class Bench:
       finally:
         self.model.lm_head[...] = head
       compiled = p["lowered"].compile()
+      if FLAGS.out:  # what each kernel of the account computes: `python -m experiments.hlo_costs`
+        with gzip.open(os.path.join(out_dir, f"loop_{name}_hlo.txt.gz"), "wt") as f:
+          f.write(compiled.as_text())
       state, weights, layout, keys = p["args"]
       # the same canvas, every row's budget 2b (a budget is data: one program runs both calls)
       short = dataclasses.replace(
