@@ -27,7 +27,8 @@
 #                  what the budget leaves (PARTS=relu alone: ~40 s)
 #   level1 (160 s, not default) `verifier bench` gpu_level1: reward rate (>= 80/min), timed rate cached
 #                  (>= 45/min), the checker's clock against in-process CUDA events on 10 problems
-#                  (new/old within 10 % for >= 9 of 10), tasks beyond the runtime's own
+#                  (new/old within 10 % for >= 9 of 10, each problem's median over TIMED_PASSES=3
+#                  passes: cold, then cached), tasks beyond the runtime's own
 #   e2e    (200 s, not default) `verifier bench` dice_e2e: DICE's 99 end to end (>= 100/min)
 #
 # Data (no ../shared on the GPU host), in the git-ignored .gpu_data/verifier (carry ".gpu_data"):
@@ -151,14 +152,15 @@ PY
     ;;
   level1)
     part level1 160 python3 -m verifier bench --device cuda --phases gpu_level1 --level1 10 \
-      --level1-samples 1 --timed "${TIMED:-10}" --budget-s 140 --out "$OUT/level1.json"
+      --level1-samples 1 --timed "${TIMED:-10}" --timed-passes "${TIMED_PASSES:-3}" \
+      --budget-s 140 --out "$OUT/level1.json"
     timeout 60 python3 -m experiments.gpu.timing_summary "$OUT/level1.json" > "$OUT/level1.txt" 2>&1
-    head -4 "$OUT/level1.txt" | tee -a "$OUT/status.txt"
+    grep -E "^(reward|timed_|median)" "$OUT/level1.txt" | tee -a "$OUT/status.txt"
     summary level1 "$OUT/level1.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))["gpu_level1"]
 for tag, v in d.items():
-    if isinstance(v, dict):
+    if isinstance(v, dict) and "run_phase_mean_s" in v:
         m = v["run_phase_mean_s"]
         print(tag, f"{v['candidates_per_min']:.1f}/min", "tasks beyond baseline", v.get("tasks_beyond_baseline_so_far"),
               "unmeasurable", m.get("timing_unmeasurable", 0), "resolution_ms", m.get("timing_resolution_ms"))

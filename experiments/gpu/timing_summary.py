@@ -21,6 +21,15 @@ KEYS = TIMING_PHASES + (
 def main(path: str) -> None:
   phases = json.load(open(path))["gpu_level1"]
   for tag, v in phases.items():
+    if tag == "timing_median":
+      ratios = " ".join(f"{r:.3f}" for r in v["new_over_old_median"].values())
+      rate = v["cached_per_min_mean"]
+      print(
+        f"median over {v['passes']} timed passes: new/old [{ratios}] within 10%: "
+        f"{v['within_10pct']}/{v['compared']}; cached rate mean "
+        + (f"{rate:.1f}/min" if rate is not None else "-")
+      )
+      continue
     if not isinstance(v, dict):
       print(tag, v)
       continue

@@ -519,3 +519,23 @@ def test_check_without_a_verifier_exits_3_after_saying_where_it_waited(tmp_path,
   args = ["check", "--reference", ref, "--candidate", cand, "--verifier", address]
   assert cli.main([*args, "--verifier_wait_s", "0"]) == 2
   assert capsys.readouterr().err == "check: error: --verifier_wait_s must be > 0 seconds, got 0\n"
+
+
+def test_the_timing_median_takes_each_problems_median_over_the_timed_passes():
+  # issue 37 item 9: the median of 3 runs of each level-1 problem within 10 % for >= 9 of 10
+  from verifier import bench
+
+  def timed(rate, ratios):
+    return {"candidates_per_min": rate, "timing_methods": {"new_over_old": ratios}}
+
+  phases = {
+    "reward": {"candidates_per_min": 150.0},  # not a timed pass
+    "timed_cold": timed(27.0, {"p1": 0.78, "p2": 1.0}),
+    "timed_cached_baseline": timed(43.0, {"p1": 0.95, "p2": 1.2}),
+    "timed_cached_2": timed(45.0, {"p1": 0.97, "p2": 1.15}),
+  }
+  m = bench.timing_median(phases)
+  assert m["passes"] == 3
+  assert m["new_over_old_median"] == {"p1": 0.95, "p2": 1.15}
+  assert (m["within_10pct"], m["compared"]) == (1, 2)
+  assert m["cached_per_min_mean"] == 44.0
