@@ -160,13 +160,19 @@ def as_fp8(cache: KVCache) -> KVCache:
   return dataclasses.replace(cache, k=to8(cache.k), v=to8(cache.v))
 
 
-def new_inputs(cfg, rows, fill, tokens):
+def new_inputs(cfg, rows, fill, tokens, fresh: int | None = None):
   """Tokens, positions `[rows, tokens]` right after the fill's last committed block, and their
-  block-causal spec (the in-block forward: `tokens` = b; the fused one: 2b)."""
+  block-causal spec (the in-block forward: `tokens` = b; the fused one: 2b). With `fresh` (2b
+  tokens only) the rows from `fresh` on are mid-block rows of the capped loop: their first b tokens
+  invisible (segment 0), as `slots.py` lays them out."""
   b = cfg.block_size
   pos = jnp.broadcast_to(jnp.arange(fill - b, fill - b + tokens, dtype=jnp.int32), (rows, tokens))
   tok = jnp.full((rows, tokens), 5, jnp.int32)
-  return tok, pos, AttentionSpec.block_causal(b, jnp.ones_like(pos), pos // b)
+  seg = jnp.ones_like(pos)
+  if fresh is not None and tokens == 2 * b:
+    mid = (jnp.arange(rows) >= fresh)[:, None] & (jnp.arange(tokens) < b)[None, :]
+    seg = jnp.where(mid, 0, seg)
+  return tok, pos, AttentionSpec.block_causal(b, seg, pos // b)
 
 
 def forward_fn(graphdef, tok, pos, spec):

@@ -64,7 +64,8 @@ class Settings:
   out: str = ""
   commit_rows: int = 0  # the cap of the `dynamic_capped` rates
   # tokens a row in `options_forward` (0: the block size b; 2b: the fused width of a ragged, capped
-  # forward, whose cache kernel then has 2b x G query rows a program)
+  # forward, whose cache kernel then has 2b x G query rows a program; the rows past `commit_rows`
+  # then have their first b tokens invisible, as mid-block rows do)
   forward_tokens: int = 0
 
 
@@ -138,7 +139,9 @@ class OptionRuns:
       return dataclasses.replace(caches["fp8" if v.fp8 else "bf16"], tiles=v.tiles)
 
     counts_of = lambda v: df.attention_counts(cfg, rows, fill, t, v.tiles, v.fp8, cap)
-    fwd = jax.jit(df.forward_fn(graphdef, *df.new_inputs(cfg, rows, fill, t)))
+    # at 2b tokens, the capped loop's layout: rows past the cap are mid-block (first b invisible)
+    fresh = self.s.commit_rows or None
+    fwd = jax.jit(df.forward_fn(graphdef, *df.new_inputs(cfg, rows, fill, t, fresh)))
     for v, row, summary in df.measure_forwards(
       list(self.s.variants),
       fwd,

@@ -80,6 +80,13 @@ class DecodeTiles:
   # stream (`platform.on_gpu_stream`), so one half's attention (HBM-bound) can run beside the
   # other half's matmuls (tensor cores). `transformer.Transformer._unrolled_halves`.
   halves: bool = False
+  # A program of 32 or more query rows whose first half sees nothing runs its dots on the second
+  # half only: the capped loop's forward is 2b tokens wide for every row (slots.py, commit cap) and
+  # a mid-block row's first b tokens are invisible, so at sdar_4b (4 query heads a K/V head) each
+  # such program would do twice the q.k and p.v work its visible rows need. The rows are
+  # token-major, so those are the first half. Invisible rows get what the full program gives them
+  # (output 0, EMPTY_LSE); the visible rows' sums run over the same keys in the same order.
+  visible_half: bool = False
 
   def __post_init__(self):
     for name in ("split", "block_k", "num_warps", "num_stages"):
@@ -95,7 +102,7 @@ class DecodeTiles:
       raise ValueError(f"DecodeTiles.splits must be an int >= 0, got {self.splits!r}")
     if self.fp8_widen not in FP8_WIDENS:
       raise ValueError(f"DecodeTiles.fp8_widen must be one of {FP8_WIDENS}, got {self.fp8_widen!r}")
-    for name in ("dynamic_loop", "fold_new", "halves"):
+    for name in ("dynamic_loop", "fold_new", "halves", "visible_half"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"DecodeTiles.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -200,47 +207,72 @@ def _kernel(
   dynamic_loop,
   fold_new,
   widen,
+  half,
 ):
   """One (row, K/V head, query tile, program): online softmax over the program's live tiles
   (`block_k` slots each, from tile `lo_ref` on, `ntiles_ref` of them; 0 = none), then with
-  `fold_new` the row's new keys (`refs[:4]`: k, v, segments, ranks) as one more tile of program 0."""
+  `fold_new` the row's new keys (`refs[:4]`: k, v, segments, ranks) as one more tile of program 0.
+  With `half` (`DecodeTiles.visible_half`) a tile whose first half of query rows is invisible
+  attends with its second half only."""
   o_ref, lse_ref = refs[-2:]
   layer = layer_ref[0]
-  q = q_ref[...]  # [BQ, H]
-  if widen == "f16" and k_ref.dtype == jnp.float8_e4m3fn:  # f16 dots (`DecodeTiles.fp8_widen`)
-    q = q.astype(jnp.float16)
-  q_seg, q_rank = qseg_ref[...], qrank_ref[...]
-  rows, h = q.shape
   qk_scale = scale * math.log2(math.e)
   base = lo_ref[0] * block_k
+  first_program = pl.program_id(3) == 0  # read here: the interpreter has no program_id in a cond
 
-  def tile(j, carry):
-    sl = pl.ds(pl.multiple_of(base + j * block_k, block_k), block_k)
-    k = _widen(k_ref[layer, sl, :], q.dtype, widen)  # a float8 cache is widened tile by tile
-    vis = _visible(q_seg, q_rank, kseg_ref[sl], krank_ref[sl])
-    load_v = lambda: _widen(v_ref[layer, sl, :], q.dtype, widen)
-    return _online_tile(carry, q, k, load_v, vis, qk_scale)
+  def attend(rows):  # the query rows `rows` (a pl.ds) of this tile: softmax, then their outputs
+    q = q_ref[rows, :]  # [R, H]
+    if widen == "f16" and k_ref.dtype == jnp.float8_e4m3fn:  # f16 dots (`DecodeTiles.fp8_widen`)
+      q = q.astype(jnp.float16)
+    q_seg, q_rank = qseg_ref[rows], qrank_ref[rows]
+    n, h = q.shape
 
-  init = (
-    jnp.zeros((rows, h), jnp.float32),
-    jnp.full((rows,), MASK_VALUE, jnp.float32),
-    jnp.zeros((rows,), jnp.float32),
-  )
-  n_live = ntiles_ref[0]
-  if dynamic_loop:  # a dynamic-bound scf.for on Triton
-    carry = lax.fori_loop(0, n_live, tile, init)
-  else:
-    skip = lambda j, carry: lax.cond(j < n_live, tile, lambda _, c: c, j, carry)
-    carry = lax.fori_loop(0, max_tiles, skip, init)
-  if fold_new:
-    kn_ref, vn_ref, nseg_ref, nrank_ref = refs[:4]
-    vis = _visible(q_seg, q_rank, nseg_ref[...], nrank_ref[...]) & (pl.program_id(3) == 0)
-    kn, load_vn = kn_ref[...].astype(q.dtype), lambda: vn_ref[...].astype(q.dtype)
-    carry = _online_tile(carry, q, kn, load_vn, vis, qk_scale)
-  o, m, l = carry
-  empty = l == 0.0
-  o_ref[...] = jnp.where(empty[:, None], 0.0, o / jnp.where(empty, 1.0, l)[:, None])
-  lse_ref[...] = jnp.where(empty, EMPTY_LSE, (m + jnp.log2(jnp.where(empty, 1.0, l))) * math.log(2))
+    def tile(j, carry):
+      sl = pl.ds(pl.multiple_of(base + j * block_k, block_k), block_k)
+      k = _widen(k_ref[layer, sl, :], q.dtype, widen)  # a float8 cache is widened tile by tile
+      vis = _visible(q_seg, q_rank, kseg_ref[sl], krank_ref[sl])
+      load_v = lambda: _widen(v_ref[layer, sl, :], q.dtype, widen)
+      return _online_tile(carry, q, k, load_v, vis, qk_scale)
+
+    init = (
+      jnp.zeros((n, h), jnp.float32),
+      jnp.full((n,), MASK_VALUE, jnp.float32),
+      jnp.zeros((n,), jnp.float32),
+    )
+    n_live = ntiles_ref[0]
+    if dynamic_loop:  # a dynamic-bound scf.for on Triton
+      carry = lax.fori_loop(0, n_live, tile, init)
+    else:
+      skip = lambda j, carry: lax.cond(j < n_live, tile, lambda _, c: c, j, carry)
+      carry = lax.fori_loop(0, max_tiles, skip, init)
+    if fold_new:
+      kn_ref, vn_ref, nseg_ref, nrank_ref = refs[:4]
+      vis = _visible(q_seg, q_rank, nseg_ref[...], nrank_ref[...]) & first_program
+      kn, load_vn = kn_ref[...].astype(q.dtype), lambda: vn_ref[...].astype(q.dtype)
+      carry = _online_tile(carry, q, kn, load_vn, vis, qk_scale)
+    o, m, l = carry
+    empty = l == 0.0
+    o_ref[rows, :] = jnp.where(empty[:, None], 0.0, o / jnp.where(empty, 1.0, l)[:, None])
+    lse_ref[rows] = jnp.where(
+      empty, EMPTY_LSE, (m + jnp.log2(jnp.where(empty, 1.0, l))) * math.log(2)
+    )
+
+  rows = q_ref.shape[0]
+  if not half:
+    attend(pl.ds(0, rows))
+    return
+  hq = rows // 2
+  first_dead = jnp.max(qseg_ref[pl.ds(0, hq)]) <= 0  # no first-half row can see a key
+
+  @pl.when(first_dead)
+  def _():
+    o_ref[pl.ds(0, hq), :] = jnp.zeros((hq, o_ref.shape[-1]), o_ref.dtype)
+    lse_ref[pl.ds(0, hq)] = jnp.full((hq,), EMPTY_LSE, lse_ref.dtype)
+    attend(pl.ds(hq, hq))
+
+  @pl.when(jnp.logical_not(first_dead))
+  def _():
+    attend(pl.ds(0, rows))
 
 
 def _pallas_cache_part(
@@ -294,6 +326,7 @@ def _pallas_cache_part(
       dynamic_loop=tiles.dynamic_loop,
       fold_new=bool(new),
       widen=widen,
+      half=tiles.visible_half and block_q >= 32,  # each half a dot's 16 rows at least
     ),
     grid=(b, kh, rp // block_q, n_prog),
     in_specs=[

@@ -16,12 +16,13 @@
 #            (each row half's attention on a second stream: does it overlap the other half's
 #            matmuls once the scheduler may move the stream call's start and done apart?), then
 #            the capped dynamic rate with and without halves (each half packs R / 2 rows)
-#   fp8      one 8-token forward (the capped loop's fused width: 32 query rows a cache-kernel
-#            program, where the float8 kernel took 8.27 ms against 5.9 in a 4-token forward) of
-#            split=4096 in bf16 and on the float8 cache (f16 widening, 3 stages: 3.8 TB/s in session
-#            24's 4-token forward) with 4 and 8 warps; then options_rates, dynamic_capped and static,
-#            in one process, bf16 against the float8 cache: rates and token agreement (split=4096
-#            against the default tiles is the agreement a reordering alone gives, 0.39)
+#   fp8      one 8-token forward in the capped loop's layout (rows past R = 72 mid-block: first b
+#            tokens invisible; 32 query rows a cache-kernel program, where session 24's float8 kernel
+#            took 8.27 ms in the loop against 5.9 in a 4-token forward) of split=4096 in bf16 and on
+#            the float8 cache (f16 widening, 3 stages), each with and without visible_half (a
+#            mid-block row's program runs its 16 visible rows only), and with 8 warps; then the
+#            capped dynamic rates of those four in one process (rates and token agreement), then
+#            static bf16 against the float8 cache (process fp8static)
 #   rlloop   bench_sampler --runs=profile_loop at the RL rollout's shape and sampling (sdar_1p7b,
 #            896 + 4,096, R = 48, split=8192; temperature 1 with log-probs, unsharpened: loops
 #            rollout, rollout_fp8), iterations at fill ~2,900: where session 24's 22.8 ms a batch
@@ -68,9 +69,13 @@ if has lhs; then
 fi
 if has fp8; then
   P=split=4096+$F8+num_stages=3
+  V=visible_half=1
   bench fp8 150 --runs=options_forward,options_rates --forward_tokens=8 \
-    --decode_options=split=4096,$P,$P+num_warps=8 --rate_options=split=4096,$P \
-    --rate_strategies=dynamic_capped,static --deadline_s=$(($(left) - 20))
+    --decode_options=split=4096,split=4096+$V,$P,$P+$V,$P+num_warps=8 \
+    --rate_options=split=4096,split=4096+$V,$P,$P+$V --rate_strategies=dynamic_capped \
+    --deadline_s=$(($(left) - 120))
+  bench fp8static 100 --runs=options_rates --decode_options=split=4096,$P --rate_options=split=4096,$P \
+    --rate_strategies=static --deadline_s=$(($(left) - 20))
 fi
 if has rlloop; then
   bench rlloop 150 --runs=profile_loop --profile_loops=rollout,rollout_fp8 --config=sdar_1p7b \

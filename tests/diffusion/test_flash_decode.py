@@ -218,6 +218,54 @@ def test_kernel_options_equal_the_dense_attention():
   assert most == 2
 
 
+def test_a_program_whose_first_half_sees_nothing_attends_with_its_second_half_only():
+  """`visible_half`: 8 new tokens x 4 heads a K/V head (32 query rows, token-major). Row 2's first
+  block is invisible (as a mid-block row's in the capped loop's 2b-token forward), so its program
+  runs the dots on its last 16 rows; the other rows run whole. Every output equals the dense
+  attention and the full-tile kernel's, with the new keys folded in or not, and the masked loop."""
+  q, kn, vn, cache, spec, pos, seg = _attention_case(5, t=8, k=1)
+  live = np.asarray(seg > 0)[:, :, None, None]
+  want = transformer.cached_attention(
+    q, kn, vn, cache.k[1], cache.v[1], spec, pos, seg, pos // 4, cache
+  )
+  want = np.where(live, np.asarray(want), 0.0)
+  base = flash_decode.DecodeTiles(split=32, block_k=16)
+  for opts in ({}, dict(fold_new=True), dict(dynamic_loop=False, splits=2)):
+    outs = []
+    for half in (False, True):
+      tiles = dataclasses.replace(base, visible_half=half, **opts)
+      c = dataclasses.replace(cache, tiles=tiles)
+      outs.append(
+        np.asarray(flash_decode.cached_attention(q, kn, vn, 1, spec, pos, seg, pos // 4, c))
+      )
+    full, halved = outs
+    np.testing.assert_allclose(halved, want, rtol=1e-5, atol=1e-5, err_msg=str(opts))
+    np.testing.assert_allclose(halved, full, rtol=1e-6, atol=1e-6, err_msg=str(opts))
+    assert not halved[2, :4].any()  # the invisible block: 0, as the full tile gives it
+
+
+def test_the_kernel_takes_the_half_path_only_where_the_first_half_is_dead():
+  """The kernel's own output, per query row: the log-sum-exp of a row that sees nothing is
+  EMPTY_LSE on either path; a live first half keeps the whole tile (rows 0-15 of rows 0, 1, 3)."""
+  q, kn, vn, cache, spec, pos, seg = _attention_case(6, t=8, k=1)
+  b, t, n, h = q.shape
+  q_rows = q.reshape(b, t, 1, n, h).transpose(0, 2, 1, 3, 4).reshape(b, 1, t * n, h)
+  q_seg = jnp.repeat(seg, n, axis=1)
+  q_rank = jnp.repeat(pos // 4, n, axis=1)
+  outs = {}
+  for half in (False, True):
+    tiles = flash_decode.DecodeTiles(split=32, block_k=16, visible_half=half)
+    outs[half] = flash_decode.cache_part(
+      q_rows, cache.k, cache.v, 1, q_seg, q_rank, cache.segment_ids, cache.block_ids,
+      cache.length, tiles=tiles,
+    )  # fmt: skip
+  (o_full, lse_full), (o_half, lse_half) = outs[False], outs[True]
+  np.testing.assert_allclose(np.asarray(o_half), np.asarray(o_full), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(lse_half), np.asarray(lse_full), rtol=1e-6, atol=1e-6)
+  assert np.all(np.asarray(lse_half)[2, 0, :16] == flash_decode.EMPTY_LSE)
+  assert np.all(np.asarray(lse_half)[2, 0, 16:] > flash_decode.EMPTY_LSE)
+
+
 def test_kernel_options_on_bf16_inputs_round_like_the_base_and_splits_is_a_repartition():
   """On bf16 queries and cache (the GPU's decode dtype), `splits` and `fold_new` are as close to
   the float32 dense attention as the base kernel (a kernel bug would be far off), with 4 and 8
@@ -360,6 +408,30 @@ def test_row_halves_with_the_commit_cap_decode_what_the_dense_sampler_decodes():
   assert int(got.forwards) > int(uncapped.forwards)  # one row a half a forward: rows waited
   with pytest.raises(ValueError, match=r"multiple of the 1 row shards x 2 row halves"):
     run(3)
+
+
+def test_the_capped_loop_with_visible_half_decodes_what_the_dense_sampler_decodes():
+  """`visible_half` where it runs: the capped ragged loop's 2b-token forward with 4 query heads a
+  K/V head (32 rows a program; a mid-block row's first 16 invisible): the dense sampler's tokens,
+  step map and log-probs."""
+  cfg = sampler.SamplerConfig(
+    strategy="low_confidence_dynamic", threshold=0.5, max_new_tokens=12, return_logprobs=True
+  )
+  models = []
+  for impl in ("dense", "flash"):
+    mcfg = get_config("tiny", dtype="float32", attention_impl=impl, num_kv_heads=1)
+    m = transformer.Transformer(mcfg, rngs=nnx.Rngs(0))
+    m.lm_head.set_value(m.lm_head[...] * 60.0)
+    models.append(m)
+  dense, flash = models
+  want = sampler.generate(dense, _PROMPTS, cfg)
+  tiles = flash_decode.DecodeTiles(split=32, block_k=16, visible_half=True)
+  got = sampler.generate(
+    flash, _PROMPTS, dataclasses.replace(cfg, decode_tiles=tiles, commit_rows=2)
+  )
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_array_equal(np.asarray(got.step_map), np.asarray(want.step_map))
+  np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
 
 
 def test_a_call_on_a_gpu_stream_carries_the_stream_and_keeps_its_values():

@@ -85,6 +85,12 @@ def test_a_fused_forward_spans_the_last_committed_block_and_the_next():
   assert tok.shape == (2, 2 * b)
   np.testing.assert_array_equal(pos[0], np.arange(1536 - b, 1536 + b))
   np.testing.assert_array_equal(spec.block_ids[0], np.arange(1536 - b, 1536 + b) // b)
+  assert np.all(np.asarray(spec.segment_ids) == 1)
+  # the capped loop's layout: rows past the fresh ones see nothing from their first b tokens
+  _, _, capped = df.new_inputs(cfg, 3, 1536, 2 * b, fresh=1)
+  np.testing.assert_array_equal(
+    np.asarray(capped.segment_ids), [[1] * 8, [0] * 4 + [1] * 4, [0] * 4 + [1] * 4]
+  )
   tiles = df.parse_variant("base").tiles
   one, fused = (df.attention_counts(cfg, 128, 1536, t, tiles, False, 2112) for t in (b, 2 * b))
   # twice the queries over the same K/V (plus the new tokens' own part, quadratic in them)
