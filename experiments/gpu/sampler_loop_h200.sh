@@ -3,6 +3,7 @@
 # $OUT/results.jsonl (bench_sampler) and $OUT/rollout/bench_rl.json as they come, a status line per
 # part in $OUT/status.txt. sdar_4b, random bf16 weights, 128 rows, 1,024 + 1,024 unless noted.
 #
+#   tests    the cache kernel's visible_half tests on the GPU (Triton), before anything uses it
 #   loop     bench_sampler --runs=profile_loop: one iteration of the static, capped dynamic (R = 72)
 #            and capped dynamic float8-cache loops by kind and kernel (experiments/decode_loop_profile.py;
 #            $OUT/profile_loop.md), tiles split=4096 + fp8_widen=f16: where a batch forward's
@@ -32,11 +33,11 @@
 #            (issue 39 item 3: 8,000 tok/s; 4,962 uncapped in session 21's bench_rl)
 # Run from the repository root (grain wheels installed in PYTHONPATH, as rl_step_h200.sh says):
 #   OUT=/some/dir bash experiments/gpu/sampler_loop_h200.sh
-# BUDGET, PARTS (loop,ab,lhs,fp8,rlloop,rollout), CONFIG, TILES (ab's forward variants) and FLAGS (more bench_sampler flags, e.g. a CPU smoke
+# BUDGET, PARTS (tests,loop,ab,lhs,fp8,rlloop,rollout), CONFIG, TILES (ab's forward variants) and FLAGS (more bench_sampler flags, e.g. a CPU smoke
 # run's tiny shapes) override; an existing PYTHONPATH is kept.
 source "$(dirname "$0")/budget.sh"  # the start; left, status, has, rows, part
 BUDGET=${BUDGET:-560}
-PARTS=${PARTS:-loop,ab,lhs,fp8,rlloop,rollout}
+PARTS=${PARTS:-tests,loop,ab,lhs,fp8,rlloop,rollout}
 CONFIG=${CONFIG:-sdar_4b}
 F8=cache=fp8+fp8_widen=f16
 TILES=${TILES:-base,split=4096,block_k=128,num_stages=3,$F8,$F8+block_k=128,$F8+num_stages=3}
@@ -53,6 +54,11 @@ bench() {  # bench NAME MIN_S FLAGS...: bench_sampler at the issue's shape
 } >"$OUT/env.txt"
 status "start: $(tr '\n' ' ' <"$OUT/env.txt")"
 
+if has tests; then
+  # JAX_PLATFORMS=cuda: these tests carry no `gpu` mark, and the conftest otherwise pins JAX to the CPU
+  part tests 40 env JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m pytest -q \
+    -p no:cacheprovider tests/diffusion/test_flash_decode.py -k "second_half or half_path or visible_half"
+fi
 if has loop; then
   bench loop 150 --runs=profile_loop --profile_loops=static,dynamic_capped,dynamic_capped_fp8 \
     --decode_tiles='{"split":4096,"fp8_widen":"f16"}'

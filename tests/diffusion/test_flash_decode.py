@@ -218,6 +218,11 @@ def test_kernel_options_equal_the_dense_attention():
   assert most == 2
 
 
+# the half path against the whole tile: the same sums on the interpreter; Triton may tile 16 and 32
+# rows' dots otherwise on a GPU
+_TIGHT = 1e-6 if jax.default_backend() == "cpu" else 1e-5
+
+
 def test_a_program_whose_first_half_sees_nothing_attends_with_its_second_half_only():
   """`visible_half`: 8 new tokens x 4 heads a K/V head (32 query rows, token-major). Row 2's first
   block is invisible (as a mid-block row's in the capped loop's 2b-token forward), so its program
@@ -240,7 +245,7 @@ def test_a_program_whose_first_half_sees_nothing_attends_with_its_second_half_on
       )
     full, halved = outs
     np.testing.assert_allclose(halved, want, rtol=1e-5, atol=1e-5, err_msg=str(opts))
-    np.testing.assert_allclose(halved, full, rtol=1e-6, atol=1e-6, err_msg=str(opts))
+    np.testing.assert_allclose(halved, full, rtol=_TIGHT, atol=_TIGHT, err_msg=str(opts))
     assert not halved[2, :4].any()  # the invisible block: 0, as the full tile gives it
 
 
@@ -260,8 +265,8 @@ def test_the_kernel_takes_the_half_path_only_where_the_first_half_is_dead():
       cache.length, tiles=tiles,
     )  # fmt: skip
   (o_full, lse_full), (o_half, lse_half) = outs[False], outs[True]
-  np.testing.assert_allclose(np.asarray(o_half), np.asarray(o_full), rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(np.asarray(lse_half), np.asarray(lse_full), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(o_half), np.asarray(o_full), rtol=_TIGHT, atol=_TIGHT)
+  np.testing.assert_allclose(np.asarray(lse_half), np.asarray(lse_full), rtol=_TIGHT, atol=_TIGHT)
   assert np.all(np.asarray(lse_half)[2, 0, :16] == flash_decode.EMPTY_LSE)
   assert np.all(np.asarray(lse_half)[2, 0, 16:] > flash_decode.EMPTY_LSE)
 
