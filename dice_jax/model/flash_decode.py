@@ -216,16 +216,18 @@ def _kernel(
   attends with its second half only."""
   o_ref, lse_ref = refs[-2:]
   layer = layer_ref[0]
-  qk_scale = scale * math.log2(math.e)
-  base = lo_ref[0] * block_k
-  first_program = pl.program_id(3) == 0  # read here: the interpreter has no program_id in a cond
+  # read before the half path's cond (the interpreter has no program_id inside one)
+  first_program = pl.program_id(3) == 0 if fold_new and half else None
 
-  def attend(rows):  # the query rows `rows` (a pl.ds) of this tile: softmax, then their outputs
-    q = q_ref[rows, :]  # [R, H]
+  def attend(rows):  # the query rows `rows` (a pl.ds; ... = all) of this tile: softmax, outputs
+    by_row = ... if rows is ... else (rows, slice(None))  # [R, H] refs: all as before, or a part
+    q = q_ref[by_row]
     if widen == "f16" and k_ref.dtype == jnp.float8_e4m3fn:  # f16 dots (`DecodeTiles.fp8_widen`)
       q = q.astype(jnp.float16)
     q_seg, q_rank = qseg_ref[rows], qrank_ref[rows]
     n, h = q.shape
+    qk_scale = scale * math.log2(math.e)
+    base = lo_ref[0] * block_k
 
     def tile(j, carry):
       sl = pl.ds(pl.multiple_of(base + j * block_k, block_k), block_k)
@@ -247,19 +249,21 @@ def _kernel(
       carry = lax.fori_loop(0, max_tiles, skip, init)
     if fold_new:
       kn_ref, vn_ref, nseg_ref, nrank_ref = refs[:4]
-      vis = _visible(q_seg, q_rank, nseg_ref[...], nrank_ref[...]) & first_program
+      vis = _visible(q_seg, q_rank, nseg_ref[...], nrank_ref[...]) & (
+        pl.program_id(3) == 0 if first_program is None else first_program
+      )
       kn, load_vn = kn_ref[...].astype(q.dtype), lambda: vn_ref[...].astype(q.dtype)
       carry = _online_tile(carry, q, kn, load_vn, vis, qk_scale)
     o, m, l = carry
     empty = l == 0.0
-    o_ref[rows, :] = jnp.where(empty[:, None], 0.0, o / jnp.where(empty, 1.0, l)[:, None])
+    o_ref[by_row] = jnp.where(empty[:, None], 0.0, o / jnp.where(empty, 1.0, l)[:, None])
     lse_ref[rows] = jnp.where(
       empty, EMPTY_LSE, (m + jnp.log2(jnp.where(empty, 1.0, l))) * math.log(2)
     )
 
   rows = q_ref.shape[0]
   if not half:
-    attend(pl.ds(0, rows))
+    attend(...)  # the whole tile, indexed as before the half path existed
     return
   hq = rows // 2
   first_dead = jnp.max(qseg_ref[pl.ds(0, hq)]) <= 0  # no first-half row can see a key
@@ -272,7 +276,7 @@ def _kernel(
 
   @pl.when(jnp.logical_not(first_dead))
   def _():
-    attend(pl.ds(0, rows))
+    attend(...)
 
 
 def _pallas_cache_part(

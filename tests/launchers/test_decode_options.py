@@ -192,3 +192,23 @@ def test_the_cache_kernels_dots_are_bf16_with_float32_accumulation():
         assert row["ptx"]["mma.sync"] + row["ptx"]["wgmma.mma_async"] > 0, row
     else:
       assert row["dots"] == [dot] * want, row
+
+
+def test_visible_half_lowers_to_triton_beside_an_unchanged_whole_tile():
+  """`visible_half` at the capped loop's width (8 tokens x 4 heads: 32 query rows) lowers for cuda
+  (no GPU needed) to one kernel holding both paths under an `scf.if`: the whole tile's two dots and
+  the half's two; at 4 tokens (16 rows: no halves) it is the default kernel's IR, line for line."""
+  from experiments import kernel_code
+
+  cfg = get_config("sdar_4b")
+  ir = lambda tiles, tokens: "\n".join(
+    kernel_code.triton_code(kernel_code.cache_kernel_lowered(cfg, tiles, jnp.bfloat16, tokens))
+  )
+  half = flash_decode.DecodeTiles(visible_half=True)
+  text, dots = ir(half, 8), kernel_code.dot_types(ir(half, 8))
+  if jax.default_backend() == "gpu":  # the IR text sits in a compiled kernel's record
+    assert dots and all(d == ("bf16", "bf16", "f32") for d in dots), dots
+    return
+  assert "scf.if" in text and dots == [("bf16", "bf16", "f32")] * 4
+  strip = lambda t: "\n".join(line for line in t.splitlines() if "loc(" not in line)
+  assert strip(ir(half, 4)) == strip(ir(flash_decode.DecodeTiles(), 4))
