@@ -345,9 +345,8 @@ def main(argv):
       tokens_per_forward=round(ro.generated_tokens / max(ro.steps_used, 1), 3),
       sample_s=round(ro.sample_s, 2),
       sample_s_per_call=round(ro.sample_s / calls, 3),
-      ms_per_forward=round(
-        1e3 * ro.sample_s / max(ro.forwards, 1), 2
-      ),  # a batch forward, prefill in
+      # a batch forward, prefill included
+      ms_per_forward=round(1e3 * ro.sample_s / max(ro.forwards, 1), 2),
       generated_tok_per_s=round(ro.generated_tokens / ro.sample_s, 1),
       verify_wait_s=round(ro.verify_wait_s, 2),
       judge_requests=ro.judge_requests,

@@ -17,6 +17,12 @@ from __future__ import annotations
 
 import collections
 
+# the RL rollout's own loop (bench_rl, rollout.py): capped dynamic, sampling at temperature 1 with each
+# token's log-prob, on the unsharpened model
+_ROLLOUT = dict(
+  strategy="low_confidence_dynamic", commit_rows=-1, temperature=1.0, return_logprobs=True
+)
+
 # name -> (sampler keywords, sharpened LM head): the loops bench_sampler's rate runs decode.
 LOOPS = {
   "static": (dict(strategy="low_confidence_static"), False),
@@ -31,22 +37,8 @@ LOOPS = {
     dict(strategy="low_confidence_dynamic", commit_rows=-1, weights_dtype="float8_e4m3fn"),
     True,
   ),
-  # the RL rollout's own loop (bench_rl, rollout.py): capped dynamic, sampling at temperature 1 with
-  # each token's log-prob, on the unsharpened model
-  "rollout": (
-    dict(strategy="low_confidence_dynamic", commit_rows=-1, temperature=1.0, return_logprobs=True),
-    False,
-  ),
-  "rollout_fp8": (
-    dict(
-      strategy="low_confidence_dynamic",
-      commit_rows=-1,
-      temperature=1.0,
-      return_logprobs=True,
-      kv_cache_dtype="float8_e4m3fn",
-    ),
-    False,
-  ),
+  "rollout": (_ROLLOUT, False),
+  "rollout_fp8": (dict(_ROLLOUT, kv_cache_dtype="float8_e4m3fn"), False),
 }
 
 

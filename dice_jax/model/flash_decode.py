@@ -261,11 +261,10 @@ def _kernel(
       empty, EMPTY_LSE, (m + jnp.log2(jnp.where(empty, 1.0, l))) * math.log(2)
     )
 
-  rows = q_ref.shape[0]
   if not half:
     attend(...)  # the whole tile, indexed as before the half path existed
     return
-  hq = rows // 2
+  hq = q_ref.shape[0] // 2
   first_dead = jnp.max(qseg_ref[pl.ds(0, hq)]) <= 0  # no first-half row can see a key
 
   @pl.when(first_dead)

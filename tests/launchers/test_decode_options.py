@@ -205,7 +205,8 @@ def test_visible_half_lowers_to_triton_beside_an_unchanged_whole_tile():
     kernel_code.triton_code(kernel_code.cache_kernel_lowered(cfg, tiles, jnp.bfloat16, tokens))
   )
   half = flash_decode.DecodeTiles(visible_half=True)
-  text, dots = ir(half, 8), kernel_code.dot_types(ir(half, 8))
+  text = ir(half, 8)
+  dots = kernel_code.dot_types(text)
   if jax.default_backend() == "gpu":  # the IR text sits in a compiled kernel's record
     assert dots and all(d == ("bf16", "bf16", "f32") for d in dots), dots
     return
