@@ -581,6 +581,10 @@ class Bench:
         fill=f"{plen + 2 * b}-{plen + big}",
         forwards=forwards,
         wall_ms=round(1e3 * (runs["long"][1] - runs["short"][1]) / forwards, 2),
+        # the short call alone: prefill and its 2b tokens' forwards (what the difference cancels)
+        short_wall_ms=round(1e3 * runs["short"][1], 1),
+        short_forwards=runs["short"][0],
+        tiles=dataclasses.asdict(self.tiles),
         device_ms=it["device_ms"],
         by_kind=it["by_kind"],
         top=it["kernels"][:8],

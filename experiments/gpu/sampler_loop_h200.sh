@@ -28,12 +28,13 @@
 #            896 + 4,096, R = 48, split=8192; temperature 1 with log-probs, unsharpened: loops
 #            rollout, rollout_fp8), iterations at fill ~2,900: where session 24's 22.8 ms a batch
 #            forward went (5,610 tok/s; ~9 ms of K/V reads and ~3 ms of matmuls at that fill)
+#   rlf16    rlloop's float8 loop alone with the float8 tiles bench_rl was run with (3 stages, f16)
 #   rollout  bench_rl's rollout alone (--update_steps=0) at the RL shape: sdar_1p7b, 8 groups x 16 =
 #            128 rows, 896 + 4,096, temperature 1 (the RL loop's sampling), R = 48, split=8192
 #            (issue 39 item 3: 8,000 tok/s; 4,962 uncapped in session 21's bench_rl)
 # Run from the repository root (grain wheels installed in PYTHONPATH, as rl_step_h200.sh says):
 #   OUT=/some/dir bash experiments/gpu/sampler_loop_h200.sh
-# BUDGET, PARTS (tests,loop,ab,lhs,fp8,rlloop,rollout), CONFIG, TILES (ab's forward variants) and FLAGS (more bench_sampler flags, e.g. a CPU smoke
+# BUDGET, PARTS (tests,loop,ab,lhs,fp8,rlloop,rlf16,rollout), CONFIG, TILES (ab's forward variants) and FLAGS (more bench_sampler flags, e.g. a CPU smoke
 # run's tiny shapes) override; an existing PYTHONPATH is kept.
 source "$(dirname "$0")/budget.sh"  # the start; left, status, has, rows, part
 BUDGET=${BUDGET:-560}
@@ -86,6 +87,13 @@ fi
 if has rlloop; then
   bench rlloop 150 --runs=profile_loop --profile_loops=rollout,rollout_fp8 --config=sdar_1p7b \
     --prompt_len=896 --new_tokens=4096 --commit_rows=48 --decode_tiles='{"split":8192}'
+fi
+if has rlf16; then
+  # the float8 loop with bench_rl's float8 tiles (3 stages, f16 widening), beside rlloop's (2, cast):
+  # is the 3.3 ms a forward between bench_rl (21.3) and rlloop (18.0) on an H100 the tiles or prefill?
+  bench rlf16 120 --runs=profile_loop --profile_loops=rollout_fp8 --config=sdar_1p7b \
+    --prompt_len=896 --new_tokens=4096 --commit_rows=48 \
+    --decode_tiles='{"split":8192,"num_stages":3,"fp8_widen":"f16"}'
 fi
 if has rollout; then
   mkdir -p "$OUT/rollout"
