@@ -147,5 +147,6 @@ def check_fits(est: dict, device_bytes: Optional[int] = None, *, what: str = "sa
     f"{what} does not fit in device memory: needs ~{g('total'):.1f} GiB (weights "
     f"{g('weights'):.1f}, K/V cache {g('kv_cache'):.1f}, activations {g('activations'):.1f}) but "
     f"the device has {limit / GIB:.1f} GiB; use fewer rows/slots, fewer max_new_tokens, shorter "
-    f"prompts or a smaller prefill chunk"
+    f"prompts, a smaller prefill chunk, or a float8 K/V cache (kv_cache_dtype=float8_e4m3fn: half "
+    f"the cache's bytes, approximate decoding)"
   )
