@@ -112,6 +112,9 @@ class SamplerConfig:
   # the cache and what each decode forward reads of it (flash attention only: the kernel widens each
   # tile as it reads it; values saturate at +-448). Committed blocks are then seen at fp8 precision,
   # so decoding is no longer exactly the uncached model's (vLLM's `kv_cache_dtype="fp8"`, scale 1).
+  # Pair it with `DecodeTiles(fp8_widen="f16", num_stages=3)`: the default "cast" widening is bound
+  # by the conversion pipe and reads no faster than a bf16 cache (docs/performance.md, issue 39
+  # sessions 22, 24, 25).
   kv_cache_dtype: Optional[str] = None
   # Element type of the decode weights' projection matrices: None = the compute dtype (exact);
   # "float8_e4m3fn" stores q/k/v, o, gate/up and down as e4m3fn with a float32 scale per output
