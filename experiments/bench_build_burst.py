@@ -48,7 +48,7 @@ def summarize(quantum_s: float, rows: list[dict], on_pch: int, preemptions: int)
 
 
 async def _burst(quantum_s: float, device: str, n: int, workers: int, root: str) -> dict:
-  tag = f"q{quantum_s:g}"
+  tag = f"q{int(quantum_s)}" if quantum_s < 1e6 else "fifo"  # a valid extension name part
   cfg = ServiceConfig(
     device=device,
     cpu_slots=1,
@@ -59,7 +59,7 @@ async def _burst(quantum_s: float, device: str, n: int, workers: int, root: str)
     compile_quantum_s=quantum_s,
   )
   ref, cands = _candidates(device, n)
-  cands = [c.replace("pch_bench_", f"burst_{tag.replace('.', '_')}_") for c in cands]
+  cands = [c.replace("pch_bench_", f"burst_{tag}_") for c in cands]
   opts = VerifyOptions(device=device, timeout_s=900, num_correct_trials=1, strictness="off")
   svc = VerifierService(cfg)
   await svc.start()
@@ -99,11 +99,13 @@ def main() -> None:
     for q in (float(x) for x in a.quanta.split(",")):
       out.append(asyncio.run(_burst(q, a.device, a.n, a.workers, root)))
       print(json.dumps({"summary": out[-1]}), flush=True)
-  print("| quantum s | first verdict s | median | last | mean build s | on PCH | preemptions |")
-  print("| --- | --- | --- | --- | --- | --- | --- |")
+  print(
+    "| quantum s | OK | first verdict s | median | last | mean build s | on PCH | preemptions |"
+  )
+  print("| --- | --- | --- | --- | --- | --- | --- | --- |")
   for s in out:
     print(
-      f"| {s['quantum_s']:g} | {s['first_verdict_s']} | {s['median_verdict_s']} | "
+      f"| {s['quantum_s']:g} | {s['ok']}/{s['n']} | {s['first_verdict_s']} | {s['median_verdict_s']} | "
       f"{s['last_verdict_s']} | {s['mean_build_s']} | {s['on_pch']}/{s['n']} | {s['preemptions']} |"
     )
 

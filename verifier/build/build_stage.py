@@ -99,7 +99,7 @@ class BuildStage:
     use_pch: bool,
     mem_mb: int,
     max_entries: int = 20000,
-    slot_quantum_s: float = 10.0,
+    slot_quantum_s: float = 30.0,
   ):
     self.pool, self.compile_pool = pool, compile_pool
     self.slots = FairSlots(slots, slot_quantum_s)

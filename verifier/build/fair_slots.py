@@ -7,7 +7,9 @@ that has held a slot for ``quantum_s`` while another build waits is suspended (S
 of its build and compile workers) and queued again; a free slot goes to the waiting build that has run
 the least (first come first among equals), so a new build runs within about a quantum per build that
 arrived with it, whatever ran before it; builds shorter than a quantum (every honest build of a
-pybind11 or a cached extension) are never suspended. A build's deadline counts only the time it ran
+pybind11, a cached extension, or a cold CUDA build under load: 14-30 s) are never suspended. A quantum
+shorter than a burst's honest builds time-shares the burst, so none finishes early (10 s did:
+experiments/bench_build_burst.py). A build's deadline counts only the time it ran
 (``Turn.ran_s``): suspension costs it nothing but latency. A build that needs an extension another build
 is compiling waits for that compile without a slot (``pause``): builds of one extension take turns in
 the cache, not on the cores (three of one extension, one slot: 54 s, 150 s when they shared it).
@@ -61,7 +63,7 @@ class Budget:
 
 
 class FairSlots:
-  def __init__(self, n: int, quantum_s: float = 10.0):
+  def __init__(self, n: int, quantum_s: float = 30.0):
     self.total, self.quantum_s = n, quantum_s
     self.running: list[Turn] = []
     self.waiting: list[Turn] = []

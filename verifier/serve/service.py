@@ -91,8 +91,10 @@ class ServiceConfig:
   build_timeout_s: float = (
     900.0  # cap on a build's deadline (the request's timeout_s, from its slot)
   )
-  # a build that held a compile slot this long while another waits is suspended (fair_slots)
-  compile_quantum_s: float = 10.0
+  # a build that held a compile slot this long while another waits is suspended (fair_slots). 30 s,
+  # not 10: honest cold builds run 14-30 s under load, and a 10 s quantum time-shared a burst of them
+  # so that none finished early (docs/performance.md, "Build pipeline": bench_build_burst)
+  compile_quantum_s: float = 30.0
   max_pending: int = 4096
   isolate_network: bool = True
   arch_list: str = ""  # TORCH_CUDA_ARCH_LIST for builds, e.g. "9.0"
