@@ -23,7 +23,7 @@ import time
 
 from verifier.api.contract import FailureKind, VerifyRequest, candidate_text
 from verifier.build import build_cache
-from verifier.build.fair_slots import TICK_S, Budget, FairSlots, Turn
+from verifier.build.fair_slots import QUANTUM_S, TICK_S, Budget, FairSlots, Turn
 from verifier.build.single_flight import SingleFlight
 from verifier.ipc.channel import ChannelClosed, ProtocolError
 from verifier.ipc.records import BuildJob, BuildProgress, BuildReport, CompileNeeded, CompileResult
@@ -99,7 +99,7 @@ class BuildStage:
     use_pch: bool,
     mem_mb: int,
     max_entries: int = 20000,
-    slot_quantum_s: float = 30.0,
+    slot_quantum_s: float = QUANTUM_S,
   ):
     self.pool, self.compile_pool = pool, compile_pool
     self.slots = FairSlots(slots, slot_quantum_s)

@@ -22,6 +22,10 @@ import itertools
 import time
 
 TICK_S = 0.25  # how often a full house with builds waiting is re-examined
+# Seconds a build may hold a slot while another waits. 30, not 10: honest cold builds run 14-30 s under
+# load, and a 10 s quantum time-shared a burst of them so that none finished early (docs/performance.md,
+# "Build pipeline": bench_build_burst).
+QUANTUM_S = 30.0
 
 
 class Turn:
@@ -63,7 +67,7 @@ class Budget:
 
 
 class FairSlots:
-  def __init__(self, n: int, quantum_s: float = 30.0):
+  def __init__(self, n: int, quantum_s: float = QUANTUM_S):
     self.total, self.quantum_s = n, quantum_s
     self.running: list[Turn] = []
     self.waiting: list[Turn] = []

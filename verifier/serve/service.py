@@ -29,7 +29,7 @@ from verifier.api.contract import (
   VerifyResult,
   truncate_log,
 )
-from verifier.build import artefact_check, pch
+from verifier.build import artefact_check, fair_slots, pch
 from verifier.build.build_stage import BuildOutcome, BuildStage
 from verifier.ipc.records import RunJob, TimingCalibration
 from verifier.sandbox import task_limits
@@ -91,10 +91,8 @@ class ServiceConfig:
   build_timeout_s: float = (
     900.0  # cap on a build's deadline (the request's timeout_s, from its slot)
   )
-  # a build that held a compile slot this long while another waits is suspended (fair_slots). 30 s,
-  # not 10: honest cold builds run 14-30 s under load, and a 10 s quantum time-shared a burst of them
-  # so that none finished early (docs/performance.md, "Build pipeline": bench_build_burst)
-  compile_quantum_s: float = 30.0
+  # a build that held a compile slot this long while another waits is suspended (fair_slots)
+  compile_quantum_s: float = fair_slots.QUANTUM_S
   max_pending: int = 4096
   isolate_network: bool = True
   arch_list: str = ""  # TORCH_CUDA_ARCH_LIST for builds, e.g. "9.0"
