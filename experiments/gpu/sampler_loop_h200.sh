@@ -29,12 +29,17 @@
 #            rollout, rollout_fp8), iterations at fill ~2,900: where session 24's 22.8 ms a batch
 #            forward went (5,610 tok/s; ~9 ms of K/V reads and ~3 ms of matmuls at that fill)
 #   rlf16    rlloop's float8 loop alone with the float8 tiles bench_rl was run with (3 stages, f16)
+#   fp8w     item 4, float8 weights as a labelled mode: the capped dynamic rate (R = 72, split=4096) on
+#            float8 projection weights against bf16 in one process, and the fraction of the bf16
+#            run's tokens it matches on 64 prompts of the sharpened model, beside the rounding
+#            control (the capped loop against the uncapped `dynamic`: the same decoding, other GEMM
+#            shapes)
 #   rollout  bench_rl's rollout alone (--update_steps=0) at the RL shape: sdar_1p7b, 8 groups x 16 =
 #            128 rows, 896 + 4,096, temperature 1 (the RL loop's sampling), R = 48, split=8192
 #            (issue 39 item 3: 8,000 tok/s; 4,962 uncapped in session 21's bench_rl)
 # Run from the repository root (grain wheels installed in PYTHONPATH, as rl_step_h200.sh says):
 #   OUT=/some/dir bash experiments/gpu/sampler_loop_h200.sh
-# BUDGET, PARTS (tests,loop,ab,lhs,fp8,rlloop,rlf16,rollout), CONFIG, TILES (ab's forward variants) and FLAGS (more bench_sampler flags, e.g. a CPU smoke
+# BUDGET, PARTS (tests,loop,ab,lhs,fp8,rlloop,rlf16,fp8w,rollout), CONFIG, TILES (ab's forward variants) and FLAGS (more bench_sampler flags, e.g. a CPU smoke
 # run's tiny shapes) override; an existing PYTHONPATH is kept.
 source "$(dirname "$0")/budget.sh"  # the start; left, status, has, rows, part
 BUDGET=${BUDGET:-560}
@@ -94,6 +99,10 @@ if has rlf16; then
   bench rlf16 120 --runs=profile_loop --profile_loops=rollout_fp8 --config=sdar_1p7b \
     --prompt_len=896 --new_tokens=4096 --commit_rows=48 \
     --decode_tiles='{"split":8192,"num_stages":3,"fp8_widen":"f16"}'
+fi
+if has fp8w; then
+  bench fp8w 200 --runs=dynamic,dynamic_capped,dynamic_capped_fp8w --agree_prompts=64 \
+    --decode_tiles='{"split":4096}'
 fi
 if has rollout; then
   mkdir -p "$OUT/rollout"
