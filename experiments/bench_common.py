@@ -12,14 +12,7 @@ import time
 import jax
 import numpy as np
 
-# JAX's compile events (jax/_src/dispatch.py): tracing, lowering, backend compile (a cache hit
-# included).
-COMPILE_EVENTS = (
-  "/jax/core/compile/jaxpr_trace_duration",
-  "/jax/core/compile/jaxpr_to_mlir_module_duration",
-  "/jax/core/compile/backend_compile_duration",
-)
-
+from dice_jax.compile_clock import COMPILE_EVENTS, CompileClock  # noqa: F401 - the benchmarks' clock
 
 # The reference every synthetic rollout's responses are judged against (a ReLU).
 RELU_REFERENCE = """import torch
@@ -82,37 +75,6 @@ def use_compilation_cache(path: str) -> dict:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return dict(dir=path, entries_at_start=entries, warm=entries > 0)
-
-
-class CompileClock:
-  """Seconds JAX spent compiling (tracing, lowering, backend compile) and persistent-cache hits,
-  summed from its monitoring events since `install`; `split()` gives the sums since the last
-  split."""
-
-  def __init__(self):
-    self.total_s, self.hits, self._at = 0.0, 0, (0.0, 0)
-
-  def install(self) -> "CompileClock":
-    def on_duration(event, duration, **_):
-      if event in COMPILE_EVENTS:
-        self.total_s += duration
-
-    def on_event(event, **_):
-      if event == "/jax/compilation_cache/cache_hits":
-        self.hits += 1
-
-    jax.monitoring.register_event_duration_secs_listener(on_duration)
-    jax.monitoring.register_event_listener(on_event)
-    return self
-
-  def since_split(self) -> float:
-    """Compile seconds since the last `split`."""
-    return self.total_s - self._at[0]
-
-  def split(self) -> dict:
-    s, h = self.total_s - self._at[0], self.hits - self._at[1]
-    self._at = (self.total_s, self.hits)
-    return dict(compile_s=round(s, 1), cache_hits=h)
 
 
 def start_local_verifier(workdir: str, device: str, extra_args=()):

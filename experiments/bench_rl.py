@@ -268,8 +268,6 @@ def main(argv):
   rng = np.random.default_rng(FLAGS.seed)
   if FLAGS.rollout == "synthetic":
     ro = synthetic_rollout(mcfg, rng)
-    compiled = clock.split()  # compile seconds inside the timed calls (0 unless something recompiled)
-    run_s = max(ro.sample_s - compiled["compile_s"], 1e-9)
     report.update(
       rows=len(ro.trajectories),
       new_tokens=FLAGS.new_tokens,
@@ -345,7 +343,11 @@ def main(argv):
     for o in ro.outcomes:
       kinds[o.failure_kind] = kinds.get(o.failure_kind, 0) + 1
     calls = -(-FLAGS.tasks // FLAGS.groups_per_batch)
-    compiled = clock.split()  # compile seconds inside the timed calls (0 unless something recompiled)
+    compiled = (
+      clock.split()
+    )  # compile seconds inside the timed calls (0 unless something recompiled)
+    run_s = max(ro.sample_s - compiled["compile_s"], 1e-9)
+    compiled = clock.split()  # compile seconds inside the timed calls (0 unless one recompiled)
     run_s = max(ro.sample_s - compiled["compile_s"], 1e-9)
     report.update(
       rows=len(ro.trajectories),

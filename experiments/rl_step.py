@@ -244,7 +244,9 @@ def main(argv):
   scfg = dataclasses.replace(
     cfg.sampler, stop_ids=(), pad_id=mcfg.pad_token_id or 0, prefill_chunk=FLAGS.prefill_chunk
   ).for_model(mcfg)
-  backend = rollout.StaticBatches(scfg, cfg.groups_per_batch, FLAGS.seed)
+  backend = rollout.StaticBatches(
+    scfg, cfg.groups_per_batch, FLAGS.seed, width_multiple=cfg.prompt_width_multiple
+  )
   eos = mcfg.eos_token_id if isinstance(mcfg.eos_token_id, int) else mcfg.eos_token_id[0]
   tokenizer = IdText(mcfg.pad_token_id if mcfg.pad_token_id is not None else eos)
   judge = make_judge(cfg, verifier, holder, report)

@@ -100,6 +100,9 @@ class RLConfig:
   sampler: SamplerConfig = DICE_SAMPLER
   sampler_backend: str = "static"  # "static" (groups per generate call) | "continuous" (engine)
   groups_per_batch: int = 8  # static: groups per sampler call (x group_size rows)
+  # static: a step's prompt width rounded up to this many tokens, so that steps share compiled
+  # samplers (one program per width; 0: the block size, i.e. a new program for most steps)
+  prompt_width_multiple: int = 128
   slots: int = 128  # continuous: rows decoding at once
   code_extraction: str = "dice"  # data/code_extraction.py EXTRACTIONS
   judge: str = "verifier"  # or "python:package.module:function" (tests, toy rewards)
@@ -196,6 +199,7 @@ class RLConfig:
       need(isinstance(v, int) and v >= 1, f"{name} must be a positive int, got {v!r}")
     for name in (
       "max_prompt_len",
+      "prompt_width_multiple",
       "prompt_tail_chars",
       "samples_per_step",
       "snapshot_every",

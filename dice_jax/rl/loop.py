@@ -37,7 +37,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from dice_jax import distributed
+from dice_jax import compile_clock, distributed
 from dice_jax.data import rl_stream
 from dice_jax.data import tasks as tasks_lib
 from dice_jax.data.curriculum import SequentialSchedule
@@ -334,7 +334,9 @@ def training_view(traj: Trajectory, cfg: RLConfig, stop_ids, pad_id: int) -> Tra
 def make_backend(cfg: RLConfig, scfg) -> rollout_lib.SamplerBackend:
   if cfg.sampler_backend == "continuous":
     return rollout_lib.ContinuousBatches(scfg, cfg.slots, cfg.max_prompt_len, cfg.run.seed)
-  return rollout_lib.StaticBatches(scfg, cfg.groups_per_batch, cfg.run.seed)
+  return rollout_lib.StaticBatches(
+    scfg, cfg.groups_per_batch, cfg.run.seed, width_multiple=cfg.prompt_width_multiple
+  )
 
 
 def _in_current_layout(saved: dict) -> dict:
@@ -365,6 +367,8 @@ def run_one_step(t: Trainer, judge, step: int):
   """One RL step (0-based `step`): (metrics, stream state after its tasks, rollout)."""
   cfg = t.cfg
   t0 = time.perf_counter()
+  clock = compile_clock.shared()
+  at_start = clock.mark()
   elements = rl_stream.next_step(t.stream, cfg.stream)
   data_state = t.stream.get_state()
   groups = rollout_lib.groups_from_stream(
@@ -385,6 +389,7 @@ def run_one_step(t: Trainer, judge, step: int):
     )
   del params
   m = reporting.rollout_metrics(ro)
+  m["time/rollout_compile_s"] = clock.since(at_start)  # 0 once the step's programs are known
   t.state, update_m = learn(t, ro, step)
   m.update(update_m)
   if t.eval_groups and eval_lib.due(step + 1, cfg.eval_every):
@@ -395,6 +400,7 @@ def run_one_step(t: Trainer, judge, step: int):
   m["sample_fingerprint"] = reporting.fingerprint([tr.response_ids for tr in ro.trajectories])
   m["optimizer_step"] = float(distributed.to_host(t.state["step"]))
   m["time/step_s"] = time.perf_counter() - t0
+  m["time/compile_s"] = clock.since(at_start)
   peak = device_memory.peak_bytes()  # what the plan's worst-case estimate bounds
   if peak:
     m["memory/peak_gib"] = peak / update_memory.GIB

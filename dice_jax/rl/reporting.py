@@ -108,6 +108,7 @@ def progress_line(step: int, total: int, m: dict) -> str:
   parts.append(
     f"time sample {m['time/sample_s']:.1f}s verify-wait {m['time/verify_wait_s']:.1f}s "
     f"update {m['time/update_s']:.1f}s"
+    + (f" (compiling {m['time/compile_s']:.1f}s)" if m.get("time/compile_s", 0) >= 0.1 else "")
   )
   if "memory/peak_gib" in m:
     parts.append(f"peak memory {m['memory/peak_gib']:.1f} GiB")

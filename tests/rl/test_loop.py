@@ -151,9 +151,13 @@ def test_run_writes_metrics_samples_and_checkpoints(tmp_path):
     assert r["correct_rate"] == r["reward_mean"]  # binary reward on a judge with no deception
     for k in ("time/sample_s", "time/verify_wait_s", "time/update_s", "tokens_per_forward"):
       assert k in r
+    assert r["time/compile_s"] >= r["time/rollout_compile_s"] >= 0
     assert r["groups"] == 2 and r["updates"] == (r["groups_dropped"] < 2)
     if r["updates"]:
       assert r["sampler_logp_gap"] < 1e-4  # the trainer replays the sampler's log-probs (fp32)
+  assert (
+    recs[2]["time/rollout_compile_s"] < 0.5
+  )  # the first step's sampler reused (a compile: seconds)
   samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
   assert len(samples) == 8 and {s["step"] for s in samples} == {1, 2}
   assert os.path.exists(tmp_path / "rl.png")

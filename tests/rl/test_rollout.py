@@ -64,6 +64,42 @@ def _sampler(tok, new=16):
   )
 
 
+def test_prompt_width_rounds_the_longest_prompt_up_to_its_multiple():
+  assert rollout.prompt_width([5, 130, 7], 128) == 256
+  assert rollout.prompt_width([128, 3], 128) == 128
+  assert rollout.prompt_width([5, 130, 7], 0) == 130  # the sampler rounds to its block itself
+  with pytest.raises(ValueError, match="width_multiple must be >= 0"):
+    rollout.StaticBatches(_sampler_for_width(), 1, 0, width_multiple=-1)
+
+
+def _sampler_for_width():
+  return SamplerConfig(
+    block_size=4, steps=4, max_new_tokens=4, stop_ids=(), return_logprobs=True, pad_id=256
+  )
+
+
+def test_steps_with_other_prompt_lengths_reuse_the_sampler_of_their_width_multiple(tok, model):
+  """Two steps whose longest prompts differ (39 and 51 tokens here): rounded to one multiple of
+  128 the second step compiles nothing (unrounded, it compiled a second program: ~30 s at DICE's
+  shape on an H200); the tokens are those of the unrounded sampler."""
+  from dice_jax import compile_clock
+
+  cfg = _sampler(tok, new=8)
+  short, long_ = (_groups(tok, tail=t)[0][:1] for t in (20, 32))
+  assert (len(short[0].prompt_ids), len(long_[0].prompt_ids)) == (39, 51)
+  clock = compile_clock.shared()
+  rounded = rollout.StaticBatches(cfg, 1, seed=3, width_multiple=128)
+  first = _tokens(rounded, model, short, 1)
+  mark = clock.mark()
+  second = _tokens(rounded, model, long_, 2)
+  assert clock.since(mark) < 0.5  # a sampler's compile takes seconds on this CPU
+  plain = rollout.StaticBatches(cfg, 1, seed=3)
+  assert _tokens(plain, model, short, 1) == first and _tokens(plain, model, long_, 2) == second
+  mark = clock.mark()
+  _tokens(plain, model, long_, 3)
+  assert clock.since(mark) < 0.5  # its own width again: reused as well
+
+
 def test_dice_extraction_matches_extract_first_code():
   ex = code_extraction.first_block_dice
   assert ex("Here:\n```python\nimport torch\nx = 1\n```\nand ```other```") == "import torch\nx = 1"
