@@ -3,7 +3,8 @@
 Floors of the learner, lowest first; a module may import its own floor and the floors below:
   0  dice_jax.sharding, dice_jax.distributed, dice_jax.atomic, dice_jax.errors, dice_jax.recipe
      (helpers every floor uses; recipe: DICE's and our field defaults), dice_jax.compile_cache
-     (JAX's persistent compilation cache for the launchers), and dice_jax.verifier_client (the learner's thread face of verifier.api's one client: the CuKe builder,
+     (JAX's persistent compilation cache for the launchers), dice_jax.compile_clock (compile seconds),
+     and dice_jax.verifier_client (the learner's thread face of verifier.api's one client: the CuKe builder,
      RL and eval use it)
   1  dice_jax.model
   2  dice_jax.hf, dice_jax.diffusion, dice_jax.data
@@ -38,6 +39,7 @@ FLOORS = {
   "recipe": 0,
   "verifier_client": 0,
   "compile_cache": 0,
+  "compile_clock": 0,
   "model": 1,
   "hf": 2,
   "diffusion": 2,
