@@ -32,7 +32,7 @@ from verifier.api.contract import (  # noqa: E402
 )
 from verifier.build.build_stage import BuildStage  # noqa: E402
 from verifier.build.fair_slots import TICK_S, Budget, FairSlots, Turn  # noqa: E402
-from verifier.check import checker, correctness, timing  # noqa: E402
+from verifier.check import correctness, timed_calls, timing  # noqa: E402
 from verifier.sandbox import confine, task_limits  # noqa: E402
 
 OPTS = VerifyOptions(device="cpu", timeout_s=60, num_correct_trials=2, strictness="off")
@@ -540,9 +540,9 @@ def test_compared_calls_are_independent_draws():
   import random
 
   rng = random.Random(7)
-  counts = [len(checker.checked_calls(104, rng)) for _ in range(400)]
+  counts = [len(timed_calls.checked_calls(104, rng)) for _ in range(400)]
   assert min(counts) >= 1 and len(set(counts)) > 5  # the count itself tells the candidate nothing
-  assert abs(sum(counts) / len(counts) - 104 * checker.CHECKED_TIMED_FRACTION) < 1.0
+  assert abs(sum(counts) / len(counts) - 104 * timed_calls.CHECKED_TIMED_FRACTION) < 1.0
 
 
 # ---- 7. fair compile slots ------------------------------------------------------------------------------

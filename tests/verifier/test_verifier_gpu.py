@@ -23,7 +23,7 @@ import verifier_gpu_evidence_cases as ev  # noqa: E402
 from verifier_loop import BackgroundLoop  # noqa: E402
 
 from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
-from verifier.check.checker import MAX_BURST  # noqa: E402
+from verifier.check.timed_calls import MAX_BURST  # noqa: E402
 from verifier.bench import DEVICE_CLOCK_PHASES  # noqa: E402
 from verifier.ipc import head_start  # noqa: E402
 from verifier.ipc.head_start import HEAD_START_US  # noqa: E402

@@ -21,7 +21,7 @@ import verifier_hole_cases as holes  # noqa: E402
 from verifier_loop import cpu_service  # noqa: E402
 
 from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
-from verifier.check.checker import MAX_BURST  # noqa: E402
+from verifier.check.timed_calls import MAX_BURST  # noqa: E402
 
 OPTS = VerifyOptions(device="cpu", timeout_s=60, num_correct_trials=2, strictness="off")
 

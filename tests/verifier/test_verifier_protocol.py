@@ -485,7 +485,7 @@ def test_a_strict_run_on_a_gpu_that_reads_pageable_host_memory_says_so(monkeypat
 
 
 def test_timed_bursts_fit_the_byte_budget_and_one_messages_descriptors():
-  from verifier.check.checker import BURST_BYTES, MAX_BURST, burst_calls
+  from verifier.check.timed_calls import BURST_BYTES, MAX_BURST, burst_calls
   from verifier.ipc.exchange import FDS_PER_MESSAGE
 
   assert burst_calls(1 << 20, 3) == MAX_BURST  # small tensors: a full burst

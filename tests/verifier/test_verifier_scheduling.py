@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 import verifier_cases as cases  # noqa: E402
 
 from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
-from verifier.check.checker import MAX_BURST  # noqa: E402
+from verifier.check.timed_calls import MAX_BURST  # noqa: E402
 from verifier.serve.service import ServiceConfig, VerifierService, admission_units  # noqa: E402
 
 GiB = 1 << 30

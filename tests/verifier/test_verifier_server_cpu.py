@@ -26,7 +26,7 @@ from verifier.api.client import RetryPolicy, VerifierClient  # noqa: E402
 from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
 from verifier.serve.server import VerifierServer, is_loopback  # noqa: E402
 from verifier.serve.service import ServiceConfig, VerifierService  # noqa: E402
-from verifier.check.checker import MAX_BURST  # noqa: E402
+from verifier.check.timed_calls import MAX_BURST  # noqa: E402
 
 TOKEN = "test-token-123"
 # timeout_s bounds the cold torch-header build too (issue 24): 40-160 s on a loaded 2-core box

@@ -181,7 +181,7 @@ class VerifyOptions:
   atol: float = 1e-2
   rtol: float = 1e-2
   measure_performance: bool = False
-  # timed calls and warm-up calls; the checker times them in bursts of up to checker.MAX_BURST forwards per
+  # timed calls and warm-up calls; the checker times them in bursts of up to timed_calls.MAX_BURST forwards per
   # round trip and rounds both up to whole bursts
   num_perf_trials: int = 100
   num_warmup: int = 3
