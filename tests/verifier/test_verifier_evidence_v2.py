@@ -15,6 +15,7 @@ import dataclasses
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -230,9 +231,16 @@ def test_nothing_the_candidate_started_outlives_its_verdict(service):
   )
 
 
-def _spawn_sleepers(n: int) -> list[int]:
-  """Up to ``n`` sleeping processes, until the kernel refuses one (spawned without copying this
-  process: a fork of the test process takes tens of milliseconds)."""
+# The confined side of the two task-limit tests, run in a fresh interpreter: a fork of this process
+# (gRPC's threads running from earlier tests) could come out multithreaded, where unshare(CLONE_NEWUSER)
+# fails with EINVAL (it did once in a run of tests/verifier). Prints "<processes spawned> <notes>".
+SPAWN_SLEEPERS = r"""
+import os, signal, sys
+from verifier.sandbox import confine
+
+
+def spawn_sleepers(n):
+  # up to n sleeping processes, until the kernel refuses one (spawned, not forked: cheap)
   kids = []
   try:
     for _ in range(n):
@@ -240,32 +248,52 @@ def _spawn_sleepers(n: int) -> list[int]:
   except OSError:
     pass
   return kids
+"""
+
+NPROC_CHILD = (
+  SPAWN_SLEEPERS
+  + r"""
+if os.geteuid() == 0:  # the kernel exempts uid 0: run as nobody
+  os.setgroups([])
+  os.setresgid(65534, 65534, 65534)
+  os.setresuid(65534, 65534, 65534)
+  confine._libc.prctl(confine.PR_SET_DUMPABLE, 1, 0, 0, 0)  # a uid change cleared it
+notes = confine.own_user_namespace(16)
+kids = spawn_sleepers(500)
+for k in kids:
+  os.kill(k, signal.SIGKILL)
+print(len(kids), "; ".join(notes))
+"""
+)
+
+PID_NAMESPACE_CHILD = (
+  SPAWN_SLEEPERS
+  + r"""
+assert confine.isolate_network() == []
+confine.enter_pid_namespace()
+notes = confine.read_only_filesystem((), max_tasks=40)
+kids = spawn_sleepers(1000)  # killed with the namespace's init, this process, when it exits
+print(len(kids), "; ".join(n for n in notes if "pid_max" in n))
+"""
+)
+
+
+def _confined_child(code: str) -> tuple[int, str]:
+  """Runs ``code`` in a fresh interpreter: (processes it spawned, its notes)."""
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=repo)
+  run = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+  )
+  assert run.returncode == 0, run.stderr[-2000:]
+  forked, _, notes = run.stdout.strip().partition(" ")
+  return int(forked), notes
 
 
 def test_rlimit_nproc_in_the_workers_own_user_namespace_stops_a_fork_bomb():
   # The mechanism for a service not running as root (the kernel exempts uid 0): run as nobody here.
-  r, w = os.pipe()
-  pid = os.fork()
-  if pid == 0:
-    os.close(r)
-    try:
-      if os.geteuid() == 0:
-        os.setgroups([])
-        os.setresgid(65534, 65534, 65534)
-        os.setresuid(65534, 65534, 65534)
-        confine._libc.prctl(confine.PR_SET_DUMPABLE, 1, 0, 0, 0)  # a uid change cleared it
-      notes = confine.own_user_namespace(16)
-      kids = _spawn_sleepers(500)
-      for k in kids:
-        os.kill(k, signal.SIGKILL)
-      os.write(w, f"{len(kids)} {'; '.join(notes)}".encode())
-    finally:
-      os._exit(0)
-  os.close(w)
-  out = os.read(r, 4096).decode()
-  os.waitpid(pid, 0)
-  forked, _, notes = out.partition(" ")
-  assert notes == "" and int(forked) < 16 + confine.RUNTIME_TASKS, out
+  forked, notes = _confined_child(NPROC_CHILD)
+  assert notes == "" and forked < 16 + confine.RUNTIME_TASKS, (forked, notes)
 
 
 def test_cgroups_of_services_that_died_are_swept(tmp_path):
@@ -286,23 +314,8 @@ def test_cgroups_of_services_that_died_are_swept(tmp_path):
 
 def test_a_workers_pid_namespace_holds_a_bounded_number_of_tasks():
   # Whoever runs the service (root included), on kernels with a pid_max per PID namespace.
-  r, w = os.pipe()
-  pid = os.fork()
-  if pid == 0:
-    os.close(r)
-    try:
-      assert confine.isolate_network() == []
-      confine.enter_pid_namespace()
-      notes = confine.read_only_filesystem((), max_tasks=40)
-      kids = _spawn_sleepers(1000)
-      os.write(w, f"{len(kids)} {'; '.join(n for n in notes if 'pid_max' in n)}".encode())
-    finally:
-      os._exit(0)
-  os.close(w)
-  out = os.read(r, 4096).decode()
-  os.waitpid(pid, 0)
-  forked, _, notes = out.partition(" ")
-  assert notes == "" and int(forked) < 40 + confine.PID_NAMESPACE_RESERVED, out
+  forked, notes = _confined_child(PID_NAMESPACE_CHILD)
+  assert notes == "" and forked < 40 + confine.PID_NAMESPACE_RESERVED, (forked, notes)
 
 
 def test_strict_thread_rule_counts_from_outside():
