@@ -49,6 +49,7 @@ SAFE = frozenset(
     "run.init_hf",  # where the weights started: a resumed run restores its own
     "run.init_checkpoint",
     "memory_limit_gb",  # the update's micro-batching, chosen by memory
+    "prompt_width_multiple",  # RL: how sampler programs are shared, as the mesh (rounding only)
     "verifier.ready_timeout_s",
     "verifier.local_device",
     "verifier.local_compile_workers",
