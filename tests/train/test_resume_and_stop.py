@@ -55,11 +55,18 @@ def test_training_longer_or_shorter_and_cadence_changes_pass_for_sft_and_rl():
     ("num_steps", 6, 8)
   ]
   saved = _rl("stream.num_steps=12")
-  now = _rl("stream.num_steps=20", "eval_every=2", "eval_tasks=e.jsonl", "samples_per_step=8")
+  now = _rl(
+    "stream.num_steps=20",
+    "eval_every=2",
+    "eval_tasks=e.jsonl",
+    "samples_per_step=8",
+    "prompt_width_multiple=256",
+  )
   changes = check_resume(saved, now, workdir="w", step=4)
   assert [c[0] for c in changes] == [
     "eval_every",
     "eval_tasks",
+    "prompt_width_multiple",
     "samples_per_step",
     "stream.num_steps",
   ]
