@@ -92,6 +92,11 @@ flags.DEFINE_string("profile_dir", "", "trace one more optimizer step here (modu
 flags.DEFINE_integer("profile_micro_steps", 3, "micro-batches left in the profiled step")
 flags.DEFINE_string("compilation_cache", "", "persistent JAX compilation cache directory")
 flags.DEFINE_bool(
+  "gc_before_rollout",
+  False,
+  "run Python's garbage collector before the timed rollout (is device memory held by a cycle?)",
+)
+flags.DEFINE_bool(
   "explain_cache_misses",
   True,
   "log why JAX traced or compiled again (`jax_explain_cache_misses`) from the sampler's first call "
@@ -312,6 +317,7 @@ def main(argv):
     report.update(
       sampler_compile_and_first_call_s=round(time.perf_counter() - t0, 1),
       sampler_first_call_compile=clock.split(),
+      sampler_first_call_forwards=backend.forwards,
     )
 
     if FLAGS.verifier == "local":
@@ -326,6 +332,16 @@ def main(argv):
     else:
       judge = rollout.FunctionJudge(lambda *a: False)
 
+    in_use = lambda: round(
+      (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0) / 2**30, 2
+    )  # noqa: E731
+    report.update(device_gib_in_use_before_rollout=in_use())
+    if FLAGS.gc_before_rollout:
+      import gc
+
+      t_gc = time.perf_counter()
+      gc.collect()
+      report.update(gc_s=round(time.perf_counter() - t_gc, 2), device_gib_in_use_after_gc=in_use())
     with jax.set_mesh(mesh):
       ro = rollout.collect(
         sample_model,
@@ -364,6 +380,7 @@ def main(argv):
       sample_s=round(ro.sample_s, 2),
       sample_compile=compiled,
       sample_s_per_call=round(ro.sample_s / calls, 3),
+      sample_call_s=[round(t, 2) for t in backend.call_s],
       # a batch forward, prefill included
       ms_per_forward=round(1e3 * ro.sample_s / max(ro.forwards, 1), 2),
       generated_tok_per_s=round(ro.generated_tokens / ro.sample_s, 1),

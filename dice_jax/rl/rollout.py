@@ -187,9 +187,10 @@ class StaticBatches:
     self.cfg, self.k, self.seed = cfg, groups_per_batch, seed
     self.width_multiple = width_multiple
     self.forwards = 0
+    self.call_s: list[float] = []  # wall seconds of each sampler call of the last `sample`
 
   def sample(self, model, groups: Sequence[GroupTask], rl_step: int) -> Iterator[SampledGroup]:
-    self.forwards = 0
+    self.forwards, self.call_s = 0, []
     if not groups:
       return
     cfg = self.cfg.for_model(model.cfg)  # the model's block size unless the config sets one
@@ -199,9 +200,11 @@ class StaticBatches:
       padded = chunk + [chunk[-1]] * (self.k - len(chunk))
       prompts = [g.prompt_ids.tolist() for g in padded for _ in range(g.size)]
       keys = group_keys(self.seed, rl_step, padded)
+      t0 = time.perf_counter()
       out = distributed.tree_to_host(
         sampler_lib.generate(model, prompts, cfg, keys=keys, prompt_width=width)
       )
+      self.call_s.append(time.perf_counter() - t0)
       self.forwards += int(out.forwards)
       n_real = sum(g.size for g in chunk)
       trajs = from_sample_output(
