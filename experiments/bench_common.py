@@ -147,3 +147,50 @@ def peak_gib() -> float | None:
   stats = jax.local_devices()[0].memory_stats() or {}
   peak = stats.get("peak_bytes_in_use")
   return None if peak is None else round(peak / 2**30, 1)
+
+
+class StackSampler:
+  """Where the main thread is, every `every_s` seconds, written to `path` as it goes: names a stall
+  that no clock names (a host-side wait shows as the Python line that waits). Consecutive identical
+  stacks are written once with their count. A context manager; a daemon thread."""
+
+  def __init__(self, path: str, every_s: float, depth: int = 12):
+    self.path, self.every_s, self.depth = path, every_s, depth
+    self._stop = threading.Event()
+    self._main = threading.main_thread().ident
+    self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+
+  def _stack(self) -> str:
+    import sys
+    import traceback
+
+    frame = sys._current_frames().get(self._main)
+    if frame is None:
+      return "(main thread gone)"
+    frames = traceback.extract_stack(frame)[-self.depth :]
+    return " < ".join(
+      f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames)
+    )
+
+  def _run(self):
+    t0, last, count, since = time.perf_counter(), None, 0, 0.0
+    with open(self.path, "w") as f:
+      while not self._stop.wait(self.every_s):
+        now, stack = time.perf_counter() - t0, self._stack()
+        if stack == last:
+          count += 1
+          continue
+        if last is not None:
+          f.write(f"{since:8.1f} s  x{count}  {last}\n")
+          f.flush()
+        last, count, since = stack, 1, now
+      if last is not None:
+        f.write(f"{since:8.1f} s  x{count}  {last}\n")
+
+  def __enter__(self):
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._thread.join()

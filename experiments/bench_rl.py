@@ -29,6 +29,7 @@ Results go to DIR/bench_rl.json as each phase finishes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -95,6 +96,11 @@ flags.DEFINE_bool(
   "gc_before_rollout",
   False,
   "run Python's garbage collector before the timed rollout (is device memory held by a cycle?)",
+)
+flags.DEFINE_float(
+  "stack_every_s",
+  0.0,
+  "> 0: write where the main thread is every this many seconds to OUT/stacks.txt (names a stall)",
 )
 flags.DEFINE_bool(
   "explain_cache_misses",
@@ -342,7 +348,12 @@ def main(argv):
       t_gc = time.perf_counter()
       gc.collect()
       report.update(gc_s=round(time.perf_counter() - t_gc, 2), device_gib_in_use_after_gc=in_use())
-    with jax.set_mesh(mesh):
+    stacks = contextlib.nullcontext()
+    if FLAGS.stack_every_s > 0:
+      stacks = bench_common.StackSampler(
+        os.path.join(FLAGS.out or ".", "stacks.txt"), FLAGS.stack_every_s
+      )
+    with jax.set_mesh(mesh), stacks:
       ro = rollout.collect(
         sample_model,
         groups,
@@ -359,10 +370,6 @@ def main(argv):
     for o in ro.outcomes:
       kinds[o.failure_kind] = kinds.get(o.failure_kind, 0) + 1
     calls = -(-FLAGS.tasks // FLAGS.groups_per_batch)
-    compiled = (
-      clock.split()
-    )  # compile seconds inside the timed calls (0 unless something recompiled)
-    run_s = max(ro.sample_s - compiled["compile_s"], 1e-9)
     compiled = clock.split()  # compile seconds inside the timed calls (0 unless one recompiled)
     run_s = max(ro.sample_s - compiled["compile_s"], 1e-9)
     report.update(
