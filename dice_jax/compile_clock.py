@@ -15,13 +15,14 @@ import threading
 
 import jax
 
+from dice_jax.compile_cache import HIT as CACHE_HIT
+
 # jax/_src/dispatch.py's events: tracing, lowering, backend compile (a cache hit included)
 COMPILE_EVENTS = (
   "/jax/core/compile/jaxpr_trace_duration",
   "/jax/core/compile/jaxpr_to_mlir_module_duration",
   "/jax/core/compile/backend_compile_duration",
 )
-CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +66,13 @@ class CompileClock:
 
   def since_split(self) -> float:
     """Compile seconds since the last `split`."""
-    return self.total_s - self._at[0]
+    with self._lock:
+      return self.total_s - self._at[0]
 
   def split(self) -> dict:
-    s, h = self.total_s - self._at[0], self.hits - self._at[1]
-    self._at = (self.total_s, self.hits)
+    with self._lock:
+      s, h = self.total_s - self._at[0], self.hits - self._at[1]
+      self._at = (self.total_s, self.hits)
     return dict(compile_s=round(s, 1), cache_hits=h)
 
 

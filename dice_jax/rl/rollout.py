@@ -225,8 +225,9 @@ class ContinuousBatches:
   refilled from the queue of samples at once, and a group is handed on as soon as its last member
   has stopped. Prompts up to `max_prompt_len` tokens (0: the longest prompt of each call).
 
-  The engine compiles against the model it is built with, so one is built per `sample` call (per
-  RL step: the parameters change); its compile is part of the sampling time."""
+  One engine is built per `sample` call (per RL step: the parameters change). Its programs are
+  shaped by `slots` and `max_prompt_len` only, so JAX compiles them on the first step and reuses
+  them on later ones."""
 
   def __init__(
     self,
