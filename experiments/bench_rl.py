@@ -98,6 +98,13 @@ flags.DEFINE_bool(
   "run Python's garbage collector before the timed rollout (is device memory held by a cycle?)",
 )
 flags.DEFINE_float(
+  "lm_head_scale",
+  1.0,
+  "the sampling model's LM head x this (bench_sampler's sharpening, 40 there): a random model at "
+  "temperature 1 never passes the dynamic threshold, so at 1.0 the rollout decodes one token a "
+  "row-forward, as static does; a trained model's confidence lies between",
+)
+flags.DEFINE_float(
   "stack_every_s",
   0.0,
   "> 0: write where the main thread is every this many seconds to OUT/stacks.txt (names a stall)",
@@ -313,6 +320,12 @@ def main(argv):
     )
     backend = rollout.StaticBatches(scfg, FLAGS.groups_per_batch, FLAGS.seed)
     sample_model = nnx.merge(graphdef, rollout.sampling_params(state["params"], jnp.bfloat16))
+    if FLAGS.lm_head_scale != 1.0:
+      if mcfg.tie_word_embeddings:
+        raise ValueError(f"--lm_head_scale: {FLAGS.config} ties its LM head to the embedding")
+      head = sample_model.lm_head[...]
+      sample_model.lm_head[...] = (head * FLAGS.lm_head_scale).astype(head.dtype)
+      report.update(lm_head_scale=FLAGS.lm_head_scale)
     clock = bench_common.CompileClock().install()
     if FLAGS.explain_cache_misses:
       jax.config.update("jax_explain_cache_misses", True)
