@@ -183,6 +183,11 @@ def update_mfu(mcfg, batches, step_s: float) -> dict:
   )
 
 
+def _gib_in_use() -> float:
+  """Device memory in use now, GiB (0 where the backend does not say)."""
+  return round((jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0) / 2**30, 2)
+
+
 def _peak() -> int:
   return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0)
 
@@ -351,16 +356,15 @@ def main(argv):
     else:
       judge = rollout.FunctionJudge(lambda *a: False)
 
-    in_use = lambda: round(
-      (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0) / 2**30, 2
-    )  # noqa: E731
-    report.update(device_gib_in_use_before_rollout=in_use())
+    report.update(device_gib_in_use_before_rollout=_gib_in_use())
     if FLAGS.gc_before_rollout:
       import gc
 
       t_gc = time.perf_counter()
       gc.collect()
-      report.update(gc_s=round(time.perf_counter() - t_gc, 2), device_gib_in_use_after_gc=in_use())
+      report.update(
+        gc_s=round(time.perf_counter() - t_gc, 2), device_gib_in_use_after_gc=_gib_in_use()
+      )
     stacks = contextlib.nullcontext()
     if FLAGS.stack_every_s > 0:
       stacks = bench_common.StackSampler(
