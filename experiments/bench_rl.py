@@ -104,6 +104,12 @@ flags.DEFINE_float(
   "temperature 1 never passes the dynamic threshold, so at 1.0 the rollout decodes one token a "
   "row-forward, as static does; a trained model's confidence lies between",
 )
+flags.DEFINE_integer(
+  "rollouts",
+  1,
+  "timed rollouts in a row (RL steps 0, 1, ...; the report's rates are the first's, every one's "
+  "per-call seconds in `rollout_call_s`): does a stall open every step's rollout?",
+)
 flags.DEFINE_float(
   "stack_every_s",
   0.0,
@@ -370,24 +376,33 @@ def main(argv):
       stacks = bench_common.StackSampler(
         os.path.join(FLAGS.out or ".", "stacks.txt"), FLAGS.stack_every_s
       )
-    with jax.set_mesh(mesh), stacks:
-      ro = rollout.collect(
+
+    def timed_rollout(step: int):
+      return rollout.collect(
         sample_model,
         groups,
         backend=backend,
         judge=judge,
         tokenizer=IdText(),
         reward_fn=make_reward("binary"),
-        rl_step=0,
+        rl_step=step,
         extraction="whole_response",
         progress_every_s=10.0,
       )
+
+    with jax.set_mesh(mesh), stacks:
+      ro = timed_rollout(0)
+      compiled = clock.split()  # compile seconds inside the timed calls (0 unless one recompiled)
+      repeat_call_s = [[round(t, 2) for t in backend.call_s]]
+      for step in range(1, FLAGS.rollouts):
+        timed_rollout(step)
+        repeat_call_s.append([round(t, 2) for t in backend.call_s])
+        report.update(rollout_call_s=repeat_call_s, rollouts_compile=clock.split())
     del sample_model
     kinds = {}
     for o in ro.outcomes:
       kinds[o.failure_kind] = kinds.get(o.failure_kind, 0) + 1
     calls = -(-FLAGS.tasks // FLAGS.groups_per_batch)
-    compiled = clock.split()  # compile seconds inside the timed calls (0 unless one recompiled)
     run_s = max(ro.sample_s - compiled["compile_s"], 1e-9)
     report.update(
       rows=len(ro.trajectories),
@@ -404,7 +419,7 @@ def main(argv):
       sample_s=round(ro.sample_s, 2),
       sample_compile=compiled,
       sample_s_per_call=round(ro.sample_s / calls, 3),
-      sample_call_s=[round(t, 2) for t in backend.call_s],
+      sample_call_s=repeat_call_s[0],
       # a batch forward, prefill included
       ms_per_forward=round(1e3 * ro.sample_s / max(ro.forwards, 1), 2),
       generated_tok_per_s=round(ro.generated_tokens / ro.sample_s, 1),
