@@ -83,6 +83,8 @@ class Placement:
     over `tensor`, the stored `[.., K*H]` by whole heads), as a `KVCache` (jit's sharding tree)."""
 
     def sharding(f, axes):
+      if getattr(cache, f) is None:  # the optional prompt-source fields, unset
+        return None
       if f in ("k", "v"):
         spec = self.named(axes, cache.kv_shape).spec
         return NamedSharding(self.mesh, kv_cache_lib.fused_spec(spec))

@@ -227,6 +227,7 @@ class Layout:
   response_start: jax.Array  # [B] first generated column
   pad_columns: jax.Array  # [B] left padding before the prompt
   max_new_tokens: jax.Array  # [B]
+  prompt_source: jax.Array  # [B] the first row with this row's prompt (the row itself if none)
   first_block_column: int = dataclasses.field(metadata=dict(static=True))  # c0
 
 
@@ -296,7 +297,17 @@ def layout_prompts(
     response_start=start.astype(np.int32),
     pad_columns=pad.astype(np.int32),
     max_new_tokens=new.astype(np.int32),
+    prompt_source=prompt_sources(prompts),
     first_block_column=int(c0),
+  )
+
+
+def prompt_sources(prompts: Sequence[Sequence[int]]) -> np.ndarray:
+  """`[B]` int32: for each prompt, the first row with the same tokens (an RL group's members all
+  point at its first row; `DecodeTiles.share_prompts`)."""
+  first: dict[tuple, int] = {}
+  return np.array(
+    [first.setdefault(tuple(map(int, p)), i) for i, p in enumerate(prompts)], np.int32
   )
 
 
@@ -457,6 +468,8 @@ def _decode(graphdef, state, weights, layout: Layout, keys, *, cfg: SamplerConfi
     )
 
   sl, cache = jax.lax.fori_loop(0, rows // chunk, admit_chunk, (sl, cache))
+  if cfg.decode_tiles.share_prompts:  # equal prompts prefilled alike: slots [0, first) are equal
+    cache = cache.with_prompt_sources(layout.prompt_source, sl.first_pos)
 
   def block_cond(c):
     k_blk, sl_, _, _ = c

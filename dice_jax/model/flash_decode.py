@@ -87,6 +87,10 @@ class DecodeTiles:
   # token-major, so those are the first half. Invisible rows get what the full program gives them
   # (output 0, EMPTY_LSE); the visible rows' sums run over the same keys in the same order.
   visible_half: bool = False
+  # Rows with the same prompt (an RL group's members) read its cached K/V from one row, the first
+  # with that prompt (`KVCache.with_prompt_sources`, set by the sampler): those reads hit L2
+  # instead of HBM. Whole tiles below the shared slots only; the values read are the same.
+  share_prompts: bool = False
 
   def __post_init__(self):
     for name in ("split", "block_k", "num_warps", "num_stages"):
@@ -102,7 +106,7 @@ class DecodeTiles:
       raise ValueError(f"DecodeTiles.splits must be an int >= 0, got {self.splits!r}")
     if self.fp8_widen not in FP8_WIDENS:
       raise ValueError(f"DecodeTiles.fp8_widen must be one of {FP8_WIDENS}, got {self.fp8_widen!r}")
-    for name in ("dynamic_loop", "fold_new", "halves", "visible_half"):
+    for name in ("dynamic_loop", "fold_new", "halves", "visible_half", "share_prompts"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"DecodeTiles.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -208,14 +212,30 @@ def _kernel(
   fold_new,
   widen,
   half,
+  shared,
+  row_offset,
 ):
   """One (row, K/V head, query tile, program): online softmax over the program's live tiles
   (`block_k` slots each, from tile `lo_ref` on, `ntiles_ref` of them; 0 = none), then with
   `fold_new` the row's new keys (`refs[:4]`: k, v, segments, ranks) as one more tile of program 0.
   With `half` (`DecodeTiles.visible_half`) a tile whose first half of query rows is invisible
-  attends with its second half only."""
+  attends with its second half only. With `shared` (`DecodeTiles.share_prompts`) k/v hold every
+  row and a tile wholly below the row's shared prompt slots is read from the prompt's source row
+  (`refs` after the new keys: the source's offset, the shared slots)."""
   o_ref, lse_ref = refs[-2:]
   layer = layer_ref[0]
+  at_row = lambda ref, sl: ref[layer, sl, :]  # noqa: E731 - the row's own block
+  if shared:
+    delta_ref, nshared_ref = refs[4 if fold_new else 0 :][:2]
+    own = pl.program_id(0) + row_offset
+    src = own + delta_ref[0]
+    src = jnp.where(src >= 0, src, own)  # a source on another device: the row's own copy
+    n_shared = nshared_ref[0]
+
+    def at_row(ref, sl):
+      t_end = sl.start + block_k  # the tile [start, start + block_k) is shared if wholly below
+      return ref[layer, jnp.where(t_end <= n_shared, src, own), sl, :]
+
   # read before the half path's cond (the interpreter has no program_id inside one)
   first_program = pl.program_id(3) == 0 if fold_new and half else None
 
@@ -231,9 +251,9 @@ def _kernel(
 
     def tile(j, carry):
       sl = pl.ds(pl.multiple_of(base + j * block_k, block_k), block_k)
-      k = _widen(k_ref[layer, sl, :], q.dtype, widen)  # a float8 cache is widened tile by tile
+      k = _widen(at_row(k_ref, sl), q.dtype, widen)  # a float8 cache is widened tile by tile
       vis = _visible(q_seg, q_rank, kseg_ref[sl], krank_ref[sl])
-      load_v = lambda: _widen(v_ref[layer, sl, :], q.dtype, widen)
+      load_v = lambda: _widen(at_row(v_ref, sl), q.dtype, widen)
       return _online_tile(carry, q, k, load_v, vis, qk_scale)
 
     init = (
@@ -289,16 +309,19 @@ def _pallas_cache_part(
   q_rank,
   k_seg,
   k_rank,
-  *new,
+  *extra,
   tiles,
   block_q,
   max_tiles,
   row_offset,
   interpret,
+  n_new,
 ):
   """The kernel launch on (local) arrays; returns per-program (o, lse). `new`: the padded new
-  keys, values, segments and ranks when `tiles.fold_new`. Row i of q reads cache row
+  keys, values, segments and ranks when `tiles.fold_new` (`n_new` = 4), then the prompt sources'
+  offsets and shared slots `[B]` when `tiles.share_prompts`. Row i of q reads cache row
   `row_offset + i`; head j of the cache `[L, B, S, K*H]` is its j-th H-wide column block."""
+  new, prefix = extra[:n_new], extra[n_new:]
   b, kh, rp, h = q_bkrh.shape
   n_layers, s = k_cache.shape[0], k_cache.shape[2]
   n_prog = ntiles.shape[1]
@@ -311,6 +334,11 @@ def _pallas_cache_part(
   qrow = pl.BlockSpec((None, block_q), lambda i, j, t, c: (i, t))
   krow = pl.BlockSpec((None, s), lambda i, j, t, c: (i, 0))
   kv = pl.BlockSpec((n_layers, None, s, h), lambda i, j, t, c: (0, i + row_offset, 0, j))
+  prefix_specs = []
+  if prefix:  # every row's block: a tile may come from another row (`_kernel`'s `shared`)
+    kv = pl.BlockSpec((n_layers, k_cache.shape[1], s, h), lambda i, j, t, c: (0, 0, 0, j))
+    per_row = pl.BlockSpec((1,), lambda i, j, t, c: (i,))
+    prefix_specs = [per_row, per_row]
   new_specs = []
   if new:
     tp = new[0].shape[1]
@@ -330,6 +358,8 @@ def _pallas_cache_part(
       fold_new=bool(new),
       widen=widen,
       half=tiles.visible_half and block_q >= 32,  # each half a dot's 16 rows at least
+      shared=bool(prefix),
+      row_offset=row_offset,
     ),
     grid=(b, kh, rp // block_q, n_prog),
     in_specs=[
@@ -344,6 +374,7 @@ def _pallas_cache_part(
       krow,
       krow,
       *new_specs,
+      *prefix_specs,
     ],
     out_specs=[out_o, out_l],
     out_shape=[
@@ -353,7 +384,7 @@ def _pallas_cache_part(
     compiler_params=params,
     interpret=interpret,
     name="flash_decode_cache",
-  )(layer, lo, ntiles, q_bkrh, k_cache, v_cache, q_seg, q_rank, k_seg, k_rank, *new)
+  )(layer, lo, ntiles, q_bkrh, k_cache, v_cache, q_seg, q_rank, k_seg, k_rank, *new, *prefix)
 
 
 def _mesh_size() -> int:
@@ -361,7 +392,7 @@ def _mesh_size() -> int:
   return 1 if mesh is None or mesh.empty else mesh.size
 
 
-def _shard_mapped(fn, rows: int, kv_heads: int, fold_new: bool = False):
+def _shard_mapped(fn, rows: int, kv_heads: int, fold_new: bool = False, shared: bool = False):
   """Under a mesh context (`jax.set_mesh`), launch the kernel per shard: rows over data/fsdp and
   K/V heads over `tensor` where they divide (a Pallas call has no partitioning rule; without this
   XLA would gather the whole cache onto every device). Mirrors `flash_bd._shard_mapped`."""
@@ -384,6 +415,7 @@ def _shard_mapped(fn, rows: int, kv_heads: int, fold_new: bool = False):
     vec,
     vec,
     *((new_kv, new_kv, vec, vec) if fold_new else ()),
+    *((P(row), P(row)) if shared else ()),
   )
   out_specs = (P(row, head, None, None, None), P(row, head, None, None))
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
@@ -435,6 +467,7 @@ def cache_part(
   interpret=None,
   new_kv=None,
   row_offset: int = 0,
+  prompt_sources=None,
 ):
   """Softmax attention of query rows over the cache slots of one layer.
 
@@ -444,8 +477,9 @@ def cache_part(
   int32 vectors: query rows `[B, R]`, slots `[B, S]` (segment 0 = invisible); `fill_b [B]`: slots
   at or above it are never read. S must be a multiple of `tiles.block_k`. `new_kv`: (keys, values
   `[B, T, K, H]`, segments, ranks `[B, T]`) of the new tokens, attended in the kernel under the
-  same rule (`tiles.fold_new`). Returns (o `[B, K, R, H]` f32, lse `[B, K, R]` f32, natural log;
-  EMPTY_LSE where no slot is visible).
+  same rule (`tiles.fold_new`). `prompt_sources`: (offset of the source row `[B]`, shared slots
+  `[B]`) of `KVCache.with_prompt_sources`, honoured when `tiles.share_prompts`. Returns (o
+  `[B, K, R, H]` f32, lse `[B, K, R]` f32, natural log; EMPTY_LSE where no slot is visible).
   """
   b, kh, r, _ = q_bkrh.shape
   s = k_cache.shape[2]
@@ -477,6 +511,9 @@ def cache_part(
       _pad_rows(nseg.astype(jnp.int32), tp, 1),
       _pad_rows(nrank.astype(jnp.int32), tp, 1),
     )
+  prefix = ()
+  if tiles.share_prompts and prompt_sources is not None:
+    prefix = tuple(jnp.asarray(x, jnp.int32) for x in prompt_sources)
   args = (
     layer,
     lo,
@@ -489,6 +526,7 @@ def cache_part(
     k_seg_bs.astype(jnp.int32),
     k_rank_bs.astype(jnp.int32),
     *new,
+    *prefix,
   )
   call = functools.partial(
     _pallas_cache_part,
@@ -497,8 +535,9 @@ def cache_part(
     max_tiles=most,
     row_offset=row_offset,
     interpret=interpret,
+    n_new=len(new),
   )
-  o, lse = _shard_mapped(call, b, kh, bool(new))(*args)
+  o, lse = _shard_mapped(call, b, kh, bool(new), bool(prefix))(*args)
   o, lse = o[..., :r, :], lse[..., :r]
   if o.shape[2] == 1:  # one program a row (`split` >= the cache): nothing to merge
     return o[:, :, 0], lse[:, :, 0]
@@ -567,6 +606,11 @@ def cached_attention(
   extra = dict(new_kv=(k, v, seg, q_rank)) if fold else {}
   if row_offset:
     extra["row_offset"] = row_offset
+  if cache.tiles.share_prompts and cache.prompt_source is not None and cache_part_fn is None:
+    extra["prompt_sources"] = (
+      _rows(cache.prompt_source, row_offset, b),
+      _rows(cache.prompt_slots, row_offset, b),
+    )
   o_c, lse_c = part(
     q_rows,
     cache.k,

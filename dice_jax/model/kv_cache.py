@@ -41,6 +41,8 @@ LOGICAL_AXES = dict(
   segment_ids=_SLOT_AXES,
   block_ids=_SLOT_AXES,
   length=("batch",),
+  prompt_source=("batch",),
+  prompt_slots=("batch",),
 )
 
 
@@ -96,6 +98,12 @@ class KVCache:
   length: jax.Array  # [B] int32: slots below it may be visible; appends write there
   head_dim: int = dataclasses.field(metadata=dict(static=True))  # H: the width of a head's block
   tiles: DecodeTiles = dataclasses.field(default=DecodeTiles(), metadata=dict(static=True))
+  # Shared prompts (`with_prompt_sources`): row b's slots below `prompt_slots[b]` hold the same
+  # K/V as row `b + prompt_source[b]`'s (the same prompt, prefilled the same way), and the flash
+  # kernel reads them there, so the rows of a group read one copy of their prompt (the 16
+  # programs of an RL group hit L2 instead of HBM). None: every row reads its own slots.
+  prompt_source: jax.Array | None = None  # [B] int32, <= 0: the source row's offset from b
+  prompt_slots: jax.Array | None = None  # [B] int32: slots [0, prompt_slots) are the source's
 
   def __post_init__(self):
     if not isinstance(self.head_dim, int) or self.head_dim < 1:
@@ -139,6 +147,18 @@ class KVCache:
       jnp.zeros((batch,), jnp.int32),
       cfg.head_dim,
       tiles or DecodeTiles(),
+    )
+
+  def with_prompt_sources(self, source, slots) -> "KVCache":
+    """Rows whose first `slots[b]` slots equal row `source[b]`'s (`source[b] <= b`) read them
+    there (the fields' comment). Only a reader that honours them (the flash kernel) changes; the
+    values are the same either way, so every other reader is unaffected."""
+    rows = jnp.arange(self.length.shape[0], dtype=jnp.int32)
+    source = jnp.asarray(source, jnp.int32)
+    return dataclasses.replace(
+      self,
+      prompt_source=source - rows,
+      prompt_slots=jnp.where(source < rows, jnp.asarray(slots, jnp.int32), 0),
     )
 
   def with_length(self, length) -> "KVCache":

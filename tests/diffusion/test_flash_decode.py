@@ -463,3 +463,89 @@ def test_a_gpu_stream_call_holds_no_nested_call():
   stream_fn = text[text.index("func.func private") :]
   assert "call @" not in stream_fn and "stablehlo.pad" in stream_fn
   np.testing.assert_array_equal(on_stream(x, y), f(x, y))
+
+
+def test_rows_sharing_a_prompt_read_its_slots_from_the_source_row():
+  """`share_prompts`: rows 1 and 3 have row 0's prompt in their first 37 slots
+  (`with_prompt_sources`). Their own copies of the slots in whole tiles below 37 are overwritten
+  with noise: the kernel still gives the dense attention of the clean cache, so those tiles were
+  read from row 0; the tile that straddles slot 37 ([32, 48)) is read from the row itself (its noise
+  there shows). Without the option the noise shows everywhere."""
+  q, kn, vn, cache, spec, pos, seg = _attention_case(4)
+  same = lambda x, axis: x.at[(slice(None),) * axis + (jnp.asarray([1, 3]),)].set(
+    jnp.take(x, jnp.asarray([0, 0]), axis=axis)
+  )
+  fill = jnp.asarray([40, 40, 64, 40], jnp.int32)
+  seg = jnp.ones_like(seg)
+  clean = dataclasses.replace(
+    cache,
+    k=same(cache.k, 1),
+    v=same(cache.v, 1),
+    positions=same(cache.positions, 0),
+    segment_ids=same(cache.segment_ids, 0),
+    block_ids=same(cache.block_ids, 0),
+    length=fill,
+  )
+  want = np.asarray(
+    transformer.cached_attention(q, kn, vn, clean.k[1], clean.v[1], spec, pos, seg, pos // 4, clean)
+  )
+  noise = jnp.asarray(np.random.RandomState(9).randn(*clean.k.shape), clean.k.dtype) * 5
+  members = (jnp.arange(4) % 2 == 1)[None, :, None, None]
+  below = lambda stop: (jnp.arange(clean.k.shape[2]) < stop)[None, None, :, None]
+  corrupt = lambda x, stop: jnp.where(members & below(stop), noise, x)
+  tiles = flash_decode.DecodeTiles(split=32, block_k=16, share_prompts=True)
+  sources = jnp.asarray([0, 0, 2, 0])
+  attend = lambda c: np.asarray(
+    flash_decode.cached_attention(q, kn, vn, 1, spec, pos, seg, pos // 4, c)
+  )
+  mk = lambda stop, t: dataclasses.replace(
+    clean.with_prompt_sources(sources, jnp.full((4,), 37)),
+    k=corrupt(clean.k, stop),
+    v=corrupt(clean.v, stop),
+    tiles=t,
+  )
+  np.testing.assert_allclose(attend(mk(32, tiles)), want, rtol=1e-5, atol=1e-5)
+  for got in (
+    attend(mk(40, tiles)),
+    attend(mk(32, dataclasses.replace(tiles, share_prompts=False))),
+  ):
+    off = np.abs(got - want).max(axis=(1, 2, 3))
+    assert off[1] > 1e-2 and off[3] > 1e-2, off  # the members read their own noisy slots
+    np.testing.assert_allclose(got[[0, 2]], want[[0, 2]], rtol=1e-5, atol=1e-5)
+  c = clean.with_prompt_sources(sources, jnp.full((4,), 37))
+  np.testing.assert_array_equal(np.asarray(c.prompt_source), [0, -1, 0, -3])
+  np.testing.assert_array_equal(np.asarray(c.prompt_slots), [0, 37, 0, 37])
+
+
+def test_sampler_sharing_prompts_decodes_what_the_dense_sampler_decodes(monkeypatch):
+  """RL groups (each prompt four times, sampled at temperature 1 with log-probs, ragged dynamic
+  decoding under a commit cap): with `share_prompts` every member reads its group's prompt from the
+  group's first row (the kernel is handed the sources), and the tokens, step map and log-probs are
+  the dense sampler's."""
+  handed = []
+  part = flash_decode.cache_part
+
+  def spy(*args, **kwargs):
+    handed.append(kwargs.get("prompt_sources") is not None)
+    return part(*args, **kwargs)
+
+  monkeypatch.setattr(flash_decode, "cache_part", spy)
+  prompts = [p for p in _PROMPTS[:2] for _ in range(4)]
+  np.testing.assert_array_equal(sampler.prompt_sources(prompts), [0, 0, 0, 0, 4, 4, 4, 4])
+  cfg = sampler.SamplerConfig(
+    strategy="low_confidence_dynamic",
+    threshold=0.5,
+    temperature=1.0,
+    max_new_tokens=12,
+    return_logprobs=True,
+    commit_rows=4,
+  )
+  dense, flash = _sharpened_dense_and_flash()
+  keys = sampler.row_keys(jax.random.key(3), len(prompts))
+  want = sampler.generate(dense, prompts, cfg, keys=keys)
+  tiles = flash_decode.DecodeTiles(split=32, block_k=16, share_prompts=True)
+  got = sampler.generate(flash, prompts, dataclasses.replace(cfg, decode_tiles=tiles), keys=keys)
+  assert handed and all(handed), handed  # every decode forward's cache attention (prefill: none)
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_array_equal(np.asarray(got.step_map), np.asarray(want.step_map))
+  np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
