@@ -340,10 +340,18 @@ def main(argv):
     clock = bench_common.CompileClock().install()
     if FLAGS.explain_cache_misses:
       jax.config.update("jax_explain_cache_misses", True)
+    from dice_jax.diffusion import sampler as sampler_lib
+
+    graphdef_before = nnx.graphdef(sample_model)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):  # compile (and run once) on one call's worth of groups
       for _ in backend.sample(sample_model, groups[: FLAGS.groups_per_batch], 1_000_000):
         pass
+    # what a later call's compile would be keyed on: the model's graph and the sampler's cache
+    report.update(
+      graphdef_same_after_first_call=graphdef_before == nnx.graphdef(sample_model),
+      compiled_decode_after_first_call=sampler_lib.compiled_decode.cache_info()._asdict(),
+    )
     report.update(
       sampler_compile_and_first_call_s=round(time.perf_counter() - t0, 1),
       sampler_first_call_compile=clock.split(),
@@ -393,6 +401,10 @@ def main(argv):
     with jax.set_mesh(mesh), stacks:
       ro = timed_rollout(0)
       compiled = clock.split()  # compile seconds inside the timed calls (0 unless one recompiled)
+      report.update(
+        compiled_decode_after_rollout=sampler_lib.compiled_decode.cache_info()._asdict(),
+        graphdef_same_after_rollout=graphdef_before == nnx.graphdef(sample_model),
+      )
       repeat_call_s = [[round(t, 2) for t in backend.call_s]]
       for step in range(1, FLAGS.rollouts):
         timed_rollout(step)
