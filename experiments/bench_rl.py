@@ -342,7 +342,10 @@ def main(argv):
       jax.config.update("jax_explain_cache_misses", True)
     from dice_jax.diffusion import sampler as sampler_lib
 
+    from dice_jax import trace_context
+
     graphdef_before = nnx.graphdef(sample_model)
+    context_before = trace_context.names()
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):  # compile (and run once) on one call's worth of groups
       for _ in backend.sample(sample_model, groups[: FLAGS.groups_per_batch], 1_000_000):
@@ -350,6 +353,11 @@ def main(argv):
     # what a later call's compile would be keyed on: the model's graph and the sampler's cache
     report.update(
       graphdef_same_after_first_call=graphdef_before == nnx.graphdef(sample_model),
+      # a trace-context state registered by the first call makes the next call trace again
+      trace_context_added_by_settle=list(trace_context.settle()),
+      trace_context_added_by_first_call=[
+        n for n in trace_context.names() if n not in context_before
+      ],
       compiled_decode_after_first_call=sampler_lib.compiled_decode.cache_info()._asdict(),
     )
     report.update(

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dice_jax import distributed
+from dice_jax import distributed, trace_context
 from dice_jax.diffusion import memory
 from dice_jax.diffusion import sampler as sampler_lib
 from dice_jax.diffusion import slots as slots_lib
@@ -161,6 +161,7 @@ def build_steps(
 def compiled_steps(*key) -> Steps:
   """`build_steps(*key)`, shared by every engine built on the same key, so a new engine per RL
   step (new weights, the same graph) reuses the compiled programs instead of compiling again."""
+  trace_context.settle()  # else the first call's kernels change the context (trace_context.py)
   return build_steps(*key)
 
 

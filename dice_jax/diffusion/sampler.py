@@ -59,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dice_jax import trace_context
 from dice_jax.diffusion import blocks as blocks_lib
 from dice_jax.diffusion import memory, remasking
 from dice_jax.diffusion import slots as slots_lib
@@ -537,6 +538,7 @@ def decode(
   setting's memory (`memory_estimate`) is checked against `device_bytes` (default: the device's
   limit), with a clear error when it cannot fit.
   """
+  trace_context.settle()  # else the first call's kernels change the context (trace_context.py)
   cfg = cfg.for_model(model.cfg)
   graphdef, state = nnx.split(model)
   placement = Placement.of(state)

@@ -52,6 +52,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from dice_jax import trace_context
 from dice_jax.diffusion import trace
 from dice_jax.model import masks as masks_lib
 from dice_jax.rl.trajectory import Trajectory
@@ -590,6 +591,7 @@ def jit_token_logprobs(graphdef, param_shardings, mesh: Mesh, accum_steps: int =
 
     return jax.lax.map(one, batch)
 
+  trace_context.settle()  # else the first call's kernels change the context (trace_context.py)
   jitted = jax.jit(fn, in_shardings=(param_shardings, batch_sh), out_shardings=batch_sh)
 
   def run(params, batch):

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dice_jax import sharding as sharding_lib
+from dice_jax import trace_context
 
 _norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 LossFn = Callable[[Any, dict, jax.Array], tuple[jax.Array, dict]]
@@ -188,6 +189,7 @@ def make_train_step(
 
 def jit_train_step(step_fn, shardings: dict, mesh: Mesh, accum_steps: int = 1):
   """jax.jit with explicit in/out shardings; the input state is donated."""
+  trace_context.settle()  # else the first step's kernels change the context (trace_context.py)
   replicated = NamedSharding(mesh, P())
   jitted = jax.jit(
     step_fn,

@@ -4,6 +4,7 @@ Floors of the learner, lowest first; a module may import its own floor and the f
   0  dice_jax.sharding, dice_jax.distributed, dice_jax.atomic, dice_jax.errors, dice_jax.recipe
      (helpers every floor uses; recipe: DICE's and our field defaults), dice_jax.compile_cache
      (JAX's persistent compilation cache for the launchers), dice_jax.compile_clock (compile seconds),
+     dice_jax.trace_context (JAX's trace context settled before the first trace),
      and dice_jax.verifier_client (the learner's thread face of verifier.api's one client: the CuKe builder,
      RL and eval use it)
   1  dice_jax.model
@@ -40,6 +41,7 @@ FLOORS = {
   "verifier_client": 0,
   "compile_cache": 0,
   "compile_clock": 0,
+  "trace_context": 0,
   "model": 1,
   "hf": 2,
   "diffusion": 2,
