@@ -34,12 +34,17 @@
 #            run's tokens it matches on 64 prompts of the sharpened model, beside the rounding
 #            control (the capped loop against the uncapped `dynamic`: the same decoding, other GEMM
 #            shapes)
+#   share    the rollout part's shape twice in one job, 2 timed rollouts each (the first may compile:
+#            docs/performance.md, issue 39 session 27): base, then DecodeTiles.share_prompts (a group's
+#            rows read its prompt's K/V from one row); on a card under 100 GB on the float8 cache
+#            (3 stages, f16), as bf16 does not fit; stack samples and cache-miss reasons in each log
+#            (SHARE_FLAGS: more bench_rl flags, e.g. a CPU smoke run's tiny shapes)
 #   rollout  bench_rl's rollout alone (--update_steps=0) at the RL shape: sdar_1p7b, 8 groups x 16 =
 #            128 rows, 896 + 4,096, temperature 1 (the RL loop's sampling), R = 48, split=8192
 #            (issue 39 item 3: 8,000 tok/s; 4,962 uncapped in session 21's bench_rl)
 # Run from the repository root (grain wheels installed in PYTHONPATH, as rl_step_h200.sh says):
 #   OUT=/some/dir bash experiments/gpu/sampler_loop_h200.sh
-# BUDGET, PARTS (tests,loop,ab,lhs,fp8,rlloop,rlf16,fp8w,rollout), CONFIG, TILES (ab's forward variants) and FLAGS (more bench_sampler flags, e.g. a CPU smoke
+# BUDGET, PARTS (tests,loop,ab,lhs,fp8,rlloop,rlf16,fp8w,share,rollout), CONFIG, TILES (ab's forward variants) and FLAGS (more bench_sampler flags, e.g. a CPU smoke
 # run's tiny shapes) override; an existing PYTHONPATH is kept.
 source "$(dirname "$0")/budget.sh"  # the start; left, status, has, rows, part
 BUDGET=${BUDGET:-560}
@@ -103,6 +108,24 @@ fi
 if has fp8w; then
   bench fp8w 200 --runs=dynamic,dynamic_capped,dynamic_capped_fp8w --agree_prompts=64 \
     --decode_tiles='{"split":4096}'
+fi
+if has share; then
+  tiles='"split":8192' f8=''
+  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  if [ "${mem:-999999}" -lt 100000 ]; then
+    tiles='"split":8192,"num_stages":3,"fp8_widen":"f16"' f8=--kv_cache_dtype=float8_e4m3fn
+  fi
+  half=$(($(left) / 2))
+  for mode in base share; do
+    t=$tiles
+    [ "$mode" = share ] && t="$t,\"share_prompts\":true"
+    mkdir -p "$OUT/share_$mode"
+    # shellcheck disable=SC2086
+    part "share_$mode" 150 timeout $((half - 10)) python3 -m experiments.bench_rl \
+      --out="$OUT/share_$mode" --config=sdar_1p7b --tasks=8 --group_size=16 --groups_per_batch=8 \
+      --prompt_len=896 --new_tokens=4096 --verifier=none --update_steps=0 --commit_rows=48 \
+      --rollouts=2 --stack_every_s=2 $f8 --decode_tiles="{$t}" ${SHARE_FLAGS:-}
+  done
 fi
 if has rollout; then
   mkdir -p "$OUT/rollout"
