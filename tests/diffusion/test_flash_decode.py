@@ -549,3 +549,30 @@ def test_sampler_sharing_prompts_decodes_what_the_dense_sampler_decodes(monkeypa
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
   np.testing.assert_array_equal(np.asarray(got.step_map), np.asarray(want.step_map))
   np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
+
+
+def test_sharing_prompts_on_8_devices_decodes_what_the_dense_sampler_decodes():
+  """`share_prompts` with rows split over 4 row shards of 2 (and K/V heads over `tensor`): rows 1, 3
+  and 7 read their prompt from the row before them on their own device; row 5's source (row 0) lives
+  on another device, so it reads its own copy. The dense single-device sampler's tokens."""
+  from dice_jax import sharding
+
+  a, b, c, d = _PROMPTS
+  prompts = [a, a, b, b, c, a, d, d]
+  cfg = sampler.SamplerConfig(strategy="low_confidence_static", max_new_tokens=8)
+  dense, _ = _sharpened_dense_and_flash()
+  want = sampler.generate(dense, prompts, cfg)
+  mcfg = get_config("tiny", dtype="float32", attention_impl="flash")
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  flash = sharding.create_sharded(lambda: transformer.Transformer(mcfg, rngs=nnx.Rngs(0)), mesh)
+  flash.lm_head.set_value(flash.lm_head[...] * 60.0)
+  tiles = flash_decode.DecodeTiles(split=32, block_k=16, share_prompts=True)
+  cfg = dataclasses.replace(cfg, decode_tiles=tiles)
+  layout = sampler.layout_prompts(prompts, cfg, mcfg.mask_token_id)
+  np.testing.assert_array_equal(layout.prompt_source, [0, 0, 2, 2, 4, 0, 6, 6])
+  rows = jax.NamedSharding(mesh, jax.P(("data", "fsdp")))
+  layout = jax.tree.map(lambda x: jax.device_put(x, rows), layout)
+  with jax.set_mesh(mesh):
+    got = sampler.decode(flash, layout, cfg)
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_array_equal(np.asarray(got.step_map), np.asarray(want.step_map))
