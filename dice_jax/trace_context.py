@@ -6,9 +6,11 @@ makes the context longer, and every function traced before that no longer matche
 next call traces and compiles it again. On the GPU host (jax 0.11.2) the first lowering of a Pallas
 kernel does this: the RL rollout's first timed sampler call traced and compiled the whole sampler
 again, ~20-35 s (explain-cache-misses: "number of tracing context values differs: now 51 and
-before 50"; docs/performance.md, issue 39 session 27). `settle()` imports the modules a GPU Pallas
-lowering imports before anything is traced. Which of them registers the state on 0.11.2 is not yet
-named: `bench_rl` records the names the first call adds (`trace_context_added_by_first_call`).
+before 50"; docs/performance.md, issue 39 session 27). `settle()` runs that path once before
+anything else is traced: it imports the modules a GPU Pallas lowering imports and traces, lowers,
+compiles and runs a one-tile Pallas kernel (~1 s, once a process). Which module registers the state on
+0.11.2 is not yet named: `bench_rl` records the names the first call adds
+(`trace_context_added_by_first_call`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import functools
 import importlib
 
 import jax
+import jax.numpy as jnp
+from absl import logging
 
 # what lowering a Pallas call for cuda imports (jax 0.10.2: both registrations and Mosaic GPU)
 GPU_LOWERING_MODULES = (
@@ -36,16 +40,41 @@ def names() -> tuple[str, ...]:
     return ()
 
 
-@functools.cache
-def settle(backend: str | None = None) -> tuple[str, ...]:
-  """On GPU, imports `GPU_LOWERING_MODULES` (once a process); returns the state names that adds
-  to the trace context. Elsewhere nothing is lowered for cuda and nothing is imported."""
-  if (backend or jax.default_backend()) != "gpu":
-    return ()
-  before = names()
+def import_lowering_modules() -> None:
+  """Imports `GPU_LOWERING_MODULES` (those this JAX has)."""
   for module in GPU_LOWERING_MODULES:
     try:
       importlib.import_module(module)
     except ImportError:  # another JAX version lays its Pallas GPU lowering out otherwise
       pass
+
+
+def _add_one(x_ref, o_ref):
+  o_ref[...] = x_ref[...] + 1.0
+
+
+def run_one_kernel(interpret: bool = False) -> float:
+  """A one-tile Pallas kernel traced, lowered, compiled and run on the default backend (the Pallas
+  interpreter with `interpret`): the first call's path, once. Returns its output's sum (256.0)."""
+  from jax.experimental import pallas as pl
+
+  add = pl.pallas_call(
+    _add_one, out_shape=jax.ShapeDtypeStruct((16, 16), jnp.float32), interpret=interpret
+  )
+  return float(jax.jit(add)(jnp.zeros((16, 16), jnp.float32)).sum())
+
+
+@functools.cache
+def settle(backend: str | None = None) -> tuple[str, ...]:
+  """On GPU, once a process: `import_lowering_modules` and `run_one_kernel`; returns the state names
+  that added to the trace context. Elsewhere nothing is lowered for cuda and nothing is done. A
+  failure is logged, not raised: the cost of not settling is one more compile, not a wrong result."""
+  if (backend or jax.default_backend()) != "gpu":
+    return ()
+  before = names()
+  try:
+    import_lowering_modules()
+    run_one_kernel()
+  except Exception as e:  # noqa: BLE001 - best effort (docstring)
+    logging.warning("trace_context.settle: %s: %s", type(e).__name__, e)
   return tuple(n for n in names() if n not in before)

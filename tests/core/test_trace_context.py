@@ -13,8 +13,8 @@ def test_settle_imports_nothing_off_the_gpu():
 
 
 def test_after_settling_a_cuda_lowering_of_the_cache_kernel_adds_no_trace_context_state():
-  """In a fresh interpreter: the GPU lowering modules imported as a GPU process would (`settle`'s
-  body for backend "gpu"), then the flash-decode kernel lowered for cuda. The trace context's state
+  """In a fresh interpreter: the GPU lowering modules imported as `settle` imports them on a GPU,
+  then the flash-decode kernel lowered for cuda. The trace context's state
   names are the same before and after the lowering, so nothing traced before it is traced again
   (on jax 0.11.2 on the GPU host the first Pallas lowering added one: issue 39, session 27)."""
   code = textwrap.dedent(
@@ -23,7 +23,7 @@ def test_after_settling_a_cuda_lowering_of_the_cache_kernel_adds_no_trace_contex
     import jax, jax.numpy as jnp
     from dice_jax import trace_context
     from dice_jax.model import flash_decode
-    trace_context.settle.__wrapped__("gpu")
+    trace_context.import_lowering_modules()
     before = trace_context.names()
     q = jnp.zeros((2, 2, 16, 64), jnp.bfloat16)
     kv = jnp.zeros((1, 2, 128, 128), jnp.bfloat16)
@@ -43,3 +43,10 @@ def test_after_settling_a_cuda_lowering_of_the_cache_kernel_adds_no_trace_contex
   before, after = __import__("json").loads(out.stdout.strip().splitlines()[-1])
   assert before == after
   assert len(before) > 10  # this JAX lists its trace context (else the test would prove nothing)
+
+
+def test_the_one_kernel_runs_the_first_calls_path():
+  """`run_one_kernel` on this backend (the Pallas interpreter off the GPU): a real result."""
+  import jax
+
+  assert trace_context.run_one_kernel(interpret=jax.default_backend() != "gpu") == 256.0
