@@ -15,6 +15,7 @@ compiles and runs a one-tile Pallas kernel (~1 s, once a process). Which module 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 
@@ -78,3 +79,20 @@ def settle(backend: str | None = None) -> tuple[str, ...]:
   except Exception as e:  # noqa: BLE001 - best effort (docstring)
     logging.warning("trace_context.settle: %s: %s", type(e).__name__, e)
   return tuple(n for n in names() if n not in before)
+
+
+@contextlib.contextmanager
+def watched(what: str):
+  """Logs a warning naming the trace-context states registered inside the block: every function
+  traced before them will trace and compile once more on its next call (add the module that
+  registers them to `GPU_LOWERING_MODULES`)."""
+  before = names()
+  yield
+  added = [n for n in names() if n not in before]
+  if added:
+    logging.warning(
+      "%s registered trace-context state(s) %s: what was traced before traces and compiles once "
+      "more on its next call (dice_jax/trace_context.py)",
+      what,
+      added,
+    )

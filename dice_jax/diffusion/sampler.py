@@ -554,7 +554,7 @@ def decode(
   weights = None
   if cfg.splits_weights(model.cfg):
     weights = split_weights(graphdef, state, placement, cfg.weights_dtype)
-  with placement.context():
+  with placement.context(), trace_context.watched("sampler.decode"):
     return compiled_decode(graphdef, cfg, placement)(state, weights, layout, keys)
 
 

@@ -50,3 +50,32 @@ def test_the_one_kernel_runs_the_first_calls_path():
   import jax
 
   assert trace_context.run_one_kernel(interpret=jax.default_backend() != "gpu") == 256.0
+
+
+def test_a_state_registered_inside_a_watched_block_is_named():
+  """A module registering a trace-context state during a call (what the GPU's first Pallas
+  lowering did on jax 0.11.2) is reported by name; a block that registers none is silent. In a
+  fresh interpreter: the registered state would stay in this one's trace context."""
+  code = textwrap.dedent(
+    """
+    from absl import logging
+    from jax._src import config
+    from dice_jax import trace_context
+    logging.use_absl_handler()
+    with trace_context.watched("quiet block"):
+      pass
+    with trace_context.watched("the first call"):
+      config.bool_state(
+        name="dice_jax_test_trace_context_state",
+        default=False,
+        help="registered by a test",
+        include_in_trace_context=True,
+      )
+    """
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+  )
+  assert "quiet block" not in out.stderr
+  assert "the first call registered" in out.stderr, out.stderr
+  assert "dice_jax_test_trace_context_state" in out.stderr
