@@ -250,6 +250,8 @@ def plan_update(mcfg, report):
 
 def main(argv):
   del argv
+  from dice_jax import trace_context
+  from dice_jax.diffusion import sampler as sampler_lib
   from dice_jax.diffusion.sampler import SamplerConfig
   from dice_jax.model import Transformer, get_config
   from dice_jax.rl import rollout, tracerl
@@ -340,10 +342,6 @@ def main(argv):
     clock = bench_common.CompileClock().install()
     if FLAGS.explain_cache_misses:
       jax.config.update("jax_explain_cache_misses", True)
-    from dice_jax.diffusion import sampler as sampler_lib
-
-    from dice_jax import trace_context
-
     graphdef_before = nnx.graphdef(sample_model)
     context_before = trace_context.names()
     t0 = time.perf_counter()

@@ -224,8 +224,12 @@ def _kernel(
   (`refs` after the new keys: the source's offset, the shared slots)."""
   o_ref, lse_ref = refs[-2:]
   layer = layer_ref[0]
-  at_row = lambda ref, sl: ref[layer, sl, :]  # noqa: E731 - the row's own block
-  if shared:
+  if not shared:
+
+    def at_row(ref, sl):  # the program's own row block
+      return ref[layer, sl, :]
+
+  else:
     delta_ref, nshared_ref = refs[4 if fold_new else 0 :][:2]
     own = pl.program_id(0) + row_offset
     src = own + delta_ref[0]
@@ -606,9 +610,9 @@ def cached_attention(
   extra = dict(new_kv=(k, v, seg, q_rank)) if fold else {}
   if row_offset:
     extra["row_offset"] = row_offset
-  if cache.tiles.share_prompts and cache.prompt_source is not None and cache_part_fn is None:
+  if cache.tiles.share_prompts and cache.prompt_offset is not None and cache_part_fn is None:
     extra["prompt_sources"] = (
-      _rows(cache.prompt_source, row_offset, b),
+      _rows(cache.prompt_offset, row_offset, b),
       _rows(cache.prompt_slots, row_offset, b),
     )
   o_c, lse_c = part(

@@ -41,7 +41,7 @@ LOGICAL_AXES = dict(
   segment_ids=_SLOT_AXES,
   block_ids=_SLOT_AXES,
   length=("batch",),
-  prompt_source=("batch",),
+  prompt_offset=("batch",),
   prompt_slots=("batch",),
 )
 
@@ -99,10 +99,10 @@ class KVCache:
   head_dim: int = dataclasses.field(metadata=dict(static=True))  # H: the width of a head's block
   tiles: DecodeTiles = dataclasses.field(default=DecodeTiles(), metadata=dict(static=True))
   # Shared prompts (`with_prompt_sources`): row b's slots below `prompt_slots[b]` hold the same
-  # K/V as row `b + prompt_source[b]`'s (the same prompt, prefilled the same way), and the flash
+  # K/V as row `b + prompt_offset[b]`'s (the same prompt, prefilled the same way), and the flash
   # kernel reads them there, so the rows of a group read one copy of their prompt (the 16
   # programs of an RL group hit L2 instead of HBM). None: every row reads its own slots.
-  prompt_source: jax.Array | None = None  # [B] int32, <= 0: the source row's offset from b
+  prompt_offset: jax.Array | None = None  # [B] int32, <= 0: the source row's offset from b
   prompt_slots: jax.Array | None = None  # [B] int32: slots [0, prompt_slots) are the source's
 
   def __post_init__(self):
@@ -157,7 +157,7 @@ class KVCache:
     source = jnp.asarray(source, jnp.int32)
     return dataclasses.replace(
       self,
-      prompt_source=source - rows,
+      prompt_offset=source - rows,
       prompt_slots=jnp.where(source < rows, jnp.asarray(slots, jnp.int32), 0),
     )
 

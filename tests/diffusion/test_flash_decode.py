@@ -513,7 +513,7 @@ def test_rows_sharing_a_prompt_read_its_slots_from_the_source_row():
     assert off[1] > 1e-2 and off[3] > 1e-2, off  # the members read their own noisy slots
     np.testing.assert_allclose(got[[0, 2]], want[[0, 2]], rtol=1e-5, atol=1e-5)
   c = clean.with_prompt_sources(sources, jnp.full((4,), 37))
-  np.testing.assert_array_equal(np.asarray(c.prompt_source), [0, -1, 0, -3])
+  np.testing.assert_array_equal(np.asarray(c.prompt_offset), [0, -1, 0, -3])
   np.testing.assert_array_equal(np.asarray(c.prompt_slots), [0, 37, 0, 37])
 
 
