@@ -8,9 +8,10 @@ kernel does this: the RL rollout's first timed sampler call traced and compiled 
 again, ~20-35 s (explain-cache-misses: "number of tracing context values differs: now 51 and
 before 50"; docs/performance.md, issue 39 session 27). `settle()` runs that path once before
 anything else is traced: it imports the modules a GPU Pallas lowering imports and traces, lowers,
-compiles and runs a one-tile Pallas kernel (~1 s, once a process). Which module registers the state on
-0.11.2 is not yet named: `bench_rl` records the names the first call adds
-(`trace_context_added_by_first_call`).
+compiles and runs a one-tile Pallas kernel (~1 s, once a process). On 0.11.2 the state is
+`pallas_fuser_disable_nested_fuse`, registered when `jax._src.pallas.fuser.jaxpr_fusion` is first
+imported (H100, session 28: `bench_rl`'s `trace_context_added_by_first_call`); the kernel alone did not
+import it, so it is imported by name.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-# what lowering a Pallas call for cuda imports (jax 0.10.2: both registrations and Mosaic GPU)
+# what lowering a Pallas call for cuda imports (jax 0.10.2: both registrations and Mosaic GPU; 0.11.2:
+# also the fuser, whose import registers `pallas_fuser_disable_nested_fuse`)
 GPU_LOWERING_MODULES = (
   "jax._src.pallas.triton.pallas_call_registration",
   "jax._src.pallas.mosaic_gpu.pallas_call_registration",
   "jax.experimental.mosaic.gpu",
+  "jax._src.pallas.fuser.jaxpr_fusion",
 )
 
 

@@ -3,7 +3,8 @@
 # $OUT/results.jsonl (bench_sampler) and $OUT/rollout/bench_rl.json as they come, a status line per
 # part in $OUT/status.txt. sdar_4b, random bf16 weights, 128 rows, 1,024 + 1,024 unless noted.
 #
-#   tests    the cache kernel's visible_half tests on the GPU (Triton), before anything uses it
+#   tests    the cache kernel's visible_half and share_prompts tests on the GPU (Triton), before
+#            anything uses them, and the sampler's first call settled (tests/diffusion/test_decode_gpu.py)
 #   loop     bench_sampler --runs=profile_loop: one iteration of the static, capped dynamic (R = 72)
 #            and capped dynamic float8-cache loops by kind and kernel (experiments/decode_loop_profile.py;
 #            $OUT/profile_loop.md), tiles split=4096 + fp8_widen=f16: where a batch forward's
@@ -68,7 +69,9 @@ status "start: $(tr '\n' ' ' <"$OUT/env.txt")"
 if has tests; then
   # JAX_PLATFORMS=cuda: these tests carry no `gpu` mark, and the conftest otherwise pins JAX to the CPU
   part tests 40 env JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m pytest -q \
-    -p no:cacheprovider tests/diffusion/test_flash_decode.py -k "second_half or half_path or visible_half"
+    -p no:cacheprovider tests/diffusion/test_flash_decode.py \
+    -k "(second_half or half_path or visible_half or shar) and not 8_devices"
+  part tests_gpu 40 python3 -m pytest -q -p no:cacheprovider -m gpu tests/diffusion/test_decode_gpu.py
 fi
 if has loop; then
   bench loop 150 --runs=profile_loop --profile_loops=static,dynamic_capped,dynamic_capped_fp8 \
