@@ -51,15 +51,15 @@ class Report:
       os.replace(self.path + ".tmp", self.path)
 
 
-def decode_tiles(spec: str, flag: str = "--decode_tiles"):
-  """A `DecodeTiles` from a flag's value: JSON, a JSON file's path, or empty (the default tiles);
-  an absl UsageError naming the flag otherwise."""
+def decode_tiles(spec: str, flag: str = "--decode_tiles", default=None):
+  """A `DecodeTiles` from a flag's value: JSON, a JSON file's path, or empty (`default`, else the
+  default tiles); an absl UsageError naming the flag otherwise."""
   from absl import app
 
   from dice_jax.model import flash_decode
 
   if not spec:
-    return flash_decode.DecodeTiles()
+    return default or flash_decode.DecodeTiles()
   text = open(spec).read() if os.path.exists(spec) else spec
   try:
     return flash_decode.DecodeTiles(**json.loads(text))

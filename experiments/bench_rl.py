@@ -54,7 +54,9 @@ flags.DEFINE_integer(
   "commit_rows", 0, "rollout: rows committing per forward (SamplerConfig.commit_rows; 0: no cap)"
 )
 flags.DEFINE_string(
-  "decode_tiles", "", "rollout: DecodeTiles as JSON or a JSON file's path (empty: the default)"
+  "decode_tiles",
+  "",
+  "rollout: DecodeTiles as JSON or a JSON file's path (empty: the RL config's, DICE_SAMPLER)",
 )
 flags.DEFINE_string(
   "kv_cache_dtype",
@@ -255,6 +257,7 @@ def main(argv):
   from dice_jax.diffusion.sampler import SamplerConfig
   from dice_jax.model import Transformer, get_config
   from dice_jax.rl import rollout, tracerl
+  from dice_jax.rl.config import DICE_SAMPLER
   from dice_jax.rl.rewards import make_reward
   from dice_jax import sharding
   from dice_jax.train import optimizer
@@ -328,7 +331,7 @@ def main(argv):
       pad_id=mcfg.pad_token_id or 0,
       prefill_chunk=FLAGS.prefill_chunk,
       commit_rows=FLAGS.commit_rows,
-      decode_tiles=bench_common.decode_tiles(FLAGS.decode_tiles),
+      decode_tiles=bench_common.decode_tiles(FLAGS.decode_tiles, default=DICE_SAMPLER.decode_tiles),
       kv_cache_dtype=FLAGS.kv_cache_dtype or None,
     )
     backend = rollout.StaticBatches(scfg, FLAGS.groups_per_batch, FLAGS.seed)

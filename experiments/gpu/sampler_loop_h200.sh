@@ -42,7 +42,7 @@
 #            (SHARE_FLAGS: more bench_rl flags, e.g. a CPU smoke run's tiny shapes)
 #   rollout  bench_rl's rollout alone (--update_steps=0) at the RL shape: sdar_1p7b, 8 groups x 16 =
 #            128 rows, 896 + 4,096, temperature 1 (the RL loop's sampling), R = 48, split=8192
-#            (issue 39 item 3: 8,000 tok/s; 4,962 uncapped in session 21's bench_rl)
+#            (issue 39 item 3: 8,000 tok/s; 4,962 uncapped in session 21's bench_rl), share_prompts (the RL default)
 # Run from the repository root (grain wheels installed in PYTHONPATH, as rl_step_h200.sh says):
 #   OUT=/some/dir bash experiments/gpu/sampler_loop_h200.sh
 # BUDGET, PARTS (tests,loop,ab,lhs,fp8,rlloop,rlf16,fp8w,share,rollout), CONFIG, TILES (ab's forward variants) and FLAGS (more bench_sampler flags, e.g. a CPU smoke
@@ -135,7 +135,8 @@ if has rollout; then
   # shellcheck disable=SC2086
   part rollout 150 python3 -m experiments.bench_rl --out="$OUT/rollout" --config=sdar_1p7b \
     --tasks=8 --group_size=16 --groups_per_batch=8 --prompt_len=896 --new_tokens=4096 \
-    --verifier=none --update_steps=0 --commit_rows=48 --decode_tiles='{"split":8192}' \
+    --verifier=none --update_steps=0 --commit_rows=48 \
+    --decode_tiles='{"split":8192,"share_prompts":true}' \
     ${ROLLOUT_FLAGS:-}
 fi
 status "done ($(left) s of $BUDGET left)"
