@@ -431,6 +431,12 @@ def main(argv):
       rows_per_call=FLAGS.groups_per_batch * FLAGS.group_size,
       commit_rows=FLAGS.commit_rows,
       decode_tiles=dataclasses.asdict(scfg.decode_tiles),
+      # the groups `DecodeTiles.cascade` finds in a call's rows (sampler.decode does the same)
+      prompt_group=sampler_lib.prompt_group(
+        sampler_lib.prompt_sources(
+          [g.prompt_ids for g in groups[: FLAGS.groups_per_batch] for _ in range(g.size)]
+        )
+      ),
       kv_cache_dtype=str(scfg.cache_dtype(mcfg)),
       new_tokens=FLAGS.new_tokens,
       prompt_len=FLAGS.prompt_len,

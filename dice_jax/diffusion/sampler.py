@@ -303,6 +303,16 @@ def layout_prompts(
   )
 
 
+def prompt_group(sources) -> int:
+  """The group size m when the rows are contiguous groups of m >= 2 sharing a prompt (`sources`
+  of `prompt_sources`: row b's is b // m * m), else 0 (`DecodeTiles.cascade`)."""
+  src = np.asarray(sources)
+  m = int(np.sum(src == 0))
+  if m < 2 or len(src) % m or not np.array_equal(src, np.arange(len(src)) // m * m):
+    return 0
+  return m
+
+
 def prompt_sources(prompts: Sequence[Sequence[int]]) -> np.ndarray:
   """`[B]` int32: for each prompt, the first row with the same tokens (an RL group's members all
   point at its first row; `DecodeTiles.share_prompts`)."""
@@ -469,7 +479,8 @@ def _decode(graphdef, state, weights, layout: Layout, keys, *, cfg: SamplerConfi
     )
 
   sl, cache = jax.lax.fori_loop(0, rows // chunk, admit_chunk, (sl, cache))
-  if cfg.decode_tiles.share_prompts:  # equal prompts prefilled alike: slots [0, first) are equal
+  tiles = cfg.decode_tiles
+  if tiles.share_prompts or tiles.cascade:  # equal prompts prefilled alike: [0, first) are equal
     cache = cache.with_prompt_sources(layout.prompt_source, sl.first_pos)
 
   def block_cond(c):
@@ -540,6 +551,11 @@ def decode(
   """
   trace_context.settle()  # else the first call's kernels change the context (trace_context.py)
   cfg = cfg.for_model(model.cfg)
+  if cfg.decode_tiles.cascade:  # the layout's groups, static in the compiled sampler
+    m = prompt_group(layout.prompt_source)
+    cfg = dataclasses.replace(
+      cfg, decode_tiles=dataclasses.replace(cfg.decode_tiles, prompt_group=m)
+    )
   graphdef, state = nnx.split(model)
   placement = Placement.of(state)
   memory.check_fits(

@@ -91,6 +91,15 @@ class DecodeTiles:
   # with that prompt (`KVCache.with_prompt_sources`, set by the sampler): those reads hit L2
   # instead of HBM. Whole tiles below the shared slots only; the values read are the same.
   share_prompts: bool = False
+  # Cascade attention (Hydragen; Juravsky et al. 2024): rows in contiguous groups that share a
+  # prompt (an RL group) attend to its whole shared tiles once per group, with every member's
+  # queries stacked into one program's tile (a matmul over the prompt instead of a GEMV per row),
+  # and to the rest of their slots alone; the two parts merge by log-sum-exp like two programs of
+  # a row. `prompt_group` is the group size: set by `sampler.decode` from the layout's prompt
+  # sources (0 where the rows are not such groups), never by hand. Single device, no `halves`;
+  # elsewhere `share_prompts`' reads, if on, else each row's own.
+  cascade: bool = False
+  prompt_group: int = 0
 
   def __post_init__(self):
     for name in ("split", "block_k", "num_warps", "num_stages"):
@@ -106,7 +115,14 @@ class DecodeTiles:
       raise ValueError(f"DecodeTiles.splits must be an int >= 0, got {self.splits!r}")
     if self.fp8_widen not in FP8_WIDENS:
       raise ValueError(f"DecodeTiles.fp8_widen must be one of {FP8_WIDENS}, got {self.fp8_widen!r}")
-    for name in ("dynamic_loop", "fold_new", "halves", "visible_half", "share_prompts"):
+    if not isinstance(self.prompt_group, int) or isinstance(self.prompt_group, bool):
+      raise ValueError(f"DecodeTiles.prompt_group must be an int, got {self.prompt_group!r}")
+    if self.prompt_group < 0 or self.prompt_group == 1:
+      raise ValueError(
+        f"DecodeTiles.prompt_group must be 0 (no groups) or a group size >= 2, got "
+        f"{self.prompt_group}"
+      )
+    for name in ("dynamic_loop", "fold_new", "halves", "visible_half", "share_prompts", "cascade"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"DecodeTiles.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -320,11 +336,13 @@ def _pallas_cache_part(
   row_offset,
   interpret,
   n_new,
+  row_stride=1,
 ):
   """The kernel launch on (local) arrays; returns per-program (o, lse). `new`: the padded new
   keys, values, segments and ranks when `tiles.fold_new` (`n_new` = 4), then the prompt sources'
   offsets and shared slots `[B]` when `tiles.share_prompts`. Row i of q reads cache row
-  `row_offset + i`; head j of the cache `[L, B, S, K*H]` is its j-th H-wide column block."""
+  `row_offset + i * row_stride` (a stride: the first rows of `DecodeTiles.cascade`'s groups);
+  head j of the cache `[L, B, S, K*H]` is its j-th H-wide column block."""
   new, prefix = extra[:n_new], extra[n_new:]
   b, kh, rp, h = q_bkrh.shape
   n_layers, s = k_cache.shape[0], k_cache.shape[2]
@@ -337,7 +355,9 @@ def _pallas_cache_part(
   per_prog = pl.BlockSpec((None, 1), lambda i, j, t, c: (i, c))
   qrow = pl.BlockSpec((None, block_q), lambda i, j, t, c: (i, t))
   krow = pl.BlockSpec((None, s), lambda i, j, t, c: (i, 0))
-  kv = pl.BlockSpec((n_layers, None, s, h), lambda i, j, t, c: (0, i + row_offset, 0, j))
+  kv = pl.BlockSpec(
+    (n_layers, None, s, h), lambda i, j, t, c: (0, i * row_stride + row_offset, 0, j)
+  )
   prefix_specs = []
   if prefix:  # every row's block: a tile may come from another row (`_kernel`'s `shared`)
     kv = pl.BlockSpec((n_layers, k_cache.shape[1], s, h), lambda i, j, t, c: (0, 0, 0, j))
@@ -472,6 +492,7 @@ def cache_part(
   new_kv=None,
   row_offset: int = 0,
   prompt_sources=None,
+  prompt_group: int = 0,
 ):
   """Softmax attention of query rows over the cache slots of one layer.
 
@@ -482,8 +503,10 @@ def cache_part(
   at or above it are never read. S must be a multiple of `tiles.block_k`. `new_kv`: (keys, values
   `[B, T, K, H]`, segments, ranks `[B, T]`) of the new tokens, attended in the kernel under the
   same rule (`tiles.fold_new`). `prompt_sources`: (offset of the source row `[B]`, shared slots
-  `[B]`) of `KVCache.with_prompt_sources`, honoured when `tiles.share_prompts`. Returns (o
-  `[B, K, R, H]` f32, lse `[B, K, R]` f32, natural log; EMPTY_LSE where no slot is visible).
+  `[B]`) of `KVCache.with_prompt_sources`, honoured when `tiles.share_prompts`. `prompt_group`
+  (with `prompt_sources`, one device): rows in groups of this many attend to their group's shared
+  tiles together (`DecodeTiles.cascade`, `_group_prompt_part`). Returns (o `[B, K, R, H]` f32, lse
+  `[B, K, R]` f32, natural log; EMPTY_LSE where no slot is visible).
   """
   b, kh, r, _ = q_bkrh.shape
   s = k_cache.shape[2]
@@ -505,6 +528,18 @@ def cache_part(
     q_rank_br = jnp.pad(q_rank_br, ((0, 0), (0, pad)))
   lo, ntiles, most = tile_plan(fill_b, jnp.any(q_seg_br > 0, axis=-1), s, tiles)
   layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+  grouped = None
+  if prompt_group > 1 and prompt_sources is not None:
+    if row_offset or _mesh_size() > 1 or b % prompt_group:
+      raise ValueError(
+        f"flash_decode: prompt_group {prompt_group} needs one device, no row_offset and rows "
+        f"({b}) in whole groups"
+      )
+    grouped = _group_prompt_part(
+      q_bkrh, k_cache, v_cache, layer, q_seg_br, q_rank_br, k_seg_bs, k_rank_bs,
+      prompt_sources, prompt_group, tiles, interpret,
+    )  # fmt: skip
+    lo, ntiles = _above(lo, ntiles, grouped[2])
   new = ()
   if new_kv is not None:
     kn, vn, nseg, nrank = new_kv
@@ -516,7 +551,7 @@ def cache_part(
       _pad_rows(nrank.astype(jnp.int32), tp, 1),
     )
   prefix = ()
-  if tiles.share_prompts and prompt_sources is not None:
+  if tiles.share_prompts and prompt_sources is not None and grouped is None:
     prefix = tuple(jnp.asarray(x, jnp.int32) for x in prompt_sources)
   args = (
     layer,
@@ -542,6 +577,8 @@ def cache_part(
     n_new=len(new),
   )
   o, lse = _shard_mapped(call, b, kh, bool(new), bool(prefix))(*args)
+  if grouped is not None:  # the group's prompt as one more program of each row
+    o, lse = jnp.concatenate([grouped[0], o], axis=2), jnp.concatenate([grouped[1], lse], axis=2)
   o, lse = o[..., :r, :], lse[..., :r]
   if o.shape[2] == 1:  # one program a row (`split` >= the cache): nothing to merge
     return o[:, :, 0], lse[:, :, 0]
@@ -551,6 +588,63 @@ def cache_part(
   total = jnp.sum(w, axis=2)
   o = jnp.sum(w[..., None] * o, axis=2) / total[..., None]
   return o, m + jnp.log(total)
+
+
+def _above(lo, ntiles, floor_b):
+  """A tile plan (`tile_plan`'s lo, n `[B, P]`) cut to the tiles at or above `floor_b` `[B]`."""
+  start = jnp.maximum(lo, floor_b[:, None])
+  return start, jnp.maximum(lo + ntiles - start, 0).astype(jnp.int32)
+
+
+def _group_prompt_part(
+  q_bkrh, k_cache, v_cache, layer, q_seg, q_rank, k_seg, k_rank, prompt_sources, m, tiles, interpret
+):
+  """`DecodeTiles.cascade`: each group of `m` rows attends to its shared prompt tiles once, all
+  members' query rows `[m * R]` in one kernel row reading the group's first cache row. A row is
+  in its group only where its source (`prompt_sources`' offsets) is that first row; the group's
+  shared tiles are the whole tiles below every member's shared slots. Returns (o `[B, K, 1, R,
+  H]`, lse `[B, K, 1, R]`) as one more program of each row, and each row's shared tiles `[B]`
+  (0 outside a group: the row reads them itself)."""
+  b, kh, r, h = q_bkrh.shape
+  g = b // m
+  offset, slots = (jnp.asarray(x, jnp.int32) for x in prompt_sources)
+  rows = jnp.arange(b, dtype=jnp.int32)
+  member = (rows + offset) == rows // m * m
+  below = jnp.where(member & (offset < 0), slots // tiles.block_k, jnp.iinfo(jnp.int32).max)
+  group_tiles = jnp.min(below.reshape(g, m), axis=1)
+  group_tiles = jnp.where(group_tiles == jnp.iinfo(jnp.int32).max, 0, group_tiles)
+  shared_b = jnp.where(member, jnp.repeat(group_tiles, m), 0)
+  q_seg = jnp.where(member[:, None], q_seg, 0)  # a row outside its group: nothing visible here
+  stack = lambda x: x.reshape(g, m, *x.shape[1:])  # noqa: E731
+  q_g = stack(q_bkrh).transpose(0, 2, 1, 3, 4).reshape(g, kh, m * r, h)
+  seg_g, rank_g = stack(q_seg).reshape(g, m * r), stack(q_rank).reshape(g, m * r)
+  live = jnp.any(seg_g > 0, axis=-1)
+  n = jnp.where(live, group_tiles, 0)[:, None].astype(jnp.int32)
+  block_q = 16
+  while block_q < min(m * r, 64):
+    block_q *= 2
+  o, lse = _pallas_cache_part(
+    layer,
+    jnp.zeros_like(n),
+    n,
+    q_g,
+    k_cache,
+    v_cache,
+    seg_g.astype(jnp.int32),
+    rank_g.astype(jnp.int32),
+    k_seg[::m].astype(jnp.int32),
+    k_rank[::m].astype(jnp.int32),
+    tiles=dataclasses.replace(tiles, fold_new=False, share_prompts=False),
+    block_q=block_q,
+    max_tiles=k_cache.shape[2] // tiles.block_k,
+    row_offset=0,
+    interpret=interpret,
+    n_new=0,
+    row_stride=m,
+  )
+  o = o.reshape(g, kh, 1, m, r, h).transpose(0, 3, 1, 2, 4, 5).reshape(b, kh, 1, r, h)
+  lse = lse.reshape(g, kh, 1, m, r).transpose(0, 3, 1, 2, 4).reshape(b, kh, 1, r)
+  return o, lse, shared_b
 
 
 def _rows(x, start: int, n: int):
@@ -610,11 +704,17 @@ def cached_attention(
   extra = dict(new_kv=(k, v, seg, q_rank)) if fold else {}
   if row_offset:
     extra["row_offset"] = row_offset
-  if cache.tiles.share_prompts and cache.prompt_offset is not None and cache_part_fn is None:
+  tiles = cache.tiles
+  if (
+    (tiles.share_prompts or tiles.cascade) and cache.prompt_offset is not None and not cache_part_fn
+  ):
     extra["prompt_sources"] = (
       _rows(cache.prompt_offset, row_offset, b),
       _rows(cache.prompt_slots, row_offset, b),
     )
+    m = tiles.prompt_group
+    if tiles.cascade and m > 1 and not row_offset and _mesh_size() == 1 and b % m == 0:
+      extra["prompt_group"] = m  # else share_prompts' reads (if on) or each row's own
   o_c, lse_c = part(
     q_rows,
     cache.k,

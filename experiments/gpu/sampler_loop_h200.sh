@@ -35,9 +35,10 @@
 #            run's tokens it matches on 64 prompts of the sharpened model, beside the rounding
 #            control (the capped loop against the uncapped `dynamic`: the same decoding, other GEMM
 #            shapes)
-#   share    the rollout part's shape twice in one job, 2 timed rollouts each (the first may compile:
-#            docs/performance.md, issue 39 session 27): base, then DecodeTiles.share_prompts (a group's
-#            rows read its prompt's K/V from one row); on a card under 100 GB on the float8 cache
+#   share    the rollout part's shape in one job for each of SHARE_MODES (default "share cascade"; also
+#            "base"), SHARE_ROLLOUTS (1) timed rollouts each: DecodeTiles.share_prompts (a group's rows
+#            read its prompt's K/V from one row), DecodeTiles.cascade (a group's prompt attended once
+#            with all its members' queries); on a card under 100 GB on the float8 cache
 #            (3 stages, f16), as bf16 does not fit; stack samples and cache-miss reasons in each log
 #            (SHARE_FLAGS: more bench_rl flags, e.g. a CPU smoke run's tiny shapes)
 #   rollout  bench_rl's rollout alone (--update_steps=0) at the RL shape: sdar_1p7b, 8 groups x 16 =
@@ -70,7 +71,7 @@ if has tests; then
   # JAX_PLATFORMS=cuda: these tests carry no `gpu` mark, and the conftest otherwise pins JAX to the CPU
   part tests 40 env JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m pytest -q \
     -p no:cacheprovider tests/diffusion/test_flash_decode.py \
-    -k "(second_half or half_path or visible_half or shar) and not 8_devices"
+    -k "(second_half or half_path or visible_half or shar or group) and not 8_devices"
   part tests_gpu 40 python3 -m pytest -q -p no:cacheprovider -m gpu tests/diffusion/test_decode_gpu.py
 fi
 if has loop; then
@@ -118,16 +119,18 @@ if has share; then
   if [ "${mem:-999999}" -lt 100000 ]; then
     tiles='"split":8192,"num_stages":3,"fp8_widen":"f16"' f8=--kv_cache_dtype=float8_e4m3fn
   fi
-  half=$(($(left) / 2))
-  for mode in base share; do
+  modes=${SHARE_MODES:-share cascade}
+  n=$(echo $modes | wc -w)
+  each=$(($(left) / n))
+  for mode in $modes; do
     t=$tiles
-    [ "$mode" = share ] && t="$t,\"share_prompts\":true"
+    [ "$mode" = base ] || t="$t,\"${mode/share/share_prompts}\":true"
     mkdir -p "$OUT/share_$mode"
     # shellcheck disable=SC2086
-    part "share_$mode" 150 timeout $((half - 10)) python3 -m experiments.bench_rl \
+    part "share_$mode" 150 timeout $((each - 10)) python3 -m experiments.bench_rl \
       --out="$OUT/share_$mode" --config=sdar_1p7b --tasks=8 --group_size=16 --groups_per_batch=8 \
       --prompt_len=896 --new_tokens=4096 --verifier=none --update_steps=0 --commit_rows=48 \
-      --rollouts=2 --stack_every_s=2 $f8 --decode_tiles="{$t}" ${SHARE_FLAGS:-}
+      --rollouts=${SHARE_ROLLOUTS:-1} --stack_every_s=2 $f8 --decode_tiles="{$t}" ${SHARE_FLAGS:-}
   done
 fi
 if has rollout; then

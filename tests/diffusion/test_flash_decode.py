@@ -517,16 +517,102 @@ def test_rows_sharing_a_prompt_read_its_slots_from_the_source_row():
   np.testing.assert_array_equal(np.asarray(c.prompt_slots), [0, 37, 0, 37])
 
 
+def _grouped_case(seed=4):
+  """`_attention_case` with rows 1 and 3 holding copies of rows 0 and 2 (two groups of 2 sharing a
+  prompt in their first 37 slots), every row filled to 40 or more, the members' own copies of the
+  slots below `stop` overwritten by noise (`corrupt(stop)`), and the dense attention of the clean
+  cache."""
+  q, kn, vn, cache, spec, pos, seg = _attention_case(seed)
+  pair = jnp.asarray([0, 0, 2, 2])
+  seg = jnp.ones_like(seg)  # every query visible (the dense path's rows that see nothing differ)
+  same = lambda x, axis: jnp.take(x, pair, axis=axis)
+  clean = dataclasses.replace(
+    cache,
+    k=same(cache.k, 1),
+    v=same(cache.v, 1),
+    positions=same(cache.positions, 0),
+    segment_ids=same(cache.segment_ids, 0),
+    block_ids=same(cache.block_ids, 0),
+    length=jnp.asarray([40, 52, 64, 45], jnp.int32),
+  )
+  want = np.asarray(
+    transformer.cached_attention(q, kn, vn, clean.k[1], clean.v[1], spec, pos, seg, pos // 4, clean)
+  )
+  noise = jnp.asarray(np.random.RandomState(9).randn(*clean.k.shape), clean.k.dtype) * 5
+  members = (jnp.arange(4) % 2 == 1)[None, :, None, None]
+
+  def corrupt(c, stop):
+    below = (jnp.arange(c.k.shape[2]) < stop)[None, None, :, None]
+    return dataclasses.replace(
+      c, k=jnp.where(members & below, noise, c.k), v=jnp.where(members & below, noise, c.v)
+    )
+
+  attend = lambda c: np.asarray(  # noqa: E731
+    flash_decode.cached_attention(q, kn, vn, 1, spec, pos, seg, pos // 4, c)
+  )
+  return clean, corrupt, attend, want
+
+
+@pytest.mark.parametrize("options", [{}, {"fold_new": True, "splits": 2}])
+def test_groups_attend_their_shared_prompt_once_with_every_members_queries(monkeypatch, options):
+  """`cascade`: rows 0-1 and 2-3 are groups of 2 (`prompt_group`); each group's whole tiles below
+  its 37 shared slots ([0, 32)) are attended in one kernel row with both members' queries, reading
+  the group's first row, and merged with each row's own rest. The members' own copies below 32
+  are noise: still the dense attention of the clean cache. Noise up to 40 (the straddling tile,
+  read by each row itself) shows in the members only."""
+  clean, corrupt, attend, want = _grouped_case()
+  tiles = flash_decode.DecodeTiles(split=32, block_k=16, cascade=True, prompt_group=2)
+  tiles = dataclasses.replace(tiles, **options)
+  strides = []
+  launch = flash_decode._pallas_cache_part
+
+  def spy(*args, **kwargs):
+    strides.append(kwargs.get("row_stride", 1))
+    return launch(*args, **kwargs)
+
+  monkeypatch.setattr(flash_decode, "_pallas_cache_part", spy)
+  grouped = clean.with_prompt_sources(jnp.asarray([0, 0, 2, 2]), jnp.full((4,), 37))
+  grouped = dataclasses.replace(grouped, tiles=tiles)
+  np.testing.assert_allclose(attend(corrupt(grouped, 32)), want, rtol=1e-5, atol=1e-5)
+  assert strides == [2, 1], strides  # the groups' launch, then the rows' own
+  got = attend(corrupt(grouped, 40))
+  off = np.abs(got - want).max(axis=(1, 2, 3))
+  assert off[1] > 1e-2 and off[3] > 1e-2, off
+  np.testing.assert_allclose(got[[0, 2]], want[[0, 2]], rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_outside_its_group_reads_its_own_prompt_slots():
+  """Row 3's prompt source is row 0, not its group's first row (2): it is left out of group 1's
+  launch and reads its own slots (its noise shows); row 1 is still its group's member."""
+  clean, corrupt, attend, want = _grouped_case()
+  tiles = flash_decode.DecodeTiles(split=32, block_k=16, cascade=True, prompt_group=2)
+  odd = clean.with_prompt_sources(jnp.asarray([0, 0, 2, 0]), jnp.full((4,), 37))
+  got = attend(corrupt(dataclasses.replace(odd, tiles=tiles), 32))
+  off = np.abs(got - want).max(axis=(1, 2, 3))
+  assert off[3] > 1e-2, off
+  np.testing.assert_allclose(got[[0, 1, 2]], want[[0, 1, 2]], rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_group_is_the_size_of_contiguous_equal_groups_or_zero():
+  assert sampler.prompt_group([0, 0, 0, 3, 3, 3]) == 3
+  assert sampler.prompt_group([0, 1, 2, 3]) == 0  # no shared prompts
+  assert sampler.prompt_group([0, 0, 2, 2, 4, 0, 6, 6]) == 0  # a prompt in two groups
+  assert sampler.prompt_group([0, 0, 0, 3, 3]) == 0  # unequal groups
+  with pytest.raises(ValueError, match="prompt_group"):
+    flash_decode.DecodeTiles(prompt_group=1)
+
+
 def test_sampler_sharing_prompts_decodes_what_the_dense_sampler_decodes(monkeypatch):
   """RL groups (each prompt four times, sampled at temperature 1 with log-probs, ragged dynamic
   decoding under a commit cap): with `share_prompts` every member reads its group's prompt from the
-  group's first row (the kernel is handed the sources), and the tokens, step map and log-probs are
-  the dense sampler's."""
+  group's first row (the kernel is handed the sources); with `cascade` the sampler finds the groups
+  (`prompt_group` 4, handed to every decode forward's cache attention). Both decode the dense
+  sampler's tokens, step map and log-probs."""
   handed = []
   part = flash_decode.cache_part
 
   def spy(*args, **kwargs):
-    handed.append(kwargs.get("prompt_sources") is not None)
+    handed.append((kwargs.get("prompt_sources") is not None, kwargs.get("prompt_group", 0)))
     return part(*args, **kwargs)
 
   monkeypatch.setattr(flash_decode, "cache_part", spy)
@@ -543,12 +629,15 @@ def test_sampler_sharing_prompts_decodes_what_the_dense_sampler_decodes(monkeypa
   dense, flash = _sharpened_dense_and_flash()
   keys = sampler.row_keys(jax.random.key(3), len(prompts))
   want = sampler.generate(dense, prompts, cfg, keys=keys)
-  tiles = flash_decode.DecodeTiles(split=32, block_k=16, share_prompts=True)
-  got = sampler.generate(flash, prompts, dataclasses.replace(cfg, decode_tiles=tiles), keys=keys)
-  assert handed and all(handed), handed  # every decode forward's cache attention (prefill: none)
-  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
-  np.testing.assert_array_equal(np.asarray(got.step_map), np.asarray(want.step_map))
-  np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
+  for option, group in (("share_prompts", 0), ("cascade", 4)):
+    handed.clear()
+    tiles = flash_decode.DecodeTiles(split=32, block_k=16, **{option: True})
+    got = sampler.generate(flash, prompts, dataclasses.replace(cfg, decode_tiles=tiles), keys=keys)
+    # every decode forward's cache attention (prefill: none)
+    assert handed and set(handed) == {(True, group)}, (option, handed)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(got.step_map), np.asarray(want.step_map))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
 
 
 def test_sharing_prompts_on_8_devices_decodes_what_the_dense_sampler_decodes():
