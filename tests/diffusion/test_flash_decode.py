@@ -465,6 +465,20 @@ def test_a_gpu_stream_call_holds_no_nested_call():
   np.testing.assert_array_equal(on_stream(x, y), f(x, y))
 
 
+def _rows_copied(cache, source, length):
+  """`cache` whose row b holds row `source[b]`'s slots (K/V and metadata), filled to `length`."""
+  same = lambda x, axis: jnp.take(x, jnp.asarray(source), axis=axis)  # noqa: E731
+  return dataclasses.replace(
+    cache,
+    k=same(cache.k, 1),
+    v=same(cache.v, 1),
+    positions=same(cache.positions, 0),
+    segment_ids=same(cache.segment_ids, 0),
+    block_ids=same(cache.block_ids, 0),
+    length=jnp.asarray(length, jnp.int32),
+  )
+
+
 def test_rows_sharing_a_prompt_read_its_slots_from_the_source_row():
   """`share_prompts`: rows 1 and 3 have row 0's prompt in their first 37 slots
   (`with_prompt_sources`). Their own copies of the slots in whole tiles below 37 are overwritten
@@ -472,20 +486,8 @@ def test_rows_sharing_a_prompt_read_its_slots_from_the_source_row():
   read from row 0; the tile that straddles slot 37 ([32, 48)) is read from the row itself (its noise
   there shows). Without the option the noise shows everywhere."""
   q, kn, vn, cache, spec, pos, seg = _attention_case(4)
-  same = lambda x, axis: x.at[(slice(None),) * axis + (jnp.asarray([1, 3]),)].set(
-    jnp.take(x, jnp.asarray([0, 0]), axis=axis)
-  )
-  fill = jnp.asarray([40, 40, 64, 40], jnp.int32)
   seg = jnp.ones_like(seg)
-  clean = dataclasses.replace(
-    cache,
-    k=same(cache.k, 1),
-    v=same(cache.v, 1),
-    positions=same(cache.positions, 0),
-    segment_ids=same(cache.segment_ids, 0),
-    block_ids=same(cache.block_ids, 0),
-    length=fill,
-  )
+  clean = _rows_copied(cache, [0, 0, 2, 0], [40, 40, 64, 40])
   want = np.asarray(
     transformer.cached_attention(q, kn, vn, clean.k[1], clean.v[1], spec, pos, seg, pos // 4, clean)
   )
@@ -523,18 +525,8 @@ def _grouped_case(seed=4):
   slots below `stop` overwritten by noise (`corrupt(stop)`), and the dense attention of the clean
   cache."""
   q, kn, vn, cache, spec, pos, seg = _attention_case(seed)
-  pair = jnp.asarray([0, 0, 2, 2])
   seg = jnp.ones_like(seg)  # every query visible (the dense path's rows that see nothing differ)
-  same = lambda x, axis: jnp.take(x, pair, axis=axis)
-  clean = dataclasses.replace(
-    cache,
-    k=same(cache.k, 1),
-    v=same(cache.v, 1),
-    positions=same(cache.positions, 0),
-    segment_ids=same(cache.segment_ids, 0),
-    block_ids=same(cache.block_ids, 0),
-    length=jnp.asarray([40, 52, 64, 45], jnp.int32),
-  )
+  clean = _rows_copied(cache, [0, 0, 2, 2], [40, 52, 64, 45])
   want = np.asarray(
     transformer.cached_attention(q, kn, vn, clean.k[1], clean.v[1], spec, pos, seg, pos // 4, clean)
   )
