@@ -495,6 +495,15 @@ def test_timed_bursts_fit_the_byte_budget_and_one_messages_descriptors():
   assert burst_calls(1 << 20, 3, budget=3 << 20) == 3  # a GPU's larger budget is passed in
 
 
+def test_the_warm_up_runs_its_own_calls_not_whole_bursts():
+  from verifier.check.timed_calls import warmup_bursts
+
+  assert warmup_bursts(3, 8) == [3]  # KernelBench's 3 warm-up calls cost 3 forwards, not 8
+  assert warmup_bursts(3, 1) == [1, 1, 1]
+  assert warmup_bursts(8, 3) == [3, 3, 2]
+  assert warmup_bursts(0, 8) == []
+
+
 CONFINED = r"""
 import os, sys
 from verifier.sandbox import confine

@@ -67,6 +67,13 @@ def burst_calls(nbytes: int, nbuffers: int, budget: int = BURST_BYTES) -> int:
   return max(1, min(MAX_BURST, by_bytes, by_fds))
 
 
+def warmup_bursts(num_warmup: int, k: int) -> list[int]:
+  """The warm-up's burst sizes: ``num_warmup`` calls in bursts of up to ``k`` (3 calls cost 3
+  forwards, not a whole burst of 8; they are not timed, and the compared calls are drawn among them as
+  among the timed ones)."""
+  return [min(k, num_warmup - i) for i in range(0, num_warmup, k)]
+
+
 def checked_calls(n: int, rng) -> set[int]:
   """Which of ``n`` timed calls are compared: each independently with probability
   ``CHECKED_TIMED_FRACTION`` (one drawn at random if none was), so what the candidate saw of earlier
@@ -200,25 +207,31 @@ class TimedCalls:
   def _timing(self) -> None:
     """Every timed call a forward like the trials, on fresh inputs, in bursts timed here; a secret
     random subset of them compared; then trial 0 re-checked, all in lock-step with the reference. The
-    warm-up and the timed calls are whole bursts (``num_warmup`` and ``num_perf_trials`` rounded up)."""
+    timed calls are whole bursts (``num_perf_trials`` rounded up), the warm-up ``num_warmup`` calls
+    (``warmup_bursts``)."""
     self.stage("timing")
     self.report["phases"]["timing_drawn_into_buffers"] = float(self.draws_into_buffers)
     opts = self.opts
     k = self.burst
-    warm, timed = math.ceil(opts.num_warmup / k), math.ceil(opts.num_perf_trials / k)
-    n = (warm + timed) * k
+    sizes = warmup_bursts(opts.num_warmup, k)
+    warm, timed = len(sizes), math.ceil(opts.num_perf_trials / k)
+    sizes += [k] * timed
     rng = random.SystemRandom()
-    checked = checked_calls(n, rng)
+    checked = checked_calls(sum(sizes), rng)
     lockstep = self.trials.lockstep_model()
     template = self.trials.trial(0)[1]
     times, nulls, spans, kernel_ns, head_ns = [], [], [], 0, 0
-    for b in range(warm + timed):
-      calls = range(b * k, (b + 1) * k)
+    first = 0
+    for b, size in enumerate(sizes):
+      calls = range(first, first + size)
+      first += size
       times.append(self._timed_burst(b, calls, checked, rng, lockstep, template))
       spans.append(self.spans_ns)
       kernel_ns += self.kernel_ns if b >= warm else 0
       head_ns += self.head_ns if b >= warm else 0
-      if b % RECALIBRATE_EVERY == RECALIBRATE_EVERY - 1:
+      if (
+        b >= warm and (b - warm) % RECALIBRATE_EVERY == RECALIBRATE_EVERY - 1
+      ):  # on a timed burst's buffers
         nulls.append(self._null_round_trip(b))
     overhead_ms = self._overhead_ms(nulls)
     host = timing.candidate_runtime(times[warm:], overhead_ms / 1e3, k)
