@@ -27,7 +27,11 @@ from verifier.ipc.records import CalibrationModel, CalibrationReady, TimingCalib
 # pairs of round trips (the reference, then no model) before the load; the later half counts
 CALIBRATION_CALLS = 16
 CHECKED_TIMED_FRACTION = 0.1  # of the timed calls, compared like the trials (at least one)
-RECALIBRATE_EVERY = 4  # during the timing, a round trip with no model after every 4th timed one
+# During the timing, a round trip with no model after each timed burst that brings the timed calls since
+# the last one to RECALIBRATE_CALLS (every 4th burst of 8; every 32nd of 1, where the null round trips of
+# level-1's 4 GB outputs cost 8 ms each and were a ninth of such a task's timing), and at least 3
+# of them when there are 3 timed bursts
+RECALIBRATE_CALLS = 32
 # Timed calls go in bursts: up to MAX_BURST forwards per round trip, each on its own fresh inputs, so the
 # exchange's cost and its jitter are shared by the burst's forwards; at most BURST_BYTES (on a GPU, a
 # sixteenth of its memory where that is more) of inputs and outputs staged per burst (level-1 tensors
@@ -221,6 +225,7 @@ class TimedCalls:
     lockstep = self.trials.lockstep_model()
     template = self.trials.trial(0)[1]
     times, nulls, spans, kernel_ns, head_ns = [], [], [], 0, 0
+    every = max(1, min(RECALIBRATE_CALLS // k, timed // 3))  # timed bursts a null; 3 nulls at least
     first = 0
     for b, size in enumerate(sizes):
       calls = range(first, first + size)
@@ -229,9 +234,7 @@ class TimedCalls:
       spans.append(self.spans_ns)
       kernel_ns += self.kernel_ns if b >= warm else 0
       head_ns += self.head_ns if b >= warm else 0
-      if (
-        b >= warm and (b - warm) % RECALIBRATE_EVERY == RECALIBRATE_EVERY - 1
-      ):  # on a timed burst's buffers
+      if b >= warm and (b - warm + 1) % every == 0:  # on a timed burst's buffers
         nulls.append(self._null_round_trip(b))
     overhead_ms = self._overhead_ms(nulls)
     host = timing.candidate_runtime(times[warm:], overhead_ms / 1e3, k)
