@@ -42,9 +42,10 @@ DICE_SAMPLER = SamplerConfig(
   top_p=1.0,
   max_new_tokens=4096,
   return_logprobs=True,
-  # a group's rows read their shared prompt's K/V from the group's first row: exact, and 1.06x at
-  # the RL shape (H100, float8 cache; docs/performance.md, issue 39 sessions 27-28)
-  decode_tiles=DecodeTiles(share_prompts=True),
+  # a group's prompt tiles attended once with all its members' queries (`cascade`, one device), else
+  # read from the group's first row (`share_prompts`, meshes): exact; at the RL shape share 1.06x its
+  # base, cascade 1.02x share (H100, float8 cache; docs/performance.md, issue 39 sessions 27-29)
+  decode_tiles=DecodeTiles(share_prompts=True, cascade=True),
 )
 DICE_OPTIMIZER = OptimizerConfig(
   learning_rate=1e-6, schedule="constant", warmup_ratio=0.0, weight_decay=0.0, clip_norm=1.0

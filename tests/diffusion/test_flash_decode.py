@@ -621,9 +621,10 @@ def test_sampler_sharing_prompts_decodes_what_the_dense_sampler_decodes(monkeypa
   dense, flash = _sharpened_dense_and_flash()
   keys = sampler.row_keys(jax.random.key(3), len(prompts))
   want = sampler.generate(dense, prompts, cfg, keys=keys)
-  for option, group in (("share_prompts", 0), ("cascade", 4)):
+  options = ({"share_prompts": True}, {"cascade": True}, {"share_prompts": True, "cascade": True})
+  for option, group in zip(options, (0, 4, 4)):  # both: the RL default (cascade where it applies)
     handed.clear()
-    tiles = flash_decode.DecodeTiles(split=32, block_k=16, **{option: True})
+    tiles = flash_decode.DecodeTiles(split=32, block_k=16, **option)
     got = sampler.generate(flash, prompts, dataclasses.replace(cfg, decode_tiles=tiles), keys=keys)
     # every decode forward's cache attention (prefill: none)
     assert handed and set(handed) == {(True, group)}, (option, handed)
@@ -635,7 +636,8 @@ def test_sampler_sharing_prompts_decodes_what_the_dense_sampler_decodes(monkeypa
 def test_sharing_prompts_on_8_devices_decodes_what_the_dense_sampler_decodes():
   """`share_prompts` with rows split over 4 row shards of 2 (and K/V heads over `tensor`): rows 1, 3
   and 7 read their prompt from the row before them on their own device; row 5's source (row 0) lives
-  on another device, so it reads its own copy. The dense single-device sampler's tokens."""
+  on another device, so it reads its own copy. The dense single-device sampler's tokens. `cascade` is
+  on too, as in the RL default, and falls back to these reads on a mesh."""
   from dice_jax import sharding
 
   a, b, c, d = _PROMPTS
@@ -647,7 +649,8 @@ def test_sharing_prompts_on_8_devices_decodes_what_the_dense_sampler_decodes():
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   flash = sharding.create_sharded(lambda: transformer.Transformer(mcfg, rngs=nnx.Rngs(0)), mesh)
   flash.lm_head.set_value(flash.lm_head[...] * 60.0)
-  tiles = flash_decode.DecodeTiles(split=32, block_k=16, share_prompts=True)
+  # the RL default's flags: `cascade` applies on one device only, so here `share_prompts` reads
+  tiles = flash_decode.DecodeTiles(split=32, block_k=16, share_prompts=True, cascade=True)
   cfg = dataclasses.replace(cfg, decode_tiles=tiles)
   layout = sampler.layout_prompts(prompts, cfg, mcfg.mask_token_id)
   np.testing.assert_array_equal(layout.prompt_source, [0, 0, 2, 2, 4, 0, 6, 6])
