@@ -100,6 +100,10 @@ class DecodeTiles:
   # elsewhere `share_prompts`' reads, if on, else each row's own.
   cascade: bool = False
   prompt_group: int = 0
+  # The cascade's group launch: its largest query tile (a group's m * R query rows in tiles of up to
+  # this many; each tile reads the group's prompt once) and its warps (0: `num_warps`).
+  group_block_q: int = 64
+  group_warps: int = 0
 
   def __post_init__(self):
     for name in ("split", "block_k", "num_warps", "num_stages"):
@@ -122,6 +126,13 @@ class DecodeTiles:
         f"DecodeTiles.prompt_group must be 0 (no groups) or a group size >= 2, got "
         f"{self.prompt_group}"
       )
+    for name, lo in (("group_block_q", 16), ("group_warps", 0)):
+      v = getattr(self, name)
+      if (
+        not isinstance(v, int) or isinstance(v, bool) or (v != 0 or lo) and (v < lo or v & (v - 1))
+      ):
+        want = f"a power of two >= {lo}" if lo else "0 or a power of two"
+        raise ValueError(f"DecodeTiles.{name} must be {want}, got {v!r}")
     for name in ("dynamic_loop", "fold_new", "halves", "visible_half", "share_prompts", "cascade"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"DecodeTiles.{name} must be a bool, got {getattr(self, name)!r}")
@@ -621,7 +632,7 @@ def _group_prompt_part(
   live = jnp.any(seg_g > 0, axis=-1)
   n = jnp.where(live, group_tiles, 0)[:, None].astype(jnp.int32)
   block_q = 16
-  while block_q < min(m * r, 64):
+  while block_q < min(m * r, tiles.group_block_q):
     block_q *= 2
   o, lse = _pallas_cache_part(
     layer,
@@ -634,7 +645,9 @@ def _group_prompt_part(
     rank_g.astype(jnp.int32),
     k_seg[::m].astype(jnp.int32),
     k_rank[::m].astype(jnp.int32),
-    tiles=dataclasses.replace(tiles, fold_new=False, share_prompts=False),
+    tiles=dataclasses.replace(
+      tiles, fold_new=False, share_prompts=False, num_warps=tiles.group_warps or tiles.num_warps
+    ),
     block_q=block_q,
     max_tiles=k_cache.shape[2] // tiles.block_k,
     row_offset=0,

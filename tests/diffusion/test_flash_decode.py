@@ -545,7 +545,9 @@ def _grouped_case(seed=4):
   return clean, corrupt, attend, want
 
 
-@pytest.mark.parametrize("options", [{}, {"fold_new": True, "splits": 2}])
+@pytest.mark.parametrize(
+  "options", [{}, {"fold_new": True, "splits": 2}, {"group_block_q": 16, "group_warps": 2}]
+)
 def test_groups_attend_their_shared_prompt_once_with_every_members_queries(monkeypatch, options):
   """`cascade`: rows 0-1 and 2-3 are groups of 2 (`prompt_group`); each group's whole tiles below
   its 37 shared slots ([0, 32)) are attended in one kernel row with both members' queries, reading
@@ -560,13 +562,17 @@ def test_groups_attend_their_shared_prompt_once_with_every_members_queries(monke
 
   def spy(*args, **kwargs):
     strides.append(kwargs.get("row_stride", 1))
+    launches.append((args[3].shape[2], kwargs["block_q"], kwargs["tiles"].num_warps))
     return launch(*args, **kwargs)
 
+  launches = []
   monkeypatch.setattr(flash_decode, "_pallas_cache_part", spy)
   grouped = clean.with_prompt_sources(jnp.asarray([0, 0, 2, 2]), jnp.full((4,), 37))
   grouped = dataclasses.replace(grouped, tiles=tiles)
   np.testing.assert_allclose(attend(corrupt(grouped, 32)), want, rtol=1e-5, atol=1e-5)
   assert strides == [2, 1], strides  # the groups' launch, then the rows' own
+  # the group launch: both members' 16 query rows in tiles of up to group_block_q; its warps
+  assert launches[0] == (32, min(32, tiles.group_block_q), tiles.group_warps or 4), launches
   got = attend(corrupt(grouped, 40))
   off = np.abs(got - want).max(axis=(1, 2, 3))
   assert off[1] > 1e-2 and off[3] > 1e-2, off
@@ -592,6 +598,10 @@ def test_prompt_group_is_the_size_of_contiguous_equal_groups_or_zero():
   assert sampler.prompt_group([0, 0, 0, 3, 3]) == 0  # unequal groups
   with pytest.raises(ValueError, match="prompt_group"):
     flash_decode.DecodeTiles(prompt_group=1)
+  with pytest.raises(ValueError, match="group_block_q must be a power of two >= 16"):
+    flash_decode.DecodeTiles(group_block_q=48)
+  with pytest.raises(ValueError, match="group_warps must be 0 or a power of two"):
+    flash_decode.DecodeTiles(group_warps=3)
 
 
 def test_sampler_sharing_prompts_decodes_what_the_dense_sampler_decodes(monkeypatch):
