@@ -36,9 +36,10 @@
 #            control (the capped loop against the uncapped `dynamic`: the same decoding, other GEMM
 #            shapes)
 #   share    the rollout part's shape in one job for each of SHARE_MODES (default "share cascade"; also
-#            "base"), SHARE_ROLLOUTS (1) timed rollouts each: DecodeTiles.share_prompts (a group's rows
-#            read its prompt's K/V from one row), DecodeTiles.cascade (a group's prompt attended once
-#            with all its members' queries); on a card under 100 GB on the float8 cache
+#            "base", "cascade128"), SHARE_ROLLOUTS (1) timed rollouts each: DecodeTiles.share_prompts (a
+#            group's rows read its prompt's K/V from one row), DecodeTiles.cascade (a group's prompt
+#            attended once with all its members' queries; the RL default), cascade128 (its group launch
+#            in 128-row query tiles on 8 warps); on a card under 100 GB on the float8 cache
 #            (3 stages, f16), as bf16 does not fit; stack samples and cache-miss reasons in each log
 #            (SHARE_FLAGS: more bench_rl flags, e.g. a CPU smoke run's tiny shapes)
 #   rollout  bench_rl's rollout alone (--update_steps=0) at the RL shape: sdar_1p7b, 8 groups x 16 =
@@ -123,8 +124,13 @@ if has share; then
   n=$(echo $modes | wc -w)
   each=$(($(left) / n))
   for mode in $modes; do
-    t=$tiles
-    [ "$mode" = base ] || t="$t,\"${mode/share/share_prompts}\":true"
+    case $mode in
+      base) t=$tiles ;;
+      share) t="$tiles,\"share_prompts\":true" ;;
+      cascade) t="$tiles,\"share_prompts\":true,\"cascade\":true" ;;  # the RL default
+      cascade128) t="$tiles,\"share_prompts\":true,\"cascade\":true,\"group_block_q\":128,\"group_warps\":8" ;;
+      *) status "unknown share mode $mode (base share cascade cascade128)" && continue ;;
+    esac
     mkdir -p "$OUT/share_$mode"
     # shellcheck disable=SC2086
     part "share_$mode" 150 timeout $((each - 10)) python3 -m experiments.bench_rl \
