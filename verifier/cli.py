@@ -126,7 +126,8 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     action=argparse.BooleanOptionalAction,
     default=None,
     help="serve: build the precompiled header of flag-less builds at start, beside serving (default: "
-    "on with --device cuda, off on CPU hosts, where it would take cores from the first requests)",
+    "on with --device cuda, off on CPU hosts, where it would take cores from the first requests); "
+    "bench: before its phases (default: as serve, but off when the first phase is single)",
   )
 
 

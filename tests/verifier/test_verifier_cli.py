@@ -539,3 +539,12 @@ def test_the_timing_median_takes_each_problems_median_over_the_timed_passes():
   assert m["new_over_old_median"] == {"p1": 0.95, "p2": 1.15}
   assert (m["within_10pct"], m["compared"]) == (1, 2)
   assert m["cached_per_min_mean"] == 44.0
+
+
+def test_the_bench_warms_the_pch_as_serve_does_unless_single_times_a_cold_build_first():
+  from verifier import bench
+
+  assert bench.warms_pch(None, "cuda", ["dice_e2e"])  # a GPU host, as `serve`
+  assert not bench.warms_pch(None, "cuda", ["single", "dice_e2e"])  # single builds it, timed
+  assert not bench.warms_pch(None, "cpu", ["dice_e2e"])  # CPU hosts: the cores go to the requests
+  assert bench.warms_pch(True, "cpu", ["single"]) and not bench.warms_pch(False, "cuda", [])
