@@ -513,6 +513,24 @@ def test_a_candidate_cannot_tell_compared_bursts_by_the_gap_before_them(service)
   assert "timed call" in r.reason
 
 
+def test_a_timed_call_returning_an_earlier_output_again_is_wrong_without_the_poison(service):
+  # Timed calls no longer NaN their outputs after publishing (ForwardRequest.poison: a 4 GB fill a
+  # call on level-1's largest tasks). A candidate honest in the trials and its first timed call,
+  # then returning that output object again, unpoisoned now: every later input is fresh, so the
+  # compared calls and trial 0's re-check see a wrong (finite) answer.
+  src = candidate(
+    "        self.calls += 1\n"
+    "        if self.calls <= 3:  # the 2 trials and the first timed call\n"
+    "            self.last = good(a, b, self.scale)\n"
+    "        return self.last",
+    init="        self.calls, self.last = 0, None",
+  )
+  timed = dict(measure_performance=True, num_warmup=1, num_perf_trials=16)
+  (r,) = _verify(service, _req("stale-output", src, **timed))
+  assert r.failure_kind is FailureKind.WRONG_OUTPUT and r.reward == 0.0, r.reason
+  assert "timed call" in r.reason or "re-checked" in r.reason, r.reason
+
+
 def test_a_timed_call_that_changes_its_inputs_is_caught_with_inputs_drawn_into_buffers(service):
   # Item 9: timed calls' inputs are drawn straight into the exchange buffers and nothing private is
   # kept before the round trip; a compared call's private inputs are re-drawn from its seed after it.

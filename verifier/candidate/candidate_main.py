@@ -339,7 +339,7 @@ class CandidateRuntime:
         self._marker(post if spans else 0)
         if len(calls) == 1 or spans:
           t1 = self._sync()
-        specs.append(self._publish(out, targets, args))
+        specs.append(self._publish(out, targets, args, req.poison))
         _copy_back(views, args)
         del out
       self._marker(req.marker)
@@ -368,10 +368,11 @@ class CandidateRuntime:
     with torch.no_grad():
       return self.model(*args)
 
-  def _publish(self, out, targets, args) -> tuple[OutputSpec, ...]:
+  def _publish(self, out, targets, args, poison: bool = True) -> tuple[OutputSpec, ...]:
     """Describe each output leaf and copy the ones that match an expected tensor into its buffer; then
-    poison the outputs, except those that are the model's state or the forward's own inputs (an input is
-    the checker's buffer: poisoning it would be read as the candidate's mutation)."""
+    (``poison``) poison the outputs, except those that are the model's state or the forward's own
+    inputs (an input is the checker's buffer: poisoning it would be read as the candidate's
+    mutation)."""
     specs = []
     for leaf, target in itertools.zip_longest(tensors.flatten(out), targets):
       if isinstance(leaf, torch.Tensor):
@@ -400,9 +401,10 @@ class CandidateRuntime:
         specs.append(OutputSpec(kind="data", type_name=type(leaf).__name__, data=leaf))
       else:
         specs.append(OutputSpec(kind="other", type_name=type(leaf).__name__))
-    inputs = {t.untyped_storage().data_ptr() for t in tensors.flatten(args) if torch.is_tensor(t)}
-    models = [m for m in (self.model, self.calibration) if m is not None]
-    tensors.poison(out, tensors.storages_of(*models) | inputs)
+    if poison:
+      inputs = {t.untyped_storage().data_ptr() for t in tensors.flatten(args) if torch.is_tensor(t)}
+      models = [m for m in (self.model, self.calibration) if m is not None]
+      tensors.poison(out, tensors.storages_of(*models) | inputs)
     return tuple(specs)
 
 

@@ -462,12 +462,14 @@ class Check(TimedCalls):
     profile: bool = False,
     calibrate: bool = False,
     null: bool = False,
+    poison: bool | None = None,
   ) -> ForwardDone:
     """Forwards in the candidate on staged buffers, one per (staged, seed) of ``calls``, in one round
     trip (more than one: a timed burst); ``self.round_trip_s`` is the round trip on this process's clock
     (the only duration of a candidate call that counts), ``self.copied[k]`` call ``k``'s outputs copied
     out in it. The round trip is a window of evidence (``call_evidence``): host samples in it and, after
-    the clock, the device records the candidate's process sends."""
+    the clock, the device records the candidate's process sends. ``poison`` (``ForwardRequest``):
+    by default on for forwards of the model, off for calibration and null round trips."""
     call = self.calls
     (staged, seed), burst = calls[0], calls[1:]
     self.calls += 0 if calibrate or null else len(calls)
@@ -485,6 +487,7 @@ class Check(TimedCalls):
       burst=tuple(BurstCall(call + 1 + k, sd, s.args, s.outs) for k, (s, sd) in enumerate(burst)),
       marker=marker,
       span_markers=span_markers,
+      poison=not (calibrate or null) if poison is None else poison,
     )
     data = channel.frame(req, len(fds))  # encoded before the clock starts
     c0 = self.cpu_clock.ns() if self.cpu_clock is not None and self.cpu_last is None else 0

@@ -393,7 +393,7 @@ class TimedCalls:
     t2 = time.monotonic()
     self.flush(b)
     t3 = time.monotonic()
-    done = self._forward(burst)
+    done = self._forward(burst, poison=False)  # every timed call alike (ForwardRequest.poison)
     t4 = time.monotonic()
     specs = (done.outputs,) + done.burst_outputs
     for i, j in enumerate(calls):

@@ -309,6 +309,11 @@ class ForwardRequest:
   # each forward (pre, post; drawn by the checker, distinct from ``marker``): the device clock's
   # bounds of that forward (``DeviceRecords.forward_ns``)
   span_markers: tuple[int, ...] = ()
+  # NaN the outputs after they are copied out (``tensors.poison``), so one the candidate returns again
+  # shows NaN: the trials, the re-check and the profiled call. Timed and calibration round trips leave
+  # them: their inputs are fresh every call, so a stale output is wrong there anyway, and a level-1
+  # task's 4 GB output cost a 4 GB fill a call (a third of its publishing)
+  poison: bool = True
 
 
 @record
