@@ -631,7 +631,8 @@ def test_sampler_sharing_prompts_decodes_what_the_dense_sampler_decodes(monkeypa
   dense, flash = _sharpened_dense_and_flash()
   keys = sampler.row_keys(jax.random.key(3), len(prompts))
   want = sampler.generate(dense, prompts, cfg, keys=keys)
-  options = ({"share_prompts": True}, {"share_prompts": True, "cascade": True})  # 2nd: the RL default
+  share, rl_default = {"share_prompts": True}, {"share_prompts": True, "cascade": True}
+  options = (share, rl_default)
   for option, group in zip(options, (0, 4)):
     handed.clear()
     tiles = flash_decode.DecodeTiles(split=32, block_k=16, **option)
