@@ -126,13 +126,17 @@ class DecodeTiles:
         f"DecodeTiles.prompt_group must be 0 (no groups) or a group size >= 2, got "
         f"{self.prompt_group}"
       )
-    for name, lo in (("group_block_q", 16), ("group_warps", 0)):
-      v = getattr(self, name)
-      if (
-        not isinstance(v, int) or isinstance(v, bool) or (v != 0 or lo) and (v < lo or v & (v - 1))
-      ):
-        want = f"a power of two >= {lo}" if lo else "0 or a power of two"
-        raise ValueError(f"DecodeTiles.{name} must be {want}, got {v!r}")
+    pow2 = lambda v, lo: (
+      isinstance(v, int) and not isinstance(v, bool) and v >= lo and not v & (v - 1)
+    )  # noqa: E731
+    if not pow2(self.group_block_q, 16):
+      raise ValueError(
+        f"DecodeTiles.group_block_q must be a power of two >= 16, got {self.group_block_q!r}"
+      )
+    if self.group_warps != 0 and not pow2(self.group_warps, 1):
+      raise ValueError(
+        f"DecodeTiles.group_warps must be 0 or a power of two, got {self.group_warps!r}"
+      )
     for name in ("dynamic_loop", "fold_new", "halves", "visible_half", "share_prompts", "cascade"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"DecodeTiles.{name} must be a bool, got {getattr(self, name)!r}")
