@@ -49,7 +49,14 @@ flags.DEFINE_integer("group_size", 16, "samples per task")
 flags.DEFINE_integer("prompt_len", 896, "prompt tokens per task (DICE e2e median: 883)")
 flags.DEFINE_integer("new_tokens", 512, "tokens decoded per sample")
 flags.DEFINE_integer("groups_per_batch", 8, "groups per sampler call")
-flags.DEFINE_integer("prefill_chunk", 16, "rows per prefill chunk (as bench_sampler)")
+flags.DEFINE_integer(
+  "prefill_chunk", 0, "rows per prefill chunk (0: all, as the RL loop's sampler, DICE_SAMPLER)"
+)
+flags.DEFINE_bool(
+  "prefill_once_per_group",
+  True,
+  "prefill a group's shared prompt once (SamplerConfig.prefill_once_per_group); false: every row",
+)
 flags.DEFINE_integer(
   "commit_rows", 0, "rollout: rows committing per forward (SamplerConfig.commit_rows; 0: no cap)"
 )
@@ -330,6 +337,7 @@ def main(argv):
       return_logprobs=True,
       pad_id=mcfg.pad_token_id or 0,
       prefill_chunk=FLAGS.prefill_chunk,
+      prefill_once_per_group=FLAGS.prefill_once_per_group,
       commit_rows=FLAGS.commit_rows,
       decode_tiles=bench_common.decode_tiles(FLAGS.decode_tiles, default=DICE_SAMPLER.decode_tiles),
       kv_cache_dtype=FLAGS.kv_cache_dtype or None,

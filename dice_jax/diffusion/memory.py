@@ -39,12 +39,15 @@ def estimate(
   row_shards: int = 1,
   head_shards: int = 1,
   param_shards: int = 1,
+  prefill_group: int = 1,
 ) -> dict:
   """Bytes by part on one device: `weights` (the parameters, plus their per-layer compute-dtype
   copy when `decode_weights`: `transformer.DecodeWeights`, its projections in `weights_dtype`
   when given), `kv_cache` (of `cache_dtype`, default the compute dtype), `activations`, and their `total`. On a mesh (`placement.Placement.shards`)
   the weights are split `param_shards` ways, the cache over `row_shards` x `head_shards` and the
   activations over `row_shards` (rows that do not divide count whole: `-(-rows // row_shards)`).
+  `prefill_group` > 1: one row of each group of that many runs the prefill forward
+  (`SamplerConfig.prefill_once_per_group`); its K/V are repeated for the chunk's rows.
   `decode` and `prefill` are each phase's activations (`activations` the larger). The same on
   every platform: the TPU decode reads the cache in place (module docstring)."""
   c = model_cfg
@@ -67,8 +70,9 @@ def estimate(
   # Split-merge buffers of the flash cache kernel: f32 [rows, K, splits, 2b * G, H].
   decode += 4 * rows * c.num_heads * 2 * block_size * c.head_dim * max(1, cache_len // 512)
   pre_tokens = prefill_rows * prefill_width
-  kv_layers = 2 * c.num_layers * pre_tokens * c.num_kv_heads * c.head_dim * act
-  prefill = pre_tokens * per_token + 2 * kv_layers
+  lead_tokens = -(-prefill_rows // prefill_group) * prefill_width
+  kv_bytes = lambda tokens: 2 * c.num_layers * tokens * c.num_kv_heads * c.head_dim * act
+  prefill = lead_tokens * per_token + kv_bytes(lead_tokens) + kv_bytes(pre_tokens)
   weights, cache = -(-weights // param_shards), -(-cache // head_shards)
   activations = max(decode, prefill)
   return dict(

@@ -90,6 +90,13 @@ class SamplerConfig:
   return_logprobs: bool = False
   pad_id: int = 0
   prefill_chunk: int = 0  # rows per prefill chunk (bounds prefill attention memory); 0 = all
+  # Rows in contiguous groups of m sharing a prompt (an RL group: `prompt_group`) prefill it once: the
+  # group's first row runs the prefill forward and its keys/values go to every member's cache row
+  # (m times fewer prefill FLOPs and activations). The values equal the members' own prefill's up
+  # to the GEMMs' rounding at another batch shape (CPU, tiny model: log-probs within 4e-6, the same
+  # tokens). One row shard, prefill chunks of whole groups (`_prefill_plan`); elsewhere every row
+  # prefills its own prompt.
+  prefill_once_per_group: bool = True
   confidence: str = "filtered"  # "filtered" (JetEngine) | "unfiltered" (SDAR eval); remasking.py
   decode_tiles: DecodeTiles = DecodeTiles()  # flash cache-attention kernel tiling
   # Rows move to their next block as soon as their own is decided (`slots.advance_ragged`: every
@@ -370,19 +377,45 @@ def _prefill_rows(cfg: SamplerConfig, rows: int) -> int:
   return cfg.prefill_chunk if cfg.prefill_chunk and rows % cfg.prefill_chunk == 0 else rows
 
 
+def _prefill_plan(cfg: SamplerConfig, placement, rows: int) -> tuple[int, int, int]:
+  """(rows a prefill chunk admits, row shards it is split over, rows one prefill forward stands
+  for): the last is the layout's prompt group (`prefill_once_per_group`, `DecodeTiles.prompt_group`
+  set by `decode`) where every chunk holds whole groups on one row shard, else 1."""
+  chunk = _prefill_rows(cfg, rows)
+  shards = placement.shard_rows(rows)
+  shards = shards if chunk % shards == 0 else 1
+  m = cfg.decode_tiles.prompt_group
+  grouped = cfg.prefill_once_per_group and m > 1 and shards == 1 and chunk % m == 0
+  return chunk, shards, m if grouped else 1
+
+
+def with_prompt_group(cfg: SamplerConfig, layout: Layout) -> SamplerConfig:
+  """`cfg` with `DecodeTiles.prompt_group` set to the layout's group size (`prompt_group`; static
+  in the compiled sampler) where the cascade or the grouped prefill reads it."""
+  if not (cfg.decode_tiles.cascade or cfg.prefill_once_per_group):
+    return cfg
+  m = prompt_group(layout.prompt_source)
+  return dataclasses.replace(
+    cfg, decode_tiles=dataclasses.replace(cfg.decode_tiles, prompt_group=m)
+  )
+
+
 def memory_estimate(model, layout: Layout, cfg: SamplerConfig, placement=None) -> dict:
   """`memory.estimate` of `decode(model, layout, cfg)` (bytes by part, per device of the model's
   mesh or `placement`)."""
+  cfg = with_prompt_group(cfg, layout)
   rows, total = layout.tokens.shape
   prefill = _prefill_width(model, layout, cfg)
   placement = placement or Placement.of(nnx.state(model))
+  chunk, _, group = _prefill_plan(cfg, placement, rows)
   return memory.estimate(
     model.cfg,
     rows=rows,
     cache_len=_cache_len(model, cfg, total, prefill),
     block_size=cfg.block_size,
-    prefill_rows=_prefill_rows(cfg, rows),
+    prefill_rows=chunk,
     prefill_width=prefill,
+    prefill_group=group,
     decode_weights=cfg.splits_weights(model.cfg),
     cache_dtype=cfg.cache_dtype(model.cfg),
     weights_dtype=cfg.weights_dtype,
@@ -457,9 +490,7 @@ def _decode(graphdef, state, weights, layout: Layout, keys, *, cfg: SamplerConfi
   sl = slots_lib.empty_slots(rows, b, width, cfg.return_logprobs, model.cfg.mask_token_id)
   sl = placement.constrain_rows(sl)
   prompts, n = _prompt_rows(layout, prefill)
-  chunk = _prefill_rows(cfg, rows)
-  shards = placement.shard_rows(rows)
-  shards = shards if chunk % shards == 0 else 1
+  chunk, shards, group = _prefill_plan(cfg, placement, rows)
 
   def admit_chunk(i, carry):
     sl_, cache_ = carry
@@ -476,6 +507,7 @@ def _decode(graphdef, state, weights, layout: Layout, keys, *, cfg: SamplerConfi
       pick(keys),
       cfg,
       placement,
+      group=group,
     )
 
   sl, cache = jax.lax.fori_loop(0, rows // chunk, admit_chunk, (sl, cache))
@@ -550,12 +582,7 @@ def decode(
   limit), with a clear error when it cannot fit.
   """
   trace_context.settle()  # else the first call's kernels change the context (trace_context.py)
-  cfg = cfg.for_model(model.cfg)
-  if cfg.decode_tiles.cascade:  # the layout's groups, static in the compiled sampler
-    m = prompt_group(layout.prompt_source)
-    cfg = dataclasses.replace(
-      cfg, decode_tiles=dataclasses.replace(cfg.decode_tiles, prompt_group=m)
-    )
+  cfg = with_prompt_group(cfg.for_model(model.cfg), layout)
   graphdef, state = nnx.split(model)
   placement = Placement.of(state)
   memory.check_fits(

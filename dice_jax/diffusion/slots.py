@@ -148,11 +148,16 @@ def admit(
   keys,
   cfg,
   placement=None,
+  group: int = 1,
 ):
   """Starts sequences in slots `rows` `[R]`: prompts `[R, P]` (token ids from column 0, any
   padding after `prompt_len [R]`), budgets `max_new [R]`, PRNG keys `[R]`. Prefills their cache
   rows (positions [0, first block - b)) and resets their state. P is static (a width bucket);
   `b + P` must fit the cache. A row index >= the slot count admits nothing (padding).
+
+  `group` > 1: the rows are consecutive groups of that many with equal prompts
+  (`SamplerConfig.prefill_once_per_group`); each group's first row is prefilled and its keys and
+  values are written to every member's row.
 
   With a `placement` (`placement.Placement`), the admitted rows are split over its row shards
   like the slots, in order (the j-th block of R/n rows in shard j's slots, or padding), and each
@@ -171,8 +176,11 @@ def admit(
   seg = (col < pre).astype(jnp.int32)
   blk = grid.block_of(col, n).astype(jnp.int32)
   pos = jnp.broadcast_to(col, (r, width))
-  spec = masks_lib.AttentionSpec.block_causal(b, seg, blk)
-  k, v = model.prefill_kv(prompts, pos, spec)
+  lead = slice(None, None, group)  # each group's first row (every row when group is 1)
+  spec = masks_lib.AttentionSpec.block_causal(b, seg[lead], blk[lead])
+  k, v = model.prefill_kv(prompts[lead], pos[lead], spec)
+  if group > 1:
+    k, v = (jnp.repeat(x, group, axis=1) for x in (k, v))  # [L, R, T, K, H]: a row per member
   slot_pos = jnp.broadcast_to(
     jnp.arange(cache.max_len, dtype=jnp.int32)[None] - b, (r, cache.max_len)
   )

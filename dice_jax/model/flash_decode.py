@@ -96,8 +96,9 @@ class DecodeTiles:
   # queries stacked into one program's tile (a matmul over the prompt instead of a GEMV per row),
   # and to the rest of their slots alone; the two parts merge by log-sum-exp like two programs of
   # a row. `prompt_group` is the group size: set by `sampler.decode` from the layout's prompt
-  # sources (0 where the rows are not such groups), never by hand. Single device, no `halves`;
-  # elsewhere `share_prompts`' reads, if on, else each row's own.
+  # sources (0 where the rows are not such groups), never by hand; the grouped prefill
+  # (`SamplerConfig.prefill_once_per_group`) reads it too. Single device, no `halves`; elsewhere
+  # `share_prompts`' reads, if on, else each row's own.
   cascade: bool = False
   prompt_group: int = 0
   # The cascade's group launch: its largest query tile (a group's m * R query rows in tiles of up to

@@ -124,19 +124,23 @@ if has share; then
   n=$(echo $modes | wc -w)
   each=$(($(left) / n))
   for mode in $modes; do
+    extra=''
     case $mode in
       base) t=$tiles ;;
       share) t="$tiles,\"share_prompts\":true" ;;
       cascade) t="$tiles,\"share_prompts\":true,\"cascade\":true" ;;  # the RL default
       cascade128) t="$tiles,\"share_prompts\":true,\"cascade\":true,\"group_block_q\":128,\"group_warps\":8" ;;
-      *) status "unknown share mode $mode (base share cascade cascade128)" && continue ;;
+      # the RL default before the grouped prefill: every row prefills its prompt, 16 rows a chunk
+      cascade_rowprefill) t="$tiles,\"share_prompts\":true,\"cascade\":true" \
+        extra='--prefill_once_per_group=false --prefill_chunk=16' ;;
+      *) status "unknown share mode $mode (base share cascade cascade128 cascade_rowprefill)" && continue ;;
     esac
     mkdir -p "$OUT/share_$mode"
     # shellcheck disable=SC2086
     part "share_$mode" 150 timeout $((each - 10)) python3 -m experiments.bench_rl \
       --out="$OUT/share_$mode" --config=sdar_1p7b --tasks=8 --group_size=16 --groups_per_batch=8 \
       --prompt_len=896 --new_tokens=4096 --verifier=none --update_steps=0 --commit_rows=48 \
-      --rollouts=${SHARE_ROLLOUTS:-1} --stack_every_s=2 $f8 --decode_tiles="{$t}" ${SHARE_FLAGS:-}
+      --rollouts=${SHARE_ROLLOUTS:-1} --stack_every_s=2 $f8 --decode_tiles="{$t}" $extra ${SHARE_FLAGS:-}
   done
 fi
 if has rollout; then

@@ -532,3 +532,54 @@ def test_fp8_weights_are_refused_off_the_split_weights_path():
   cfg = sampler.SamplerConfig(weights_dtype="float8_e4m3fn")
   with pytest.raises(ValueError, match="needs the split decode weights: attention_impl='flash'"):
     sampler.generate(dense, PROMPTS, cfg)
+
+
+def test_groups_sharing_a_prompt_prefill_it_once_and_decode_what_per_row_prefill_decodes(
+  model, monkeypatch
+):
+  """`prefill_once_per_group`: RL-style groups (each prompt three times, the groups of unequal
+  prompt lengths, sampled at temperature 1 with log-probs) prefill one row per group and copy its
+  K/V to the members: the tokens, step map and log-probs of every row prefilling its own prompt.
+  Chunks of whole groups keep it; a chunk that splits a group, and rows that are not groups, fall
+  back to a prefill row per row."""
+  seen = []
+  prefill_kv = Transformer.prefill_kv
+
+  def spy(self, tokens, *args, **kwargs):
+    seen.append(tokens.shape[0])  # at trace time: the rows one prefill forward runs
+    return prefill_kv(self, tokens, *args, **kwargs)
+
+  monkeypatch.setattr(Transformer, "prefill_kv", spy)
+  prompts = [p for p in PROMPTS for _ in range(3)]  # 12 rows in 4 groups of 3
+  cfg = sampler.SamplerConfig(
+    strategy="low_confidence_dynamic",
+    threshold=0.5,
+    temperature=1.0,
+    max_new_tokens=12,
+    return_logprobs=True,
+    prefill_once_per_group=False,
+  )
+  keys = sampler.row_keys(jax.random.key(5), len(prompts))
+  want = sampler.generate(model, prompts, cfg, keys=keys)
+  assert seen == [12]
+  on = dataclasses.replace(cfg, prefill_once_per_group=True)
+  for chunk, rows_prefilled in ((0, [4]), (6, [2]), (4, [4])):  # 4 splits a group: per row
+    seen.clear()
+    got = sampler.generate(model, prompts, dataclasses.replace(on, prefill_chunk=chunk), keys=keys)
+    assert seen == rows_prefilled, chunk
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(got.step_map), np.asarray(want.step_map))
+    # the K/V of a 4-row prefill GEMM round like those of a 12-row one to ~1e-6
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
+  seen.clear()
+  sampler.generate(model, PROMPTS, on)  # no shared prompts: every row prefills its own
+  assert seen == [4]
+  # the memory check counts the prefill forward's activations of the 4 leaders, not of 12 rows
+  layout = sampler.layout_prompts(prompts, on.for_model(model.cfg), MASK)
+  est = {c: sampler.memory_estimate(model, layout, c)["prefill"] for c in (cfg, on)}
+  width = sampler._prefill_width(model, layout, cfg)
+  kv = 2 * model.cfg.num_layers * width * model.cfg.num_kv_heads * model.cfg.head_dim * 4  # a row's
+  a = (
+    est[cfg] / 12 - 2 * kv
+  )  # one row's forward activations (the per-row prefill: 12 + 12 rows' K/V)
+  assert est[on] == pytest.approx(4 * a + (4 + 12) * kv)  # 4 leaders' forward and K/V; 12 rows' K/V
