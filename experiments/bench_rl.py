@@ -442,7 +442,10 @@ def main(argv):
       rows_per_call=FLAGS.groups_per_batch * FLAGS.group_size,
       commit_rows=FLAGS.commit_rows,
       decode_tiles=dataclasses.asdict(scfg.decode_tiles),
-      # the groups `DecodeTiles.cascade` finds in a call's rows (sampler.decode does the same)
+      prefill_chunk=scfg.prefill_chunk,
+      prefill_once_per_group=scfg.prefill_once_per_group,
+      # the groups `DecodeTiles.cascade` and the grouped prefill find in a call's rows (as
+      # sampler.decode does)
       prompt_group=sampler_lib.prompt_group(
         sampler_lib.prompt_sources(
           [g.prompt_ids for g in groups[: FLAGS.groups_per_batch] for _ in range(g.size)]

@@ -36,10 +36,12 @@
 #            control (the capped loop against the uncapped `dynamic`: the same decoding, other GEMM
 #            shapes)
 #   share    the rollout part's shape in one job for each of SHARE_MODES (default "share cascade"; also
-#            "base", "cascade128"), SHARE_ROLLOUTS (1) timed rollouts each: DecodeTiles.share_prompts (a
+#            "base", "cascade128", "cascade_rowprefill"), SHARE_ROLLOUTS (1) timed rollouts each: DecodeTiles.share_prompts (a
 #            group's rows read its prompt's K/V from one row), DecodeTiles.cascade (a group's prompt
 #            attended once with all its members' queries; the RL default), cascade128 (its group launch
-#            in 128-row query tiles on 8 warps); on a card under 100 GB on the float8 cache
+#            in 128-row query tiles on 8 warps), cascade_rowprefill (the RL default with every row
+#            prefilling its own prompt, 16 rows a chunk: the baseline of the grouped prefill,
+#            SamplerConfig.prefill_once_per_group); on a card under 100 GB on the float8 cache
 #            (3 stages, f16), as bf16 does not fit; stack samples and cache-miss reasons in each log
 #            (SHARE_FLAGS: more bench_rl flags, e.g. a CPU smoke run's tiny shapes)
 #   rollout  bench_rl's rollout alone (--update_steps=0) at the RL shape: sdar_1p7b, 8 groups x 16 =
