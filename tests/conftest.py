@@ -1,31 +1,18 @@
 """Test-wide setup: JAX on 8 fake CPU devices (set before JAX initialises), except for a GPU run
-(`pytest -m gpu`), where JAX keeps its GPU; one compilation cache for the run; shared data location;
-the `gpu` fixture."""
+(`pytest -m gpu`), where JAX keeps its GPU; shared data location; the `gpu` fixture."""
 
 import gc
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 _FORCED_CPU = "JAX_PLATFORMS" not in os.environ
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-# One JAX persistent compilation cache for the whole run, fresh at its start: pytest-xdist's workers
-# and every process a test starts inherit it, so a program compiled once (the tiny model's sampler
-# and train step, in many modules; a restarted launcher's run) is read back instead of compiled
-# again (2-core VM, tests/diffusion + tests/rl: 1,841 s of test time without, 1,402 s with it).
-# A launcher with `--compile_cache` still uses its own run's directory. `JAX_COMPILATION_CACHE_DIR`
-# set by the caller is kept (and not deleted).
-_CACHE_OWNED = "JAX_COMPILATION_CACHE_DIR" not in os.environ
-if _CACHE_OWNED:
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="dice_jax_tests_jax_cache_")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -41,12 +28,6 @@ def pytest_configure(config):
     del os.environ["JAX_PLATFORMS"]
     if "jax" in sys.modules:  # imported by a conftest already, not yet initialised
       sys.modules["jax"].config.update("jax_platforms", None)
-
-
-def pytest_unconfigure(config):
-  """The run's compilation cache goes with the process that made it (not an xdist worker's copy)."""
-  if _CACHE_OWNED and not hasattr(config, "workerinput"):
-    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
