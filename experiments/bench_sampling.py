@@ -8,6 +8,10 @@ every position (`jax.random.categorical`), i.e. `rows x tokens x vocab` random n
 compiling call, for each `--impls` PRNG implementation (`jax.random.key(0, impl=...)`, one key a
 row as the sampler keeps them), beside greedy decoding (argmax: no random numbers) as the floor.
 Each row: ms a call (median of `--iters`), and the ms above greedy.
+
+Caveat: under `vmap`, JAX batches `rng_bit_generator` (rbg, unsafe_rbg) by drawing every row's bits
+from the first row's key, so those impls would break the sampler's contract that row i's draws
+depend on its own key only; they are timed here as the cost of a cheaper generator, not as a drop-in.
 """
 
 from __future__ import annotations
