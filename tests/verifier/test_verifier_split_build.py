@@ -196,3 +196,69 @@ int main() {
   out = subprocess.run([str(exe)], capture_output=True, text=True).stdout.split()
   # int, int, CUDA's umin(-1 -> 4294967295, 2), long, fminf ignores NaN, double, double, long long
   assert out == ["100", "256", "2", "7", "1.0", "2.5", "1.0", "-5"]
+
+
+def _recording_load_inline(fail):
+  """A stand-in for ``load_inline`` (same signature) that records each build's kind and raises
+  ``fail(kind)`` when that is not None: 'lean' / 'full' split, 'fast' or 'stock'."""
+  import functools
+
+  from torch.utils.cpp_extension import load_inline
+
+  from verifier.build.split_build import LEAN_TORCH_INCLUDES
+
+  kinds = []
+
+  @functools.wraps(load_inline)
+  def fake(**params):
+    if params.get("no_implicit_headers"):
+      kind = "lean" if LEAN_TORCH_INCLUDES in params["cpp_sources"] else "full"
+    elif "-O0" in (params.get("extra_cflags") or []):
+      kind = "fast"
+    else:
+      kind = "stock"
+    kinds.append(kind)
+    error = fail(kind)
+    if error:
+      raise RuntimeError(error)
+    return object()
+
+  return fake, kinds
+
+
+_KERNEL_ERROR = 'FAILED: cuda.cuda.o\n/tmp/b/cuda.cu(12): error: identifier "y" is undefined\n'
+_MAIN_CPP_ERROR = (
+  "FAILED: main.o\n/tmp/b/main.cpp:40:12: error: 'torch::nn' has not been declared\n"
+)
+
+
+@pytest.mark.parametrize(
+  "fail, cuda, expected",
+  [
+    # the candidate's own error in its kernels: the lean split, then the stock build decides (no fast build)
+    (lambda kind: _KERNEL_ERROR, CUDA, ["lean", "stock"]),
+    # the lean headers lacked something main.cpp uses: the full split, and only then the stock build
+    (lambda kind: _MAIN_CPP_ERROR, CUDA, ["lean", "full", "stock"]),
+    # what the split's rewrite broke, the stock build still builds
+    (lambda kind: _KERNEL_ERROR if kind == "lean" else None, CUDA, ["lean", "stock"]),
+    (lambda kind: None, CUDA, ["lean"]),
+    # no split (a template): the fast build first, the stock one when it fails
+    (lambda kind: _KERNEL_ERROR, "template <int N> struct T {};\n" + CUDA, ["fast", "stock"]),
+    (lambda kind: None, "template <int N> struct T {};\n" + CUDA, ["fast"]),
+  ],
+  ids=["broken", "main_cpp", "split_only", "good", "unsplit_broken", "unsplit_good"],
+)
+def test_builds_tried_for_each_failure(tmp_path, fail, cuda, expected):
+  from verifier.build.build_cache import CachedLoadInline
+
+  fake, kinds = _recording_load_inline(fail)
+  cache = CachedLoadInline(fake, str(tmp_path), split=True, use_pch=False)
+  call = dict(name="scale", cpp_sources=CPP, cuda_sources=cuda, functions=["scale"])
+  if fail("stock"):
+    with pytest.raises(RuntimeError, match="error"):
+      cache(**call)
+    assert cache.events[-1]["error"]
+  else:
+    cache(**call)
+    assert not cache.events[-1]["error"]
+  assert kinds == expected

@@ -183,10 +183,14 @@ class CachedLoadInline:
       params.update(
         build_directory=tmp, verbose=False
       )  # verbose=False keeps compiler output in the error
-      module, built = None, False
+      module, built, split_failed = None, False, False
       if self.split:
         module, built = self._build_split(params, event, tmp)
-      fast = fast_variant(params) if self.fast and not built else None
+        split_failed = not built and "split_error" in event
+      # After a failed split build, the stock build alone decides: the fast one compiles the same kernels
+      # with fewer headers, so it would fail too on the candidate's own errors (one compile saved a broken
+      # candidate) and would rarely rescue what the split's rewrite broke.
+      fast = fast_variant(params) if self.fast and not built and not split_failed else None
       if fast is not None:
         try:
           module, built = self._build(fast, event), True
