@@ -47,7 +47,8 @@ def estimate(
   the weights are split `param_shards` ways, the cache over `row_shards` x `head_shards` and the
   activations over `row_shards` (rows that do not divide count whole: `-(-rows // row_shards)`).
   `prefill_group` > 1: one row of each group of that many runs the prefill forward
-  (`SamplerConfig.prefill_once_per_group`); its K/V are repeated for the chunk's rows.
+  (`SamplerConfig.prefill_once_per_group`); its K/V are written to each member's cache row in
+  place (`slots.admit`), so the prefill's buffers are the leaders' alone.
   `decode` and `prefill` are each phase's activations (`activations` the larger). The same on
   every platform: the TPU decode reads the cache in place (module docstring)."""
   c = model_cfg
@@ -69,10 +70,10 @@ def estimate(
   decode = decode_tokens * per_token + 4 * 4 * rows * block_size * c.vocab_size
   # Split-merge buffers of the flash cache kernel: f32 [rows, K, splits, 2b * G, H].
   decode += 4 * rows * c.num_heads * 2 * block_size * c.head_dim * max(1, cache_len // 512)
-  pre_tokens = prefill_rows * prefill_width
   lead_tokens = -(-prefill_rows // prefill_group) * prefill_width
   kv_bytes = lambda tokens: 2 * c.num_layers * tokens * c.num_kv_heads * c.head_dim * act
-  prefill = lead_tokens * per_token + kv_bytes(lead_tokens) + kv_bytes(pre_tokens)
+  # the leaders' K/V, and the copy the cache write takes of them (fused heads, cache dtype)
+  prefill = lead_tokens * per_token + 2 * kv_bytes(lead_tokens)
   weights, cache = -(-weights // param_shards), -(-cache // head_shards)
   activations = max(decode, prefill)
   return dict(

@@ -178,23 +178,25 @@ def admit(
   pos = jnp.broadcast_to(col, (r, width))
   lead = slice(None, None, group)  # each group's first row (every row when group is 1)
   spec = masks_lib.AttentionSpec.block_causal(b, seg[lead], blk[lead])
-  k, v = model.prefill_kv(prompts[lead], pos[lead], spec)
-  if group > 1:
-    k, v = (jnp.repeat(x, group, axis=1) for x in (k, v))  # [L, R, T, K, H]: a row per member
+  k, v = model.prefill_kv(prompts[lead], pos[lead], spec)  # [L, R / group, T, K, H]
   slot_pos = jnp.broadcast_to(
     jnp.arange(cache.max_len, dtype=jnp.int32)[None] - b, (r, cache.max_len)
   )
-  write = cache.write_rows if placement is None else functools.partial(placement.write_rows, cache)
-  cache = write(
-    rows,
-    k,
-    v,
-    b,
+  meta = (
     slot_pos,
     ((slot_pos >= 0) & (slot_pos < pre)).astype(jnp.int32),
     grid.block_of(slot_pos, n).astype(jnp.int32),
     first[:, 0],
   )
+  # the j-th member of every group gets its leader's K/V: `group` writes of the leaders' rows, so no
+  # [L, R, T, K, H] repeat of them is made (XLA on the GPU fused such a repeat into the write; the CPU
+  # did not: docs/performance.md, issue 39 session 32)
+  for j in range(group):
+    member = slice(j, None, group)
+    write = (
+      cache.write_rows if placement is None else functools.partial(placement.write_rows, cache)
+    )
+    cache = write(rows[member], k, v, b, *(x[member] for x in meta))
   offs = jnp.arange(b, dtype=jnp.int32)[None, :]
   take = lambda p: jnp.take_along_axis(prompts, jnp.clip(p, 0, width - 1), axis=1)
   prev_pos, blk_pos = first - b + offs, first + offs
