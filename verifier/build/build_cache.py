@@ -188,8 +188,8 @@ class CachedLoadInline:
         module, built = self._build_split(params, event, tmp)
         split_failed = not built and "split_error" in event
       # After a failed split build, the stock build alone decides: the fast one compiles the same kernels
-      # with fewer headers, so it would fail too on the candidate's own errors (one compile saved a broken
-      # candidate) and would rarely rescue what the split's rewrite broke.
+      # with fewer headers, so it fails too on the candidate's own errors (a broken candidate saves one
+      # compile); what only the split's rewrite broke, the stock build builds as well, just slower.
       fast = fast_variant(params) if self.fast and not built and not split_failed else None
       if fast is not None:
         try:
