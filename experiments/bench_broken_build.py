@@ -12,8 +12,9 @@ one embedded kernel) with one error injected in device code (``threadIdx.x`` -> 
 a model's typo would be), and reports both chains.
 
 On a CPU-only torch (no CUDA build, so ``cpp_extension.CUDA_HOME`` is None) the bench points
-``CUDA_HOME`` at the ``nvcc`` on PATH (and ``TORCH_CUDA_ARCH_LIST`` at 9.0) for the duration of the run: a broken candidate fails in nvcc
-or g++ and never reaches the link, which is the part a CPU torch could not do.
+``CUDA_HOME`` at the ``nvcc`` on PATH (and ``TORCH_CUDA_ARCH_LIST`` at 9.0) for the duration of the
+run: a broken candidate fails in nvcc or g++ and never reaches the link, which is the part a CPU torch
+could not do.
 """
 
 from __future__ import annotations
@@ -97,9 +98,8 @@ def cuda_home_for_compiling():
     nvcc = shutil.which("nvcc")
     if nvcc is None:
       raise SystemExit("bench_broken_build: needs nvcc on PATH")
-    with open(
-      nvcc, "rb"
-    ) as f:  # a wrapper script (`exec /usr/local/cuda-13.0/bin/nvcc "$@"`) or nvcc itself
+    # nvcc itself, or a wrapper script (`exec /usr/local/cuda-13.0/bin/nvcc "$@"`)
+    with open(nvcc, "rb") as f:
       head = f.read(200)
     m = re.search(rb"exec\s+(\S+)/bin/nvcc", head)
     cpp_extension.CUDA_HOME = (

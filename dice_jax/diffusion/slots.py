@@ -50,7 +50,6 @@ for the compiled-memory check.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
@@ -193,10 +192,8 @@ def admit(
   # did not: docs/performance.md, issue 39 session 32)
   for j in range(group):
     member = slice(j, None, group)
-    write = (
-      cache.write_rows if placement is None else functools.partial(placement.write_rows, cache)
-    )
-    cache = write(rows[member], k, v, b, *(x[member] for x in meta))
+    args = (rows[member], k, v, b, *(x[member] for x in meta))
+    cache = cache.write_rows(*args) if placement is None else placement.write_rows(cache, *args)
   offs = jnp.arange(b, dtype=jnp.int32)[None, :]
   take = lambda p: jnp.take_along_axis(prompts, jnp.clip(p, 0, width - 1), axis=1)
   prev_pos, blk_pos = first - b + offs, first + offs
