@@ -207,3 +207,16 @@ def test_fewer_compare_passes_keep_verdicts_and_reasons():
       d.max_abs_diff,
       d.strict_ok,
     )
+
+
+def test_set_seed_draws_what_torch_manual_seed_draws():
+  """The checker seeds the CPU (and CUDA) generators alone, not every backend ``torch.manual_seed``
+  walks: a level-1 reference's inputs under it are ``torch.manual_seed``'s, bit for bit."""
+  from verifier.check.reference import set_seed
+
+  for seed in (0, 7, 2**31 - 2):
+    torch.manual_seed(seed)
+    want = (torch.rand(3, 5), torch.randn(4), torch.randint(0, 9, (6,)))
+    set_seed(seed)
+    got = (torch.rand(3, 5), torch.randn(4), torch.randint(0, 9, (6,)))
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
