@@ -121,6 +121,38 @@ def test_host_buffers_cross_with_layout_and_stay_in_bounds():
   buffers.close()
 
 
+def test_timed_output_buffers_poisoned_sparsely_from_a_secret_offset():
+  """A timed call's large float output buffer: one NaN in every ``SPARSE_POISON_EVERY`` elements, from an
+  offset drawn for the call, so every unwritten run of that length still shows NaN; small and integer
+  outputs, and the trials' (no ``sparse``), poisoned whole."""
+  import random
+
+  every = exchange.SPARSE_POISON_EVERY
+  n = exchange.SPARSE_POISON_MIN_ELEMENTS + 3
+  buffers = exchange.BufferSet(torch.device("cpu"), False)
+  offsets = set()
+  for seed in range(6):
+    rng = random.Random(seed)
+    want = random.Random(seed).randrange(every)
+    buffers.release_all()
+    ref = exchange.output_buffer(torch.zeros(n), buffers, [], rng)
+    flat = buffers.buffers[ref.buffer].view(ref)
+    nan = torch.isnan(flat).nonzero().flatten()
+    assert torch.equal(nan, torch.arange(want, n, every)), seed
+    windows = flat[: n - n % every].view(-1, every)  # every whole window holds exactly one
+    assert torch.equal(torch.isnan(windows).sum(1), torch.ones(len(windows), dtype=torch.long))
+    offsets.add(want)
+    flat.zero_()  # the candidate writes its output
+  assert len(offsets) > 1  # the offset moves from call to call
+  small = exchange.output_buffer(torch.zeros(1000), buffers, [], random.Random(0))
+  assert torch.isnan(buffers.buffers[small.buffer].view(small)).all()
+  whole = exchange.output_buffer(torch.zeros(n), buffers, [])
+  assert torch.isnan(buffers.buffers[whole.buffer].view(whole)).all()
+  ints = exchange.output_buffer(torch.zeros(n, dtype=torch.int32), buffers, [], random.Random(0))
+  assert (buffers.buffers[ints.buffer].view(ints) != 0).float().mean() > 0.99  # random bytes
+  buffers.close()
+
+
 PASS_THROUGH_MUTATING = """
 import torch
 

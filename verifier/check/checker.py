@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import random
 import time
 
 import torch
@@ -65,6 +66,8 @@ NULL_CALLS = 8
 # forward only warms up (lazy initialisation is not judged as host compute) and the last is profiled (the
 # profiler's own CPU time is not judged either), so a third is the one the host evidence judges.
 JUDGED_TRIALS = 3
+# the secret offsets of timed calls' sparse output poison (``exchange.output_buffer``)
+_POISON_RNG = random.SystemRandom()
 
 
 @functools.cache
@@ -424,13 +427,16 @@ class Check(TimedCalls):
     release: bool = True,
     sync: bool = True,
     seed: int | None = None,
+    sparse_poison: bool = False,
   ) -> "_Staged":
     """Fill buffers for one forward: the inputs (copied from the checker's private tensors) and poisoned
     output buffers shaped like ``golden``'s tensors (in buffers other than those staged since the last
     ``release``: a burst's forwards each have their own). ``sync=False``: the caller synchronises (a
     burst's cache flush does, once for all its forwards). With ``seed`` instead of ``call_args``:
     ``get_inputs()`` under it drawn straight into the buffers, what it returns from elsewhere copied
-    (its pairs are then (buffer view, buffer view): the caller re-draws the private side)."""
+    (its pairs are then (buffer view, buffer view): the caller re-draws the private side).
+    ``sparse_poison``: large float outputs poisoned sparsely (``exchange.output_buffer``; timed and
+    calibration calls, whose inputs are fresh every call)."""
     t0 = time.monotonic()
     alloc0 = self.buffers.alloc_s
     if release:
@@ -447,7 +453,9 @@ class Check(TimedCalls):
       self.draw_s += draw_s
     args = tuple(exchange.send_value(a, self.buffers, used, pairs, drawn) for a in call_args)
     outs = tuple(
-      exchange.output_buffer(g, self.buffers, used) if isinstance(g, torch.Tensor) else None
+      exchange.output_buffer(g, self.buffers, used, _POISON_RNG if sparse_poison else None)
+      if isinstance(g, torch.Tensor)
+      else None
       for g in tensors.flatten(golden)
     )
     if sync and self.device.type == "cuda":

@@ -351,11 +351,13 @@ class TimedCalls:
     synchronises). Returns the staged call with its pairs for the mutation check: (private input,
     view) when drawn privately, (view, view) when drawn into the buffers."""
     if self.draws_into_buffers:
-      return self._stage(None, template, keep=keep, release=release, sync=False, seed=seed)
+      return self._stage(
+        None, template, keep=keep, release=release, sync=False, seed=seed, sparse_poison=True
+      )
     t = time.monotonic()
     inputs = self.task.inputs_for(seed)
     self.draw_s += time.monotonic() - t
-    return self._stage(inputs, template, keep=keep, release=release, sync=False)
+    return self._stage(inputs, template, keep=keep, release=release, sync=False, sparse_poison=True)
 
   def _timed_burst(self, b: int, calls, checked: set[int], rng, lockstep, template) -> float:
     """Timed burst ``b``: ``calls`` forwards, each on fresh inputs, in one round trip (returned, in
@@ -375,13 +377,14 @@ class TimedCalls:
       seed = rng.randrange(2**31 - 1)
       if direct:
         t, draw0 = time.monotonic(), self.draw_s
-        s = self._stage(None, template, release=i == 0, sync=False, seed=seed)
+        s = self._stage(None, template, release=i == 0, sync=False, seed=seed, sparse_poison=True)
         stage_s += time.monotonic() - t - (self.draw_s - draw0)
       else:
         inputs = self.task.inputs_for(seed)
         golden = self.task.forward_seeded(lockstep, inputs, seed) if stateful else template
         t = time.monotonic()
-        s = self._stage(inputs, golden, release=i == 0, sync=False)  # the flush synchronises
+        # the flush synchronises
+        s = self._stage(inputs, golden, release=i == 0, sync=False, sparse_poison=True)
         stage_s += time.monotonic() - t
         if j in checked:
           kept[i] = inputs  # the private inputs: the golden output and the mutation check

@@ -426,9 +426,24 @@ def _tensor_leaves(values) -> list:
   return []
 
 
-def output_buffer(expected: torch.Tensor, buffers: BufferSet, used: list[int]) -> TensorRef:
+# A timed call's large float output buffer is poisoned sparsely (``output_buffer``'s ``sparse``): one NaN
+# in every SPARSE_POISON_EVERY elements from a secret offset drawn for the call, instead of a NaN in every
+# element (a 4 GB fill a call, ~1.3 ms on an H100, on level-1's largest tasks). Any unwritten run of that
+# many elements still holds a NaN, and what a shorter one holds is the previous call's output for other
+# inputs; a fill costs about one 32-byte sector a poisoned element.
+SPARSE_POISON_EVERY = 256
+SPARSE_POISON_MIN_ELEMENTS = (
+  1 << 20
+)  # under this, the whole buffer: its fill costs nothing to speak of
+
+
+def output_buffer(
+  expected: torch.Tensor, buffers: BufferSet, used: list[int], sparse=None
+) -> TensorRef:
   """A buffer for an output the candidate must produce like ``expected``, poisoned (NaN, or random bytes
-  for integers and booleans) so an output the candidate never writes cannot pass."""
+  for integers and booleans) so an output the candidate never writes cannot pass. ``sparse`` (a
+  ``random.Random``; timed and calibration calls): a float output of ``SPARSE_POISON_MIN_ELEMENTS`` or more
+  gets one NaN every ``SPARSE_POISON_EVERY`` elements from an offset drawn from it."""
   b = buffers.take(nbytes_of(expected))
   shape = tuple(expected.shape)
   ref = TensorRef(
@@ -436,7 +451,12 @@ def output_buffer(expected: torch.Tensor, buffers: BufferSet, used: list[int]) -
   )
   view = b.view(ref)
   if view.is_floating_point() or view.is_complex():
-    view.fill_(float("nan"))
+    if sparse is not None and view.numel() >= SPARSE_POISON_MIN_ELEMENTS:
+      view.view(-1)[sparse.randrange(SPARSE_POISON_EVERY) :: SPARSE_POISON_EVERY].fill_(
+        float("nan")
+      )
+    else:
+      view.fill_(float("nan"))
   elif b.nbytes:
     b.raw[: b.nbytes].copy_(torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8))
   used.append(b.id)
