@@ -220,3 +220,24 @@ def test_set_seed_draws_what_torch_manual_seed_draws():
     set_seed(seed)
     got = (torch.rand(3, 5), torch.randn(4), torch.randint(0, 9, (6,)))
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_mutation_check_reads_buffers_on_the_device_in_place():
+  """The mutation check (``Check._readable``) reads an input buffer where it lives on the checker's
+  device, not a copy of it (level-1's 8 GB inputs were copied on every judged call); a buffer elsewhere
+  (host staging on a GPU) is copied to the device first."""
+  import types
+
+  from verifier.check.checker import Check
+
+  here = types.SimpleNamespace(device=CPU)
+  here._local = lambda v: Check._local(here, v)
+  view = torch.arange(6.0)
+  assert Check._readable(here, view) is view
+  there = types.SimpleNamespace(device=torch.device("meta"))
+  there._local = lambda v: Check._local(there, v)
+  moved = Check._readable(there, view)
+  assert moved.device.type == "meta" and moved.shape == view.shape
+  assert correctness.mutated([view.clone()], [Check._readable(here, view)]) == ""
+  view[3] = float("nan")
+  assert correctness.mutated([torch.arange(6.0)], [Check._readable(here, view)]) == "input 0"

@@ -605,7 +605,7 @@ class Check(TimedCalls):
     where = f"trial {i}"
     t0 = time.monotonic()
     pairs = staged.pairs
-    which = correctness.mutated([p for p, _ in pairs], [self._local(v) for _, v in pairs])
+    which = correctness.mutated([p for p, _ in pairs], [self._readable(v) for _, v in pairs])
     if which:
       raise Verdict(FailureKind.INPUT_MUTATION, f"{where}: the candidate modified {which}")
     c = self._compare(staged.golden, done.outputs, staged.outs, self.copied[0], where)
@@ -633,6 +633,12 @@ class Check(TimedCalls):
     """A buffer view copied into this process's memory on its device, out of the candidate's reach (it
     still maps the buffer and may write it while the checker compares)."""
     return view.to(self.device, copy=True)
+
+  def _readable(self, view: torch.Tensor) -> torch.Tensor:
+    """A buffer view as the mutation check reads it: the view itself where it lives on this process's
+    device (``correctness.mutated`` reads each value once, as a copy would: a write racing it has the
+    same chance either way, and an input of gigabytes is not copied again), else a copy here."""
+    return view if view.device == self.device else self._local(view)
 
   def _compare(self, golden, specs, outs, copied: list, where: str) -> correctness.Comparison:
     """One call's outputs (the candidate's descriptions ``specs``, the copies made in its round trip)
@@ -686,7 +692,7 @@ class Check(TimedCalls):
   def _judge(self, staged: "_Staged", specs, copied: list, where: str) -> None:
     """Compare one forward's outputs (and its inputs, for mutation) like a correctness trial."""
     which = correctness.mutated(
-      [p for p, _ in staged.pairs], [self._local(v) for _, v in staged.pairs]
+      [p for p, _ in staged.pairs], [self._readable(v) for _, v in staged.pairs]
     )
     if which:
       self.report["correct"] = False
