@@ -12,6 +12,16 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 status() { echo "$(($(date +%s) - START)) s: $*" | tee -a "$OUT/status.txt"; }
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
+# The GPU host has no grain: the carried wheels (.whl/: `pip download --only-binary=:all: --python-version
+# 3.12 --platform manylinux_2_28_x86_64 --no-deps -d .whl grain array_record portpicker`) go into
+# /tmp/site where python3 cannot import it (without them a run fails at its first import, in seconds).
+if ! python3 -c "import grain" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+  if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl; then
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+    status "grain: installed from .whl/ into /tmp/site"
+  fi
+fi
 rows() { if [ -f "$OUT/results.jsonl" ]; then grep -c '"run"' "$OUT/results.jsonl"; else echo 0; fi; }
 # part NAME MIN_S COMMAND...: COMMAND under the time left (less 5 s), skipped with less than MIN_S;
 # returns COMMAND's status.
