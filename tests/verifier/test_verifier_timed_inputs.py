@@ -210,9 +210,9 @@ def test_fewer_compare_passes_keep_verdicts_and_reasons():
 
 
 def test_set_seed_draws_what_torch_manual_seed_draws():
-  """The checker seeds the CPU (and CUDA) generators alone, not every backend ``torch.manual_seed``
+  """Both processes seed the CPU (and CUDA) generators alone, not every backend ``torch.manual_seed``
   walks: a level-1 reference's inputs under it are ``torch.manual_seed``'s, bit for bit."""
-  from verifier.check.reference import set_seed
+  from verifier.ipc.tensors import set_seed
 
   for seed in (0, 7, 2**31 - 2):
     torch.manual_seed(seed)

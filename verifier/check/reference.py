@@ -25,6 +25,7 @@ import torch
 from verifier.api.contract import FailureKind
 from verifier.check import correctness
 from verifier.ipc import tensors
+from verifier.ipc.tensors import set_seed
 
 
 class ReferenceFailure(Exception):
@@ -37,15 +38,6 @@ class ReferenceFailure(Exception):
 
 def is_out_of_memory(e: BaseException) -> bool:
   return type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower()
-
-
-def set_seed(seed: int) -> None:
-  """``torch.manual_seed``'s streams for the CPU and CUDA generators alone: the same draws, without its
-  walk of every other backend (a formatted stack per backend not yet initialised; ~0.1-0.3 ms, once per
-  draw of a timed call's inputs and once per reference forward)."""
-  torch.default_generator.manual_seed(seed)
-  if torch.cuda.is_available():
-    torch.cuda.manual_seed_all(seed)
 
 
 def trial_seeds(seed: int, trials: int) -> list[int]:
