@@ -241,3 +241,38 @@ def test_mutation_check_reads_buffers_on_the_device_in_place():
   assert correctness.mutated([view.clone()], [Check._readable(here, view)]) == ""
   view[3] = float("nan")
   assert correctness.mutated([torch.arange(6.0)], [Check._readable(here, view)]) == "input 0"
+
+
+def test_only_compared_calls_outputs_are_copied_out():
+  """``Check._copy_outputs``: a compared call's outputs are copied out (a copy the candidate cannot
+  write afterwards); an uncompared call's are read sparsely (``_touch``) and give no copy, so no verdict
+  can be drawn from them. With no ``compared`` set (trials, the re-check) every call is copied."""
+  import types
+
+  from verifier.check import checker
+  from verifier.check.checker import Check
+
+  buffers = exchange.BufferSet(CPU, False)
+  golden = torch.arange(4096.0).reshape(64, 64)
+  used: list[int] = []
+  refs = [exchange.output_buffer(golden, buffers, used) for _ in range(3)]
+  for r in refs:
+    buffers.buffers[r.buffer].view(r).copy_(golden)
+  here = types.SimpleNamespace(device=CPU, buffers=buffers)
+  here._local = lambda v: Check._local(here, v)
+  calls = [(r,) for r in refs]
+  some = Check._copy_outputs(here, calls, frozenset({1}))
+  assert some[0] is None and some[2] is None
+  assert torch.equal(some[1][0], golden)
+  view = buffers.buffers[refs[1].buffer].view(refs[1])
+  view.fill_(
+    float("nan")
+  )  # the candidate writing after the round trip: the copy keeps what was read
+  assert torch.equal(some[1][0], golden)
+  every = Check._copy_outputs(here, calls)
+  assert all(c is not None for c in every) and every[1][0].isnan().all()
+  assert torch.equal(every[0][0], golden)
+  checker._touch(view)  # any layout: contiguous, empty, strided
+  checker._touch(torch.empty(0))
+  checker._touch(golden.t())
+  buffers.close()

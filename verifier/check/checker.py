@@ -68,6 +68,8 @@ NULL_CALLS = 8
 JUDGED_TRIALS = 3
 # the secret offsets of timed calls' sparse output poison (``exchange.output_buffer``)
 _POISON_RNG = random.SystemRandom()
+# elements of each output an uncompared timed call reads before the clock stops (``_touch``)
+TOUCH_SAMPLES = 1024
 
 
 @functools.cache
@@ -471,13 +473,15 @@ class Check(TimedCalls):
     calibrate: bool = False,
     null: bool = False,
     poison: bool | None = None,
+    compared: frozenset[int] | None = None,
   ) -> ForwardDone:
     """Forwards in the candidate on staged buffers, one per (staged, seed) of ``calls``, in one round
     trip (more than one: a timed burst); ``self.round_trip_s`` is the round trip on this process's clock
     (the only duration of a candidate call that counts), ``self.copied[k]`` call ``k``'s outputs copied
-    out in it. The round trip is a window of evidence (``call_evidence``): host samples in it and, after
-    the clock, the device records the candidate's process sends. ``poison`` (``ForwardRequest``):
-    by default on for forwards of the model, off for calibration and null round trips."""
+    out in it where ``k`` is in ``compared`` (default: every call), else None (``_copy_outputs``). The
+    round trip is a window of evidence (``call_evidence``): host samples in it and, after the clock, the
+    device records the candidate's process sends. ``poison`` (``ForwardRequest``): by default on for
+    forwards of the model, off for calibration and null round trips."""
     call = self.calls
     (staged, seed), burst = calls[0], calls[1:]
     self.calls += 0 if calibrate or null else len(calls)
@@ -508,7 +512,7 @@ class Check(TimedCalls):
       except ChannelClosed:
         raise CandidateGone() from None
       done = self._recv(ForwardDone)
-      self.copied = self._copy_outputs([s.outs for s, _ in calls])
+      self.copied = self._copy_outputs([s.outs for s, _ in calls], compared)
       p1 = time.perf_counter()
     finally:
       for fd in fds:
@@ -576,20 +580,25 @@ class Check(TimedCalls):
       )
     return self.in_bytes
 
-  def _copy_outputs(self, outs_per_call) -> list[list]:
-    """Every expected output of every call copied out of its buffer into this process, before the clock
-    stops, on every call alike (checked, unchecked, calibration). The candidate's process saying it is
-    done proves nothing (native code can skip its synchronisation and finish its kernels after
-    answering): this copy either runs after the candidate's kernels, and the clock counts them, or
-    before they finished, and a compared call reads an unfinished output. Compared calls judge this
-    copy."""
-    copied = [
-      [
-        None if ref is None else self._local(self.buffers.buffers[ref.buffer].view(ref))
-        for ref in outs
-      ]
-      for outs in outs_per_call
-    ]
+  def _copy_outputs(self, outs_per_call, compared: frozenset[int] | None = None) -> list:
+    """Every expected output of every call in ``compared`` (None: every call) copied out of its buffer
+    into this process, and every other call's outputs read sparsely (``_touch``), before the clock stops.
+    The candidate's process saying it is done proves nothing (native code can skip its synchronisation
+    and finish its kernels after answering): this read either runs after the candidate's kernels, and
+    the clock counts them, or before they finished, and a compared call reads an unfinished output
+    (which it judges; the candidate cannot tell which calls are compared until after it answered). An
+    uncompared call's copy was never read, so it ordered nothing more than the sparse read does: on a 4
+    GB output it cost ~4 ms of the ~17 ms round trip (performance.md, session 34)."""
+    copied = []
+    for k, outs in enumerate(outs_per_call):
+      views = [None if r is None else self.buffers.buffers[r.buffer].view(r) for r in outs]
+      if compared is None or k in compared:
+        copied.append([None if v is None else self._local(v) for v in views])
+      else:
+        copied.append(None)
+        for v in views:
+          if v is not None:
+            _touch(v)
     if self.device.type == "cuda":
       torch.cuda.synchronize()
     return copied
@@ -701,6 +710,18 @@ class Check(TimedCalls):
     if c.kind is not FailureKind.OK:
       self.report["correct"] = False
       raise Verdict(c.kind, c.reason)
+
+
+def _touch(view: torch.Tensor, samples: int = TOUCH_SAMPLES) -> None:
+  """A sparse read of an output buffer: about ``samples`` elements at a stride from a secret offset,
+  copied on its device (queued on this process's stream like a full copy, at a small part of its
+  bytes)."""
+  flat = view.reshape(-1)
+  n = flat.numel()
+  if n == 0:
+    return
+  stride = max(1, n // samples)
+  flat[_POISON_RNG.randrange(stride) :: stride].clone()
 
 
 def check(
