@@ -587,8 +587,8 @@ class Check(TimedCalls):
     and finish its kernels after answering): this read either runs after the candidate's kernels, and
     the clock counts them, or before they finished, and a compared call reads an unfinished output
     (which it judges; the candidate cannot tell which calls are compared until after it answered). An
-    uncompared call's copy was never read, so it ordered nothing more than the sparse read does: on a 4
-    GB output it cost ~4 ms of the ~17 ms round trip (performance.md, session 34)."""
+    uncompared call's full copy was never judged: beyond the read's ordering it gave the clock only its
+    own length, ~4 ms of a 4 GB output's ~17 ms round trip (performance.md, session 34)."""
     copied = []
     for k, outs in enumerate(outs_per_call):
       views = [None if r is None else self.buffers.buffers[r.buffer].view(r) for r in outs]
