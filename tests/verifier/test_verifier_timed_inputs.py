@@ -265,9 +265,8 @@ def test_only_compared_calls_outputs_are_copied_out():
   assert some[0] is None and some[2] is None
   assert torch.equal(some[1][0], golden)
   view = buffers.buffers[refs[1].buffer].view(refs[1])
-  view.fill_(
-    float("nan")
-  )  # the candidate writing after the round trip: the copy keeps what was read
+  # the candidate writing after the round trip: the copy keeps what was read
+  view.fill_(float("nan"))
   assert torch.equal(some[1][0], golden)
   every = Check._copy_outputs(here, calls)
   assert all(c is not None for c in every) and every[1][0].isnan().all()

@@ -432,9 +432,8 @@ def _tensor_leaves(values) -> list:
 # many elements still holds a NaN, and what a shorter one holds is the previous call's output for other
 # inputs; a fill costs about one 32-byte sector a poisoned element.
 SPARSE_POISON_EVERY = 256
-SPARSE_POISON_MIN_ELEMENTS = (
-  1 << 20
-)  # under this, the whole buffer: its fill costs nothing to speak of
+# under this many elements, the whole buffer: its fill costs nothing to speak of
+SPARSE_POISON_MIN_ELEMENTS = 1 << 20
 
 
 def output_buffer(
