@@ -15,8 +15,8 @@
 #                  since the start, request, kind, compile and run seconds, the service's queue) in
 #                  dice.log and dice_progress.txt; the verdicts so far in dice_known_good.json and the
 #                  service's mean seconds per run phase (evidence_* among them) in dice_phases.json, both
-#                  rewritten after every verdict, so a cut run keeps what it had. Compared with 82 OK,
-#                  13 FOREIGN_KERNELS, 2 NO_KERNEL, 1 INPUT_MUTATION, 1 NONFINITE_OUTPUT (session 14: 150 s
+#                  rewritten after every verdict, so a cut run keeps what it had. Compared with 81 OK,
+#                  13 FOREIGN_KERNELS, 2 NO_KERNEL, 1 INPUT_MUTATION, 2 WRONG_OUTPUT (session 14: 150 s
 #                  before the evidence on every call; 2026-12-03 at 696f912: not done in 230 s, cut in
 #                  the kernelbench pass); the jobs' tasks beyond their runtime's own
 #   tests  (rest)  every other verifier GPU test, issue 37's first (device records on every call, host
@@ -104,7 +104,9 @@ PY
     tail -n 2 "$OUT/dice_progress.txt" 2>/dev/null | sed "s/^/  dice: last: /" | tee -a "$OUT/status.txt"
     summary dice "$OUT/dice_known_good.json" "$OUT/dice_phases.json" <<'PY'
 import collections, json, sys
-expected = {"OK": 82, "FOREIGN_KERNELS": 13, "NO_KERNEL": 2, "INPUT_MUTATION": 1, "NONFINITE_OUTPUT": 1}
+# session 32 on (docs/performance.md): 7278 fails the norm rule (its pooling bins are wrong), 2616's
+# unwritten output holds finite stale values since timed outputs are no longer NaN'd
+expected = {"OK": 81, "FOREIGN_KERNELS": 13, "NO_KERNEL": 2, "INPUT_MUTATION": 1, "WRONG_OUTPUT": 2}
 try:
     report = json.load(open(sys.argv[1]))
 except Exception as e:

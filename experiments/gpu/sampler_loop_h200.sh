@@ -35,6 +35,9 @@
 #            run's tokens it matches on 64 prompts of the sharpened model, beside the rounding
 #            control (the capped loop against the uncapped `dynamic`: the same decoding, other GEMM
 #            shapes)
+#   conc     options_forward of split=4096 with and without halves=1, serialised, then under XLA's
+#            CONCURRENT command buffers (a DAG of the forward's kernels): one half's attention beside
+#            the other half's matmuls, where one stream and the latency-hiding scheduler gave none
 #   share    the rollout part's shape in one job for each of SHARE_MODES (default "share cascade"; also
 #            "base", "cascade128", "cascade_rowprefill"), SHARE_ROLLOUTS (1) timed rollouts each: DecodeTiles.share_prompts (a
 #            group's rows read its prompt's K/V from one row), DecodeTiles.cascade (a group's prompt
@@ -49,7 +52,7 @@
 #            (issue 39 item 3: 8,000 tok/s; 4,962 uncapped in session 21's bench_rl), share_prompts (the RL default)
 # Run from the repository root (grain wheels installed in PYTHONPATH, as rl_step_h200.sh says):
 #   OUT=/some/dir bash experiments/gpu/sampler_loop_h200.sh
-# BUDGET, PARTS (tests,loop,ab,lhs,fp8,rlloop,rlf16,fp8w,share,rollout), CONFIG, TILES (ab's forward variants) and FLAGS (more bench_sampler flags, e.g. a CPU smoke
+# BUDGET, PARTS (tests,loop,ab,lhs,conc,fp8,rlloop,rlf16,fp8w,share,rollout), CONFIG, TILES (ab's forward variants) and FLAGS (more bench_sampler flags, e.g. a CPU smoke
 # run's tiny shapes) override; an existing PYTHONPATH is kept.
 source "$(dirname "$0")/budget.sh"  # the start; left, status, has, rows, part
 BUDGET=${BUDGET:-560}
@@ -90,6 +93,17 @@ if has lhs; then
     bench lhs 90 --runs=options_forward,options_rates \
     --decode_options=base,split=64,weights=fp8,halves=1 --rate_options=base,halves=1 \
     --rate_strategies=dynamic_capped --deadline_s=$(($(left) - 20))
+fi
+if has conc; then
+  # XLA's command buffers built as a DAG (CONCURRENT: commands with no buffer conflict run at once):
+  # does one row half's attention overlap the other half's matmuls there (halves=1), where one stream
+  # and the latency-hiding scheduler gave none (session 24)? The same forwards serialised first.
+  bench serial 60 --runs=options_forward --decode_options=split=4096,split=4096+halves=1 --rate_options=split=4096 \
+    --deadline_s=$(($(left) / 2 - 20))
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN \
+--xla_gpu_command_buffer_scheduling_mode=CONCURRENT --xla_gpu_graph_min_graph_size=1 ${XLA_FLAGS:-}" \
+    bench conc 60 --runs=options_forward --decode_options=split=4096,split=4096+halves=1 --rate_options=split=4096 \
+    --deadline_s=$(($(left) - 20))
 fi
 if has fp8; then
   P=split=4096+$F8+num_stages=3

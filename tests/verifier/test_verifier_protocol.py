@@ -275,6 +275,39 @@ def test_an_output_that_is_its_input_is_not_poisoned_into_a_mutation(tmp_path):
   buffers.close()
 
 
+COUNTS_WHAT_THE_COLLECTOR_SCANS = """
+import gc
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = [[i] for i in range(100_000)]  # long-lived objects, made in the load
+
+    def forward(self, x):
+        # the objects a full pass of the cyclic collector would scan now, as the output
+        return torch.full_like(x, float(sum(len(gc.get_objects(g)) for g in range(3))))
+"""
+
+
+def test_the_cyclic_collector_scans_only_what_the_forwards_made(tmp_path):
+  """The host evidence charges a round trip's interpreter time beyond the nulls' to the candidate, so
+  a full collection over torch's and the model's objects (tens of ms) must not fall in a judged forward:
+  the load freezes them (``gc.freeze``). Without it this forward sees over 270k (torch's ~170k and the
+  model's 100k lists)."""
+  x = torch.zeros(2, 3)
+  with _candidate_process(tmp_path) as checker:
+    _, done, buffers, _, outs, _ = _load_and_forward(
+      checker, tmp_path, COUNTS_WHAT_THE_COLLECTOR_SCANS, x
+    )
+    assert done.outputs[0].copied
+    scanned = buffers.buffers[outs[0].buffer].view(outs[0])[0, 0].item()
+    assert 0 < scanned < 20_000, scanned
+    checker.send(Shutdown())
+  buffers.close()
+
+
 def test_request_table_answers_a_retry_once_and_refuses_an_id_reused_for_another_payload():
   async def go():
     table = RequestTable()
