@@ -239,6 +239,21 @@ def test_the_exchanges_drift_is_set_aside_but_library_work_is_not():
   assert v.kind is FailureKind.HOST_COMPUTE and v.top[0] == (PYTHON, pytest.approx(3 * 60 * 0.1)), v
 
 
+def test_the_verdict_says_whether_one_round_trip_or_all_went_over():
+  # session 35: honest DICE solutions judged HOST_COMPUTE on one H100 host (~10 ms of interpreter and
+  # libc in four judged forwards); a stall in one round trip and a slowness in all read differently
+  nulls = [_w(0, python=10)] * 3
+  one = _judge([_w(python=12), _w(python=12), _w(python=150), _w(python=12)], nulls)
+  assert one.kind is FailureKind.HOST_COMPUTE, one
+  # (150 - 10) samples less 1.5 x 10 of drift, less the 0.1 ms floor: 12.4 ms; the others none
+  assert one.unmet_by_window_ms == pytest.approx((0.0, 0.0, 12.4, 0.0)), one
+  assert "the largest in one round trip 12.4 ms, 1 of 4 over their own" in one.reason, one.reason
+  spread = _judge([_w(python=60) for _ in range(4)], nulls)
+  assert spread.kind is FailureKind.HOST_COMPUTE, spread
+  assert spread.unmet_by_window_ms == pytest.approx((3.4,) * 4), spread
+  assert "the largest in one round trip 3.4 ms, 4 of 4 over their own" in spread.reason
+
+
 def test_a_compute_library_has_a_floor_of_its_own_under_the_gpus():
   # the H200's zero-copy candidate: its kernel copies the input to pinned host memory, numpy computes
   # the ReLU there (~1.5 ms a forward, under the 2 ms floor of host code on a GPU)

@@ -514,13 +514,13 @@ def _copy_back(views: list, args: list) -> None:
 
 def _freeze_heap() -> None:
   """Move every object the process holds now (torch's ~170k, and after a load the candidate's module
-  and model) out of the cyclic collector's reach (``gc.freeze``), so its passes during the judged
-  forwards scan only what those forwards made. A full pass over them costs tens of milliseconds of
-  interpreter time (63 ms on the dev VM), which the host evidence charges to the round trip it falls
-  in: a likely cause of DICE's known-good 1891 and 3773 judged HOST_COMPUTE on one H100 host
-  (session 35: 11.3 and 4.4 ms beyond the allowance; OK on every earlier host). No collection is run
-  first: it would cost that pass again in every load; the load's own garbage stays for the worker's
-  short life."""
+  and model) out of the cyclic collector's reach (``gc.freeze``), so that a collection during a judged
+  forward scans only what the forwards made. A full pass over them costs tens of milliseconds of
+  interpreter time (63 ms on the dev VM), which the host evidence would charge to the round trip it
+  falls in. Suspected, not shown, in DICE's known-good solutions judged HOST_COMPUTE on one H100 host
+  (session 35): on CPU the code before this ran 300 forwards of a small candidate with no full pass,
+  and a second host gave no such verdict with or without it. No collection is run first: it would cost
+  that pass in every load; the load's own garbage stays for the worker's short life."""
   gc.freeze()
 
 

@@ -141,6 +141,7 @@ class CallEvidence:
       "host_excess_ms": v.excess_ms,
       "host_allowed_ms": v.allowed_ms,
       "host_drift_ms": v.drift_ms,
+      "host_unmet_max_ms": max(v.unmet_by_window_ms, default=0.0),
     }
 
   def close(self) -> None:

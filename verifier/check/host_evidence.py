@@ -87,6 +87,9 @@ class HostVerdict:
   drift_ms: float = 0.0  # exchange modules' excess set aside as drift (not in excess_ms)
   sigma_ms: float = 0.0
   top: tuple[tuple[str, float], ...] = ()  # foreign modules by excess milliseconds
+  # each judged round trip's excess beyond its own allowance, ms, in order (a one-off stall in one
+  # round trip, or a slowness spread over all, on a host the nulls did not foresee)
+  unmet_by_window_ms: tuple[float, ...] = ()
 
 
 def module_class(path: str, own_root: str, device: str) -> str:
@@ -159,6 +162,7 @@ def judge_host(
         null_by_size[w.size] = after[w.size]
   ms = period_ns / 1e6
   own = foreign = excess = allowed = unmet = drifted = null_var = 0.0
+  unmet_by_window: list[float] = []
   excess_by: dict[str, float] = {}
   sizes: dict[int, int] = {}  # size -> judged windows of that size
   forwards = 0
@@ -175,7 +179,8 @@ def judge_host(
     a = max(floor_ms * w.forwards / ms, ratio * o)
     # a window's allowance covers its own excess only: own work in one round trip does not excuse
     # foreign work in another (a candidate's own kernel in the trials, torch's in the timed calls)
-    unmet += e - min(a, max(e, 0.0))
+    unmet_by_window.append(e - min(a, max(e, 0.0)))
+    unmet += unmet_by_window[-1]
     own, foreign, excess, allowed = own + o, foreign + sum(f.values()), excess + e, allowed + a
     forwards += w.forwards
     sizes[w.size] = sizes.get(w.size, 0) + 1
@@ -199,6 +204,7 @@ def judge_host(
     drift_ms=drifted * ms,
     sigma_ms=sigma * ms,
     top=top,
+    unmet_by_window_ms=tuple(round(u * ms, 3) for u in unmet_by_window),
   )
   library = {p: n for p, n in excess_by.items() if COMPUTE_LIBRARY.match(os.path.basename(p))}
   library_excess = sum(library.values())
@@ -217,12 +223,14 @@ def judge_host(
   if unmet > z * sigma:
     names = ", ".join(f"{os.path.basename(p)} {t:.1f} ms" for p, t in top) or "-"
     where = "interpreter, libraries or unknown code" if device == "cpu" else "host code"
+    over = [u for u in unmet_by_window if u > 0]
     return HostVerdict(
       FailureKind.HOST_COMPUTE,
       f"the forwards spent {excess * ms:.1f} ms of CPU time in {where} beyond the verifier's own "
       f"exchange work, against {own * ms:.1f} ms in the candidate's compiled code over {forwards} "
       f"forward(s), {unmet * ms:.1f} ms of it beyond what each round trip's own code allows "
-      f"(allowed: {allowed * ms:.1f} ms in all); most in: {names}",
+      f"(allowed: {allowed * ms:.1f} ms in all; the largest in one round trip {max(over) * ms:.1f} "
+      f"ms, {len(over)} of {len(windows)} over their own); most in: {names}",
       **verdict,
     )
   return HostVerdict(FailureKind.OK, "", **verdict)
