@@ -58,6 +58,8 @@ DEVICE_CLOCK_PHASES = (
   "calibration_reference_device_ms",
   "timing_head_start_us",
   "timing_head_start_device_us",
+  "timing_device_lead_us",
+  "timing_device_tail_us",
   "baseline_head_start_us",
 )
 # a timed candidate's own phases, kept per problem (``gpu_level1``)

@@ -641,6 +641,25 @@ def test_each_forwards_device_span_is_its_post_marker_start_less_its_pre_marker_
   assert sum(c.count for c in got.copies if c.bytes in (PRE, POST)) == 6 and not got.forward_ns
 
 
+def test_a_spans_idle_edges_are_reported_apart_from_its_kernels():
+  """The device clock's error on a ~0.09 ms ReLU (session 35: spans 0.0993 ms over kernels of 0.0897)
+  is split into the idle time before the first work (the host's path to the launch) and after the
+  last; work on other streams and the outputs' copies after the post marker are not the edges."""
+  from verifier.candidate import device_records
+
+  entries = _burst_entries(
+    [90_000, 91_500, 88_250]
+  )  # each kernel 300 ns after its pre, 400 before post
+  assert device_records.span_edges(entries, PRE, POST) == (900, 1_200)
+  pre0 = min(e.start for e in entries if e.bytes == PRE)
+  side = _entry("kernel", pre0 + 250, pre0 + 260)  # on another stream: not this forward's edge
+  side.stream = 9
+  first = _entry("copy", pre0 + 250, pre0 + 260, 64)  # an early copy of its own: the lead is 50 ns
+  assert device_records.span_edges(entries + [side], PRE, POST) == (900, 1_200)
+  assert device_records.span_edges(entries + [first], PRE, POST) == (650, 1_200)
+  assert device_records.span_edges([e for e in entries if e.bytes != POST], PRE, POST) == (0, 0)
+
+
 def test_work_on_another_stream_that_ends_after_the_post_marker_extends_its_forwards_span():
   """The post marker is enqueued right after the call on the forward's stream, like a CUDA event, so
   a kernel the forward left on another stream (a side stream, another context) counts up to its end;

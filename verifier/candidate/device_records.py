@@ -295,7 +295,8 @@ class Collector:
       records = dataclasses.replace(records, head_ns=ns)
     if len(span_markers) == 2:
       spans = () if head and None in heads else forward_spans(entries, *span_markers, heads or None)
-      records = dataclasses.replace(records, forward_ns=spans)
+      lead, tail = span_edges(entries, *span_markers) if spans else (0, 0)
+      records = dataclasses.replace(records, forward_ns=spans, lead_ns=lead, tail_ns=tail)
     return records
 
   def _names(self, ptr: int) -> tuple[str, str]:
@@ -384,6 +385,37 @@ def forward_spans(entries, pre: int, post: int, heads=None) -> tuple[int, ...]:
     begin = min([t0, *(a for a, _ in side)])
     spans.append(max([t1, *(b for _, b in side)]) - begin)
   return tuple(spans)
+
+
+def span_edges(entries, pre: int, post: int) -> tuple[int, int]:
+  """A diagnostic of the device clock: over the forwards, the device's idle time at each span's edges on
+  the forward's own stream (ns, summed): from the end of its pre marker to the start of the first work
+  after it (``lead``: the host's path to the launch, where the head start did not cover it), and from
+  the end of the last work to the start of its post marker (``tail``). A forward with no work between
+  its markers adds nothing; markers that do not pair up give (0, 0). What a span holds beside its
+  kernels' own time (``timing_device_kernel_ms``) is these edges plus the gaps between its kernels."""
+  befores = sorted((e for e in entries if _is_marker(e, pre)), key=lambda e: int(e.start))
+  afters = sorted((e for e in entries if _is_marker(e, post)), key=lambda e: int(e.start))
+  if len(befores) != len(afters):
+    return 0, 0
+  work = [
+    e
+    for e in entries
+    if e.type in (VC_KERNEL, VC_MEMCPY, VC_MEMSET)
+    and not (_is_marker(e, pre) or _is_marker(e, post))
+  ]
+  lead = tail = 0
+  for b, a in zip(befores, afters):
+    t0, t1 = int(b.end), int(a.start)
+    inside = [
+      e
+      for e in work
+      if (e.context, e.stream) == (b.context, b.stream) and t0 <= int(e.start) and int(e.end) <= t1
+    ]
+    if inside:
+      lead += min(int(e.start) for e in inside) - t0
+      tail += t1 - max(int(e.end) for e in inside)
+  return lead, tail
 
 
 def summarise(

@@ -155,6 +155,7 @@ class Check(TimedCalls):
     self.draws_into_buffers = False  # timed calls' inputs drawn into their buffers (_decide_draw)
     self.head = head_start.NONE  # the in-process timing's head start, where the worker spins too
     self.head_ns = 0  # the worker's head starts' device time in the last round trip (a diagnostic)
+    self.edges_ns = (0, 0)  # its spans' idle edges (lead, tail; ``span_edges``), another
 
   def _cpu_clock(self) -> CpuClock | None:
     """On the CPU backend the candidate's calls are timed by its CPU time (``cpu_clock``); the wall
@@ -535,6 +536,7 @@ class Check(TimedCalls):
     # the kernels' own device time in it (a diagnostic: a span less this is launch gaps and dispatch)
     self.kernel_ns = sum(r.ns for r in records.kernels) if records is not None else 0
     self.head_ns = records.head_ns if records is not None else 0
+    self.edges_ns = (records.lead_ns, records.tail_ns) if records is not None else (0, 0)
     # the in-process profiler's own work is no evidence (with device records it does not run)
     kind = "profiled" if profile and not self.evidence.records_on else "call"
     if calibrate or null:

@@ -224,7 +224,7 @@ class TimedCalls:
     checked = checked_calls(sum(sizes), rng)
     lockstep = self.trials.lockstep_model()
     template = self.trials.trial(0)[1]
-    times, nulls, spans, kernel_ns, head_ns = [], [], [], 0, 0
+    times, nulls, spans, kernel_ns, head_ns, lead_ns, tail_ns = [], [], [], 0, 0, 0, 0
     every = max(1, min(RECALIBRATE_CALLS // k, timed // 3))  # timed bursts a null; 3 nulls at least
     first = 0
     for b, size in enumerate(sizes):
@@ -234,6 +234,8 @@ class TimedCalls:
       spans.append(self.spans_ns)
       kernel_ns += self.kernel_ns if b >= warm else 0
       head_ns += self.head_ns if b >= warm else 0
+      lead_ns += self.edges_ns[0] if b >= warm else 0
+      tail_ns += self.edges_ns[1] if b >= warm else 0
       if b >= warm and (b - warm + 1) % every == 0:  # on a timed burst's buffers
         nulls.append(self._null_round_trip(b))
     overhead_ms = self._overhead_ms(nulls)
@@ -252,6 +254,10 @@ class TimedCalls:
     if self.evidence.records_on:
       phases["timing_device_kernel_ms"] = kernel_ns * 1e-6 / (timed * k)
       phases["timing_head_start_device_us"] = head_ns * 1e-3 / (timed * k)  # the spins' own time
+      # the spans' idle edges a call: the host's path to the first launch the head start did not
+      # cover, and the last work to the post marker (``device_records.span_edges``)
+      phases["timing_device_lead_us"] = lead_ns * 1e-3 / (timed * k)
+      phases["timing_device_tail_us"] = tail_ns * 1e-3 / (timed * k)
     phases.update(_share_quantiles("timing_share", times[warm:], k))
     phases.update(_share_quantiles("timing_null_share", nulls, k))
     self.report["candidate"] = dataclasses.replace(

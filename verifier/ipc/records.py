@@ -399,6 +399,11 @@ class DeviceRecords:
   # the device time (ns) of the worker's head starts before the pre markers (``head_start``), left out
   # of ``kernels`` (the verifier's own spins)
   head_ns: int = 0
+  # a diagnostic of the spans, summed over the forwards (``device_records.span_edges``): the device idle
+  # on the forward's stream between its pre marker and its first work, and between its last work and
+  # its post marker (ns)
+  lead_ns: int = 0
+  tail_ns: int = 0
 
 
 @record
