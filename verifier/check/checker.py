@@ -155,7 +155,7 @@ class Check(TimedCalls):
     self.draws_into_buffers = False  # timed calls' inputs drawn into their buffers (_decide_draw)
     self.head = head_start.NONE  # the in-process timing's head start, where the worker spins too
     self.head_ns = 0  # the worker's head starts' device time in the last round trip (a diagnostic)
-    self.edges_ns = (0, 0)  # its spans' idle edges (lead, tail; ``span_edges``), another
+    self.edges_ns = (0, 0)  # its spans' idle edges, lead and tail (a diagnostic too)
 
   def _cpu_clock(self) -> CpuClock | None:
     """On the CPU backend the candidate's calls are timed by its CPU time (``cpu_clock``); the wall
