@@ -647,9 +647,8 @@ def test_a_spans_idle_edges_are_reported_apart_from_its_kernels():
   last; work on other streams and the outputs' copies after the post marker are not the edges."""
   from verifier.candidate import device_records
 
-  entries = _burst_entries(
-    [90_000, 91_500, 88_250]
-  )  # each kernel 300 ns after its pre, 400 before post
+  # each kernel 300 ns after its pre marker and 400 before its post
+  entries = _burst_entries([90_000, 91_500, 88_250])
   assert device_records.span_edges(entries, PRE, POST) == (900, 1_200)
   pre0 = min(e.start for e in entries if e.bytes == PRE)
   side = _entry("kernel", pre0 + 250, pre0 + 260)  # on another stream: not this forward's edge

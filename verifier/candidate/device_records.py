@@ -350,6 +350,17 @@ def head_starts(entries, pre: int, post: int, name_of) -> tuple:
   return tuple(heads)
 
 
+def _start(e) -> int:
+  return int(e.start)
+
+
+def _marker_pairs(entries, pre: int, post: int) -> list | None:
+  """Each forward's (pre, post) marker copies, in order of start; None unless there are as many of each."""
+  befores = sorted((e for e in entries if _is_marker(e, pre)), key=_start)
+  afters = sorted((e for e in entries if _is_marker(e, post)), key=_start)
+  return list(zip(befores, afters)) if len(befores) == len(afters) else None
+
+
 def forward_spans(entries, pre: int, post: int, heads=None) -> tuple[int, ...]:
   """Each forward's span on the device clock (ns), in order: from the end of its pre marker copy (a
   device-to-device copy of ``pre`` bytes, made on an idle device, or behind the worker's head start) to
@@ -361,17 +372,17 @@ def forward_spans(entries, pre: int, post: int, heads=None) -> tuple[int, ...]:
   moves the span's start back to its own start, and such work that ended after the post marker started
   moves its end to that end. () unless the copies pair up: as many of each (and of ``heads``), sorted
   by start, every span inside its pair (pre ends before post starts) and before the next window."""
-  befores = sorted((int(e.start), int(e.end), e) for e in entries if _is_marker(e, pre))
-  afters = sorted((int(e.start), int(e.end)) for e in entries if _is_marker(e, post))
-  if len(befores) != len(afters) or (heads is not None and len(heads) != len(befores)):
+  pairs = _marker_pairs(entries, pre, post)
+  if pairs is None or (heads is not None and len(heads) != len(pairs)):
     return ()
   if heads is not None and any(h is None for h in heads):
     return ()
-  opens = [int(h.start) for h in heads] if heads is not None else [s for s, _, _ in befores]
+  opens = [int(h.start) for h in heads] if heads is not None else [int(m.start) for m, _ in pairs]
   work = [e for e in entries if e.type in (VC_KERNEL, VC_MEMCPY, VC_MEMSET)]
   spans = []
-  for i, ((s0, t0, m), (t1, _)) in enumerate(zip(befores, afters)):
-    following = opens[i + 1] if i + 1 < len(befores) else None
+  for i, (m, closing) in enumerate(pairs):
+    s0, t0, t1 = int(m.start), int(m.end), int(closing.start)
+    following = opens[i + 1] if i + 1 < len(pairs) else None
     if t1 < t0 or opens[i] > s0 or (following is not None and following < t1):
       return ()
     home = (m.context, m.stream)
@@ -394,9 +405,8 @@ def span_edges(entries, pre: int, post: int) -> tuple[int, int]:
   the end of the last work to the start of its post marker (``tail``). A forward with no work between
   its markers adds nothing; markers that do not pair up give (0, 0). What a span holds beside its
   kernels' own time (``timing_device_kernel_ms``) is these edges plus the gaps between its kernels."""
-  befores = sorted((e for e in entries if _is_marker(e, pre)), key=lambda e: int(e.start))
-  afters = sorted((e for e in entries if _is_marker(e, post)), key=lambda e: int(e.start))
-  if len(befores) != len(afters):
+  pairs = _marker_pairs(entries, pre, post)
+  if pairs is None:
     return 0, 0
   work = [
     e
@@ -405,7 +415,7 @@ def span_edges(entries, pre: int, post: int) -> tuple[int, int]:
     and not (_is_marker(e, pre) or _is_marker(e, post))
   ]
   lead = tail = 0
-  for b, a in zip(befores, afters):
+  for b, a in pairs:
     t0, t1 = int(b.end), int(a.start)
     inside = [
       e
