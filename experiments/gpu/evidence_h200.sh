@@ -129,9 +129,14 @@ except Exception as e:
 for x in report:
     if x["kind"] != "OK":
         print(x["id"], x["kind"], x["reason"][:120])
-for what in ("device records unavailable", "host evidence unavailable", "host evidence incomplete"):
+for what in ("device records unavailable", "host evidence unavailable", "host evidence incomplete",
+             "host evidence: a stall"):
     n = sum(any(what in w for w in x.get("warnings", [])) for x in report)
     print(f"{n} of {len(report)} carry '{what}'")
+for x in report:
+    for w in x.get("warnings", []):
+        if "host evidence: a stall" in w:
+            print(x["id"], x["kind"], w)
 PY
     ;;
   relu)

@@ -254,6 +254,28 @@ def test_the_verdict_says_whether_one_round_trip_or_all_went_over():
   assert "the largest in one round trip 3.4 ms, 4 of 4 over their own" in spread.reason
 
 
+def test_on_a_gpu_one_round_trips_stall_is_set_aside_but_not_two_nor_a_spread():
+  # session 35's numbers: 1891's 14.6 ms of excess, 11.3 of it unmet against 8.0 allowed over four
+  # judged forwards, fit one stall of ~13 ms in one round trip and nothing in the others
+  nulls = [_w(0, python=10)] * 3
+  one = [_w(python=14), _w(python=14), _w(python=158), _w(python=14)]
+  v = _judge(one, nulls, "cuda")
+  # (158 - 10) samples less 1.5 x 10 of drift, less the 2 ms floor: 11.3 ms, set aside
+  assert v.kind is FailureKind.OK and v.stall_ms == pytest.approx(11.3), v
+  assert _judge(one, nulls, "cpu").kind is FailureKind.HOST_COMPUTE  # the CPU's only evidence
+  two = [_w(python=14), _w(python=158), _w(python=158), _w(python=14)]
+  v = _judge(two, nulls, "cuda")
+  assert v.kind is FailureKind.HOST_COMPUTE and v.stall_ms == pytest.approx(11.3), v
+  assert "11.3 ms of one round trip set aside as a stall" in v.reason, v.reason
+  spread = _judge([_w(python=80) for _ in range(4)], nulls, "cuda")  # 3.5 ms over in each
+  assert spread.kind is FailureKind.HOST_COMPUTE, spread
+  # one judged round trip alone is never set aside
+  assert _judge([_w(python=158)], nulls, "cuda").kind is FailureKind.HOST_COMPUTE
+  # nor is a compute library's work, which has its own rule
+  lib = _judge([_w(python=14)] * 3 + [_w(python=14, numpy=150)], nulls, "cuda")
+  assert lib.kind is FailureKind.HOST_COMPUTE and "host compute libraries" in lib.reason, lib
+
+
 def test_a_compute_library_has_a_floor_of_its_own_under_the_gpus():
   # the H200's zero-copy candidate: its kernel copies the input to pinned host memory, numpy computes
   # the ReLU there (~1.5 ms a forward, under the 2 ms floor of host code on a GPU)

@@ -12,6 +12,8 @@ import random
 from verifier.api.contract import FailureKind
 from verifier.check import device_evidence, host_evidence
 from verifier.check.host_sampler import HostSampler, SamplerUnavailable
+
+STALL_WARNING = "host evidence: a stall: "
 from verifier.check.runtime_check import RuntimeVerdict
 from verifier.ipc.records import MARKER_MAX_BYTES, DeviceRecords
 
@@ -128,6 +130,10 @@ class CallEvidence:
       nulls_after=windows["null_after"],
     )
     self.summary = v
+    # a hiccup an operator may want to see: the latest judgement's, once
+    self.warnings = [w for w in self.warnings if not w.startswith(STALL_WARNING)]
+    if v.stall_ms > 0:
+      self.warnings.append(f"{STALL_WARNING}{v.stall_ms:.1f} ms of one round trip set aside")
     return v
 
   def phases(self) -> dict[str, float]:
@@ -142,6 +148,7 @@ class CallEvidence:
       "host_allowed_ms": v.allowed_ms,
       "host_drift_ms": v.drift_ms,
       "host_unmet_max_ms": max(v.unmet_by_window_ms, default=0.0),
+      "host_stall_ms": v.stall_ms,
     }
 
   def close(self) -> None:
