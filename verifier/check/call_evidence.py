@@ -12,10 +12,10 @@ import random
 from verifier.api.contract import FailureKind
 from verifier.check import device_evidence, host_evidence
 from verifier.check.host_sampler import HostSampler, SamplerUnavailable
-
-STALL_WARNING = "host evidence: a stall: "
 from verifier.check.runtime_check import RuntimeVerdict
 from verifier.ipc.records import MARKER_MAX_BYTES, DeviceRecords
+
+STALL_WARNING = "host evidence: a stall: "
 
 
 class CallEvidence:
