@@ -1105,3 +1105,26 @@ def test_the_checkers_windows_drop_warm_ups_and_the_profiled_trial():
   assert e.phases()["host_excess_ms"] == pytest.approx(-0.5)  # nothing but the null's 5 samples
   e.window("call", 1, 5, 5, "trial 3")
   assert e.verdict().kind is FailureKind.HOST_COMPUTE
+
+
+def test_a_gpu_request_sets_a_stall_aside_only_beside_device_records_and_says_so():
+  from verifier.api.contract import Strictness
+  from verifier.check.call_evidence import STALL_WARNING, CallEvidence
+
+  def judged(records_on: bool):
+    e = CallEvidence("cuda", ROOT, Strictness.preset("strict"), ("relu_kernel",))
+    e.records_on = records_on
+    quiet, stall = {PYTHON: 14}, {PYTHON: 158}  # session 35's one round trip of ~13 ms
+    e.sampler = _FakeSampler(
+      {0: {PYTHON: 10}, 1: {PYTHON: 10}, 2: quiet, 3: quiet, 4: stall, 5: quiet}
+    )
+    for t, kind in enumerate(("null", "null", "call", "call", "call", "call")):
+      e.window(kind, 1, t, t, f"round trip {t}")
+    return e.judge_host(), e.warnings
+
+  v, warnings = judged(True)
+  assert v.kind is FailureKind.OK and v.stall_ms == pytest.approx(11.3), v
+  assert warnings == [f"{STALL_WARNING}11.3 ms of one round trip set aside"], warnings
+  v, warnings = judged(False)  # no device records: the host rule is the only evidence
+  assert v.kind is FailureKind.HOST_COMPUTE and v.stall_ms == 0.0, v
+  assert not any(w.startswith(STALL_WARNING) for w in warnings), warnings

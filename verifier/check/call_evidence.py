@@ -128,6 +128,7 @@ class CallEvidence:
       self.build_root,
       self.device,
       nulls_after=windows["null_after"],
+      stalls=None if self.records_on else 0,  # a stall is set aside only beside device records
     )
     self.summary = v
     # a hiccup an operator may want to see: the latest judgement's, once
