@@ -34,13 +34,13 @@ set aside as drift. What that leaves a candidate is interpreter time of the orde
 fraction of a millisecond a forward on a CPU host): far under any work worth a reward.
 
 Stalls (GPU only): on a GPU with device records the largest single round trip's unmet excess is set aside
-(``STALLS``, where at least two round trips are judged; ``CallEvidence`` passes none without), so a one-
-off host stall in one forward (session 35: honest DICE solutions on one H100 host, 4-13 ms of interpreter
-and libc in one of four judged forwards) is not a verdict. Safe there because the host rule is the second
-line on a GPU (a round trip that computes on the host moves its inputs there, which the device records
-judge on every call), and because the other round trips must still be judged clean: a candidate that
-computes on the host in one round trip only must produce every other judged output with its own kernel,
-on fresh inputs. On a CPU this rule is the only evidence, and nothing is set aside.
+(``STALLS``, where at least two round trips are judged; ``CallEvidence`` passes none without), so a
+one-off host stall in one forward (session 35: honest DICE solutions on one H100 host, 4-13 ms of
+interpreter and libc in one of four judged forwards) is not a verdict. Safe there because the host rule
+is the second line on a GPU (a round trip that computes on the host moves its inputs there, which the
+device records judge on every call), and because the other round trips must still be judged clean: a
+candidate that computes on the host in one round trip only must produce every other judged output with
+its own kernel, on fresh inputs. On a CPU this rule is the only evidence, and nothing is set aside.
 """
 
 from __future__ import annotations
