@@ -42,11 +42,8 @@ lint: setup
 	$(BIN)/ruff check .
 
 test: lint $(BIN)/.tpu-compile
-	# two workers, one test file each at a time (module fixtures such as a warmed verifier stay shared);
-	# XLA's CPU backend at optimisation level 0: the suite's tiny programs cost more to compile than to
-	# run (test_sampler.py 190 -> 129 s alone; docs/performance.md). A caller's XLA_FLAGS come after it.
-	XLA_FLAGS="--xla_backend_optimization_level=0 $${XLA_FLAGS:-}" \
-	  $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=40 tests
+	# two workers, one test file each at a time (module fixtures such as a warmed verifier stay shared)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=40 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -10,8 +10,23 @@ import sys
 
 import pytest
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+_XLA_FLAGS_GIVEN = os.environ.get("XLA_FLAGS")
 _FORCED_CPU = "JAX_PLATFORMS" not in os.environ
+
+
+def cpu_xla_flags(given: str | None) -> str:
+  """XLA_FLAGS for the CPU suite: 8 fake devices and the CPU backend at optimisation level 0, each
+  unless the caller's flags set it. The suite's programs are tiny, so compiling them costs more than
+  running them: level 0 took `test_sampler.py` from 190 s to 129 s (docs/performance.md, CI)."""
+  flags = (given or "").split()
+  if not any("host_platform_device_count" in f for f in flags):
+    flags.append("--xla_force_host_platform_device_count=8")
+  if not any("xla_backend_optimization_level" in f for f in flags):
+    flags.append("--xla_backend_optimization_level=0")
+  return " ".join(flags)
+
+
+os.environ["XLA_FLAGS"] = cpu_xla_flags(_XLA_FLAGS_GIVEN)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -26,6 +41,8 @@ def pytest_configure(config):
   """A GPU run undoes the CPU default (the conftest runs before `-m` is known)."""
   if _FORCED_CPU and gpu_session(config.getoption("markexpr") or ""):
     del os.environ["JAX_PLATFORMS"]
+    # the GPU's programs keep XLA's own optimisation level
+    os.environ["XLA_FLAGS"] = _XLA_FLAGS_GIVEN or "--xla_force_host_platform_device_count=8"
     if "jax" in sys.modules:  # imported by a conftest already, not yet initialised
       sys.modules["jax"].config.update("jax_platforms", None)
 

@@ -19,7 +19,11 @@ SFT_SETS = ["--set=data_source=cuke", "--set=seq_len=256", "--set=batch_size=4"]
 
 def launch(module, *args, timeout=300, platforms="cpu"):
   """`python -m experiments.<module> args` with JAX_PLATFORMS=`platforms` (None: unset)."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",
+    JAX_PLATFORMS="cpu",
+  )
   if platforms is None:
     del env["JAX_PLATFORMS"]
   env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")

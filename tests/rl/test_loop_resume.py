@@ -27,6 +27,7 @@ def _env():
   # one device; XLA's CPU constant folding of the sampler's prefill takes minutes otherwise
   env["XLA_FLAGS"] = (
     "--xla_force_host_platform_device_count=1 --xla_disable_hlo_passes=constant_folding"
+    " --xla_backend_optimization_level=0"
   )
   env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
   return env

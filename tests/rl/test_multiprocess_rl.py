@@ -27,7 +27,7 @@ def _cmd(workdir, *extra):
 def _env():
   env = dict(os.environ)
   # XLA's CPU constant folding of the sampler's prefill takes minutes otherwise
-  env["XLA_FLAGS"] = "--xla_disable_hlo_passes=constant_folding"
+  env["XLA_FLAGS"] = "--xla_disable_hlo_passes=constant_folding --xla_backend_optimization_level=0"
   env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
   return env
 

@@ -40,7 +40,11 @@ def _cmd(workdir, data):
 
 
 def _env():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",
+    JAX_PLATFORMS="cpu",
+  )
   env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
   return env
 
