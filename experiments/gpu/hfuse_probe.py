@@ -52,7 +52,7 @@ flags.DEFINE_integer("iters", 20, "timed calls a variant")
 flags.DEFINE_integer("num_warps", 4, "warps a program (both kinds)")
 flags.DEFINE_integer("num_stages", 2, "Triton pipeline stages")
 flags.DEFINE_list("orders", ["interleave", "attn_first"], "program orders of the fused launch")
-flags.DEFINE_list("gemm_tiles", ["128x128x64"], "GEMM tiles bm x bn x bk")
+flags.DEFINE_list("gemm_tiles", ["128x128x64", "64x128x64"], "GEMM tiles bm x bn x bk")
 
 
 def shapes(small: bool) -> dict:
