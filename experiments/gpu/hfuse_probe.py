@@ -45,16 +45,20 @@ except ImportError:  # pragma: no cover
   plgpu = None
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out", None, "directory for hfuse.json (printed only when unset)")
-flags.DEFINE_bool("small", False, "tiny shapes (for the interpreter)")
-flags.DEFINE_bool("interpret", False, "the Pallas interpreter (any host)")
-flags.DEFINE_integer("layers", 36, "layers in the timed loop")
-flags.DEFINE_integer("fill", 1536, "cache slots attended a row")
-flags.DEFINE_integer("iters", 20, "timed calls a variant")
-flags.DEFINE_integer("num_warps", 4, "warps a program (both kinds)")
-flags.DEFINE_integer("num_stages", 2, "Triton pipeline stages")
-flags.DEFINE_list("orders", ["interleave", "attn_first"], "program orders of the fused launch")
-flags.DEFINE_list("gemm_tiles", ["128x128x64", "64x128x64"], "GEMM tiles bm x bn x bk")
+
+
+def define_flags():
+  """The probe's flags (defined when run, so that importing its kernels defines none)."""
+  flags.DEFINE_string("out", None, "directory for hfuse.json (printed only when unset)")
+  flags.DEFINE_bool("small", False, "tiny shapes (for the interpreter)")
+  flags.DEFINE_bool("interpret", False, "the Pallas interpreter (any host)")
+  flags.DEFINE_integer("layers", 36, "layers in the timed loop")
+  flags.DEFINE_integer("fill", 1536, "cache slots attended a row")
+  flags.DEFINE_integer("iters", 20, "timed calls a variant")
+  flags.DEFINE_integer("num_warps", 4, "warps a program (both kinds)")
+  flags.DEFINE_integer("num_stages", 2, "Triton pipeline stages")
+  flags.DEFINE_list("orders", ["interleave", "attn_first"], "program orders of the fused launch")
+  flags.DEFINE_list("gemm_tiles", ["128x128x64", "64x128x64"], "GEMM tiles bm x bn x bk")
 
 
 def shapes(small: bool) -> dict:
@@ -383,4 +387,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
