@@ -200,7 +200,7 @@ def test_ragged_rows_decode_exactly_what_lockstep_blocks_decode(model, cfg):
   rag = sampler.generate(model, PROMPTS, dataclasses.replace(cfg, ragged=True), key, budgets)
   np.testing.assert_array_equal(rag.tokens, lock.tokens)
   np.testing.assert_array_equal(rag.step_map, lock.step_map)
-  np.testing.assert_allclose(rag.logprobs, lock.logprobs, atol=1e-5)
+  np.testing.assert_allclose(rag.logprobs, lock.logprobs, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(rag.response_lengths, lock.response_lengths)
   np.testing.assert_array_equal(rag.steps_used, lock.steps_used)
   assert (np.asarray(rag.step_map) >= 0).sum() > 20
@@ -235,7 +235,7 @@ def test_capped_commits_decode_exactly_what_uncapped_and_lockstep_decode(model, 
     for ref in (rag, lock):
       np.testing.assert_array_equal(got.tokens, ref.tokens)
       np.testing.assert_array_equal(got.step_map, ref.step_map)
-      np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5)
+      np.testing.assert_allclose(got.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
       np.testing.assert_array_equal(got.response_lengths, ref.response_lengths)
       np.testing.assert_array_equal(got.steps_used, ref.steps_used)
     assert int(got.forwards) > int(rag.forwards)  # rows were deferred
@@ -305,7 +305,7 @@ def test_split_weights_decode_what_the_stacked_parameters_decode():
   )
   np.testing.assert_array_equal(split.tokens, stacked.tokens)
   np.testing.assert_array_equal(split.step_map, stacked.step_map)
-  np.testing.assert_allclose(split.logprobs, stacked.logprobs, atol=1e-5)
+  np.testing.assert_allclose(split.logprobs, stacked.logprobs, rtol=1e-5, atol=1e-5)
   layout = sampler.layout_prompts(PROMPTS, cfg, MASK)
   est = sampler.memory_estimate(model, layout, cfg)
   base = sampler.memory_estimate(model, layout, dataclasses.replace(cfg, presplit_weights=False))
@@ -599,7 +599,9 @@ def test_groups_sharing_a_prompt_prefill_it_once_and_decode_what_per_row_prefill
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_array_equal(np.asarray(got.step_map), np.asarray(want.step_map))
     # the K/V of a 4-row prefill GEMM round like those of a 12-row one to ~1e-6
-    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
+    np.testing.assert_allclose(
+      np.asarray(got.logprobs), np.asarray(want.logprobs), rtol=1e-5, atol=1e-5
+    )
   seen.clear()
   sampler.generate(model, PROMPTS, on)  # no shared prompts: every row prefills its own
   assert seen == [4]
