@@ -95,36 +95,6 @@ def quarters(rows: int, d: dict) -> dict:
   return out
 
 
-def _kernel(
-  layer_ref, q_ref, k_ref, v_ref, x_ref, w_ref, o_in_ref, o_ref, y_ref, *,
-  row0, n_attn, n_gemm, fill, block_k, head, bm, bn, bk,
-):  # fmt: skip
-  """`hfuse_probe._kernel` on a slice of rows: attention programs for rows row0.. (q, the cache
-  and o hold every row), interleaved with the GEMM's; o is updated in place (`o_in_ref` is
-  `o_ref`)."""
-  del o_in_ref
-  pid = pl.program_id(0)
-  layer = layer_ref[0]
-  kv_heads = q_ref.shape[1]
-  both = 2 * min(n_attn, n_gemm)
-  paired = pid < both
-  is_attn = jnp.where(paired, pid % 2 == 0, n_attn > n_gemm)
-  idx = jnp.where(paired, pid // 2, pid - both // 2)
-  m_tiles = x_ref.shape[0] // bm
-  if n_attn:
-
-    @pl.when(is_attn)
-    def _():
-      r, j = row0 + idx // kv_heads, idx % kv_heads
-      hp._attend(layer, r, j, q_ref, k_ref, v_ref, o_ref, fill=fill, block_k=block_k, head=head)
-
-  if n_gemm:
-
-    @pl.when(jnp.logical_not(is_attn))
-    def _():
-      hp._gemm(layer, idx % m_tiles, idx // m_tiles, x_ref, w_ref, y_ref, bm=bm, bn=bn, bk=bk)
-
-
 def step(layer, q, k, v, o, x, w, *, row0, n_rows, gemm: bool, cfg):
   """One launch: attention of `n_rows` rows from row0 (0: none) into `o`,
   and, with `gemm`, y = x @ w[layer]. Returns (o, y or None)."""
@@ -136,7 +106,7 @@ def step(layer, q, k, v, o, x, w, *, row0, n_rows, gemm: bool, cfg):
   if hp.plgpu is not None and not cfg["interpret"]:
     params = hp.plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
   kernel = functools.partial(
-    _kernel, row0=row0, n_attn=n_attn, n_gemm=n_gemm, fill=cfg["fill"],
+    hp._kernel, order="interleave", row0=row0, n_attn=n_attn, n_gemm=n_gemm, fill=cfg["fill"],
     block_k=cfg["block_k"], head=q.shape[-1], bm=bm, bn=bn, bk=bk,
   )  # fmt: skip
   y_shape = (x.shape[0], w.shape[2]) if gemm else (8, 128)
@@ -235,16 +205,6 @@ def schedules(d: dict, cfg: dict) -> dict:
   }
 
 
-def attention_reference(a, layer):
-  """Every row's attention output at `layer` in plain XLA (float32)."""
-  q, k, v = a["q"], a["k"][layer], a["v"][layer]
-  rows, kv_heads, _, head = q.shape
-  kl = k.reshape(rows, -1, kv_heads, head).astype(jnp.float32)
-  vl = v.reshape(rows, -1, kv_heads, head).astype(jnp.float32)
-  s = jnp.einsum("bjrh,bsjh->bjrs", q.astype(jnp.float32), kl) * head**-0.5
-  return jnp.einsum("bjrs,bsjh->bjrh", jax.nn.softmax(s, axis=-1), vl)
-
-
 def main(argv):
   del argv
   d = dims(FLAGS.small)
@@ -260,7 +220,7 @@ def main(argv):
   fns = schedules(d, cfg)
   cache_bytes = d["rows"] * fill * d["kv_heads"] * d["head"] * 2 * 2
   w_bytes = sum(kk * n * 2 for kk, n in d["gemm"].values())
-  ref_o = attention_reference(a, layers - 1)
+  ref_o = hp.attention_reference(a["q"], a["k"][layers - 1], a["v"][layers - 1])
   report = dict(
     device=str(jax.devices()[0].device_kind), jax=jax.__version__, layers=layers, fill=fill,
     tile=tile, num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages,

@@ -113,9 +113,7 @@ def _kernel(
   v_ref,
   x_ref,
   w_ref,
-  o_ref,
-  y_ref,
-  *,
+  *refs,
   n_attn,
   n_gemm,
   order,
@@ -125,9 +123,13 @@ def _kernel(
   bm,
   bn,
   bk,
+  row0=0,
 ):
   """A grid of n_attn attention and n_gemm GEMM programs. `interleave`: the first 2 x min(...)
-  programs alternate kinds, the rest are the larger kind; `attn_first`: all attention, then GEMM."""
+  programs alternate kinds, the rest are the larger kind; `attn_first`: all attention, then GEMM.
+  Attention programs cover rows row0.. (q, the cache and o hold every row). `refs` end with the
+  outputs (o, y); an input before them is o's aliased input (updated in place), left unread."""
+  o_ref, y_ref = refs[-2:]
   pid = pl.program_id(0)
   layer = layer_ref[0]
   kv_heads = q_ref.shape[1]
@@ -146,7 +148,7 @@ def _kernel(
     def _():
       _attend(
         layer,
-        idx // kv_heads,
+        row0 + idx // kv_heads,
         idx % kv_heads,
         q_ref,
         k_ref,
@@ -229,15 +231,19 @@ def make_inputs(sh: dict, layers: int, fill: int, seed: int = 0):
   return q, k, v, x, w
 
 
+def attention_reference(q, k_layer, v_layer):
+  """Every row's attention output over one layer's cache in plain XLA (float32 sums)."""
+  rows, kv_heads, _, head = q.shape
+  kl = k_layer.reshape(rows, -1, kv_heads, head).astype(jnp.float32)
+  vl = v_layer.reshape(rows, -1, kv_heads, head).astype(jnp.float32)
+  s = jnp.einsum("bjrh,bsjh->bjrs", q.astype(jnp.float32), kl) * head**-0.5
+  return jnp.einsum("bjrs,bsjh->bjrh", jax.nn.softmax(s, axis=-1), vl)
+
+
 def reference(layer, q, k, v, x, w):
   """The two results in plain XLA (float32 sums)."""
-  rows, kv_heads, _, head = q.shape
-  kl = k[layer].reshape(rows, -1, kv_heads, head).astype(jnp.float32)
-  vl = v[layer].reshape(rows, -1, kv_heads, head).astype(jnp.float32)
-  s = jnp.einsum("bjrh,bsjh->bjrs", q.astype(jnp.float32), kl) * head**-0.5
-  o = jnp.einsum("bjrs,bsjh->bjrh", jax.nn.softmax(s, axis=-1), vl)
   y = jnp.dot(x.astype(jnp.float32), w[layer].astype(jnp.float32))
-  return o, y
+  return attention_reference(q, k[layer], v[layer]), y
 
 
 def variants(sh, fill, interpret, tiles_list, orders):
