@@ -13,7 +13,8 @@ SDAR packing (JetAstra/SDAR training): every sample is padded with ``pad_token_i
 the config's ``grid`` (``dice_jax.diffusion.blocks.BlockGrid``, the grid the objective uses): its response
 with ``response`` alignment (the default), the whole sample with ``absolute`` (SDAR's own grid); prompt
 labels are ignored; positions restart per sample. Samples longer than ``seq_len`` are dropped (DICE: ``cutoff_len: 6144``,
-``truncate_mode: drop``), each drop logged with the sample id and counted in ``PackingStats``.
+``truncate_mode: drop``), each drop logged with the sample id and counted in ``PackingStats`` (in the caller's, also for drops
+made in grain worker processes).
 
 The response text is what the chat template appends after the generation prompt for an assistant turn (for the
 SDAR template: ``<think>\\n\\n</think>\\n\\n{response}<|im_end|>\\n``), so SFT sees the template exactly.
@@ -118,7 +119,9 @@ class PackingStats:
   dropped_ids: list = dataclasses.field(default_factory=list)
   _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
-  def __getstate__(self):  # picklable (grain workers get a copy; their counts stay in the worker)
+  def __getstate__(
+    self,
+  ):  # picklable: a grain worker gets a copy (`_DropsOut` sends its counts back)
     return {k: v for k, v in self.__dict__.items() if k != "_lock"}
 
   def __setstate__(self, state):
@@ -130,6 +133,49 @@ class PackingStats:
       self.samples_dropped += 1
       self.tokens_dropped += n
       self.dropped_ids.append(sample_id)
+
+  def since(self, seen: int) -> tuple[list, int]:
+    """(ids dropped after the first `seen`, their tokens): what a worker has not yet sent."""
+    with self._lock:
+      return self.dropped_ids[seen:], self.tokens_dropped
+
+  def add(self, ids: Sequence[str], tokens: int) -> None:
+    """Counts drops another process made (`tokens` of them over `ids`)."""
+    with self._lock:
+      self.samples_dropped += len(ids)
+      self.tokens_dropped += tokens
+      self.dropped_ids.extend(ids)
+
+
+_DROPS = "_dropped"  # the batch key a worker's new drops travel under (removed in the parent)
+
+
+class _DropsOut(grain.transforms.Map):
+  """In a grain worker: puts the drops made since its last batch into the batch (`_DROPS`: ids,
+  tokens), so the parent's `PackingStats` counts them (the worker's copy would keep them). A drop
+  travels with the next batch its worker emits; one after its last batch is not counted."""
+
+  def __init__(self, stats: PackingStats):
+    self.stats, self.ids_sent, self.tokens_sent = stats, 0, 0
+
+  def map(self, batch: dict) -> dict:
+    ids, tokens = self.stats.since(self.ids_sent)
+    self.ids_sent += len(ids)
+    batch[_DROPS] = (list(ids), tokens - self.tokens_sent)
+    self.tokens_sent = tokens
+    return batch
+
+
+class _DropsIn(grain.transforms.Map):
+  """In the parent: adds a batch's `_DROPS` to the run's `PackingStats` and removes the key."""
+
+  def __init__(self, stats: PackingStats):
+    self.stats = stats
+
+  def map(self, batch: dict) -> dict:
+    ids, tokens = batch.pop(_DROPS)
+    self.stats.add(ids, tokens)
+    return batch
 
 
 class _Tokenize(grain.transforms.Map):
@@ -217,7 +263,9 @@ def make_sft_dataset(
   if cfg.worker_count > 0:
     if not flags.FLAGS.is_parsed():  # grain's worker processes read absl flags (defaults are fine)
       flags.FLAGS.mark_as_parsed()
+    out = out.map(_DropsOut(stats))
     out = out.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
+    out = out.map(_DropsIn(stats))
   return out
 
 

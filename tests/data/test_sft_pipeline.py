@@ -245,6 +245,26 @@ def test_worker_processes_give_the_same_batches_and_resume(tiny_tokenizer):
       np.testing.assert_array_equal(a[k], b[k])
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_drops_made_in_worker_processes_are_counted_in_the_callers_stats(tiny_tokenizer, workers):
+  """A grain worker filters on its own copy of the stats: its drops reach the caller's with its
+  batches (before, `worker_count > 0` reported no drops at all)."""
+  samples = _samples()
+  base = dict(seq_len=88, grid=BlockGrid(4), batch_size=2, num_packing_bins=4, drop_remainder=False)
+  inproc = PackingStats()
+  list(make_sft_dataset(samples, tiny_tokenizer, SFTPipelineConfig(**base), inproc))
+  stats = PackingStats()
+  cfg = SFTPipelineConfig(**base, worker_count=workers)
+  batches = list(make_sft_dataset(samples, tiny_tokenizer, cfg, stats))
+  assert 20 < inproc.samples_dropped < 40  # about half of the 60 are longer than 88 tokens
+  assert sorted(stats.dropped_ids) == sorted(inproc.dropped_ids)
+  assert (stats.samples_dropped, stats.tokens_dropped) == (
+    inproc.samples_dropped,
+    inproc.tokens_dropped,
+  )
+  assert all(set(b) == set(FEATURES) for b in batches)  # the drops' key is gone
+
+
 def test_real_kernel_pairs_pack_without_loss_with_sdar_tokenizer(sdar_tokenizer):
   from dice_jax.data import prompts, tasks
 
