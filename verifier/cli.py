@@ -75,6 +75,12 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     help="evict least-recently-used builds above this size (0: never)",
   )
   p.add_argument(
+    "--pch-max-flag-sets",
+    type=int,
+    default=ServiceConfig.pch_max_flag_sets,
+    help="precompiled torch headers for at most this many flag sets in the cache (built one at a time)",
+  )
+  p.add_argument(
     "--scratch-root",
     default=ServiceConfig.scratch_root,
     help="parent of the per-candidate scratch dirs",
@@ -147,6 +153,7 @@ def _config(a, serving_here: bool = True) -> ServiceConfig:
     compile_workers=a.compile_workers,
     cache_dir=a.cache_dir,
     cache_max_gb=a.cache_max_gb,
+    pch_max_flag_sets=a.pch_max_flag_sets,
     scratch_root=a.scratch_root,
     mem_mb=a.mem_mb if a.mem_mb is not None else default_mem_mb(),
     scratch_mb=a.scratch_mb,

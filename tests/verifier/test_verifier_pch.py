@@ -79,6 +79,45 @@ def test_pch_build_refuses_flags_gcc_cannot_use(tmp_path):
   assert not pch.ready(str(d)) and not list(d.glob("*.tmp-*"))
 
 
+def test_pch_builds_for_new_flag_sets_run_one_at_a_time_and_stop_at_the_cap(tmp_path):
+  """A stream of candidates each with flags of its own asked for a PCH each, all built at once (a
+  compile worker and 0.1-1 GB of g++ apiece, every one kept on disk): now one at a time, for at most
+  `pch_max_flag_sets` flag sets counting those already in the cache; the warm-up's is never refused.
+  The build stage here only records what the service asks of it (a real PCH build takes ~35 s)."""
+  cache = tmp_path / "builds"
+  (cache / "pch" / ("a" * 24)).mkdir(parents=True)  # one kept from an earlier run
+  svc = VerifierService(ServiceConfig(device="cpu", cache_dir=str(cache), pch_max_flag_sets=3))
+
+  class Stage:
+    running, most, built = 0, 0, []
+
+    async def run_pch(self, request):
+      Stage.running += 1
+      Stage.most = max(Stage.most, Stage.running)
+      await asyncio.sleep(0.02)
+      os.makedirs(request["dir"])
+      Stage.built.append(os.path.basename(request["dir"]))
+      Stage.running -= 1
+
+  svc.build_stage = Stage()
+  asks = [str(cache / "pch" / (f"{i:x}" * 24)) for i in range(1, 6)]
+
+  async def go():
+    for d in asks:
+      svc._schedule_pch({"dir": d})
+    svc._schedule_pch({"dir": asks[0]})  # asked again while building: nothing new
+    await asyncio.gather(*svc.pch_builds.values())
+    svc._schedule_pch({"dir": str(cache / "pch" / ("f" * 24))}, background_only=False)
+    await asyncio.gather(*svc.pch_builds.values())
+
+  asyncio.run(go())
+  assert Stage.most == 1
+  assert Stage.built == ["1" * 24, "2" * 24, "f" * 24]
+  assert svc.metrics.pch_refused == 3
+  with pytest.raises(ValueError, match="pch_max_flag_sets"):
+    VerifierService(ServiceConfig(device="cpu", cache_dir=str(cache), pch_max_flag_sets=-1))
+
+
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory):
   """A CPU service's build cache after `VerifierService.warm_pch` (the seed extension, then the flag-less

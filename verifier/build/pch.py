@@ -108,6 +108,19 @@ def include_flags(directory: str, includes: str = FULL_INCLUDES) -> list[str]:
   return ["-include", header]
 
 
+def stored(build_root: str) -> set[str]:
+  """The PCH directories kept under ``build_root`` (built, or being built), by path."""
+  root = os.path.join(build_root, "pch")
+  try:
+    names = os.listdir(root)
+  except FileNotFoundError:
+    return set()
+  return {os.path.join(root, n) for n in names if _KEY.match(n)}
+
+
+_KEY = re.compile(r"^[0-9a-f]{24}$")  # pch_dir's names
+
+
 def ready(directory: str) -> bool:
   return os.path.exists(os.path.join(directory, HEADER + ".gch"))
 

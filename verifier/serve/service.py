@@ -111,6 +111,10 @@ class ServiceConfig:
   split_build: bool = True  # kernels compiled apart from the torch headers (split_build.py)
   use_pch: bool = True  # main.cpp on a precompiled torch header kept in cache_dir (pch.py)
   pch_background: bool = True  # build a missing PCH after the first build (off for one-shot runs)
+  # PCHs for at most this many flag sets in cache_dir, built one at a time: a candidate's own flags cost
+  # a build worker and 0.1-1 GB each, so a stream of new ones must not take the host (builds beyond the
+  # cap parse the headers as usual: same extension, slower)
+  pch_max_flag_sets: int = 8
   static_workers: int = 2  # static-check processes (static_worker.py): candidate text is read there
   static_timeout_s: float = 10.0  # deadline of one static check (and at most the request's timeout)
 
@@ -128,6 +132,7 @@ class Metrics:
   infrastructure_retries: int = 0
   baselines_measured: int = 0
   cache_evicted: int = 0
+  pch_refused: int = 0  # PCH requests past `pch_max_flag_sets`
   failure_kinds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   run_phase_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   run_phase_n: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -204,6 +209,8 @@ class VerifierService:
   def __init__(self, cfg: ServiceConfig):
     if cfg.cpu_timing_clock not in ("cpu", "wall"):
       raise ValueError(f"cpu_timing_clock must be 'cpu' or 'wall', got {cfg.cpu_timing_clock!r}")
+    if cfg.pch_max_flag_sets < 0:
+      raise ValueError(f"pch_max_flag_sets must be >= 0, got {cfg.pch_max_flag_sets}")
     self.cfg = cfg
     self.metrics = Metrics()
     self.build_stage: BuildStage | None = None
@@ -216,6 +223,7 @@ class VerifierService:
     self.new_builds = 0  # since the last cache eviction pass
     self.evicting: asyncio.Task | None = None
     self.pch_builds: dict[str, asyncio.Task] = {}  # precompiled-header builds, one per flag set
+    self.pch_one_at_a_time = asyncio.Semaphore(1)
     self.static = StaticCheckPool(cfg.static_workers, cfg.static_timeout_s)
     self.cgroups: task_limits.CgroupTree | None = None  # a cgroup per job, where this host allows
 
@@ -621,14 +629,27 @@ class VerifierService:
     return ok
 
   def _schedule_pch(self, request: dict, background_only: bool = True) -> None:
-    """Build a precompiled torch header in the background (once per flag set; pch.py)."""
+    """Build a precompiled torch header in the background (once per flag set, one at a time, for at
+    most `pch_max_flag_sets` flag sets in the cache; pch.py). The warm-up's (`background_only=False`)
+    is never refused."""
     if background_only and not self.cfg.pch_background:
       return
     if request["dir"] in self.pch_builds or self.build_stage is None:
       return
+    kept = pch.stored(self.cfg.cache_dir) | set(self.pch_builds)
+    if background_only and len(kept - {request["dir"]}) >= self.cfg.pch_max_flag_sets:
+      self.metrics.pch_refused += 1
+      if self.metrics.pch_refused == 1:
+        log.warning(
+          "PCH for a new flag set not built: %d flag sets have one (pch_max_flag_sets); builds "
+          "with other flags parse the torch headers each time",
+          len(kept),
+        )
+      return
 
     async def run():
-      report = await self.build_stage.run_pch(request)
+      async with self.pch_one_at_a_time:
+        report = await self.build_stage.run_pch(request)
       outcome = "" if report is not None else "no report"
       self.metrics.pch_builds.append(
         {"dir": request["dir"], "outcome": outcome, **((report.pch or {}) if report else {})}
