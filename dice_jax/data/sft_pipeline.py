@@ -119,9 +119,8 @@ class PackingStats:
   dropped_ids: list = dataclasses.field(default_factory=list)
   _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
-  def __getstate__(
-    self,
-  ):  # picklable: a grain worker gets a copy (`_DropsOut` sends its counts back)
+  # picklable: a grain worker gets a copy (`_DropsOut` sends its counts back)
+  def __getstate__(self):
     return {k: v for k, v in self.__dict__.items() if k != "_lock"}
 
   def __setstate__(self, state):
@@ -161,7 +160,7 @@ class _DropsOut(grain.transforms.Map):
   def map(self, batch: dict) -> dict:
     ids, tokens = self.stats.since(self.ids_sent)
     self.ids_sent += len(ids)
-    batch[_DROPS] = (list(ids), tokens - self.tokens_sent)
+    batch[_DROPS] = (ids, tokens - self.tokens_sent)
     self.tokens_sent = tokens
     return batch
 

@@ -108,6 +108,9 @@ def include_flags(directory: str, includes: str = FULL_INCLUDES) -> list[str]:
   return ["-include", header]
 
 
+_KEY = re.compile(r"^[0-9a-f]{24}$")  # pch_dir's names
+
+
 def stored(build_root: str) -> set[str]:
   """The PCH directories kept under ``build_root`` (built, or being built), by path."""
   root = os.path.join(build_root, "pch")
@@ -116,9 +119,6 @@ def stored(build_root: str) -> set[str]:
   except FileNotFoundError:
     return set()
   return {os.path.join(root, n) for n in names if _KEY.match(n)}
-
-
-_KEY = re.compile(r"^[0-9a-f]{24}$")  # pch_dir's names
 
 
 def ready(directory: str) -> bool:
