@@ -450,17 +450,8 @@ def _default_kernelbench() -> str:
   return os.path.normpath(path) if os.path.isdir(path) else ""
 
 
-def main(argv=None) -> int:
-  try:
-    argv = expand_flagfiles(list(sys.argv[1:] if argv is None else argv))
-  except batch.InputError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  p = argparse.ArgumentParser(
-    prog="python -m verifier",
-    epilog="Any subcommand also reads flags from --flagfile=PATH (one flag per line).",
-  )
-  sub = p.add_subparsers(dest="cmd", required=True)
+def _serve_parser(sub) -> None:
+  """`serve`: the gRPC service on this host."""
   s = sub.add_parser("serve", help="run the gRPC verifier service")
   s.add_argument(
     "--host", default="127.0.0.1", help="address to listen on (non-loopback needs a token)"
@@ -483,6 +474,10 @@ def main(argv=None) -> int:
     help="compile host: serve Build only, into --cache-dir shared with GPU hosts",
   )
   _service_args(s)
+
+
+def _check_parser(sub) -> None:
+  """`check`: one pair, or a batch from a directory or JSONL."""
   c = sub.add_parser(
     "check",
     help="verify candidates against references: one pair, or a batch from a directory or JSONL",
@@ -572,6 +567,10 @@ def main(argv=None) -> int:
     help="a correct candidate passes only at this speedup or above (0: any)",
   )
   _service_args(c)
+
+
+def _bench_parser(sub) -> None:
+  """`bench`: compile/run throughput on this host."""
   b = sub.add_parser("bench", help="compile/run throughput on this host (see verifier/bench.py)")
   b.add_argument("--out", default="", help="write the JSON report here")
   b.add_argument(
@@ -603,6 +602,22 @@ def main(argv=None) -> int:
   b.add_argument("--phases", default="stock,single,compile,dice_e2e,gpu_level1,identity")
   b.add_argument("--offset", type=int, default=0, help="first DICE candidate to use")
   _service_args(b)
+
+
+def main(argv=None) -> int:
+  try:
+    argv = expand_flagfiles(list(sys.argv[1:] if argv is None else argv))
+  except batch.InputError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  p = argparse.ArgumentParser(
+    prog="python -m verifier",
+    epilog="Any subcommand also reads flags from --flagfile=PATH (one flag per line).",
+  )
+  sub = p.add_subparsers(dest="cmd", required=True)
+  _serve_parser(sub)
+  _check_parser(sub)
+  _bench_parser(sub)
   a = p.parse_args(argv)
   level = logging.WARNING if a.cmd == "check" else logging.INFO  # check shows its own progress
   logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
