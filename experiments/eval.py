@@ -65,6 +65,9 @@ flags.DEFINE_float("temperature", 0.0, "Temperature (0 = greedy).")
 flags.DEFINE_integer("top_k", 0, "Top-k (0 = off).")
 flags.DEFINE_float("top_p", 1.0, "Top-p (1 = off).")
 flags.DEFINE_integer("max_new_tokens", 4096, "New tokens per sample at most.")
+flags.DEFINE_integer(
+  "max_prompt_tokens", 4096, "Prompt tokens kept, from the start (DICE's evaluation: 4096; 0: all)."
+)
 flags.DEFINE_enum("block_alignment", "absolute", ["absolute", "response"], "Block grid alignment.")
 flags.DEFINE_enum("confidence", "unfiltered", ["unfiltered", "filtered"], "Confidence for ranking.")
 flags.DEFINE_enum(
@@ -147,6 +150,7 @@ def decoding():
       top_k=FLAGS.top_k,
       top_p=FLAGS.top_p,
       max_new_tokens=FLAGS.max_new_tokens,
+      max_prompt_tokens=FLAGS.max_prompt_tokens,
       block_alignment=FLAGS.block_alignment,
       confidence=FLAGS.confidence,
       extract=FLAGS.extract,

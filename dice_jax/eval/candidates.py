@@ -5,6 +5,9 @@ template, as DICE's ``evaluation/src/utils.py`` does for SDAR/DICE models
 (``apply_chat_template(messages, add_generation_prompt=True)``), decoded by the block sampler with
 ``EvalDecoding`` (DICE's evaluation decoding by default: greedy, ``low_confidence_static``, block 4,
 4 steps, up to 4,096 new tokens, blocks aligned to position 0 as SDAR's ``block_diffusion_generate``).
+As DICE tokenizes that text (``truncation=True, max_length=4096``, the tokenizer's default right side), a
+prompt over ``EvalDecoding.max_prompt_tokens`` keeps its first tokens only: its end, the assistant
+header among them, is cut (some level-3 problems; ``Generation.prompt_cut`` counts what was cut).
 The response is decoded without special tokens and the mask token, and the first fenced code block is
 the candidate (KernelBench's ``extract_first_code``); no block means nothing is verified.
 
@@ -31,9 +34,10 @@ from dice_jax.data.tokenizer import check_compatible
 class Generation:
   response: str
   candidate: str | None  # None: no fenced code block in the response
-  prompt_tokens: int = 0
+  prompt_tokens: int = 0  # as decoded, after any cut
   response_tokens: int = 0
   seconds: float = 0.0  # this sample's share of its batch's wall time
+  prompt_cut: int = 0  # tokens cut from the prompt's end (EvalDecoding.max_prompt_tokens)
 
 
 class CandidateSource(Protocol):
@@ -60,6 +64,8 @@ class EvalDecoding:
   top_k: int = 0
   top_p: float = 1.0
   max_new_tokens: int = 4096
+  # DICE's evaluation: `truncation=True, max_length=4096` (right side); 0: no limit
+  max_prompt_tokens: int = 4096
   block_alignment: str = "absolute"
   confidence: str = "unfiltered"
   extract: str = "first_block"  # data/code_extraction.py EXTRACTIONS
@@ -67,6 +73,10 @@ class EvalDecoding:
   def __post_init__(self):
     if self.confidence not in ("unfiltered", "filtered"):
       raise ValueError(f"confidence must be 'unfiltered' or 'filtered', got {self.confidence!r}")
+    if self.max_prompt_tokens < 0:
+      raise ValueError(
+        f"max_prompt_tokens must be >= 0 (0: no limit), got {self.max_prompt_tokens}"
+      )
     code_extraction.check_rule(self.extract, "extract")
 
   def sampler_config(self, stop_ids: Sequence[int], pad_id: int):
@@ -109,8 +119,16 @@ class ModelCandidates:
     self.cfg = self.cfg.for_model(model.cfg)  # the model's block size unless decoding sets one
     self._batches = 0
 
-  def prompt_ids(self, task: KernelTask) -> list[int]:
+  def full_prompt_ids(self, task: KernelTask) -> list[int]:
     return self.tokenizer.encode(prompts.e2e_prompt(task.reference_code, self.tokenizer, "chat"))
+
+  def prompt_ids(self, task: KernelTask) -> list[int]:
+    """The decoded prompt: the first ``max_prompt_tokens`` of the full one (module docstring)."""
+    return self._cut(self.full_prompt_ids(task))
+
+  def _cut(self, ids: list[int]) -> list[int]:
+    limit = self.decoding.max_prompt_tokens
+    return ids[:limit] if limit else ids
 
   def generate(self, work: Sequence[tuple[KernelTask, int]]) -> list[Generation]:
     import jax
@@ -118,7 +136,8 @@ class ModelCandidates:
 
     from dice_jax.diffusion import sampler
 
-    ids = [self.prompt_ids(t) for t, _ in work]
+    full = [self.full_prompt_ids(t) for t, _ in work]
+    ids = [self._cut(f) for f in full]
     rows = ids + [ids[-1]] * (self.batch_size - len(ids))  # padded: one compile per bucket
     width = -(-max(map(len, rows)) // self.prompt_bucket) * self.prompt_bucket
     # a (problem, sample)-independent key per batch; greedy decoding ignores it
@@ -140,6 +159,7 @@ class ModelCandidates:
           len(ids[i]),
           int(n_tokens[i]),
           share,
+          len(full[i]) - len(ids[i]),
         )
       )
     return gens

@@ -56,7 +56,8 @@ class EvalRecord:
   speedup_flagged: bool = False  # a speedup (either baseline) above the run's review threshold
   strict_correct: bool = False  # also correct at fp32 atol = rtol = 1e-4
   device_name: str = ""
-  prompt_tokens: int = 0
+  prompt_tokens: int = 0  # as decoded
+  prompt_cut: int = 0  # tokens cut from the prompt's end (DICE's 4,096-token limit)
   response_tokens: int = 0
   generation_s: float = 0.0  # this sample's share of its generation batch's wall time
   compile_s: float = 0.0

@@ -117,6 +117,21 @@ def _failure_table(per_level: Mapping[int, metrics.LevelMetrics]) -> list[str]:
   return lines
 
 
+def _prompts_cut(records: Sequence[EvalRecord], decoding: Mapping) -> list[str]:
+  """A line naming the samples whose prompt lost its end to ``max_prompt_tokens`` (DICE's rule)."""
+  cut = [r for r in records if r.prompt_cut > 0]
+  if not cut:
+    return []
+  by_level = collections.Counter(r.level for r in cut)
+  levels = ", ".join(f"L{lv} {n}" for lv, n in sorted(by_level.items()))
+  return [
+    f"Prompts cut to their first {decoding.get('max_prompt_tokens', '?')} tokens, as DICE's "
+    f"evaluation tokenizes (`truncation=True, max_length=4096`): {len(cut)} sample(s) ({levels}), "
+    f"up to {max(r.prompt_cut for r in cut):,} tokens lost from the end (the assistant header "
+    "among them)."
+  ]
+
+
 def _time_split(records: Sequence[EvalRecord]) -> list[str]:
   gen = math.fsum(r.generation_s for r in records)
   comp = math.fsum(r.compile_s for r in records)
@@ -226,8 +241,8 @@ def render_markdown(
     "(KernelBench's `benchmark_eval_analysis.py`).",
     f"Decoding: `{json.dumps(manifest.get('decoding', {}), sort_keys=True)}`.",
     f"Verification: `{json.dumps(manifest.get('verify', {}), sort_keys=True)}`.",
-    "",
   ]
+  lines += _prompts_cut(records, manifest.get("decoding") or {}) + [""]
   for base, per_level in per_baseline.items():
     lines += [f"## Metrics against {BASELINES[base]}", ""]
     lines += _metrics_table(per_level, rows if base == "eager" else [])

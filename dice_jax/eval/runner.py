@@ -60,6 +60,7 @@ def make_record(
     name=task.name,
     sample=sample,
     prompt_tokens=gen.prompt_tokens,
+    prompt_cut=gen.prompt_cut,
     response_tokens=gen.response_tokens,
     generation_s=gen.seconds,
     candidate=gen.candidate,

@@ -27,6 +27,9 @@ def test_default_decoding_is_dices_evaluation_decoding():
   assert (cfg.temperature, cfg.top_k, cfg.top_p) == (0.0, 0, 1.0)  # greedy
   assert cfg.confidence == "unfiltered"  # as SDAR's evaluation decoder ranks positions
   assert (cfg.max_new_tokens, cfg.block_alignment, cfg.stop_ids) == (4096, "absolute", (7, 8))
+  assert EvalDecoding().max_prompt_tokens == 4096  # DICE: truncation=True, max_length=4096
+  with pytest.raises(ValueError, match="max_prompt_tokens must be >= 0"):
+    EvalDecoding(max_prompt_tokens=-1)
 
 
 def test_confidence_reaches_the_sampler():
@@ -68,6 +71,27 @@ def test_model_prompt_is_the_one_shot_prompt_in_the_chat_template(tmp_path):
   wrong = Transformer(get_config("tiny"), rngs=nnx.Rngs(0))  # 256 tokens, mask id 255
   with pytest.raises(ValueError, match="eval: .* does not match the model: .*mask id"):
     ModelCandidates(wrong, tok, EvalDecoding())
+
+
+def test_a_long_prompt_keeps_its_first_tokens_as_dices_evaluation_tokenizes(tmp_path):
+  """DICE tokenizes with `truncation=True, max_length=4096` and the default right side: a longer
+  prompt loses its end (the assistant header too); 0 keeps it whole."""
+  from flax import nnx
+
+  from dice_jax.data.byte_tokenizer import byte_model_overrides, write_byte_tokenizer
+  from dice_jax.data.tokenizer import Tokenizer
+  from dice_jax.eval.candidates import ModelCandidates
+  from dice_jax.model import Transformer, get_config
+
+  tok = Tokenizer.from_dir(write_byte_tokenizer(str(tmp_path / "tok")))
+  model = Transformer(get_config("tiny", **byte_model_overrides()), rngs=nnx.Rngs(0))
+  full = ModelCandidates(model, tok, EvalDecoding(max_prompt_tokens=0)).prompt_ids(_task(1))
+  assert len(full) > 1000 and tok.decode(full).endswith("<|im_start|>assistant\n")
+  cut = ModelCandidates(model, tok, EvalDecoding(max_prompt_tokens=1000)).prompt_ids(_task(1))
+  assert cut == full[:1000]
+  assert "<|im_start|>assistant" not in tok.decode(cut)
+  whole = ModelCandidates(model, tok, EvalDecoding(max_prompt_tokens=len(full)))
+  assert whole.prompt_ids(_task(1)) == full
 
 
 def test_file_candidates_by_task_id_or_level_and_problem_id(tmp_path):

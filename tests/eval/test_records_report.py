@@ -91,7 +91,7 @@ def test_published_row_follows_the_model_size():
   assert dice[0].levels[1] == (24.0, 12.0, 3.0)
 
 
-def _run_dir(tmp_path, recs, num_params=2_031_739_904, baselines=("eager",)):
+def _run_dir(tmp_path, recs, num_params=2_031_739_904, baselines=("eager",), decoding=None):
   problems = [
     {"task_id": f"kernelbench/L{lv}/{i}", "level": lv, "name": f"{i}_P"}
     for lv in (1, 2)
@@ -103,7 +103,7 @@ def _run_dir(tmp_path, recs, num_params=2_031_739_904, baselines=("eager",)):
     "problems": problems,
     "samples": 1,
     "pass_at_k": [],
-    "decoding": {"block_size": 4},
+    "decoding": decoding or {"block_size": 4},
     "verify": {"num_perf_trials": 100},
     "baselines": list(baselines),
     "review_speedup": 10.0,
@@ -160,6 +160,15 @@ def test_report_without_a_published_row_and_with_a_compile_baseline(tmp_path):
   m = json.load(open(tmp_path / report.METRICS))
   assert m["eager"]["1"]["fast_p"]["1"] == 0.25 and m["compile"]["1"]["fast_p"]["1"] == 0.25
   assert m["compile"]["1"]["fast_p"]["0.5"] == 0.5 and m["compile"]["1"]["flagged"] == 0
+
+
+def test_report_names_the_prompts_cut_to_dices_limit(tmp_path):
+  recs = [_rec(1, level=2, prompt_tokens=4096, prompt_cut=2_612), _rec(2, prompt_tokens=900)]
+  md = open(_run_dir(tmp_path, recs, decoding={"max_prompt_tokens": 4096})).read()
+  assert "Prompts cut to their first 4096 tokens" in md
+  assert "1 sample(s) (L2 1), up to 2,612 tokens lost from the end" in md
+  (tmp_path / "x").mkdir()
+  assert "Prompts cut" not in open(_run_dir(tmp_path / "x", [_rec(1)])).read()
 
 
 def test_metrics_of_an_empty_run_report_zero_rates(tmp_path):
