@@ -242,8 +242,9 @@ class Transformer(nnx.Module):
       raise ValueError(
         "DecodeTiles.halves needs the unrolled decode forward (decode weights, or scan_layers=False)"
       )
+    materialise_kv = pack is None  # `_unrolled`'s barrier: where it pays (its comment)
     if weights is not None:
-      return self._unrolled(x, weights.layers, cache, layer_fn)
+      return self._unrolled(x, weights.layers, cache, layer_fn, materialise_kv)
     layer_ids = jnp.arange(cfg.num_layers)
     if cache is None or cfg.attention_impl == "flash":  # flash reads the stacked cache by layer
       xs = (self.layers.weights(), None, None, layer_ids)
@@ -253,18 +254,22 @@ class Transformer(nnx.Module):
       return jax.lax.scan(body, x, xs)
     # Unrolled: layer l's weights are static slices of the stacked parameters.
     per_layer = [jax.tree.map(lambda a, i=i: a[i], xs[0]) for i in range(cfg.num_layers)]
-    return self._unrolled(x, per_layer, cache, layer_fn)
+    return self._unrolled(x, per_layer, cache, layer_fn, materialise_kv)
 
-  def _unrolled(self, x, per_layer, cache, layer_fn):
+  def _unrolled(self, x, per_layer, cache, layer_fn, materialise_kv: bool = True):
     dense_cache = cache is not None and self.cfg.attention_impl != "flash"
     kvs = []
     for i, w in enumerate(per_layer):
       ck, cv = (cache.k[i], cache.v[i]) if dense_cache else (None, None)
       x, kv = layer_fn(x, w, ck, cv, jnp.asarray(i))
-      if cache is None:
-        # Prefill: materialise this layer's K/V now. V is a slice of the fused q/k/v output; fused
+      if cache is None or materialise_kv:
+        # Materialise this layer's K/V now. Prefill: V is a slice of the fused q/k/v output; fused
         # into the stack below, that slice would keep every layer's whole output alive until the
         # stack (+4.4 GiB compiled temp for a 16 x 1024-token chunk of sdar_4b, H200 session 9).
+        # Decode: fused into the stack, every layer's K norm, RoPE and head transpose became one
+        # ~90-operand transpose kernel, 1.9 ms for 75 MB once a block (static loop; H100, session
+        # 41: 0.983x its device time a batch forward with the barrier). With packed tokens XLA
+        # fuses the stack into the cache scatter instead (0.36 ms), and the barrier costs 1.004x.
         kv = jax.lax.optimization_barrier(kv)
       kvs.append(kv)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *kvs)
