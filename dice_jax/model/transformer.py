@@ -443,16 +443,20 @@ def packed(x, pack):
 
 def unpacked(x, pack, bt):
   """`x` `[G, M, ...]` of the packed tokens back on the `[B, T, ...]` layout `bt = (B, T)`, zeros
-  at the tokens not packed; `x` itself when `pack` is None."""
+  at the tokens not packed; `x` itself when `pack` is None. A gather through the inverse of `pack`
+  (M, out of bounds, where a token is not packed: filled with 0): a scatter into zeros made XLA:GPU
+  copy a zero buffer first, for q, k and v of every layer (H100, session 41)."""
   if pack is None:
     return x
-  n = bt[0] * bt[1] // pack.shape[0]
-  put = lambda a, i: (
-    jnp.zeros((n, *a.shape[1:]), a.dtype)
-    .at[i]
-    .set(a, unique_indices=True, mode="promise_in_bounds")
+  g, m = pack.shape
+  n = bt[0] * bt[1] // g
+  inverse = (
+    jnp.full((g, n), m, jnp.int32)
+    .at[jnp.arange(g)[:, None], pack]
+    .set(jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (g, m)), unique_indices=True)
   )
-  return jax.vmap(put)(x, pack).reshape(*bt, *x.shape[2:])
+  take = lambda a, i: a.at[i].get(mode="fill", fill_value=0)
+  return jax.vmap(take)(x, inverse).reshape(*bt, *x.shape[2:])
 
 
 def _layer(x, w, cache_k, cache_v, layer, *, cfg, attention, positions, seg, blk, cache, pack=None):
