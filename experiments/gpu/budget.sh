@@ -2,15 +2,21 @@
 # repository root as the working directory, the environment), a budget of BUDGET s, a status line per part
 # in $OUT/status.txt, PARTS as a comma list, and `part`, which runs one part's command under the time
 # left. The sourcing script sets BUDGET and PARTS after it.
+# A device call returns at most 8 files of its $OUT (/work/.library/device/README.md), and one part can
+# write more (logs, HLO, profiles): the parts write under a work folder outside it (OUT below), and after
+# each part everything there is packed into $OUT/results.tgz, so $OUT holds two files: results.tgz and
+# status.txt (a call cut by its limit keeps what the last finished part packed).
 set -u
 START=$(date +%s)
 : "${OUT:?set OUT}"
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+mkdir -p "$OUT" && BACK=$(cd "$OUT" && pwd)
+OUT=$(mktemp -d /tmp/gpu_parts.XXXXXX)
+pack() { tar czf "$BACK/.results.tgz" -C "$OUT" . && mv "$BACK/.results.tgz" "$BACK/results.tgz"; }
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 left() { echo $((BUDGET - ($(date +%s) - START))); }
-status() { echo "$(($(date +%s) - START)) s: $*" | tee -a "$OUT/status.txt"; }
+status() { echo "$(($(date +%s) - START)) s: $*" | tee -a "$BACK/status.txt"; }
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 # The GPU host has no grain: the carried wheels (.whl/: `pip download --only-binary=:all: --python-version
 # 3.12 --platform manylinux_2_28_x86_64 --no-deps -d .whl grain array_record portpicker`) go into
@@ -37,5 +43,6 @@ part() {
   rc=$?
   status "$name: exit $rc (limit $lim s; $(rows) rows in results.jsonl;" \
     "last: $(grep -v '^[WIE][0-9]' "$OUT/$name.log" | tail -1 | cut -c1-160))"
+  pack
   return $rc
 }

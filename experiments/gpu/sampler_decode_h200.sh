@@ -34,8 +34,9 @@
 #                     row-forward, vs base, token agreement; only the programs that fit before the
 #                     deadline are compiled
 # If the bench dies of a signal (a compiler crash), it runs once more without the `halves` variants.
-# A status line per part in $OUT/status.txt; rows land in $OUT/results.jsonl as they come (a row per
-# variant, `skipped` when the deadline cut it). Run from the repository root:
+# A status line per part in $OUT/status.txt; rows land in results.jsonl as they come (a row per
+# variant, `skipped` when the deadline cut it), packed with the logs into $OUT/results.tgz after each
+# part (budget.sh). Run from the repository root:
 #   OUT=/some/dir bash experiments/gpu/sampler_decode_h200.sh
 # BUDGET, PARTS (kernel_code,tests,options), TESTS_S, OPTIONS (the variants), RATE_OPTIONS (the
 # variants measured at full size; `best` = the fastest exact bf16 forward), CONFIG (the model

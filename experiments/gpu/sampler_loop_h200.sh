@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 39's open questions on one H200 in <= BUDGET s (default 560), one process per part, rows in
-# $OUT/results.jsonl (bench_sampler) and $OUT/rollout/bench_rl.json as they come, a status line per
-# part in $OUT/status.txt. sdar_4b, random bf16 weights, 128 rows, 1,024 + 1,024 unless noted.
+# results.jsonl (bench_sampler) and rollout/bench_rl.json as they come, packed with every log into
+# $OUT/results.tgz after each part (budget.sh), a status line per part in $OUT/status.txt. sdar_4b,
+# random bf16 weights, 128 rows, 1,024 + 1,024 unless noted.
 #
 #   tests    the cache kernel's visible_half and share_prompts tests on the GPU (Triton), before
 #            anything uses them, and the sampler's first call settled (tests/diffusion/test_decode_gpu.py)
