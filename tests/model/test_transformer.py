@@ -9,7 +9,7 @@ from flax import nnx
 from dice_jax import sharding
 from dice_jax.model import AttentionSpec, KVCache, Transformer, get_config
 from dice_jax.model.flash_decode import DecodeTiles
-from dice_jax.model.transformer import DecodeView
+from dice_jax.model.transformer import DecodeView, packed, unpacked
 
 CFG = get_config("tiny", dtype="float32")
 B, T = 2, 12
@@ -193,6 +193,24 @@ def test_decode_weights_are_per_layer_fused_in_the_compute_dtype_and_give_the_sa
     np.testing.assert_allclose(f32(got_cache.k), f32(ref_cache.k), atol=tol, rtol=tol)
     k_ref, _ = m.prefill_kv(tok, pos, spec)
     np.testing.assert_allclose(f32(view.prefill_kv(tok, pos, spec)[0]), f32(k_ref), atol=tol)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_unpacked_puts_each_packed_token_back_and_zeros_the_rest(m):
+  """`unpacked` (a gather through the pack's inverse) against a scatter into zeros, for packs in
+  any order, and `packed` its left inverse."""
+  rng = np.random.default_rng(m)
+  rows, t, g = 4, 8, 2
+  n = rows * t // g
+  pack = np.stack([rng.permutation(n)[:m] for _ in range(g)]).astype(np.int32)
+  x = rng.normal(size=(rows, t, 3, 2)).astype(np.float32)
+  small = packed(jnp.asarray(x), jnp.asarray(pack))
+  want = np.zeros((g, n, 3, 2), np.float32)
+  for i in range(g):
+    want[i, pack[i]] = x.reshape(g, n, 3, 2)[i, pack[i]]
+  got = np.asarray(unpacked(small, jnp.asarray(pack), (rows, t)))
+  np.testing.assert_array_equal(got, want.reshape(rows, t, 3, 2))
+  np.testing.assert_array_equal(np.asarray(packed(jnp.asarray(got), jnp.asarray(pack))), small)
 
 
 @pytest.mark.parametrize(
