@@ -125,8 +125,8 @@ def _prompts_cut(records: Sequence[EvalRecord], decoding: Mapping) -> list[str]:
   by_level = collections.Counter(r.level for r in cut)
   levels = ", ".join(f"L{lv} {n}" for lv, n in sorted(by_level.items()))
   return [
-    f"Prompts cut to their first {decoding.get('max_prompt_tokens', '?')} tokens, as DICE's "
-    f"evaluation tokenizes (`truncation=True, max_length=4096`): {len(cut)} sample(s) ({levels}), "
+    f"Prompts cut to their first {decoding.get('max_prompt_tokens', '?')} tokens (`max_prompt_tokens`; "
+    f"DICE's evaluation tokenizes with `truncation=True, max_length=4096`): {len(cut)} sample(s) ({levels}), "
     f"up to {max(r.prompt_cut for r in cut):,} tokens lost from the end (the assistant header "
     "among them)."
   ]
