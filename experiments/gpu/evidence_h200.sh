@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 37 (evidence on every judged call; tasks, tolerance, host strings, compared calls, compile slots,
 # timing) on one H200, in one device call, most telling first. Every part runs under its own `timeout`,
-# writes its log under $OUT as it runs and a line to $OUT/status.txt when it ends, so a call cut short
+# writes its log as it runs and a line to $OUT/status.txt when it ends, so a call cut short
 # returns what it had. All parts share BUDGET seconds (default 540): a part's limit is cut to what is
 # left, a part with under 30 s left is skipped (status.txt says so); the call ends within BUDGET + 20 s.
 #
@@ -39,11 +39,16 @@
 # (dice needs the first file; level1 and e2e all four.) Run from the repository root:
 #   OUT=/some/dir bash experiments/gpu/evidence_h200.sh
 #   OUT=/some/dir PARTS="level1 e2e" bash experiments/gpu/evidence_h200.sh
+# A device call returns at most 8 files of its $OUT (/work/.library/device/README.md) and the parts write
+# more: they write under a work folder (OUT below), packed into $OUT/results.tgz after each part, with
+# status.txt beside it (a call cut by its limit keeps what the last finished part packed).
 set -u
 : "${OUT:?set OUT}"
 START=$(date +%s)
 mkdir -p "$OUT"
-OUT=$(realpath "$OUT")
+BACK=$(realpath "$OUT")
+OUT=$(mktemp -d /tmp/evidence_parts.XXXXXX)
+pack() { tar czf "$BACK/.results.tgz" -C "$OUT" . && mv "$BACK/.results.tgz" "$BACK/results.tgz"; }
 cd "$(dirname "$0")/../.."
 PARTS=${PARTS:-probe dice tests relu}
 BUDGET=${BUDGET:-540}
@@ -55,7 +60,7 @@ GPU_TESTS=tests/verifier/test_verifier_gpu.py
 { git log --oneline -1; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   nproc; uname -r; } > "$OUT/env.txt" 2>&1
 
-stamp() { echo "$(($(date +%s) - START)) s: $*" | tee -a "$OUT/status.txt"; }
+stamp() { echo "$(($(date +%s) - START)) s: $*" | tee -a "$OUT/status.txt" "$BACK/status.txt"; }
 
 part() {  # part NAME LIMIT COMMAND...: COMMAND under min(LIMIT, budget left), output to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
@@ -72,7 +77,7 @@ part() {  # part NAME LIMIT COMMAND...: COMMAND under min(LIMIT, budget left), o
 
 summary() {  # summary NAME PYTHON-SCRIPT ARGS...: a few lines of a part's results into status.txt
   local name=$1; shift
-  timeout 60 python3 - "$@" 2>&1 | sed "s/^/  $name: /" | tee -a "$OUT/status.txt"
+  timeout 60 python3 - "$@" 2>&1 | sed "s/^/  $name: /" | tee -a "$OUT/status.txt" "$BACK/status.txt"
 }
 
 for p in $PARTS; do
@@ -100,8 +105,8 @@ PY
     # -s: the test's line per verdict reaches dice.log as it comes
     VERIFIER_REPORT_DIR="$OUT" part dice 330 python3 -m pytest -m gpu -v -s -rA -p no:cacheprovider \
       "$GPU_TESTS" -k dice_known_good
-    grep -E "^strict:" "$OUT/dice.log" | tee -a "$OUT/status.txt"
-    tail -n 2 "$OUT/dice_progress.txt" 2>/dev/null | sed "s/^/  dice: last: /" | tee -a "$OUT/status.txt"
+    grep -E "^strict:" "$OUT/dice.log" | tee -a "$OUT/status.txt" "$BACK/status.txt"
+    tail -n 2 "$OUT/dice_progress.txt" 2>/dev/null | sed "s/^/  dice: last: /" | tee -a "$OUT/status.txt" "$BACK/status.txt"
     summary dice "$OUT/dice_known_good.json" "$OUT/dice_phases.json" <<'PY'
 import collections, json, sys
 # session 32 on (docs/performance.md): 7278 fails the norm rule (its pooling bins are wrong), 2616's
@@ -141,7 +146,7 @@ PY
     ;;
   relu)
     part relu 120 python3 -m pytest -m gpu -v -rA -p no:cacheprovider "$GPU_TESTS" -k tenth_of_a_millisecond
-    grep -E "^relu4:|^E .*assert" "$OUT/relu.log" | head -4 | tee -a "$OUT/status.txt"
+    grep -E "^relu4:|^E .*assert" "$OUT/relu.log" | head -4 | tee -a "$OUT/status.txt" "$BACK/status.txt"
     ;;
   tests)
     # every other GPU test, issue 37's first (pytest runs node ids in the order given)
@@ -157,14 +162,14 @@ PY
     )
     echo "${#IDS[@]} tests: ${IDS[*]}" > "$OUT/tests_order.txt"
     part tests 330 python3 -m pytest -m gpu -v -rA -p no:cacheprovider --durations=0 "${IDS[@]}"
-    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 | tee -a "$OUT/status.txt"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 | tee -a "$OUT/status.txt" "$BACK/status.txt"
     ;;
   level1)
     part level1 "$LEVEL1_S" python3 -m verifier bench --device cuda --phases gpu_level1 --level1 10 \
       --level1-samples 1 --timed "${TIMED:-10}" --timed-passes "${TIMED_PASSES:-3}" \
       --budget-s $((LEVEL1_S - 20)) --out "$OUT/level1.json"
     timeout 60 python3 -m experiments.gpu.timing_summary "$OUT/level1.json" > "$OUT/level1.txt" 2>&1
-    grep -E "^(reward|timed_|median)" "$OUT/level1.txt" | tee -a "$OUT/status.txt"
+    grep -E "^(reward|timed_|median)" "$OUT/level1.txt" | tee -a "$OUT/status.txt" "$BACK/status.txt"
     summary level1 "$OUT/level1.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))["gpu_level1"]
@@ -188,5 +193,6 @@ PY
     ;;
   *) stamp "unknown part $p (probe dice relu tests level1 e2e)" ;;
   esac
+  pack
 done
 stamp "done"
