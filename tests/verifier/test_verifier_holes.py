@@ -109,6 +109,13 @@ HOLES = [
     {FailureKind.FORBIDDEN_IMPORT},
   ),
   (
+    "inputs_drawn_ahead_from_the_request_seed",
+    holes.INPUTS_DRAWN_AHEAD,
+    holes.REFERENCE,
+    {},
+    {FailureKind.WRONG_OUTPUT},
+  ),
+  (
     "nondeterministic_reference",
     holes.NONDETERMINISTIC_IDENTITY,
     holes.NONDETERMINISTIC_REFERENCE,

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from verifier.api.contract import STRICT_TOLERANCE  # noqa: E402
 from verifier.check import correctness  # noqa: E402
-from verifier.check.reference import ReferenceTask, same_values  # noqa: E402
+from verifier.check.reference import ReferenceTask, same_values, trial_seeds  # noqa: E402
 from verifier.ipc import exchange, tensors  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -275,3 +275,18 @@ def test_only_compared_calls_outputs_are_copied_out():
   checker._touch(torch.empty(0))
   checker._touch(golden.t())
   buffers.close()
+
+
+def test_trial_seeds_come_from_the_checkers_key_not_from_the_request_seed_alone():
+  """A candidate's constructor runs under the request seed; the trials' inputs must not follow from it
+  (KernelBench's rule, a generator seeded with it, let ``__init__`` draw them and store the answers)."""
+  key = bytes(range(32))
+  seeds = trial_seeds(42, 5, key)
+  assert seeds == trial_seeds(42, 5, key)  # one checker: an RL group shares its reference's trials
+  assert seeds[:3] == trial_seeds(42, 3, key)
+  assert seeds != trial_seeds(42, 5, bytes(32)) and seeds != trial_seeds(43, 5, key)
+  assert len(set(seeds)) == 5 and all(0 <= s < 2**31 for s in seeds)
+  gen = torch.Generator().manual_seed(42)
+  assert not set(seeds) & set(torch.randint(0, 2**31 - 1, (64,), generator=gen).tolist())
+  with pytest.raises(ValueError, match="secret key"):
+    trial_seeds(42, 3, b"")

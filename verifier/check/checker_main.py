@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import gc
 import os
+import secrets
 import socket
 import sys
 import time
@@ -79,6 +80,9 @@ class CheckerProcess:
     self.device = torch.device("cuda:0" if device == "cuda" else "cpu")
     self.cache = TaskCache(cache_tasks, cache_bytes)
     self.state = TorchState()
+    # the secret the trials' input seeds come from (reference.trial_seeds): a candidate knows the request
+    # seed, never this, so it cannot draw its trials' inputs ahead of them
+    self.input_key = secrets.token_bytes(32)
 
   def serve(self, max_jobs: int) -> int:
     done = 0
@@ -130,7 +134,7 @@ class CheckerProcess:
         t0 = time.monotonic()
         try:
           task = ReferenceTask.load(
-            job.reference_source, o.seed, trials, self.device, o.atol, o.rtol
+            job.reference_source, o.seed, trials, self.device, o.atol, o.rtol, self.input_key
           )
         except ReferenceFailure as e:
           return CheckReport(

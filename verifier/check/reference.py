@@ -19,6 +19,7 @@ import contextlib
 import copy
 import dataclasses
 import hashlib
+import hmac
 
 import torch
 
@@ -40,9 +41,16 @@ def is_out_of_memory(e: BaseException) -> bool:
   return type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower()
 
 
-def trial_seeds(seed: int, trials: int) -> list[int]:
-  gen = torch.Generator().manual_seed(seed)
-  return [int(s) for s in torch.randint(0, 2**31 - 1, (trials,), generator=gen)]
+def trial_seeds(seed: int, trials: int, key: bytes) -> list[int]:
+  """Trial ``k``'s input seed: HMAC-SHA256(``key``, "seed/k") as 31 bits. ``key`` is the checker's secret
+  (one per checker process, ``CheckerProcess``), so the request seed, which the candidate's constructor runs
+  under (42 in every DICE request), does not tell it the trials' inputs: drawn from the seed alone, as
+  KernelBench does, they let ``__init__`` (never judged) compute every trial's answer with torch and
+  ``forward`` look it up (red team, session 42)."""
+  if not key:
+    raise ValueError("trial_seeds needs the checker's secret key")
+  digest = lambda k: hmac.new(key, f"{seed}/{k}".encode(), hashlib.sha256).digest()
+  return [int.from_bytes(digest(k)[:4], "little") & 0x7FFFFFFF for k in range(trials)]
 
 
 def task_key(source: str, seed: int, trials: int, device: str, atol: float, rtol: float) -> str:
@@ -99,11 +107,19 @@ class ReferenceTask:
 
   @classmethod
   def load(
-    cls, source: str, seed: int, trials: int, device: torch.device, atol: float, rtol: float
+    cls,
+    source: str,
+    seed: int,
+    trials: int,
+    device: torch.device,
+    atol: float,
+    rtol: float,
+    input_key: bytes,
   ) -> "ReferenceTask":
     """Run the reference's own checks before any candidate code: two fresh instances must agree on
     trial 0 (else it is not deterministic and cannot judge), and a second forward of one of them tells
-    whether it is stateful."""
+    whether it is stateful. The trials' inputs are drawn under seeds only ``input_key`` gives
+    (``trial_seeds``)."""
     key = task_key(source, seed, trials, device.type, atol, rtol)
     try:
       namespace = {"__name__": "reference", "__builtins__": __builtins__}
@@ -113,7 +129,8 @@ class ReferenceTask:
           raise ReferenceFailure(f"reference defines no {name}")
       set_seed(seed)
       init_args = tensors.to_device(list(namespace["get_init_inputs"]()), device)
-      task = cls(key, device, seed, namespace, init_args, trial_seeds(seed, trials), False)
+      seeds = trial_seeds(seed, trials, input_key)
+      task = cls(key, device, seed, namespace, init_args, seeds, False)
       inputs = task.make_inputs(0)
       first = task.forward(task.fresh_model(), inputs, 0)
       again = task.fresh_model()
