@@ -7,7 +7,9 @@ sample the user-space instruction pointer of the thread that was running, stampe
 address range and file), every fork and exec, so an instruction pointer is attributed to the module that
 was mapped there at that moment, from records the candidate cannot write. The candidate's process holds
 none of this: it may not call ``perf_event_open`` nor switch off events attached to it
-(``PR_TASK_PERF_EVENTS_DISABLE``; both refused by its seccomp filter, ``confine.protect_evidence``).
+(``PR_TASK_PERF_EVENTS_DISABLE``; both refused by its seccomp filter, ``confine.protect_evidence``), nor
+``mremap`` pages (which makes no record) to an address of its choosing; a mapping that reaches past its
+file's end is taken for the forgery it is (``ModuleTable.module_of``).
 
 Kernel-mode time is not sampled (``exclude_kernel``; unprivileged sampling of another process allows
 user space only), nor a process outside the tree. ``host_evidence`` judges the samples.
@@ -22,6 +24,7 @@ import dataclasses
 import mmap
 import os
 import platform
+import stat
 import struct
 import threading
 import time
@@ -56,6 +59,8 @@ DEFAULT_PERIOD_NS = 100_000  # 10 kHz of CPU time per busy thread
 ANON = "[anonymous executable memory]"
 UNKNOWN = "[unmapped]"
 LOST = "[lost samples]"
+# a mapping that reaches past what its file holds (ModuleTable.module_of)
+FORGED = "[forged mapping of {}]"
 
 _SAMPLE = struct.Struct("<QIIQ")  # ip, pid, tid, time (after the 8-byte header)
 _HEADER = struct.Struct("<IHH")
@@ -109,13 +114,15 @@ class Sample:
 
 @dataclasses.dataclass(frozen=True)
 class Mapping:
-  """An executable mapping a process made (``MMAP``/``MMAP2``): ``path`` is the file, or ``ANON``."""
+  """An executable mapping a process made (``MMAP``/``MMAP2``): ``path`` is the file, or ``ANON``;
+  ``pgoff``: the file offset mapped at ``start``."""
 
   time: int
   pid: int
   start: int
   end: int
   path: str
+  pgoff: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,11 +172,11 @@ def parse_record(rec: bytes):
     ip, pid, _tid, t = _SAMPLE.unpack_from(rec, 8)
     return Sample(t, pid, ip)
   if kind == PERF_RECORD_MMAP2:
-    pid, _tid, addr, length, _pgoff = struct.unpack_from("<IIQQQ", rec, 8)
-    return Mapping(_trailer_time(rec), pid, addr, addr + length, _path(rec[72 : size - 16]))
+    pid, _tid, addr, length, pgoff = struct.unpack_from("<IIQQQ", rec, 8)
+    return Mapping(_trailer_time(rec), pid, addr, addr + length, _path(rec[72 : size - 16]), pgoff)
   if kind == PERF_RECORD_MMAP:
-    pid, _tid, addr, length, _pgoff = struct.unpack_from("<IIQQQ", rec, 8)
-    return Mapping(_trailer_time(rec), pid, addr, addr + length, _path(rec[40 : size - 16]))
+    pid, _tid, addr, length, pgoff = struct.unpack_from("<IIQQQ", rec, 8)
+    return Mapping(_trailer_time(rec), pid, addr, addr + length, _path(rec[40 : size - 16]), pgoff)
   if kind in (PERF_RECORD_FORK, PERF_RECORD_EXIT):
     pid, ppid, tid, _ptid, t = struct.unpack_from("<IIIIQ", rec, 8)
     return Fork(t, pid, ppid) if kind == PERF_RECORD_FORK else Exit(t, pid, tid)
@@ -262,6 +269,48 @@ def executable_ranges(maps_text: str) -> list[tuple[int, int, str]]:
   return out
 
 
+def _pages(n: int) -> int:
+  return -(-n // PAGE) * PAGE
+
+
+def file_extent(path: str) -> int | None:
+  """How far into the file at ``path`` an honest mapping of it reaches at most (``pgoff + len``, bytes):
+  its size in whole pages or, for a 64-bit ELF file, the image its loader maps in one piece from the first
+  segment's offset (every ``PT_LOAD``, gaps and bss included: glibc maps that with the first segment's
+  protection, executable where the linker put code there), whichever is larger. None where this process
+  finds no regular file there."""
+  try:
+    if not stat.S_ISREG(os.stat(path).st_mode):
+      return None
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+  except OSError:
+    return None
+  try:
+    extent = _pages(os.fstat(fd).st_size)
+    head = os.pread(fd, 64, 0)
+    if len(head) < 64 or head[:6] != b"\x7fELF\x02\x01":  # 64-bit little-endian ELF
+      return extent
+    phoff = struct.unpack_from("<Q", head, 32)[0]
+    phentsize, phnum = struct.unpack_from("<HH", head, 54)
+    if phentsize != 56:  # Elf64_Phdr
+      return extent
+    table = os.pread(fd, phentsize * phnum, phoff)
+    loads = []  # (vaddr, offset, end of memory) of each PT_LOAD
+    for i in range(len(table) // phentsize):
+      kind, _, offset, vaddr, _, _, memsz = struct.unpack_from("<IIQQQQQ", table, i * phentsize)
+      if kind == 1:
+        loads.append((vaddr, offset, vaddr + memsz))
+    if loads:
+      vaddr, offset, _ = min(loads)
+      top = max(e for *_, e in loads)
+      extent = max(extent, offset // PAGE * PAGE + _pages(top - vaddr // PAGE * PAGE))
+    return extent
+  except OSError:
+    return extent
+  finally:
+    os.close(fd)
+
+
 class ModuleTable:
   """Samples attributed to modules as they arrive: per process an ``AddressSpace``, per sample
   (time, module id) in arrival order (each drain's records sorted by time)."""
@@ -273,6 +322,25 @@ class ModuleTable:
     self.times = array.array("q")
     self.modules = array.array("i")
     self.lost = 0
+    self.extents: dict[str, int | None] = {}  # path -> file_extent, read once per path
+    self.forged: list[Mapping] = []
+
+  def module_of(self, rec: Mapping) -> str:
+    """The module a mapping's samples count for: its file, unless the mapping reaches past what the
+    file holds (``pgoff + len`` beyond ``file_extent``), which no loader maps and which only a forgery
+    wants (red team 42, hole B1: the candidate's own build mapped over torch's text, torch's pages moved
+    back on top by ``mremap``, which makes no record): then a foreign module named after the forgery, so
+    whatever runs in that range counts against the candidate. Paths this process cannot stat (another
+    mount namespace's scratch file) are taken as they are."""
+    if not rec.path.startswith("/"):
+      return rec.path
+    if rec.path not in self.extents:
+      self.extents[rec.path] = file_extent(rec.path)
+    extent = self.extents[rec.path]
+    if extent is not None and rec.pgoff + (rec.end - rec.start) > extent:
+      self.forged.append(rec)
+      return FORGED.format(os.path.basename(rec.path))
+    return rec.path
 
   def module_id(self, path: str) -> int:
     if path not in self.ids:
@@ -293,7 +361,7 @@ class ModuleTable:
       self._add(rec.time, m if m >= 0 else self.module_id(UNKNOWN))
     elif isinstance(rec, Mapping):
       self.spaces.setdefault(rec.pid, AddressSpace()).add(
-        rec.start, rec.end, self.module_id(rec.path)
+        rec.start, rec.end, self.module_id(self.module_of(rec))
       )
     elif isinstance(rec, Fork):
       if rec.pid != rec.parent and rec.parent in self.spaces:

@@ -614,29 +614,43 @@ def blank_process_strings(arguments: bool = True, environment: bool = True) -> N
 # the checker's samplers (host_sampler).
 _EVIDENCE_SYSCALLS = {"x86_64": (298, 157), "aarch64": (241, 167)}
 PR_TASK_PERF_EVENTS_DISABLE, PR_TASK_PERF_EVENTS_ENABLE = 31, 32
+# Relabelling the candidate's mappings (red team 42, hole B1): ``mremap`` moves pages without a perf
+# record, so with MREMAP_FIXED a candidate moved torch's text away, mapped its own build (a record:
+# "own") over the hole and moved torch's pages back on top, and every sample in torch counted as its own.
+# ``mremap`` is refused with MREMAP_FIXED or MREMAP_DONTUNMAP in its flags (4th argument), which choose
+# or keep the addresses; glibc's realloc passes MREMAP_MAYMOVE only. AUDIT_ARCH -> ``mremap``.
+_MREMAP_SYSCALL = {0xC000003E: 25, 0xC00000B7: 216}
+MREMAP_FIXED, MREMAP_DONTUNMAP = 2, 4
+_BPF_JSET_K = 0x45
 
 
 def evidence_filter_program(
-  audit_arch: int, perf_event_open: int, prctl: int
+  audit_arch: int, perf_event_open: int, prctl: int, mremap: int | None = None
 ) -> list[tuple[int, int, int, int]]:
   """A classic-BPF seccomp program: ``perf_event_open``, ``prctl(PR_TASK_PERF_EVENTS_DISABLE or
-  _ENABLE)``, any x32 syscall and any syscall of another architecture return EPERM; everything else
-  (other ``prctl`` options included) is allowed."""
+  _ENABLE)``, ``mremap`` with MREMAP_FIXED or MREMAP_DONTUNMAP, any x32 syscall and any syscall of another
+  architecture return EPERM; everything else (other ``prctl`` options, ``mremap`` that lets the kernel
+  choose where) is allowed. ``mremap``: its number (default: the one of ``audit_arch``)."""
   deny = _SECCOMP_RET_ERRNO | 1  # EPERM
   allow = _SECCOMP_RET_ALLOW
+  mremap = _MREMAP_SYSCALL[audit_arch] if mremap is None else mremap
   return [
     (_BPF_LD_W_ABS, 0, 0, 4),  # 0: seccomp_data.arch
-    (_BPF_JEQ_K, 0, 9, audit_arch),  # 1: another arch -> deny (11)
+    (_BPF_JEQ_K, 0, 13, audit_arch),  # 1: another arch -> deny (15)
     (_BPF_LD_W_ABS, 0, 0, 0),  # 2: seccomp_data.nr
-    (_BPF_JGE_K, 7, 0, _X32_SYSCALL_BIT),  # 3: x32 -> deny
-    (_BPF_JEQ_K, 6, 0, perf_event_open),  # 4: -> deny
-    (_BPF_JEQ_K, 1, 0, prctl),  # 5: -> 7
-    (_BPF_RET_K, 0, 0, allow),  # 6
-    (_BPF_LD_W_ABS, 0, 0, 16),  # 7: args[0], low 32 bits (little-endian)
-    (_BPF_JEQ_K, 2, 0, PR_TASK_PERF_EVENTS_DISABLE),  # 8: -> deny
-    (_BPF_JEQ_K, 1, 0, PR_TASK_PERF_EVENTS_ENABLE),  # 9: -> deny
-    (_BPF_RET_K, 0, 0, allow),  # 10
-    (_BPF_RET_K, 0, 0, deny),  # 11
+    (_BPF_JGE_K, 11, 0, _X32_SYSCALL_BIT),  # 3: x32 -> deny
+    (_BPF_JEQ_K, 10, 0, perf_event_open),  # 4: -> deny
+    (_BPF_JEQ_K, 2, 0, prctl),  # 5: -> 8
+    (_BPF_JEQ_K, 5, 0, mremap),  # 6: -> 12
+    (_BPF_RET_K, 0, 0, allow),  # 7
+    (_BPF_LD_W_ABS, 0, 0, 16),  # 8: args[0], low 32 bits (little-endian)
+    (_BPF_JEQ_K, 5, 0, PR_TASK_PERF_EVENTS_DISABLE),  # 9: -> deny
+    (_BPF_JEQ_K, 4, 0, PR_TASK_PERF_EVENTS_ENABLE),  # 10: -> deny
+    (_BPF_RET_K, 0, 0, allow),  # 11
+    (_BPF_LD_W_ABS, 0, 0, 40),  # 12: args[3] (flags), low 32 bits
+    (_BPF_JSET_K, 1, 0, MREMAP_FIXED | MREMAP_DONTUNMAP),  # 13: -> deny
+    (_BPF_RET_K, 0, 0, allow),  # 14
+    (_BPF_RET_K, 0, 0, deny),  # 15
   ]
 
 
@@ -655,8 +669,10 @@ def _install_filter(
 
 
 def protect_evidence() -> list[str]:
-  """For every thread of this process: no ``perf_event_open`` and no switching off the perf events
-  attached to it (the checker's host sampler). Candidate workers, before any candidate code."""
+  """For every thread of this process: no ``perf_event_open``, no switching off the perf events attached
+  to it (the checker's host sampler) and no ``mremap`` to an address of its choosing (which would move
+  code under a mapping the sampler attributes to another file). Candidate workers, before any candidate
+  code."""
   import platform
 
   arch = platform.machine()

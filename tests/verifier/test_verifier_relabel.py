@@ -1,0 +1,294 @@
+"""Red team 42, hole B1: relabelling torch's code as the candidate's own for the host sampler.
+
+The sampler attributes a sample to the file of the last ``MMAP2`` record covering its address, and
+``mremap`` makes no record. A candidate moved libtorch_cpu's and libc10's text away (``mremap`` with
+MREMAP_FIXED), mapped its own build-cache ``.so`` over the hole (a record: "own") and moved torch's pages
+back on top: ``at::cpu::clamp_min_out`` found by ``dlsym`` then got reward 1 under ``strict``, timed or
+not. Now the candidate's seccomp filter refuses ``mremap`` to an address of its choosing
+(``confine.evidence_filter_program``), and a mapping that reaches past what its file holds counts as a
+forgery, foreign to the candidate (``host_sampler.ModuleTable.module_of``).
+"""
+
+import asyncio
+import ctypes
+import importlib.util
+import os
+import pathlib
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import verifier_compute_cases as compute  # noqa: E402
+from verifier_loop import cpu_service  # noqa: E402
+
+from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
+from verifier.check import host_sampler  # noqa: E402
+from verifier.sandbox import confine  # noqa: E402
+
+MAP_PRIVATE, MAP_ANONYMOUS = 0x02, 0x20
+MREMAP_MAYMOVE, MREMAP_FIXED, MREMAP_DONTUNMAP = 1, 2, 4
+
+LIBC = """
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = libc.mremap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+libc.mremap.argtypes = [ctypes.c_void_p] + [ctypes.c_size_t] * 2 + [ctypes.c_int, ctypes.c_void_p]
+"""
+
+
+def _libc():
+  scope = {"ctypes": ctypes}
+  exec(LIBC, scope)
+  return scope["libc"]
+
+
+# ---- 1. the candidate's seccomp filter ----------------------------------------------------------------
+def test_a_candidate_cannot_mremap_to_an_address_of_its_choosing_but_realloc_still_works():
+  r, w = os.pipe()
+  pid = os.fork()
+  if pid == 0:
+    try:
+      os.close(r)
+      notes = confine.protect_evidence()
+      libc = _libc()
+      n = 1 << 20
+      a = libc.mmap(None, n, 3, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+      b = libc.mmap(None, n, 3, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+      out = [len(notes)]
+      for flags, to in ((MREMAP_FIXED, b), (MREMAP_DONTUNMAP, None)):
+        ctypes.set_errno(0)
+        moved = libc.mremap(a, n, n, MREMAP_MAYMOVE | flags, to)
+        out.append(moved == ctypes.c_void_p(-1).value and ctypes.get_errno() == 1)  # EPERM
+      grown = libc.mremap(a, n, 8 * n, MREMAP_MAYMOVE, None)  # what glibc's realloc does
+      out.append(grown not in (None, ctypes.c_void_p(-1).value))
+      out.append(len(bytearray(64 << 20) + bytearray(64 << 20)))  # large reallocs in malloc
+      os.write(w, repr(out).encode())
+    finally:
+      os._exit(0)
+  os.close(w)
+  got = os.read(r, 200).decode()
+  os.close(r)
+  os.waitpid(pid, 0)
+  assert got == f"[0, True, True, True, {128 << 20}]", got
+
+
+def test_the_evidence_filters_jumps_land_inside_the_program_on_each_arch():
+  for arch, (_, prctl) in confine._EVIDENCE_SYSCALLS.items():
+    audit_arch = confine._SOCKET_SYSCALLS[arch][0]
+    prog = confine.evidence_filter_program(audit_arch, *confine._EVIDENCE_SYSCALLS[arch])
+    for i, (code, jt, jf, _) in enumerate(prog):
+      if code in (0x15, 0x35, 0x45):
+        assert i + 1 + jt < len(prog) and i + 1 + jf < len(prog), (arch, i)
+    assert (0x15, 5, 0, confine._MREMAP_SYSCALL[audit_arch]) in prog, arch
+    assert prog[-1][3] == 0x00050001  # EPERM
+
+
+# ---- 2. a mapping past its file's end is a forgery ----------------------------------------------------
+def _elf(path: pathlib.Path, loads: list[tuple[int, int, int, int]], size: int) -> None:
+  """A 64-bit ELF file of ``size`` bytes whose program headers are ``loads`` (offset, vaddr, filesz,
+  memsz), as a linker lays out a library whose first segment holds its code (``-z noseparate-code``)."""
+  head = bytearray(64)
+  head[:7] = b"\x7fELF\x02\x01\x01"
+  struct.pack_into("<Q", head, 32, 64)
+  struct.pack_into("<HH", head, 54, 56, len(loads))
+  for off, vaddr, filesz, memsz in loads:
+    head += struct.pack("<IIQQQQQQ", 1, 5, off, vaddr, vaddr, filesz, memsz, 0x200000)
+  path.write_bytes(bytes(head) + b"\0" * (size - len(head)))
+
+
+def test_a_mapping_past_what_its_file_holds_counts_as_a_forgery_not_as_the_file(tmp_path):
+  page = host_sampler.PAGE
+  own = tmp_path / "0123456789abcdef0123456789abcdef" / "rt_b1.so"
+  own.parent.mkdir()
+  own.write_bytes(b"\0" * (page + 100))  # two pages
+  lib = tmp_path / "libgomp.so.1"  # its code and the data 2 MiB above it: a 2 MiB + 3 page image
+  _elf(lib, [(0, 0, page, page), (page, 0x200000 + page, 16, 2 * page)], page + 200)
+  assert host_sampler.file_extent(str(own)) == 2 * page
+  assert host_sampler.file_extent(str(lib)) == 0x200000 + 3 * page
+  assert host_sampler.file_extent(str(tmp_path / "absent.so")) is None
+  assert host_sampler.file_extent("/dev/null") is None
+
+  table = host_sampler.ModuleTable()
+  base = 1 << 32
+  forged = host_sampler.FORGED.format("rt_b1.so")
+  cases = [  # (slot, length, path, pgoff, the module its samples then count for)
+    (0, 2 * page, own, 0, str(own)),
+    (1, page, own, page, str(own)),
+    (2, 0x200000 + 3 * page, lib, 0, str(lib)),  # the loader's first mapping of the whole image
+    (3, 400 << 20, own, 0, forged),  # torch's text relabelled (hole B1)
+    (4, 2 * page, own, page, forged),
+    (5, 400 << 20, tmp_path / "absent.so", 0, str(tmp_path / "absent.so")),  # nothing to judge by
+  ]
+  for i, (k, length, path, pgoff, _) in enumerate(cases):
+    start = base + k * (1 << 30)
+    table.apply(host_sampler.Mapping(i, 7, start, start + length, str(path), pgoff))
+    table.apply(host_sampler.Sample(100 + i, 7, start + length - 1))
+  assert [table.names[m] for m in table.modules] == [c[-1] for c in cases]
+  assert [(m.start - base) >> 30 for m in table.forged] == [3, 4]
+
+
+def test_the_sampler_names_relabelled_code_a_forgery_from_the_kernels_own_records(tmp_path):
+  # Hole B1 on a live process, through the kernel's records: numpy's text moved away with mremap, a
+  # small file mapped over the hole, numpy's pages moved back. Before this, every sample in numpy counted
+  # for the small file. Also loads an honest library whose image is larger than its file, after the attach.
+  pytest.importorskip("numpy")
+  own = tmp_path / "rt_b1.so"
+  own.write_bytes(b"\0" * 4096)
+  spec = importlib.util.find_spec("torch")
+  gomp = pathlib.Path(spec.origin).parent / "lib" / "libgomp.so.1"
+  gomp = str(gomp) if gomp.exists() else ""
+  go_r, go_w = os.pipe()
+  ready_r, ready_w = os.pipe()
+  code = (
+    "import ctypes, os, time, numpy as np\n"
+    + LIBC
+    + "a = np.random.rand(1 << 18).astype('float32')\n"
+    f"os.write({ready_w}, b'r')\n"
+    f"os.read({go_r}, 1)\n"
+    f"if {gomp!r}:\n"
+    f"    ctypes.CDLL({gomp!r})\n"
+    "maps = [l.split() for l in open('/proc/self/maps')]\n"
+    "(lo, hi), = [[int(v, 16) for v in m[0].split('-')] for m in maps\n"
+    "             if len(m) > 5 and 'x' in m[1] and '_multiarray_umath' in m[5]]\n"
+    "n = hi - lo\n"
+    f"fd = os.open({str(own)!r}, os.O_RDONLY)\n"
+    "away = libc.mremap(lo, n, n, 3, libc.mmap(None, n, 0, 0x22, -1, 0))\n"
+    "libc.mmap(lo, n, 5, 0x12, fd, 0)\n"
+    "assert libc.mremap(away, n, n, 3, lo) == lo\n"
+    "t = time.process_time()\n"
+    "while time.process_time() - t < 0.15:\n"
+    "    np.sqrt(a, out=a)\n"
+  )
+  env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+  child = subprocess.Popen([sys.executable, "-c", code], pass_fds=(go_r, ready_w), env=env)
+  try:
+    os.read(ready_r, 1)
+    try:
+      sampler = host_sampler.HostSampler.attach(child.pid)
+    except host_sampler.SamplerUnavailable as e:
+      pytest.skip(f"this host refuses perf_event_open: {e}")
+    t0 = time.monotonic_ns()
+    os.write(go_w, b"x")
+    assert child.wait(60) == 0
+    counts = sampler.count(t0, time.monotonic_ns())
+    sampler.close()
+  finally:
+    child.kill()
+    for fd in (go_r, go_w, ready_r, ready_w):
+      os.close(fd)
+  total = sum(counts.values())
+  assert total >= 750 and str(own) not in counts, counts
+  assert counts.get(host_sampler.FORGED.format("rt_b1.so"), 0) > 0.5 * total, counts
+  assert [m.path for m in sampler.table.forged] == [str(own)]
+  if gomp:  # its loader mapping reached past the file, and was taken as it is
+    assert gomp in sampler.table.extents
+    assert host_sampler.file_extent(gomp) > os.path.getsize(gomp)
+
+
+# ---- 3. the attack, end to end through the CPU service -------------------------------------------------
+RELABEL_EXTENSION = r"""
+#include <pybind11/pybind11.h>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <unistd.h>
+#include <sys/mman.h>
+static void marker() {}
+int relabel() {  // torch's text under a record of our own build, torch's pages back on top
+    Dl_info info; dladdr((void*)&marker, &info);
+    FILE* f = fopen("/proc/self/maps", "r");
+    char line[4096];
+    std::vector<std::pair<uintptr_t, uintptr_t>> todo;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long lo, hi; char perm[8]; char path[3000] = "";
+        if (sscanf(line, "%lx-%lx %7s %*s %*s %*s %2999s", &lo, &hi, perm, path) < 3) continue;
+        std::string p = path;
+        if (perm[2] == 'x' && (p.find("libtorch_cpu.so") != std::string::npos
+                               || p.find("libc10.so") != std::string::npos))
+            todo.push_back({lo, hi});
+    }
+    fclose(f);
+    int fd = open(info.dli_fname, O_RDONLY), done = 0;
+    for (auto& r : todo) {
+        size_t len = r.second - r.first;
+        void* X = (void*)r.first;
+        void* hole = mmap(nullptr, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        void* Y = mremap(X, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, hole);
+        if (Y == MAP_FAILED) continue;
+        mmap(X, len, PROT_READ | PROT_EXEC, MAP_PRIVATE | MAP_FIXED, fd, 0);
+        done += mremap(Y, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, X) == X;
+    }
+    close(fd);
+    return done;
+}
+struct TensorRef { void* impl; };
+void lib_relu(std::uintptr_t out, std::uintptr_t x, std::uintptr_t zero) {
+    static void* fn = nullptr;
+    if (!fn) {
+        std::string name = std::string("_ZN2at3cpu13") + "clamp_min" + "_outERNS_6TensorERKS1_S4_";
+        void* lib = dlopen("libtorch_cpu.so", RTLD_NOW | RTLD_NOLOAD);
+        fn = dlsym(lib ? lib : RTLD_DEFAULT, name.c_str());
+    }
+    TensorRef o{reinterpret_cast<void*>(out)}, s{reinterpret_cast<void*>(x)};
+    TensorRef z{reinterpret_cast<void*>(zero)};
+    reinterpret_cast<void* (*)(TensorRef&, const TensorRef&, const TensorRef&)>(fn)(o, s, z);
+}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("relabel", &relabel);
+    m.def("lib_relu", &lib_relu);
+}
+"""
+RELABEL = f'''
+import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+source = r"""{RELABEL_EXTENSION}"""
+ops = load_inline(name="vt_relabel", cpp_sources=source, no_implicit_headers=True, extra_cflags=["-O2"])
+
+
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.zero = torch.zeros(())
+        self.moved = ops.relabel()
+
+    def forward(self, x):
+        out = torch.empty_like(x)
+        ops.lib_relu(out._cdata, x._cdata, self.zero._cdata)
+        return out
+'''
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+  with cpu_service(tmp_path_factory.mktemp("relabel")) as (loop, svc):
+    yield loop, svc
+
+
+def test_torch_relabelled_as_the_candidates_own_code_gets_no_reward(service):
+  # On 72ffdda: reward 1, OK (the red team's run.sh: timed, speedup 0.60, and untimed).
+  loop, svc = service
+  opts = VerifyOptions(
+    device="cpu",
+    timeout_s=120,
+    strictness="strict",
+    num_correct_trials=compute.TRIALS,
+    measure_performance=False,
+  )
+  req = VerifyRequest("relabel", "relabel", compute.LIBRARY_REFERENCE, RELABEL, opts)
+  r = loop.run(asyncio.wait_for(svc.verify(req), 300))
+  if [w for w in r.warnings if "host evidence unavailable" in w]:
+    pytest.skip("this host refuses perf_event_open")
+  assert r.failure_kind is FailureKind.HOST_COMPUTE and r.reward == 0.0, (r.failure_kind, r.reason)
+  top = r.reason.split("most in:")[1].split(",")[0]
+  # torch under its own name (the relabel refused), or the forged mapping's (had it been made)
+  assert "libtorch_cpu" in top or "[forged mapping of" in top, r.reason
