@@ -4,8 +4,9 @@ The source rules read the C++ before the preprocessor, so a macro (``#define NS 
 ``at::NS::clamp_min``) or a generated name hides a call from them; the linker cannot be fooled that way.
 Whatever produced it, a ``.so`` that imports an ATen kernel without the dispatcher (``at::cpu::``,
 ``at::native::``, ``at::cuda::`` kernels, ``at::_ops::<op>::call``, ``at::redispatch::``), a switch of the
-profiler's RecordFunction, or a thread/OpenMP runtime is refused. Allocation, view and copy operators and
-utilities (``at::cuda::getCurrentCUDAStream``) stay allowed (``aten_ops``).
+profiler's RecordFunction, Python reached by name or through the interpreter's frames, or a thread/OpenMP
+runtime is refused. Allocation, view and copy operators and utilities (``at::cuda::getCurrentCUDAStream``)
+stay allowed (``aten_ops``).
 
 Runs in the service (trusted code: it parses the file, never loads it). The ELF reader is small and
 bounded: a malformed file is refused, not trusted.
@@ -55,6 +56,23 @@ THREAD_C_PREFIXES = ("omp_", "GOMP_", "__kmpc_", "kmp_", "pthread_create", "thrd
 # Python reached from C++ by name (``py::module_::import("torch").attr("relu")``): not the static check's
 # to see, so not the extension's to do.
 PYTHON_BY_NAME_PREFIXES = ("PyImport_", "PyRun_", "PyEval_EvalCode", "Py_CompileString")
+# The interpreter's frames, locals and globals reached from C++ (red team 42, Hole E2: the worker's own
+# frame, ``PyEval_GetFrame`` + ``PyFrame_GetLocals``, gave its exchange buffers to write the output into
+# and return) and ``sys`` (``sys.modules`` reaches every module). Every pybind11 build links three
+# ``PyFrame_`` functions (``error_already_set`` walks a traceback's frames for its message) and
+# ``PyEval_GetBuiltins`` (pickling a function record): those stay allowed, so builtins and a traceback's
+# frames remain reachable (docs/verifier-security.md).
+PYTHON_FRAME_PREFIXES = (
+  "PyEval_GetFrame",  # and PyEval_GetFrameLocals/Globals/Builtins (3.13)
+  "PyThreadState_GetFrame",
+  "PyEval_GetLocals",
+  "PyEval_GetGlobals",
+  "PyFrame_",
+  "_PyFrame_",
+  "_PyEval_",
+  "PySys_GetObject",
+)
+PYBIND11_FRAME_NAMES = frozenset({"PyFrame_GetBack", "PyFrame_GetCode", "PyFrame_GetLineNumber"})
 THREAD_ATEN_NAMES = frozenset(
   {"invoke_parallel", "lazy_init_num_threads", "set_num_threads", "launch", "intraop_launch"}
 )
@@ -151,6 +169,11 @@ def judge_symbol(symbol: str) -> Finding | None:
     return Finding(
       FailureKind.FORBIDDEN_IMPORT, f"imports {symbol} (Python modules reached from C++)"
     )
+  if symbol.startswith(PYTHON_FRAME_PREFIXES) and symbol not in PYBIND11_FRAME_NAMES:
+    return Finding(
+      FailureKind.FRAME_INTROSPECTION,
+      f"imports {symbol} (the interpreter's frames, locals or sys reached from C++)",
+    )
   parts = nested_name(symbol)
   if len(parts) < 2:
     return None
@@ -197,7 +220,7 @@ def enforced(kind: FailureKind, strictness) -> bool:
     return strictness.forbid_threads_streams
   if kind is FailureKind.DIRECT_ATEN_CALL:
     return strictness.forbid_torch_compute
-  if kind is FailureKind.FORBIDDEN_IMPORT:
+  if kind in (FailureKind.FORBIDDEN_IMPORT, FailureKind.FRAME_INTROSPECTION):
     return strictness.forbid_imports
   return True
 

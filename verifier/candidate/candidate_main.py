@@ -367,10 +367,17 @@ class CandidateRuntime:
     """Describe each output leaf and copy the ones that match an expected tensor into its buffer; then
     (``poison``) poison the outputs, except those that are the model's state or the forward's own
     inputs (an input is the checker's buffer: poisoning it would be read as the candidate's
-    mutation)."""
+    mutation). An output in any other exchange buffer is refused (``_in_exchange``)."""
     specs = []
-    for leaf, target in itertools.zip_longest(tensors.flatten(out), targets):
+    for k, (leaf, target) in enumerate(itertools.zip_longest(tensors.flatten(out), targets)):
       if isinstance(leaf, torch.Tensor):
+        found = self._in_exchange(leaf, args)
+        if found is not None:
+          raise _Failed(
+            FailureKind.RUNTIME_ERROR,
+            f"output {k} lies in the verifier's exchange buffer {found}, which is none of this "
+            "forward's inputs: an output must be a tensor of the candidate's own (or an input)",
+          )
         plain = type(leaf) in (torch.Tensor, torch.nn.Parameter)
         spec = dict(
           kind="tensor",
@@ -401,6 +408,35 @@ class CandidateRuntime:
       models = [m for m in (self.model, self.calibration) if m is not None]
       tensors.poison(out, tensors.storages_of(*models) | inputs)
     return tuple(specs)
+
+  def _in_exchange(self, leaf: torch.Tensor, args) -> int | None:
+    """The exchange buffer ``leaf``'s storage overlaps, if one does that holds none of the forward's
+    arguments (None: none). No honest forward sees those buffers: the ones the checker reads its
+    outputs from were found through the worker's own frames (red team 42, Hole E2, whose output was
+    that buffer: the publishing copy was then a no-op, and the time it saved paid for library compute).
+    An input returned as is, or a view of one, stays an output like any other."""
+    lo, hi = _span(leaf)
+    if lo == hi:
+      return None
+    own = [_span(t) for t in tensors.flatten(args) if isinstance(t, torch.Tensor)]
+    for b in self.buffers.values():
+      raw = b.raw  # uint8, over the whole mapping
+      if raw is None or raw.device != leaf.device:
+        continue
+      start = raw.data_ptr()
+      end = start + raw.numel()
+      if lo < end and start < hi and not any(a < end and start < z for a, z in own):
+        return b.id
+    return None
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+  """The addresses ``t``'s storage spans (empty where it has none to read)."""
+  try:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+  except (RuntimeError, NotImplementedError, TypeError):
+    return 0, 0
 
 
 @contextlib.contextmanager

@@ -11,18 +11,19 @@ GPU the device runtime's host code (the CUDA driver, where a synchronize spins, 
 ...) is set aside: what those do on the device is judged from the device records instead.
 
 The rule (in samples of ``period_ns`` of CPU time): the foreign time each judged round trip w adds over
-the null round trips of its size, ``E_w = C_w - null``, is allowed up to ``A_w = max(floor * forwards_w,
-ratio * own_w)`` of that same round trip; the request fails (HOST_COMPUTE) when what no round trip's own
-allowance covers, ``U = sum_w (E_w - min(A_w, max(E_w, 0)))``, exceeds ``Z * sigma`` with ``sigma^2 = C +
-sum(n_s^2) * var(null mean)`` (counts taken as Poisson: sampling at fixed CPU-time intervals varies less,
-so this errs for the candidate). So a forward may spend up to ``floor`` of CPU time outside its own code
-(interpreter, dispatch, allocation) and as much again as its own code spends in the same round trip (an
-honest kernel that also zero-fills its output); a candidate whose work is done by a library or the
-interpreter does not pass, nor one whose own kernel runs in some round trips (the correctness trials)
-to excuse a library's work in others (the timed calls): an allowance is not carried between round trips
-(it was until session 18: the pooled ``E > A + Z * sigma`` let 3 judged trials of its own kernel cover
-torch in the timed calls). A round trip under its allowance still lowers ``U`` by its negative
-excess only.
+the null round trips of its size, ``E_w = sum_m max(C_w,m - null_m, 0)`` over its modules m (a module
+that spent less than in the null round trips pays for no other's: red team 42, Hole E2), is allowed up
+to ``A_w = max(floor * forwards_w, ratio * own_w)`` of that same round trip; the request fails
+(HOST_COMPUTE) when what no round trip's own allowance covers, ``U = sum_w (E_w - min(A_w, E_w))``,
+exceeds ``Z * sigma`` with ``sigma^2 = C + sum(n_s^2) * var(null mean)`` (counts taken as Poisson:
+sampling at fixed CPU-time intervals varies less, so this errs for the candidate). So a forward may
+spend up to ``floor`` of CPU time outside its own code (interpreter, dispatch, allocation) and as much
+again as its own code spends in the same round trip (an honest kernel that also zero-fills its output); a
+candidate whose work is done by a library or the interpreter does not pass, nor one whose own kernel
+runs in some round trips (the correctness trials) to excuse a library's work in others (the timed
+calls): an allowance is not carried between round trips (it was until session 18: the pooled ``E > A +
+Z * sigma`` let 3 judged trials of its own kernel cover torch in the timed calls). No round trip lowers
+``U``: no excess is negative.
 
 Drift: the null round trips are measured before the candidate loads, the judged ones later, and on a
 shared host the same exchange work can cost up to about twice the CPU time a little later (another
@@ -191,6 +192,9 @@ def judge_host(
         d = min(max(ex[p], 0.0), drift * n)
         drifted += d
         ex[p] -= d
+    # a module's savings pay for no other's (Hole E2: an output returned in the exchange's own buffer
+    # made the publishing copy a no-op, and the copy libtorch saved paid for its ReLU there)
+    ex = {p: max(n, 0.0) for p, n in ex.items()}
     e = sum(ex.values())
     a = max(floor_ms * w.forwards / ms, ratio * o)
     # a window's allowance covers its own excess only: own work in one round trip does not excuse

@@ -42,14 +42,11 @@ def storages_of(*modules) -> set[int]:
 
 def poison(values, keep: set[int] = frozenset()) -> None:
   """Overwrite tensors we are about to free so reused memory holds NaN, not a valid result. Outputs that
-  alias a model's parameters or buffers (``keep``) are left alone."""
+  alias a model's parameters or buffers (``keep``) are left alone; one that requires grad is poisoned
+  through a detached view of it (it once was spared: red team 42, Hole E2 returned its output so)."""
   for t in flatten(values):
-    if (
-      isinstance(t, torch.Tensor)
-      and t.numel()
-      and not t.requires_grad
-      and t.untyped_storage().data_ptr() not in keep
-    ):
+    if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in keep:
+      t = t.detach()  # the same memory; an in-place fill of a leaf that requires grad raises
       try:
         if t.is_floating_point() or t.is_complex():
           t.fill_(float("nan"))
