@@ -429,6 +429,47 @@ def test_dice_7278s_pooling_bins_are_wrong_though_every_value_is_within_atol():
   assert 0.08 < float((out - ref).norm() / ref.norm()) < 0.2  # ~12 % off, not rounding
 
 
+EMBEDDING_REFERENCE = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(1000, 16)
+
+    def forward(self, indices):
+        return self.embedding(torch.floor(indices).long())
+
+
+def get_inputs():
+    return [torch.rand(128, 32) * 1000]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_the_norm_rules_perturbation_keeps_inputs_in_their_draws_range_whatever_the_trial_key():
+  # Like DICE's 7798: float indices drawn in [0, 1000) and floored. Scaled by 1 + 1e-3 N(0, 1), a value
+  # near 1,000 became index 1,000; on a GPU the device-side assert killed the checker (REFERENCE_ERROR "did
+  # not finish", session 42), for 15 of 20 trial keys on CPU. Scaled toward zero, every key loads.
+  from verifier.check.reference import ReferenceTask
+
+  x = torch.rand(1 << 16, generator=torch.Generator().manual_seed(1)) * 1000
+  moved = correctness.perturbed([x], 7)[0]
+  assert bool((moved >= 0).all()) and bool((moved < 1000).all())
+  assert bool((moved.abs() <= x.abs()).all()) and bool((moved != x).any())
+  for k in range(16):
+    task = ReferenceTask.load(
+      EMBEDDING_REFERENCE, 42, 3, torch.device("cpu"), 1e-2, 1e-2, bytes([k + 1]) * 32
+    )
+    # floored indices move with any perturbation: the norm rule does not judge this output
+    assert task.trials == 3 and task.norm_rule == (False,)
+
+
 # ---- 5. nothing but the candidate's own output comes back ---------------------------------------------
 REPO_SOURCE_MARK = "def toolchain_paths() -> list[str]:"
 

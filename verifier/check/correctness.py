@@ -265,7 +265,11 @@ NOISE_SHARE = 0.1
 
 
 def perturbed(values, seed: int):
-  """``values`` with every floating tensor scaled element-wise by ``1 + PERTURBATION * N(0, 1)``."""
+  """``values`` with every floating tensor scaled element-wise by ``1 - PERTURBATION * |N(0, 1)|``: each
+  value moves toward zero, never past it nor away from it, so it stays in any range its draw was in that
+  holds zero or is bounded by it (``torch.rand(n) * 1000`` floored into embedding indices: scaled by
+  ``1 + ...``, a value near 1,000 became index 1,000, out of range; on a GPU that device-side assert killed
+  the checker, and which tasks it hit depended on the trials' seeds, DICE's 7798 among them)."""
   gens: dict = {}
 
   def one(v):
@@ -274,7 +278,7 @@ def perturbed(values, seed: int):
         gens[v.device] = torch.Generator(device=v.device).manual_seed(seed)
       gen = gens[v.device]
       noise = torch.randn(v.shape, generator=gen, device=v.device, dtype=torch.float32)
-      return v * (1 + PERTURBATION * noise).to(v.dtype)
+      return v * (1 - PERTURBATION * noise.abs()).to(v.dtype)
     if isinstance(v, (list, tuple)):
       return type(v)(one(x) for x in v)
     return v
