@@ -77,6 +77,44 @@ def test_a_candidate_cannot_mremap_to_an_address_of_its_choosing_but_realloc_sti
   assert got == f"[0, True, True, True, {128 << 20}]", got
 
 
+def test_a_candidate_cannot_reach_the_kernels_keyrings():
+  # Red team 42, round 2: keys outlive the worker (one user keyring for every worker of a root service),
+  # so a candidate stored each forward's trial seed with add_key and a later request of the task read
+  # them back with keyctl. The filter refuses add_key, request_key and keyctl.
+  import platform
+
+  nrs = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}.get(platform.machine())
+  if nrs is None:
+    pytest.skip(f"no keyring syscall numbers for {platform.machine()}")
+  add_key, request_key, keyctl = nrs
+  r, w = os.pipe()
+  pid = os.fork()
+  if pid == 0:
+    try:
+      os.close(r)
+      notes = confine.protect_evidence()
+      libc = ctypes.CDLL(None, use_errno=True)
+      libc.syscall.restype = ctypes.c_long
+      out = [len(notes)]
+      for call in (
+        lambda: libc.syscall(add_key, b"user", b"rt42-seed", b"x", 1, ctypes.c_long(-2)),
+        lambda: libc.syscall(request_key, b"user", b"rt42-seed", None, ctypes.c_long(0)),
+        lambda: libc.syscall(
+          keyctl, 0, ctypes.c_long(-4), 0
+        ),  # KEYCTL_GET_KEYRING_ID, user keyring
+      ):
+        ctypes.set_errno(0)
+        out.append((call(), ctypes.get_errno()))
+      os.write(w, repr(out).encode())
+    finally:
+      os._exit(0)
+  os.close(w)
+  got = os.read(r, 200).decode()
+  os.close(r)
+  os.waitpid(pid, 0)
+  assert got == "[0, (-1, 1), (-1, 1), (-1, 1)]", got  # EPERM each
+
+
 def test_the_evidence_filters_jumps_land_inside_the_program_on_each_arch():
   for arch, (_, prctl) in confine._EVIDENCE_SYSCALLS.items():
     audit_arch = confine._SOCKET_SYSCALLS[arch][0]

@@ -621,37 +621,51 @@ PR_TASK_PERF_EVENTS_DISABLE, PR_TASK_PERF_EVENTS_ENABLE = 31, 32
 # or keep the addresses; glibc's realloc passes MREMAP_MAYMOVE only. AUDIT_ARCH -> ``mremap``.
 _MREMAP_SYSCALL = {0xC000003E: 25, 0xC00000B7: 216}
 MREMAP_FIXED, MREMAP_DONTUNMAP = 2, 4
+# The kernel's key retention service (red team 42, round 2): keys are not files, so neither the read-only
+# mounts, Landlock nor the namespaces cover them, and in a service run as root every worker shares one user
+# keyring: a candidate stored each forward's trial seed there (``add_key``) and a later request of the same
+# task read them back in ``__init__`` (``keyctl``), drew its trials' inputs and looked the answers up.
+# AUDIT_ARCH -> (add_key, request_key, keyctl), all refused.
+_KEYRING_SYSCALLS = {0xC000003E: (248, 249, 250), 0xC00000B7: (217, 218, 219)}
 _BPF_JSET_K = 0x45
 
 
 def evidence_filter_program(
   audit_arch: int, perf_event_open: int, prctl: int, mremap: int | None = None
 ) -> list[tuple[int, int, int, int]]:
-  """A classic-BPF seccomp program: ``perf_event_open``, ``prctl(PR_TASK_PERF_EVENTS_DISABLE or
-  _ENABLE)``, ``mremap`` with MREMAP_FIXED or MREMAP_DONTUNMAP, any x32 syscall and any syscall of another
-  architecture return EPERM; everything else (other ``prctl`` options, ``mremap`` that lets the kernel
-  choose where) is allowed. ``mremap``: its number (default: the one of ``audit_arch``)."""
-  deny = _SECCOMP_RET_ERRNO | 1  # EPERM
-  allow = _SECCOMP_RET_ALLOW
+  """A classic-BPF seccomp program: ``perf_event_open``, the keyring calls (``add_key``, ``request_key``,
+  ``keyctl``), ``prctl(PR_TASK_PERF_EVENTS_DISABLE or _ENABLE)``, ``mremap`` with MREMAP_FIXED or
+  MREMAP_DONTUNMAP, any x32 syscall and any syscall of another architecture return EPERM; everything else
+  (other ``prctl`` options, ``mremap`` that lets the kernel choose where) is allowed. ``mremap``: its
+  number (default: the one of ``audit_arch``)."""
   mremap = _MREMAP_SYSCALL[audit_arch] if mremap is None else mremap
-  return [
-    (_BPF_LD_W_ABS, 0, 0, 4),  # 0: seccomp_data.arch
-    (_BPF_JEQ_K, 0, 13, audit_arch),  # 1: another arch -> deny (15)
-    (_BPF_LD_W_ABS, 0, 0, 0),  # 2: seccomp_data.nr
-    (_BPF_JGE_K, 11, 0, _X32_SYSCALL_BIT),  # 3: x32 -> deny
-    (_BPF_JEQ_K, 10, 0, perf_event_open),  # 4: -> deny
-    (_BPF_JEQ_K, 2, 0, prctl),  # 5: -> 8
-    (_BPF_JEQ_K, 5, 0, mremap),  # 6: -> 12
-    (_BPF_RET_K, 0, 0, allow),  # 7
-    (_BPF_LD_W_ABS, 0, 0, 16),  # 8: args[0], low 32 bits (little-endian)
-    (_BPF_JEQ_K, 5, 0, PR_TASK_PERF_EVENTS_DISABLE),  # 9: -> deny
-    (_BPF_JEQ_K, 4, 0, PR_TASK_PERF_EVENTS_ENABLE),  # 10: -> deny
-    (_BPF_RET_K, 0, 0, allow),  # 11
-    (_BPF_LD_W_ABS, 0, 0, 40),  # 12: args[3] (flags), low 32 bits
-    (_BPF_JSET_K, 1, 0, MREMAP_FIXED | MREMAP_DONTUNMAP),  # 13: -> deny
-    (_BPF_RET_K, 0, 0, allow),  # 14
-    (_BPF_RET_K, 0, 0, deny),  # 15
+  refused = (perf_event_open, *_KEYRING_SYSCALLS.get(audit_arch, ()))
+  # (op, jump-true label, jump-false label, k): labels resolved to offsets below
+  body = [
+    (_BPF_LD_W_ABS, None, None, 4),  # seccomp_data.arch
+    (_BPF_JEQ_K, None, "deny", audit_arch),  # another arch -> deny
+    (_BPF_LD_W_ABS, None, None, 0),  # seccomp_data.nr
+    (_BPF_JGE_K, "deny", None, _X32_SYSCALL_BIT),  # x32 -> deny
+    *((_BPF_JEQ_K, "deny", None, nr) for nr in refused),
+    (_BPF_JEQ_K, "prctl", None, prctl),
+    (_BPF_JEQ_K, "mremap", None, mremap),
+    (_BPF_RET_K, None, None, _SECCOMP_RET_ALLOW),
+    ("prctl", _BPF_LD_W_ABS, None, None, 16),  # args[0], low 32 bits (little-endian)
+    (_BPF_JEQ_K, "deny", None, PR_TASK_PERF_EVENTS_DISABLE),
+    (_BPF_JEQ_K, "deny", None, PR_TASK_PERF_EVENTS_ENABLE),
+    (_BPF_RET_K, None, None, _SECCOMP_RET_ALLOW),
+    ("mremap", _BPF_LD_W_ABS, None, None, 40),  # args[3] (flags), low 32 bits
+    (_BPF_JSET_K, "deny", None, MREMAP_FIXED | MREMAP_DONTUNMAP),
+    (_BPF_RET_K, None, None, _SECCOMP_RET_ALLOW),
+    ("deny", _BPF_RET_K, None, None, _SECCOMP_RET_ERRNO | 1),  # EPERM
   ]
+  labels = {ins[0]: i for i, ins in enumerate(body) if isinstance(ins[0], str)}
+  prog = []
+  for i, ins in enumerate(body):
+    op, jt, jf, k = ins[1:] if isinstance(ins[0], str) else ins
+    off = lambda label: 0 if label is None else labels[label] - i - 1  # noqa: E731
+    prog.append((op, off(jt), off(jf), k))
+  return prog
 
 
 def _install_filter(
@@ -670,9 +684,9 @@ def _install_filter(
 
 def protect_evidence() -> list[str]:
   """For every thread of this process: no ``perf_event_open``, no switching off the perf events attached
-  to it (the checker's host sampler) and no ``mremap`` to an address of its choosing (which would move
-  code under a mapping the sampler attributes to another file). Candidate workers, before any candidate
-  code."""
+  to it (the checker's host sampler), no ``mremap`` to an address of its choosing (which would move
+  code under a mapping the sampler attributes to another file) and no kernel keyring (which outlives the
+  worker). Candidate workers, before any candidate code."""
   import platform
 
   arch = platform.machine()
