@@ -121,6 +121,23 @@ def test_host_buffers_cross_with_layout_and_stay_in_bounds():
   buffers.close()
 
 
+def test_a_candidate_cannot_resize_the_host_buffers_it_was_given():
+  # Red team 42, round 2: a candidate holding a buffer's descriptor truncated it (its own mappings of it
+  # first covered by anonymous memory), and the checker's next read of the buffer died of SIGBUS,
+  # blamed on the infrastructure and retried. The checker's memfds are sealed at their size.
+  buffers = exchange.BufferSet(torch.device("cpu"), use_device_memory=False)
+  used = []
+  exchange.send_value([torch.ones(1024)], buffers, used, [])
+  refs, fds = buffers.new_refs(used)
+  for fd in fds:
+    for size in (0, 1 << 20):
+      with pytest.raises(PermissionError):
+        os.ftruncate(fd, size)
+    os.close(fd)
+  assert torch.equal(buffers.buffers[refs[0].buffer].raw[:4], torch.ones(1).view(torch.uint8))
+  buffers.close()
+
+
 def test_timed_output_buffers_poisoned_sparsely_from_a_secret_offset():
   """A timed call's large float output buffer: one NaN in every ``SPARSE_POISON_EVERY`` elements, from an
   offset drawn for the call, so every unwritten run of that length still shows NaN; small and integer
