@@ -47,33 +47,43 @@ def _libc():
   return scope["libc"]
 
 
-# ---- 1. the candidate's seccomp filter ----------------------------------------------------------------
-def test_a_candidate_cannot_mremap_to_an_address_of_its_choosing_but_realloc_still_works():
+def _under_the_filter(body) -> str:
+  """``repr([notes, *body()])`` from a forked child that installed the candidate's seccomp filter
+  (``confine.protect_evidence``, ``notes``: how many of its layers failed) before running ``body``."""
   r, w = os.pipe()
   pid = os.fork()
   if pid == 0:
     try:
       os.close(r)
       notes = confine.protect_evidence()
-      libc = _libc()
-      n = 1 << 20
-      a = libc.mmap(None, n, 3, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
-      b = libc.mmap(None, n, 3, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
-      out = [len(notes)]
-      for flags, to in ((MREMAP_FIXED, b), (MREMAP_DONTUNMAP, None)):
-        ctypes.set_errno(0)
-        moved = libc.mremap(a, n, n, MREMAP_MAYMOVE | flags, to)
-        out.append(moved == ctypes.c_void_p(-1).value and ctypes.get_errno() == 1)  # EPERM
-      grown = libc.mremap(a, n, 8 * n, MREMAP_MAYMOVE, None)  # what glibc's realloc does
-      out.append(grown not in (None, ctypes.c_void_p(-1).value))
-      out.append(len(bytearray(64 << 20) + bytearray(64 << 20)))  # large reallocs in malloc
-      os.write(w, repr(out).encode())
+      os.write(w, repr([len(notes), *body()]).encode())
     finally:
       os._exit(0)
   os.close(w)
   got = os.read(r, 200).decode()
   os.close(r)
   os.waitpid(pid, 0)
+  return got
+
+
+# ---- 1. the candidate's seccomp filter ----------------------------------------------------------------
+def test_a_candidate_cannot_mremap_to_an_address_of_its_choosing_but_realloc_still_works():
+  def body():
+    libc = _libc()
+    n = 1 << 20
+    a = libc.mmap(None, n, 3, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    b = libc.mmap(None, n, 3, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    out = []
+    for flags, to in ((MREMAP_FIXED, b), (MREMAP_DONTUNMAP, None)):
+      ctypes.set_errno(0)
+      moved = libc.mremap(a, n, n, MREMAP_MAYMOVE | flags, to)
+      out.append(moved == ctypes.c_void_p(-1).value and ctypes.get_errno() == 1)  # EPERM
+    grown = libc.mremap(a, n, 8 * n, MREMAP_MAYMOVE, None)  # what glibc's realloc does
+    out.append(grown not in (None, ctypes.c_void_p(-1).value))
+    out.append(len(bytearray(64 << 20) + bytearray(64 << 20)))  # large reallocs in malloc
+    return out
+
+  got = _under_the_filter(body)
   assert got == f"[0, True, True, True, {128 << 20}]", got
 
 
@@ -87,31 +97,21 @@ def test_a_candidate_cannot_reach_the_kernels_keyrings():
   if nrs is None:
     pytest.skip(f"no keyring syscall numbers for {platform.machine()}")
   add_key, request_key, keyctl = nrs
-  r, w = os.pipe()
-  pid = os.fork()
-  if pid == 0:
-    try:
-      os.close(r)
-      notes = confine.protect_evidence()
-      libc = ctypes.CDLL(None, use_errno=True)
-      libc.syscall.restype = ctypes.c_long
-      out = [len(notes)]
-      for call in (
-        lambda: libc.syscall(add_key, b"user", b"rt42-seed", b"x", 1, ctypes.c_long(-2)),
-        lambda: libc.syscall(request_key, b"user", b"rt42-seed", None, ctypes.c_long(0)),
-        lambda: libc.syscall(
-          keyctl, 0, ctypes.c_long(-4), 0
-        ),  # KEYCTL_GET_KEYRING_ID, user keyring
-      ):
-        ctypes.set_errno(0)
-        out.append((call(), ctypes.get_errno()))
-      os.write(w, repr(out).encode())
-    finally:
-      os._exit(0)
-  os.close(w)
-  got = os.read(r, 200).decode()
-  os.close(r)
-  os.waitpid(pid, 0)
+
+  def body():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    out = []
+    for args in (
+      (add_key, b"user", b"rt42-seed", b"x", 1, ctypes.c_long(-2)),
+      (request_key, b"user", b"rt42-seed", None, ctypes.c_long(0)),
+      (keyctl, 0, ctypes.c_long(-4), 0),  # KEYCTL_GET_KEYRING_ID of the user keyring
+    ):
+      ctypes.set_errno(0)
+      out.append((libc.syscall(*args), ctypes.get_errno()))
+    return out
+
+  got = _under_the_filter(body)
   assert got == "[0, (-1, 1), (-1, 1), (-1, 1)]", got  # EPERM each
 
 
