@@ -369,9 +369,10 @@ class CandidateRuntime:
     inputs (an input is the checker's buffer: poisoning it would be read as the candidate's
     mutation). An output in any other exchange buffer is refused (``_in_exchange``)."""
     specs = []
+    arg_spans = [_span(t) for t in tensors.flatten(args) if isinstance(t, torch.Tensor)]
     for k, (leaf, target) in enumerate(itertools.zip_longest(tensors.flatten(out), targets)):
       if isinstance(leaf, torch.Tensor):
-        found = self._in_exchange(leaf, args)
+        found = self._in_exchange(leaf, arg_spans)
         if found is not None:
           raise _Failed(
             FailureKind.RUNTIME_ERROR,
@@ -409,23 +410,22 @@ class CandidateRuntime:
       tensors.poison(out, tensors.storages_of(*models) | inputs)
     return tuple(specs)
 
-  def _in_exchange(self, leaf: torch.Tensor, args) -> int | None:
+  def _in_exchange(self, leaf: torch.Tensor, arg_spans) -> int | None:
     """The exchange buffer ``leaf``'s storage overlaps, if one does that holds none of the forward's
-    arguments (None: none). No honest forward sees those buffers: the ones the checker reads its
+    arguments (``arg_spans``: their storages' ``_span``s; None: none). No honest forward sees those buffers: the ones the checker reads its
     outputs from were found through the worker's own frames (red team 42, Hole E2, whose output was
     that buffer: the publishing copy was then a no-op, and the time it saved paid for library compute).
     An input returned as is, or a view of one, stays an output like any other."""
     lo, hi = _span(leaf)
     if lo == hi:
       return None
-    own = [_span(t) for t in tensors.flatten(args) if isinstance(t, torch.Tensor)]
     for b in self.buffers.values():
       raw = b.raw  # uint8, over the whole mapping
       if raw is None or raw.device != leaf.device:
         continue
       start = raw.data_ptr()
       end = start + raw.numel()
-      if lo < end and start < hi and not any(a < end and start < z for a, z in own):
+      if lo < end and start < hi and not any(a < end and start < z for a, z in arg_spans):
         return b.id
     return None
 
