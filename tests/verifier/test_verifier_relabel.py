@@ -4,7 +4,7 @@ The sampler attributes a sample to the file of the last ``MMAP2`` record coverin
 ``mremap`` makes no record. A candidate moved libtorch_cpu's and libc10's text away (``mremap`` with
 MREMAP_FIXED), mapped its own build-cache ``.so`` over the hole (a record: "own") and moved torch's pages
 back on top: ``at::cpu::clamp_min_out`` found by ``dlsym`` then got reward 1 under ``strict``, timed or
-not. Now the candidate's seccomp filter refuses ``mremap`` to an address of its choosing
+not. Now the candidate's seccomp filter refuses every ``mremap`` that may move a mapping
 (``confine.evidence_filter_program``), and a mapping that reaches past what its file holds counts as a
 forgery, foreign to the candidate (``host_sampler.ModuleTable.module_of``).
 """
@@ -67,24 +67,35 @@ def _under_the_filter(body) -> str:
 
 
 # ---- 1. the candidate's seccomp filter ----------------------------------------------------------------
-def test_a_candidate_cannot_mremap_to_an_address_of_its_choosing_but_realloc_still_works():
+def test_no_mapping_of_a_candidate_moves_but_realloc_and_in_place_mremap_still_work():
+  # Round 42 left a plain MREMAP_MAYMOVE allowed (glibc's realloc passes it): the kernel puts the moved
+  # pages in the highest hole that fits, and a munmap of an "own" range (no record) makes that hole, so
+  # torch's text could still land under an "own" label. Now no flag that may move a mapping passes.
   def body():
     libc = _libc()
+    libc.malloc.restype = libc.realloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes, libc.realloc.argtypes = (
+      [ctypes.c_size_t],
+      [ctypes.c_void_p, ctypes.c_size_t],
+    )
     n = 1 << 20
-    a = libc.mmap(None, n, 3, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    a = libc.mmap(None, 2 * n, 3, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
     b = libc.mmap(None, n, 3, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
     out = []
-    for flags, to in ((MREMAP_FIXED, b), (MREMAP_DONTUNMAP, None)):
+    for flags, to in ((0, None), (MREMAP_FIXED, b), (MREMAP_DONTUNMAP, None)):
       ctypes.set_errno(0)
-      moved = libc.mremap(a, n, n, MREMAP_MAYMOVE | flags, to)
+      moved = libc.mremap(a, 2 * n, 16 * n, MREMAP_MAYMOVE | flags, to)
       out.append(moved == ctypes.c_void_p(-1).value and ctypes.get_errno() == 1)  # EPERM
-    grown = libc.mremap(a, n, 8 * n, MREMAP_MAYMOVE, None)  # what glibc's realloc does
-    out.append(grown not in (None, ctypes.c_void_p(-1).value))
-    out.append(len(bytearray(64 << 20) + bytearray(64 << 20)))  # large reallocs in malloc
+    out.append(libc.mremap(a, 2 * n, n, 0, None) == a)  # shrinking in place
+    big = libc.malloc(64 << 20)  # an mmapped chunk: realloc would mremap it
+    ctypes.memset(big + (64 << 20) - 1, 7, 1)
+    grown = libc.realloc(big, 256 << 20)  # refused MREMAP_MAYMOVE: malloc, copy, free
+    out.append(grown is not None and ctypes.string_at(grown + (64 << 20) - 1, 1) == b"\x07")
+    out.append(len(bytearray(64 << 20) + bytearray(64 << 20)))
     return out
 
   got = _under_the_filter(body)
-  assert got == f"[0, True, True, True, {128 << 20}]", got
+  assert got == f"[0, True, True, True, True, True, {128 << 20}]", got
 
 
 def test_a_candidate_cannot_reach_the_kernels_keyrings():

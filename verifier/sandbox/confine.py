@@ -617,10 +617,13 @@ PR_TASK_PERF_EVENTS_DISABLE, PR_TASK_PERF_EVENTS_ENABLE = 31, 32
 # Relabelling the candidate's mappings (red team 42, hole B1): ``mremap`` moves pages without a perf
 # record, so with MREMAP_FIXED a candidate moved torch's text away, mapped its own build (a record:
 # "own") over the hole and moved torch's pages back on top, and every sample in torch counted as its own.
-# ``mremap`` is refused with MREMAP_FIXED or MREMAP_DONTUNMAP in its flags (4th argument), which choose
-# or keep the addresses; glibc's realloc passes MREMAP_MAYMOVE only. AUDIT_ARCH -> ``mremap``.
+# MREMAP_MAYMOVE alone does it too: the kernel puts the pages in the highest hole that fits, and a
+# ``munmap`` (no record either) of a range labelled "own" makes that hole. So ``mremap`` is refused with
+# any of MREMAP_MAYMOVE, MREMAP_FIXED, MREMAP_DONTUNMAP in its flags (4th argument): no mapping moves.
+# Growing or shrinking in place stays allowed; glibc's realloc of an mmapped chunk, refused its
+# MREMAP_MAYMOVE, falls back to malloc, copy and free. AUDIT_ARCH -> ``mremap``.
 _MREMAP_SYSCALL = {0xC000003E: 25, 0xC00000B7: 216}
-MREMAP_FIXED, MREMAP_DONTUNMAP = 2, 4
+MREMAP_MAYMOVE, MREMAP_FIXED, MREMAP_DONTUNMAP = 1, 2, 4
 # The kernel's key retention service (red team 42, round 2): keys are not files, so neither the read-only
 # mounts, Landlock nor the namespaces cover them, and in a service run as root every worker shares one user
 # keyring: a candidate stored each forward's trial seed there (``add_key``) and a later request of the same
@@ -634,9 +637,9 @@ def evidence_filter_program(
   audit_arch: int, perf_event_open: int, prctl: int, mremap: int | None = None
 ) -> list[tuple[int, int, int, int]]:
   """A classic-BPF seccomp program: ``perf_event_open``, the keyring calls (``add_key``, ``request_key``,
-  ``keyctl``), ``prctl(PR_TASK_PERF_EVENTS_DISABLE or _ENABLE)``, ``mremap`` with MREMAP_FIXED or
-  MREMAP_DONTUNMAP, any x32 syscall and any syscall of another architecture return EPERM; everything else
-  (other ``prctl`` options, ``mremap`` that lets the kernel choose where) is allowed. ``mremap``: its
+  ``keyctl``), ``prctl(PR_TASK_PERF_EVENTS_DISABLE or _ENABLE)``, ``mremap`` that may move the mapping
+  (MREMAP_MAYMOVE, _FIXED or _DONTUNMAP), any x32 syscall and any syscall of another architecture return
+  EPERM; everything else (other ``prctl`` options, ``mremap`` in place) is allowed. ``mremap``: its
   number (default: the one of ``audit_arch``)."""
   mremap = _MREMAP_SYSCALL[audit_arch] if mremap is None else mremap
   refused = (perf_event_open, *_KEYRING_SYSCALLS.get(audit_arch, ()))
@@ -655,7 +658,7 @@ def evidence_filter_program(
     (_BPF_JEQ_K, "deny", None, PR_TASK_PERF_EVENTS_ENABLE),
     (_BPF_RET_K, None, None, _SECCOMP_RET_ALLOW),
     ("mremap", _BPF_LD_W_ABS, None, None, 40),  # args[3] (flags), low 32 bits
-    (_BPF_JSET_K, "deny", None, MREMAP_FIXED | MREMAP_DONTUNMAP),
+    (_BPF_JSET_K, "deny", None, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP),
     (_BPF_RET_K, None, None, _SECCOMP_RET_ALLOW),
     ("deny", _BPF_RET_K, None, None, _SECCOMP_RET_ERRNO | 1),  # EPERM
   ]
@@ -684,8 +687,8 @@ def _install_filter(
 
 def protect_evidence() -> list[str]:
   """For every thread of this process: no ``perf_event_open``, no switching off the perf events attached
-  to it (the checker's host sampler), no ``mremap`` to an address of its choosing (which would move
-  code under a mapping the sampler attributes to another file) and no kernel keyring (which outlives the
+  to it (the checker's host sampler), no ``mremap`` that moves a mapping (which would move code under
+  a mapping the sampler attributes to another file) and no kernel keyring (which outlives the
   worker). Candidate workers, before any candidate code."""
   import platform
 
