@@ -75,6 +75,12 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     help="evict least-recently-used builds above this size (0: never)",
   )
   p.add_argument(
+    "--cache-min-free-gb",
+    type=float,
+    default=ServiceConfig.cache_min_free_gb,
+    help="below this much free disk under --cache-dir, evict builds whatever their age",
+  )
+  p.add_argument(
     "--pch-max-flag-sets",
     type=int,
     default=ServiceConfig.pch_max_flag_sets,
@@ -153,6 +159,7 @@ def _config(a, serving_here: bool = True) -> ServiceConfig:
     compile_workers=a.compile_workers,
     cache_dir=a.cache_dir,
     cache_max_gb=a.cache_max_gb,
+    cache_min_free_gb=a.cache_min_free_gb,
     pch_max_flag_sets=a.pch_max_flag_sets,
     scratch_root=a.scratch_root,
     mem_mb=a.mem_mb if a.mem_mb is not None else default_mem_mb(),

@@ -1,8 +1,13 @@
 """The build cache's housekeeping: finished builds keep no object files, and least-recently-used entries are
-evicted above a size cap without touching recent entries, temporary builds or precompiled headers."""
+evicted above a size cap (or under a free-disk floor) without touching recent entries, temporary builds or
+precompiled headers; one build's output is capped."""
 
 import os
+import pathlib
+import shutil
 import time
+
+import pytest
 
 from verifier.build import build_cache
 
@@ -75,7 +80,9 @@ def test_service_trims_the_cache_every_32_new_builds(tmp_path):
 
   old = _entry(tmp_path, "d" * 32, 100 * KB, age_s=7200)
   svc = VerifierService(
-    ServiceConfig(device="cpu", cache_dir=str(tmp_path), cache_max_gb=50 * KB / 2**30)
+    ServiceConfig(
+      device="cpu", cache_dir=str(tmp_path), cache_max_gb=50 * KB / 2**30, cache_min_free_gb=0
+    )
   )
 
   async def go():
@@ -92,3 +99,92 @@ def test_service_trims_the_cache_every_32_new_builds(tmp_path):
     and svc.metrics.cache_evicted == 1
     and svc.metrics.snapshot()["cache_evicted"] == 1
   )
+
+
+# ---- the cache's disk (red team 42, round 2: a 900 MB artefact built, passed and stayed) ---------------
+def _fake_load_inline(size: int):
+  """A ``load_inline`` stand-in that writes a sparse ``<name>.so`` of ``size`` bytes (no disk used)."""
+
+  def load_inline(
+    name,
+    cpp_sources,
+    cuda_sources=None,
+    functions=None,
+    extra_cflags=None,
+    extra_cuda_cflags=None,
+    extra_ldflags=None,
+    extra_include_paths=None,
+    build_directory=None,
+    verbose=False,
+    with_cuda=None,
+    is_python_module=True,
+    with_pytorch_error_handling=True,
+    keep_intermediates=True,
+    use_pch=False,
+    no_implicit_headers=False,
+  ):
+    with open(os.path.join(build_directory, f"{name}.so"), "wb") as f:
+      f.truncate(size)
+    (pathlib.Path(build_directory) / "main.o").write_bytes(b"\0" * KB)  # stripped before the cap
+    return object()
+
+  return load_inline
+
+
+def test_a_build_over_the_entry_cap_fails_and_leaves_nothing_in_the_cache(tmp_path):
+  pytest.importorskip("torch")
+  cap = build_cache.MAX_ENTRY_BYTES
+  small = build_cache.CachedLoadInline(
+    _fake_load_inline(cap - KB), str(tmp_path), fast=False, use_pch=False
+  )
+  small(name="fits", cpp_sources="")
+  (event,) = small.events
+  assert event["bytes"] == cap - KB and not event["error"]
+  assert os.listdir(tmp_path / event["key"]) == ["fits.so"]
+
+  big = build_cache.CachedLoadInline(
+    _fake_load_inline(cap + 1), str(tmp_path), fast=False, use_pch=False
+  )
+  with pytest.raises(RuntimeError, match=r"over the build cache's cap of 256 MiB"):
+    big(name="ballast", cpp_sources="")
+  (event,) = big.events
+  assert event["bytes"] == cap + 1 and "ballast" not in str(os.listdir(tmp_path))
+  assert sorted(os.listdir(tmp_path)) == [small.events[0]["key"]]  # no entry, no temporary left
+
+
+def test_under_the_free_disk_floor_even_recent_entries_go_oldest_first(tmp_path, monkeypatch):
+  a = _entry(tmp_path, "a" * 32, 100 * KB, age_s=60)
+  b = _entry(tmp_path, "b" * 32, 100 * KB, age_s=30)
+  free = {"bytes": 10 * KB}
+  monkeypatch.setattr(
+    build_cache.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(0, 0, free["bytes"])
+  )
+  out = build_cache.evict(str(tmp_path), max_bytes=10**9, min_age_s=600, min_free_bytes=5 * KB)
+  assert out["removed"] == 0 and a.exists() and b.exists()  # above the floor: the cap alone decides
+  out = build_cache.evict(str(tmp_path), max_bytes=10**9, min_age_s=600, min_free_bytes=100 * KB)
+  assert out == {"removed": 1, "freed_bytes": 100 * KB, "kept_bytes": 100 * KB, "entries": 1}
+  assert not a.exists() and b.exists()  # 10 + 100 KB free after the oldest went
+
+
+def test_service_trims_the_cache_after_a_gib_of_new_builds(tmp_path):
+  import asyncio
+
+  from verifier.api.contract import FailureKind
+  from verifier.build.build_stage import BuildOutcome
+  from verifier.serve.service import ServiceConfig, VerifierService
+
+  old = _entry(tmp_path, "e" * 32, 100 * KB, age_s=7200)
+  svc = VerifierService(
+    ServiceConfig(
+      device="cpu", cache_dir=str(tmp_path), cache_max_gb=50 * KB / 2**30, cache_min_free_gb=0
+    )
+  )
+
+  async def go():
+    svc._maybe_evict(BuildOutcome(FailureKind.OK, events=({"cached": False, "bytes": 2**29},)))
+    assert svc.evicting is None and old.exists()  # half a GiB in one build: not yet
+    svc._maybe_evict(BuildOutcome(FailureKind.OK, events=({"cached": False, "bytes": 2**29},)))
+    await svc.evicting
+
+  asyncio.run(go())
+  assert not old.exists() and svc.metrics.cache_evicted == 1

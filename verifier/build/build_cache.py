@@ -45,6 +45,10 @@ _KEY_ARGS = (
 
 
 FAST_BUILD_VERSION = 1
+# One published build's files at most (the ``.so`` and the sources kept beside it): an honest extension's
+# entry is 0.2-2 MB; a candidate that carried 900 MB of initialised data built, passed and stayed (red team
+# 42, round 2), and ~80 of those fill a host's disk. A build over it fails as the candidate's compile error.
+MAX_ENTRY_BYTES = 256 << 20
 
 
 def fast_variant(params: dict) -> dict | None:
@@ -209,6 +213,15 @@ class CachedLoadInline:
           raise
       if self.publish:
         strip_intermediates(tmp)
+        event["bytes"] = entry_bytes(tmp)
+        if event["bytes"] > MAX_ENTRY_BYTES:
+          shutil.rmtree(tmp, ignore_errors=True)
+          event["error"] = (
+            f"the build's output is {event['bytes'] / 2**20:.0f} MiB, over the build cache's cap of "
+            f"{MAX_ENTRY_BYTES >> 20} MiB for one extension"
+          )
+          event["seconds"] = time.monotonic() - t0
+          raise RuntimeError(event["error"])
         try:
           os.rename(tmp, final)
         except OSError:  # another process published the same key first
@@ -307,6 +320,11 @@ def strip_intermediates(build_dir: str) -> None:
         pass
 
 
+def entry_bytes(path: str) -> int:
+  """The bytes of the regular files directly in a build directory (what an entry keeps)."""
+  return sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
+
+
 def touch(entry: str) -> None:
   """Mark a cache entry as used now (eviction is least-recently-used)."""
   try:
@@ -315,12 +333,16 @@ def touch(entry: str) -> None:
     pass
 
 
-def evict(build_root: str, max_bytes: int, min_age_s: float = 3600.0) -> dict:
-  """Remove least-recently-used build entries until the entries total at most ``max_bytes``.
+def evict(
+  build_root: str, max_bytes: int, min_age_s: float = 600.0, min_free_bytes: int = 0
+) -> dict:
+  """Remove least-recently-used build entries until the entries total at most ``max_bytes`` and the cache's
+  filesystem has ``min_free_bytes`` free.
 
-  Entries used within ``min_age_s`` are never removed, so a build made for a candidate still waiting for a GPU
-  stays. An entry is renamed away before it is deleted, so a reader sees it whole or not at all (a miss means
-  a rebuild, never a broken import). Temporary build directories and precompiled headers are not touched."""
+  Entries used within ``min_age_s`` are spared while the disk has ``min_free_bytes`` free, so a build made for a
+  candidate still waiting for a device stays; under that floor nothing is spared (an evicted entry costs its
+  reader a rebuild, never a wrong answer). An entry is renamed away before it is deleted, so a reader sees it
+  whole or not at all. Temporary build directories and precompiled headers are not touched."""
   now = time.time()
   entries = []
   for name in os.listdir(build_root):
@@ -328,16 +350,17 @@ def evict(build_root: str, max_bytes: int, min_age_s: float = 3600.0) -> dict:
     if not _ENTRY.match(name) or not os.path.isdir(path):
       continue
     try:
-      size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
-      entries.append((os.stat(path).st_mtime, size, path))
+      entries.append((os.stat(path).st_mtime, entry_bytes(path), path))
     except OSError:
       continue  # removed meanwhile
   total = sum(size for _, size, _ in entries)
+  free = shutil.disk_usage(build_root).free
   removed, freed = 0, 0
   for mtime, size, path in sorted(entries):
-    if total <= max_bytes:
+    short = free + freed < min_free_bytes
+    if total <= max_bytes and not short:
       break
-    if now - mtime < min_age_s:
+    if now - mtime < min_age_s and not short:
       continue
     doomed = f"{path}.evict-{uuid.uuid4().hex[:8]}"
     try:

@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import shutil
 import time
 
 from verifier.api.contract import (
@@ -80,6 +81,8 @@ class ServiceConfig:
   compile_workers: int = dataclasses.field(default_factory=default_compile_workers)
   cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "dice_verifier", "builds")
   cache_max_gb: float = 100.0  # LRU eviction of build entries above this size (0: never)
+  # below this much free disk under cache_dir, entries are evicted whatever their age (0: no floor)
+  cache_min_free_gb: float = 2.0
   scratch_root: str = "/tmp/dice_verifier"
   mem_mb: int = dataclasses.field(default_factory=default_mem_mb)  # host memory per worker tree
   scratch_mb: int = 1024  # scratch quota per worker (a private tmpfs, on top of mem_mb)
@@ -220,7 +223,7 @@ class VerifierService:
     self.baselines: dict[str, Runtime] = {}
     self.calibrations: dict[str, TimingCalibration] = {}  # the exchange's cost, per baseline key
     self.baseline_runs: dict[str, asyncio.Future] = {}  # reference timings being measured now
-    self.new_builds = 0  # since the last cache eviction pass
+    self.new_builds = self.new_build_bytes = 0  # since the last cache eviction pass
     self.evicting: asyncio.Task | None = None
     self.pch_builds: dict[str, asyncio.Task] = {}  # precompiled-header builds, one per flag set
     self.pch_one_at_a_time = asyncio.Semaphore(1)
@@ -581,21 +584,31 @@ class VerifierService:
     )
 
   def _maybe_evict(self, build: BuildOutcome) -> None:
-    """Every 32 new builds, trim the build cache to ``cache_max_gb`` (LRU, in a thread; build_cache.evict)."""
-    self.new_builds += sum(1 for ev in build.events if not ev.get("cached") and not ev.get("error"))
-    if (
-      self.cfg.cache_max_gb <= 0
-      or self.new_builds < 32
-      or (self.evicting and not self.evicting.done())
-    ):
+    """Trim the build cache to ``cache_max_gb`` and ``cache_min_free_gb`` (LRU, in a thread;
+    build_cache.evict) every 32 new builds, every 1 GiB they added, and after any build while the disk
+    is under its floor."""
+    new = [ev for ev in build.events if not ev.get("cached") and not ev.get("error")]
+    self.new_builds += len(new)
+    self.new_build_bytes += sum(int(ev.get("bytes", 0)) for ev in new)
+    if self.cfg.cache_max_gb <= 0 or (self.evicting and not self.evicting.done()):
       return
-    self.new_builds = 0
+    floor = int(self.cfg.cache_min_free_gb * 2**30)
+    if self.new_builds < 32 and self.new_build_bytes < 2**30:
+      try:
+        if not floor or shutil.disk_usage(self.cfg.cache_dir).free >= floor:
+          return
+      except OSError:
+        return
+    self.new_builds = self.new_build_bytes = 0
 
     async def run():
       from verifier.build import build_cache
 
       out = await asyncio.to_thread(
-        build_cache.evict, self.cfg.cache_dir, int(self.cfg.cache_max_gb * 2**30)
+        build_cache.evict,
+        self.cfg.cache_dir,
+        int(self.cfg.cache_max_gb * 2**30),
+        min_free_bytes=floor,
       )
       self.metrics.cache_evicted += out["removed"]
 
