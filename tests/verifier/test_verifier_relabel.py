@@ -239,7 +239,135 @@ def test_the_sampler_names_relabelled_code_a_forgery_from_the_kernels_own_record
     assert host_sampler.file_extent(gomp) > os.path.getsize(gomp)
 
 
-# ---- 3. the attack, end to end through the CPU service -------------------------------------------------
+# ---- 3. a mapping within the file that no loader makes (red team 43) -----------------------------------
+def _elf_segments(path: pathlib.Path, loads: list[tuple[int, int, int, int]], size: int) -> None:
+  """A 64-bit ELF file of ``size`` bytes with ``loads`` (offset, vaddr, filesz, p_flags) as its ``PT_LOAD``
+  headers (p_flags 5: read and execute, 4: read only)."""
+  head = bytearray(64)
+  head[:7] = b"\x7fELF\x02\x01\x01"
+  struct.pack_into("<Q", head, 32, 64)
+  struct.pack_into("<HH", head, 54, 56, len(loads))
+  for off, vaddr, filesz, flags in loads:
+    head += struct.pack("<IIQQQQQQ", 1, flags, off, vaddr, vaddr, filesz, filesz, 0x1000)
+  path.write_bytes(bytes(head) + b"\0" * (size - len(head)))
+
+
+def test_a_mapping_within_the_file_that_no_loader_makes_is_a_forgery(tmp_path):
+  # Red team 43: the candidate's build carried a byte copy of libtorch_cpu's text (``.incbin``, in a
+  # read-only section) and mapped that part of itself over libtorch's text, within the file's extent: the
+  # same bytes, so torch ran on, and reward 1 for at::cpu::clamp_min_out (speedup 0.67 timed).
+  page = host_sampler.PAGE
+  own = tmp_path / ("0123456789abcdef" * 2) / "rt_o1.so"
+  own.parent.mkdir()
+  # its code in pages 1-2, a read-only blob in pages 3-8
+  _elf_segments(
+    own, [(0, 0, page, 4), (page, page, 2 * page, 5), (3 * page, 3 * page, 6 * page, 4)], 9 * page
+  )
+  other = tmp_path / ("fedcba9876543210" * 2) / "rt_o2.so"
+  other.parent.mkdir()
+  _elf_segments(other, [(0, 0, 2 * page, 5)], 2 * page)
+  torch_text = (1 << 40, (1 << 40) + 64 * page)
+  table = host_sampler.ModuleTable()
+  table.seed(
+    7, f"{torch_text[0]:x}-{torch_text[1]:x} r-xp 00000000 08:01 1 /venv/libtorch_cpu.so\n"
+  )
+  base = 1 << 32
+  forged = host_sampler.FORGED.format
+  cases = [  # (start, length, path, pgoff, the module its samples then count for, why)
+    (base + page, 2 * page, own, page, str(own), ""),  # its loader's mapping of its code
+    (base + page, page, own, page, str(own), ""),  # the same again (mprotect makes such a record)
+    (torch_text[0], 6 * page, own, 3 * page, forged("rt_o1.so"), "without execute permission"),
+    (torch_text[0], 2 * page, own, page, forged("rt_o1.so"), "a second copy"),
+    (
+      torch_text[0] + 8 * page,
+      2 * page,
+      other,
+      0,
+      forged("rt_o2.so"),
+      "lies over the code of libtorch_cpu.so",
+    ),
+    (base + (1 << 30), 2 * page, other, 0, forged("rt_o2.so"), "a second copy"),
+  ]
+  for i, (start, length, path, pgoff, _, _) in enumerate(cases):
+    table.apply(host_sampler.Mapping(i, 7, start, start + length, str(path), pgoff))
+    table.apply(host_sampler.Sample(100 + i, 7, start))
+  assert [table.names[m] for m in table.modules] == [c[4] for c in cases]
+  assert len(table.forgery) == 4
+  for why, case in zip(table.forgery, cases[2:]):
+    assert case[5] in why, (why, case)
+  # anonymous memory mapped over torch's text first (no file there any more): the range still held its code
+  third = tmp_path / ("0f" * 16) / "rt_o5.so"
+  third.parent.mkdir()
+  _elf_segments(third, [(0, 0, 2 * page, 5)], 2 * page)
+  at = torch_text[0] + 16 * page
+  table.apply(host_sampler.Mapping(150, 7, at, at + 2 * page, host_sampler.ANON, 0))
+  table.apply(host_sampler.Mapping(151, 7, at, at + 2 * page, str(third), 0))
+  assert table.forgery[-1] == "its first mapping lies over the code of libtorch_cpu.so"
+  del table.forgery[-1]
+  # a child inherits its parent's load bases; an exec starts afresh
+  table.apply(host_sampler.Fork(200, 8, 7))
+  table.apply(host_sampler.Mapping(201, 8, base + 5 * page, base + 7 * page, str(own), page))
+  table.apply(host_sampler.Exec(202, 9))
+  table.apply(host_sampler.Mapping(203, 9, base + 5 * page, base + 7 * page, str(own), page))
+  assert table.forgery[4:] == ["a second copy of the file's code at another base"]
+
+
+def test_the_sampler_names_a_copy_mapped_over_a_library_a_forgery_from_the_kernels_records(
+  tmp_path,
+):
+  # Red team 43 on a live process, through the kernel's records: a byte copy of numpy's extension (another
+  # file) mapped over numpy's text from the offset numpy's own mapping has. The same bytes, so numpy runs
+  # on; before this, every sample in numpy counted for the copy.
+  np = pytest.importorskip("numpy")
+  umath = importlib.util.find_spec("numpy._core._multiarray_umath") or importlib.util.find_spec(
+    "numpy.core._multiarray_umath"
+  )
+  copy = tmp_path / "rt_o3.so"
+  copy.write_bytes(pathlib.Path(umath.origin).read_bytes())
+  del np
+  go_r, go_w = os.pipe()
+  ready_r, ready_w = os.pipe()
+  code = (
+    "import ctypes, os, time, numpy as np\n"
+    + LIBC
+    + "a = np.random.rand(1 << 18).astype('float32')\n"
+    "maps = [l.split() for l in open('/proc/self/maps')]\n"
+    "text = [m for m in maps if len(m) > 5 and 'x' in m[1] and '_multiarray_umath' in m[5]]\n"
+    f"fd = os.open({str(copy)!r}, os.O_RDONLY)\n"
+    f"os.write({ready_w}, b'r')\n"
+    f"os.read({go_r}, 1)\n"
+    "for m in text:\n"
+    "    lo, hi = [int(v, 16) for v in m[0].split('-')]\n"
+    "    assert libc.mmap(lo, hi - lo, 5, 0x12, fd, int(m[2], 16)) == lo\n"
+    "t = time.process_time()\n"
+    "while time.process_time() - t < 0.15:\n"
+    "    np.sqrt(a, out=a)\n"
+  )
+  env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+  child = subprocess.Popen([sys.executable, "-c", code], pass_fds=(go_r, ready_w), env=env)
+  try:
+    os.read(ready_r, 1)
+    try:
+      sampler = host_sampler.HostSampler.attach(child.pid)
+    except host_sampler.SamplerUnavailable as e:
+      pytest.skip(f"this host refuses perf_event_open: {e}")
+    t0 = time.monotonic_ns()
+    os.write(go_w, b"x")
+    assert child.wait(60) == 0
+    counts = sampler.count(t0, time.monotonic_ns())
+    sampler.close()
+  finally:
+    child.kill()
+    for fd in (go_r, go_w, ready_r, ready_w):
+      os.close(fd)
+  total = sum(counts.values())
+  assert total >= 750 and str(copy) not in counts, counts
+  assert counts.get(host_sampler.FORGED.format("rt_o3.so"), 0) > 0.5 * total, counts
+  assert {m.path for m in sampler.table.forged} == {str(copy)}
+  assert all("lies over the code of _multiarray_umath" in w for w in sampler.table.forgery)
+
+
+# ---- 4. the attack, end to end through the CPU service -------------------------------------------------
 RELABEL_EXTENSION = r"""
 #include <pybind11/pybind11.h>
 #include <cstdint>

@@ -8,8 +8,9 @@ address range and file), every fork and exec, so an instruction pointer is attri
 was mapped there at that moment, from records the candidate cannot write. The candidate's process holds
 none of this: it may not call ``perf_event_open`` nor switch off events attached to it
 (``PR_TASK_PERF_EVENTS_DISABLE``; both refused by its seccomp filter, ``confine.protect_evidence``), nor
-``mremap`` pages (which makes no record) to an address of its choosing; a mapping that reaches past its
-file's end is taken for the forgery it is (``ModuleTable.module_of``).
+``mremap`` pages (which makes no record); a mapping no loader makes (past its file's end, code from a
+segment the loader maps without execute permission, a second base, a file's first mapping over code another
+file held there) is taken for the forgery it is (``ModuleTable.forgery_of``).
 
 Kernel-mode time is not sampled (``exclude_kernel``; unprivileged sampling of another process allows
 user space only), nor a process outside the tree. ``host_evidence`` judges the samples.
@@ -273,42 +274,72 @@ def _pages(n: int) -> int:
   return -(-n // PAGE) * PAGE
 
 
-def file_extent(path: str) -> int | None:
-  """How far into the file at ``path`` an honest mapping of it reaches at most (``pgoff + len``, bytes):
-  its size in whole pages or, for a 64-bit ELF file, the image its loader maps in one piece from the first
-  segment's offset (every ``PT_LOAD``, gaps and bss included: glibc maps that with the first segment's
-  protection, executable where the linker put code there), whichever is larger. None where this process
-  finds no regular file there."""
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """A ``PT_LOAD`` program header: file ``offset``, ``vaddr``, ``filesz``, ``memsz``, executable or not."""
+
+  offset: int
+  vaddr: int
+  filesz: int
+  memsz: int
+  executable: bool
+
+
+def file_layout(path: str) -> tuple[int | None, tuple[Segment, ...] | None]:
+  """(extent, segments) of the file at ``path``. ``extent``: how far into the file an honest mapping of it
+  reaches at most (``pgoff + len``, bytes): its size in whole pages or, for a 64-bit ELF file, the image its
+  loader maps in one piece from the first segment's offset (every ``PT_LOAD``, gaps and bss included: glibc
+  maps that with the first segment's protection, executable where the linker put code there), whichever is
+  larger; None where this process finds no regular file there. ``segments``: its ``PT_LOAD`` headers, None
+  for anything but a readable 64-bit little-endian ELF file."""
   try:
     if not stat.S_ISREG(os.stat(path).st_mode):
-      return None
+      return None, None
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
   except OSError:
-    return None
+    return None, None
   try:
     extent = _pages(os.fstat(fd).st_size)
     head = os.pread(fd, 64, 0)
     if len(head) < 64 or head[:6] != b"\x7fELF\x02\x01":  # 64-bit little-endian ELF
-      return extent
+      return extent, None
     phoff = struct.unpack_from("<Q", head, 32)[0]
     phentsize, phnum = struct.unpack_from("<HH", head, 54)
     if phentsize != 56:  # Elf64_Phdr
-      return extent
+      return extent, None
     table = os.pread(fd, phentsize * phnum, phoff)
-    loads = []  # (vaddr, offset, end of memory) of each PT_LOAD
+    loads = []
     for i in range(len(table) // phentsize):
-      kind, _, offset, vaddr, _, _, memsz = struct.unpack_from("<IIQQQQQ", table, i * phentsize)
-      if kind == 1:
-        loads.append((vaddr, offset, vaddr + memsz))
+      kind, flags, offset, vaddr, _, filesz, memsz = struct.unpack_from(
+        "<IIQQQQQ", table, i * phentsize
+      )
+      if kind == 1:  # PT_LOAD
+        loads.append(Segment(offset, vaddr, filesz, memsz, bool(flags & 1)))  # PF_X
     if loads:
-      vaddr, offset, _ = min(loads)
-      top = max(e for *_, e in loads)
-      extent = max(extent, offset // PAGE * PAGE + _pages(top - vaddr // PAGE * PAGE))
-    return extent
+      first = min(loads, key=lambda g: g.vaddr)
+      top = max(g.vaddr + g.memsz for g in loads)
+      extent = max(extent, first.offset // PAGE * PAGE + _pages(top - first.vaddr // PAGE * PAGE))
+    return extent, tuple(loads)
   except OSError:
-    return extent
+    return extent, None
   finally:
     os.close(fd)
+
+
+def file_extent(path: str) -> int | None:
+  """``file_layout``'s extent."""
+  return file_layout(path)[0]
+
+
+def loader_offset(segments: tuple[Segment, ...], pgoff: int) -> int | None:
+  """Where, from its load base, a loader puts the file offset ``pgoff`` when it maps code: inside an
+  executable ``PT_LOAD`` (mapped at ``base + vaddr`` rounded down to a page, from its offset rounded down),
+  or None where no executable segment holds that offset (a loader maps it without execute permission)."""
+  for g in segments:
+    lo = g.offset // PAGE * PAGE
+    if g.executable and lo <= pgoff < g.offset + max(g.filesz, 1):
+      return g.vaddr // PAGE * PAGE + (pgoff - lo)
+  return None
 
 
 class ModuleTable:
@@ -322,25 +353,68 @@ class ModuleTable:
     self.times = array.array("q")
     self.modules = array.array("i")
     self.lost = 0
-    self.extents: dict[str, int | None] = {}  # path -> file_extent, read once per path
+    self.layouts: dict[str, tuple] = {}  # path -> file_layout, read once per path
+    self.load_base: dict[tuple[int, str], int | None] = {}  # (pid, path) -> its loader's base there
+    # pid -> every (start, end, module id) a file's code has held there, overlays notwithstanding
+    self.file_code: dict[int, list[tuple[int, int, int]]] = {}
     self.forged: list[Mapping] = []
+    self.forgery: list[str] = []  # why, one per ``forged``
+
+  @property
+  def extents(self) -> dict[str, int | None]:
+    return {path: layout[0] for path, layout in self.layouts.items()}
 
   def module_of(self, rec: Mapping) -> str:
-    """The module a mapping's samples count for: its file, unless the mapping reaches past what the
-    file holds (``pgoff + len`` beyond ``file_extent``), which no loader maps and which only a forgery
-    wants (red team 42, hole B1: the candidate's own build mapped over torch's text, torch's pages moved
-    back on top by ``mremap``, which makes no record): then a foreign module named after the forgery, so
-    whatever runs in that range counts against the candidate. Paths this process cannot stat (another
-    mount namespace's scratch file) are taken as they are."""
+    """The module a mapping's samples count for: its file, unless the mapping is one no loader makes and
+    only a forgery wants (``forgery``): then a foreign module named after the forgery, so whatever runs in
+    that range counts against the candidate. Paths this process cannot stat (another mount namespace's
+    scratch file) are taken as they are."""
     if not rec.path.startswith("/"):
       return rec.path
-    if rec.path not in self.extents:
-      self.extents[rec.path] = file_extent(rec.path)
-    extent = self.extents[rec.path]
-    if extent is not None and rec.pgoff + (rec.end - rec.start) > extent:
+    why = self.forgery_of(rec)
+    if why:
       self.forged.append(rec)
+      self.forgery.append(why)
       return FORGED.format(os.path.basename(rec.path))
     return rec.path
+
+  def forgery_of(self, rec: Mapping) -> str:
+    """Why an executable mapping of a file is not its loader's, or "". A loader maps a file's code once per
+    process, at one base, from its executable segments, into free address space. Red team 42 (hole B1):
+    the candidate's own build mapped over torch's text and torch's pages moved back on top with ``mremap``
+    (a mapping past the file's end). Red team 43: the own build carried a byte copy of libtorch_cpu's
+    text (``.incbin``) and mapped that part of itself, within the file, over libtorch's text: same bytes,
+    so torch ran on, and every sample in it counted as the candidate's (a read-only segment mapped
+    executable; from an executable one, a second copy at another base; from a second build's file, its
+    first mapping over code another file held there, also after anonymous memory was mapped over it
+    first). An honest first mapping over another file's code needs that file unloaded (``dlclose``) and
+    its range reused, which the worker's libraries do not do before the candidate's build is loaded."""
+    if rec.path not in self.layouts:
+      self.layouts[rec.path] = file_layout(rec.path)
+    extent, segments = self.layouts[rec.path]
+    if extent is not None and rec.pgoff + (rec.end - rec.start) > extent:
+      return "reaches past the file's end"
+    key = (rec.pid, rec.path)
+    first = key not in self.load_base
+    base = None
+    if segments:
+      at = loader_offset(segments, rec.pgoff)
+      if at is None:
+        return "maps code from a segment its loader maps without execute permission"
+      base = rec.start - at
+      if not first and self.load_base[key] not in (None, base):
+        return "a second copy of the file's code at another base"
+    self.load_base.setdefault(key, base)
+    if first:
+      own = self.ids.get(rec.path, -1)
+      for s, e, m in self.file_code.get(rec.pid, ()):
+        if s < rec.end and rec.start < e and m != own:
+          return f"its first mapping lies over the code of {os.path.basename(self.names[m])}"
+    return ""
+
+  def _held_file_code(self, pid: int, start: int, end: int, module: int) -> None:
+    if self.names[module].startswith("/"):
+      self.file_code.setdefault(pid, []).append((start, end, module))
 
   def module_id(self, path: str) -> int:
     if path not in self.ids:
@@ -353,6 +427,7 @@ class ModuleTable:
     space = self.spaces.setdefault(pid, AddressSpace())
     for s, e, path in executable_ranges(maps_text):
       space.add(s, e, self.module_id(path))
+      self._held_file_code(pid, s, e, self.module_id(path))
 
   def apply(self, rec) -> None:
     if isinstance(rec, Sample):
@@ -360,14 +435,21 @@ class ModuleTable:
       m = space.find(rec.ip) if space is not None else -1
       self._add(rec.time, m if m >= 0 else self.module_id(UNKNOWN))
     elif isinstance(rec, Mapping):
-      self.spaces.setdefault(rec.pid, AddressSpace()).add(
-        rec.start, rec.end, self.module_id(self.module_of(rec))
-      )
+      module = self.module_id(self.module_of(rec))
+      self.spaces.setdefault(rec.pid, AddressSpace()).add(rec.start, rec.end, module)
+      self._held_file_code(rec.pid, rec.start, rec.end, module)
     elif isinstance(rec, Fork):
       if rec.pid != rec.parent and rec.parent in self.spaces:
         self.spaces[rec.pid] = self.spaces[rec.parent].copy()
+        for (pid, path), base in list(self.load_base.items()):
+          if pid == rec.parent:
+            self.load_base[(rec.pid, path)] = base
+        self.file_code[rec.pid] = list(self.file_code.get(rec.parent, ()))
     elif isinstance(rec, Exec):
       self.spaces[rec.pid] = AddressSpace()
+      for key in [k for k in self.load_base if k[0] == rec.pid]:
+        del self.load_base[key]
+      self.file_code.pop(rec.pid, None)
     elif isinstance(rec, Lost) and rec.count:
       self.lost += rec.count
       lost = self.module_id(LOST)
