@@ -57,7 +57,10 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 # one build cache for every part (DICE's builds, the ReLU's, the other tests')
 export VERIFIER_CACHE_DIR=${VERIFIER_CACHE_DIR:-${TMPDIR:-/tmp}/evidence_h200_builds}
 GPU_TESTS=tests/verifier/test_verifier_gpu.py
-{ git log --oneline -1; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+# the device's copy of .git can lag the tree it ran: the sources' hash names the code (here: the same
+# command, `find verifier -name '*.py' | sort | xargs cat | sha256sum`)
+{ git log --oneline -1; echo "verifier sources: $(find verifier -name '*.py' | sort | xargs cat | sha256sum)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   nproc; uname -r; } > "$OUT/env.txt" 2>&1
 
 stamp() { echo "$(($(date +%s) - START)) s: $*" | tee -a "$OUT/status.txt" "$BACK/status.txt"; }
