@@ -97,7 +97,7 @@ def test_addresses_resolve_to_the_mapping_there_at_the_time():
     host_sampler.Sample(10, 7, 0x400010),
     host_sampler.Sample(11, 7, 0x600010),  # not executable: no module there
     host_sampler.Sample(12, 7, 0x800010),  # anonymous executable memory (JIT)
-    # the candidate's range remapped: a file's first mapping over another file's code is no loader's
+    # the candidate's range remapped: a mapping over another file's code is no loader's
     host_sampler.Mapping(13, 7, 0x400000, 0x500000, TORCH),
     host_sampler.Sample(14, 7, 0x400010),
     host_sampler.Fork(15, 8, 7),
@@ -109,7 +109,7 @@ def test_addresses_resolve_to_the_mapping_there_at_the_time():
   assert table.count(10, 12) == {OWN: 1, host_sampler.UNKNOWN: 1, host_sampler.ANON: 1}
   forged = host_sampler.FORGED.format("libtorch_cpu.so")
   assert table.count(13, 18) == {forged: 2, host_sampler.UNKNOWN: 1}
-  assert table.forgery == ["its first mapping lies over the code of vt_compute.so"]
+  assert table.forgery == ["lies over the code of vt_compute.so"]
   assert host_sampler.online_cpus("0-3,6\n") == [0, 1, 2, 3, 6]
 
 

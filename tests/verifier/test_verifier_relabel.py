@@ -126,6 +126,22 @@ def test_a_candidate_cannot_reach_the_kernels_keyrings():
   assert got == "[0, (-1, 1), (-1, 1), (-1, 1)]", got  # EPERM each
 
 
+def test_a_candidate_cannot_set_up_io_uring():
+  # Red team 43b: io_uring's requests run in kernel mode, out of the host sampler's sight.
+  def body():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    params = ctypes.create_string_buffer(120)  # struct io_uring_params
+    out = []
+    for nr, args in ((425, (8, params)), (426, (0, 1, 0, 0, None, 0)), (427, (0, 0, None, 0))):
+      ctypes.set_errno(0)
+      out.append((libc.syscall(nr, *args), ctypes.get_errno()))
+    return out
+
+  got = _under_the_filter(body)
+  assert got == "[0, (-1, 1), (-1, 1), (-1, 1)]", got  # EPERM each
+
+
 def test_the_evidence_filters_jumps_land_inside_the_program_on_each_arch():
   for arch, (_, prctl) in confine._EVIDENCE_SYSCALLS.items():
     audit_arch = confine._SOCKET_SYSCALLS[arch][0]
@@ -154,7 +170,7 @@ def test_a_mapping_past_what_its_file_holds_counts_as_a_forgery_not_as_the_file(
   page = host_sampler.PAGE
   own = tmp_path / "0123456789abcdef0123456789abcdef" / "rt_b1.so"
   own.parent.mkdir()
-  own.write_bytes(b"\0" * (page + 100))  # two pages
+  _elf(own, [(0, 0, page + 100, page + 100)], page + 100)  # two pages
   lib = tmp_path / "libgomp.so.1"  # its code and the data 2 MiB above it: a 2 MiB + 3 page image
   _elf(lib, [(0, 0, page, page), (page, 0x200000 + page, 16, 2 * page)], page + 200)
   assert host_sampler.file_extent(str(own)) == 2 * page
@@ -167,7 +183,7 @@ def test_a_mapping_past_what_its_file_holds_counts_as_a_forgery_not_as_the_file(
   forged = host_sampler.FORGED.format("rt_b1.so")
   cases = [  # (slot, length, path, pgoff, the module its samples then count for)
     (0, 2 * page, own, 0, str(own)),
-    (1, page, own, page, str(own)),
+    (1, page, own, page, forged),  # within the file, but a second base (red team 43)
     (2, 0x200000 + 3 * page, lib, 0, str(lib)),  # the loader's first mapping of the whole image
     (3, 400 << 20, own, 0, forged),  # torch's text relabelled (hole B1)
     (4, 2 * page, own, page, forged),
@@ -178,7 +194,7 @@ def test_a_mapping_past_what_its_file_holds_counts_as_a_forgery_not_as_the_file(
     table.apply(host_sampler.Mapping(i, 7, start, start + length, str(path), pgoff))
     table.apply(host_sampler.Sample(100 + i, 7, start + length - 1))
   assert [table.names[m] for m in table.modules] == [c[-1] for c in cases]
-  assert [(m.start - base) >> 30 for m in table.forged] == [3, 4]
+  assert [(m.start - base) >> 30 for m in table.forged] == [1, 3, 4]
 
 
 def test_the_sampler_names_relabelled_code_a_forgery_from_the_kernels_own_records(tmp_path):
@@ -302,8 +318,25 @@ def test_a_mapping_within_the_file_that_no_loader_makes_is_a_forgery(tmp_path):
   at = torch_text[0] + 16 * page
   table.apply(host_sampler.Mapping(150, 7, at, at + 2 * page, host_sampler.ANON, 0))
   table.apply(host_sampler.Mapping(151, 7, at, at + 2 * page, str(third), 0))
-  assert table.forgery[-1] == "its first mapping lies over the code of libtorch_cpu.so"
-  del table.forgery[-1]
+  assert table.forgery[-1] == "lies over the code of libtorch_cpu.so"
+  # round 43b: one page of a never-loaded build mapped into a free gap first set its base, then its copy
+  # of torch's text mapped over torch's at that same base
+  fourth = tmp_path / ("1e" * 16) / "rt_q1.so"
+  fourth.parent.mkdir()
+  _elf_segments(fourth, [(0, 0, 80 * page, 5)], 80 * page)
+  for start, pgoff in (
+    (torch_text[0] + 70 * page, 70 * page),
+    (torch_text[0] + 32 * page, 32 * page),
+  ):
+    table.apply(host_sampler.Mapping(160, 7, start, start + page, str(fourth), pgoff))
+  assert table.forgery[-1] == "lies over the code of libtorch_cpu.so"
+  assert str(fourth) in table.names  # the landing page itself: a mapping of its own
+  # a file of a build entry that is no ELF file (its sources, build.ninja) mapped as code
+  ninja = fourth.parent / "build.ninja"
+  ninja.write_text("rule cxx\n")
+  table.apply(host_sampler.Mapping(170, 7, 1 << 36, (1 << 36) + page, str(ninja), 0))
+  assert table.forgery[-1] == "maps a file no loader loads (not a 64-bit ELF file) as code"
+  del table.forgery[-3:]
   # a child inherits its parent's load bases; an exec starts afresh
   table.apply(host_sampler.Fork(200, 8, 7))
   table.apply(host_sampler.Mapping(201, 8, base + 5 * page, base + 7 * page, str(own), page))

@@ -354,7 +354,7 @@ class ModuleTable:
     self.modules = array.array("i")
     self.lost = 0
     self.layouts: dict[str, tuple] = {}  # path -> file_layout, read once per path
-    self.load_base: dict[tuple[int, str], int | None] = {}  # (pid, path) -> its loader's base there
+    self.load_base: dict[tuple[int, str], int] = {}  # (pid, path) -> its loader's base there
     # pid -> every (start, end, module id) a file's code has held there, overlays notwithstanding
     self.file_code: dict[int, list[tuple[int, int, int]]] = {}
     self.forged: list[Mapping] = []
@@ -380,36 +380,33 @@ class ModuleTable:
 
   def forgery_of(self, rec: Mapping) -> str:
     """Why an executable mapping of a file is not its loader's, or "". A loader maps a file's code once per
-    process, at one base, from its executable segments, into free address space. Red team 42 (hole B1):
-    the candidate's own build mapped over torch's text and torch's pages moved back on top with ``mremap``
-    (a mapping past the file's end). Red team 43: the own build carried a byte copy of libtorch_cpu's
-    text (``.incbin``) and mapped that part of itself, within the file, over libtorch's text: same bytes,
-    so torch ran on, and every sample in it counted as the candidate's (a read-only segment mapped
-    executable; from an executable one, a second copy at another base; from a second build's file, its
-    first mapping over code another file held there, also after anonymous memory was mapped over it
-    first). An honest first mapping over another file's code needs that file unloaded (``dlclose``) and
-    its range reused, which the worker's libraries do not do before the candidate's build is loaded."""
+    process, at one base, from its executable segments of an ELF file, into address space no other file's
+    code held. Red team 42 (hole B1): the candidate's own build mapped over torch's text and torch's pages
+    moved back on top with ``mremap`` (a mapping past the file's end). Red team 43: the own build carried a
+    byte copy of libtorch_cpu's text (``.incbin``) and mapped that part of itself, within the file, over
+    libtorch's text: same bytes, so torch ran on, and every sample in it counted as the candidate's (over
+    code another file held there, also after anonymous memory was mapped over it first, and also when a
+    page of the same file mapped into a free gap first had set its base: round 43b). An honest mapping over
+    another file's code needs that file unloaded (``dlclose``) and its range reused, which the worker's
+    libraries do not do while it runs candidates."""
     if rec.path not in self.layouts:
       self.layouts[rec.path] = file_layout(rec.path)
     extent, segments = self.layouts[rec.path]
     if extent is not None and rec.pgoff + (rec.end - rec.start) > extent:
       return "reaches past the file's end"
-    key = (rec.pid, rec.path)
-    first = key not in self.load_base
-    base = None
+    if extent is not None and segments is None:
+      return "maps a file no loader loads (not a 64-bit ELF file) as code"
     if segments:
       at = loader_offset(segments, rec.pgoff)
       if at is None:
         return "maps code from a segment its loader maps without execute permission"
-      base = rec.start - at
-      if not first and self.load_base[key] not in (None, base):
+      base = self.load_base.setdefault((rec.pid, rec.path), rec.start - at)
+      if base != rec.start - at:
         return "a second copy of the file's code at another base"
-    self.load_base.setdefault(key, base)
-    if first:
-      own = self.ids.get(rec.path, -1)
-      for s, e, m in self.file_code.get(rec.pid, ()):
-        if s < rec.end and rec.start < e and m != own:
-          return f"its first mapping lies over the code of {os.path.basename(self.names[m])}"
+    own = self.ids.get(rec.path, -1)
+    for s, e, m in self.file_code.get(rec.pid, ()):
+      if s < rec.end and rec.start < e and m != own:
+        return f"lies over the code of {os.path.basename(self.names[m])}"
     return ""
 
   def _held_file_code(self, pid: int, start: int, end: int, module: int) -> None:

@@ -630,6 +630,10 @@ MREMAP_MAYMOVE, MREMAP_FIXED, MREMAP_DONTUNMAP = 1, 2, 4
 # task read them back in ``__init__`` (``keyctl``), drew its trials' inputs and looked the answers up.
 # AUDIT_ARCH -> (add_key, request_key, keyctl), all refused.
 _KEYRING_SYSCALLS = {0xC000003E: (248, 249, 250), 0xC00000B7: (217, 218, 219)}
+# io_uring (red team 43b): its requests run in kernel threads and kernel mode, which the host sampler does
+# not see; what it offers today only copies data, but nothing a kernel runs for the candidate should be
+# out of sight, and torch does not use it. (io_uring_setup, _enter, _register: one numbering on both.)
+_IO_URING_SYSCALLS = (425, 426, 427)
 _BPF_JSET_K = 0x45
 
 
@@ -637,12 +641,12 @@ def evidence_filter_program(
   audit_arch: int, perf_event_open: int, prctl: int, mremap: int | None = None
 ) -> list[tuple[int, int, int, int]]:
   """A classic-BPF seccomp program: ``perf_event_open``, the keyring calls (``add_key``, ``request_key``,
-  ``keyctl``), ``prctl(PR_TASK_PERF_EVENTS_DISABLE or _ENABLE)``, ``mremap`` that may move the mapping
+  ``keyctl``), io_uring's three, ``prctl(PR_TASK_PERF_EVENTS_DISABLE or _ENABLE)``, ``mremap`` that may move the mapping
   (MREMAP_MAYMOVE, _FIXED or _DONTUNMAP), any x32 syscall and any syscall of another architecture return
   EPERM; everything else (other ``prctl`` options, ``mremap`` in place) is allowed. ``mremap``: its
   number (default: the one of ``audit_arch``)."""
   mremap = _MREMAP_SYSCALL[audit_arch] if mremap is None else mremap
-  refused = (perf_event_open, *_KEYRING_SYSCALLS.get(audit_arch, ()))
+  refused = (perf_event_open, *_KEYRING_SYSCALLS.get(audit_arch, ()), *_IO_URING_SYSCALLS)
   # (op, jump-true label, jump-false label, k): labels resolved to offsets below
   body = [
     (_BPF_LD_W_ABS, None, None, 4),  # seccomp_data.arch
