@@ -1,5 +1,6 @@
 """Fast unit tests: static anti-cheating rules, output comparison, options validation, wire round trip."""
 
+import math
 import dataclasses
 import json
 
@@ -231,6 +232,12 @@ def test_rewards():
   assert reward.shaped_reward(FailureKind.OK, 2.0) == 2.0
   assert reward.shaped_reward(FailureKind.OK, 1000.0) == 4.0  # clipped at log2 = 3
   assert reward.shaped_reward(FailureKind.OK, 0.01) == 0.0  # clipped at log2 = -1
+  # timed but not resolved: what its mean time gives, capped at 1 (red team 43c: a slow candidate that
+  # jittered its timed calls past the resolution got 1.0)
+  assert reward.shaped_reward(FailureKind.OK, 0.0, unmeasured=0.78) == 1.0 + math.log2(0.78)
+  assert reward.shaped_reward(FailureKind.OK, 0.0, unmeasured=0.05) == 0.0
+  assert reward.shaped_reward(FailureKind.OK, 0.0, unmeasured=1e9) == 1.0
+  assert reward.shaped_reward(FailureKind.WRONG_OUTPUT, 0.0, unmeasured=1e9) == 0.0
   assert (
     reward.apply_min_speedup(FailureKind.OK, 0.9, 1.0, True)[0] is FailureKind.BELOW_MIN_SPEEDUP
   )

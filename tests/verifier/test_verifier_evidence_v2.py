@@ -762,8 +762,8 @@ def test_an_honest_cpu_candidate_is_timed_consistently(service):
     _ok(r)
     unmeasurable = any("no speedup reported" in w for w in r.warnings)
     assert (r.speedup == 0.0) == unmeasurable and r.shaped_reward <= 1.0 + 3.0
-    if unmeasurable:
-      assert r.shaped_reward == 1.0
+    if unmeasurable:  # no bonus; capped by what its mean time gives
+      assert r.shaped_reward <= 1.0
   # A time at the edge of the resolution may be reported by one run and not by another (seen: 0.73x,
   # then twice "no speedup"): what is reported agrees within 2x.
   speedups = [r.speedup for r in runs if r.speedup]

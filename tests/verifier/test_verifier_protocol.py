@@ -97,6 +97,22 @@ def test_channel_carries_records_and_descriptors_and_refuses_what_it_did_not_ask
     os.close(fd)
 
 
+def test_whatever_a_peers_bytes_make_the_decoder_raise_is_a_protocol_error():
+  # Red team 43c: a candidate wrote one raw frame of 5,000 digits to its channel; json.loads raised a plain
+  # ValueError (the integer digits limit), which escaped the checker as its own failure: INTERNAL_ERROR
+  # "infrastructure failure twice", two checkers restarted, where the candidate's CRASH is due.
+  from verifier.ipc import channel
+
+  for body in (b"1" * 5000, b"[" * 200_000, b"\xff\xfe", b'{"kind": 3}', b"[1, 2]", b"null"):
+    with pytest.raises(ProtocolError):
+      channel.decode(body, (RunJob,))
+  left, right = _pair(max_bytes=1 << 20)
+  raw = b"1" * 5000
+  left.sock.sendall(channel.HEADER.pack(len(raw), 0) + raw)
+  with pytest.raises(ProtocolError, match="not JSON: ValueError"):
+    right.recv(RunJob)
+
+
 def test_host_buffers_cross_with_layout_and_stay_in_bounds():
   buffers = exchange.BufferSet(torch.device("cpu"), use_device_memory=False)
   x = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # transposed: kept as it is

@@ -278,6 +278,9 @@ class TimedCalls:
         f"under what this measurement resolves ({resolution:.4f} ms): no speedup reported"
       )
       self.report["speedup"] = 0.0
+      # what its mean time would give, for the shaped reward's cap (``reward.shaped_reward``)
+      base = self.report["baseline"].mean_ms
+      phases["timing_mean_speedup"] = base / candidate.mean_ms if candidate.mean_ms > 0 else 1e9
       return
     speedup = self.report["baseline"].mean_ms / candidate.mean_ms
     self.report["speedup"] = speedup if math.isfinite(speedup) else 0.0

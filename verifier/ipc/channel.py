@@ -55,14 +55,20 @@ def frame(rec, n_fds: int = 0) -> bytes:
 
 
 def decode(body: bytes, expected: tuple[type, ...]):
+  """The record in a frame's body, or ``ProtocolError``: whatever a peer's bytes make the decoder raise is
+  the peer's error (red team 43c: 5,000 digits made ``json.loads`` raise a plain ValueError, and deep
+  nesting RecursionError, which escaped as the checker's own failure: INTERNAL_ERROR, not the candidate's
+  CRASH, and two checkers restarted)."""
   try:
     msg = json.loads(body)
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ProtocolError(f"frame is not JSON: {e}") from None
+  except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, the digits limit
+    raise ProtocolError(f"frame is not JSON: {type(e).__name__}: {str(e)[:200]}") from None
   try:
     return records.from_wire(msg, *expected)
   except records.RecordError as e:
     raise ProtocolError(str(e)) from None
+  except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError) as e:
+    raise ProtocolError(f"frame is no valid record: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 class Channel:

@@ -18,12 +18,15 @@ def binary_reward(kind: FailureKind) -> float:
   return 1.0 if kind is FailureKind.OK else 0.0
 
 
-def shaped_reward(kind: FailureKind, speedup: float) -> float:
-  """0 on failure; 1 when correct but untimed; 1 + clip(log2 speedup, -1, 3) when timed."""
+def shaped_reward(kind: FailureKind, speedup: float, unmeasured: float | None = None) -> float:
+  """0 on failure; 1 when correct but untimed; 1 + clip(log2 speedup, -1, 3) when timed. A timed result
+  the clock did not resolve (speedup 0) scores what its mean time gives (``unmeasured``: the baseline's
+  mean over the candidate's), capped at 1: no bonus, and no more than a measured time would score (red
+  team 43c: a slow candidate that jittered its own timed calls past the resolution got 1.0, 0.0 measured)."""
   if kind is not FailureKind.OK:
     return 0.0
   if speedup <= 0:
-    return 1.0
+    return 1.0 if unmeasured is None else min(1.0, shaped_reward(kind, unmeasured))
   return 1.0 + min(max(math.log2(speedup), SHAPED_LOG2_MIN), SHAPED_LOG2_MAX)
 
 

@@ -567,7 +567,11 @@ class VerifierService:
       correct=bool(report and report.correct and kind is not FailureKind.TIMING_MISMATCH),
       deceptive=kind.deceptive,
       reward=rewards.binary_reward(kind),
-      shaped_reward=rewards.shaped_reward(kind, speedup),
+      shaped_reward=rewards.shaped_reward(
+        kind,
+        speedup,
+        phases.get("timing_mean_speedup") if phases.get("timing_unmeasurable") == 1.0 else None,
+      ),
       speedup=speedup if kind is FailureKind.OK else 0.0,
       candidate=(report.candidate if report else None) or Runtime(),
       baseline=(report.baseline if report else None) or Runtime(),
