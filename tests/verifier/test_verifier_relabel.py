@@ -197,16 +197,10 @@ def test_a_mapping_past_what_its_file_holds_counts_as_a_forgery_not_as_the_file(
   assert [(m.start - base) >> 30 for m in table.forged] == [1, 3, 4]
 
 
-def test_the_sampler_names_relabelled_code_a_forgery_from_the_kernels_own_records(tmp_path):
-  # Hole B1 on a live process, through the kernel's records: numpy's text moved away with mremap, a
-  # small file mapped over the hole, numpy's pages moved back. Before this, every sample in numpy counted
-  # for the small file. Also loads an honest library whose image is larger than its file, after the attach.
-  pytest.importorskip("numpy")
-  own = tmp_path / "rt_b1.so"
-  own.write_bytes(b"\0" * 4096)
-  spec = importlib.util.find_spec("torch")
-  gomp = pathlib.Path(spec.origin).parent / "lib" / "libgomp.so.1"
-  gomp = str(gomp) if gomp.exists() else ""
+def _sampled_numpy_child(forgery: str):
+  """Samples per module of a child process that, with the host sampler attached, runs ``forgery`` (Python,
+  ``libc`` at hand) and then numpy's sqrt for 0.15 s of CPU; and the sampler (skips where the host refuses
+  ``perf_event_open``)."""
   go_r, go_w = os.pipe()
   ready_r, ready_w = os.pipe()
   code = (
@@ -214,18 +208,7 @@ def test_the_sampler_names_relabelled_code_a_forgery_from_the_kernels_own_record
     + LIBC
     + "a = np.random.rand(1 << 18).astype('float32')\n"
     f"os.write({ready_w}, b'r')\n"
-    f"os.read({go_r}, 1)\n"
-    f"if {gomp!r}:\n"
-    f"    ctypes.CDLL({gomp!r})\n"
-    "maps = [l.split() for l in open('/proc/self/maps')]\n"
-    "(lo, hi), = [[int(v, 16) for v in m[0].split('-')] for m in maps\n"
-    "             if len(m) > 5 and 'x' in m[1] and '_multiarray_umath' in m[5]]\n"
-    "n = hi - lo\n"
-    f"fd = os.open({str(own)!r}, os.O_RDONLY)\n"
-    "away = libc.mremap(lo, n, n, 3, libc.mmap(None, n, 0, 0x22, -1, 0))\n"
-    "libc.mmap(lo, n, 5, 0x12, fd, 0)\n"
-    "assert libc.mremap(away, n, n, 3, lo) == lo\n"
-    "t = time.process_time()\n"
+    f"os.read({go_r}, 1)\n" + forgery + "t = time.process_time()\n"
     "while time.process_time() - t < 0.15:\n"
     "    np.sqrt(a, out=a)\n"
   )
@@ -246,6 +229,31 @@ def test_the_sampler_names_relabelled_code_a_forgery_from_the_kernels_own_record
     child.kill()
     for fd in (go_r, go_w, ready_r, ready_w):
       os.close(fd)
+  return counts, sampler
+
+
+def test_the_sampler_names_relabelled_code_a_forgery_from_the_kernels_own_records(tmp_path):
+  # Hole B1 on a live process, through the kernel's records: numpy's text moved away with mremap, a
+  # small file mapped over the hole, numpy's pages moved back. Before this, every sample in numpy counted
+  # for the small file. Also loads an honest library whose image is larger than its file, after the attach.
+  pytest.importorskip("numpy")
+  own = tmp_path / "rt_b1.so"
+  own.write_bytes(b"\0" * 4096)
+  spec = importlib.util.find_spec("torch")
+  gomp = pathlib.Path(spec.origin).parent / "lib" / "libgomp.so.1"
+  gomp = str(gomp) if gomp.exists() else ""
+  counts, sampler = _sampled_numpy_child(
+    f"if {gomp!r}:\n"
+    f"    ctypes.CDLL({gomp!r})\n"
+    "maps = [l.split() for l in open('/proc/self/maps')]\n"
+    "(lo, hi), = [[int(v, 16) for v in m[0].split('-')] for m in maps\n"
+    "             if len(m) > 5 and 'x' in m[1] and '_multiarray_umath' in m[5]]\n"
+    "n = hi - lo\n"
+    f"fd = os.open({str(own)!r}, os.O_RDONLY)\n"
+    "away = libc.mremap(lo, n, n, 3, libc.mmap(None, n, 0, 0x22, -1, 0))\n"
+    "libc.mmap(lo, n, 5, 0x12, fd, 0)\n"
+    "assert libc.mremap(away, n, n, 3, lo) == lo\n"
+  )
   total = sum(counts.values())
   assert total >= 750 and str(own) not in counts, counts
   assert counts.get(host_sampler.FORGED.format("rt_b1.so"), 0) > 0.5 * total, counts
@@ -358,41 +366,14 @@ def test_the_sampler_names_a_copy_mapped_over_a_library_a_forgery_from_the_kerne
   copy = tmp_path / "rt_o3.so"
   copy.write_bytes(pathlib.Path(umath.origin).read_bytes())
   del np
-  go_r, go_w = os.pipe()
-  ready_r, ready_w = os.pipe()
-  code = (
-    "import ctypes, os, time, numpy as np\n"
-    + LIBC
-    + "a = np.random.rand(1 << 18).astype('float32')\n"
+  counts, sampler = _sampled_numpy_child(
     "maps = [l.split() for l in open('/proc/self/maps')]\n"
     "text = [m for m in maps if len(m) > 5 and 'x' in m[1] and '_multiarray_umath' in m[5]]\n"
     f"fd = os.open({str(copy)!r}, os.O_RDONLY)\n"
-    f"os.write({ready_w}, b'r')\n"
-    f"os.read({go_r}, 1)\n"
     "for m in text:\n"
     "    lo, hi = [int(v, 16) for v in m[0].split('-')]\n"
     "    assert libc.mmap(lo, hi - lo, 5, 0x12, fd, int(m[2], 16)) == lo\n"
-    "t = time.process_time()\n"
-    "while time.process_time() - t < 0.15:\n"
-    "    np.sqrt(a, out=a)\n"
   )
-  env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
-  child = subprocess.Popen([sys.executable, "-c", code], pass_fds=(go_r, ready_w), env=env)
-  try:
-    os.read(ready_r, 1)
-    try:
-      sampler = host_sampler.HostSampler.attach(child.pid)
-    except host_sampler.SamplerUnavailable as e:
-      pytest.skip(f"this host refuses perf_event_open: {e}")
-    t0 = time.monotonic_ns()
-    os.write(go_w, b"x")
-    assert child.wait(60) == 0
-    counts = sampler.count(t0, time.monotonic_ns())
-    sampler.close()
-  finally:
-    child.kill()
-    for fd in (go_r, go_w, ready_r, ready_w):
-      os.close(fd)
   total = sum(counts.values())
   assert total >= 750 and str(copy) not in counts, counts
   assert counts.get(host_sampler.FORGED.format("rt_o3.so"), 0) > 0.5 * total, counts
