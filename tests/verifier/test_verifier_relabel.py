@@ -353,6 +353,29 @@ def test_a_mapping_within_the_file_that_no_loader_makes_is_a_forgery(tmp_path):
   assert table.forgery[4:] == ["a second copy of the file's code at another base"]
 
 
+def test_the_code_history_answers_as_the_list_of_every_mapping_would_and_stays_small():
+  import random
+
+  rng = random.Random(43)
+  history, every = host_sampler.CodeHistory(), []
+  for _ in range(3000):
+    start = rng.randrange(0, 1 << 16) & ~0xFF
+    end, module = start + rng.randrange(1, 8) * 0x100, rng.randrange(5)
+    if rng.random() < 0.5:
+      history.add(start, end, module)
+      every.append((start, end, module))
+    else:
+      want = {m for s, e, m in every if s < end and start < e and m != module}
+      got = history.others(start, end, module)
+      assert (got is None) == (not want) and (got is None or got in want), (start, end, module)
+  assert all(a[1] <= b[0] for a, b in zip(history.segs, history.segs[1:]))  # disjoint, sorted
+  # a candidate that maps one page over and over adds nothing after the first
+  loop = host_sampler.CodeHistory()
+  for _ in range(10_000):
+    loop.add(1 << 20, (1 << 20) + 4096, 3)
+  assert loop.segs == [(1 << 20, (1 << 20) + 4096, frozenset({3}))]
+
+
 def test_the_sampler_names_a_copy_mapped_over_a_library_a_forgery_from_the_kernels_records(
   tmp_path,
 ):

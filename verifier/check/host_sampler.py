@@ -9,8 +9,8 @@ was mapped there at that moment, from records the candidate cannot write. The ca
 none of this: it may not call ``perf_event_open`` nor switch off events attached to it
 (``PR_TASK_PERF_EVENTS_DISABLE``; both refused by its seccomp filter, ``confine.protect_evidence``), nor
 ``mremap`` pages (which makes no record); a mapping no loader makes (past its file's end, code from a
-segment the loader maps without execute permission, a second base, a file's first mapping over code another
-file held there) is taken for the forgery it is (``ModuleTable.forgery_of``).
+segment the loader maps without execute permission, a second base, a mapping over code another file held
+there) is taken for the forgery it is (``ModuleTable.forgery_of``).
 
 Kernel-mode time is not sampled (``exclude_kernel``; unprivileged sampling of another process allows
 user space only), nor a process outside the tree. ``host_evidence`` judges the samples.
@@ -253,6 +253,56 @@ class AddressSpace:
     return -1
 
 
+class CodeHistory:
+  """Every range a file's code held in one process, overlays notwithstanding: sorted, disjoint segments
+  (start, end, the module ids whose code was there). A query and an insert touch only the segments they
+  overlap (a candidate that maps pages in a loop cannot make each record cost the whole history)."""
+
+  def __init__(self):
+    self.starts: list[int] = []
+    self.segs: list[tuple[int, int, frozenset]] = []
+
+  def copy(self) -> "CodeHistory":
+    new = CodeHistory()
+    new.starts, new.segs = list(self.starts), list(self.segs)
+    return new
+
+  def _first(self, start: int) -> int:
+    i = max(bisect.bisect_right(self.starts, start) - 1, 0)
+    return i + 1 if i < len(self.segs) and self.segs[i][1] <= start else i
+
+  def others(self, start: int, end: int, module: int) -> int | None:
+    """A module other than ``module`` whose code held part of [start, end), or None."""
+    j = self._first(start)
+    while j < len(self.segs) and self.segs[j][0] < end:
+      for m in self.segs[j][2]:
+        if m != module:
+          return m
+      j += 1
+    return None
+
+  def add(self, start: int, end: int, module: int) -> None:
+    if end <= start:
+      return
+    i = j = self._first(start)
+    pieces, at = [], start
+    while j < len(self.segs) and self.segs[j][0] < end:
+      s, e, ms = self.segs[j]
+      if s < start:
+        pieces.append((s, start, ms))
+      if at < s:
+        pieces.append((at, s, frozenset((module,))))
+      pieces.append((max(s, start), min(e, end), ms | {module}))
+      if e > end:
+        pieces.append((end, e, ms))
+      at = e
+      j += 1
+    if at < end:
+      pieces.append((at, end, frozenset((module,))))
+    self.segs[i:j] = pieces
+    self.starts[i:j] = [p[0] for p in pieces]
+
+
 def executable_ranges(maps_text: str) -> list[tuple[int, int, str]]:
   """(start, end, path) of each executable mapping in a ``/proc/<pid>/maps`` text."""
   out = []
@@ -355,8 +405,7 @@ class ModuleTable:
     self.lost = 0
     self.layouts: dict[str, tuple] = {}  # path -> file_layout, read once per path
     self.load_base: dict[tuple[int, str], int] = {}  # (pid, path) -> its loader's base there
-    # pid -> every (start, end, module id) a file's code has held there, overlays notwithstanding
-    self.file_code: dict[int, list[tuple[int, int, int]]] = {}
+    self.file_code: dict[int, CodeHistory] = {}  # pid -> the ranges files' code held there
     self.forged: list[Mapping] = []
     self.forgery: list[str] = []  # why, one per ``forged``
 
@@ -368,7 +417,7 @@ class ModuleTable:
     """The module a mapping's samples count for: its file, unless the mapping is one no loader makes and
     only a forgery wants (``forgery``): then a foreign module named after the forgery, so whatever runs in
     that range counts against the candidate. Paths this process cannot stat (another mount namespace's
-    scratch file) are taken as they are."""
+    scratch file) are judged by where they are mapped alone."""
     if not rec.path.startswith("/"):
       return rec.path
     why = self.forgery_of(rec)
@@ -403,15 +452,15 @@ class ModuleTable:
       base = self.load_base.setdefault((rec.pid, rec.path), rec.start - at)
       if base != rec.start - at:
         return "a second copy of the file's code at another base"
-    own = self.ids.get(rec.path, -1)
-    for s, e, m in self.file_code.get(rec.pid, ()):
-      if s < rec.end and rec.start < e and m != own:
-        return f"lies over the code of {os.path.basename(self.names[m])}"
+    history = self.file_code.get(rec.pid)
+    other = history.others(rec.start, rec.end, self.ids.get(rec.path, -1)) if history else None
+    if other is not None:
+      return f"lies over the code of {os.path.basename(self.names[other])}"
     return ""
 
   def _held_file_code(self, pid: int, start: int, end: int, module: int) -> None:
     if self.names[module].startswith("/"):
-      self.file_code.setdefault(pid, []).append((start, end, module))
+      self.file_code.setdefault(pid, CodeHistory()).add(start, end, module)
 
   def module_id(self, path: str) -> int:
     if path not in self.ids:
@@ -441,7 +490,8 @@ class ModuleTable:
         for (pid, path), base in list(self.load_base.items()):
           if pid == rec.parent:
             self.load_base[(rec.pid, path)] = base
-        self.file_code[rec.pid] = list(self.file_code.get(rec.parent, ()))
+        if rec.parent in self.file_code:
+          self.file_code[rec.pid] = self.file_code[rec.parent].copy()
     elif isinstance(rec, Exec):
       self.spaces[rec.pid] = AddressSpace()
       for key in [k for k in self.load_base if k[0] == rec.pid]:
