@@ -242,3 +242,67 @@ def test_an_output_in_the_checkers_buffer_is_refused_where_the_frame_apis_are_al
   r = _verify(service, "frame-walk-off", ATTACK, "off")
   assert r.failure_kind is FailureKind.RUNTIME_ERROR and r.reward == 0.0, (r.reason, r.logs)
   assert "exchange buffer" in r.reason and "output 0" in r.reason, r.reason
+
+
+# ---- red team 43d: the worker's checks no-opped by Python run through the builtins' exec ----------------
+HIDDEN = """
+import sys, torch
+import verifier.candidate.candidate_main as cm
+cm.CandidateRuntime._in_exchange = lambda self, leaf, spans: None
+cm.tensors.poison = lambda *a, **k: None
+f = sys._getframe()
+while f is not None and not (f.f_code.co_name == "forward" and "calls" in f.f_locals):
+    f = f.f_back
+rt, calls, k = f.f_locals["self"], f.f_locals["calls"], f.f_locals.get("k", 0)
+view = rt.buffers[calls[k][2][0].buffer].view(calls[k][2][0])
+torch._C._autograd._enable_record_function(False)
+torch.clamp_min(x, 0, out=view)
+torch._C._autograd._enable_record_function(True)
+result = view
+"""
+BUILTINS_EXEC = r"""
+#include <pybind11/pybind11.h>
+#include <string>
+namespace py = pybind11;
+static const char* HIDDEN = "@HEX@";
+py::object relu(py::object x) {
+    std::string code;
+    for (const char* p = HIDDEN; p[0] && p[1]; p += 2) code += char(std::stoi(std::string(p, 2), nullptr, 16));
+    py::dict builtins = py::reinterpret_borrow<py::dict>(PyEval_GetBuiltins());
+    py::dict scope;
+    scope["__builtins__"] = builtins;
+    scope["x"] = x;
+    builtins["ex" "ec"](py::str(code), scope);
+    return scope["result"];
+}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("relu", &relu); }
+""".replace("@HEX@", HIDDEN.encode().hex())
+EXEC_ATTACK = f'''
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+source = r"""{BUILTINS_EXEC}"""
+ops = load_inline(name="vt_exec", cpp_sources=source, no_implicit_headers=True, extra_cflags=["-O1"])
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        return ops.relu(x)
+'''
+
+
+def test_a_library_computing_into_the_output_buffer_is_host_compute_whatever_the_worker_checks(
+  service,
+):
+  # Red team 43d: reward 1 untimed (RL's setting). The publish copy it skipped was libtorch_cpu's, as the
+  # ReLU it ran, so the host rule netted one against the other; the verifier's copy is libc's now.
+  import verifier_compute_cases as compute
+
+  loop, svc = service
+  opts = dataclasses.replace(RL, strictness="strict", timeout_s=120)
+  req = VerifyRequest("builtins-exec", "relu", compute.LIBRARY_REFERENCE, EXEC_ATTACK, opts)
+  r = loop.run(asyncio.wait_for(svc.verify(req), 300))
+  if [w for w in r.warnings if "host evidence unavailable" in w]:
+    pytest.skip("this host refuses perf_event_open")
+  assert r.failure_kind is FailureKind.HOST_COMPUTE and r.reward == 0.0, (r.failure_kind, r.reason)
+  assert "libtorch_cpu" in r.reason.split("most in:")[1].split(",")[0], r.reason

@@ -18,6 +18,7 @@ floors by its own clock.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import itertools
@@ -397,7 +398,7 @@ class CandidateRuntime:
           and spec["dtype"] == target.dtype
           and target.buffer in self.buffers
         ):
-          self.buffers[target.buffer].view(target).copy_(leaf.detach())
+          _copy_into(self.buffers[target.buffer].view(target), leaf.detach())
           copied = True
         specs.append(OutputSpec(copied=copied, **spec))
       elif leaf is None or isinstance(leaf, (bool, int, float, str)):
@@ -526,6 +527,18 @@ class _Prefetch:
         f"mapping the first forward's buffers failed: {short(self.done.error)}",
       )
     return waited
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+  """The publish copy. On the CPU, for contiguous tensors, libc's ``memmove``: the null round trips then
+  carry the verifier's own copy in libc, never in the module a library's compute runs in. Red team 43d:
+  Python run through the builtins' ``exec`` from C++ no-opped the worker's checks, computed a library's
+  ReLU (libtorch_cpu) straight into the output buffer, and the copy it skipped (libtorch_cpu's ``copy_``)
+  netted against it in the host rule: untimed reward 1."""
+  if dst.device.type == "cpu" and src.is_contiguous() and dst.is_contiguous() and src.numel():
+    ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+  else:
+    dst.copy_(src)
 
 
 def _null_outputs(targets, device: torch.device):
