@@ -24,6 +24,7 @@ from verifier_loop import BackgroundLoop  # noqa: E402
 
 from verifier.api.client import RetryPolicy, VerifierClient  # noqa: E402
 from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
+from verifier.serve import reward as rewards  # noqa: E402
 from verifier.serve.server import VerifierServer, is_loopback  # noqa: E402
 from verifier.serve.service import ServiceConfig, VerifierService  # noqa: E402
 from verifier.check.timed_calls import MAX_BURST  # noqa: E402
@@ -101,9 +102,12 @@ def test_good_cpp_candidate_gets_reward_one_and_a_speedup(server):
     assert r.candidate.median_ms > 0
     assert abs(r.speedup - r.baseline.mean_ms / r.candidate.mean_ms) < 1e-6
     assert r.shaped_reward >= 0.0
-  else:  # a call this small may be under what the CPU clock resolves: said so, no bonus
+  else:  # a call this small may be under what the CPU clock resolves: said so, no bonus, and no more
+    # than its mean time gives (on a loaded 2-core CI host it was 0.72x torch's: shaped 0.476)
     assert any("no speedup reported" in w for w in r.warnings), r.warnings
-    assert r.shaped_reward == 1.0
+    mean = r.baseline.mean_ms / r.candidate.mean_ms if r.candidate.mean_ms > 0 else 1e9
+    by_mean = rewards.shaped_reward(FailureKind.OK, mean)
+    assert r.shaped_reward == pytest.approx(min(1.0, by_mean), abs=1e-5)
 
 
 BAD = [
