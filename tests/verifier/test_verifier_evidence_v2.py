@@ -475,6 +475,8 @@ REPO_SOURCE_MARK = "def toolchain_paths() -> list[str]:"
 
 
 def test_a_verdict_carries_nothing_of_the_host(service):
+  with open(confine.__file__) as f:
+    assert REPO_SOURCE_MARK in f.read()  # the marker is the file's own text (it went stale once)
   # c10e1a8: the exception's text carried the venv's configuration, the worker's command line and
   # environment as the kernel shows them (/proc/self/cmdline, /proc/self/environ).
   src = candidate(

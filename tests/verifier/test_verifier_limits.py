@@ -10,6 +10,7 @@ costs compiler time; the other rows reuse the holes' pybind11-only extension.
 import asyncio
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -90,6 +91,11 @@ INCBIN = _plain_library(
   module="import ctypes\nprint(ctypes.string_at(ctypes.addressof(ctypes.c_char.in_dll("
   "ctypes.CDLL(lib), 'vt_leaked'))).decode())",
 )
+# The environment's configuration, which the compiler read wherever a candidate's source named it (red
+# team 43d: ``#include`` quoted it line by line in the COMPILE_ERROR; ``.incbin`` in a pybind11 module put
+# it in the library, /work/redteam43d/cands/e3_incbin_leak.py, now "file not found" as well).
+VENV_CFG = os.path.join(sys.prefix, "pyvenv.cfg")
+VENV_CFG_INCLUDE = _plain_library(f'#include "{VENV_CFG}"\n')
 MEMFD_HOG = holes.candidate(
   f"""        import os
         chunk = b"x" * (64 << 20)
@@ -284,10 +290,43 @@ def test_candidate_cannot_print_a_repository_file(service):
 def test_assembler_cannot_include_a_repository_file(service):
   """Row 6, in the compiler: ``.incbin`` of a repository file fails to assemble, and nothing of the file
   comes back (was WRONG_OUTPUT with the file in ``result.logs``)."""
+  with open(REPO_FILE) as f:
+    assert REPO_MARKER in f.read()  # the marker is the file's own text (it went stale once)
   ((res, _),) = _timed(service, _req("incbin", INCBIN))
   assert res.failure_kind is FailureKind.COMPILE_ERROR and res.reward == 0.0, res.reason
   assert f"Error: file not found: {REPO_FILE}" in res.reason, res.reason  # Landlock: EACCES
   assert REPO_MARKER not in res.logs + res.reason
+
+
+@pytest.mark.skipif(not os.path.isfile(VENV_CFG), reason="Python here is not a virtual environment")
+def test_the_compiler_cannot_read_the_environments_configuration(service):
+  """Red team 43d: compile workers kept ``pyvenv.cfg`` readable (for the environment's Python and a
+  script ninja), and the compiler quoted it. Now no worker reads it."""
+  ((res, _),) = _timed(service, _req("venv-cfg", VENV_CFG_INCLUDE))
+  assert res.failure_kind is FailureKind.COMPILE_ERROR and res.reward == 0.0, res.reason
+  assert f"{VENV_CFG}: Permission denied" in res.reason, res.reason
+  with open(VENV_CFG) as f:
+    lines = [line.strip() for line in f if line.strip()]  # "home = /...", "version = 3.11.7"
+  assert lines and not [line for line in lines if line in res.reason + res.logs], lines
+
+
+def test_a_script_ninja_gives_way_to_the_wheels_binary(tmp_path, monkeypatch):
+  """Older ninja wheels install a Python entry point, which cannot start without ``pyvenv.cfg``: workers
+  find the wheel's own binary first."""
+  scripts, package = tmp_path / "bin", tmp_path / "site" / "ninja"
+  scripts.mkdir()
+  (scripts / "ninja").write_text("#!/venv/bin/python\nfrom ninja import ninja\n")
+  (scripts / "ninja").chmod(0o755)
+  (package / "data" / "bin").mkdir(parents=True)
+  (package / "__init__.py").write_text("")
+  shutil.copy("/bin/true", package / "data" / "bin" / "ninja")
+  monkeypatch.syspath_prepend(str(tmp_path / "site"))
+  monkeypatch.delitem(sys.modules, "ninja", raising=False)
+  path = os.pathsep.join([str(scripts), "/usr/bin"])
+  first = sandbox.native_ninja_first.__wrapped__(path)
+  assert first == os.pathsep.join([str(package / "data" / "bin"), str(scripts), "/usr/bin"])
+  assert sandbox.native_ninja_first.__wrapped__(first) == first  # a binary first: as it is
+  assert sandbox.native_ninja_first.__wrapped__(str(tmp_path)) == str(tmp_path)  # no ninja at all
 
 
 def _module_file(name: str) -> str | None:

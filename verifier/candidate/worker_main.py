@@ -135,7 +135,6 @@ def run_forked(req: ForkRequest, chan_fd: int, device: str, base_notes: list[str
       scratch=req.scratch,
       scratch_mb=req.scratch_mb,
       max_tasks=req.max_tasks,
-      runs_candidate_code=req.role != "compile",
     )
     notes += confine.confine(spec)
     os.chdir(req.scratch)  # after the remount: the writable bind, not the read-only original

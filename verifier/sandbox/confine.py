@@ -84,7 +84,6 @@ class SandboxSpec:
   scratch: str = ""  # the worker's scratch directory (one of ``writable``)
   scratch_mb: int = 0  # its quota: a tmpfs of this size over it (0: none)
   max_tasks: int = 0  # its PID namespace's cap (cap_pid_namespace; 0: none)
-  runs_candidate_code: bool = True  # candidate and build workers (hidden_paths)
 
 
 def apply_limits(mem_mb: int, limit_address_space: bool) -> None:
@@ -373,7 +372,7 @@ def _repository() -> str:
   return os.path.realpath(IMPORT_ROOT)
 
 
-def toolchain_paths(runs_candidate_code: bool = True) -> list[str]:
+def toolchain_paths() -> list[str]:
   """Paths a worker reads: this Python and its packages (``sys.path``), CUDA and the compilers (system
   directories, ``PATH``, ``LD_LIBRARY_PATH``, ``CUDA_HOME``) and the loader's configuration. Not this
   repository (workers import the verifier's modules before they are confined: ``zygote``), nor a
@@ -401,24 +400,24 @@ def toolchain_paths(runs_candidate_code: bool = True) -> list[str]:
   for p in always + others:
     if p and os.path.isabs(p) and os.path.exists(p):
       out += [q for q in (os.path.normpath(p), os.path.realpath(p)) if allowed(q)]
-  hidden = hidden_paths(list(dict.fromkeys(out)), runs_candidate_code)
+  hidden = hidden_paths(list(dict.fromkeys(out)))
   return list(dict.fromkeys(q for p in dict.fromkeys(out) for q in without(p, hidden)))
 
 
-def hidden_paths(roots: list[str], runs_candidate_code: bool = True) -> list[str]:
+def hidden_paths(roots: list[str]) -> list[str]:
   """What a worker never reads although it lies beneath a toolchain directory: this verifier's own
   source and the learner's, where they are installed into site-packages (the repository itself is not
-  readable at all), and, where candidate code runs, the configuration of a virtual environment
-  (``pyvenv.cfg``: the host's paths and how it was made; a compile worker keeps it: without it the
-  environment's Python, and a tool installed as a script of it such as pip's ``ninja``, does not
-  start). Workers imported the verifier before they were confined (``zygote``)."""
+  readable at all), and the configuration of a virtual environment (``pyvenv.cfg``: the host's paths and
+  how it was made). Compile workers too: their compilers read whatever a candidate's source names
+  (``#include``, ``.incbin``; red team 43d quoted it line by line in a COMPILE_ERROR). Workers are forked
+  from a started interpreter (``zygote``) and run no Python of the environment afterwards; ninja is a
+  native binary (``sandbox.native_ninja_first``)."""
   package = os.path.dirname(os.path.abspath(__file__))  # .../verifier/sandbox
   verifier = os.path.dirname(package)
   site = os.path.dirname(verifier)
   out = [verifier, os.path.join(site, "dice_jax")]
-  if runs_candidate_code:
-    out += [os.path.join(r, "pyvenv.cfg") for r in roots]
-    out += [os.path.join(p, "pyvenv.cfg") for p in (sys.prefix, sys.exec_prefix)]
+  out += [os.path.join(r, "pyvenv.cfg") for r in roots]
+  out += [os.path.join(p, "pyvenv.cfg") for p in (sys.prefix, sys.exec_prefix)]
   found = [q for p in out if os.path.exists(p) for q in (p, os.path.realpath(p))]
   return list(dict.fromkeys(found))
 
@@ -476,7 +475,7 @@ def landlock(spec: SandboxSpec) -> list[str]:
   proc = fs & ~LL_EXECUTE
   # The build cache is readable file by file (a worker opens the entries its own sources name) but not
   # listable, so a candidate cannot find and load another candidate's extension.
-  toolchain = toolchain_paths(spec.runs_candidate_code)
+  toolchain = toolchain_paths()
   notes += repository_exposed(toolchain)
   rules = [(p, read) for p in toolchain]
   rules += [(p, LL_EXECUTE | LL_READ_FILE) for p in spec.readable]

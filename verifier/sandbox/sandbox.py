@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import importlib.util
 import os
 import shutil
 import signal
@@ -50,6 +52,31 @@ ENV_ALLOW = (
 LOG_FILE = "worker.log"
 
 
+def _is_elf(path: str) -> bool:
+  try:
+    with open(path, "rb") as f:
+      return f.read(4) == b"\x7fELF"
+  except OSError:
+    return False
+
+
+@functools.lru_cache(maxsize=8)
+def native_ninja_first(path: str) -> str:
+  """``path`` with a native ``ninja`` first where the first ``ninja`` on it is a script: older ninja wheels
+  install a Python entry point, whose interpreter needs the environment's ``pyvenv.cfg``, which workers
+  cannot read (``confine.hidden_paths``); the wheel's own binary (``ninja/data/bin``) runs without it."""
+  first = shutil.which("ninja", path=path)
+  if first is None or _is_elf(first):
+    return path
+  spec = importlib.util.find_spec("ninja")
+  if spec is None or not spec.origin:
+    return path
+  bin_dir = os.path.join(os.path.dirname(spec.origin), "data", "bin")
+  if not _is_elf(os.path.join(bin_dir, "ninja")):
+    return path
+  return os.pathsep.join([bin_dir, *(p for p in path.split(os.pathsep) if p)])
+
+
 def scrubbed_env(
   scratch: str,
   *,
@@ -59,6 +86,7 @@ def scrubbed_env(
   extra: dict[str, str] | None = None,
 ) -> dict[str, str]:
   env = {k: os.environ[k] for k in ENV_ALLOW if k in os.environ}
+  env["PATH"] = native_ninja_first(env.get("PATH", os.defpath))
   env.update(
     {
       "HOME": scratch,
