@@ -50,10 +50,52 @@ def test_eviction_removes_least_recently_used_entries_down_to_the_cap(tmp_path):
   (tmp_path / "pch" / "k" / "dice_torch.h.gch").write_bytes(b"\0" * 500 * KB)
 
   out = build_cache.evict(str(tmp_path), max_bytes=250 * KB, min_age_s=3600)
-  assert out == {"removed": 3, "freed_bytes": 300 * KB, "kept_bytes": 200 * KB, "entries": 2}
+  assert out == {
+    "removed": 3,
+    "freed_bytes": 300 * KB,
+    "kept_bytes": 200 * KB,
+    "entries": 2,
+    "stale_removed": 0,  # the temporary build is fresh: a build may be running there
+  }
   assert [d.exists() for d in old] == [True, False, False, False] and recent.exists()
   assert tmp_build.exists() and (tmp_path / "pch" / "k" / "dice_torch.h.gch").exists()
   assert not [p for p in os.listdir(tmp_path) if ".evict-" in p]
+
+
+def _aged(path: pathlib.Path, age_s: float) -> pathlib.Path:
+  t = time.time() - age_s
+  os.utime(path, (t, t))
+  return path
+
+
+def test_leftovers_of_killed_builds_are_removed_by_tag_at_once_and_by_age_at_eviction(tmp_path):
+  """Red team 44: a compile killed at its deadline left its build directory (1.9 GB of compiler dumps)
+  where nothing removed it. The service removes its worker's directories by their tag when it kills the
+  worker, and eviction removes any temporary untouched for an hour."""
+  key = "a" * 32
+  mine = [tmp_path / f"{key}.tmp-t0ag-{i}" for i in range(2)]
+  other = tmp_path / f"{key}.tmp-other-1"
+  for d in (*mine, other):
+    d.mkdir()
+    (d / "main.cpp.253r.expand").write_bytes(b"\0" * KB)
+  entry = _entry(tmp_path, key, KB, age_s=10)
+  assert build_cache.remove_tmp(str(tmp_path), "t0ag") == 2
+  assert not any(d.exists() for d in mine) and other.exists() and entry.exists()
+
+  pch = tmp_path / "pch" / "k"
+  pch.mkdir(parents=True)
+  evicting = tmp_path / f"{'b' * 32}.evict-1234"
+  evicting.mkdir()
+  for f in ("dice_torch.h.gch", "dice_torch.h.gch.tmp-2-abcd", "dice_torch.h.gch.tmp-3-ef01"):
+    (pch / f).write_bytes(b"\0")
+  stale = [_aged(p, 7200) for p in (other, evicting, pch / "dice_torch.h.gch.tmp-2-abcd")]
+  fresh = [tmp_path / f"{'c' * 32}.tmp-2-ef01", pch / "dice_torch.h.gch.tmp-3-ef01"]
+  fresh[0].mkdir()
+  kept = [_entry(tmp_path, "d" * 32, KB, age_s=9000), _aged(pch / "dice_torch.h.gch", 9000), entry]
+  out = build_cache.evict(str(tmp_path), max_bytes=1 << 30, min_age_s=3600)
+  assert out["stale_removed"] == 3 and out["removed"] == 0
+  assert not any(os.path.lexists(p) for p in stale)
+  assert all(p.exists() for p in fresh + kept)
 
 
 def test_recent_entries_are_kept_even_above_the_cap(tmp_path):
@@ -162,7 +204,13 @@ def test_under_the_free_disk_floor_even_recent_entries_go_oldest_first(tmp_path,
   out = build_cache.evict(str(tmp_path), max_bytes=10**9, min_age_s=600, min_free_bytes=5 * KB)
   assert out["removed"] == 0 and a.exists() and b.exists()  # above the floor: the cap alone decides
   out = build_cache.evict(str(tmp_path), max_bytes=10**9, min_age_s=600, min_free_bytes=100 * KB)
-  assert out == {"removed": 1, "freed_bytes": 100 * KB, "kept_bytes": 100 * KB, "entries": 1}
+  assert out == {
+    "removed": 1,
+    "freed_bytes": 100 * KB,
+    "kept_bytes": 100 * KB,
+    "entries": 1,
+    "stale_removed": 0,
+  }
   assert not a.exists() and b.exists()  # 10 + 100 KB free after the oldest went
 
 

@@ -12,14 +12,22 @@ PROMPT_EXAMPLE = (
   pathlib.Path(__file__).parents[2] / "dice_jax" / "data" / "templates" / "model_new_ex_add.py.txt"
 )
 
-ALLOWED = [
+ALLOWED_HOST = [
   ["-O3", "--use_fast_math"],
   ["-O2", "-std=c++17", "-DNDEBUG", "-DBLOCK=256", "-UFOO", "-Wno-unused-variable", "-w"],
+  ["-ffast-math", "-march=native", "-g", "-fopenmp", "-v"],
+  ["", " ", "-O3 --use_fast_math"],
+]
+ALLOWED_NVCC = ALLOWED_HOST + [
   ["-arch=sm_90a", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xptxas=-v,-O3"],
   ["-Xptxas", "-v", "--maxrregcount=64", "--expt-relaxed-constexpr", "-Xcompiler", "-fopenmp"],
   ["-Xcompiler=-O3,-fopenmp", "-ffast-math", "-march=native", "-g", "--threads=4"],
   ["", " ", "-Xptxas -v", "-gencode arch=compute_90a,code=sm_90a", "-O3 --use_fast_math"],
+  ["-Xptxas -dlcm=ca", "-Xptxas", "-dlcm=cg", "-G", "--ftz=true"],
 ]
+# nvcc's words, which g++ would take for others: -dlcm=ca is -d with "a" (every RTL dump into the build
+# directory: red team 44 left 1.9 GB), a bare number an input file, -t a link trace, -lineinfo -l ineinfo
+NVCC_ONLY = ["-dlcm=ca", "1234", "-t", "-lineinfo", "-Xptxas", "-G", "-arch=sm_90a"]
 REFUSED = [
   "-fplugin=/tmp/x.so",
   "-wrapper",
@@ -39,13 +47,29 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize("flags", ALLOWED, ids=lambda f: f[0])
+@pytest.mark.parametrize("flags", ALLOWED_NVCC, ids=lambda f: f[0])
 def test_flags_real_kernels_use_pass_unchanged(flags):
+  host = flags if flags in ALLOWED_HOST else ["-O3"]
   params = dict(name="ext", cpp_sources="int f();", cuda_sources=["__global__ void k(){}"])
-  params.update(extra_cflags=flags, extra_cuda_cflags=flags, extra_ldflags=["-lcublas"])
+  params.update(extra_cflags=host, extra_cuda_cflags=flags, extra_ldflags=["-lcublas"])
   out = check(params)
-  assert out["extra_cflags"] == flags and out["extra_cuda_cflags"] == flags
+  assert out["extra_cflags"] == host and out["extra_cuda_cflags"] == flags
   assert out["cpp_sources"] == "int f();" and out["cuda_sources"] == ["__global__ void k(){}"]
+
+
+@pytest.mark.parametrize("flag", NVCC_ONLY)
+@pytest.mark.parametrize("arg", ["extra_cflags", "extra_ldflags", "-Xcompiler", "-Xcompiler="])
+def test_nvcc_flags_given_to_g_plus_plus_are_refused_by_name(flag, arg):
+  """g++ reads ``extra_cflags``, ``extra_ldflags`` and what ``-Xcompiler`` passes it from nvcc."""
+  if arg.startswith("-X"):
+    flags = [f"{arg}{flag}"] if arg.endswith("=") else [arg, flag]
+    params = {"name": "ext", "cpp_sources": "", "extra_cuda_cflags": ["-O3", *flags]}
+  else:
+    params = {"name": "ext", "cpp_sources": "", arg: ["-O3", flag]}
+  with pytest.raises(BuildRefused, match="is an nvcc flag") as e:
+    check(params)
+  assert repr(flag) in str(e.value)
+  check({"name": "ext", "cpp_sources": "", "extra_cuda_cflags": ["-O3", "-Xptxas", flag]})
 
 
 def test_the_load_inline_call_of_the_prompts_example_passes():

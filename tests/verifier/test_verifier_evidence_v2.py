@@ -527,6 +527,44 @@ def test_landlock_rules_leave_out_an_installed_verifier_and_the_venv_configurati
   assert confine.without(str(site / "torch"), hidden) == [str(site / "torch")]
 
 
+def test_the_projects_installation_record_is_hidden_and_other_packages_are_not(tmp_path):
+  # red team 44: .incbin of the dist-info's METADATA (the README), the editable install's finder and .pth
+  # (the checkout's path and layout) came back in a reason
+  site = tmp_path / "site-packages"
+  (site / "__pycache__").mkdir(parents=True)
+  record = [
+    "dice_jax-0.1.0.dist-info",
+    "__editable__.dice_jax-0.1.0.pth",
+    "__editable___dice_jax_0_1_0_finder.py",
+    "__pycache__/__editable___dice_jax_0_1_0_finder.cpython-311.pyc",
+  ]
+  others = ["torch", "numpy-2.0.0.dist-info", "__editable__.other-1.0.pth", "__pycache__/six.pyc"]
+  for name in record + others:
+    (site / name).mkdir() if "." not in name.rsplit("/", 1)[-1] else (site / name).write_text("x")
+  hidden = confine.hidden_paths([str(site)])
+  assert sorted(h for h in hidden if h.startswith(str(site))) == sorted(
+    str(site / n) for n in record
+  )
+  rules = confine.without(str(site), hidden)
+  assert all(any(confine.beneath(str(site / n), q) for q in rules) for n in others)
+
+
+def test_a_link_to_a_directory_with_hidden_entries_is_expanded_like_its_target(tmp_path):
+  # red team 44: the venv's lib64 -> lib link became one rule, and a rule holds its target: all of lib,
+  # the hidden entries of site-packages too
+  prefix = tmp_path / "venv"
+  site = prefix / "lib" / "python3.11" / "site-packages"
+  (site / "torch").mkdir(parents=True)
+  (site / "dice_jax-0.1.0.dist-info").mkdir()
+  (prefix / "lib64").symlink_to("lib")
+  (site / "up").symlink_to(prefix)  # a link above itself: left out, no endless expansion
+  hidden = [str(site / "dice_jax-0.1.0.dist-info")]
+  rules = confine.without(str(prefix), hidden)
+  targets = [os.path.realpath(q) for q in rules]
+  assert str(site / "torch") in targets
+  assert not [t for t in targets if confine.beneath(hidden[0], t)], rules
+
+
 # ---- 6. compared calls indistinguishable ----------------------------------------------------------------
 SLOW_REFERENCE = holes.REFERENCE.replace(
   "    def forward(self, a, b):\n", "    def forward(self, a, b):\n        time.sleep(0.25)\n"

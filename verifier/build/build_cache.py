@@ -139,8 +139,10 @@ class CachedLoadInline:
     scratch: str = "",
     remote=None,
     build_only: bool = False,
+    tmp_tag: str = "",
   ):
     self.real = real
+    self.tmp_tag = tmp_tag or str(os.getpid())  # names its build directories (``remove_tmp``)
     self.publish = publish
     self.remote = remote
     self.build_only = build_only
@@ -182,7 +184,7 @@ class CachedLoadInline:
         return so_path
       module = _import_so(name, so_path)
     else:
-      tmp = os.path.join(self.work_root, f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+      tmp = os.path.join(self.work_root, f"{key}.tmp-{self.tmp_tag}-{uuid.uuid4().hex[:8]}")
       os.makedirs(tmp)
       params.update(
         build_directory=tmp, verbose=False
@@ -320,6 +322,56 @@ def strip_intermediates(build_dir: str) -> None:
         pass
 
 
+_LEFTOVER = re.compile(r"^[0-9a-f]{32}\.(?:tmp|evict)-")
+STALE_TMP_S = 3600.0  # longer than any build may run (a request's timeout, the PCH build's limit)
+
+
+def remove_tmp(build_root: str, tmp_tag: str) -> int:
+  """Remove the build directories a compile worker named with ``tmp_tag`` (``CachedLoadInline``): what
+  it left when it was killed or lost mid-build (red team 44: a compile killed at the request's deadline
+  left 1.9 GB of compiler dumps that nothing removed). Returns how many were removed."""
+  marker = f".tmp-{tmp_tag}-"
+  doomed = [n for n in _listdir(build_root) if _LEFTOVER.match(n) and marker in n]
+  for name in doomed:
+    path = os.path.join(build_root, name)
+    for wait_s in (0.0, 0.5, 2.0):  # a killed compiler may still be writing for a moment
+      time.sleep(wait_s)
+      shutil.rmtree(path, ignore_errors=True)
+      if not os.path.lexists(path):
+        break
+  return len(doomed)
+
+
+def remove_stale(build_root: str, max_age_s: float = STALE_TMP_S) -> int:
+  """Remove build directories and precompiled-header temporaries untouched for ``max_age_s``: what a
+  build left where no one removed it (its worker killed, the service itself killed). Returns the count."""
+  now, removed = time.time(), 0
+  paths = [os.path.join(build_root, n) for n in _listdir(build_root) if _LEFTOVER.match(n)]
+  pch_root = os.path.join(build_root, "pch")
+  for d in _listdir(pch_root):
+    sub = os.path.join(pch_root, d)
+    paths += [os.path.join(sub, n) for n in _listdir(sub) if ".tmp-" in n]
+  for path in paths:
+    try:
+      if now - os.lstat(path).st_mtime < max_age_s:
+        continue
+      if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+      else:
+        os.remove(path)
+      removed += 1
+    except OSError:
+      continue  # removed meanwhile
+  return removed
+
+
+def _listdir(path: str) -> list[str]:
+  try:
+    return os.listdir(path)
+  except OSError:
+    return []
+
+
 def entry_bytes(path: str) -> int:
   """The bytes of the regular files directly in a build directory (what an entry keeps)."""
   return sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
@@ -342,8 +394,10 @@ def evict(
   Entries used within ``min_age_s`` are spared while the disk has ``min_free_bytes`` free, so a build made for a
   candidate still waiting for a device stays; under that floor nothing is spared (an evicted entry costs its
   reader a rebuild, never a wrong answer). An entry is renamed away before it is deleted, so a reader sees it
-  whole or not at all. Temporary build directories and precompiled headers are not touched."""
+  whole or not at all. Precompiled headers are not touched; build temporaries are once stale
+  (``remove_stale``)."""
   now = time.time()
+  stale = remove_stale(build_root)
   entries = []
   for name in os.listdir(build_root):
     path = os.path.join(build_root, name)
@@ -374,6 +428,7 @@ def evict(
     "freed_bytes": freed,
     "kept_bytes": total,
     "entries": len(entries) - removed,
+    "stale_removed": stale,
   }
 
 

@@ -91,7 +91,11 @@ def compile_one(job: BuildJob) -> BuildReport:
     event = {"name": name, "key": "", "cached": False, "seconds": 0.0, "error": str(e)}
     return BuildReport(FailureKind.COMPILE_ERROR, str(e), (event,))
   cache = build_cache.install(
-    job.build_root, split=job.split_build, use_pch=job.use_pch, build_only=True
+    job.build_root,
+    split=job.split_build,
+    use_pch=job.use_pch,
+    build_only=True,
+    tmp_tag=job.tmp_tag,
   )
   kind, reason = FailureKind.OK, ""
   try:

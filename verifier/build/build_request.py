@@ -26,28 +26,36 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}")
 _LIBS = (
   "cublas|cublasLt|cudnn|curand|cufft|cusparse|cusolver|cuda|cudart|nvrtc|nvToolsExt|gomp|m|pthread"
 )
-_FLAG = re.compile(
-  r"|".join(
-    (
-      r"-O[0-3s]?|-Ofast",
-      r"-g[0-3]?|-G|-lineinfo|--generate-line-info|-DNDEBUG",
-      r"-w|-W(?:all|extra|error|pedantic)|-Wno-[A-Za-z0-9-]+|--disable-warnings|-Wno-deprecated-gpu-targets",
-      r"-std=(?:c|gnu)\+\+[0-9a-z]{2}|--std=c\+\+[0-9a-z]{2}",
-      r"-[DU][A-Za-z_][A-Za-z0-9_]*(?:=[A-Za-z0-9_.+\-]*)?",
-      r"-?-use_fast_math|-ffast-math|-funroll-loops|-fno-strict-aliasing|-fopenmp|-fPIC|-fno-math-errno",
-      r"-march=native|-mtune=native|-mavx2?|-mavx512[a-z]*|-mfma|-mf16c",
-      r"--expt-relaxed-constexpr|--expt-extended-lambda|--extended-lambda|--restrict",
-      r"--ftz=(?:true|false)|--prec-div=(?:true|false)|--prec-sqrt=(?:true|false)|--fmad=(?:true|false)",
-      r"-Xptxas|-Xcompiler|-v|-dlcm=c[ag]|--?maxrregcount=?[0-9]*|[0-9]{1,4}",
-      r"-Xptxas=[A-Za-z0-9_,=.\-]+|--ptxas-options=[A-Za-z0-9_,=.\-]+",
-      r"-arch=(?:sm|compute)_[0-9]{2,3}a?|--gpu-architecture=(?:sm|compute)_[0-9]{2,3}a?",
-      r"-gencode(?:=|\s)?|(?:-gencode=)?arch=compute_[0-9]{2,3}a?,code=\[?(?:sm|compute)_[0-9]{2,3}a?"
-      r"(?:,(?:sm|compute)_[0-9]{2,3}a?)*\]?",
-      r"--threads=?[0-9]*|-t[0-9]*",
-      rf"-l(?:{_LIBS})",
-    )
-  )
+# Words g++ takes as the flags they are (``extra_cflags``, ``extra_ldflags`` and what ``-Xcompiler`` hands
+# to nvcc's host compiler) ...
+_HOST_WORDS = (
+  r"-O[0-3s]?|-Ofast",
+  r"-g[0-3]?|-DNDEBUG",
+  r"-w|-W(?:all|extra|error|pedantic)|-Wno-[A-Za-z0-9-]+",
+  r"-std=(?:c|gnu)\+\+[0-9a-z]{2}|--std=c\+\+[0-9a-z]{2}",
+  r"-[DU][A-Za-z_][A-Za-z0-9_]*(?:=[A-Za-z0-9_.+\-]*)?",
+  r"-?-use_fast_math|-ffast-math|-funroll-loops|-fno-strict-aliasing|-fopenmp|-fPIC|-fno-math-errno",
+  r"-march=native|-mtune=native|-mavx2?|-mavx512[a-z]*|-mfma|-mf16c",
+  r"-v",
+  rf"-l(?:{_LIBS})",
 )
+# ... and nvcc's own, for ``extra_cuda_cflags`` only: to g++ some mean something else (red team 44:
+# ``-dlcm=ca`` is ``-d`` with ``a``, every RTL dump written into the build directory, gigabytes; a bare
+# number is an input file; ``-t`` traces the link; ``-lineinfo`` is ``-l ineinfo``).
+_NVCC_WORDS = (
+  r"-G|-lineinfo|--generate-line-info|--disable-warnings|-Wno-deprecated-gpu-targets",
+  r"--expt-relaxed-constexpr|--expt-extended-lambda|--extended-lambda|--restrict",
+  r"--ftz=(?:true|false)|--prec-div=(?:true|false)|--prec-sqrt=(?:true|false)|--fmad=(?:true|false)",
+  r"-Xptxas|-Xcompiler|-dlcm=c[ag]|--?maxrregcount=?[0-9]*|[0-9]{1,4}",
+  r"-Xptxas=[A-Za-z0-9_,=.\-]+|--ptxas-options=[A-Za-z0-9_,=.\-]+",
+  r"-arch=(?:sm|compute)_[0-9]{2,3}a?|--gpu-architecture=(?:sm|compute)_[0-9]{2,3}a?",
+  r"-gencode(?:=|\s)?|(?:-gencode=)?arch=compute_[0-9]{2,3}a?,code=\[?(?:sm|compute)_[0-9]{2,3}a?"
+  r"(?:,(?:sm|compute)_[0-9]{2,3}a?)*\]?",
+  r"--threads=?[0-9]*|-t[0-9]*",
+)
+_HOST_FLAG = re.compile(r"|".join(_HOST_WORDS))
+_FLAG = re.compile(r"|".join(_HOST_WORDS + _NVCC_WORDS))
+NVCC_ARGS = ("extra_cuda_cflags",)  # the rest of FLAG_ARGS go to g++
 
 
 class BuildRefused(ValueError):
@@ -64,27 +72,39 @@ def _strings(value: Any, arg: str) -> list[str]:
   raise BuildRefused(f"load_inline {arg} must be a string or a list of strings")
 
 
-def _check_flag(flag: str, arg: str) -> None:
-  """Each word of ``flag`` against the allow-list: torch joins the flags with spaces into a ninja line
+def _check_flags(flags: list[str], arg: str) -> None:
+  """Each word of ``flags`` against the allow-list: torch joins the flags with spaces into a ninja line
   that ``/bin/sh`` splits again, so ``"-Xptxas -v"`` is two flags and ``""`` (KernelBench's one-shot
-  example, and the prompts built from it, pass ``extra_cflags=[""]``) is none."""
-  # a newline would start a new line of build.ninja
-  if any(ord(c) < 32 and c != "\t" for c in flag):
-    raise BuildRefused(f"build flag {flag!r} in load_inline {arg} holds a control character")
+  example, and the prompts built from it, pass ``extra_cflags=[""]``) is none. Words for g++ (all of
+  ``extra_cflags`` and ``extra_ldflags``, and what ``-Xcompiler`` passes on) come from the host list."""
+  for flag in flags:  # a newline would start a new line of build.ninja
+    if any(ord(c) < 32 and c != "\t" for c in flag):
+      raise BuildRefused(f"build flag {flag!r} in load_inline {arg} holds a control character")
   prefix = "-Xcompiler="
-  for word in filter(None, flag.replace("\t", " ").split(" ")):  # the shell's blanks only
+  host_next = False
+  for word in filter(
+    None, " ".join(flags).replace("\t", " ").split(" ")
+  ):  # the shell's blanks only
+    host = arg not in NVCC_ARGS or host_next or word.startswith(prefix)
     parts = word[len(prefix) :].split(",") if word.startswith(prefix) else [word]
     for part in parts:
-      _check_word(part, arg)
+      _check_word(part, arg, host)
+    host_next = word == "-Xcompiler"
 
 
-def _check_word(part: str, arg: str) -> None:
-  if not _FLAG.fullmatch(part):
+def _check_word(part: str, arg: str, host: bool) -> None:
+  if (_HOST_FLAG if host else _FLAG).fullmatch(part):
+    return
+  if host and _FLAG.fullmatch(part):
     raise BuildRefused(
-      f"build flag {part!r} in load_inline {arg} is not allowed (flags that load code or change "
-      "the tools or their search paths are refused; allowed: -O, -g, -W..., -std=, -D/-U, "
-      "--use_fast_math, -arch/-gencode, -Xptxas, --maxrregcount, -l of the CUDA/BLAS/OpenMP libraries)"
+      f"build flag {part!r} in load_inline {arg} is an nvcc flag, which g++ would take for another "
+      "(pass it in extra_cuda_cflags)"
     )
+  raise BuildRefused(
+    f"build flag {part!r} in load_inline {arg} is not allowed (flags that load code or change "
+    "the tools or their search paths are refused; allowed: -O, -g, -W..., -std=, -D/-U, "
+    "--use_fast_math, -arch/-gencode, -Xptxas, --maxrregcount, -l of the CUDA/BLAS/OpenMP libraries)"
+  )
 
 
 def check(params: dict[str, Any]) -> dict[str, Any]:
@@ -118,8 +138,7 @@ def check(params: dict[str, Any]) -> dict[str, Any]:
   elif functions is not None:
     out["functions"] = _strings(functions, "functions")
   for arg in FLAG_ARGS:
-    for flag in _strings(params.get(arg), arg):
-      _check_flag(flag, arg)
+    _check_flags(_strings(params.get(arg), arg), arg)
   for p in _strings(params.get("extra_include_paths"), "extra_include_paths"):
     if not p or any(c.isspace() for c in p) or p.startswith("-"):
       raise BuildRefused(f"load_inline extra_include_paths entry {p!r} is not a plain path")

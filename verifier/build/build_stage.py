@@ -20,6 +20,7 @@ import hashlib
 import os
 import signal
 import time
+import uuid
 
 from verifier.api.contract import FailureKind, VerifyRequest, candidate_text
 from verifier.build import build_cache
@@ -297,9 +298,10 @@ class BuildStage:
     except WorkerStartError as e:
       raise _CompileWorkerLost(f"no compile worker: {e}") from e
     procs.append(worker)
+    tag, report = uuid.uuid4().hex[:12], None
     try:
       await worker.wait_ready(min(120.0, budget.left()))
-      job = BuildJob("", "", self.build_root, 0, self.split_build, self.use_pch)
+      job = BuildJob("", "", self.build_root, 0, self.split_build, self.use_pch, tmp_tag=tag)
       await worker.chan.send(dataclasses.replace(job, compile_request=params))
       never = asyncio.get_running_loop().create_future()  # a compile worker has no watchdog
       report = await _receive(worker, never, budget, BuildReport)
@@ -313,6 +315,10 @@ class BuildStage:
       if worker in procs:
         procs.remove(worker)
       worker.discard()
+      if report is None:  # killed or lost mid-build: what it wrote stays unless removed here
+        asyncio.get_running_loop().run_in_executor(
+          None, build_cache.remove_tmp, self.build_root, tag
+        )
     event = dict(report.build_events[0]) if report.build_events else {}
     event.setdefault("cached", False)
     event.setdefault("seconds", 0.0)

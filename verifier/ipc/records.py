@@ -566,6 +566,7 @@ class BuildJob:
   pch_request: dict[str, Any] | None = None  # build a precompiled torch header instead (pch.py)
   # compile workers: build this one load_inline call (no candidate code runs; build_request.check)
   compile_request: dict[str, Any] | None = None
+  tmp_tag: str = ""  # compile workers: names their build directories (build_cache.remove_tmp)
 
 
 @record

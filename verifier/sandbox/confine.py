@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import re
 import resource
 import signal
 import struct
@@ -417,19 +418,40 @@ def hidden_paths(roots: list[str]) -> list[str]:
   site = os.path.dirname(verifier)
   out = [verifier, os.path.join(site, "dice_jax")]
   out += [os.path.join(r, "pyvenv.cfg") for r in roots]
+  # this project's installation record: its README (METADATA), the checkout's path and layout (an
+  # editable install's finder and .pth; red team 44 read them with .incbin)
+  for d in [q for r in roots for q in (r, os.path.join(r, "__pycache__"))]:
+    out += [os.path.join(d, n) for n in _listdir(d) if _PROJECT_RECORD.match(n)]
   out += [os.path.join(p, "pyvenv.cfg") for p in (sys.prefix, sys.exec_prefix)]
   found = [q for p in out if os.path.exists(p) for q in (p, os.path.realpath(p))]
   return list(dict.fromkeys(found))
 
 
+_PROJECT_RECORD = re.compile(
+  r"dice_jax-[^/]*\.dist-info|__editable__[._]+dice_jax[^/]*|dice[_-]jax\.egg-link"
+)
+
+
+def _listdir(path: str) -> list[str]:
+  try:
+    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+  except OSError:
+    return []
+
+
 def without(root: str, hidden: list[str]) -> list[str]:
   """Paths whose union is everything beneath ``root`` except ``hidden`` (Landlock only allows): ``root``
-  itself where nothing hidden lies beneath it, else its entries, expanded the same way."""
-  inside = [h for h in hidden if beneath(h, root)]
+  itself where nothing hidden lies beneath it, else its entries, expanded the same way. A link is judged by
+  where it leads (a rule holds its target: the venv's ``lib64 -> lib`` gave all of ``lib`` back, red team
+  44); one leading to a directory above it is left out."""
+  real = os.path.realpath(root)
+  inside = [h for h in hidden if beneath(h, root) or beneath(h, real)]
   if not inside:
     return [root]
-  if root in inside or not os.path.isdir(root) or os.path.islink(root):
+  if root in inside or real in inside or not os.path.isdir(real):
     return []
+  if real != os.path.normpath(root):
+    return [] if beneath(root, real) else without(real, inside)
   try:
     names = sorted(os.listdir(root))
   except OSError:
