@@ -169,6 +169,9 @@ def test_module_classes():
   ):
     assert host_evidence.module_class(path, ROOT, "cpu") == "foreign", path
   assert host_evidence.module_class(f"{ROOT}/{'ab' * 16}/../../etc/x.so", ROOT, "cpu") == "foreign"
+  # red team 45: a memfd holding a copy of OpenBLAS, named so that relpath made it a cache entry's file
+  for forged in (f"/memfd:/..{OWN} (deleted)", f"/memfd:/../..{OWN}", f"{ROOT}//{'ab' * 16}/x.so"):
+    assert host_evidence.module_class(forged, ROOT, "cpu") == "foreign", forged
   cuda = "/usr/lib/x86_64-linux-gnu/libcuda.so.1"
   assert host_evidence.module_class(cuda, ROOT, "cuda") == "runtime"
   assert host_evidence.module_class(cuda, ROOT, "cpu") == "foreign"

@@ -353,6 +353,29 @@ def test_a_mapping_within_the_file_that_no_loader_makes_is_a_forgery(tmp_path):
   assert table.forgery[4:] == ["a second copy of the file's code at another base"]
 
 
+def test_a_process_past_the_mapping_cap_has_every_later_sample_count_as_foreign(monkeypatch):
+  # red team 45: 2.4M short-lived executable mappings kept the checker busy for minutes (each one a
+  # record the table kept). Past the cap a process's mappings are no longer recorded, and nothing it
+  # runs afterwards can count as its own code.
+  monkeypatch.setattr(host_sampler, "MAX_MAPPINGS", 50)
+  table, page = host_sampler.ModuleTable(), 4096
+  own = "/cache/" + "ab" * 16 + "/own.so"
+  table.apply(host_sampler.Mapping(0, 7, 1 << 30, (1 << 30) + page, own, 0))
+  for i in range(1, 60):
+    table.apply(
+      host_sampler.Mapping(
+        i, 7, (2 << 30) + 2 * i * page, (2 << 30) + (2 * i + 1) * page, host_sampler.ANON, 0
+      )
+    )
+  assert table.forgery == ["more than 50 executable mappings in one process"]
+  assert len(table.spaces[7].ranges) == 50  # the own file and 49 anonymous ranges
+  table.apply(host_sampler.Sample(100, 7, (1 << 30) + 8))  # in the own file's range
+  table.apply(host_sampler.Fork(101, 8, 7))
+  table.apply(host_sampler.Sample(102, 8, (1 << 30) + 8))  # its child too
+  table.apply(host_sampler.Sample(103, 9, 5))  # another process: as before
+  assert table.count(100, 103) == {host_sampler.OVERFLOW: 2, host_sampler.UNKNOWN: 1}
+
+
 def test_the_code_history_answers_as_the_list_of_every_mapping_would_and_stays_small():
   import random
 

@@ -108,9 +108,11 @@ class HostVerdict:
 
 
 def module_class(path: str, own_root: str, device: str) -> str:
-  """``own`` (a file of the build cache: ``<own_root>/<entry>/...``), ``runtime`` (a device runtime's host
-  code, on a GPU only) or ``foreign``."""
-  if own_root and path.startswith("/"):
+  """``own`` (a file of the build cache: ``<own_root>/<entry>/...``, named as the loader names it: a
+  normalised path), ``runtime`` (a device runtime's host code, on a GPU only) or
+  ``foreign``. Red team 45: a memfd named ``/../<own_root>/<entry>/x.so`` holding a copy of OpenBLAS was
+  mapped as ``/memfd:/../<own_root>/...``, which ``relpath`` had collapsed into an own path."""
+  if own_root and path.startswith("/") and os.path.normpath(path) == path:
     rel = os.path.relpath(path, own_root)
     parts = rel.split(os.sep)
     if len(parts) >= 2 and ENTRY.match(parts[0]) and not rel.startswith(".."):

@@ -59,6 +59,11 @@ CUT_MARGIN_NS = 2_000_000  # records stamped this close to a drain may still be 
 DEFAULT_PERIOD_NS = 100_000  # 10 kHz of CPU time per busy thread
 ANON = "[anonymous executable memory]"
 UNKNOWN = "[unmapped]"
+# Executable mappings one process may make before its code is no longer told apart: every later sample of
+# it counts for OVERFLOW, a foreign module (red team 45: 2.4M short-lived executable mappings kept the
+# checker busy for minutes; an honest worker makes a few hundred).
+MAX_MAPPINGS = 16384
+OVERFLOW = "[code of a process past the executable-mapping cap]"
 LOST = "[lost samples]"
 # a mapping that reaches past what its file holds (ModuleTable.module_of)
 FORGED = "[forged mapping of {}]"
@@ -241,7 +246,7 @@ class AddressSpace:
     kept.append((start, end, module))
     kept.sort()
     self.ranges[i:j] = kept
-    self.starts = [r[0] for r in self.ranges]
+    self.starts[i:j] = [r[0] for r in kept]  # not rebuilt whole: red team 45 made 2.4M mappings
 
   def find(self, ip: int) -> int:
     """The module id mapped at ``ip``, or -1."""
@@ -408,6 +413,7 @@ class ModuleTable:
     self.file_code: dict[int, CodeHistory] = {}  # pid -> the ranges files' code held there
     self.forged: list[Mapping] = []
     self.forgery: list[str] = []  # why, one per ``forged``
+    self.mappings: dict[int, int] = {}  # pid -> executable mappings recorded (``MAX_MAPPINGS``)
 
   @property
   def extents(self) -> dict[str, int | None]:
@@ -477,10 +483,19 @@ class ModuleTable:
 
   def apply(self, rec) -> None:
     if isinstance(rec, Sample):
+      if self.mappings.get(rec.pid, 0) > MAX_MAPPINGS:
+        self._add(rec.time, self.module_id(OVERFLOW))
+        return
       space = self.spaces.get(rec.pid)
       m = space.find(rec.ip) if space is not None else -1
       self._add(rec.time, m if m >= 0 else self.module_id(UNKNOWN))
     elif isinstance(rec, Mapping):
+      self.mappings[rec.pid] = n = self.mappings.get(rec.pid, 0) + 1
+      if n > MAX_MAPPINGS:
+        if n == MAX_MAPPINGS + 1:
+          self.forged.append(rec)
+          self.forgery.append(f"more than {MAX_MAPPINGS} executable mappings in one process")
+        return
       module = self.module_id(self.module_of(rec))
       self.spaces.setdefault(rec.pid, AddressSpace()).add(rec.start, rec.end, module)
       self._held_file_code(rec.pid, rec.start, rec.end, module)
@@ -492,6 +507,7 @@ class ModuleTable:
             self.load_base[(rec.pid, path)] = base
         if rec.parent in self.file_code:
           self.file_code[rec.pid] = self.file_code[rec.parent].copy()
+        self.mappings[rec.pid] = self.mappings.get(rec.parent, 0)
     elif isinstance(rec, Exec):
       self.spaces[rec.pid] = AddressSpace()
       for key in [k for k in self.load_base if k[0] == rec.pid]:
