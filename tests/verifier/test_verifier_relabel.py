@@ -376,6 +376,16 @@ def test_a_process_past_the_mapping_cap_has_every_later_sample_count_as_foreign(
   assert table.count(100, 103) == {host_sampler.OVERFLOW: 2, host_sampler.UNKNOWN: 1}
 
 
+def test_an_elf_header_with_an_impossible_table_offset_is_no_loaders_file(tmp_path):
+  import struct
+
+  head = bytearray(b"\x7fELF\x02\x01" + bytes(58))
+  struct.pack_into("<Q", head, 32, 1 << 63)  # e_phoff past what pread takes
+  struct.pack_into("<HH", head, 54, 56, 1)
+  (tmp_path / "x.so").write_bytes(bytes(head) + bytes(4096))
+  assert host_sampler.file_layout(str(tmp_path / "x.so")) == (2 * 4096, None)
+
+
 def test_the_code_history_answers_as_the_list_of_every_mapping_would_and_stays_small():
   import random
 
