@@ -452,11 +452,7 @@ def without(root: str, hidden: list[str]) -> list[str]:
     return []
   if real != os.path.normpath(root):
     return [] if beneath(root, real) else without(real, inside)
-  try:
-    names = sorted(os.listdir(root))
-  except OSError:
-    return []
-  return [q for n in names for q in without(os.path.join(root, n), inside)]
+  return [q for n in _listdir(root) for q in without(os.path.join(root, n), inside)]
 
 
 def repository_exposed(paths: list[str]) -> list[str]:
