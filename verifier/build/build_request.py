@@ -81,10 +81,9 @@ def _check_flags(flags: list[str], arg: str) -> None:
     if any(ord(c) < 32 and c != "\t" for c in flag):
       raise BuildRefused(f"build flag {flag!r} in load_inline {arg} holds a control character")
   prefix = "-Xcompiler="
+  words = " ".join(flags).replace("\t", " ").split(" ")  # the shell's blanks only
   host_next = False
-  for word in filter(
-    None, " ".join(flags).replace("\t", " ").split(" ")
-  ):  # the shell's blanks only
+  for word in filter(None, words):
     host = arg not in NVCC_ARGS or host_next or word.startswith(prefix)
     parts = word[len(prefix) :].split(",") if word.startswith(prefix) else [word]
     for part in parts:

@@ -375,10 +375,8 @@ def file_layout(path: str) -> tuple[int | None, tuple[Segment, ...] | None]:
       top = max(g.vaddr + g.memsz for g in loads)
       extent = max(extent, first.offset // PAGE * PAGE + _pages(top - first.vaddr // PAGE * PAGE))
     return extent, tuple(loads)
-  except (
-    OSError,
-    OverflowError,
-  ):  # e_phoff >= 2**63 overflows pread's offset (red team 45): no loader's
+  # OverflowError: e_phoff >= 2**63 overflows pread's offset (red team 45), no loader's file
+  except (OSError, OverflowError):
     return extent, None
   finally:
     os.close(fd)

@@ -452,11 +452,7 @@ def without(root: str, hidden: list[str]) -> list[str]:
     return []
   if real != os.path.normpath(root):
     return [] if beneath(root, real) else without(real, inside)
-  try:
-    names = sorted(os.listdir(root))
-  except OSError:
-    return []
-  return [q for n in names for q in without(os.path.join(root, n), inside)]
+  return [q for n in _listdir(root) for q in without(os.path.join(root, n), inside)]
 
 
 def repository_exposed(paths: list[str]) -> list[str]:
@@ -655,6 +651,15 @@ _KEYRING_SYSCALLS = {0xC000003E: (248, 249, 250), 0xC00000B7: (217, 218, 219)}
 # not see; what it offers today only copies data, but nothing a kernel runs for the candidate should be
 # out of sight, and torch does not use it. (io_uring_setup, _enter, _register: one numbering on both.)
 _IO_URING_SYSCALLS = (425, 426, 427)
+# A process sharing the candidate's memory (red team 46): the sampler gives a new process a copy of its
+# parent's address space at the FORK record, and FORK records carry no clone flags, so a ``clone(CLONE_VM)``
+# child kept a stale copy while its parent loaded a library over its own code, and computed there as
+# "own". ``clone`` with CLONE_VM is refused unless CLONE_THREAD (a thread: one space) or CLONE_VFORK (the
+# parent waits until the child execs or exits) is set; ``clone3`` (flags behind a pointer, out of a
+# filter's reach) answers ENOSYS, so glibc falls back to ``clone``. AUDIT_ARCH -> (clone, clone3).
+_CLONE_SYSCALLS = {0xC000003E: (56, 435), 0xC00000B7: (220, 435)}
+CLONE_VM, CLONE_VFORK, CLONE_THREAD = 0x100, 0x4000, 0x10000
+_ENOSYS = 38
 _BPF_JSET_K = 0x45
 
 
@@ -662,12 +667,14 @@ def evidence_filter_program(
   audit_arch: int, perf_event_open: int, prctl: int, mremap: int | None = None
 ) -> list[tuple[int, int, int, int]]:
   """A classic-BPF seccomp program: ``perf_event_open``, the keyring calls (``add_key``, ``request_key``,
-  ``keyctl``), io_uring's three, ``prctl(PR_TASK_PERF_EVENTS_DISABLE or _ENABLE)``, ``mremap`` that may move the mapping
+  ``keyctl``), io_uring's three, ``clone`` of a process sharing the caller's memory (CLONE_VM without
+  CLONE_THREAD or CLONE_VFORK; ``clone3``: ENOSYS), ``prctl(PR_TASK_PERF_EVENTS_DISABLE or _ENABLE)``, ``mremap`` that may move the mapping
   (MREMAP_MAYMOVE, _FIXED or _DONTUNMAP), any x32 syscall and any syscall of another architecture return
   EPERM; everything else (other ``prctl`` options, ``mremap`` in place) is allowed. ``mremap``: its
   number (default: the one of ``audit_arch``)."""
   mremap = _MREMAP_SYSCALL[audit_arch] if mremap is None else mremap
   refused = (perf_event_open, *_KEYRING_SYSCALLS.get(audit_arch, ()), *_IO_URING_SYSCALLS)
+  clone, clone3 = _CLONE_SYSCALLS.get(audit_arch, (0xFFFFFFFF, 0xFFFFFFFF))
   # (op, jump-true label, jump-false label, k): labels resolved to offsets below
   body = [
     (_BPF_LD_W_ABS, None, None, 4),  # seccomp_data.arch
@@ -677,14 +684,20 @@ def evidence_filter_program(
     *((_BPF_JEQ_K, "deny", None, nr) for nr in refused),
     (_BPF_JEQ_K, "prctl", None, prctl),
     (_BPF_JEQ_K, "mremap", None, mremap),
+    (_BPF_JEQ_K, "clone", None, clone),
+    (_BPF_JEQ_K, "nosys", None, clone3),
     (_BPF_RET_K, None, None, _SECCOMP_RET_ALLOW),
+    ("clone", _BPF_LD_W_ABS, None, None, 16),  # args[0] (flags), low 32 bits
+    (_BPF_JSET_K, None, "allow", CLONE_VM),
+    (_BPF_JSET_K, "allow", "deny", CLONE_THREAD | CLONE_VFORK),
+    ("nosys", _BPF_RET_K, None, None, _SECCOMP_RET_ERRNO | _ENOSYS),
     ("prctl", _BPF_LD_W_ABS, None, None, 16),  # args[0], low 32 bits (little-endian)
     (_BPF_JEQ_K, "deny", None, PR_TASK_PERF_EVENTS_DISABLE),
     (_BPF_JEQ_K, "deny", None, PR_TASK_PERF_EVENTS_ENABLE),
     (_BPF_RET_K, None, None, _SECCOMP_RET_ALLOW),
     ("mremap", _BPF_LD_W_ABS, None, None, 40),  # args[3] (flags), low 32 bits
     (_BPF_JSET_K, "deny", None, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP),
-    (_BPF_RET_K, None, None, _SECCOMP_RET_ALLOW),
+    ("allow", _BPF_RET_K, None, None, _SECCOMP_RET_ALLOW),
     ("deny", _BPF_RET_K, None, None, _SECCOMP_RET_ERRNO | 1),  # EPERM
   ]
   labels = {ins[0]: i for i, ins in enumerate(body) if isinstance(ins[0], str)}
