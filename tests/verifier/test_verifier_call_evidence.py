@@ -62,7 +62,7 @@ def test_perf_records_are_parsed_and_cut():
   assert recs == [
     host_sampler.Sample(99, 7, 0x1234),
     host_sampler.Mapping(50, 7, 0x1000, 0x3000, OWN),
-    host_sampler.Fork(60, 9, 7),
+    host_sampler.Fork(60, 9, 7, 9),
     host_sampler.Exec(70, 9),
     host_sampler.Lost(80, 5),
   ]
@@ -75,10 +75,18 @@ def test_the_attr_asks_for_inherited_user_space_samples_on_the_checkers_clock():
   kind, size, config, period, sample_type, _, flags = struct.unpack_from("<IIQQQQQ", attr)
   assert (kind, size, config, period) == (1, host_sampler.PERF_ATTR_SIZE, 0, 100_000)
   assert sample_type == 1 | 2 | 4  # ip, tid, time
-  for bit in (1, 5, 6, 8, 13, 18, 23, 24, 25):  # inherit, exclude_kernel, ..., use_clockid
+  for bit in (1, 5, 6, 18, 25):  # inherit, exclude_kernel, exclude_hv, sample_id_all, use_clockid
     assert flags >> bit & 1, bit
+  for bit in (8, 9, 13, 23, 24):  # mmap, comm, task, mmap2, comm_exec: on the side-band event only
+    assert not flags >> bit & 1, bit
   assert not flags & 1  # enabled from the start
   assert struct.unpack_from("<i", attr, 92)[0] == 1  # CLOCK_MONOTONIC
+  side = host_sampler.event_attr(100_000, side=True)
+  kind, _, config, _, sample_type, _, side_flags = struct.unpack_from("<IIQQQQQ", side)
+  assert (kind, config, sample_type) == (1, 9, 1 | 2 | 4)  # a software dummy event, same trailer
+  for bit in (1, 5, 6, 8, 9, 13, 18, 23, 24, 25):
+    assert side_flags >> bit & 1, bit
+  assert struct.unpack_from("<i", side, 92)[0] == 1
 
 
 def test_addresses_resolve_to_the_mapping_there_at_the_time():
@@ -1083,6 +1091,10 @@ class _FakeSampler:
 
   def __init__(self, counts):
     self.counts = counts
+    self.table = host_sampler.ModuleTable()  # no task records
+
+  def drain(self):
+    pass
 
   def count(self, t0, t1):
     return self.counts[t0]

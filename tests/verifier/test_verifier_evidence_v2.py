@@ -46,8 +46,11 @@ EXTENSION = r"""
 #include <cstdint>
 #include <string>
 #include <vector>
+#include <cstdlib>
+#include <dirent.h>
 #include <dlfcn.h>
 #include <spawn.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 void scaled_add_raw(std::uintptr_t a, std::uintptr_t b, std::uintptr_t out, std::int64_t n, double s) {
@@ -89,11 +92,34 @@ int fork_burst(int n) {
     for (pid_t p : kids) waitpid(p, nullptr, 0);
     return (int)kids.size();
 }
+static int highest_other_thread() {
+    int self = (int)syscall(SYS_gettid), top = 0;
+    DIR* d = opendir("/proc/self/task");
+    if (!d) return 0;
+    while (dirent* e = readdir(d)) {
+        int t = atoi(e->d_name);
+        if (t != self && t > top) top = t;
+    }
+    closedir(d);
+    return top;
+}
+static void exit_this_thread(int) { syscall(SYS_exit, 0); }
+// End the runtime's newest thread (the worker's idle buffer mapper): one task fewer alive, so a pids
+// cgroup's peak has room for one of the candidate's own (red team 46, T1). Returns the tid ended.
+int end_runtime_thread() {
+    int victim = highest_other_thread();
+    if (victim == 0) return 0;
+    signal(SIGUSR2, exit_this_thread);
+    syscall(SYS_tgkill, getpid(), victim, SIGUSR2);
+    for (int i = 0; i < 2000 && highest_other_thread() == victim; ++i) usleep(1000);
+    return highest_other_thread() == victim ? -1 : victim;
+}
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("scaled_add_raw", &scaled_add_raw);
     m.def("fill_raw", &fill_raw);
     m.def("start_threads", &start_threads);
     m.def("fork_burst", &fork_burst);
+    m.def("end_runtime_thread", &end_runtime_thread);
 }
 """
 
@@ -178,6 +204,23 @@ def test_threads_started_through_dlsym_are_refused_under_strict(service):
   assert r.failure_kind is FailureKind.THREAD_OR_STREAM and r.reward == 0.0, r.reason
   assert "kernel's count" in r.reason
   assert beyond - before == {0: 1, 2: 1}  # the honest job held none, the hostile one its two
+
+
+def test_ending_a_runtime_thread_makes_no_room_for_the_candidates_own(service):
+  # Red team 46 (T1): the pids cgroup counts tasks alive at once, so a candidate that ended the
+  # worker's idle mapper thread (tgkill, a handler that exits the thread) started one of its own with
+  # the peak still at the runtime's: reward 1 under strict. The checker now counts the tasks created
+  # since it attached, from the kernel's fork and exit records; a runtime task ending frees nothing.
+  src = candidate(
+    "        return good(a, b, self.scale)",
+    init="        assert ops.end_runtime_thread() > 0\n        ops.start_threads(1)\n",
+  )
+  (r,) = _verify(service, _req("end-runtime-thread", src, strictness="strict"))
+  assert r.failure_kind is FailureKind.THREAD_OR_STREAM and r.reward == 0.0, (
+    r.reason,
+    r.logs[-800:],
+  )
+  assert "1 alive at once beyond its runtime's own" in r.reason, r.reason
 
 
 def test_thousands_of_sleeping_threads_fail_at_the_limit(service):

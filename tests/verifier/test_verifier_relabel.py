@@ -416,7 +416,7 @@ def test_a_process_past_the_mapping_cap_has_every_later_sample_count_as_foreign(
       )
     )
   assert table.forgery == ["more than 50 executable mappings in one process"]
-  assert len(table.spaces[7].ranges) == 50  # the own file and 49 anonymous ranges
+  assert len(table.procs[7].space.ranges) == 50  # the own file and 49 anonymous ranges
   table.apply(host_sampler.Sample(100, 7, (1 << 30) + 8))  # in the own file's range
   table.apply(host_sampler.Fork(101, 8, 7))
   table.apply(host_sampler.Sample(102, 8, (1 << 30) + 8))  # its child too

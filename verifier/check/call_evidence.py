@@ -14,6 +14,7 @@ from verifier.check import device_evidence, host_evidence
 from verifier.check.host_sampler import HostSampler, SamplerUnavailable
 from verifier.check.runtime_check import RuntimeVerdict
 from verifier.ipc.records import MARKER_MAX_BYTES, DeviceRecords
+from verifier.sandbox.task_limits import RUNTIME_TRANSIENT_TASKS
 
 STALL_WARNING = "host evidence: a stall: "
 
@@ -109,6 +110,25 @@ class CallEvidence:
       h = self.judge_host()
       if h.kind is not FailureKind.OK:
         return RuntimeVerdict(h.kind, h.reason)
+      if self.strictness.forbid_threads_streams:
+        return self.judge_tasks()
+    return RuntimeVerdict(FailureKind.OK)
+
+  def judge_tasks(self) -> RuntimeVerdict:
+    """Tasks created since the attach and alive at once, from the kernel's fork and exit records, against
+    what the runtime itself may start (``task_limits.RUNTIME_TRANSIENT_TASKS``). The pids cgroup's peak
+    counts every task alive, so ending one of the runtime's own threads made room for one of the
+    candidate's (red team 46, T1); a runtime task ending frees nothing here."""
+    self.sampler.drain()
+    table = self.sampler.table
+    allowed = RUNTIME_TRANSIENT_TASKS.get(self.device, 0)
+    if table.tasks_peak > allowed:
+      return RuntimeVerdict(
+        FailureKind.THREAD_OR_STREAM,
+        f"the candidate started threads or processes: {table.tasks_peak} alive at once beyond its "
+        f"runtime's own, {table.tasks_created} in all (the kernel's count, from its fork and exit "
+        "records since the checker attached)",
+      )
     return RuntimeVerdict(FailureKind.OK)
 
   def judge_host(self) -> host_evidence.HostVerdict:

@@ -32,7 +32,7 @@ import time
 
 # include/uapi/linux/perf_event.h
 PERF_TYPE_SOFTWARE = 1
-PERF_COUNT_SW_CPU_CLOCK = 0
+PERF_COUNT_SW_CPU_CLOCK, PERF_COUNT_SW_DUMMY = 0, 9
 PERF_SAMPLE_IP, PERF_SAMPLE_TID, PERF_SAMPLE_TIME = 1, 2, 4
 PERF_RECORD_MMAP, PERF_RECORD_LOST, PERF_RECORD_COMM, PERF_RECORD_EXIT = 1, 2, 3, 4
 PERF_RECORD_THROTTLE, PERF_RECORD_FORK, PERF_RECORD_SAMPLE, PERF_RECORD_MMAP2 = 5, 7, 9, 10
@@ -65,8 +65,13 @@ UNKNOWN = "[unmapped]"
 MAX_MAPPINGS = 16384
 OVERFLOW = "[code of a process past the executable-mapping cap]"
 LOST = "[lost samples]"
+# every sample once mapping records may have been dropped (a full side-band ring: ``HostSampler.drain``)
+BLIND = "[code run after a mapping record was lost]"
 # a mapping that reaches past what its file holds (ModuleTable.module_of)
 FORGED = "[forged mapping of {}]"
+
+# the longest side-band record (an MMAP2 record of a PATH_MAX name and its trailer: 4,184 bytes), rounded up
+SIDE_RECORD_MAX = 8192
 
 _SAMPLE = struct.Struct("<QIIQ")  # ip, pid, tid, time (after the 8-byte header)
 _HEADER = struct.Struct("<IHH")
@@ -76,22 +81,16 @@ class SamplerUnavailable(RuntimeError):
   """This host refuses to sample another process (``perf_event_paranoid``, no perf support, limits)."""
 
 
-def event_attr(period_ns: int) -> bytes:
-  """A ``perf_event_attr`` (``PERF_ATTR_SIZE`` bytes) for user-space instruction-pointer samples every
-  ``period_ns`` of a task's CPU time, inherited by its children, with mmap/fork/exec records."""
+def event_attr(period_ns: int, side: bool = False) -> bytes:
+  """A ``perf_event_attr`` (``PERF_ATTR_SIZE`` bytes), inherited by the task's children, on the checker's
+  clock: user-space instruction-pointer samples every ``period_ns`` of a task's CPU time or, ``side``, a
+  dummy event that samples nothing and carries the side-band records (executable mappings, forks,
+  exits, execs, names) to a ring of their own (``HostSampler``)."""
   flags = 0
-  for bit in (
-    _INHERIT,
-    _EXCLUDE_KERNEL,
-    _EXCLUDE_HV,
-    _MMAP,
-    _COMM,
-    _TASK,
-    _SAMPLE_ID_ALL,
-    _MMAP2,
-    _COMM_EXEC,
-    _USE_CLOCKID,
-  ):
+  bits = [_INHERIT, _EXCLUDE_KERNEL, _EXCLUDE_HV, _SAMPLE_ID_ALL, _USE_CLOCKID]
+  if side:
+    bits += [_MMAP, _COMM, _TASK, _MMAP2, _COMM_EXEC]
+  for bit in bits:
     flags |= 1 << bit
   attr = bytearray(PERF_ATTR_SIZE)
   struct.pack_into(
@@ -100,8 +99,8 @@ def event_attr(period_ns: int) -> bytes:
     0,
     PERF_TYPE_SOFTWARE,
     PERF_ATTR_SIZE,
-    PERF_COUNT_SW_CPU_CLOCK,
-    period_ns,
+    PERF_COUNT_SW_DUMMY if side else PERF_COUNT_SW_CPU_CLOCK,
+    1 if side else period_ns,
     PERF_SAMPLE_IP | PERF_SAMPLE_TID | PERF_SAMPLE_TIME,
     0,
     flags,
@@ -133,9 +132,12 @@ class Mapping:
 
 @dataclasses.dataclass(frozen=True)
 class Fork:
+  """A task created: a process (``pid != parent``) or a thread of ``pid`` (``tid``: the new task)."""
+
   time: int
   pid: int
   parent: int
+  tid: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +187,7 @@ def parse_record(rec: bytes):
     return Mapping(_trailer_time(rec), pid, addr, addr + length, _path(rec[40 : size - 16]), pgoff)
   if kind in (PERF_RECORD_FORK, PERF_RECORD_EXIT):
     pid, ppid, tid, _ptid, t = struct.unpack_from("<IIIIQ", rec, 8)
-    return Fork(t, pid, ppid) if kind == PERF_RECORD_FORK else Exit(t, pid, tid)
+    return Fork(t, pid, ppid, tid) if kind == PERF_RECORD_FORK else Exit(t, pid, tid)
   if kind == PERF_RECORD_COMM and misc & PERF_RECORD_MISC_COMM_EXEC:
     pid = struct.unpack_from("<I", rec, 8)[0]
     return Exec(_trailer_time(rec), pid)
@@ -398,27 +400,61 @@ def loader_offset(segments: tuple[Segment, ...], pgoff: int) -> int | None:
   return None
 
 
+@dataclasses.dataclass
+class Process:
+  """What one address space holds, for every process that shares it: the executable mappings (``space``),
+  each file's loader base (``load_base``), every range a file's code held (``file_code``) and how many
+  executable mappings were recorded (``mappings``, capped at ``MAX_MAPPINGS``)."""
+
+  space: AddressSpace = dataclasses.field(default_factory=AddressSpace)
+  load_base: dict[str, int] = dataclasses.field(default_factory=dict)
+  file_code: CodeHistory = dataclasses.field(default_factory=CodeHistory)
+  mappings: int = 0
+
+
 class ModuleTable:
-  """Samples attributed to modules as they arrive: per process an ``AddressSpace``, per sample
-  (time, module id) in arrival order (each drain's records sorted by time)."""
+  """Samples attributed to modules as they arrive: per process a ``Process`` (its address space), per
+  sample (time, module id) in arrival order (each drain's records sorted by time).
+
+  A child shares its parent's ``Process`` until it execs: a fork record carries no clone flags, and a
+  child made with ``CLONE_VM`` (or ``vfork``) maps into its parent's memory, so each one's mappings are
+  the other's (red team 46, A1: a CLONE_VM child kept a stale copy of its parent's space, and OpenBLAS
+  loaded over the parent's own code counted as own in the child). For a plain fork this merges two
+  spaces that may diverge, which errs against the candidate only: a mapping over code the other held
+  there is a forgery. Under ``strict``, the only preset sampled, a candidate starts no process anyway.
+  A process's tables go when it exits (red team 46, D3: every fork copied them, and a scan of every
+  process's load bases per fork, with nothing freed, kept two checkers busy for minutes).
+
+  ``blind``: from then on the mappings are not known (mapping records may have been dropped): every
+  sample stamped since counts for ``BLIND`` (red team 46, L1). ``tasks_peak``: the most tasks (threads and
+  processes) created since the attach alive at once (red team 46, T1: the pids cgroup counts tasks alive,
+  so a candidate that ended one of its runtime's threads could start one of its own unseen)."""
 
   def __init__(self):
     self.names: list[str] = []
     self.ids: dict[str, int] = {}
-    self.spaces: dict[int, AddressSpace] = {}
+    self.procs: dict[int, Process] = {}
     self.times = array.array("q")
     self.modules = array.array("i")
+    self.lost_times = array.array("q")  # one entry per Lost record (``count``: how many it dropped)
+    self.lost_counts = array.array("q")
     self.lost = 0
+    self.blind_from: int | None = None
+    self.created: set[int] = set()  # tids created since the attach, alive
+    self.tasks_created = 0
+    self.tasks_peak = 0
     self.layouts: dict[str, tuple] = {}  # path -> file_layout, read once per path
-    self.load_base: dict[tuple[int, str], int] = {}  # (pid, path) -> its loader's base there
-    self.file_code: dict[int, CodeHistory] = {}  # pid -> the ranges files' code held there
     self.forged: list[Mapping] = []
     self.forgery: list[str] = []  # why, one per ``forged``
-    self.mappings: dict[int, int] = {}  # pid -> executable mappings recorded (``MAX_MAPPINGS``)
 
   @property
   def extents(self) -> dict[str, int | None]:
     return {path: layout[0] for path, layout in self.layouts.items()}
+
+  def _proc(self, pid: int) -> Process:
+    if pid not in self.procs:
+      self.procs[pid] = Process()
+    return self.procs[pid]
 
   def module_of(self, rec: Mapping) -> str:
     """The module a mapping's samples count for: its file, unless the mapping is one no loader makes and
@@ -452,22 +488,22 @@ class ModuleTable:
       return "reaches past the file's end"
     if extent is not None and segments is None:
       return "maps a file no loader loads (not a 64-bit ELF file) as code"
+    proc = self._proc(rec.pid)
     if segments:
       at = loader_offset(segments, rec.pgoff)
       if at is None:
         return "maps code from a segment its loader maps without execute permission"
-      base = self.load_base.setdefault((rec.pid, rec.path), rec.start - at)
+      base = proc.load_base.setdefault(rec.path, rec.start - at)
       if base != rec.start - at:
         return "a second copy of the file's code at another base"
-    history = self.file_code.get(rec.pid)
-    other = history.others(rec.start, rec.end, self.ids.get(rec.path, -1)) if history else None
+    other = proc.file_code.others(rec.start, rec.end, self.ids.get(rec.path, -1))
     if other is not None:
       return f"lies over the code of {os.path.basename(self.names[other])}"
     return ""
 
-  def _held_file_code(self, pid: int, start: int, end: int, module: int) -> None:
+  def _held_file_code(self, proc: Process, start: int, end: int, module: int) -> None:
     if self.names[module].startswith("/"):
-      self.file_code.setdefault(pid, CodeHistory()).add(start, end, module)
+      proc.file_code.add(start, end, module)
 
   def module_id(self, path: str) -> int:
     if path not in self.ids:
@@ -477,48 +513,59 @@ class ModuleTable:
 
   def seed(self, pid: int, maps_text: str) -> None:
     """A process's mappings before the first record (read from /proc before candidate code ran)."""
-    space = self.spaces.setdefault(pid, AddressSpace())
+    proc = self._proc(pid)
     for s, e, path in executable_ranges(maps_text):
-      space.add(s, e, self.module_id(path))
-      self._held_file_code(pid, s, e, self.module_id(path))
+      proc.space.add(s, e, self.module_id(path))
+      self._held_file_code(proc, s, e, self.module_id(path))
+
+  def blind(self, t: int) -> None:
+    """Mapping records stamped from ``t`` on may have been dropped: every sample since counts for
+    ``BLIND``, those already attributed too."""
+    if self.blind_from is not None and self.blind_from <= t:
+      return
+    self.blind_from = t
+    blind = self.module_id(BLIND)
+    for i in range(bisect.bisect_left(self.times, t), len(self.times)):
+      self.modules[i] = blind
 
   def apply(self, rec) -> None:
     if isinstance(rec, Sample):
-      if self.mappings.get(rec.pid, 0) > MAX_MAPPINGS:
-        self._add(rec.time, self.module_id(OVERFLOW))
-        return
-      space = self.spaces.get(rec.pid)
-      m = space.find(rec.ip) if space is not None else -1
+      proc = self.procs.get(rec.pid)
+      if self.blind_from is not None and rec.time >= self.blind_from:
+        m = self.module_id(BLIND)
+      elif proc is not None and proc.mappings > MAX_MAPPINGS:
+        m = self.module_id(OVERFLOW)
+      else:
+        m = proc.space.find(rec.ip) if proc is not None else -1
       self._add(rec.time, m if m >= 0 else self.module_id(UNKNOWN))
     elif isinstance(rec, Mapping):
-      self.mappings[rec.pid] = n = self.mappings.get(rec.pid, 0) + 1
-      if n > MAX_MAPPINGS:
-        if n == MAX_MAPPINGS + 1:
+      proc = self._proc(rec.pid)
+      proc.mappings += 1
+      if proc.mappings > MAX_MAPPINGS:
+        if proc.mappings == MAX_MAPPINGS + 1:
           self.forged.append(rec)
           self.forgery.append(f"more than {MAX_MAPPINGS} executable mappings in one process")
         return
       module = self.module_id(self.module_of(rec))
-      self.spaces.setdefault(rec.pid, AddressSpace()).add(rec.start, rec.end, module)
-      self._held_file_code(rec.pid, rec.start, rec.end, module)
+      proc.space.add(rec.start, rec.end, module)
+      self._held_file_code(proc, rec.start, rec.end, module)
     elif isinstance(rec, Fork):
-      if rec.pid != rec.parent and rec.parent in self.spaces:
-        self.spaces[rec.pid] = self.spaces[rec.parent].copy()
-        for (pid, path), base in list(self.load_base.items()):
-          if pid == rec.parent:
-            self.load_base[(rec.pid, path)] = base
-        if rec.parent in self.file_code:
-          self.file_code[rec.pid] = self.file_code[rec.parent].copy()
-        self.mappings[rec.pid] = self.mappings.get(rec.parent, 0)
+      self.tasks_created += 1
+      self.created.add(rec.tid or rec.pid)
+      self.tasks_peak = max(self.tasks_peak, len(self.created))
+      if rec.pid != rec.parent and rec.parent in self.procs:
+        self.procs[rec.pid] = self.procs[rec.parent]  # shared until it execs (class docstring)
     elif isinstance(rec, Exec):
-      self.spaces[rec.pid] = AddressSpace()
-      for key in [k for k in self.load_base if k[0] == rec.pid]:
-        del self.load_base[key]
-      self.file_code.pop(rec.pid, None)
+      self.procs[rec.pid] = Process()
+    elif isinstance(rec, Exit):
+      self.created.discard(rec.tid)
+      if rec.tid == rec.pid:
+        self.procs.pop(rec.pid, None)
     elif isinstance(rec, Lost) and rec.count:
       self.lost += rec.count
-      lost = self.module_id(LOST)
-      for _ in range(min(rec.count, 1 << 20)):
-        self._add(rec.time, lost)
+      i = bisect.bisect_right(self.lost_times, rec.time)
+      self.lost_times.insert(i, rec.time)
+      self.lost_counts.insert(i, rec.count)
 
   def _add(self, t: int, module: int) -> None:
     if self.times and t < self.times[-1]:  # out of order across drains: keep the list sorted
@@ -530,12 +577,16 @@ class ModuleTable:
       self.modules.append(module)
 
   def count(self, t0: int, t1: int) -> dict[str, int]:
-    """Samples per module name stamped in [t0, t1]."""
+    """Samples per module name stamped in [t0, t1], lost ones (``LOST``) included."""
     lo, hi = bisect.bisect_left(self.times, t0), bisect.bisect_right(self.times, t1)
     out: dict[str, int] = {}
     for m in self.modules[lo:hi]:
       name = self.names[m]
       out[name] = out.get(name, 0) + 1
+    lo, hi = bisect.bisect_left(self.lost_times, t0), bisect.bisect_right(self.lost_times, t1)
+    lost = sum(self.lost_counts[lo:hi])
+    if lost:
+      out[LOST] = out.get(LOST, 0) + lost
     return out
 
 
@@ -584,10 +635,12 @@ def _perf_event_open(attr: bytes, tid: int, cpu: int) -> int:
 
 
 class _Ring:
-  """One CPU's ring buffer (its first event's mmap; the others on that CPU write into it)."""
+  """One CPU's ring buffer (its first event's mmap; the others on that CPU write into it). ``side``: it
+  holds side-band records, so a loss there blinds the table (``HostSampler.drain``); ``read_ns``: when it
+  was last emptied."""
 
-  def __init__(self, fd: int):
-    self.fd = fd
+  def __init__(self, fd: int, side: bool):
+    self.fd, self.side, self.read_ns = fd, side, time.monotonic_ns()
     for pages in DATA_PAGES:
       self.size = pages * PAGE
       try:
@@ -599,17 +652,20 @@ class _Ring:
         if pages == DATA_PAGES[-1]:
           raise
 
-  def read(self) -> bytes:
+  def read(self) -> tuple[bytes, bool]:
+    """The records written since the last read, and whether the ring came close enough to full since
+    then that a record may have been dropped (the kernel drops a record that does not fit, and nothing
+    frees space between two reads: the fill seen now is the most there was)."""
     head = struct.unpack_from("<Q", self.map, 1024)[0]
     tail = struct.unpack_from("<Q", self.map, 1032)[0]
     if head == tail:
-      return b""
+      return b"", False
     n = min(head - tail, self.size)
     start = PAGE + tail % self.size
     first = min(n, PAGE + self.size - start)
     data = self.map[start : start + first] + self.map[PAGE : PAGE + n - first]
     struct.pack_into("<Q", self.map, 1032, head)
-    return data
+    return data, n > self.size - 2 * SIDE_RECORD_MAX
 
   def close(self) -> None:
     self.map.close()
@@ -619,14 +675,25 @@ class HostSampler:
   """Samples of a process tree's user-space instruction pointers, attributed to modules.
 
   ``attach(root)`` opens the events (raises ``SamplerUnavailable`` where the host refuses) and starts a
-  thread that drains the ring buffers often enough (``DRAIN_FRACTION`` of their time to fill); ``count(t0, t1)`` gives samples per module in a
-  window of ``time.monotonic_ns()``; ``close()`` stops everything."""
+  thread that drains the ring buffers often enough (``DRAIN_FRACTION`` of their time to fill); ``count(t0,
+  t1)`` gives samples per module in a window of ``time.monotonic_ns()``; ``close()`` stops everything.
+
+  Two events per (thread, CPU), each CPU's of a kind sharing one ring: samples, and the side-band records
+  (mappings, forks, exits, execs) on a dummy event. Samples may overflow their ring on a loaded host (what
+  is lost counts against the candidate, ``LOST``), but a dropped mapping record would leave the table
+  trusting a stale address map: red team 46 (L1) flooded the one shared ring with name records
+  (``prctl(PR_SET_NAME)``), so OpenBLAS's mapping record was dropped and its code counted as the
+  candidate's own. Only the candidate's own mappings, tasks and names fill the side-band ring (a few
+  hundred records for an honest worker, drained every fraction of a second), and a side-band ring seen
+  near full blinds the table from the read before (``ModuleTable.blind``). Where the host allows no second
+  ring, the side-band records share the samples' ring, and a loss there blinds."""
 
   def __init__(self, period_ns: int):
     self.period_ns = period_ns
     self.table = ModuleTable()
     self.fds: list[int] = []
     self.rings: list[_Ring] = []
+    self.sample_owner: dict[int, int] = {}  # cpu -> the fd holding its samples' ring
     self.pending: list = []
     self.lock = threading.Lock()
     self.stop = threading.Event()
@@ -645,10 +712,39 @@ class HostSampler:
     sampler.thread.start()
     return sampler
 
+  def _event(self, attr: bytes, tid: int, cpu: int, owner: dict, side: bool) -> bool:
+    """Open one event on (``tid``, ``cpu``) writing into ``owner[cpu]``'s ring (its own ring where there is
+    none yet); False where the thread ended meanwhile."""
+    try:
+      fd = _perf_event_open(attr, tid, cpu)
+    except OSError as e:
+      if e.errno == 3 or e.errno == 2:  # ESRCH/ENOENT: the thread ended meanwhile
+        return False
+      raise SamplerUnavailable(f"perf_event_open: {e.strerror} (errno {e.errno})") from None
+    self.fds.append(fd)
+    if cpu not in owner:
+      try:
+        ring = _Ring(fd, side)
+      except OSError as e:
+        if not side:
+          raise SamplerUnavailable(f"mapping a perf ring buffer: {e}") from None
+        owner[cpu] = self.sample_owner[
+          cpu
+        ]  # no room for a second ring: share the samples' (docstring)
+        next(r for r in self.rings if r.fd == owner[cpu]).side = True
+      else:
+        self.rings.append(ring)
+        owner[cpu] = fd
+        return True
+    if _libc.ioctl(fd, PERF_EVENT_IOC_SET_OUTPUT, owner[cpu]) != 0:
+      e = ctypes.get_errno()
+      raise SamplerUnavailable(f"PERF_EVENT_IOC_SET_OUTPUT: {os.strerror(e)}")
+    return True
+
   def _open(self, root: int) -> None:
-    attr = event_attr(self.period_ns)
+    attrs = (event_attr(self.period_ns), event_attr(self.period_ns, side=True))
     cpus = online_cpus()
-    owner: dict[int, int] = {}  # cpu -> the fd holding its ring buffer
+    side_owner: dict[int, int] = {}
     seen: set[int] = set()
     for _ in range(4):  # until no thread appeared meanwhile (the tree runs only our code now)
       tasks = tree_tasks(root)
@@ -657,23 +753,11 @@ class HostSampler:
         break
       for pid, tid in new:
         for cpu in cpus:
-          try:
-            fd = _perf_event_open(attr, tid, cpu)
-          except OSError as e:
-            if e.errno == 3 or e.errno == 2:  # ESRCH/ENOENT: the thread ended meanwhile
-              break
-            raise SamplerUnavailable(f"perf_event_open: {e.strerror} (errno {e.errno})") from None
-          self.fds.append(fd)
-          if cpu in owner:
-            if _libc.ioctl(fd, PERF_EVENT_IOC_SET_OUTPUT, owner[cpu]) != 0:
-              e = ctypes.get_errno()
-              raise SamplerUnavailable(f"PERF_EVENT_IOC_SET_OUTPUT: {os.strerror(e)}")
-          else:
-            try:
-              self.rings.append(_Ring(fd))
-            except OSError as e:
-              raise SamplerUnavailable(f"mapping a perf ring buffer: {e}") from None
-            owner[cpu] = fd
+          if not (
+            self._event(attrs[0], tid, cpu, self.sample_owner, False)
+            and self._event(attrs[1], tid, cpu, side_owner, True)
+          ):
+            break
         seen.add(tid)
     if not seen:
       raise SamplerUnavailable(f"no process {root} to sample")
@@ -686,7 +770,8 @@ class HostSampler:
 
   def _run(self) -> None:
     # the smallest buffer's time to fill at 1 sample (~40 bytes) per period of one busy thread
-    fill_s = min(r.size for r in self.rings) / 40 * self.period_ns / 1e9
+    fill_s = min(r.size for r in self.rings if r.fd in self.sample_owner.values()) / 40
+    fill_s *= self.period_ns / 1e9
     while not self.stop.wait(DRAIN_FRACTION * fill_s):
       try:
         self.drain()
@@ -700,10 +785,16 @@ class HostSampler:
     with self.lock:
       cut = time.monotonic_ns() - (0 if final else CUT_MARGIN_NS)
       for ring in self.rings:
-        for raw in split_records(ring.read()):
-          rec = parse_record(raw)
-          if rec is not None:
-            self.pending.append(rec)
+        now = time.monotonic_ns()
+        data, full = ring.read()
+        recs = [r for r in map(parse_record, split_records(data)) if r is not None]
+        if ring.side and (full or any(isinstance(r, Lost) and r.count for r in recs)):
+          # a mapping record may have been dropped since the last read (class docstring)
+          self.table.blind(ring.read_ns - CUT_MARGIN_NS)
+        if ring.side and ring.fd not in self.sample_owner.values():
+          recs = [r for r in recs if not isinstance(r, Lost)]  # side-band records are no samples
+        ring.read_ns = now
+        self.pending += recs
       self.pending.sort(key=lambda r: r.time)
       k = bisect.bisect_right([r.time for r in self.pending], cut)
       ready, self.pending = self.pending[:k], self.pending[k:]
