@@ -14,12 +14,15 @@
 """
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
+from verifier.api.contract import FailureKind
 from verifier.check import host_sampler
 from verifier.check.host_sampler import Exec, Exit, Fork, Lost, Mapping, ModuleTable, Sample
 
@@ -149,3 +152,59 @@ def test_a_flood_of_name_records_blinds_the_table_and_a_quiet_process_does_not()
   counts = flooded.table.count(flooded.table.blind_from, time.monotonic_ns())
   assert counts.get(host_sampler.BLIND, 0) >= 200, counts  # the spin after the flood
   assert sum(counts.values()) == counts[host_sampler.BLIND], counts
+
+
+def _exec_sampled(mode: int) -> tuple:
+  """A child that, once sampled, runs a copy of ``sh`` of file mode ``mode`` busy for ~0.3 s of CPU (as
+  an unprivileged user where the test runs as root, as the candidate's worker does): its samples and a
+  strict CallEvidence over it (skips where the host refuses ``perf_event_open``)."""
+  from verifier.api.contract import Strictness
+  from verifier.check.call_evidence import CallEvidence
+
+  where = tempfile.mkdtemp()
+  os.chmod(where, 0o755)
+  exe = os.path.join(where, "sh")
+  shutil.copy(shutil.which("sh"), exe)
+  os.chmod(exe, mode)
+  go_r, go_w = os.pipe()
+  ready_r, ready_w = os.pipe()
+  code = (
+    "import os\n"
+    f"os.write({ready_w}, b'r')\n"
+    f"os.read({go_r}, 1)\n"
+    "if os.getuid() == 0:\n"
+    "    os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
+    f"os.execv({exe!r}, ['sh', '-c', 'i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done'])\n"
+  )
+  child = subprocess.Popen([sys.executable, "-c", code], pass_fds=(go_r, ready_w))
+  evidence = CallEvidence("cpu", where, Strictness.preset("strict"))
+  try:
+    os.read(ready_r, 1)
+    try:
+      evidence.sampler = host_sampler.HostSampler.attach(child.pid)
+    except host_sampler.SamplerUnavailable as e:
+      pytest.skip(f"this host refuses perf_event_open: {e}")
+    t0 = time.monotonic_ns()
+    os.write(go_w, b"x")
+    assert child.wait(120) == 0
+    counts = evidence.sampler.count(t0, time.monotonic_ns())
+  finally:
+    child.kill()
+    for fd in (go_r, go_w, ready_r, ready_w):
+      os.close(fd)
+    shutil.rmtree(where)
+  return counts, evidence
+
+
+def test_a_process_that_runs_another_program_fails_even_where_that_ends_its_sampling():
+  # Red team 47 (E1): the worker exec'd an execute-only copy of the interpreter; the kernel made it
+  # non-dumpable and ended every perf event attached to it, so no judged window held a sample and
+  # torch.matmul in the new image got reward 1 (timed: speedup 1.09). The exec record comes first.
+  readable, evidence = _exec_sampled(0o755)
+  assert sum(readable.values()) >= 300, readable  # sampled through the exec: the loop in sh
+  unreadable, evidence = _exec_sampled(0o111)
+  assert sum(unreadable.values()) < 50, unreadable  # the events ended at the exec
+  assert evidence.sampler.table.execs == 1
+  v = evidence.verdict()
+  evidence.close()
+  assert v.kind is FailureKind.EVIDENCE_MISSING and "ran another program" in v.reason, v

@@ -108,10 +108,36 @@ class CallEvidence:
         return v
     if self.sampler is not None:
       h = self.judge_host()
+      cut = self.evidence_cut()
+      if cut.kind is not FailureKind.OK:
+        return cut
       if h.kind is not FailureKind.OK:
         return RuntimeVerdict(h.kind, h.reason)
       if self.strictness.forbid_threads_streams:
         return self.judge_tasks()
+    return RuntimeVerdict(FailureKind.OK)
+
+  def evidence_cut(self) -> RuntimeVerdict:
+    """EVIDENCE_MISSING where the candidate's process cut the host evidence short: it ran another program
+    (red team 47: an exec of a file the worker may not read makes the process non-dumpable, and the
+    kernel then ends every perf event attached to it, so nothing it did later was sampled and every
+    window was empty; the exec record comes before that), or it made side-band records faster than the
+    checker reads them, so a mapping record may be lost (``HostSampler``; red team 46, L1). Neither
+    happens in an honest worker."""
+    self.sampler.drain()
+    table = self.sampler.table
+    if table.execs:
+      return RuntimeVerdict(
+        FailureKind.EVIDENCE_MISSING,
+        f"the candidate's process ran another program ({table.execs} exec(s)): an exec may end the "
+        "checker's sampling of the process, and no honest worker runs one",
+      )
+    if table.blind_from is not None:
+      return RuntimeVerdict(
+        FailureKind.EVIDENCE_MISSING,
+        "the candidate's process made mapping, task or name records faster than the checker reads "
+        "them (their ring came close to full), so what its code ran since is unknown",
+      )
     return RuntimeVerdict(FailureKind.OK)
 
   def judge_tasks(self) -> RuntimeVerdict:

@@ -443,6 +443,7 @@ class ModuleTable:
     self.created: set[int] = set()  # tids created since the attach, alive
     self.tasks_created = 0
     self.tasks_peak = 0
+    self.execs = 0  # programs the tree ran since the attach (``Exec`` records)
     self.layouts: dict[str, tuple] = {}  # path -> file_layout, read once per path
     self.forged: list[Mapping] = []
     self.forgery: list[str] = []  # why, one per ``forged``
@@ -556,6 +557,7 @@ class ModuleTable:
       if rec.pid != rec.parent and rec.parent in self.procs:
         self.procs[rec.pid] = self.procs[rec.parent]  # shared until it execs (class docstring)
     elif isinstance(rec, Exec):
+      self.execs += 1
       self.procs[rec.pid] = Process()
     elif isinstance(rec, Exit):
       self.created.discard(rec.tid)
