@@ -208,3 +208,21 @@ def test_a_process_that_runs_another_program_fails_even_where_that_ends_its_samp
   v = evidence.verdict()
   evidence.close()
   assert v.kind is FailureKind.EVIDENCE_MISSING and "ran another program" in v.reason, v
+
+
+def test_judged_round_trips_far_quieter_than_the_exchange_alone_are_no_evidence():
+  # Red team 47's E1 by its effect: whatever ends the sampling of the candidate's process leaves the
+  # judged round trips empty where the verifier's own exchange work alone leaves samples.
+  from verifier.check import host_evidence
+  from verifier.check.host_evidence import HostWindow
+
+  nulls = [HostWindow({"/usr/lib/libpython3.11.so": 6}, 0, 8) for _ in range(4)]
+  silent = [HostWindow({}, 8, 8) for _ in range(10)]
+  v = host_evidence.judge_host(silent, nulls, 100_000, "/cache", "cpu")
+  assert (
+    v.kind is FailureKind.EVIDENCE_MISSING and "held 0 samples" in v.reason and "~60" in v.reason
+  )
+  honest = [HostWindow({"/usr/lib/libpython3.11.so": 6, OWN: 9}, 8, 8) for _ in range(10)]
+  assert host_evidence.judge_host(honest, nulls, 100_000, "/cache", "cpu").kind is FailureKind.OK
+  few = silent[:3]  # ~18 expected: too few to tell a quiet host from a silenced one
+  assert host_evidence.judge_host(few, nulls, 100_000, "/cache", "cpu").kind is FailureKind.OK

@@ -50,6 +50,7 @@ import dataclasses
 import math
 import os
 import re
+import statistics
 
 from verifier.api.contract import FailureKind
 
@@ -77,6 +78,8 @@ COMPUTE_FLOOR_MS = 0.25
 # Round trips whose unmet excess is set aside as a host stall (the largest), per device; only where at
 # least STALL_MIN_WINDOWS round trips are judged, so one always stays (module docstring).
 STALLS = {"cpu": 0, "cuda": 1}
+# judged round trips silent next to what the null round trips had (``_silent``)
+SILENT_FRACTION, SILENT_MIN = 0.05, 40
 STALL_MIN_WINDOWS = 2
 
 
@@ -167,6 +170,9 @@ def judge_host(
   Rule in the module docstring."""
   if not windows:
     return HostVerdict(FailureKind.OK, "no judged round trips")
+  silent = _silent(windows, nulls)
+  if silent:
+    return HostVerdict(FailureKind.EVIDENCE_MISSING, silent)
   floor_ms = FLOOR_MS.get(device, FLOOR_MS["cpu"]) if floor_ms is None else floor_ms
   stalls = STALLS.get(device, 0) if stalls is None else stalls
   every = {p for w in (*windows, *nulls, *nulls_after) for p in w.counts}
@@ -262,6 +268,27 @@ def judge_host(
       **verdict,
     )
   return HostVerdict(FailureKind.OK, "", **verdict)
+
+
+def _silent(windows: list[HostWindow], nulls: list[HostWindow]) -> str:
+  """Why the judged round trips hold too few samples to have been sampled at all, or "": fewer than
+  ``SILENT_FRACTION`` of what the verifier's own exchange work alone left in the null round trips
+  (their median) before any candidate code (of every module: an honest round trip does that work and more), where that
+  is at least ``SILENT_MIN`` samples. A process whose events the kernel ended is silent (red team 47: an
+  exec of a file it may not read; that exec now fails by its record, this holds for any other way)."""
+  by_size: dict[int, list[int]] = {}
+  for w in nulls:
+    by_size.setdefault(w.size, []).append(sum(w.counts.values()))
+  # the median: a null round trip that stalled on a loaded host does not raise the bar
+  rates = {size: ({}, statistics.median(v), len(v)) for size, v in by_size.items()}
+  expected = sum(_null_for(rates, w.size)[1] for w in windows)
+  seen = sum(sum(w.counts.values()) for w in windows)
+  if expected >= SILENT_MIN and seen < SILENT_FRACTION * expected:
+    return (
+      f"the judged round trips held {seen} samples of the candidate's process where the verifier's "
+      f"own exchange work alone leaves ~{expected:.0f}: its sampling ended"
+    )
+  return ""
 
 
 def _null_for(null_rate: dict, size: int) -> tuple[dict[str, float], float, int]:
