@@ -226,3 +226,27 @@ def test_judged_round_trips_far_quieter_than_the_exchange_alone_are_no_evidence(
   assert host_evidence.judge_host(honest, nulls, 100_000, "/cache", "cpu").kind is FailureKind.OK
   few = silent[:3]  # ~18 expected: too few to tell a quiet host from a silenced one
   assert host_evidence.judge_host(few, nulls, 100_000, "/cache", "cpu").kind is FailureKind.OK
+
+
+def test_the_sampler_makes_room_for_its_descriptors_under_a_low_open_file_limit():
+  # Two events per (thread, CPU): a 128-CPU host's worker of ten threads needs 2,560 descriptors, over
+  # the usual soft limit of 1,024; an EMFILE had left the request without host evidence (a warning).
+  code = (
+    "import os, resource\n"
+    "from verifier.check import host_sampler\n"
+    "_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) + 1, hard))\n"
+    "try:\n"
+    "    s = host_sampler.HostSampler.attach(os.getpid())\n"
+    "except host_sampler.SamplerUnavailable as e:\n"
+    "    print('unavailable', e); raise SystemExit(0)\n"
+    "print(len(s.fds), resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= len(os.listdir('/proc/self/fd')))\n"
+    "s.close()\n"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert "errno 24" not in out.stdout, out.stdout  # EMFILE: before, the limit was left as it was
+  if out.stdout.startswith("unavailable"):
+    pytest.skip(f"this host refuses perf_event_open: {out.stdout}")
+  fds, room = out.stdout.split()
+  assert int(fds) >= 2 * len(host_sampler.online_cpus()) and room == "True", out.stdout

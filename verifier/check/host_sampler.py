@@ -25,6 +25,7 @@ import dataclasses
 import mmap
 import os
 import platform
+import resource
 import stat
 import struct
 import threading
@@ -636,6 +637,19 @@ def _perf_event_open(attr: bytes, tid: int, cpu: int) -> int:
   return int(fd)
 
 
+def _room_for_fds(n: int) -> None:
+  """Raise this process's soft open-file limit to hold ``n`` descriptors more than it has, where the hard
+  limit allows
+  (two events per thread and CPU: a 128-CPU host's worker of ten threads needs 2,560, over the usual
+  soft limit of 1,024, and an EMFILE would leave the request without host evidence)."""
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  want = len(os.listdir("/proc/self/fd")) + n + 64
+  if soft != resource.RLIM_INFINITY and soft < want:
+    top = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if top > soft:
+      resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
+
+
 class _Ring:
   """One CPU's ring buffer (its first event's mmap; the others on that CPU write into it). ``side``: it
   holds side-band records, so a loss there blinds the table (``HostSampler.drain``); ``read_ns``: when it
@@ -753,6 +767,7 @@ class HostSampler:
       new = [(pid, tid) for pid, tids in tasks.items() for tid in tids if tid not in seen]
       if not new:
         break
+      _room_for_fds(2 * len(cpus) * len(new))
       for pid, tid in new:
         for cpu in cpus:
           if not (
