@@ -250,3 +250,19 @@ def test_the_sampler_makes_room_for_its_descriptors_under_a_low_open_file_limit(
     pytest.skip(f"this host refuses perf_event_open: {out.stdout}")
   fds, room = out.stdout.split()
   assert int(fds) >= 2 * len(host_sampler.online_cpus()) and room == "True", out.stdout
+
+
+def test_code_of_no_loaded_file_gets_no_allowance_from_the_candidates_own_time():
+  # Red team 48 (G): OpenBLAS copied into a memfd and run in slices between the sampler's ticks left a
+  # few of its samples, which the general rule let the candidate's own (waiting) time pay for.
+  from verifier.check import host_evidence
+  from verifier.check.host_evidence import HostWindow
+
+  nulls = [HostWindow({"/usr/lib/libpython3.11.so": 2, "[vdso]": 1}, 0, 1) for _ in range(4)]
+  for module in ("/memfd:blas (deleted)", "/tmp/x.so (deleted)", host_sampler.ANON):
+    calls = [HostWindow({OWN: 400, module: 20, "/usr/lib/libpython3.11.so": 2}, 1, 1)]
+    v = host_evidence.judge_host(calls, nulls, 100_000, "/cache", "cpu")
+    assert v.kind is FailureKind.HOST_COMPUTE and "no loaded file" in v.reason, (module, v)
+  ticks = [HostWindow({OWN: 400, "[vdso]": 20, "/usr/lib/libpython3.11.so": 2}, 1, 1)]
+  assert host_evidence.judge_host(ticks, nulls, 100_000, "/cache", "cpu").kind is FailureKind.OK
+  assert not host_evidence.no_loaded_file("/usr/lib/libtorch_cpu.so")

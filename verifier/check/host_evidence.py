@@ -75,6 +75,20 @@ COMPUTE_LIBRARY = re.compile(
   r"|liblapack|libcblas)"
 )
 COMPUTE_FLOOR_MS = 0.25
+# Code of no file a loader loaded, judged like a compute library (no allowance from the candidate's
+# own time): anonymous or unmapped code, forged, lost or unrecorded ranges, memfds and deleted files.
+# Red team 48 (G): a copy of OpenBLAS in a memfd, run in slices timed between the sampler's ticks,
+# was judged by the general rule, whose allowance the candidate's own waiting loop paid.
+_NAMED = ("[vdso]", "[vsyscall]")
+
+
+def no_loaded_file(path: str) -> bool:
+  """Whether ``path`` names code of no file a loader loaded (``COMPUTE_LIBRARY``'s floor applies)."""
+  if path.startswith("["):
+    return path not in _NAMED
+  return path.startswith("/memfd:") or path.endswith(" (deleted)")
+
+
 # Round trips whose unmet excess is set aside as a host stall (the largest), per device; only where at
 # least STALL_MIN_WINDOWS round trips are judged, so one always stays (module docstring).
 STALLS = {"cpu": 0, "cuda": 1}
@@ -239,7 +253,11 @@ def judge_host(
     unmet_by_window_ms=tuple(round(u * ms, 3) for u in unmet_by_window),
     stall_ms=stall * ms,
   )
-  library = {p: n for p, n in excess_by.items() if COMPUTE_LIBRARY.match(os.path.basename(p))}
+  library = {
+    p: n
+    for p, n in excess_by.items()
+    if COMPUTE_LIBRARY.match(os.path.basename(p)) or no_loaded_file(p)
+  }
   library_excess = sum(library.values())
   library_sigma = math.sqrt(sum(sub_by.get(p, 0.0) + max(n, 0.0) for p, n in library.items()))
   if library_excess > COMPUTE_FLOOR_MS * forwards / ms + z * library_sigma:
@@ -249,7 +267,8 @@ def judge_host(
     )
     return HostVerdict(
       FailureKind.HOST_COMPUTE,
-      f"the forwards spent {library_excess * ms:.1f} ms of CPU time in host compute libraries over "
+      f"the forwards spent {library_excess * ms:.1f} ms of CPU time in host compute libraries or code "
+      f"of no loaded file over "
       f"{forwards} forward(s) (allowed: {COMPUTE_FLOOR_MS * forwards:.2f} ms); most in: {names}",
       **verdict,
     )
