@@ -652,11 +652,13 @@ def _room_for_fds(n: int) -> None:
 
 class _Ring:
   """One CPU's ring buffer (its first event's mmap; the others on that CPU write into it). ``side``: it
-  holds side-band records, so a loss there blinds the table (``HostSampler.drain``); ``read_ns``: when it
-  was last emptied."""
+  holds side-band records, so a loss there blinds the table (``HostSampler.drain``); ``samples``: it
+  holds samples (a side-band ring shares the samples' where the host allows no second one);
+  ``read_ns``: when it was last emptied."""
 
   def __init__(self, fd: int, side: bool):
-    self.fd, self.side, self.read_ns = fd, side, time.monotonic_ns()
+    self.fd, self.side, self.samples = fd, side, not side
+    self.read_ns = time.monotonic_ns()
     for pages in DATA_PAGES:
       self.size = pages * PAGE
       try:
@@ -787,7 +789,7 @@ class HostSampler:
 
   def _run(self) -> None:
     # the smallest buffer's time to fill at 1 sample (~40 bytes) per period of one busy thread
-    fill_s = min(r.size for r in self.rings if r.fd in self.sample_owner.values()) / 40
+    fill_s = min(r.size for r in self.rings if r.samples) / 40
     fill_s *= self.period_ns / 1e9
     while not self.stop.wait(DRAIN_FRACTION * fill_s):
       try:
@@ -808,7 +810,7 @@ class HostSampler:
         if ring.side and (full or any(isinstance(r, Lost) and r.count for r in recs)):
           # a mapping record may have been dropped since the last read (class docstring)
           self.table.blind(ring.read_ns - CUT_MARGIN_NS)
-        if ring.side and ring.fd not in self.sample_owner.values():
+        if ring.side and not ring.samples:
           recs = [r for r in recs if not isinstance(r, Lost)]  # side-band records are no samples
         ring.read_ns = now
         self.pending += recs
