@@ -12,14 +12,13 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
-import time
 
 import pytest
 
 from verifier.api.contract import FailureKind
 from verifier.check import device_evidence, host_evidence, host_sampler
 from verifier.ipc.records import CopyRun, DeviceRecords, KernelRun
+from verifier_sampled import run_sampled
 from verifier.sandbox import confine
 
 ROOT = "/cache"
@@ -123,33 +122,10 @@ def test_addresses_resolve_to_the_mapping_there_at_the_time():
 
 def test_the_sampler_sees_a_child_process_compute_in_numpy_from_outside():
   pytest.importorskip("numpy")
-  go_r, go_w = os.pipe()
-  ready_r, ready_w = os.pipe()
-  code = (
-    "import os, time, numpy as np\n"
-    "a = np.random.rand(1 << 18).astype('float32')\n"
-    f"os.write({ready_w}, b'r')\n"
-    f"os.read({go_r}, 1)\n"
-    "t = time.process_time()\n"
-    "while time.process_time() - t < 0.15:\n"
-    "    np.sqrt(a, out=a)\n"
+  counts, _ = run_sampled(
+    "import time, numpy as np\na = np.random.rand(1 << 18).astype('float32')",
+    "t = time.process_time()\nwhile time.process_time() - t < 0.15:\n    np.sqrt(a, out=a)",
   )
-  child = subprocess.Popen([sys.executable, "-c", code], pass_fds=(go_r, ready_w))
-  try:
-    os.read(ready_r, 1)  # imported: the sampler attaches to an idle process, as to a worker
-    try:
-      sampler = host_sampler.HostSampler.attach(child.pid)
-    except host_sampler.SamplerUnavailable as e:
-      pytest.skip(f"this host refuses perf_event_open: {e}")
-    t0 = time.monotonic_ns()
-    os.write(go_w, b"x")
-    child.wait(60)
-    counts = sampler.count(t0, time.monotonic_ns())
-    sampler.close()
-  finally:
-    child.kill()
-    for fd in (go_r, go_w, ready_r, ready_w):
-      os.close(fd)
   total = sum(counts.values())
   numpy_share = sum(n for p, n in counts.items() if "numpy" in p) / max(total, 1)
   # 0.15 s of its CPU time at 10 kHz; the loop's time is mostly numpy's

@@ -16,8 +16,6 @@ import os
 import pathlib
 import struct
 import subprocess
-import sys
-import time
 
 import pytest
 
@@ -25,6 +23,7 @@ torch = pytest.importorskip("torch")
 
 import verifier_compute_cases as compute  # noqa: E402
 from verifier_loop import cpu_service  # noqa: E402
+from verifier_sampled import run_sampled  # noqa: E402
 
 from verifier.api.contract import FailureKind, VerifyOptions, VerifyRequest  # noqa: E402
 from verifier.check import host_sampler  # noqa: E402
@@ -102,7 +101,6 @@ def test_no_process_shares_the_candidates_memory_but_threads_forks_and_spawns_st
   # Red team 46: a clone(CLONE_VM) child kept the sampler's copy of its parent's address space while
   # the parent loaded OpenBLAS over its own code; the child's sgemm there counted as "own" (reward 1).
   import platform
-  import subprocess
   import threading
 
   nrs = {"x86_64": (56, 435), "aarch64": (220, 435)}.get(platform.machine())
@@ -247,37 +245,15 @@ def test_a_mapping_past_what_its_file_holds_counts_as_a_forgery_not_as_the_file(
 
 def _sampled_numpy_child(forgery: str):
   """Samples per module of a child process that, with the host sampler attached, runs ``forgery`` (Python,
-  ``libc`` at hand) and then numpy's sqrt for 0.15 s of CPU; and the sampler (skips where the host refuses
-  ``perf_event_open``)."""
-  go_r, go_w = os.pipe()
-  ready_r, ready_w = os.pipe()
-  code = (
-    "import ctypes, os, time, numpy as np\n"
-    + LIBC
-    + "a = np.random.rand(1 << 18).astype('float32')\n"
-    f"os.write({ready_w}, b'r')\n"
-    f"os.read({go_r}, 1)\n" + forgery + "t = time.process_time()\n"
-    "while time.process_time() - t < 0.15:\n"
-    "    np.sqrt(a, out=a)\n"
+  ``libc`` at hand) and then numpy's sqrt for 0.15 s of CPU; and the sampler."""
+  setup = (
+    "import ctypes, time, numpy as np\n" + LIBC + "a = np.random.rand(1 << 18).astype('float32')\n"
   )
-  env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
-  child = subprocess.Popen([sys.executable, "-c", code], pass_fds=(go_r, ready_w), env=env)
-  try:
-    os.read(ready_r, 1)
-    try:
-      sampler = host_sampler.HostSampler.attach(child.pid)
-    except host_sampler.SamplerUnavailable as e:
-      pytest.skip(f"this host refuses perf_event_open: {e}")
-    t0 = time.monotonic_ns()
-    os.write(go_w, b"x")
-    assert child.wait(60) == 0
-    counts = sampler.count(t0, time.monotonic_ns())
-    sampler.close()
-  finally:
-    child.kill()
-    for fd in (go_r, go_w, ready_r, ready_w):
-      os.close(fd)
-  return counts, sampler
+  work = (
+    forgery
+    + "t = time.process_time()\nwhile time.process_time() - t < 0.15:\n    np.sqrt(a, out=a)\n"
+  )
+  return run_sampled(setup, work, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
 
 
 def test_the_sampler_names_relabelled_code_a_forgery_from_the_kernels_own_records(tmp_path):

@@ -26,6 +26,8 @@ from verifier.api.contract import FailureKind
 from verifier.check import host_sampler
 from verifier.check.host_sampler import Exec, Exit, Fork, Lost, Mapping, ModuleTable, Sample
 
+from verifier_sampled import run_sampled
+
 OWN = "/cache/" + "ab" * 16 + "/own.so"
 PAGE = 4096
 PAD = 1 << 30
@@ -107,38 +109,17 @@ def test_tasks_alive_at_once_count_only_those_created_since_the_attach():
 # ---- on a live process --------------------------------------------------------------------------------
 def _sampled_child(flood: int) -> host_sampler.HostSampler:
   """The sampler of a child that, once attached, renames its thread ``flood`` times
-  (``prctl(PR_SET_NAME)``: one side-band record each) and then spins for 0.15 s of CPU (skips where the
-  host refuses ``perf_event_open``)."""
-  go_r, go_w = os.pipe()
-  ready_r, ready_w = os.pipe()
-  code = (
-    "import ctypes, os, time\n"
+  (``prctl(PR_SET_NAME)``: one side-band record each) and then spins for 0.15 s of CPU."""
+  work = (
+    "import ctypes, time\n"
     "libc = ctypes.CDLL(None)\n"
-    f"os.write({ready_w}, b'r')\n"
-    f"os.read({go_r}, 1)\n"
     f"for i in range({flood}):\n"
     "    libc.prctl(15, b'n%d' % (i & 7), 0, 0, 0)\n"
     "t = time.process_time()\n"
     "while time.process_time() - t < 0.15:\n"
     "    pass\n"
   )
-  child = subprocess.Popen([sys.executable, "-c", code], pass_fds=(go_r, ready_w))
-  try:
-    os.read(ready_r, 1)
-    try:
-      sampler = host_sampler.HostSampler.attach(child.pid)
-    except host_sampler.SamplerUnavailable as e:
-      pytest.skip(f"this host refuses perf_event_open: {e}")
-    os.write(go_w, b"x")
-    assert child.wait(120) == 0
-    time.sleep(0.01)
-    sampler.drain(final=True)
-    sampler.close()
-  finally:
-    child.kill()
-    for fd in (go_r, go_w, ready_r, ready_w):
-      os.close(fd)
-  return sampler
+  return run_sampled("", work)[1]
 
 
 def test_a_flood_of_name_records_blinds_the_table_and_a_quiet_process_does_not():
@@ -157,42 +138,26 @@ def test_a_flood_of_name_records_blinds_the_table_and_a_quiet_process_does_not()
 def _exec_sampled(mode: int) -> tuple:
   """A child that, once sampled, runs a copy of ``sh`` of file mode ``mode`` busy for ~0.3 s of CPU (as
   an unprivileged user where the test runs as root, as the candidate's worker does): its samples and a
-  strict CallEvidence over it (skips where the host refuses ``perf_event_open``)."""
+  strict CallEvidence over it."""
   from verifier.api.contract import Strictness
   from verifier.check.call_evidence import CallEvidence
 
   where = tempfile.mkdtemp()
-  os.chmod(where, 0o755)
-  exe = os.path.join(where, "sh")
-  shutil.copy(shutil.which("sh"), exe)
-  os.chmod(exe, mode)
-  go_r, go_w = os.pipe()
-  ready_r, ready_w = os.pipe()
-  code = (
-    "import os\n"
-    f"os.write({ready_w}, b'r')\n"
-    f"os.read({go_r}, 1)\n"
-    "if os.getuid() == 0:\n"
-    "    os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
-    f"os.execv({exe!r}, ['sh', '-c', 'i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done'])\n"
-  )
-  child = subprocess.Popen([sys.executable, "-c", code], pass_fds=(go_r, ready_w))
-  evidence = CallEvidence("cpu", where, Strictness.preset("strict"))
   try:
-    os.read(ready_r, 1)
-    try:
-      evidence.sampler = host_sampler.HostSampler.attach(child.pid)
-    except host_sampler.SamplerUnavailable as e:
-      pytest.skip(f"this host refuses perf_event_open: {e}")
-    t0 = time.monotonic_ns()
-    os.write(go_w, b"x")
-    assert child.wait(120) == 0
-    counts = evidence.sampler.count(t0, time.monotonic_ns())
+    os.chmod(where, 0o755)
+    exe = os.path.join(where, "sh")
+    shutil.copy(shutil.which("sh"), exe)
+    os.chmod(exe, mode)
+    work = (
+      "if os.getuid() == 0:\n"
+      "    os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
+      f"os.execv({exe!r}, ['sh', '-c', 'i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done'])\n"
+    )
+    counts, sampler = run_sampled("", work)
   finally:
-    child.kill()
-    for fd in (go_r, go_w, ready_r, ready_w):
-      os.close(fd)
     shutil.rmtree(where)
+  evidence = CallEvidence("cpu", where, Strictness.preset("strict"))
+  evidence.sampler = sampler
   return counts, evidence
 
 
