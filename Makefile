@@ -10,10 +10,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= /tmp/dice_jax_demo
 SIGNAL_DIR ?= /tmp/dice_jax_signal
-# Test processes: three where there is memory for them (a worker peaks at ~4 GB), also on two cores, where
-# the tests wait on the subprocesses and services they start for a fifth of their time (CI, 2026-12-08:
-# 39 min 40 s with two workers, 32 min 31 s with three).
-TEST_WORKERS ?= $(shell awk '/MemTotal/ {print ($$2 >= 16 * 1048576) ? 3 : 2}' /proc/meminfo)
+# Test processes: three where there is memory for them, also on two cores, where the tests wait on the
+# subprocesses and services they start for a fifth of their time (CI VM, 2 cores, 24 GB, 2026-12-08:
+# 39 min 40 s of tests with two workers; 25 min 20 s with three and the slowest files first, 15.9 GB used
+# at the peak, when the TPU compile files run side by side).
+TEST_WORKERS ?= $(shell awk '/MemTotal/ {print ($$2 >= 20 * 1048576) ? 3 : 2}' /proc/meminfo)
 
 .PHONY: setup demo signal test lint clean
 
