@@ -12,8 +12,8 @@ DEMO_DIR ?= /tmp/dice_jax_demo
 SIGNAL_DIR ?= /tmp/dice_jax_signal
 # Test processes: three where there is memory for them, also on two cores, where the tests wait on the
 # subprocesses and services they start for a fifth of their time (CI VM, 2 cores, 24 GB, 2026-12-08:
-# 39 min 40 s of tests with two workers; 25 min 20 s with three and the slowest files first, 15.9 GB used
-# at the peak, when the TPU compile files run side by side).
+# 39 min 40 s of tests with two workers; 25 min 20 s and 30 min 54 s with three and the slowest files
+# first, as the VM's speed varied; 15.9 GB used at the peak, when the TPU compile files run side by side).
 TEST_WORKERS ?= $(shell awk '/MemTotal/ {print ($$2 >= 20 * 1048576) ? 3 : 2}' /proc/meminfo)
 
 .PHONY: setup demo signal test lint clean
